@@ -1,0 +1,34 @@
+# The two commands a user needs: `make run` and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test e2e bench venv clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+## Start the proxy on 127.0.0.1:8000 in front of an embedded simulated E+P+D cluster.
+run: $(STAMP)
+	$(PY) -m epd_proxy serve --simulate 'encode=2,prefill=1,decode=2'
+
+## The test suite (simulator-backed, real sockets).
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+## End-to-end against real vLLM instances (installs a cached vLLM CPU environment).
+e2e: $(STAMP)
+	bash e2e/run.sh
+
+## The benchmark; see docs/benchmarks.md.
+bench: $(STAMP)
+	$(PY) -m epd_proxy bench --compare
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
