@@ -1,0 +1,152 @@
+"""Matching an encoder's ``ec_transfer_params`` to the items it was sent.
+
+The encoder keys its reply by the *engine's* mm hash, which may differ from
+the uuid the proxy sent (processing options make the engine rehash), so
+items are matched by position through ``item_indices`` first, and by key
+only as a fallback (§4.4). Anything ambiguous is a 502: guessing would put
+one image's grid on another image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from epd_proxy.encoder_plan import SubRequest
+from epd_proxy.errors import ProxyError
+from epd_proxy.multimodal import MediaItem
+
+
+@dataclass(slots=True)
+class ItemResult:
+    """What the encoder reported for one item.
+
+    ``metadata`` may be empty: the entry still carries a handle, but the item
+    is not rewritten (§4.4 step 3).
+    """
+
+    metadata: dict
+    mm_hash: str  # the proxy uuid
+    ec_mm_hash: str  # the engine-reported hash, the key consumers look up
+    transfer_id: str
+
+
+def _is_index(value: object) -> bool:
+    # bool is an int subclass, but ``true`` is not an item position.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _claims_by_index(entries: dict, k: int) -> dict[int, str]:
+    """Local index -> engine hash, from each entry's ``item_indices``."""
+    claims: dict[int, str] = {}
+    for engine_hash, entry in entries.items():
+        indices = entry.get("item_indices")
+        if indices is None:
+            continue
+        if not isinstance(indices, list):
+            raise ProxyError(
+                502, f"Invalid encoder item index list {indices!r} for {engine_hash!r}"
+            )
+        for idx in indices:
+            if not _is_index(idx) or not 0 <= idx < k:
+                raise ProxyError(
+                    502, f"Invalid encoder item index {idx!r} for {engine_hash!r}"
+                )
+            if idx in claims:
+                raise ProxyError(502, f"Duplicate encoder item index {idx}")
+            claims[idx] = engine_hash
+    return claims
+
+
+def match_encoder_output(
+    sub: SubRequest, transfer_ids: Sequence[str], ec_params: object
+) -> tuple[list[ItemResult | None], dict]:
+    """Per-item results for one sub-request, and the handles to forward.
+
+    Returns ``(results, handles)``: ``results`` is aligned with ``sub.items``
+    (None when the encoder reported nothing for that item) and ``handles``
+    maps each matched engine hash to its entire entry.
+
+    A missing, malformed or empty ``ec_transfer_params`` yields all None and
+    no handles: the caller logs it and the consumer encodes locally. Non-dict
+    entries are ignored. The reply's entry order never matters.
+    """
+    k = len(sub.items)
+    if len(transfer_ids) != k:
+        raise ValueError("one transfer id per sub-request item is required")
+    if not isinstance(ec_params, dict):
+        return [None] * k, {}
+    entries = {
+        h: e for h, e in ec_params.items() if isinstance(h, str) and isinstance(e, dict)
+    }
+    if not entries:
+        return [None] * k, {}
+
+    claims = _claims_by_index(entries, k) if k > 1 else {}
+
+    results: list[ItemResult | None] = []
+    handles: dict = {}
+    for pos, item in enumerate(sub.items):
+        engine_hash = claims.get(pos)
+        if engine_hash is None:
+            if item.uuid in entries:
+                engine_hash = item.uuid
+            elif k == 1 and len(entries) == 1:
+                engine_hash = next(iter(entries))
+            else:
+                raise ProxyError(
+                    502,
+                    f"Encoder metadata cannot be matched to item {item.index} "
+                    f"(position {pos} of {k})",
+                )
+        entry = entries[engine_hash]
+        metadata = entry.get("metadata")
+        results.append(
+            ItemResult(
+                metadata=metadata if isinstance(metadata, dict) else {},
+                mm_hash=item.uuid or engine_hash,
+                ec_mm_hash=engine_hash,
+                transfer_id=transfer_ids[pos],
+            )
+        )
+        handles[engine_hash] = dict(entry)
+    return results, handles
+
+
+def consumer_ec_params(
+    items: Sequence[MediaItem],
+    results: Sequence[ItemResult | None],
+    handles: dict,
+    *,
+    rewrite: bool = True,
+) -> dict | None:
+    """The ``ec_transfer_params`` for the consumer (decode, or P in E+P+D).
+
+    ``{"ec_items": [...], <engine hash>: <entry>, ...}`` (§2.5, §4.5).
+    ``ec_items`` lists, in global item order, the items the consumer will
+    look up by engine hash: with ``rewrite`` the rewritten ones (non-empty
+    metadata), without it every matched item. A ``transfer_id`` is included
+    when the item has one. Returns None when there is neither an item nor a
+    handle, so no stale key is ever sent.
+    """
+    if len(items) != len(results):
+        raise ValueError("items and results must have the same length")
+    ec_items = []
+    for item, result in zip(items, results):
+        if result is None:
+            continue
+        if rewrite and not (result.metadata and item.uuid):
+            continue
+        entry = {"mm_hash": result.ec_mm_hash}
+        if result.transfer_id:
+            entry["transfer_id"] = result.transfer_id
+        ec_items.append(entry)
+    if not ec_items and not handles:
+        return None
+    out: dict = {}
+    if ec_items:
+        out["ec_items"] = ec_items
+    for key, value in handles.items():
+        if key != "ec_items":
+            out[key] = value
+    return out

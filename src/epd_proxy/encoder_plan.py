@@ -1,0 +1,171 @@
+"""Which encoder gets which media item, and the encoder sub-request bodies.
+
+Items are spread round-robin from a cursor shared by all requests (§3.1, §6):
+a per-request cursor would send every single-image request to E0 (#52484).
+Images that land on the same encoder then travel together, up to
+``max_batch`` per sub-request (§4.3); audio and video travel alone.
+"""
+
+from __future__ import annotations
+
+import uuid as _uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from epd_proxy.multimodal import MediaItem, media_url
+
+# Client fields an encoder needs to process media exactly as the consumer
+# will (§3.1). Everything else, including all text, is dropped.
+_COPIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
+
+
+def assign_round_robin(
+    cursor: int, n_encoders: int, count: int
+) -> tuple[list[int], int]:
+    """Encoder indices for ``count`` consecutive items from ``cursor``.
+
+    Returns the indices and the next cursor, kept modulo ``n_encoders``.
+    """
+    if n_encoders < 1:
+        raise ValueError("n_encoders must be >= 1")
+    if count < 0:
+        raise ValueError("count must be >= 0")
+    start = cursor % n_encoders
+    indices = [(start + i) % n_encoders for i in range(count)]
+    return indices, (start + count) % n_encoders
+
+
+class RoundRobinCursor:
+    """The encoder cursor shared by all requests.
+
+    No lock is needed: :meth:`take` reads and writes the cursor without an
+    ``await`` in between, and the proxy runs on one event loop, so no other
+    coroutine can interleave. (The reference proxy's ``asyncio.Lock`` is
+    harmless but unnecessary; a threaded caller would need its own lock.)
+    """
+
+    __slots__ = ("_cursor",)
+
+    def __init__(self, start: int = 0) -> None:
+        self._cursor = start
+
+    @property
+    def position(self) -> int:
+        return self._cursor
+
+    def take(self, count: int, n: int) -> list[int]:
+        """The encoders for the next ``count`` items among ``n`` encoders.
+
+        If the roster size changed since the last call the cursor is simply
+        taken modulo the new ``n``; the rotation shifts but never resets.
+        """
+        indices, self._cursor = assign_round_robin(self._cursor, n, count)
+        return indices
+
+
+@dataclass(slots=True)
+class SubRequest:
+    """One encoder call: an encoder index and the items it encodes, in order."""
+
+    encoder: int
+    items: list[MediaItem] = field(default_factory=list)
+
+
+def plan_sub_requests(
+    items: Sequence[MediaItem], encoders: Sequence[int], max_batch: int
+) -> list[SubRequest]:
+    """Group items into encoder sub-requests (§4.3).
+
+    ``encoders[i]`` is the encoder of ``items[i]``. Images on the same
+    encoder share a sub-request, in input order, until it holds ``max_batch``
+    images (0 = unlimited); then a new one starts for that encoder. Every
+    non-image item gets its own sub-request.
+
+    Ordering rule: sub-requests are ordered by the global index of their
+    first item, which is the order in which a left-to-right walk opens them.
+    For ``[A,A,C,D,A,F]`` on two encoders this gives ``[0,2,4],[1,3,5]`` for
+    max_batch 0, the six items in order for 1, and ``[0,2],[1,3],[4],[5]``
+    for 2, as the reference tests require.
+    """
+    if max_batch < 0:
+        raise ValueError("max_batch must be >= 0 (0 means unlimited)")
+    if len(items) != len(encoders):
+        raise ValueError("items and encoders must have the same length")
+
+    subs: list[SubRequest] = []
+    open_image_group: dict[int, SubRequest] = {}
+    for item, encoder in zip(items, encoders):
+        if item.type != "image_url":
+            subs.append(SubRequest(encoder, [item]))
+            continue
+        group = open_image_group.get(encoder)
+        if group is None or (max_batch and len(group.items) >= max_batch):
+            group = SubRequest(encoder, [])
+            open_image_group[encoder] = group
+            subs.append(group)
+        group.items.append(item)
+    return subs
+
+
+def _encoder_part(item: MediaItem, rewrite: bool) -> dict:
+    part = dict(item.part)
+    # The bare-string image form is normalised so the engine's parser, which
+    # expects ``{"url": ...}``, accepts it; the hash is the same either way.
+    if item.type == "image_url" and isinstance(part.get("image_url"), str):
+        part["image_url"] = {"url": media_url(part)}
+    if rewrite:
+        part["uuid"] = item.uuid
+    return part
+
+
+def encoder_body(
+    body: dict,
+    sub: SubRequest,
+    *,
+    rewrite: bool,
+    transfer_ids: Sequence[str],
+    consumer_zmq: str | None,
+) -> dict:
+    """The chat body for one encoder sub-request (§3.1).
+
+    With ``rewrite`` each part carries the proxy ``uuid``, the key the
+    consumer will be given in the ``*_embeds`` reference. Without it the part
+    is sent as the client wrote it (a client ``uuid`` included, no proxy
+    uuid), so the encoder hashes the item exactly as the consumer will hash
+    the raw part it receives (§4.2).
+
+    No ``max_tokens``: current encoders finish right after encoding.
+    ``ec_transfer_params`` is added only for push EC (a ``consumer_zmq``),
+    with one ``transfer_id`` per item in sub-request order (§2.5).
+    """
+    out: dict = {}
+    if "model" in body:
+        out["model"] = body.get("model")
+    out["messages"] = [
+        {"role": "user", "content": [_encoder_part(i, rewrite) for i in sub.items]}
+    ]
+    out["stream"] = False
+    for key in _COPIED_FIELDS:
+        if key in body:
+            out[key] = body[key]
+    if consumer_zmq:
+        if len(transfer_ids) != len(sub.items):
+            raise ValueError("one transfer id per sub-request item is required")
+        out["ec_transfer_params"] = {
+            "consumer_zmq": consumer_zmq,
+            "ec_items": [{"transfer_id": t} for t in transfer_ids],
+        }
+    return out
+
+
+def encoder_request_id(request_id: str, first_index: int, rand6: str) -> str:
+    """``<rid>:<global index of the first item>:<6 random hex>`` (§4.3).
+
+    The random tail keeps a retry's sub-requests distinct on the engine.
+    """
+    return f"{request_id}:{first_index}:{rand6}"
+
+
+def new_transfer_id() -> str:
+    """A fresh 32-hex transfer id; one per item occurrence and attempt (§4.6)."""
+    return _uuid.uuid4().hex

@@ -1,0 +1,524 @@
+"""A keep-alive HTTP/1.1 client pool at the asyncio protocol level.
+
+Two ways to consume a response body:
+
+* ``await response.read()`` buffers the whole body (encoder, prefill, and
+  non-stream decode answers, which are small JSON documents);
+* ``response.relay(sink)`` hands every body piece to ``sink`` from the
+  protocol callback, with no ``await`` per chunk: the streamed decode path.
+
+vLLM closes idle keep-alive connections after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``
+(5 s by default), so the pool never reuses a connection idle for longer than
+``idle_timeout`` (default 2.5 s). A request on a *reused* connection that dies
+before any response byte arrives is retried once on a fresh connection — the
+race with the server's idle close — and never after a byte was seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as _ssl
+from collections import deque
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import httptools
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class UpstreamError(Exception):
+    """Transport-level failure talking to an upstream (connect, reset, timeout)."""
+
+    def __init__(self, message: str, *, kind: str = "connection", response_started: bool = False) -> None:
+        super().__init__(message)
+        self.kind = kind  # "connect", "connection", "timeout", "protocol"
+        self.response_started = response_started
+
+
+class UpstreamTimeout(UpstreamError):
+    def __init__(self, message: str, *, response_started: bool = False) -> None:
+        super().__init__(message, kind="timeout", response_started=response_started)
+
+
+class BodySink(Protocol):
+    """Receives a relayed body. Called from the protocol callback: must not block."""
+
+    def on_data(self, data: bytes) -> None: ...
+
+    def on_end(self) -> None: ...
+
+    def on_error(self, exc: Exception) -> None: ...
+
+
+class Timeouts:
+    """How long to wait for each phase of an upstream exchange (seconds; None = forever)."""
+
+    __slots__ = ("connect", "headers", "idle")
+
+    def __init__(self, connect: float | None = 10.0, headers: float | None = 600.0,
+                 idle: float | None = 600.0) -> None:
+        self.connect = connect
+        self.headers = headers  # until the status line and headers arrive
+        self.idle = idle  # longest silence between body pieces
+
+
+class Response:
+    """One upstream response: status and headers first, then the body."""
+
+    __slots__ = ("status", "headers", "_conn", "_chunks", "_waiter", "_done", "_error", "_sink",
+                 "complete", "_released")
+
+    def __init__(self, conn: "_Connection", status: int, headers: dict[bytes, bytes]) -> None:
+        self.status = status
+        self.headers = headers
+        self._conn = conn
+        self._chunks: list[bytes] = []
+        self._waiter: asyncio.Future | None = None
+        self._done: asyncio.Future | None = None
+        self._error: Exception | None = None
+        self._sink: BodySink | None = None
+        self.complete = False
+        self._released = False
+
+    @property
+    def content_type(self) -> bytes | None:
+        return self.headers.get(b"content-type")
+
+    # -- fed by the connection ------------------------------------------------------
+    def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            sink.on_data(data)
+            return
+        self._chunks.append(data)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _finish(self, exc: Exception | None) -> None:
+        if self.complete or self._error is not None:
+            return
+        if exc is None:
+            self.complete = True
+        else:
+            self._error = exc
+        sink = self._sink
+        if sink is not None:
+            if exc is None:
+                sink.on_end()
+            else:
+                sink.on_error(exc)
+        for fut in (self._waiter, self._done):
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        if exc is None:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._conn.response_done(self)
+
+    # -- consumer API ---------------------------------------------------------------
+    async def read_chunk(self) -> bytes:
+        """The next body piece as received; ``b""`` at the end of the body."""
+        while not self._chunks:
+            if self.complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            self._waiter = self._conn.loop.create_future()
+            self._conn.resume_reading()
+            await self._waiter
+            self._waiter = None
+        chunk = self._chunks.pop(0) if len(self._chunks) > 1 else self._chunks.pop()
+        return chunk
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self.complete:
+            if self._error is not None:
+                raise self._error
+            self._waiter = self._conn.loop.create_future()
+            await self._waiter
+            self._waiter = None
+        if self._error is not None:
+            raise self._error
+        data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
+        self._chunks = []
+        return data
+
+    def relay(self, sink: BodySink) -> None:
+        """Send the rest of the body to ``sink`` as it arrives (anything buffered first)."""
+        self._sink = sink
+        if self._chunks:
+            chunks, self._chunks = self._chunks, []
+            for c in chunks:
+                sink.on_data(c)
+        if self.complete:
+            sink.on_end()
+        elif self._error is not None:
+            sink.on_error(self._error)
+
+    async def wait(self) -> None:
+        """Wait until the body has ended (relay mode) or failed; raises the failure."""
+        if not self.complete and self._error is None:
+            self._done = self._conn.loop.create_future()
+            await self._done
+        if self._error is not None:
+            raise self._error
+
+    def pause_reading(self) -> None:
+        self._conn.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._conn.resume_reading()
+
+    def close(self) -> None:
+        """Done with this response. An unfinished body aborts the connection, which
+        is how vLLM learns that the request is abandoned."""
+        if self._released:
+            return
+        if self.complete:
+            self._release()
+        else:
+            self._released = True
+            self._conn.abort()
+
+
+class _Connection(asyncio.Protocol):
+    """One upstream TCP connection; carries one request at a time."""
+
+    def __init__(self, pool: "ConnectionPool") -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.reusable = True
+        self.idle_since = 0.0
+        self.requests = 0
+        self._headers: dict[bytes, bytes] = {}
+        self._head_future: asyncio.Future | None = None
+        self._response: Response | None = None
+        self._got_bytes = False
+        self._body_has_length = False
+        self._timeouts: Timeouts | None = None
+        self._last_activity = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self._ignore_message = False
+
+    # -- asyncio protocol -------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        self._last_activity = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed response from upstream: {exc}", kind="protocol",
+                                     response_started=True))
+
+    def eof_received(self):
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        self._cancel_timer()
+        resp = self._response
+        if resp is not None and not resp.complete and not self._body_has_length and resp._error is None \
+                and self._head_future is None:
+            # A close-delimited body ends at EOF.
+            resp._finish(None)
+            return
+        self._fail(UpstreamError(
+            "upstream closed the connection" + (f": {exc}" if exc else ""),
+            response_started=self._got_bytes))
+
+    # -- httptools callbacks ------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._headers = {}
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in self._headers:
+            self._headers[name] += b", " + value
+        else:
+            self._headers[name] = value
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            self._ignore_message = True  # interim response (100 Continue): wait for the real one
+            return
+        self._ignore_message = False
+        if not self.parser.should_keep_alive():
+            self.reusable = False
+        te = self._headers.get(b"transfer-encoding", b"")
+        self._body_has_length = b"content-length" in self._headers or b"chunked" in te.lower() \
+            or status in (204, 304)
+        resp = Response(self, status, self._headers)
+        self._response = resp
+        fut = self._head_future
+        self._head_future = None
+        if fut is not None and not fut.done():
+            fut.set_result(resp)
+
+    def on_body(self, body: bytes) -> None:
+        resp = self._response
+        if resp is not None:
+            resp._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._ignore_message:
+            self._ignore_message = False
+            return
+        resp = self._response
+        if resp is not None:
+            self._cancel_timer()
+            resp._finish(None)
+
+    # -- request lifecycle ----------------------------------------------------------------
+    def send(self, head: bytes, body: bytes, timeouts: Timeouts) -> asyncio.Future:
+        self.requests += 1
+        self._got_bytes = False
+        self._response = None
+        self._timeouts = timeouts
+        self._head_future = self.loop.create_future()
+        self._last_activity = self.loop.time()
+        if body:
+            if len(body) < 65536:
+                self.transport.write(head + body)
+            else:
+                self.transport.writelines((head, body))
+        else:
+            self.transport.write(head)
+        self._arm_timer()
+        return self._head_future
+
+    def _arm_timer(self) -> None:
+        t = self._timeouts
+        delay = t.headers if self._head_future is not None else t.idle
+        if delay is None:
+            self._timer = None
+            return
+        self._timer = self.loop.call_at(self._last_activity + delay, self._check_timeout)
+
+    def _check_timeout(self) -> None:
+        self._timer = None
+        if self.closed:
+            return
+        t = self._timeouts
+        waiting_head = self._head_future is not None
+        delay = t.headers if waiting_head else t.idle
+        if delay is None:
+            return
+        if waiting_head:
+            # The header wait runs from when the request was sent, not from the last byte.
+            self._fail(UpstreamTimeout(f"no response headers within {delay:g} s",
+                                       response_started=self._got_bytes))
+            self.transport.abort()
+            return
+        if self._paused:
+            # Silence because we are throttling for a slow client is not the upstream's fault.
+            self._timer = self.loop.call_later(delay, self._check_timeout)
+            return
+        elapsed = self.loop.time() - self._last_activity
+        if elapsed >= delay:
+            self._fail(UpstreamTimeout(f"upstream sent nothing for {delay:g} s", response_started=True))
+            self.transport.abort()
+        else:
+            self._timer = self.loop.call_later(delay - elapsed, self._check_timeout)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_head_done(self) -> None:
+        # Switch the timer from the header wait to the idle-body wait.
+        self._cancel_timer()
+        if self._response is not None and not self._response.complete and not self.closed:
+            self._last_activity = self.loop.time()
+            self._arm_timer()
+
+    def _fail(self, exc: UpstreamError) -> None:
+        self.reusable = False
+        fut = self._head_future
+        self._head_future = None
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+        resp = self._response
+        if resp is not None:
+            resp._finish(exc)
+
+    def response_done(self, resp: Response) -> None:
+        if resp is not self._response:
+            return
+        self._response = None
+        self._cancel_timer()
+        if self._paused:
+            self.resume_reading()
+        if self.reusable and not self.closed:
+            self.pool._release(self)
+        else:
+            self.abort()
+
+    def pause_reading(self) -> None:
+        if not self._paused and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._paused and not self.closed:
+            self._paused = False
+            self._last_activity = self.loop.time()
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        self.reusable = False
+        if not self.closed and self.transport is not None:
+            self.transport.abort()
+        self.closed = True
+        self.pool._forget(self)
+
+
+class ConnectionPool:
+    """Keep-alive connections to one upstream origin (``http://host:port``)."""
+
+    def __init__(self, url: str, *, idle_timeout: float = 2.5, max_idle: int = 256,
+                 default_headers: Headers | None = None, ssl_context: _ssl.SSLContext | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"unsupported URL scheme in {url!r}")
+        if not parts.hostname:
+            raise ValueError(f"no host in {url!r}")
+        self.url = url.rstrip("/")
+        self.scheme = parts.scheme
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.base_path = parts.path.rstrip("/")
+        self._ssl = ssl_context if ssl_context is not None else (
+            _ssl.create_default_context() if parts.scheme == "https" else None)
+        default_port = 443 if parts.scheme == "https" else 80
+        host_value = self.host if self.port == default_port else f"{self.host}:{self.port}"
+        if ":" in self.host and not self.host.startswith("["):
+            host_value = f"[{self.host}]" + ("" if self.port == default_port else f":{self.port}")
+        self._host_header = b"host: " + host_value.encode("idna") + b"\r\n"
+        extra = b"".join(n + b": " + v + b"\r\n" for n, v in (default_headers or []))
+        self._fixed_headers = self._host_header + extra
+        self.idle_timeout = idle_timeout
+        self.max_idle = max_idle
+        self.loop = asyncio.get_event_loop()
+        self._idle: deque[_Connection] = deque()
+        self._all: set[_Connection] = set()
+        self.closed = False
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._all)
+
+    @property
+    def idle_connections(self) -> int:
+        return len(self._idle)
+
+    def _head(self, method: bytes, path: bytes, headers: Headers | None, body_len: int) -> bytes:
+        parts = [method, b" ", self.base_path.encode() + path, b" HTTP/1.1\r\n", self._fixed_headers]
+        if headers:
+            for name, value in headers:
+                parts.append(name + b": " + value + b"\r\n")
+        if body_len or method in (b"POST", b"PUT", b"PATCH"):
+            parts.append(b"content-length: %d\r\n" % body_len)
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    async def _connect(self, timeout: float | None) -> _Connection:
+        conn = _Connection(self)
+        try:
+            coro = self.loop.create_connection(
+                lambda: conn, self.host, self.port, ssl=self._ssl,
+                server_hostname=self.host if self._ssl else None)
+            if timeout is None:
+                await coro
+            else:
+                await asyncio.wait_for(coro, timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamError(f"connect to {self.url} timed out after {timeout:g} s", kind="connect") from None
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect to {self.url}: {exc.strerror or exc}", kind="connect") from None
+        self._all.add(conn)
+        return conn
+
+    def _take_idle(self) -> _Connection | None:
+        now = self.loop.time()
+        while self._idle:
+            conn = self._idle.pop()  # most recently used first: warmest socket
+            if conn.closed:
+                continue
+            if now - conn.idle_since >= self.idle_timeout:
+                conn.abort()
+                continue
+            return conn
+        return None
+
+    def _release(self, conn: _Connection) -> None:
+        if self.closed or len(self._idle) >= self.max_idle:
+            conn.abort()
+            return
+        conn.idle_since = self.loop.time()
+        self._idle.append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
+
+    async def request(self, method: str, path: str, *, body: bytes = b"", headers: Headers | None = None,
+                      timeouts: Timeouts | None = None) -> Response:
+        """Send a request; return once the status and headers have arrived."""
+        if self.closed:
+            raise UpstreamError("connection pool is closed", kind="connect")
+        timeouts = timeouts or _DEFAULT_TIMEOUTS
+        head = self._head(method.encode(), path.encode(), headers, len(body))
+        conn = self._take_idle()
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect(timeouts.connect)
+        try:
+            return await self._exchange(conn, head, body, timeouts)
+        except UpstreamError as exc:
+            if not (reused and not exc.response_started and exc.kind == "connection"):
+                raise
+        # The server closed the idle connection as we reused it: once more, on a fresh one.
+        conn = await self._connect(timeouts.connect)
+        return await self._exchange(conn, head, body, timeouts)
+
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: Timeouts) -> Response:
+        fut = conn.send(head, body, timeouts)
+        try:
+            resp = await fut
+        except asyncio.CancelledError:
+            conn.abort()
+            raise
+        except UpstreamError:
+            conn.abort()
+            raise
+        conn._on_head_done()
+        return resp
+
+    async def close(self) -> None:
+        self.closed = True
+        for conn in list(self._all):
+            conn.abort()
+        self._idle.clear()
+        self._all.clear()
+
+
+_DEFAULT_TIMEOUTS = Timeouts()

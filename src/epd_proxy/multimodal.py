@@ -1,0 +1,255 @@
+"""Finding the media items in a chat body and rewriting them to embeds.
+
+The encoder fan-out, the matching of encoder output and the rewrite all
+address items by one global order: messages in order, then each list-typed
+``content`` in order (protocol §4.1). :func:`collect_media` defines that order
+once and everything downstream indexes into its result, so the three stages
+cannot disagree about which item is which.
+
+Pure functions over plain dicts; the client's body is never mutated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import msgspec
+
+from epd_proxy.errors import bad_request
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; avoids an import cycle
+    from epd_proxy.ec_match import ItemResult
+
+MEDIA_TYPES = ("image_url", "audio_url", "input_audio", "video_url")
+
+# What each media type becomes once the encoder has produced it (§4.1).
+EMBEDS_TYPES = {
+    "image_url": "image_embeds",
+    "audio_url": "audio_embeds",
+    "input_audio": "audio_embeds",
+    "video_url": "video_embeds",
+}
+
+# Media whose identity is a URL; the rest are hashed by their JSON (§4.2).
+_URL_TYPES = frozenset(("image_url", "audio_url", "video_url"))
+
+# Part types vLLM's chat parser knows. Anything else would be rejected by the
+# engine after the encoders already ran, so we reject it up front with a
+# clear ``param``.
+KNOWN_PART_TYPES = frozenset(
+    (
+        "text",
+        "image_url",
+        "audio_url",
+        "input_audio",
+        "video_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "file",
+        "refusal",
+        "input_text",
+        "thinking",
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One media part of the request, located by its global position.
+
+    ``part`` is the client's own dict (not a copy): it is only ever read.
+    """
+
+    index: int
+    message_index: int
+    part_index: int
+    type: str
+    part: dict
+    uuid: str
+
+
+def _sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def media_url(part: dict) -> str | None:
+    """The URL of a URL-typed media part, or None.
+
+    Accepts both ``{"url": ...}`` and the bare-string form some OpenAI clients
+    send for ``image_url``.
+    """
+    kind = part.get("type")
+    if kind not in _URL_TYPES:
+        return None
+    payload = part.get(kind)
+    if isinstance(payload, dict):
+        url = payload.get("url")
+        return url if isinstance(url, str) else None
+    if kind == "image_url" and isinstance(payload, str):
+        return payload
+    return None
+
+
+def content_uuid(part: dict) -> str:
+    """A content-derived cache key for a media part (§4.2).
+
+    It must depend on the content, never on the request, or the EC cache and
+    the engine's multimodal hash would miss on every request. URL media hash
+    the URL; the rest hash their sorted-key JSON. A ``uuid`` key in the part
+    is left out of the JSON so that ``"uuid": null`` / ``""`` does not change
+    the key.
+    """
+    url = media_url(part)
+    if url is not None:
+        return _sha256_hex(url.encode("utf-8"))
+    if "uuid" in part:
+        part = {k: v for k, v in part.items() if k != "uuid"}
+    return _sha256_hex(msgspec.json.encode(part, order="sorted"))
+
+
+def _item_uuid(part: dict) -> str:
+    client = part.get("uuid")
+    if isinstance(client, str) and client:
+        return client
+    return content_uuid(part)
+
+
+def _check_media_payload(part: dict, kind: str, param: str) -> None:
+    payload = part.get(kind)
+    if kind == "input_audio":
+        if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
+            raise bad_request(
+                "input_audio content part needs an object with a string 'data'",
+                param,
+            )
+        return
+    if kind == "image_url" and isinstance(payload, str):
+        return
+    if not isinstance(payload, dict) or not isinstance(payload.get("url"), str):
+        raise bad_request(
+            f"{kind} content part needs an object with a string 'url'", param
+        )
+
+
+def collect_media(body: dict) -> list[MediaItem]:
+    """Every media item of a chat body, in global order, validated.
+
+    Raises a 400 :class:`~epd_proxy.errors.ProxyError` naming the offending
+    ``param`` for shapes that would otherwise fail later, inside an encoder
+    or the decoder, with a less useful error.
+    """
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+
+    items: list[MediaItem] = []
+    for mi, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request("each message must be an object", f"messages[{mi}]")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise bad_request(
+                "message content must be a string, a list of parts or null",
+                f"messages[{mi}].content",
+            )
+        for pi, part in enumerate(content):
+            param = f"messages[{mi}].content[{pi}]"
+            if not isinstance(part, dict):
+                raise bad_request("each content part must be an object", param)
+            kind = part.get("type")
+            if not isinstance(kind, str):
+                raise bad_request("content part needs a string 'type'", param)
+            if kind not in KNOWN_PART_TYPES:
+                raise bad_request(f"unknown content part type {kind!r}", param)
+            if kind not in EMBEDS_TYPES:
+                continue
+            _check_media_payload(part, kind, param)
+            items.append(
+                MediaItem(
+                    index=len(items),
+                    message_index=mi,
+                    part_index=pi,
+                    type=kind,
+                    part=part,
+                    uuid=_item_uuid(part),
+                )
+            )
+    return items
+
+
+def flatten_metadata(metadata: dict) -> dict:
+    """Each value flattened one level (§4.5).
+
+    The encoder reports per-item grids batched, e.g. ``[[1, 36, 52]]``; the
+    decoder's ``*_embeds`` part wants ``[1, 36, 52]``. Within a list, nested
+    lists are spliced in and scalars stay in place; a scalar value or an
+    already flat list is returned as is.
+    """
+    out = {}
+    for key, value in metadata.items():
+        if isinstance(value, list) and any(isinstance(v, list) for v in value):
+            flat: list[Any] = []
+            for v in value:
+                if isinstance(v, list):
+                    flat.extend(v)
+                else:
+                    flat.append(v)
+            value = flat
+        out[key] = value
+    return out
+
+
+def embeds_part(item: MediaItem, metadata: dict) -> dict:
+    """The metadata-only reference that replaces a media part on the consumer."""
+    kind = EMBEDS_TYPES[item.type]
+    return {"type": kind, kind: flatten_metadata(metadata), "uuid": item.uuid}
+
+
+def _usable(item: MediaItem, result: ItemResult | None) -> bool:
+    if result is None or not item.uuid:
+        return False
+    metadata = result.metadata
+    return isinstance(metadata, dict) and bool(metadata)
+
+
+def rewrite_media(
+    body: dict,
+    items: Sequence[MediaItem],
+    results: Sequence[ItemResult | None],
+) -> dict:
+    """A new body with each encoded item replaced by its ``*_embeds`` reference.
+
+    ``results`` is aligned with ``items``. Items without usable metadata keep
+    the client's raw part, so the consumer encodes them itself. Only messages
+    and content lists that change are copied; everything else is shared with
+    ``body``, which is never mutated.
+    """
+    if len(items) != len(results):
+        raise ValueError("items and results must have the same length")
+    replacements: dict[int, dict[int, dict]] = {}
+    for item, result in zip(items, results):
+        if _usable(item, result):
+            replacements.setdefault(item.message_index, {})[item.part_index] = (
+                embeds_part(item, result.metadata)
+            )
+
+    new_body = dict(body)
+    if not replacements:
+        return new_body
+    messages = list(body["messages"])
+    for mi, parts in replacements.items():
+        message = dict(messages[mi])
+        content = list(message["content"])
+        for pi, new_part in parts.items():
+            content[pi] = new_part
+        message["content"] = content
+        messages[mi] = message
+    new_body["messages"] = messages
+    return new_body

@@ -1,0 +1,96 @@
+"""The bodies sent to the prefill and decode stages.
+
+Both are shallow copies of the (possibly rewritten) client body with a few
+keys changed, so P and D see identical prompt content (§3.2) and the client's
+body stays untouched for a retry (§5.1).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+# What the proxy sends P so that it prefills for a remote decoder and keeps
+# the blocks (§2.4, NIXL pull; also push, EPD and multiturn on a miss).
+NIXL_PREFILL_PARAMS = MappingProxyType(
+    {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+)
+
+# Fields that would make P reject or mis-run a 1-token, non-streaming call
+# (§2.3 traps 1 and 2).
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def nixl_prefill_request_params(transfer_id: str | None = None) -> dict:
+    """A fresh copy of the §2.4 "send to P" object, plus ``transfer_id`` if given."""
+    out = dict(NIXL_PREFILL_PARAMS)
+    if transfer_id is not None:
+        out["transfer_id"] = transfer_id
+    return out
+
+
+def prefill_body(body: dict, kv_transfer_params: dict | None) -> dict:
+    """The prefill leg: one token, not streamed (§2.3, §13).
+
+    - ``stream: false``, and ``stream_options`` removed (400 otherwise);
+    - ``max_tokens: 1``, and ``max_completion_tokens: 1`` if the client set it
+      (it takes precedence over ``max_tokens`` on chat);
+    - ``min_tokens`` / ``min_completion_tokens`` removed (min > max is a 400);
+    - ``n: 1`` if the client set ``n`` (absent already means 1);
+    - ``kv_transfer_params`` set to the given object; with None any client
+      value is removed, because on a P/D route the proxy owns that field.
+    """
+    out = dict(body)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    for key in _PREFILL_DROPPED:
+        out.pop(key, None)
+    if "n" in out:
+        out["n"] = 1
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = kv_transfer_params
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+class _Keep:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<keep client value>"
+
+
+_KEEP = _Keep()
+
+
+def decode_body(body: dict, *, kv: dict | None = _KEEP, ec: dict | None = _KEEP) -> dict:  # type: ignore[assignment]
+    """The decode leg: the client's body with the transfer params the proxy owns.
+
+    For each of ``kv`` (``kv_transfer_params``) and ``ec``
+    (``ec_transfer_params``):
+    - omitted: the client's value, if any, is passed through untouched (a
+      plain instance may legitimately receive client-supplied params);
+    - a dict: it replaces the client's value;
+    - None: the key is removed, so a stale value from the client or from a
+      previous attempt can never reach D (§9.1 tests 1 and 4).
+
+    Callers on a P/D or EPD route always pass the argument they own.
+    """
+    out = dict(body)
+    for key, value in (("kv_transfer_params", kv), ("ec_transfer_params", ec)):
+        if value is _KEEP:
+            continue
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
