@@ -1,0 +1,260 @@
+import copy
+import hashlib
+
+import msgspec
+import pytest
+
+from epd_proxy.ec_match import ItemResult
+from epd_proxy.errors import ProxyError
+from epd_proxy.multimodal import (
+    EMBEDS_TYPES,
+    MEDIA_TYPES,
+    collect_media,
+    content_uuid,
+    flatten_metadata,
+    rewrite_media,
+)
+
+
+def sha(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def img(url, **extra):
+    return {"type": "image_url", "image_url": {"url": url}, **extra}
+
+
+def body_with(*parts, system="You are helpful."):
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": list(parts)},
+        ],
+        "max_tokens": 8,
+    }
+
+
+# ---------------------------------------------------------------- constants
+
+
+def test_media_and_embeds_types():
+    assert MEDIA_TYPES == ("image_url", "audio_url", "input_audio", "video_url")
+    assert EMBEDS_TYPES == {
+        "image_url": "image_embeds",
+        "audio_url": "audio_embeds",
+        "input_audio": "audio_embeds",
+        "video_url": "video_embeds",
+    }
+
+
+# ---------------------------------------------------------------- content_uuid
+
+
+def test_content_uuid_is_sha256_of_url():
+    assert content_uuid(img("https://x/a.jpg")) == sha("https://x/a.jpg")
+    assert content_uuid({"type": "audio_url", "audio_url": {"url": "u"}}) == sha("u")
+    assert content_uuid({"type": "video_url", "video_url": {"url": "v"}}) == sha("v")
+    assert content_uuid({"type": "image_url", "image_url": "https://bare"}) == sha(
+        "https://bare"
+    )
+
+
+def test_content_uuid_input_audio_is_sorted_json_hash_and_stable():
+    a = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    b = {"input_audio": {"format": "wav", "data": "AAAA"}, "type": "input_audio"}
+    expected = hashlib.sha256(msgspec.json.encode(a, order="sorted")).hexdigest()
+    assert content_uuid(a) == expected
+    assert content_uuid(b) == expected
+    other = {"type": "input_audio", "input_audio": {"data": "BBBB", "format": "wav"}}
+    assert content_uuid(other) != expected
+
+
+def test_content_uuid_is_request_independent():
+    assert content_uuid(img("https://x/a.jpg")) == content_uuid(img("https://x/a.jpg"))
+    assert content_uuid(img("https://x/a.jpg")) != content_uuid(img("https://x/b.jpg"))
+
+
+# ---------------------------------------------------------------- collect_media
+
+
+def test_collect_media_global_order_and_positions():
+    body = {
+        "messages": [
+            {"role": "system", "content": "sys"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "hi"},
+                    img("https://x/a.jpg"),
+                    {"type": "audio_url", "audio_url": {"url": "https://x/s.wav"}},
+                ],
+            },
+            {"role": "assistant", "content": None},
+            {"role": "assistant"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}},
+                    {"type": "input_audio", "input_audio": {"data": "QQ==", "format": "wav"}},
+                ],
+            },
+        ]
+    }
+    items = collect_media(body)
+    assert [(i.index, i.message_index, i.part_index, i.type) for i in items] == [
+        (0, 1, 1, "image_url"),
+        (1, 1, 2, "audio_url"),
+        (2, 4, 0, "video_url"),
+        (3, 4, 1, "input_audio"),
+    ]
+    assert items[0].part is body["messages"][1]["content"][1]
+    assert items[0].uuid == sha("https://x/a.jpg")
+    assert items[3].uuid == content_uuid(body["messages"][4]["content"][1])
+
+
+def test_collect_media_honours_client_uuid():
+    body = body_with(img("https://x/a.jpg", uuid="client-key"), img("https://x/b.jpg", uuid=""))
+    items = collect_media(body)
+    assert items[0].uuid == "client-key"
+    assert items[1].uuid == sha("https://x/b.jpg")
+
+
+def test_collect_media_accepts_bare_string_image_url():
+    body = body_with({"type": "image_url", "image_url": "https://x/a.jpg"})
+    (item,) = collect_media(body)
+    assert item.uuid == sha("https://x/a.jpg")
+
+
+def test_collect_media_no_media_and_passive_parts():
+    body = body_with(
+        {"type": "text", "text": "t"},
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}},
+        {"type": "refusal", "refusal": "no"},
+    )
+    assert collect_media(body) == []
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": 5}]}]}, "messages[0].content[0]"),
+        (body_with({"type": "text", "text": "a"}, {"type": "image_url"}), "messages[1].content[1]"),
+        (body_with({"type": "image_url", "image_url": {"uri": "x"}}), "messages[1].content[0]"),
+        (body_with({"type": "audio_url", "audio_url": "https://x"}), "messages[1].content[0]"),
+        (body_with({"type": "video_url", "video_url": {"url": 7}}), "messages[1].content[0]"),
+        (body_with({"type": "input_audio", "input_audio": {"format": "wav"}}), "messages[1].content[0]"),
+        (body_with({"type": "input_audio", "input_audio": "QQ=="}), "messages[1].content[0]"),
+    ],
+)
+def test_collect_media_validation_errors(body, param):
+    with pytest.raises(ProxyError) as exc:
+        collect_media(body)
+    assert exc.value.status == 400
+    assert exc.value.param == param
+    assert exc.value.envelope()["error"]["type"] == "BadRequestError"
+
+
+def test_collect_media_rejects_unknown_part_type():
+    body = body_with({"type": "text", "text": "a"}, {"type": "hologram", "hologram": {}})
+    with pytest.raises(ProxyError) as exc:
+        collect_media(body)
+    assert exc.value.status == 400
+    assert exc.value.param == "messages[1].content[1]"
+    assert "unknown content part type" in exc.value.message
+    assert "hologram" in exc.value.message
+
+
+def test_collect_media_rejects_non_object_body():
+    with pytest.raises(ProxyError) as exc:
+        collect_media([])
+    assert exc.value.status == 400
+
+
+# ---------------------------------------------------------------- flatten
+
+
+def test_flatten_metadata_one_level():
+    assert flatten_metadata({"image_grid_thw": [[1, 36, 52]]}) == {"image_grid_thw": [1, 36, 52]}
+    assert flatten_metadata({"g": [[1, 2], [3, 4]]}) == {"g": [1, 2, 3, 4]}
+    assert flatten_metadata({"g": [[1, 2], 3]}) == {"g": [1, 2, 3]}
+    assert flatten_metadata({"g": [[[1, 2]]]}) == {"g": [[1, 2]]}
+    assert flatten_metadata({"g": [1, 2, 3], "s": 5, "t": "x"}) == {
+        "g": [1, 2, 3],
+        "s": 5,
+        "t": "x",
+    }
+
+
+# ---------------------------------------------------------------- rewrite
+
+
+def res(metadata, h="engine", t="tid"):
+    return ItemResult(metadata=metadata, mm_hash="p", ec_mm_hash=h, transfer_id=t)
+
+
+def test_rewrite_media_replaces_items_and_keeps_the_rest():
+    text = {"type": "text", "text": "What is this?"}
+    audio = {"type": "input_audio", "input_audio": {"data": "QQ==", "format": "wav"}}
+    body = body_with(img("https://x/a.jpg"), text, audio, img("https://x/b.jpg"))
+    body["messages"].append({"role": "user", "content": [{"type": "text", "text": "more"}]})
+    before = copy.deepcopy(body)
+    items = collect_media(body)
+    results = [
+        res({"image_grid_thw": [[1, 36, 52]]}),
+        res({"audio_len": [[7]]}),
+        None,
+    ]
+    out = rewrite_media(body, items, results)
+
+    assert body == before
+    content = out["messages"][1]["content"]
+    assert content[0] == {
+        "type": "image_embeds",
+        "image_embeds": {"image_grid_thw": [1, 36, 52]},
+        "uuid": sha("https://x/a.jpg"),
+    }
+    assert content[1] is text
+    assert content[2] == {
+        "type": "audio_embeds",
+        "audio_embeds": {"audio_len": [7]},
+        "uuid": content_uuid(audio),
+    }
+    assert content[3] is body["messages"][1]["content"][3]  # no result: raw kept
+    # Untouched messages are shared; changed ones are new objects.
+    assert out["messages"][0] is body["messages"][0]
+    assert out["messages"][2] is body["messages"][2]
+    assert out["messages"][1] is not body["messages"][1]
+    assert out["messages"] is not body["messages"]
+    assert out["max_tokens"] == 8 and out["model"] == "m"
+
+
+def test_rewrite_media_empty_metadata_keeps_raw_part():
+    body = body_with(img("https://x/a.jpg"))
+    items = collect_media(body)
+    out = rewrite_media(body, items, [res({})])
+    assert out["messages"][1]["content"][0] == img("https://x/a.jpg")
+
+
+def test_rewrite_media_uses_client_uuid_and_video_type():
+    body = body_with({"type": "video_url", "video_url": {"url": "v"}, "uuid": "mine"})
+    items = collect_media(body)
+    out = rewrite_media(body, items, [res({"video_grid_thw": [[2, 4, 4]]})])
+    assert out["messages"][1]["content"][0] == {
+        "type": "video_embeds",
+        "video_embeds": {"video_grid_thw": [2, 4, 4]},
+        "uuid": "mine",
+    }
+
+
+def test_rewrite_media_length_mismatch():
+    body = body_with(img("a"))
+    with pytest.raises(ValueError):
+        rewrite_media(body, collect_media(body), [])
