@@ -1,0 +1,130 @@
+"""The proxy's HTTP surface: routes, and the objects one server process owns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from .config import ProxyConfig
+from .errors import ProxyError
+from .http.client import Timeouts, UpstreamError
+from .http.server import Request, ResponseWriter
+from .metrics import ProxyMetrics
+from .pipeline import CHAT, COMPLETIONS, Pipeline
+from .pool import InstancePool
+
+log = logging.getLogger("epd_proxy.app")
+
+_METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class ProxyApp:
+    """Routes requests; owns the pools, the pipeline and the metrics."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        config.validate()
+        self.config = config
+        self.pools: dict[str, InstancePool] = {}
+        for role in ("encode", "prefill", "decode"):
+            specs = getattr(config, role)
+            if specs:
+                self.pools[role] = InstancePool(role, specs, policy=config.routing,
+                                                keep_alive=config.upstream_keep_alive,
+                                                fail_threshold=config.fail_threshold)
+        self.metrics = ProxyMetrics(self.pools)
+        self.pipeline = Pipeline(config, self.pools, self.metrics)
+        self._routes = {
+            ("POST", CHAT): self._generate_chat,
+            ("POST", COMPLETIONS): self._generate_completions,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/ready"): self._ready,
+            ("GET", "/status"): self._status,
+            ("GET", "/metrics"): self._metrics,
+        }
+        self._paths = {path for _, path in self._routes}
+
+    @property
+    def topology(self) -> str:
+        roles = [r for r in ("encode", "prefill", "decode") if r in self.pools]
+        names = {"encode": "E", "prefill": "P", "decode": "D"}
+        if "prefill" not in self.pools:
+            return ("E+" if "encode" in self.pools else "") + "PD"
+        return "+".join(names[r] for r in roles)
+
+    async def start(self) -> None:
+        for pool in self.pools.values():
+            pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
+
+    async def close(self) -> None:
+        for pool in self.pools.values():
+            await pool.close()
+
+    async def __call__(self, req: Request, writer: ResponseWriter) -> None:
+        handler = self._routes.get((req.method, req.path))
+        if handler is None:
+            if req.path in self._paths:
+                err = ProxyError(405, f"method {req.method} not allowed on {req.path}")
+            else:
+                err = ProxyError(404, f"no route for {req.method} {req.path}")
+            writer.send(err.status, err.body())
+            return
+        await handler(req, writer)
+
+    async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
+        await self.pipeline.handle(req, writer, CHAT)
+
+    async def _generate_completions(self, req: Request, writer: ResponseWriter) -> None:
+        await self.pipeline.handle(req, writer, COMPLETIONS)
+
+    async def _models(self, req: Request, writer: ResponseWriter) -> None:
+        """The model list of a live decode instance, relayed as received."""
+        pool = self.pools["decode"]
+        t = self.config.timeouts
+        timeouts = Timeouts(connect=t.connect, headers=10.0, idle=10.0)
+        tried = set()
+        last: ProxyError = ProxyError(503, "no healthy decode instance available")
+        for _ in range(min(2, len(pool))):
+            try:
+                inst = pool.choose(tried)
+            except ProxyError as err:
+                last = err
+                break
+            tried.add(inst)
+            try:
+                resp = await inst.http.request("GET", "/v1/models", headers=self.pipeline._base_headers,
+                                               timeouts=timeouts)
+                try:
+                    data = await resp.read()
+                finally:
+                    resp.close()
+            except UpstreamError as exc:
+                pool.record_failure(inst, str(exc))
+                last = ProxyError(502, f"decode instance {inst.url} unreachable: {exc}")
+                continue
+            writer.send(resp.status, data, resp.content_type)
+            return
+        writer.send(last.status, last.body())
+
+    async def _health(self, req: Request, writer: ResponseWriter) -> None:
+        """Liveness of the proxy itself: never waits on a backend."""
+        writer.send(200, b'{"status":"ok"}')
+
+    async def _ready(self, req: Request, writer: ResponseWriter) -> None:
+        """Ready when every configured stage has at least one healthy instance."""
+        missing = [role for role, pool in self.pools.items() if not any(i.healthy for i in pool.instances)]
+        if missing:
+            body = msgspec.json.encode({"status": "unavailable", "no_healthy": missing})
+            writer.send(503, body, headers=[(b"retry-after", b"5")])
+        else:
+            writer.send(200, b'{"status":"ready"}')
+
+    async def _status(self, req: Request, writer: ResponseWriter) -> None:
+        body = {"topology": self.topology, "kv_connector": self.config.kv_connector if "prefill" in self.pools
+                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()}}
+        writer.send(200, msgspec.json.encode(body))
+
+    async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
+        writer.send(200, self.metrics.render(), _METRICS_TYPE)

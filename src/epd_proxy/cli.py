@@ -1,0 +1,148 @@
+"""``epd-proxy`` command line: ``serve``, ``sim`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .config import ProxyConfig, Timeouts, parse_instance, split_instances
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the proxy",
+                       description="Run the proxy in front of vLLM encode / prefill / decode instances. "
+                                   "Instances are URLs, optionally with ;key=value attributes "
+                                   "(engine_id, kv_host, kv_port, tp, pp, bootstrap_port) that push-mode "
+                                   "connectors need, e.g. 'http://p1:8100;engine_id=prefill-0;kv_host=10.0.0.1;"
+                                   "kv_port=5600'.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--encode", action="append", metavar="URL",
+                   help="encoder instance(s); repeatable and comma-separated; omit for P/D only")
+    p.add_argument("--prefill", action="append", metavar="URL",
+                   help="prefill instance(s); omit (or 'none') for E+PD")
+    p.add_argument("--decode", action="append", metavar="URL", help="decode (or PD) instance(s)")
+    p.add_argument("--kv-connector", default="nixl", help="nixl (pull, default) or nixl-push")
+    p.add_argument("--decode-retries", type=int, default=1,
+                   help="fresh attempts after a retryable failure before the response starts (default 1)")
+    p.add_argument("--encoder-max-batch-size", type=int,
+                   default=int(os.environ.get("ENCODER_MAX_BATCH_SIZE", "0")),
+                   help="images per encoder sub-request (0 = unlimited)")
+    p.add_argument("--no-rewrite", action="store_true",
+                   help="send raw media to the consumer (no *_embeds rewrite, no uuids to encoders)")
+    p.add_argument("--ec-consumer-zmq-addrs", default="",
+                   help="comma-separated EC consumer ZMQ addresses, aligned with --decode (E+PD only)")
+    p.add_argument("--ec-consumer-dp-size", type=int, default=1)
+    p.add_argument("--upstream-api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent to backends as 'Authorization: Bearer' (default: $OPENAI_API_KEY)")
+    p.add_argument("--forward-header", action="append", default=[], metavar="NAME",
+                   help="client header to pass on to every stage (traceparent/tracestate always are)")
+    p.add_argument("--routing", choices=["least-loaded", "round-robin"], default="least-loaded")
+    p.add_argument("--upstream-keep-alive", type=float,
+                   default=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
+                   help="the backends' keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); idle pooled "
+                        "connections are retired at half of it")
+    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--encode-timeout", type=float, default=300.0)
+    p.add_argument("--prefill-timeout", type=float, default=600.0)
+    p.add_argument("--decode-timeout", type=float, default=600.0,
+                   help="until decode's first event")
+    p.add_argument("--stream-idle-timeout", type=float, default=600.0)
+    p.add_argument("--probe-interval", type=float, default=5.0, help="health probe period (0 = off)")
+    p.add_argument("--probe-timeout", type=float, default=2.0)
+    p.add_argument("--fail-threshold", type=int, default=3)
+    p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--simulate", metavar="SPEC", default=None,
+                   help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    cfg = ProxyConfig(
+        encode=[parse_instance(u, "encode") for u in split_instances(args.encode)],
+        prefill=[parse_instance(u, "prefill") for u in split_instances(args.prefill)],
+        decode=[parse_instance(u, "decode") for u in split_instances(args.decode)],
+        kv_connector=args.kv_connector,
+        decode_retries=args.decode_retries,
+        encoder_max_batch_size=args.encoder_max_batch_size,
+        rewrite=not args.no_rewrite,
+        ec_consumer_zmq_addrs=split_instances([args.ec_consumer_zmq_addrs]),
+        ec_consumer_dp_size=args.ec_consumer_dp_size,
+        upstream_api_key=args.upstream_api_key or None,
+        forward_headers=("traceparent", "tracestate", *args.forward_header),
+        routing=args.routing,
+        upstream_keep_alive=args.upstream_keep_alive,
+        timeouts=Timeouts(connect=args.connect_timeout, encode=args.encode_timeout,
+                          prefill=args.prefill_timeout, decode_first=args.decode_timeout,
+                          stream_idle=args.stream_idle_timeout, push_drain=args.prefill_timeout),
+        probe_interval=args.probe_interval,
+        probe_timeout=args.probe_timeout,
+        fail_threshold=args.fail_threshold,
+    )
+    from .connectors import CONNECTORS
+
+    if cfg.kv_connector not in CONNECTORS:
+        raise ValueError(f"unknown --kv-connector {cfg.kv_connector!r} (known: {', '.join(CONNECTORS)})")
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd-proxy",
+                                     description="A proxy for disaggregated (encode/prefill/decode) vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    sim = sub.add_parser("sim", help="run simulated vLLM instances")
+    try:
+        from .sim import cli as sim_cli
+
+        sim_cli.add_arguments(sim)
+    except ImportError:  # pragma: no cover
+        pass
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (see docs/benchmarks.md)")
+    try:
+        from .bench import cli as bench_cli
+
+        bench_cli.add_arguments(bench)
+    except ImportError:  # pragma: no cover
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            cfg = config_from_args(args)
+            if not args.simulate:
+                cfg.validate()
+        except ValueError as exc:
+            parser.error(str(exc))
+        from .serve import serve
+
+        return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate)
+    if args.command == "sim":
+        import asyncio
+
+        from .serve import install_uvloop
+        from .sim import cli as sim_cli
+
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        install_uvloop()
+        try:
+            asyncio.run(sim_cli.run(args))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if args.command == "bench":
+        from .bench import cli as bench_cli
+
+        return bench_cli.main(args)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Per-request state that outlives a single attempt: the id, what failed, what is in flight."""
+
+from __future__ import annotations
+
+from .pool import Instance
+
+_JSON_HEADER = (b"content-type", b"application/json")
+
+
+class RequestContext:
+    """What every stage of one client request shares.
+
+    ``excluded`` collects the instances that failed this request, so a retry
+    prefers others; ``hold``/``release`` keep each instance's in-flight count
+    (the least-loaded policy's signal) exact even when a request is cancelled.
+    """
+
+    __slots__ = ("request_id", "path", "stream", "excluded", "timings", "_base_headers", "_held")
+
+    def __init__(self, request_id: str, path: str, stream: bool, base_headers: list) -> None:
+        self.request_id = request_id
+        self.path = path
+        self.stream = stream
+        self.excluded: set[Instance] = set()
+        self.timings: dict[str, float] = {}
+        self._base_headers = base_headers
+        self._held: list[Instance] = []
+
+    def upstream_headers(self, request_id: str | None = None, extra: list | None = None) -> list:
+        headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
+        headers += self._base_headers
+        if extra:
+            headers += extra
+        return headers
+
+    def failed(self, inst: Instance) -> None:
+        self.excluded.add(inst)
+
+    def timing(self, stage: str, seconds: float) -> None:
+        self.timings[stage] = self.timings.get(stage, 0.0) + seconds
+
+    def hold(self, inst: Instance) -> None:
+        inst.inflight += 1
+        self._held.append(inst)
+
+    def release(self, inst: Instance) -> None:
+        try:
+            self._held.remove(inst)
+        except ValueError:
+            return
+        inst.inflight -= 1
+
+    def release_all(self) -> None:
+        for inst in self._held:
+            inst.inflight -= 1
+        self._held.clear()

@@ -1,0 +1,176 @@
+"""One client request, top to bottom: parse → encode → prefill/decode → commit → relay.
+
+Nothing reaches the client until encode and prefill have succeeded and
+decode's first event has been checked (the *commit point*). Before it, any
+failure can still be retried (fresh handles, other instances) or answered
+with a real status; after it, a failure is an in-band SSE error event
+followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+
+import msgspec
+
+from .config import ProxyConfig
+from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
+from .context import RequestContext
+from .errors import ProxyError, bad_request
+from .http.server import Request, ResponseWriter
+from .metrics import ProxyMetrics
+from .multimodal import MediaItem, collect_media
+from .pool import Instance, InstancePool
+from .relay import relay_stream
+from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
+
+log = logging.getLogger("epd_proxy.pipeline")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def parse_body(req: Request, path: str) -> dict:
+    """The client's JSON body, validated just enough to route it (vLLM validates the rest)."""
+    ctype = (req.header(b"content-type") or b"").split(b";", 1)[0].strip().lower()
+    if ctype != b"application/json":
+        raise ProxyError(415, "Content-Type must be application/json")
+    try:
+        body = msgspec.json.decode(req.body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise bad_request("'prompt' is required", "prompt")
+        if not isinstance(prompt, (str, list)):
+            raise bad_request("'prompt' must be a string or a list", "prompt")
+    return body
+
+
+class Pipeline:
+    """Runs requests through the configured pools with one KV connector."""
+
+    def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics) -> None:
+        t = config.timeouts
+        self.config = config
+        self.metrics = metrics
+        self.encode = pools.get("encode")
+        self.prefill = pools.get("prefill")
+        self.decode = pools["decode"]
+        self.fanout = EncoderFanout(self.encode, max_batch=config.encoder_max_batch_size,
+                                    rewrite=config.rewrite, timeout=t.encode,
+                                    connect_timeout=t.connect) if self.encode else None
+        prefill_stage = PrefillStage(self.prefill, timeout=t.prefill,
+                                     connect_timeout=t.connect) if self.prefill else None
+        decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
+                                   connect_timeout=t.connect)
+        if self.prefill:
+            self.connector: KVConnector = CONNECTORS[config.kv_connector](
+                prefill_stage, decode_stage, **connector_options(config))
+        else:
+            self.connector = DecodeOnly(None, decode_stage)
+        self.retries = config.decode_retries
+        self._dp_counter = itertools.count()
+        self._base_headers: list = []
+        if config.upstream_api_key:
+            self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
+        self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+
+    # -- the request path -------------------------------------------------------------------
+    async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
+        t0 = time.perf_counter()
+        rid = (req.header(b"x-request-id") or b"").decode("latin-1") or uuid.uuid4().hex
+        id_header = [(b"x-request-id", rid.encode("latin-1"))]
+        ctx = None
+        self.metrics.inflight.inc()
+        try:
+            body = parse_body(req, path)
+            items = collect_media(body) if path == CHAT else []
+            ctx = RequestContext(rid, path, body.get("stream") is True, self._headers_for(req))
+            leg = await self._open(ctx, body, items)
+            headers = id_header + _server_timing(ctx.timings)
+            if leg.body is not None:
+                writer.send(leg.resp.status, leg.body, leg.resp.content_type, headers)
+            else:
+                relay = await relay_stream(writer, leg.resp, leg.first, headers)
+                if relay.error is not None:
+                    self.metrics.stream_errors.inc()
+                    log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
+        except ProxyError as err:
+            if not writer.started:
+                headers = id_header + [(b"retry-after", b"5")] if err.status == 503 else id_header
+                writer.send(err.status, err.body(), err.content_type(), headers)
+            if err.status >= 500:
+                log.warning("request %s failed: %s", rid, err.message)
+        except asyncio.CancelledError:
+            self.metrics.disconnects.inc()
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            if ctx is not None:
+                ctx.release_all()
+                self.metrics.observe_stages(ctx.timings)
+            self.metrics.observe_request(path, writer.status, time.perf_counter() - t0)
+
+    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+        """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
+        attempt = 0
+        while True:
+            try:
+                return await self._attempt(ctx, body, items)
+            except ProxyError as err:
+                if not err.retryable or attempt >= self.retries:
+                    raise
+                attempt += 1
+                self.metrics.retries.inc()
+                log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
+
+    async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+        """One attempt builds every handle anew from the untouched client body."""
+        d = self.decode.choose(ctx.excluded)
+        p = self.prefill.choose(ctx.excluded) if self.prefill else None
+        dp_headers, consumer_zmq = self._ec_consumer(d)
+        if items and self.fanout is not None:
+            body = await self.fanout.run(ctx, body, items, consumer_zmq)
+        return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _headers_for(self, req: Request) -> list:
+        extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
+        return self._base_headers + extra if extra else self._base_headers
+
+    def _ec_consumer(self, d: Instance) -> tuple[list | None, str | None]:
+        """E+PD with a push EC connector: the decode replica that receives the embeddings."""
+        cfg = self.config
+        dp = cfg.ec_consumer_dp_size
+        rank = next(self._dp_counter) % dp if dp > 1 else None
+        headers = [(b"x-data-parallel-rank", str(rank).encode())] if rank is not None else None
+        zmq = None
+        if cfg.ec_consumer_zmq_addrs:
+            index = self.decode.instances.index(d)
+            zmq = cfg.ec_consumer_zmq_addrs[index * dp + (rank or 0)]
+        return headers, zmq
+
+
+def connector_options(config: ProxyConfig) -> dict:
+    return {"timeouts": config.timeouts} if config.kv_connector != "nixl" else {}
+
+
+def _server_timing(timings: dict) -> list:
+    if not timings:
+        return []
+    value = ", ".join(f"{k};dur={v * 1000:.1f}" for k, v in timings.items())
+    return [(b"server-timing", value.encode())]

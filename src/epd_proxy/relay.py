@@ -1,0 +1,93 @@
+"""Relaying decode's SSE stream to the client, from the upstream protocol callback.
+
+Bytes go out as they arrive, with one exception: a trailing partial event is
+held back until its end arrives (usually in the next TCP read). The byte
+stream is unchanged, but a failure can then always be reported as a clean,
+separate ``data: {"error": ...}`` event followed by ``data: [DONE]`` instead of
+being glued to half an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .errors import ProxyError
+from .http.client import Response
+from .http.server import FlowListener, ResponseWriter
+
+# A "partial event" larger than this is not SSE framing we understand: pass it on.
+_MAX_HELD = 1 << 20
+
+
+class StreamRelay(FlowListener):
+    """Upstream body sink + client flow listener for one committed stream."""
+
+    __slots__ = ("writer", "resp", "_tail", "error", "ended")
+
+    def __init__(self, writer: ResponseWriter, resp: Response) -> None:
+        self.writer = writer
+        self.resp = resp
+        self._tail = b""
+        self.error: Exception | None = None
+        self.ended = False
+
+    # -- BodySink ---------------------------------------------------------------------
+    def on_data(self, data: bytes) -> None:
+        if self._tail:
+            data = self._tail + data
+            self._tail = b""
+        if data.endswith(b"\n\n"):
+            self.writer.write(data)
+            return
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_HELD:
+                self.writer.write(data)
+            else:
+                self._tail = data
+            return
+        self.writer.write(data[: cut + 2])
+        self._tail = data[cut + 2:]
+
+    def on_end(self) -> None:
+        self.ended = True
+        tail, self._tail = self._tail, b""
+        self.writer.end(tail)
+
+    def on_error(self, exc: Exception) -> None:
+        self.fail(ProxyError(502, f"decode stream broke off: {exc}"))
+
+    def fail(self, error: ProxyError) -> None:
+        """End a committed stream with an in-band error event (the partial event is dropped)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.error = error
+        self._tail = b""
+        self.writer.end(error.sse_event())
+
+    # -- FlowListener: a slow client throttles the upstream read ----------------------------
+    def pause(self) -> None:
+        self.resp.pause_reading()
+
+    def resume(self) -> None:
+        self.resp.resume_reading()
+
+
+async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: list,
+                       companion: asyncio.Future | None = None) -> StreamRelay:
+    """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed)."""
+    writer.start(200, resp.content_type or b"text/event-stream", headers)
+    relay = StreamRelay(writer, resp)
+    writer.flow = relay
+    if first:
+        relay.on_data(first)
+    try:
+        resp.relay(relay)
+        await resp.wait()
+    except Exception:
+        pass  # on_error has already ended the stream in-band
+    finally:
+        # Cancelled (client gone) or done: an unfinished upstream is aborted, so vLLM stops.
+        resp.close()
+    return relay

@@ -1,0 +1,308 @@
+"""The three stages of a request, each one call (or fan-out) to an instance pool.
+
+Each stage turns transport failures and upstream statuses into a
+:class:`ProxyError` with the status the client should see: an upstream 4xx is
+relayed as received (it is the client's mistake, e.g. vLLM's validation 400),
+a 5xx or a broken connection is a retryable 502, a stage timeout a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import msgspec
+
+from .context import RequestContext
+from .ec_match import consumer_ec_params, match_encoder_output
+from .encoder_plan import (RoundRobinCursor, encoder_body, encoder_request_id, new_transfer_id,
+                           plan_sub_requests)
+from .errors import ProxyError
+from .http.client import Response, Timeouts, UpstreamError, UpstreamTimeout
+from .multimodal import MediaItem, rewrite_media
+from .pool import Instance, InstancePool
+
+log = logging.getLogger("epd_proxy.stages")
+
+_JSON = b"application/json"
+
+
+class _ErrorBody(msgspec.Struct):
+    error: dict | str | None = None
+    detail: object = None
+
+
+def upstream_message(body: bytes) -> str:
+    """The human part of an upstream error body (vLLM's envelope, FastAPI's detail, or text)."""
+    try:
+        parsed = msgspec.json.decode(body, type=_ErrorBody)
+        if isinstance(parsed.error, dict) and parsed.error.get("message"):
+            return str(parsed.error["message"])
+        if isinstance(parsed.error, str):
+            return parsed.error
+        if parsed.detail is not None:
+            return str(parsed.detail)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    text = body[:300].decode("utf-8", "replace").strip()
+    return text or "(empty body)"
+
+
+def status_error(stage: str, inst: Instance, status: int, body: bytes, content_type: bytes | None) -> ProxyError:
+    """An upstream answered with a non-200 status."""
+    if 400 <= status < 500:
+        # The request itself is wrong: the client gets the engine's own answer.
+        return ProxyError(status, upstream_message(body), upstream_body=body,
+                          upstream_content_type=content_type or _JSON)
+    return ProxyError(502, f"{stage} instance {inst.url} failed with HTTP {status}: {upstream_message(body)}",
+                      retryable=True)
+
+
+async def call(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, path: str, body: bytes,
+               headers: list, timeouts: Timeouts) -> Response:
+    """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
+    inst.requests += 1
+    att.hold(inst)
+    try:
+        return await inst.http.request("POST", path, body=body, headers=headers, timeouts=timeouts)
+    except UpstreamTimeout as exc:
+        att.release(inst)
+        pool.record_failure(inst, str(exc))
+        att.failed(inst)
+        raise ProxyError(504, f"{stage} instance {inst.url} timed out: {exc}", retryable=True) from None
+    except UpstreamError as exc:
+        att.release(inst)
+        pool.record_failure(inst, str(exc))
+        att.failed(inst)
+        raise ProxyError(502, f"{stage} instance {inst.url} unreachable: {exc}", retryable=True) from None
+    except BaseException:
+        att.release(inst)
+        raise
+
+
+async def read_body(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, resp: Response) -> bytes:
+    try:
+        return await resp.read()
+    except UpstreamTimeout as exc:
+        pool.record_failure(inst, str(exc))
+        att.failed(inst)
+        raise ProxyError(504, f"{stage} instance {inst.url} timed out: {exc}", retryable=True) from None
+    except UpstreamError as exc:
+        pool.record_failure(inst, str(exc))
+        att.failed(inst)
+        raise ProxyError(502, f"{stage} instance {inst.url} broke off its answer: {exc}", retryable=True) from None
+
+
+class _EncoderReply(msgspec.Struct):
+    ec_transfer_params: object = None
+
+
+class EncoderFanout:
+    """Sends a request's media items to the encoders and rewrites the body for the consumer.
+
+    Items are assigned round-robin from a cursor that persists across requests
+    (so single-image requests rotate over every encoder), images on the same
+    encoder are batched, and every sub-request runs concurrently; the first
+    failure cancels the others.
+    """
+
+    def __init__(self, pool: InstancePool, *, max_batch: int, rewrite: bool, timeout: float,
+                 connect_timeout: float) -> None:
+        self.pool = pool
+        self.max_batch = max_batch
+        self.rewrite = rewrite
+        self.cursor = RoundRobinCursor()
+        self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
+
+    async def run(self, att: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
+        healthy = [e for e in self.pool.instances if e.healthy]
+        if not healthy:
+            raise ProxyError(503, "no healthy encode instance available for the request's media")
+        avoid = [e for e in healthy if e not in att.excluded]
+        encoders = avoid or healthy
+        assigned = self.cursor.take(len(items), len(encoders))
+        subs = plan_sub_requests(items, assigned, self.max_batch)
+        # Fresh transfer ids per item occurrence and per attempt (never reused on retry).
+        tids = [[new_transfer_id() for _ in sub.items] for sub in subs]
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._one(att, body, encoders[sub.encoder], sub, t, consumer_zmq))
+                         for sub, t in zip(subs, tids)]
+        except* ProxyError as group:
+            raise _first(group) from None
+        att.timing("encode", time.perf_counter() - t0)
+        results = [None] * len(items)
+        handles: dict = {}
+        for sub, task in zip(subs, tasks):
+            sub_results, sub_handles = task.result()
+            for item, res in zip(sub.items, sub_results):
+                results[item.index] = res
+            handles.update(sub_handles)
+        out = rewrite_media(body, items, results) if self.rewrite else dict(body)
+        ec = consumer_ec_params(items, results, handles, rewrite=self.rewrite)
+        if ec is not None:
+            out["ec_transfer_params"] = ec
+        else:
+            out.pop("ec_transfer_params", None)
+        return out
+
+    async def _one(self, att: RequestContext, body: dict, inst: Instance, sub, tids: list[str],
+                   consumer_zmq: str | None):
+        payload = msgspec.json.encode(
+            encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
+        rid = encoder_request_id(att.request_id, sub.items[0].index, os.urandom(3).hex())
+        resp = await call(self.pool, inst, att, "encode", "/v1/chat/completions", payload,
+                          att.upstream_headers(rid), self.timeouts)
+        try:
+            data = await read_body(self.pool, inst, att, "encode", resp)
+        finally:
+            resp.close()
+            att.release(inst)
+        if resp.status != 200:
+            err = status_error("encode", inst, resp.status, data, resp.content_type)
+            if err.retryable:
+                self.pool.record_failure(inst, err.message)
+                att.failed(inst)
+            raise err
+        self.pool.record_success(inst)
+        try:
+            ec_params = msgspec.json.decode(data, type=_EncoderReply).ec_transfer_params
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("encoder %s answered without readable ec_transfer_params; the consumer will "
+                        "encode locally", inst.url)
+            ec_params = None
+        return match_encoder_output(sub, tids, ec_params)
+
+
+def _first(group: BaseExceptionGroup) -> ProxyError:
+    """The most telling error of a fan-out: a client error over a server one."""
+    errors = [e for e in _flatten(group) if isinstance(e, ProxyError)]
+    errors.sort(key=lambda e: (e.retryable, e.status >= 500))
+    return errors[0]
+
+
+def _flatten(group: BaseExceptionGroup):
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _flatten(e)
+        else:
+            yield e
+
+
+class _PrefillReply(msgspec.Struct):
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class PrefillStage:
+    """One prefill call: the whole (1-token, non-streamed) answer, and its
+    ``kv_transfer_params`` kept as raw bytes so decode gets them verbatim."""
+
+    def __init__(self, pool: InstancePool, *, timeout: float, connect_timeout: float) -> None:
+        self.pool = pool
+        self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
+
+    async def run(self, att: RequestContext, inst: Instance, body: dict) -> msgspec.Raw | None:
+        t0 = time.perf_counter()
+        resp = await call(self.pool, inst, att, "prefill", att.path, msgspec.json.encode(body),
+                          att.upstream_headers(), self.timeouts)
+        try:
+            data = await read_body(self.pool, inst, att, "prefill", resp)
+        finally:
+            resp.close()
+            att.release(inst)
+        if resp.status != 200:
+            err = status_error("prefill", inst, resp.status, data, resp.content_type)
+            if err.retryable:
+                self.pool.record_failure(inst, err.message)
+                att.failed(inst)
+            raise err
+        self.pool.record_success(inst)
+        att.timing("prefill", time.perf_counter() - t0)
+        try:
+            raw = msgspec.json.decode(data, type=_PrefillReply).kv_transfer_params
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise ProxyError(502, f"prefill instance {inst.url} returned an unreadable answer",
+                             retryable=True) from None
+        return None if bytes(raw) == b"null" else raw
+
+
+class DecodeLeg:
+    """An opened decode response: headers received, and for a stream the first
+    SSE event already read (``first``), so nothing has been committed yet."""
+
+    __slots__ = ("inst", "resp", "first", "body", "companion")
+
+    def __init__(self, inst: Instance, resp: Response, first: bytes = b"", body: bytes | None = None) -> None:
+        self.inst = inst
+        self.resp = resp
+        self.first = first
+        self.body = body  # the whole answer, non-stream
+        # A leg still running beside decode (push mode's prefill), watched by the relay.
+        self.companion: asyncio.Task | None = None
+
+
+class DecodeStage:
+    """Opens the decode call and checks it before anything reaches the client."""
+
+    def __init__(self, pool: InstancePool, *, first_timeout: float, idle_timeout: float,
+                 connect_timeout: float) -> None:
+        self.pool = pool
+        self.timeouts = Timeouts(connect=connect_timeout, headers=first_timeout, idle=idle_timeout)
+
+    async def open(self, att: RequestContext, inst: Instance, body: dict, extra_headers: list | None = None
+                   ) -> DecodeLeg:
+        t0 = time.perf_counter()
+        resp = await call(self.pool, inst, att, "decode", att.path, msgspec.json.encode(body),
+                          att.upstream_headers(extra=extra_headers), self.timeouts)
+        try:
+            if resp.status != 200:
+                data = await read_body(self.pool, inst, att, "decode", resp)
+                err = status_error("decode", inst, resp.status, data, resp.content_type)
+                if err.retryable:
+                    self.pool.record_failure(inst, err.message)
+                    att.failed(inst)
+                raise err
+            ctype = resp.content_type or b""
+            if not ctype.startswith(b"text/event-stream"):
+                data = await read_body(self.pool, inst, att, "decode", resp)
+                att.timing("decode", time.perf_counter() - t0)
+                return DecodeLeg(inst, resp, body=data)
+            first = await self._first_event(att, inst, resp)
+        except BaseException:
+            resp.close()
+            att.release(inst)
+            raise
+        self.pool.record_success(inst)
+        att.timing("decode_first", time.perf_counter() - t0)
+        return DecodeLeg(inst, resp, first=first)
+
+    async def _first_event(self, att: RequestContext, inst: Instance, resp: Response) -> bytes:
+        """Read up to the end of the first SSE event; an error event there is still retryable."""
+        buf = b""
+        while b"\n\n" not in buf:
+            try:
+                chunk = await resp.read_chunk()
+            except (UpstreamError, UpstreamTimeout) as exc:
+                self.pool.record_failure(inst, str(exc))
+                att.failed(inst)
+                status = 504 if isinstance(exc, UpstreamTimeout) else 502
+                raise ProxyError(status, f"decode instance {inst.url} broke off before its first event: {exc}",
+                                 retryable=True) from None
+            if not chunk:
+                break
+            buf += chunk
+        end = buf.find(b"\n\n")
+        event = buf if end < 0 else buf[:end]
+        if b'"error"' in event and event.startswith(b"data: {"):
+            try:
+                parsed = msgspec.json.decode(event[6:], type=_ErrorBody)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                parsed = None
+            if parsed is not None and parsed.error is not None:
+                att.failed(inst)
+                raise ProxyError(502, f"decode instance {inst.url} failed: "
+                                      f"{upstream_message(event[6:])}", retryable=True)
+        return buf
