@@ -8,6 +8,7 @@ import logging
 import msgspec
 
 from .config import ProxyConfig
+from .connectors import CONNECTORS
 from .errors import ProxyError
 from .http.client import Timeouts, UpstreamError
 from .http.server import Request, ResponseWriter
@@ -20,11 +21,21 @@ log = logging.getLogger("epd_proxy.app")
 _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
+def validate_config(config: ProxyConfig) -> None:
+    """Everything checkable before serving: raises ValueError with an operator-facing message."""
+    config.validate()
+    connector = CONNECTORS.get(config.kv_connector)
+    if connector is None:
+        raise ValueError(f"unknown --kv-connector {config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
+    if config.prefill:
+        connector.check_instances(config.prefill)
+
+
 class ProxyApp:
     """Routes requests; owns the pools, the pipeline and the metrics."""
 
     def __init__(self, config: ProxyConfig) -> None:
-        config.validate()
+        validate_config(config)
         self.config = config
         self.pools: dict[str, InstancePool] = {}
         for role in ("encode", "prefill", "decode"):
@@ -59,6 +70,7 @@ class ProxyApp:
             pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
 
     async def close(self) -> None:
+        await self.pipeline.close()
         for pool in self.pools.values():
             await pool.close()
 

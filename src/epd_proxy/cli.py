@@ -81,10 +81,6 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         probe_timeout=args.probe_timeout,
         fail_threshold=args.fail_threshold,
     )
-    from .connectors import CONNECTORS
-
-    if cfg.kv_connector not in CONNECTORS:
-        raise ValueError(f"unknown --kv-connector {cfg.kv_connector!r} (known: {', '.join(CONNECTORS)})")
     return cfg
 
 
@@ -118,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = config_from_args(args)
             if not args.simulate:
-                cfg.validate()
+                from .app import validate_config
+
+                validate_config(cfg)
         except ValueError as exc:
             parser.error(str(exc))
         from .serve import serve

@@ -78,11 +78,11 @@ class Pipeline:
         decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                                    connect_timeout=t.connect)
         if self.prefill:
-            self.connector: KVConnector = CONNECTORS[config.kv_connector](
-                prefill_stage, decode_stage, **connector_options(config))
+            self.connector: KVConnector = CONNECTORS[config.kv_connector](prefill_stage, decode_stage)
         else:
             self.connector = DecodeOnly(None, decode_stage)
         self.retries = config.decode_retries
+        self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._dp_counter = itertools.count()
         self._base_headers: list = []
         if config.upstream_api_key:
@@ -102,13 +102,20 @@ class Pipeline:
             ctx = RequestContext(rid, path, body.get("stream") is True, self._headers_for(req))
             leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
-            if leg.body is not None:
-                writer.send(leg.resp.status, leg.body, leg.resp.content_type, headers)
-            else:
-                relay = await relay_stream(writer, leg.resp, leg.first, headers)
-                if relay.error is not None:
-                    self.metrics.stream_errors.inc()
-                    log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
+            ok = False
+            try:
+                if leg.body is not None:
+                    writer.send(leg.resp.status, leg.body, leg.resp.content_type, headers)
+                    ok = True
+                else:
+                    relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion)
+                    ok = relay.error is None
+                    if not ok:
+                        self.metrics.stream_errors.inc()
+                        log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
+            finally:
+                if leg.companion is not None:
+                    self._settle(leg.companion, keep=ok)
         except ProxyError as err:
             if not writer.started:
                 headers = id_header + [(b"retry-after", b"5")] if err.status == 503 else id_header
@@ -147,6 +154,29 @@ class Pipeline:
             body = await self.fanout.run(ctx, body, items, consumer_zmq)
         return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
 
+    def _settle(self, companion: asyncio.Task, keep: bool) -> None:
+        """A leg still running when the response is over: drained in the background
+        (bounded by its own stage timeout) after success, cancelled otherwise."""
+        if companion.done():
+            if not companion.cancelled():
+                companion.exception()  # retrieved: already reported in-band or irrelevant
+            return
+        if not keep:
+            companion.cancel()
+        self._background.add(companion)
+        companion.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background leg failed after its response ended: %s", task.exception())
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
     # -- helpers ------------------------------------------------------------------------------
     def _headers_for(self, req: Request) -> list:
         extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
@@ -163,10 +193,6 @@ class Pipeline:
             index = self.decode.instances.index(d)
             zmq = cfg.ec_consumer_zmq_addrs[index * dp + (rank or 0)]
         return headers, zmq
-
-
-def connector_options(config: ProxyConfig) -> dict:
-    return {"timeouts": config.timeouts} if config.kv_connector != "nixl" else {}
 
 
 def _server_timing(timings: dict) -> list:

@@ -82,6 +82,17 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
     writer.flow = relay
     if first:
         relay.on_data(first)
+    if companion is not None:
+        def companion_done(task: asyncio.Future) -> None:
+            if task.cancelled() or relay.ended:
+                return
+            exc = task.exception()
+            if exc is not None:
+                # The other leg failed mid-stream: say so in-band, and stop decode.
+                msg = exc.message if isinstance(exc, ProxyError) else str(exc)
+                relay.fail(ProxyError(502, f"prefill failed after the stream started: {msg}"))
+                resp.close()
+        companion.add_done_callback(companion_done)
     try:
         resp.relay(relay)
         await resp.wait()

@@ -107,8 +107,6 @@ def _announce(proxy: RunningProxy, cluster) -> None:
 
 def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None) -> int:
     """Run until SIGINT/SIGTERM. Returns the exit status."""
-    if not simulate:
-        config.validate()
     if workers <= 1:
         install_uvloop()
         asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True))
