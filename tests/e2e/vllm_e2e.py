@@ -1,0 +1,557 @@
+"""Helpers for the end-to-end suite against real vLLM (``make e2e``).
+
+Processes: every process started here is a session leader (``start_new_session``), so stopping
+it by its PID also stops the children it spawned (vLLM's EngineCore), and nothing else.
+HTTP: stdlib ``http.client`` only, with a timeout on every call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import http.client
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.environ.get("EPD_E2E_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "epd-proxy-e2e")
+VENV = os.environ.get("EPD_E2E_VENV") or os.path.join(CACHE, "venv")
+MODELS = os.environ.get("EPD_E2E_MODELS") or os.path.join(CACHE, "models")
+# e2e/run.sh sets these to 1: a missing vLLM environment or a missing proxy is then an error,
+# not a skip, so CI cannot go green without running anything.
+STRICT_VLLM = os.environ.get("EPD_E2E_REQUIRE_VLLM") == "1"
+STRICT_PROXY = os.environ.get("EPD_E2E_REQUIRE_PROXY") == "1"
+VLLM_START_TIMEOUT = float(os.environ.get("EPD_E2E_START_TIMEOUT", "300"))
+PROXY_START_TIMEOUT = float(os.environ.get("EPD_E2E_PROXY_START_TIMEOUT", "30"))
+REQUEST_TIMEOUT = float(os.environ.get("EPD_E2E_REQUEST_TIMEOUT", "120"))
+MODEL_NAME = "tiny"
+KV_CACHE_BYTES = 64 * 1024 * 1024  # ~65k tokens for the tiny models; whole GiB is the env var's unit
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+
+_LIVE: dict[int, "Proc"] = {}
+
+
+def _stop_all_at_exit() -> None:
+    for p in list(_LIVE.values()):
+        p.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+def free_port() -> int:
+    """A currently free loopback TCP port (the kernel's ephemeral pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+class Proc:
+    """A process we started, in its own session; stopped by its PID (= its process group id)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str,
+                 cwd: str | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self._log = open(self.log_path, "ab", buffering=0)
+        self._log.write(("$ " + " ".join(argv) + "\n").encode())
+        self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                      stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        self.pid = self.popen.pid
+        self.started = time.monotonic()
+        _LIVE[self.pid] = self
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def _signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.pid, sig)  # pgid == pid: start_new_session made it the group leader
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return False
+
+    def stop(self, grace: float = 8.0) -> None:
+        if self.pid not in _LIVE:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        # Leader gone or not: make sure no member of its group survives.
+        deadline = time.monotonic() + 2.0
+        while self._signal_group(0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._signal_group(signal.SIGKILL):
+            time.sleep(0.2)
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _LIVE.pop(self.pid, None)
+        try:
+            self._log.close()
+        except Exception:
+            pass
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def tail(self, n: int = 60) -> str:
+        lines = self.log_text().splitlines()
+        return "\n".join(lines[-n:])
+
+
+def wait_http_ok(proc: Proc, url: str, timeout: float, path: str = "/health") -> float:
+    """Poll GET url+path until 200; fail fast if the process dies. Returns seconds waited."""
+    t0 = time.monotonic()
+    last = ""
+    while True:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} (pid {proc.pid}) exited with {proc.popen.returncode} "
+                               f"before {url}{path} answered; log {proc.log_path}:\n{proc.tail()}")
+        try:
+            r = request(url, "GET", path, timeout=5)
+            if r.status == 200:
+                return time.monotonic() - t0
+            last = f"HTTP {r.status}"
+        except OSError as e:
+            last = repr(e)
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{proc.name} (pid {proc.pid}) not ready at {url}{path} after "
+                               f"{timeout:.0f}s ({last}); log {proc.log_path}:\n{proc.tail()}")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM instances
+
+
+def vllm_env(core: int, side_channel_port: int | None, debug: bool = False) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTEST_CURRENT_TEST",
+                        "PYTEST_ADDOPTS", "VLLM_CPU_KVCACHE_SPACE")}
+    env["PATH"] = os.path.join(VENV, "bin") + os.pathsep + env.get("PATH", "")
+    env.update({
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        # vLLM would advertise the eth0 address for its internal message queue.
+        "VLLM_HOST_IP": "127.0.0.1",
+        # Worker inside the EngineCore process: one spawn less, ~30% less RAM, faster start.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # 'auto' binds every instance to core 0; give each its own core.
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        # the noprog plugin (installed by e2e/setup_vllm.sh) keeps idle NIXL agents off the CPU
+        "VLLM_NIXL_PROG_THREAD": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    if debug:
+        env["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    return env
+
+
+@dataclass
+class Vllm:
+    name: str
+    model: str            # directory under MODELS
+    core: int
+    args: list[str] = field(default_factory=list)
+    debug: bool = False
+    max_model_len: int = 512
+    port: int = 0
+    side_channel_port: int = 0
+    proc: Proc | None = None
+    ready_after: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: str) -> None:
+        self.port, self.side_channel_port = free_ports(2)
+        argv = [os.path.join(VENV, "bin", "vllm"), "serve", os.path.join(MODELS, self.model),
+                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+                "--max-model-len", str(self.max_model_len), "--dtype", "float32", "--enforce-eager",
+                "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+                "--uvicorn-log-level", "warning", *self.args]
+        self.proc = Proc(f"vllm-{self.name}", argv,
+                         vllm_env(self.core, self.side_channel_port, self.debug), log_dir)
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None
+        self.ready_after = wait_http_ok(self.proc, self.url, VLLM_START_TIMEOUT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def log(self) -> str:
+        return self.proc.log_text() if self.proc else ""
+
+    def metrics(self) -> "Metrics":
+        return Metrics.scrape(self.url)
+
+
+def nixl_config(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+
+def ec_config(role: str, path: str) -> str:
+    return json.dumps({"ec_connector": "ECExampleConnector", "ec_role": role,
+                       "ec_buffer_device": "cpu",
+                       "ec_connector_extra_config": {"shared_storage_path": path}})
+
+
+class Cluster:
+    """A set of vLLM instances started together and stopped together."""
+
+    def __init__(self, name: str, instances: dict[str, Vllm], log_dir: str,
+                 ec_dir: str | None = None) -> None:
+        self.name = name
+        self.instances = instances
+        self.log_dir = log_dir
+        self.ec_dir = ec_dir
+        self.started_in = 0.0
+
+    def __getattr__(self, item: str) -> Vllm:
+        inst = self.__dict__.get("instances", {})
+        if item in inst:
+            return inst[item]
+        raise AttributeError(item)
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        try:
+            for v in self.instances.values():
+                v.start(self.log_dir)
+            for v in self.instances.values():
+                v.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_in = time.monotonic() - t0
+        print(f"\n[e2e] cluster {self.name} up in {self.started_in:.0f}s: "
+              + ", ".join(f"{k}={v.url} (sc {v.side_channel_port})" for k, v in self.instances.items()),
+              file=sys.stderr)
+
+    def stop(self) -> None:
+        for v in self.instances.values():
+            v.stop()
+        if self.ec_dir:
+            shutil.rmtree(self.ec_dir, ignore_errors=True)
+
+
+def pd_cluster(log_dir: str) -> Cluster:
+    """1 prefill + 1 decode, tiny Llama, KV over NIXL (pull)."""
+    # max-model-len 2048: room for a long decode in the client-disconnect test.
+    return Cluster("pd", {
+        "prefill": Vllm("pd-prefill", "tiny-model", 0, max_model_len=2048,
+                        args=["--kv-transfer-config", nixl_config("kv_producer")]),
+        "decode": Vllm("pd-decode", "tiny-model", 1, max_model_len=2048,
+                       args=["--kv-transfer-config", nixl_config("kv_consumer")]),
+    }, log_dir)
+
+
+def epd_cluster(log_dir: str) -> Cluster:
+    """Tiny BLIP-2: E (EC producer), P (EC consumer + NIXL KV producer), D (NIXL KV consumer).
+
+    P doubles as the PD instance for E+PD: NIXL does not enforce kv_role, so a request without
+    kv_transfer_params is served start to finish there, with the encoder output from E.
+    """
+    ec_dir = tempfile.mkdtemp(prefix="epd-e2e-ec-")
+    mm = ["--limit-mm-per-prompt", json.dumps({"image": 2})]
+    return Cluster("epd", {
+        "encode": Vllm("epd-encode", "tiny-blip2", 0,
+                       args=[*mm, "--no-enable-prefix-caching",
+                             "--ec-transfer-config", ec_config("ec_producer", ec_dir)]),
+        # DEBUG: the only evidence that the consumer loaded the encoder output is its log line
+        # "Success load encoder cache for hash <mm_hash>".
+        "prefill": Vllm("epd-prefill", "tiny-blip2", 1, debug=True,
+                        args=[*mm, "--ec-transfer-config", ec_config("ec_consumer", ec_dir),
+                              "--kv-transfer-config", nixl_config("kv_producer")]),
+        "decode": Vllm("epd-decode", "tiny-blip2", 0,
+                       args=[*mm, "--kv-transfer-config", nixl_config("kv_consumer")]),
+    }, log_dir, ec_dir=ec_dir)
+
+
+CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "epd": epd_cluster}
+CLUSTER_ORDER = ["pd", "epd"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the proxy
+
+
+def proxy_available() -> tuple[bool, str]:
+    try:
+        r = subprocess.run([sys.executable, "-m", "epd_proxy", "serve", "--help"], cwd=REPO,
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, repr(e)
+    out = (r.stdout + r.stderr).decode("utf-8", "replace")
+    if r.returncode != 0:
+        return False, f"`{sys.executable} -m epd_proxy serve --help` exited {r.returncode}: {out[-800:]}"
+    return True, out
+
+
+@dataclass
+class Proxy:
+    proc: Proc
+    port: int
+    argv: list[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def start_proxy(name: str, log_dir: str, *, encode: Iterable[str] = (), prefill: Iterable[str] = (),
+                decode: Iterable[str], extra: Iterable[str] = ()) -> Proxy:
+    """`epd-proxy serve` exactly as a user would start it, on a free loopback port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    for flag, urls in (("--encode", encode), ("--prefill", prefill), ("--decode", decode)):
+        for u in urls:
+            argv += [flag, u]
+    if list(prefill):
+        argv += ["--kv-connector", "nixl"]
+    argv += [*extra, "--log-level", "info"]
+    env = dict(os.environ)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    proc = Proc(f"proxy-{name}", argv, env, log_dir, cwd=REPO)
+    p = Proxy(proc, port, argv)
+    try:
+        wait_http_ok(proc, p.url, PROXY_START_TIMEOUT)
+    except BaseException:
+        proc.stop()
+        raise
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    elapsed: float
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "")
+
+    def events(self) -> list[Any]:
+        """SSE `data:` payloads in order: parsed JSON objects, or the string "[DONE]"."""
+        out: list[Any] = []
+        text = self.body.decode("utf-8")
+        for block in text.replace("\r\n", "\n").split("\n\n"):
+            data = [ln[5:].lstrip(" ") for ln in block.split("\n") if ln.startswith("data:")]
+            if not data:
+                continue
+            payload = "\n".join(data)
+            out.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+        return out
+
+
+def _conn(base: str, timeout: float) -> http.client.HTTPConnection:
+    u = urllib.parse.urlsplit(base)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+
+
+def request(base: str, method: str, path: str, body: Any = None, headers: dict | None = None,
+            timeout: float = REQUEST_TIMEOUT) -> Response:
+    h = {"Connection": "close"}
+    data = None
+    if body is not None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        h["Content-Type"] = "application/json"
+    h.update(headers or {})
+    t0 = time.monotonic()
+    c = _conn(base, timeout)
+    try:
+        c.request(method, path, body=data, headers=h)
+        r = c.getresponse()
+        raw = r.read()
+        return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, raw,
+                        time.monotonic() - t0)
+    finally:
+        c.close()
+
+
+def post(base: str, path: str, body: Any, **kw: Any) -> Response:
+    return request(base, "POST", path, body, **kw)
+
+
+def endpoint_path(endpoint: str) -> str:
+    return {"chat": "/v1/chat/completions", "completions": "/v1/completions"}[endpoint]
+
+
+def text_of(resp: Response, endpoint: str) -> str:
+    """The generated text of a 200 response, streamed or not."""
+    if resp.content_type.startswith("text/event-stream"):
+        parts = []
+        for ev in resp.events():
+            if ev == "[DONE]" or not ev.get("choices"):
+                continue
+            ch = ev["choices"][0]
+            parts.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+        return "".join(parts)
+    ch = resp.json()["choices"][0]
+    return ch["text"] if endpoint == "completions" else ch["message"]["content"]
+
+
+def describe(resp: Response, limit: int = 600) -> str:
+    return (f"HTTP {resp.status} {resp.content_type} after {resp.elapsed:.2f}s: "
+            f"{resp.body[:limit].decode('utf-8', 'replace')}")
+
+
+# ---------------------------------------------------------------------------------------------
+# request bodies
+
+
+def unique_prompt(words: int = 24) -> str:
+    """A prompt no earlier request shared a prefix with (keeps prefix caches out of the way)."""
+    tag = uuid.uuid4().hex[:10]
+    base = "The quick brown fox jumps over the lazy dog and runs far away".split()
+    rnd = random.Random(tag)
+    return f"Note {tag}: " + " ".join(rnd.choice(base) for _ in range(words))
+
+
+def text_body(endpoint: str, prompt: str, *, max_tokens: int = 16, stream: bool = False,
+              **extra: Any) -> dict:
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": stream}
+    if endpoint == "completions":
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    body.update(extra)
+    return body
+
+
+def png_data_url(rgb: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> str:
+    """A solid-colour PNG as a data: URL, built with the stdlib (the test venv has no PIL)."""
+    w, h = size
+    raw = b"".join(b"\x00" + bytes(rgb) * w for _ in range(h))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + tag + data
+                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def unique_color() -> tuple[int, int, int]:
+    return tuple(random.randrange(256) for _ in range(3))  # type: ignore[return-value]
+
+
+def image_chat_body(url: str, *, text: str = "What is in this image?", max_tokens: int = 8,
+                    stream: bool = False, **extra: Any) -> dict:
+    body = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": text}]}]}
+    body.update(extra)
+    return body
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+
+
+@dataclass
+class Metrics:
+    samples: list[tuple[str, dict[str, str], float]]
+
+    @classmethod
+    def scrape(cls, base: str) -> "Metrics":
+        r = request(base, "GET", "/metrics", timeout=30)
+        assert r.status == 200, describe(r)
+        out = []
+        for line in r.body.decode().splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.rpartition(" ")
+            name, _, lab = key.partition("{")
+            labels: dict[str, str] = {}
+            for part in lab.rstrip("}").split('",'):
+                if "=" in part:
+                    k, _, v = part.partition("=")
+                    labels[k.strip()] = v.strip().strip('"')
+            try:
+                out.append((name, labels, float(value)))
+            except ValueError:
+                continue
+        return cls(out)
+
+    def get(self, name: str, **labels: str) -> float:
+        return sum(v for n, lab, v in self.samples
+                   if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+    def has(self, name: str) -> bool:
+        return any(n == name for n, _, _ in self.samples)
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, interval: float = 0.25) -> Any:
+    """Poll until pred() is truthy; returns its last value (falsy on timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+NIXL_XFERS = "vllm:nixl_bytes_transferred_count"
+NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
+EXT_HITS = "vllm:external_prefix_cache_hits_total"
+RUNNING = "vllm:num_requests_running"
