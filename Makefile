@@ -16,7 +16,7 @@ venv: $(STAMP)
 
 ## Start the proxy on 127.0.0.1:8000 in front of an embedded simulated E+P+D cluster.
 run: $(STAMP)
-	$(PY) -m epd_proxy serve --simulate 'encode=2,prefill=1,decode=2'
+	$(PY) -m epd_proxy serve --simulate 'encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20'
 
 ## The test suite (simulator-backed, real sockets).
 test: $(STAMP)

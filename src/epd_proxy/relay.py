@@ -80,6 +80,8 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
     writer.start(200, resp.content_type or b"text/event-stream", headers)
     relay = StreamRelay(writer, resp)
     writer.flow = relay
+    if writer.writing_paused:
+        relay.pause()  # the client was already behind before the relay attached
     if first:
         relay.on_data(first)
     if companion is not None:

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from .app import ProxyApp
-from .config import ProxyConfig
+from .config import InstanceSpec, ProxyConfig
 from .http.server import HttpServer
 
 log = logging.getLogger("epd_proxy")
@@ -58,6 +58,18 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     return RunningProxy(app, server)
 
 
+def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfig:
+    """The proxy configuration for a simulated cluster: its instances, with each
+    prefill's identity (for push connectors), and its KV connector."""
+    encode = [InstanceSpec(u, "encode") for u in cluster.urls("encode")]
+    prefill = [InstanceSpec(i["url"], "prefill", engine_id=i["engine_id"], kv_host=i["kv_host"],
+                            kv_port=i["kv_port"], tp=i["tp"], pp=i["pp"], bootstrap_port=i.get("bootstrap_port"))
+               for i in cluster.prefill_identities()]
+    decode = [InstanceSpec(u, "decode") for u in cluster.urls("decode") + cluster.urls("pd")]
+    base = config or ProxyConfig()
+    return base.replace(encode=encode, prefill=prefill, decode=decode, kv_connector=cluster.config.kv_connector)
+
+
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
                          simulate: str | None, announce: bool) -> None:
     cluster = None
@@ -66,9 +78,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
 
         cluster = SimCluster.from_spec(simulate)
         await cluster.start()
-        config = config.replace(
-            encode=cluster.specs("encode"), prefill=cluster.specs("prefill"), decode=cluster.specs("decode"),
-            kv_connector=cluster.kv_connector)
+        config = config_for_cluster(cluster, config)
     proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -84,7 +94,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     finally:
         await proxy.close()
         if cluster is not None:
-            await cluster.close()
+            await cluster.stop()
 
 
 def _announce(proxy: RunningProxy, cluster) -> None:

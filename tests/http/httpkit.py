@@ -165,6 +165,16 @@ async def connect(port: int, **kw):
     return await asyncio.open_connection("127.0.0.1", port, **kw)
 
 
+def send_fin_now(writer: asyncio.StreamWriter) -> None:
+    """Half-close the socket synchronously (``write_eof`` may defer the FIN a loop round)."""
+    fd = writer.get_extra_info("socket").fileno()
+    s = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a dup: shutdown acts on the socket
+    try:
+        s.shutdown(socket.SHUT_WR)
+    finally:
+        s.close()
+
+
 def set_rst_on_close(writer: asyncio.StreamWriter) -> None:
     """Make ``close()`` send a TCP RST instead of a FIN."""
     sock = writer.get_extra_info("socket")
@@ -224,8 +234,8 @@ class RawServer:
         self._tasks.add(task)
         try:
             await self.handler(conn)
-        except (ConnectionError, asyncio.IncompleteReadError, Incomplete):
-            pass
+        except (ConnectionError, asyncio.IncompleteReadError, Incomplete, asyncio.CancelledError):
+            pass  # cancelled by close(): end quietly
         finally:
             self._tasks.discard(task)
             conn.closed.set()
@@ -246,7 +256,8 @@ class RawServer:
             t.cancel()
         for c in self.conns:
             c.writer.close()
-        await asyncio.sleep(0)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1)
         self._server = None
 
 

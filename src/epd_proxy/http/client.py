@@ -141,6 +141,7 @@ class Response:
             if self._error is not None:
                 raise self._error
             self._waiter = self._conn.loop.create_future()
+            self._conn.resume_reading()
             await self._waiter
             self._waiter = None
         if self._error is not None:
@@ -170,10 +171,14 @@ class Response:
             raise self._error
 
     def pause_reading(self) -> None:
-        self._conn.pause_reading()
+        # Once released, the connection is back in the pool (or gone): a late signal
+        # from a flow listener must not freeze whichever request uses it next.
+        if not self._released:
+            self._conn.pause_reading()
 
     def resume_reading(self) -> None:
-        self._conn.resume_reading()
+        if not self._released:
+            self._conn.resume_reading()
 
     def close(self) -> None:
         """Done with this response. An unfinished body aborts the connection, which
@@ -209,6 +214,7 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
         self._ignore_message = False
+        self._head_request = False
 
     # -- asyncio protocol -------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -219,9 +225,16 @@ class _Connection(asyncio.Protocol):
         self._last_activity = self.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamError(f"malformed response from upstream: {exc}", kind="protocol",
-                                     response_started=True))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            # httptools wraps what a callback raised; the original is the context.
+            inner = exc.__context__
+            if not isinstance(inner, UpstreamError):
+                inner = UpstreamError(f"malformed response from upstream: {exc!r}", kind="protocol",
+                                      response_started=True)
+            self._fail(inner)
+            # The parser cannot resync: the connection is useless, and the upstream
+            # must not keep generating for it.
+            self.abort()
 
     def eof_received(self):
         return False
@@ -231,9 +244,9 @@ class _Connection(asyncio.Protocol):
         self.pool._forget(self)
         self._cancel_timer()
         resp = self._response
-        if resp is not None and not resp.complete and not self._body_has_length and resp._error is None \
-                and self._head_future is None:
-            # A close-delimited body ends at EOF.
+        if exc is None and resp is not None and not resp.complete and not self._body_has_length \
+                and resp._error is None and self._head_future is None:
+            # A close-delimited body ends at a clean EOF (a reset is a truncation).
             resp._finish(None)
             return
         self._fail(UpstreamError(
@@ -242,6 +255,11 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self._head_future is None:
+            # Bytes nobody asked for (e.g. on an idle connection): a confused upstream.
+            # Parsing them as a response would hand this connection out twice.
+            raise UpstreamError("unsolicited response from upstream", kind="protocol",
+                                response_started=self._response is not None)
         self._headers = {}
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -266,8 +284,20 @@ class _Connection(asyncio.Protocol):
         self._response = resp
         fut = self._head_future
         self._head_future = None
+        # Switch the timer from the header wait to the idle-body wait here, not when the
+        # requesting task resumes: by then the body may be complete and this connection
+        # back in the pool, carrying someone else's request (and header timer).
+        self._cancel_timer()
+        self._last_activity = self.loop.time()
+        self._arm_timer()
         if fut is not None and not fut.done():
             fut.set_result(resp)
+        if self._head_request:
+            # No body follows, whatever the headers say; httptools cannot be told so,
+            # so the parser would wait for one: do not reuse this connection.
+            self.reusable = False
+            self._cancel_timer()
+            resp._finish(None)
 
     def on_body(self, body: bytes) -> None:
         resp = self._response
@@ -288,6 +318,7 @@ class _Connection(asyncio.Protocol):
         self.requests += 1
         self._got_bytes = False
         self._response = None
+        self._head_request = head.startswith(b"HEAD ")
         self._timeouts = timeouts
         self._head_future = self.loop.create_future()
         self._last_activity = self.loop.time()
@@ -339,13 +370,6 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-
-    def _on_head_done(self) -> None:
-        # Switch the timer from the header wait to the idle-body wait.
-        self._cancel_timer()
-        if self._response is not None and not self._response.complete and not self.closed:
-            self._last_activity = self.loop.time()
-            self._arm_timer()
 
     def _fail(self, exc: UpstreamError) -> None:
         self.reusable = False
@@ -505,12 +529,17 @@ class ConnectionPool:
         try:
             resp = await fut
         except asyncio.CancelledError:
-            conn.abort()
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Cancelled after the head arrived: the response may be complete and its
+                # connection already back in the pool (maybe carrying another request).
+                # Close the response: that aborts only if its body is still running.
+                fut.result().close()
+            else:
+                conn.abort()
             raise
         except UpstreamError:
             conn.abort()
             raise
-        conn._on_head_done()
         return resp
 
     async def close(self) -> None:

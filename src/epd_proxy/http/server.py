@@ -21,6 +21,8 @@ from typing import Awaitable, Callable
 
 import httptools
 
+from ..errors import ProxyError
+
 log = logging.getLogger("epd_proxy.http")
 
 Headers = list[tuple[bytes, bytes]]
@@ -70,10 +72,11 @@ _date = _DateCache()
 class Request:
     """One parsed request; the body is fully buffered before the handler runs."""
 
-    __slots__ = ("method", "target", "path", "query", "headers", "body", "keep_alive", "peer")
+    __slots__ = ("method", "target", "path", "query", "headers", "body", "keep_alive", "peer",
+                 "http_version")
 
     def __init__(self, method: str, target: bytes, headers: dict[bytes, bytes], body: bytes,
-                 keep_alive: bool, peer) -> None:
+                 keep_alive: bool, peer, http_version: str = "1.1") -> None:
         self.method = method
         self.target = target
         path, _, query = target.partition(b"?")
@@ -83,6 +86,7 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.peer = peer
+        self.http_version = http_version  # "1.1" or "1.0"
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         return self.headers.get(name, default)
@@ -100,13 +104,16 @@ class ResponseWriter:
     """Writes one response to the client connection.
 
     ``send`` writes a complete response. ``start`` / ``write`` / ``end`` write a
-    chunked one, each call a single ``transport.write`` with no ``await``.
+    chunked one, each call a single ``transport.write`` with no ``await``. (To an
+    HTTP/1.0 client, which cannot parse chunked framing, the streamed body is sent
+    as is and ends when the connection closes.)
     """
 
     __slots__ = ("_conn", "_transport", "started", "finished", "status", "bytes_sent",
-                 "keep_alive", "flow", "_head_only")
+                 "keep_alive", "flow", "_head_only", "_chunked")
 
-    def __init__(self, conn: "HttpServerProtocol", keep_alive: bool, head_only: bool = False) -> None:
+    def __init__(self, conn: "HttpServerProtocol", keep_alive: bool, head_only: bool = False,
+                 chunked: bool = True) -> None:
         self._conn = conn
         self._transport = conn.transport
         self.started = False
@@ -116,6 +123,7 @@ class ResponseWriter:
         self.keep_alive = keep_alive
         self.flow: FlowListener | None = None
         self._head_only = head_only
+        self._chunked = chunked
 
     @property
     def disconnected(self) -> bool:
@@ -158,7 +166,11 @@ class ResponseWriter:
             raise RuntimeError("response already started")
         self.started = True
         self.status = status
-        extra = b"transfer-encoding: chunked\r\n"
+        if self._chunked:
+            extra = b"transfer-encoding: chunked\r\n"
+        else:
+            extra = b""
+            self.keep_alive = False  # the body is delimited by the close
         if content_type:
             extra = b"content-type: " + content_type + b"\r\n" + extra
         if not self._conn.closed:
@@ -166,18 +178,28 @@ class ResponseWriter:
 
     def write(self, data: bytes) -> None:
         """Write one chunk as received; no copy beyond the framing."""
-        if not data or self._conn.closed:
+        if not data or self.finished or self._conn.closed:
+            # After end() a write would land in the next response on this connection.
             return
         self.bytes_sent += len(data)
-        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if self._head_only:
+            return
+        if self._chunked:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            self._transport.write(data)
 
     def end(self, data: bytes = b"") -> None:
         if self.finished:
             return
         self.finished = True
-        if not self._conn.closed:
-            if data:
-                self.bytes_sent += len(data)
+        if data:
+            self.bytes_sent += len(data)
+        if not self._conn.closed and not self._head_only:
+            if not self._chunked:
+                if data:
+                    self._transport.write(data)
+            elif data:
                 self._transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
             else:
                 self._transport.write(b"0\r\n\r\n")
@@ -244,6 +266,15 @@ class HttpServerProtocol(asyncio.Protocol):
         self._writer: ResponseWriter | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
+        # Bytes of a request head still in progress (httptools buffers one header's
+        # name and value internally until the line ends: bound that too).
+        self._in_head = False
+        self._head_pending = 0
+        self._chunk_fresh = False
+        self._began_here = False
+        self._began_at_chunk_start = False
+        self._ignoring_upgrade = False
+        self._done_reading = False  # a non-keep-alive request was read: ignore the rest
 
     # -- connection events --------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -300,14 +331,55 @@ class HttpServerProtocol(asyncio.Protocol):
         return False
 
     def data_received(self, data: bytes) -> None:
+        if self._done_reading:
+            return
+        self._chunk_fresh = not self._parsing  # this chunk starts at a message boundary
+        self._began_here = False
         try:
             self._parser.feed_data(data)
         except _ParseError as exc:
             self._reject(exc.status, str(exc))
-        except httptools.HttpParserUpgrade:
-            self._reject(400, "protocol upgrade is not supported")
+        except httptools.HttpParserUpgrade as exc:
+            if self._ignoring_upgrade:
+                self._restart_without_upgrade(data[exc.args[0]:])
+            else:
+                self._reject(400, "protocol upgrade is not supported")
+        except httptools.HttpParserCallbackError as exc:
+            # httptools wraps what a callback raised; the original is the context.
+            inner = exc.__context__
+            if isinstance(inner, _ParseError):
+                self._reject(inner.status, str(inner))
+            else:
+                self._reject(400, f"malformed HTTP request: {exc}")
         except httptools.HttpParserError as exc:
+            if self._done_reading:
+                return  # bytes after a "Connection: close" request: not a request of ours
             self._reject(400, f"malformed HTTP request: {exc}")
+        else:
+            if self._in_head:
+                if self._began_here:
+                    # Count this chunk only if it began with the message (else part of it
+                    # belongs to the previous one; the next chunk will be counted).
+                    self._head_pending = len(data) if self._began_at_chunk_start else 0
+                else:
+                    self._head_pending += len(data)
+                if self._head_pending > self._limits.max_header_bytes:
+                    self._reject(431, "request headers too large")
+
+    def _restart_without_upgrade(self, rest: bytes) -> None:
+        """Answer an ``Upgrade: h2c`` (or similar) request over HTTP/1.1, ignoring the
+        header (RFC 9110 7.8). httptools stops at an upgrade and skips the body, so the
+        head is parsed again without it by a fresh parser, followed by the rest."""
+        self._ignoring_upgrade = False
+        parser = self._parser
+        head = [parser.get_method(), b" ", self._url, b" HTTP/", parser.get_http_version().encode(), b"\r\n"]
+        for name, value in self._headers.items():
+            if name != b"upgrade":
+                head += (name, b": ", value, b"\r\n")
+        head.append(b"\r\n")
+        self._parser = httptools.HttpRequestParser(self)
+        self._parsing = False
+        self.data_received(b"".join(head) + rest)
 
     # -- timers -------------------------------------------------------------------
     def _arm_timer(self, delay: float) -> None:
@@ -332,6 +404,10 @@ class HttpServerProtocol(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------
     def on_message_begin(self) -> None:
         self._parsing = True
+        self._in_head = True
+        self._began_here = True
+        self._began_at_chunk_start = self._chunk_fresh
+        self._chunk_fresh = False
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
@@ -357,6 +433,12 @@ class HttpServerProtocol(asyncio.Protocol):
             self._headers[name] = value
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._parser.should_upgrade():
+            if self._parser.get_method() == b"CONNECT":
+                raise _ParseError(400, "CONNECT is not supported")
+            self._ignoring_upgrade = True  # see _restart_without_upgrade
+            return
         cl = self._headers.get(b"content-length")
         if cl is not None:
             try:
@@ -365,7 +447,8 @@ class HttpServerProtocol(asyncio.Protocol):
                 raise _ParseError(400, "invalid content-length") from None
             if n > self._limits.max_body_bytes:
                 raise _ParseError(413, f"request body larger than {self._limits.max_body_bytes} bytes")
-        if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._task is None:
+        if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._task is None \
+                and self._parser.get_http_version() != "1.0":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -376,6 +459,8 @@ class HttpServerProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._parsing = False
+        if self._ignoring_upgrade:
+            return  # parsed again by _restart_without_upgrade
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
             self._parser.get_method().decode("latin-1"),
@@ -384,8 +469,12 @@ class HttpServerProtocol(asyncio.Protocol):
             body,
             self._parser.should_keep_alive(),
             self._peer,
+            self._parser.get_http_version(),
         )
         self._body = []
+        if not request.keep_alive:
+            # Nothing after this request is read (llhttp calls it an error anyway).
+            self._done_reading = True
         if self._task is None:
             self._start(request)
         else:
@@ -397,7 +486,8 @@ class HttpServerProtocol(asyncio.Protocol):
     # -- running handlers ---------------------------------------------------------
     def _start(self, request: Request) -> None:
         self._cancel_timer()
-        writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD")
+        writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
+                                chunked=request.http_version != "1.0")
         self._writer = writer
         self._task = self._loop.create_task(self._run(request, writer))
 
@@ -453,8 +543,7 @@ class HttpServerProtocol(asyncio.Protocol):
         if self.closed:
             return
         if self._task is None or self._task.done():
-            body = (b'{"error":{"message":"' + message.replace('"', "'").encode() +
-                    b'","type":"BadRequestError","param":null,"code":%d}}' % status)
+            body = ProxyError(status, message).body()
             self.transport.write(status_line(status) + _date.get() +
                                  b"content-type: application/json\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n" % len(body) + body)
