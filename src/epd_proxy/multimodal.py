@@ -227,18 +227,24 @@ def rewrite_media(
     """A new body with each encoded item replaced by its ``*_embeds`` reference.
 
     ``results`` is aligned with ``items``. Items without usable metadata keep
-    the client's raw part, so the consumer encodes them itself. Only messages
-    and content lists that change are copied; everything else is shared with
-    ``body``, which is never mutated.
+    the client's raw part, but carry the ``uuid`` the encoder was given: the
+    consumer then hashes the item exactly as the encoder did and finds the
+    encoder's cache entry (ECExampleConnector reports empty metadata, so this
+    is its normal path), instead of hashing the content and encoding again.
+    Only messages and content lists that change are copied; everything else is
+    shared with ``body``, which is never mutated.
     """
     if len(items) != len(results):
         raise ValueError("items and results must have the same length")
     replacements: dict[int, dict[int, dict]] = {}
     for item, result in zip(items, results):
         if _usable(item, result):
-            replacements.setdefault(item.message_index, {})[item.part_index] = (
-                embeds_part(item, result.metadata)
-            )
+            new_part = embeds_part(item, result.metadata)
+        elif item.uuid and item.part.get("uuid") != item.uuid:
+            new_part = {**item.part, "uuid": item.uuid}
+        else:
+            continue
+        replacements.setdefault(item.message_index, {})[item.part_index] = new_part
 
     new_body = dict(body)
     if not replacements:

@@ -280,29 +280,65 @@ class DecodeStage:
         return DecodeLeg(inst, resp, first=first)
 
     async def _first_event(self, att: RequestContext, inst: Instance, resp: Response) -> bytes:
-        """Read up to the end of the first SSE event; an error event there is still retryable."""
+        """Read until the first event that says something: an error there is still retryable.
+
+        vLLM's chat streams open with a content-free role chunk, sent even when the
+        request then fails (e.g. a KV load failure: role chunk, then the error event),
+        so role-only chunks are read past before deciding.
+        """
         buf = b""
-        while b"\n\n" not in buf:
+        pos = 0  # start of the first event not yet examined
+        for _ in range(_MAX_LEADING_EVENTS):
+            end = buf.find(b"\n\n", pos)
+            while end < 0:
+                try:
+                    chunk = await resp.read_chunk()
+                except (UpstreamError, UpstreamTimeout) as exc:
+                    self.pool.record_failure(inst, str(exc))
+                    att.failed(inst)
+                    status = 504 if isinstance(exc, UpstreamTimeout) else 502
+                    raise ProxyError(status, f"decode instance {inst.url} broke off before its first event: "
+                                             f"{exc}", retryable=True) from None
+                if not chunk:
+                    return buf  # the stream ended: relay what there is
+                buf += chunk
+                end = buf.find(b"\n\n", pos)
+            event = buf[pos:end]
+            pos = end + 2
+            if not event.startswith(b"data: {"):
+                return buf
             try:
-                chunk = await resp.read_chunk()
-            except (UpstreamError, UpstreamTimeout) as exc:
-                self.pool.record_failure(inst, str(exc))
-                att.failed(inst)
-                status = 504 if isinstance(exc, UpstreamTimeout) else 502
-                raise ProxyError(status, f"decode instance {inst.url} broke off before its first event: {exc}",
-                                 retryable=True) from None
-            if not chunk:
-                break
-            buf += chunk
-        end = buf.find(b"\n\n")
-        event = buf if end < 0 else buf[:end]
-        if b'"error"' in event and event.startswith(b"data: {"):
-            try:
-                parsed = msgspec.json.decode(event[6:], type=_ErrorBody)
+                parsed = msgspec.json.decode(event[6:], type=_StreamEvent)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                parsed = None
-            if parsed is not None and parsed.error is not None:
+                return buf
+            if parsed.error is not None:
                 att.failed(inst)
-                raise ProxyError(502, f"decode instance {inst.url} failed: "
-                                      f"{upstream_message(event[6:])}", retryable=True)
+                raise ProxyError(502, f"decode instance {inst.url} failed: {upstream_message(event[6:])}",
+                                 retryable=True)
+            if not parsed.role_only():
+                return buf
         return buf
+
+
+_MAX_LEADING_EVENTS = 8
+
+
+class _Choice(msgspec.Struct):
+    delta: dict | None = None
+    finish_reason: object = None
+
+
+class _StreamEvent(msgspec.Struct):
+    error: object = None
+    choices: list[_Choice] | None = None
+    usage: object = None
+
+    def role_only(self) -> bool:
+        """A chat chunk that only announces the assistant role (no content, no end)."""
+        if not self.choices or self.usage is not None:
+            return False
+        for c in self.choices:
+            d = c.delta
+            if c.finish_reason is not None or d is None or d.get("content") or set(d) - {"role", "content"}:
+                return False
+        return True

@@ -132,12 +132,11 @@ def test_empty_metadata_still_contributes_handle():
     results, handles = match_encoder_output(sub, ["t0"], {"h": {"metadata": {}, "peer_port": 3}})
     assert results[0].metadata == {}
     assert handles == {"h": {"metadata": {}, "peer_port": 3}}
-    # Rewrite mode: not rewritten, so not declared in ec_items, but the handle stays.
-    assert consumer_ec_params(sub.items, results, handles) == {"h": {"metadata": {}, "peer_port": 3}}
-    assert consumer_ec_params(sub.items, results, handles, rewrite=False) == {
-        "ec_items": [{"mm_hash": "h", "transfer_id": "t0"}],
-        "h": {"metadata": {}, "peer_port": 3},
-    }
+    # Not rewritten (kept raw with its uuid), but still declared: the consumer
+    # resolves it to the same engine hash, in both modes.
+    want = {"ec_items": [{"mm_hash": "h", "transfer_id": "t0"}], "h": {"metadata": {}, "peer_port": 3}}
+    assert consumer_ec_params(sub.items, results, handles) == want
+    assert consumer_ec_params(sub.items, results, handles, rewrite=False) == want
 
 
 def test_transfer_ids_length_must_match():

@@ -227,7 +227,8 @@ def test_rewrite_media_replaces_items_and_keeps_the_rest():
         "audio_embeds": {"audio_len": [7]},
         "uuid": content_uuid(audio),
     }
-    assert content[3] is body["messages"][1]["content"][3]  # no result: raw kept
+    # No result: the raw part is kept, with the uuid the encoder was given.
+    assert content[3] == {**body["messages"][1]["content"][3], "uuid": sha("https://x/b.jpg")}
     # Untouched messages are shared; changed ones are new objects.
     assert out["messages"][0] is body["messages"][0]
     assert out["messages"][2] is body["messages"][2]
@@ -240,7 +241,9 @@ def test_rewrite_media_empty_metadata_keeps_raw_part():
     body = body_with(img("https://x/a.jpg"))
     items = collect_media(body)
     out = rewrite_media(body, items, [res({})])
-    assert out["messages"][1]["content"][0] == img("https://x/a.jpg")
+    # Raw, but with the encoder's uuid, so the consumer hashes it as the encoder did.
+    assert out["messages"][1]["content"][0] == {**img("https://x/a.jpg"), "uuid": sha("https://x/a.jpg")}
+    assert body["messages"][1]["content"][0] == img("https://x/a.jpg")
 
 
 def test_rewrite_media_uses_client_uuid_and_video_type():

@@ -28,19 +28,19 @@ def _sigterm(signum, frame):  # pragma: no cover - only on an outside kill
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def pytest_configure(config):
-    if hasattr(signal, "SIGTERM"):
-        signal.signal(signal.SIGTERM, _sigterm)
-
-
 def pytest_collection_modifyitems(session, config, items):
-    """Group tests by cluster (pd first, then epd), then by the module's ORDER."""
-    def key(item):
-        mod = getattr(item, "module", None)
-        cl = getattr(mod, "CLUSTER", None)
-        rank = E.CLUSTER_ORDER.index(cl) if cl in E.CLUSTER_ORDER else len(E.CLUSTER_ORDER)
-        return (rank, getattr(mod, "ORDER", 50))
-    items.sort(key=key)  # stable: keeps the file order inside each module
+    """Group this suite's tests by cluster (pd first, then epd), then by the module's ORDER.
+
+    Only the positions held by tests of this directory are reordered; others stay put."""
+    def cluster(item):
+        return getattr(getattr(item, "module", None), "CLUSTER", None)
+
+    slots = [i for i, it in enumerate(items) if cluster(it) in E.CLUSTER_ORDER]
+    ours = sorted((items[i] for i in slots),  # stable: file order inside each module
+                  key=lambda it: (E.CLUSTER_ORDER.index(cluster(it)),
+                                  getattr(it.module, "ORDER", 50)))
+    for i, it in zip(slots, ours):
+        items[i] = it
 
 
 @pytest.fixture(scope="session")
@@ -94,9 +94,13 @@ class ClusterManager:
 
 @pytest.fixture(scope="session")
 def clusters(e2e_log_dir, vllm_env_ready):
+    previous = signal.signal(signal.SIGTERM, _sigterm)
     mgr = ClusterManager(e2e_log_dir)
-    yield mgr
-    mgr.stop()
+    try:
+        yield mgr
+    finally:
+        mgr.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="module")

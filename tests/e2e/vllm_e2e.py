@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import base64
 import http.client
-import io
 import json
 import os
 import random
@@ -132,7 +131,8 @@ class Proc:
             return ""
 
     def tail(self, n: int = 60) -> str:
-        lines = self.log_text().splitlines()
+        """The last n lines of the log, DEBUG lines left out."""
+        lines = [ln for ln in self.log_text().splitlines() if " DEBUG " not in ln]
         return "\n".join(lines[-n:])
 
 
@@ -179,6 +179,8 @@ def vllm_env(core: int, side_channel_port: int | None, debug: bool = False) -> d
         # the noprog plugin (installed by e2e/setup_vllm.sh) keeps idle NIXL agents off the CPU
         "VLLM_NIXL_PROG_THREAD": "0",
         "TOKENIZERS_PARALLELISM": "false",
+        # the logs are files; flush each line so tests can read them while the server runs
+        "PYTHONUNBUFFERED": "1",
     })
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
@@ -296,7 +298,7 @@ def epd_cluster(log_dir: str) -> Cluster:
     kv_transfer_params is served start to finish there, with the encoder output from E.
     """
     ec_dir = tempfile.mkdtemp(prefix="epd-e2e-ec-")
-    mm = ["--limit-mm-per-prompt", json.dumps({"image": 2})]
+    mm: list[str] = []  # BLIP-2 takes at most one image per prompt anyway
     return Cluster("epd", {
         "encode": Vllm("epd-encode", "tiny-blip2", 0,
                        args=[*mm, "--no-enable-prefix-caching",
@@ -549,6 +551,18 @@ def wait_for(pred: Callable[[], Any], timeout: float, interval: float = 0.25) ->
         if v or time.monotonic() > deadline:
             return v
         time.sleep(interval)
+
+
+def delta(inst: "Vllm", name: str, before: "Metrics", expected: float, timeout: float = 10,
+          **labels: str) -> float:
+    """How much counter `name` grew since `before`, once it reached `expected` (metrics are
+    published asynchronously by the engine's stats loop), re-read a moment later so that an
+    overshoot is seen too. Returns the growth actually observed (compare it to `expected`)."""
+    base = before.get(name, **labels)
+    E_ = lambda: inst.metrics().get(name, **labels) - base  # noqa: E731
+    wait_for(lambda: E_() >= expected, timeout)
+    time.sleep(0.3)
+    return E_()
 
 
 NIXL_XFERS = "vllm:nixl_bytes_transferred_count"

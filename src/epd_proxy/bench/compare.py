@@ -1,0 +1,325 @@
+"""Side-by-side runs: the simulator in its own process, each proxy in its own, the
+load generator in this one, pinned apart; CPU per request from ``/proc``.
+
+Layout on a 2-core machine (``--pin``, the default when there are 2+ cores):
+the proxy under test on core 0 (``--proxy-cpus``), the simulator and the load
+generator on core 1 (``--load-cpus``). All targets run for the whole
+comparison; they are measured one at a time, interleaved (target order
+rotates every repeat), so slow drift of the machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import sys
+import time
+from dataclasses import dataclass, field
+
+from . import targets as T
+from .loadgen import Phase
+from .procs import Service, available_cpus, machine_busy_seconds, raise_nofile
+from .stats import median_range, ratio
+from .workloads import Prepared, make_workload, prepare, simulator_expected
+
+# Simulator settings that make it behave like vLLM for the benchmark: one SSE event
+# per token in one write, no request records kept (memory), roomy batches.
+BENCH_SIM_DEFAULTS = {"split_utf8": False, "records": False, "max_num_seqs": 1024}
+
+
+@dataclass
+class LabSettings:
+    counts: dict = field(default_factory=lambda: {"encode": 1, "prefill": 1, "decode": 1})
+    sim: dict = field(default_factory=dict)  # SimConfig fields
+    roles: dict = field(default_factory=dict)  # per-role SimConfig overrides
+    proxy_cpus: list[int] | None = None
+    load_cpus: list[int] | None = None
+    log_dir: str = "."
+    nofile: int = 0
+
+
+def default_pinning(pin: bool, proxy_cpus: str | None, load_cpus: str | None) -> tuple[list | None, list | None]:
+    """(proxy cpus, load cpus): explicit lists win; with ``pin`` and 2+ cores, the
+    first core for the proxy and the others for the load."""
+    def parse(text):
+        out = []
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+        return out
+
+    cpus = available_cpus()
+    p = parse(proxy_cpus) if proxy_cpus else None
+    lo = parse(load_cpus) if load_cpus else None
+    if not pin:
+        return p, lo
+    if len(cpus) < 2:
+        return p, lo
+    if p is None:
+        p = [cpus[0]]
+    if lo is None:
+        lo = [c for c in cpus if c not in p] or cpus[-1:]
+    return p, lo
+
+
+class Lab:
+    """A simulated cluster plus the targets in front of it."""
+
+    def __init__(self, settings: LabSettings) -> None:
+        self.s = settings
+        self.sim_service: Service | None = None
+        self.sim: T.SimInfo | None = None
+        self.targets: list[T.Target] = []
+        self._old_affinity = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start_sim(self, timeout: float = 30.0) -> T.SimInfo:
+        spec = {"counts": self.s.counts, "config": {**BENCH_SIM_DEFAULTS, **self.s.sim}, "roles": self.s.roles,
+                "nofile": self.s.nofile}
+        argv = [sys.executable, "-m", "epd_proxy.bench.simhost", json.dumps(spec)]
+        svc = Service("simulator", argv, cpus=self.s.load_cpus, log_path=os.path.join(self.s.log_dir, "sim.log"))
+        svc.start(pipe_stdout=True)
+        self.sim_service = svc
+        line = _read_line(svc, timeout)
+        self.sim = T.SimInfo.from_json(json.loads(line))
+        return self.sim
+
+    def pin_self(self) -> None:
+        if self.s.load_cpus:
+            self._old_affinity = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, set(self.s.load_cpus))
+        if self.s.nofile:
+            raise_nofile(self.s.nofile)
+
+    def add(self, target: T.Target, timeout: float = 60.0) -> T.Target:
+        if target.available and target.service is not None:
+            try:
+                target.service.start()
+                target.service.wait_ready(timeout)
+                target.service.repin()
+            except Exception as exc:
+                target.available = False
+                target.note = f"failed to start: {exc}"
+                target.service.stop()
+                print(f"bench: {target.name} could not be started: {exc}", file=sys.stderr)
+        self.targets.append(target)
+        return target
+
+    def close(self) -> None:
+        for t in self.targets:
+            if t.service is not None:
+                t.service.stop()
+        if self.sim_service is not None:
+            self.sim_service.stop()
+        if self._old_affinity is not None:
+            os.sched_setaffinity(0, self._old_affinity)
+            self._old_affinity = None
+
+    def __enter__(self) -> "Lab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- measuring ------------------------------------------------------------------------------
+    async def phase(self, target: T.Target, requests: list[Prepared], *, concurrency: int = 1,
+                    rate: float | None = None, warmup: float = 1.0, duration: float | None = 5.0,
+                    max_requests: int | None = None, verify: bool = True, label: str = "",
+                    progress: bool = True, seed: int = 0, start_offset: int = 0,
+                    track_pids: list[int] | None = None) -> dict:
+        """One measured phase against ``target``, with the CPU of the target, the
+        simulator and this process over the measurement window."""
+        snaps: dict = {}
+        svc = target.service
+        sim = self.sim_service
+
+        def snap(key):
+            snaps[key] = (svc.cpu_seconds() if svc is not None else math.nan,
+                          sim.cpu_seconds() if sim is not None else math.nan,
+                          svc.rss_bytes() if svc is not None else 0,
+                          machine_busy_seconds(),
+                          [_pid_cpu(p) for p in (track_pids or [])])
+
+        ph = Phase(target.url, requests, concurrency=concurrency, rate=rate, warmup=warmup, duration=duration,
+                   max_requests=max_requests, verify=verify, label=label or target.name, progress=progress,
+                   on_window_start=lambda: snap(0), on_window_end=lambda: snap(1), seed=seed,
+                   start_offset=start_offset)
+        await ph.run()
+        out = ph.summary()
+        out["target"] = target.name
+        n = out["requests"]
+        w = out["window_s"]
+        if 0 in snaps and 1 in snaps:
+            tcpu = snaps[1][0] - snaps[0][0]
+            scpu = snaps[1][1] - snaps[0][1]
+            out["target_cpu_s"] = tcpu
+            out["target_cpu_ms_per_req"] = 1000.0 * tcpu / n if n else math.nan
+            out["target_cpu_util"] = tcpu / w if w > 0 else math.nan
+            out["target_rss_mb"] = snaps[1][2] / 2**20 if svc is not None else math.nan
+            out["sim_cpu_s"] = scpu
+            out["sim_cpu_ms_per_req"] = 1000.0 * scpu / n if n else math.nan
+            out["sim_cpu_util"] = scpu / w if w > 0 else math.nan
+            ncores = len(self.s.load_cpus) if self.s.load_cpus else 1
+            out["loadgen_cpu_util"] = out["loadgen_cpu_s"] / w if w > 0 else math.nan
+            out["load_core_util"] = (scpu + out["loadgen_cpu_s"]) / w / ncores if w > 0 else math.nan
+            # Everything else the machine did meanwhile (other users' processes): a run with
+            # much of it is not a clean measurement.
+            ours = (tcpu if not math.isnan(tcpu) else 0.0) + (scpu if not math.isnan(scpu) else 0.0) \
+                + out["loadgen_cpu_s"]
+            if track_pids:
+                out["pid_cpu_util"] = {str(p): (b - a) / w for p, a, b in zip(track_pids, snaps[0][4], snaps[1][4])}
+            out["foreign_cpu_util"] = max(0.0, (snaps[1][3] - snaps[0][3] - ours) / w) if w > 0 else math.nan
+        return out
+
+
+def _pid_cpu(pid: int) -> float:
+    from .procs import CLK_TCK, read_stat
+
+    st = read_stat(pid)
+    return st.cpu_ticks / CLK_TCK if st else math.nan
+
+
+def _read_line(svc: Service, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    out = svc.proc.stdout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or not svc.alive():
+            svc.stop()
+            raise RuntimeError(f"the simulator did not start: {svc.tail_log()}")
+        r, _, _ = select.select([out], [], [], min(left, 0.5))
+        if r:
+            chunk = os.read(out.fileno(), 65536)
+            if not chunk:
+                continue
+            buf += chunk
+    return buf.split(b"\n", 1)[0].decode()
+
+
+# -- the comparison ------------------------------------------------------------------------------
+def make_targets(lab: Lab, names: list[str], others: list[str]) -> list[T.Target]:
+    sim = lab.sim
+    cpus = lab.s.proxy_cpus
+    log_dir = lab.s.log_dir
+    out = []
+    for name in names:
+        if name == "direct":
+            out.append(lab.add(T.direct_target(sim)))
+        elif name == "epd-proxy":
+            out.append(lab.add(T.epd_proxy_target(sim, cpus=cpus, log_dir=log_dir)))
+        elif name == "vllm-router":
+            out.append(lab.add(T.vllm_router_target(sim, cpus=cpus, log_dir=log_dir)))
+        elif name == "nginx":
+            out.append(lab.add(T.nginx_target(sim, cpus=cpus, log_dir=log_dir)))
+        else:
+            raise ValueError(f"unknown target {name!r}")
+    for spec in others:
+        out.append(lab.add(T.other_target(spec, sim, cpus=cpus, log_dir=log_dir)))
+    return out
+
+
+def lab_settings(args, **over) -> LabSettings:
+    proxy_cpus, load_cpus = default_pinning(args.pin, args.proxy_cpus, args.load_cpus)
+    sim = {"itl_ms": args.itl_ms, "ttft_ms": args.ttft_ms, "encode_ms_per_item": args.encode_ms}
+    sim.update(over.pop("sim", {}))
+    counts = over.pop("counts", None) or {"encode": args.encoders, "prefill": args.prefills, "decode": args.decoders}
+    return LabSettings(counts=counts, sim=sim, roles=over.pop("roles", {}), proxy_cpus=proxy_cpus,
+                       load_cpus=load_cpus, log_dir=args.log_dir, nofile=over.pop("nofile", 0))
+
+
+def workload_requests(args, name: str, **over) -> list[Prepared]:
+    wl = make_workload(name, images=over.get("images", args.images), image_kb=over.get("image_kb", args.image_kb),
+                       prompt_bytes=over.get("prompt_bytes", args.prompt_bytes),
+                       max_tokens=over.get("max_tokens", args.max_tokens),
+                       variants=over.get("variants", args.variants), model=args.model)
+    return prepare(wl, seed=args.seed, expected=simulator_expected() if args.verify != "off" else None)
+
+
+async def run_compare(args, progress: bool = True) -> dict:
+    """Every workload against every target, ``--repeat`` times, interleaved."""
+    settings = lab_settings(args)
+    result: dict = {"settings": {"concurrency": args.concurrency, "rate": args.rate, "repeat": args.repeat,
+                                 "warmup_s": args.warmup, "duration_s": args.duration,
+                                 "requests": args.requests, "workloads": args.workloads,
+                                 "sim": {**BENCH_SIM_DEFAULTS, **settings.sim}, "counts": settings.counts,
+                                 "proxy_cpus": settings.proxy_cpus, "load_cpus": settings.load_cpus},
+                    "targets": {}, "workloads": {}, "sweep": None}
+    with Lab(settings) as lab:
+        lab.pin_self()
+        lab.start_sim()
+        tlist = make_targets(lab, args.targets, args.other)
+        for t in tlist:
+            result["targets"][t.name] = {"available": t.available, "note": t.note, "url": t.url,
+                                         "argv": t.service.argv if t.service is not None else None}
+        loads = {name: workload_requests(args, name) for name in args.workloads}
+        for name in args.workloads:
+            wl = make_workload(name, images=args.images, image_kb=args.image_kb, prompt_bytes=args.prompt_bytes,
+                               max_tokens=args.max_tokens)
+            result["workloads"][name] = {"description": "; ".join(w.describe() for w in wl), "runs": {}}
+        active = [t for t in tlist if t.available]
+        for rep in range(args.repeat):
+            k = rep % len(active)
+            order = active[k:] + active[:k]
+            for name in args.workloads:
+                kinds = {p.kind for p in loads[name]}
+                for t in order:
+                    if not all(t.supports(kind) for kind in kinds):
+                        continue
+                    label = f"{name} {t.name} #{rep + 1}"
+                    res = await lab.phase(t, loads[name], concurrency=args.concurrency, rate=args.rate,
+                                          warmup=args.warmup, duration=args.duration, max_requests=args.requests,
+                                          verify=args.verify != "off", label=label, progress=progress,
+                                          seed=args.seed + rep, start_offset=rep * 7)
+                    res["repeat"] = rep
+                    result["workloads"][name]["runs"].setdefault(t.name, []).append(res)
+        for name, w in result["workloads"].items():
+            w["summary"] = summarize_runs(w["runs"])
+        if args.sweep:
+            result["sweep"] = await run_sweep(lab, args, [t for t in active if t.supports("stream")], progress)
+    return result
+
+
+async def run_sweep(lab: Lab, args, tlist: list[T.Target], progress: bool) -> dict:
+    """req/s and latency against concurrency, stream workload, one run per point."""
+    reqs = workload_requests(args, "stream")
+    out: dict = {"concurrency": list(args.sweep), "targets": {}}
+    for c in args.sweep:
+        for t in tlist:
+            res = await lab.phase(t, reqs, concurrency=c, warmup=args.warmup, duration=args.sweep_duration,
+                                  max_requests=None, verify=args.verify != "off", label=f"sweep c={c} {t.name}",
+                                  progress=progress, seed=args.seed)
+            out["targets"].setdefault(t.name, []).append(res)
+    return out
+
+
+SUMMARY_KEYS = ("req_s", "target_cpu_ms_per_req", "target_cpu_util", "sim_cpu_ms_per_req", "loadgen_cpu_ms_per_req",
+                "load_core_util", "tokens_s", "foreign_cpu_util")
+
+
+def summarize_runs(runs: dict[str, list[dict]]) -> dict:
+    """Per target: median [min, max] over repeats of the headline numbers, and the
+    ratio of req/s to the direct target's."""
+    out: dict = {}
+    for name, rs in runs.items():
+        s: dict = {k: median_range(r.get(k, math.nan) for r in rs) for k in SUMMARY_KEYS}
+        for lat in ("ttft_ms", "itl_ms", "e2e_ms"):
+            s[lat] = {q: median_range(r[lat][q] for r in rs) for q in ("p50", "p90", "p99")}
+        s["requests"] = sum(r["requests"] for r in rs)
+        s["errors"] = sum(r["errors"] for r in rs)
+        s["verify_errors"] = sum(r["verify_errors"] + r["outside_window"]["verify_errors"] for r in rs)
+        s["repeats"] = len(rs)
+        out[name] = s
+    direct = out.get("direct")
+    for name, s in out.items():
+        if direct is not None:
+            # Ratios per repeat (paired), then median: robust to drift between repeats.
+            pairs = [ratio(a["req_s"], b["req_s"]) for a, b in zip(runs[name], runs["direct"])]
+            s["req_s_vs_direct"] = median_range(pairs)
+    return out

@@ -1,0 +1,554 @@
+"""The load generator: closed loop (C workers) or open loop (Poisson arrivals).
+
+It uses the proxy's own keep-alive client (:class:`epd_proxy.http.client.ConnectionPool`)
+on the running loop (uvloop under ``epd-proxy bench``). A streamed body is
+taken in relay mode: the sink only appends ``(perf_counter(), bytes)`` per
+received piece, with no ``await`` per chunk; the SSE events are parsed once,
+after the stream ended, to timestamp each token (the time of the piece that
+completed its event) and to verify the text against the simulator's
+deterministic output.
+
+Measurement window: a phase runs ``warmup`` seconds unmeasured, then measures
+until ``max_requests`` requests completed or ``duration`` seconds passed,
+then stops issuing and lets the requests in flight finish (they are verified
+but not counted). Throughput is completions inside the window divided by its
+length: steady state, no ramp-up or drain tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import time
+from array import array
+from collections import Counter
+from typing import Callable, Sequence
+
+import msgspec
+
+from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+
+from .procs import self_cpu_seconds
+from .workloads import Prepared
+
+perf = time.perf_counter
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+# -- response parsing -------------------------------------------------------------------------
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Message(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    delta: _Delta | None = None
+    message: _Message | None = None
+    text: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    error: object = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+def _content(chunk: _Chunk) -> str | None:
+    for c in chunk.choices:
+        if c.index != 0:
+            continue
+        if c.delta is not None:
+            return c.delta.content
+        if c.message is not None:
+            return c.message.content
+        return c.text
+    return None
+
+
+class Outcome:
+    """What one request turned into."""
+
+    __slots__ = ("kind", "t_send", "t_end", "ttft", "itl", "tokens", "error", "verify_error", "nbytes",
+                 "server_timing", "status", "text")
+
+    def __init__(self, kind: str, t_send: float) -> None:
+        self.kind = kind
+        self.t_send = t_send
+        self.t_end = t_send
+        self.ttft: float | None = None
+        self.itl: list[float] = []
+        self.tokens = 0
+        self.error: str | None = None  # None = success
+        self.verify_error = False  # the text differs from the expected one
+        self.nbytes = 0
+        self.server_timing: bytes | None = None
+        self.status = 0
+        self.text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def e2e(self) -> float:
+        return self.t_end - self.t_send
+
+
+def parse_sse(pieces: Sequence[tuple[float, bytes]]) -> tuple[list[tuple[float, str]], bool, str | None]:
+    """(content events as (time, text), saw ``[DONE]``, in-band error) of a relayed SSE body.
+
+    An event's time is that of the piece that completed it. Events without
+    content (the role event, a usage chunk) are not listed."""
+    out: list[tuple[float, str]] = []
+    done = False
+    error: str | None = None
+    buf = b""
+    for t, data in pieces:
+        buf = buf + data if buf else data
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            event = buf[start:end]
+            start = end + 2
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].lstrip(b" ")
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                try:
+                    chunk = _decode_chunk(payload)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    error = error or "undecodable SSE event"
+                    continue
+                if chunk.error is not None:
+                    error = error or f"in-band error: {str(chunk.error)[:200]}"
+                    continue
+                text = _content(chunk)
+                if text:
+                    out.append((t, text))
+        buf = buf[start:]
+    if buf.strip():
+        error = error or "stream ended inside an event"
+    return out, done, error
+
+
+class _Sink:
+    """Relay-mode body sink: timestamps each received piece, nothing else."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[float, bytes]] = []
+
+    def on_data(self, data: bytes) -> None:
+        self.pieces.append((perf(), data))
+
+    def on_end(self) -> None:
+        pass
+
+    def on_error(self, exc: Exception) -> None:
+        pass
+
+
+async def send(pool: ConnectionPool, prep: Prepared, timeouts: Timeouts, *, verify: bool = True,
+               keep_text: bool = False, headers: list | None = None) -> Outcome:
+    """One request; never raises except on cancellation."""
+    out = Outcome(prep.kind, perf())
+    try:
+        resp = await pool.request("POST", prep.path, body=prep.body, headers=headers or _JSON_HEADERS,
+                                  timeouts=timeouts)
+    except UpstreamError as exc:
+        out.t_end = perf()
+        out.error = f"{exc.kind}: {exc}"[:200]
+        return out
+    out.status = resp.status
+    out.server_timing = resp.headers.get(b"server-timing")
+    try:
+        if resp.status != 200:
+            try:
+                data = await resp.read()
+            except UpstreamError:
+                data = b""
+            out.t_end = perf()
+            out.error = f"HTTP {resp.status}: {data[:160].decode('utf-8', 'replace')}"
+            return out
+        ctype = resp.content_type or b""
+        if prep.stream and ctype.startswith(b"text/event-stream"):
+            sink = _Sink()
+            resp.relay(sink)
+            try:
+                await resp.wait()
+            except UpstreamError as exc:
+                out.t_end = perf()
+                out.error = f"stream broke off: {exc}"[:200]
+                return out
+            out.t_end = perf()
+            events, done, error = parse_sse(sink.pieces)
+            out.nbytes = sum(len(d) for _, d in sink.pieces)
+            if events:
+                out.ttft = events[0][0] - out.t_send
+                prev = events[0][0]
+                itl = out.itl
+                for t, _ in events[1:]:
+                    itl.append(t - prev)
+                    prev = t
+            out.tokens = len(events)
+            if error is not None:
+                out.error = error
+            elif not done:
+                out.error = "stream ended without [DONE]"
+            text = "".join(t for _, t in events)
+        else:
+            try:
+                data = await resp.read()
+            except UpstreamError as exc:
+                out.t_end = perf()
+                out.error = f"body broke off: {exc}"[:200]
+                return out
+            out.t_end = perf()
+            out.nbytes = len(data)
+            if prep.stream:
+                out.error = f"expected an event stream, got {ctype.decode('latin-1')!r}"
+                return out
+            try:
+                text = _content(_decode_chunk(data)) or ""
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                out.error = "undecodable JSON answer"
+                return out
+            out.ttft = out.e2e
+            out.tokens = 1
+        if keep_text:
+            out.text = text
+        if verify and prep.expected is not None and out.error is None and text != prep.expected:
+            out.verify_error = True
+            out.error = "verification: text differs from the simulator's"
+            out.text = text
+        return out
+    finally:
+        resp.close()
+
+
+# -- phases -----------------------------------------------------------------------------------
+class PhaseStats:
+    """Everything measured inside one window, kept compact (arrays of floats)."""
+
+    def __init__(self) -> None:
+        self.ok = 0
+        self.errors: Counter = Counter()
+        self.verify_errors = 0
+        self.examples: list[str] = []
+        self.ttft = array("d")
+        self.e2e = array("d")
+        self.itl = array("d")
+        self.tokens = 0
+        self.nbytes = 0
+        self.by_kind: dict[str, array] = {}
+        self.outside_ok = 0  # completed outside the window (warm-up, drain)
+        self.outside_errors = 0
+        self.outside_verify_errors = 0
+
+    @property
+    def completed(self) -> int:
+        return self.ok + sum(self.errors.values())
+
+    def add(self, o: Outcome, in_window: bool) -> None:
+        if not in_window:
+            if o.ok:
+                self.outside_ok += 1
+            else:
+                self.outside_errors += 1
+                if o.verify_error:
+                    self.outside_verify_errors += 1
+                    self._example(o)
+            return
+        if o.ok:
+            self.ok += 1
+            if o.ttft is not None:
+                self.ttft.append(o.ttft)
+            self.e2e.append(o.e2e)
+            self.by_kind.setdefault(o.kind, array("d")).append(o.e2e)
+            if o.itl:
+                self.itl.extend(o.itl)
+            self.tokens += o.tokens
+            self.nbytes += o.nbytes
+        else:
+            key = o.error.split(":", 1)[0] if o.error else "error"
+            self.errors[key] += 1
+            if o.verify_error:
+                self.verify_errors += 1
+            self._example(o)
+
+    def _example(self, o: Outcome) -> None:
+        if len(self.examples) < 5:
+            self.examples.append(o.error or "?")
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, label: str, total: int | None = None, duration: float | None = None,
+                 enabled: bool = True, stream=None) -> None:
+        self.label = label
+        self.total = total
+        self.duration = duration
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and self.stream.isatty()
+        self.done = 0
+        self.errors = 0
+        self.t0 = perf()
+        self.t_window: float | None = None
+        self.n_window0 = 0
+        self.phase = "warm-up"
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.tty:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                self.render()
+                await asyncio.sleep(0.25)
+        except asyncio.CancelledError:
+            pass
+
+    def render(self, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = perf()
+        width = 24
+        if self.t_window is not None:
+            n = self.done - self.n_window0
+            el = now - self.t_window
+            frac_n = n / self.total if self.total else 0.0
+            frac_t = el / self.duration if self.duration else 0.0
+            frac = min(1.0, max(frac_n, frac_t))
+            rate = n / el if el > 0 else 0.0
+        else:
+            frac = 0.0
+            n = 0
+            rate = 0.0
+        filled = int(frac * width)
+        bar = "#" * filled + "-" * (width - filled)
+        text = (f"{self.label[:34]:34s} [{bar}] {self.phase:8s} {n:6d} req {rate:8.1f} req/s "
+                f"err {self.errors}")
+        if self.tty:
+            self.stream.write("\r" + text + ("\n" if final else ""))
+            self.stream.flush()
+        elif final:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.phase = "done"
+        self.render(final=True)
+
+
+class Phase:
+    """One measured run of the load generator against one URL."""
+
+    def __init__(self, url: str, requests: Sequence[Prepared], *, concurrency: int = 1, rate: float | None = None,
+                 warmup: float = 0.0, duration: float | None = None, max_requests: int | None = None,
+                 seed: int = 0, verify: bool = True, timeout: float = 600.0, drain_timeout: float = 60.0,
+                 label: str = "", progress: bool = True,
+                 on_window_start: Callable[[], None] | None = None,
+                 on_window_end: Callable[[], None] | None = None,
+                 start_offset: int = 0, max_outstanding: int | None = None) -> None:
+        if not requests:
+            raise ValueError("no requests to send")
+        if duration is None and max_requests is None:
+            raise ValueError("a phase needs a duration or a request count")
+        self.url = url
+        self.requests = list(requests)
+        self.concurrency = max(1, concurrency)
+        self.rate = rate
+        self.warmup = max(0.0, warmup)
+        self.duration = duration
+        self.max_requests = max_requests
+        self.seed = seed
+        self.verify = verify
+        self.timeouts = Timeouts(connect=10.0, headers=timeout, idle=timeout)
+        self.drain_timeout = drain_timeout
+        self.stats = PhaseStats()
+        self.progress = Progress(label or url, max_requests, duration, enabled=progress)
+        self.on_window_start = on_window_start
+        self.on_window_end = on_window_end
+        self.max_outstanding = max_outstanding or max(10_000, self.concurrency)
+        self._next = start_offset
+        self._state = "warmup"
+        self._stop = None
+        self._window_timer: asyncio.TimerHandle | None = None
+        self.t_window_start = math.nan
+        self.t_window_end = math.nan
+        self.cpu_self = 0.0
+        self.issued = 0
+        self.pool: ConnectionPool | None = None
+
+    # -- window ---------------------------------------------------------------------------
+    def _begin_window(self) -> None:
+        if self._state != "warmup":
+            return
+        if self.on_window_start is not None:
+            self.on_window_start()
+        self._cpu0 = self_cpu_seconds()
+        self.t_window_start = perf()
+        self._state = "measure"
+        self.progress.phase = "measure"
+        self.progress.t_window = self.t_window_start
+        self.progress.n_window0 = self.progress.done
+        if self.duration is not None:
+            self._window_timer = asyncio.get_running_loop().call_later(self.duration, self._end_window)
+
+    def _end_window(self) -> None:
+        if self._state != "measure":
+            return
+        self.t_window_end = perf()
+        self.cpu_self = self_cpu_seconds() - self._cpu0
+        if self.on_window_end is not None:
+            self.on_window_end()
+        self._state = "drain"
+        self.progress.phase = "drain"
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+        self._stop.set()
+
+    @property
+    def window(self) -> float:
+        return self.t_window_end - self.t_window_start
+
+    def _record(self, o: Outcome) -> None:
+        in_window = self._state == "measure" and o.t_end >= self.t_window_start
+        self.stats.add(o, in_window)
+        self.progress.done += 1
+        if not o.ok:
+            self.progress.errors += 1
+        if in_window and self.max_requests is not None and self.stats.completed >= self.max_requests:
+            self._end_window()
+
+    def _take(self) -> Prepared:
+        prep = self.requests[self._next % len(self.requests)]
+        self._next += 1
+        self.issued += 1
+        return prep
+
+    # -- drivers --------------------------------------------------------------------------
+    async def _worker(self) -> None:
+        pool = self.pool
+        while not self._stop.is_set():
+            o = await send(pool, self._take(), self.timeouts, verify=self.verify)
+            self._record(o)
+
+    async def _one(self, prep: Prepared) -> None:
+        o = await send(self.pool, prep, self.timeouts, verify=self.verify)
+        self._record(o)
+
+    async def _open_loop(self) -> None:
+        rng = random.Random(self.seed)
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task] = set()
+        t_next = perf()
+        while not self._stop.is_set():
+            t_next += rng.expovariate(self.rate)
+            delay = t_next - perf()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                    break
+                except asyncio.TimeoutError:
+                    pass
+            if len(tasks) >= self.max_outstanding:
+                self.stats.errors["dropped (too many outstanding)"] += 1
+                continue
+            task = loop.create_task(self._one(self._take()))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.drain_timeout)
+            for t in tasks:
+                t.cancel()
+
+    async def run(self) -> "Phase":
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self.pool = ConnectionPool(self.url, idle_timeout=2.0, max_idle=max(256, self.concurrency * 2))
+        self.progress.start()
+        try:
+            if self.warmup > 0:
+                loop.call_later(self.warmup, self._begin_window)
+            else:
+                self._begin_window()
+            if self.rate:
+                await self._open_loop()
+            else:
+                workers = [loop.create_task(self._worker()) for _ in range(self.concurrency)]
+                await self._stop.wait()
+                done, pending = await asyncio.wait(workers, timeout=self.drain_timeout)
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.wait(pending, timeout=5)
+                for t in done:
+                    if not t.cancelled() and t.exception() is not None:
+                        raise t.exception()
+        finally:
+            self.progress.close()
+            await self.pool.close()
+        return self
+
+    # -- results ----------------------------------------------------------------------------
+    def summary(self) -> dict:
+        from .stats import summarize
+
+        s = self.stats
+        window = self.window
+        n = s.completed
+        out = {
+            "url": self.url,
+            "concurrency": None if self.rate else self.concurrency,
+            "rate": self.rate,
+            "window_s": window,
+            "requests": n,
+            "ok": s.ok,
+            "errors": sum(s.errors.values()),
+            "error_kinds": dict(s.errors),
+            "verify_errors": s.verify_errors,
+            "outside_window": {"ok": s.outside_ok, "errors": s.outside_errors,
+                               "verify_errors": s.outside_verify_errors},
+            "error_examples": list(s.examples),
+            "req_s": s.ok / window if window > 0 else math.nan,
+            "tokens_s": s.tokens / window if window > 0 else math.nan,
+            "ttft_ms": summarize(s.ttft, 1000.0),
+            "itl_ms": summarize(s.itl, 1000.0),
+            "e2e_ms": summarize(s.e2e, 1000.0),
+            "e2e_ms_by_kind": {k: summarize(v, 1000.0) for k, v in s.by_kind.items()},
+            "ttft_cdf": _cdf_ms(s.ttft),
+            "e2e_cdf": _cdf_ms(s.e2e),
+            "loadgen_cpu_s": self.cpu_self,
+            "loadgen_cpu_ms_per_req": 1000.0 * self.cpu_self / n if n else math.nan,
+        }
+        return out
+
+
+def _cdf_ms(values) -> list | None:
+    from .stats import cdf_points
+
+    xs, ys = cdf_points(values, 200)
+    if not xs:
+        return None
+    return [[round(x * 1000.0, 4) for x in xs], [round(y, 5) for y in ys]]

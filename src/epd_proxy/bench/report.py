@@ -1,0 +1,521 @@
+"""The benchmark report: JSON (everything), Markdown (what a user reads) and PNG plots
+(what a user looks at). Also the checks of the measured figures against the targets."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+# The issue's targets: (key, description, limit, unit, direction).
+LIMITS = {
+    "cpu_stream": ("Proxy CPU per P/D text stream request", 2.0, "ms", "<="),
+    "cpu_mm": ("Proxy CPU per E+P+D request (1 x 150 KiB image)", 2.5, "ms", "<="),
+    "cpu_nonstream": ("Proxy CPU per P/D non-stream request", 0.35, "ms", "<="),
+    "throughput_mm": ("E+P+D req/s on one proxy core (fast backends)", 450.0, "req/s", ">="),
+    "reqs_vs_direct": ("req/s through the proxy / direct to decode (default comparison)", 0.97, "x", ">="),
+    "added_p50": ("Added TTFT at concurrency 1, p50", 1.0, "ms", "<="),
+    "added_p99": ("Added TTFT at concurrency 1, p99", 3.0, "ms", "<="),
+    "workers": ("--workers 2 req/s / one worker's", 1.7, "x", ">="),
+    "scale_flat": ("Memory growth while holding the streams", 5.0, "%", "<="),
+    "media_linear": ("Encoder-stage CPU linear in image size (R^2)", 0.98, "", ">="),
+}
+
+
+def _nan(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def fmt(x, digits: int = 2) -> str:
+    if _nan(x):
+        return "–"
+    if isinstance(x, int):
+        return str(x)
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return f"{x:.{digits}f}"
+
+
+def fmt_range(mr: dict | None, digits: int = 2) -> str:
+    """``median [min–max]`` (just the value when there is one run)."""
+    if not mr or _nan(mr.get("median")):
+        return "–"
+    if mr.get("n", 1) <= 1 or mr["min"] == mr["max"]:
+        return fmt(mr["median"], digits)
+    return f"{fmt(mr['median'], digits)} [{fmt(mr['min'], digits)}–{fmt(mr['max'], digits)}]"
+
+
+def _pct(mr: dict | None) -> dict | None:
+    if not mr:
+        return None
+    return {k: (v * 100 if k != "n" and not _nan(v) else v) for k, v in mr.items()}
+
+
+def _check(key: str, measured, source: str, extra: str = "") -> dict:
+    desc, limit, unit, op = LIMITS[key]
+    met = None
+    if not _nan(measured):
+        met = measured <= limit if op == "<=" else measured >= limit
+    return {"key": key, "target": desc, "limit": f"{op} {limit:g} {unit}".strip(), "measured": measured,
+            "unit": unit, "met": met, "source": source, "note": extra}
+
+
+def checks(result: dict) -> list[dict]:
+    """Each target of the issue against what this run measured (only what ran)."""
+    out: list[dict] = []
+    sc = result.get("scenarios", {})
+    comp = sc.get("compare")
+    if isinstance(comp, dict) and "workloads" in comp:
+        for wl, key in (("stream", "cpu_stream"), ("mm", "cpu_mm"), ("nonstream", "cpu_nonstream")):
+            s = comp["workloads"].get(wl, {}).get("summary", {})
+            ep = s.get("epd-proxy")
+            if ep:
+                vr = s.get("vllm-router")
+                note = ""
+                if vr:
+                    note = f"vllm-router: {fmt(vr['target_cpu_ms_per_req']['median'])} ms"
+                out.append(_check(key, ep["target_cpu_ms_per_req"]["median"], f"compare/{wl}", note))
+        for wl in ("stream", "nonstream", "mm"):
+            s = comp["workloads"].get(wl, {}).get("summary", {})
+            ep = s.get("epd-proxy")
+            if ep and "req_s_vs_direct" in ep:
+                c = _check("reqs_vs_direct", ep["req_s_vs_direct"]["median"], f"compare/{wl}",
+                           f"{fmt(ep['req_s']['median'], 1)} vs {fmt(s['direct']['req_s']['median'], 1)} req/s")
+                c["target"] += f" ({wl})"
+                out.append(c)
+    thr = sc.get("throughput")
+    if isinstance(thr, dict) and "workloads" in thr:
+        ep = thr["workloads"].get("mm", {}).get("summary", {}).get("epd-proxy")
+        if ep:
+            out.append(_check("throughput_mm", ep["req_s"]["median"], "throughput/mm",
+                              f"proxy core at {fmt(100 * ep['target_cpu_util']['median'], 0)} %, load core at "
+                              f"{fmt(100 * ep['load_core_util']['median'], 0)} %"))
+    lat = sc.get("latency")
+    if isinstance(lat, dict) and "workloads" in lat:
+        for wl, w in lat["workloads"].items():
+            for q, key in (("p50", "added_p50"), ("p99", "added_p99")):
+                c = _check(key, w["added_ms"][q], f"latency/{wl}")
+                c["target"] += f" ({'P/D' if wl == 'stream' else 'E+P+D'})"
+                out.append(c)
+    wk = sc.get("workers")
+    if isinstance(wk, dict) and "ratio" in wk:
+        note = (f"each worker held to {wk['quota_cores_per_worker']:g} core by a CPU cgroup"
+                if wk.get("quota_cores_per_worker") else "no CPU cgroup: load shares the cores")
+        out.append(_check("workers", wk["ratio"]["median"], "workers", note))
+    scale = sc.get("scale")
+    if isinstance(scale, dict) and "runs" in scale:
+        for run in scale["runs"]:
+            c = _check("scale_flat", run.get("rss_hold_growth_pct"), f"scale/{run['workers']}w",
+                       f"{run['streams']} streams, {fmt(run.get('rss_per_1k_streams_mb'))} MiB and "
+                       f"{fmt(run.get('cpu_ms_per_s_per_1k_streams'))} ms CPU/s per 1k streams; "
+                       f"errors {run.get('errors')}")
+            c["target"] += f" ({run['streams']} streams, {run['workers']} worker{'s' if run['workers'] > 1 else ''})"
+            if run.get("errors"):
+                c["met"] = False
+            out.append(c)
+    media = sc.get("media")
+    if isinstance(media, dict) and "fit" in media:
+        out.append(_check("media_linear", media["fit"]["r2"], "media",
+                          f"{fmt(media['ms_per_mb'])} ms per MiB of image "
+                          f"(+{fmt(media['fit']['intercept'])} ms fixed)"))
+    verify = 0
+    for name, r in sc.items():
+        verify += _count_verify(r)
+    out.append({"key": "verify", "target": "Byte-exact verification of every response", "limit": "0 mismatches",
+                "measured": verify, "unit": "", "met": verify == 0, "source": "all", "note": "",
+                "verify_errors": verify})
+    return out
+
+
+def _count_verify(obj) -> int:
+    n = 0
+    if isinstance(obj, dict):
+        if "verify_errors" in obj and isinstance(obj["verify_errors"], int) and "outside_window" in obj:
+            n += obj["verify_errors"] + obj["outside_window"].get("verify_errors", 0)
+        elif "verify_errors" in obj and isinstance(obj["verify_errors"], int) and "workers" in obj:
+            n += obj["verify_errors"]  # a scale run
+        for k, v in obj.items():
+            if k in ("summary",):
+                continue
+            n += _count_verify(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            n += _count_verify(v)
+    return n
+
+
+# -- Markdown -------------------------------------------------------------------------------------
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _met(c: dict) -> str:
+    return {True: "met", False: "**missed**", None: "–"}[c["met"]]
+
+
+def markdown(result: dict, plots: dict[str, str] | None = None) -> str:
+    plots = plots or {}
+    meta = result.get("meta", {})
+    m = meta.get("machine", {})
+    out = ["# epd-proxy benchmark report", ""]
+    out.append(f"- command: `{meta.get('command', '')}`")
+    out.append(f"- when: {meta.get('started', '')} – {meta.get('finished', '')}; git {m.get('git', '?')}")
+    out.append(f"- machine: {m.get('cpus')} × {m.get('cpu', '?')}, {m.get('memory', '')}, Linux {m.get('kernel')}, "
+               f"Python {m.get('python')}, uvloop {m.get('uvloop')}")
+    bg = meta.get("background_cpu_cores")
+    if bg is not None:
+        out.append(f"- other load on the machine before the run: {fmt(bg)} cores busy")
+    out.append("")
+    cks = result.get("checks") or []
+    if cks:
+        out += ["## Targets", ""]
+        rows = [[c["target"], c["limit"], fmt(c["measured"]) + (f" {c['unit']}" if c["unit"] else ""), _met(c),
+                 c.get("note", "")] for c in cks]
+        out += [_table(["target", "limit", "measured", "", "notes"], rows), ""]
+    sc = result.get("scenarios", {})
+    for name, r in sc.items():
+        if isinstance(r, dict) and "error" in r and len(r) == 1:
+            out += [f"## {name}", "", f"failed: `{r['error']}`", ""]
+            continue
+        fn = _SECTIONS.get(name)
+        if fn is not None:
+            out += fn(r, plots)
+    return "\n".join(out) + "\n"
+
+
+def _compare_section(r: dict, plots: dict, title: str = "Side by side") -> list[str]:
+    st = r.get("settings", {})
+    out = [f"## {title}", ""]
+    sim = st.get("sim", {})
+    conc = f"concurrency {st.get('concurrency')}" if not st.get("rate") else f"Poisson {st.get('rate')} req/s"
+    out.append(f"{conc}; window {st.get('duration_s')} s or {st.get('requests')} requests after "
+               f"{st.get('warmup_s')} s warm-up; {st.get('repeat')} interleaved repeats: median [min–max]. "
+               f"Simulator: {sim.get('itl_ms')} ms between tokens, prefill {sim.get('ttft_ms')} ms, "
+               f"instances {st.get('counts')}. Proxy on cpus {st.get('proxy_cpus')}, simulator + load generator "
+               f"on cpus {st.get('load_cpus')}.")
+    if r.get("note"):
+        out.append("")
+        out.append(r["note"])
+    out.append("")
+    tg = r.get("targets", {})
+    rows = [[n, "yes" if t["available"] else "no", t["note"]] for n, t in tg.items()]
+    out += [_table(["target", "ran", "what"], rows), ""]
+    for wl, w in r.get("workloads", {}).items():
+        s = w.get("summary", {})
+        out += [f"### {wl}: {w.get('description', '')}", ""]
+        rows = []
+        for name, t in s.items():
+            rows.append([name, fmt_range(t["req_s"], 1), fmt_range(t.get("req_s_vs_direct"), 3),
+                         fmt_range(t["target_cpu_ms_per_req"], 3),
+                         f"{fmt(t['ttft_ms']['p50']['median'])} / {fmt(t['ttft_ms']['p99']['median'])}",
+                         f"{fmt(t['itl_ms']['p50']['median'])} / {fmt(t['itl_ms']['p99']['median'])}",
+                         f"{fmt(t['e2e_ms']['p50']['median'])} / {fmt(t['e2e_ms']['p99']['median'])}",
+                         f"{t['errors']} / {t['verify_errors']}", str(t["requests"])])
+        out += [_table(["target", "req/s", "vs direct", "proxy CPU ms/req", "TTFT p50/p99 ms",
+                        "ITL p50/p99 ms", "E2E p50/p99 ms", "errors / mismatches", "requests"], rows), ""]
+        rows = [[name, fmt_range(t["sim_cpu_ms_per_req"], 3), fmt_range(t["loadgen_cpu_ms_per_req"], 3),
+                 fmt_range(_pct(t["load_core_util"]), 0), fmt_range(_pct(t["target_cpu_util"]), 0),
+                 fmt_range(_pct(t.get("foreign_cpu_util")), 0)]
+                for name, t in s.items()]
+        out += ["Cost of the load itself (to show the proxy, not the load, is what saturates), and CPU used by "
+                "anything else on the machine during the windows (% of one core; should be ~0):", "",
+                _table(["target", "simulator CPU ms/req", "load generator CPU ms/req", "load core busy %",
+                        "proxy core busy %", "other processes %"], rows), ""]
+        for key in (f"cdf_{wl}",):
+            if key in plots:
+                out += [f"![latency CDFs, {wl}]({plots[key]})", ""]
+    if "cpu_bars" in plots and title == "Side by side":
+        out += [f"![proxy CPU per request]({plots['cpu_bars']})", ""]
+    sw = r.get("sweep")
+    if sw:
+        out += ["### req/s against concurrency (stream)", ""]
+        header = ["target"] + [f"c={c}" for c in sw["concurrency"]]
+        rows = [[name] + [fmt(x["req_s"], 1) for x in runs] for name, runs in sw["targets"].items()]
+        out += [_table(header, rows), ""]
+        rows = [[name] + [fmt(x.get("target_cpu_ms_per_req"), 3) for x in runs]
+                for name, runs in sw["targets"].items()]
+        out += ["Proxy CPU ms per request:", "", _table(header, rows), ""]
+        if "sweep" in plots:
+            out += [f"![req/s vs concurrency]({plots['sweep']})", ""]
+    return out
+
+
+def _throughput_section(r: dict, plots: dict) -> list[str]:
+    return _compare_section(r, {}, title="Throughput with fast backends")
+
+
+def _latency_section(r: dict, plots: dict) -> list[str]:
+    out = ["## Added latency at concurrency 1", ""]
+    out.append(f"{r.get('samples')} paired samples per workload, {r.get('tokens')} output tokens. Stage sum = "
+               "encoder call + prefill call + decode TTFT, each made directly by the load generator with the "
+               "bodies the proxy would send (one HTTP round trip each, like the proxy's own). Added = proxy "
+               "TTFT − stage sum, per pair.")
+    out.append("")
+    rows = []
+    for wl, w in r.get("workloads", {}).items():
+        rows.append([("P/D text" if wl == "stream" else "E+P+D image"),
+                     f"{fmt(w['proxy_ttft_ms']['p50'])} / {fmt(w['proxy_ttft_ms']['p99'])}",
+                     f"{fmt(w['stage_sum_ms']['p50'])} / {fmt(w['stage_sum_ms']['p99'])}",
+                     f"{fmt(w['added_ms']['p50'], 3)} / {fmt(w['added_ms']['p90'], 3)} / {fmt(w['added_ms']['p99'], 3)}",
+                     fmt(w.get("proxy_cpu_ms_per_req"), 3), f"{w['ok']} / {w['errors']}",
+                     f"`{w.get('server_timing_example') or ''}`"])
+    out += [_table(["workload", "proxy TTFT p50/p99 ms", "stage sum p50/p99 ms", "added p50/p90/p99 ms",
+                    "proxy CPU ms/req", "ok / errors", "Server-Timing (last)"], rows), ""]
+    return out
+
+
+def _scale_section(r: dict, plots: dict) -> list[str]:
+    out = ["## Scale: slow streams", ""]
+    if r.get("note"):
+        out += [r["note"], ""]
+    rows = []
+    for run in r.get("runs", []):
+        rows.append([str(run["workers"]), str(run["streams"]), f"{run['tokens_per_stream']} × 1 s",
+                     fmt(run["rss_idle_mb"], 1), fmt(run["rss_full_mb"], 1), fmt(run["rss_per_1k_streams_mb"], 2),
+                     f"{fmt(run['rss_hold_growth_mb'], 1)} ({fmt(run['rss_hold_growth_pct'], 2)} %)",
+                     fmt(run["cpu_ms_per_s_per_1k_streams"], 1), fmt(100 * run["proxy_cpu_util_hold"], 1),
+                     fmt(100 * run["sim_cpu_util_hold"], 0) + " / " + fmt(100 * run["loadgen_cpu_util_hold"], 0),
+                     f"{run['ok']} / {run['errors']} / {run['verify_errors']}"])
+    out += [_table(["workers", "streams", "tokens", "RSS idle MiB", "RSS full MiB", "MiB per 1k streams",
+                    "RSS growth over hold", "CPU ms/s per 1k streams", "proxy core %", "sim / loadgen core %",
+                    "ok / errors / mismatches"], rows), ""]
+    if "scale" in plots:
+        out += [f"![proxy memory against open streams]({plots['scale']})", ""]
+    return out
+
+
+def _workers_section(r: dict, plots: dict) -> list[str]:
+    out = ["## --workers 2 against one worker", ""]
+    if r.get("quota_cores_per_worker"):
+        out.append(f"Each proxy worker pinned to its own core and held to {r['quota_cores_per_worker']:g} core by a "
+                   "CPU cgroup (CFS quota, high weight); simulator and load generator unpinned, using the rest. "
+                   f"Stream workload, {r.get('tokens')} tokens, {r.get('itl_ms')} ms between tokens, concurrency "
+                   f"{r.get('concurrency')}.")
+    else:
+        out.append("No writable CPU cgroup: workers and load share the two cores; the ratio understates scaling.")
+    out.append("")
+    s = r.get("summary", {})
+    rows = []
+    for w, t in s.items():
+        per = [run.get("worker_cpu_util") for run in r["runs"][w]]
+        rows.append([w.replace("epd-proxy-", ""), fmt_range(t["req_s"], 1), fmt_range(t["target_cpu_ms_per_req"], 3),
+                     ", ".join("/".join(fmt(100 * x, 0) for x in p) for p in per if p), f"{t['errors']}"])
+    out += [_table(["workers", "req/s", "proxy CPU ms/req", "per-worker core % (each run)", "errors"], rows), ""]
+    out.append(f"Ratio (paired per repeat): **{fmt_range(r.get('ratio'), 2)}**")
+    out.append("")
+    return out
+
+
+def _media_section(r: dict, plots: dict) -> list[str]:
+    out = ["## Big media through the encoder stage", ""]
+    rows = [[fmt(p["image_mb"]), fmt(p["body_mb"]), fmt(p.get("target_cpu_ms_per_req"), 3), fmt(p["req_s"], 1),
+             f"{p['errors']} / {p['verify_errors']}", str(p["requests"])] for p in r.get("points", [])]
+    out += [_table(["image MiB", "request body MiB", "proxy CPU ms/req", "req/s", "errors / mismatches",
+                    "requests"], rows), ""]
+    if "fit" in r:
+        f = r["fit"]
+        out.append(f"Least squares: **{fmt(f['slope'], 3)} ms per MiB of image** ({fmt(r.get('ms_per_body_mb'), 3)} "
+                   f"ms per MiB of request body) + {fmt(f['intercept'], 3)} ms; R² = {f['r2']:.4f}.")
+        out.append("")
+    if "media" in plots:
+        out += [f"![CPU against image size]({plots['media']})", ""]
+    return out
+
+
+def _push_section(r: dict, plots: dict) -> list[str]:
+    out = ["## Push (nixl-push) against pull (nixl): TTFT", ""]
+    out.append(f"Prefill time T_p = {fmt(r.get('tp_ms'), 0)} ms; decode-side time T_d set per request "
+               "(`sim_fault: decode:delay=T_d`, work on decode that does not need the KV); concurrency 1.")
+    out.append("")
+    rows = []
+    for mode, rs in r.get("modes", {}).items():
+        for row in rs:
+            rows.append([mode, fmt(row["td_ms"], 0), f"{row['model']} = {fmt(row['model_ms'], 0)}",
+                         fmt(row["ttft_ms"]["p50"], 2), fmt(row["ttft_ms"]["p90"], 2),
+                         fmt(row["overhead_p50_ms"], 2), str(row["errors"])])
+    out += [_table(["mode", "T_d ms", "model ms", "TTFT p50 ms", "TTFT p90 ms", "p50 − model ms", "errors"], rows), ""]
+    return out
+
+
+def _url_section(r: dict, plots: dict) -> list[str]:
+    out = [f"## {r.get('url')}", ""]
+    rows = []
+    for wl, w in r.get("workloads", {}).items():
+        rows.append([wl, fmt(w["req_s"], 1), f"{fmt(w['ttft_ms']['p50'])} / {fmt(w['ttft_ms']['p99'])}",
+                     f"{fmt(w['itl_ms']['p50'])} / {fmt(w['itl_ms']['p99'])}",
+                     f"{fmt(w['e2e_ms']['p50'])} / {fmt(w['e2e_ms']['p99'])}",
+                     fmt(w.get("target_cpu_ms_per_req"), 3), f"{w['errors']} / {w['verify_errors']}",
+                     str(w["requests"])])
+    out += [_table(["workload", "req/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p99 ms",
+                    "server CPU ms/req", "errors / mismatches", "requests"], rows), ""]
+    return out
+
+
+_SECTIONS = {"compare": _compare_section, "throughput": _throughput_section, "latency": _latency_section,
+             "scale": _scale_section, "workers": _workers_section, "media": _media_section, "push": _push_section,
+             "url": _url_section}
+
+
+# -- plots ------------------------------------------------------------------------------------------
+def make_plots(result: dict, outdir: str) -> dict[str, str]:
+    """PNG files next to the report; returns {name: file name}. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    out: dict[str, str] = {}
+    sc = result.get("scenarios", {})
+    comp = sc.get("compare")
+    if isinstance(comp, dict) and "workloads" in comp:
+        # Latency CDFs: per workload, TTFT and E2E, last repeat's raw samples are not kept,
+        # so the CDF is drawn from each run's percentiles... use the samples kept in "cdf".
+        for wl, w in comp["workloads"].items():
+            runs = w.get("runs", {})
+            if not runs:
+                continue
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            for name, rs in runs.items():
+                for ax, key in zip(axes, ("ttft_cdf", "e2e_cdf")):
+                    xs, ys = [], []
+                    for r in rs:
+                        c = r.get(key)
+                        if c:
+                            xs, ys = c
+                    if xs:
+                        ax.plot(xs, ys, label=name)
+            for ax, title in zip(axes, ("TTFT", "end-to-end latency")):
+                ax.set_xlabel("ms")
+                ax.set_ylabel("fraction of requests")
+                ax.set_title(f"{wl}: {title}")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+            fig.tight_layout()
+            fn = f"latency_cdf_{wl}.png"
+            fig.savefig(os.path.join(outdir, fn), dpi=110)
+            plt.close(fig)
+            out[f"cdf_{wl}"] = fn
+        # CPU per request bars.
+        wls = [wl for wl, w in comp["workloads"].items() if w.get("summary")]
+        names = []
+        for wl in wls:
+            for n in comp["workloads"][wl]["summary"]:
+                if n != "direct" and n not in names:
+                    names.append(n)
+        if wls and names:
+            fig, ax = plt.subplots(figsize=(9, 4))
+            width = 0.8 / len(names)
+            for i, n in enumerate(names):
+                xs, ys, lo, hi = [], [], [], []
+                for j, wl in enumerate(wls):
+                    t = comp["workloads"][wl]["summary"].get(n)
+                    if not t or _nan(t["target_cpu_ms_per_req"]["median"]):
+                        continue
+                    mr = t["target_cpu_ms_per_req"]
+                    xs.append(j + i * width)
+                    ys.append(mr["median"])
+                    lo.append(mr["median"] - mr["min"])
+                    hi.append(mr["max"] - mr["median"])
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=n, capsize=3)
+            ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(wls))])
+            ax.set_xticklabels(wls)
+            ax.set_ylabel("proxy CPU ms per request")
+            ax.set_title("CPU per request (median, min–max)")
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(os.path.join(outdir, "cpu_per_request.png"), dpi=110)
+            plt.close(fig)
+            out["cpu_bars"] = "cpu_per_request.png"
+        sw = comp.get("sweep")
+        if sw:
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            for name, runs in sw["targets"].items():
+                cs = sw["concurrency"][:len(runs)]
+                axes[0].plot(cs, [r["req_s"] for r in runs], marker="o", label=name)
+                axes[1].plot(cs, [r["e2e_ms"]["p99"] for r in runs], marker="o", label=name)
+            axes[0].set_ylabel("req/s")
+            axes[1].set_ylabel("E2E p99 ms")
+            for ax in axes:
+                ax.set_xlabel("concurrency")
+                ax.set_xscale("log", base=2)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+            axes[0].set_title("throughput against concurrency (stream)")
+            axes[1].set_title("tail latency against concurrency")
+            fig.tight_layout()
+            fig.savefig(os.path.join(outdir, "reqs_vs_concurrency.png"), dpi=110)
+            plt.close(fig)
+            out["sweep"] = "reqs_vs_concurrency.png"
+    scale = sc.get("scale")
+    if isinstance(scale, dict) and scale.get("runs"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for run in scale["runs"]:
+            s = run.get("samples", [])
+            ax.plot([x["active"] for x in s], [x["rss_mb"] for x in s], ".", ms=3,
+                    label=f"{run['workers']} worker(s), up to {run['streams']}")
+        ax.set_xlabel("open streams")
+        ax.set_ylabel("proxy RSS (MiB, all processes)")
+        ax.set_title("proxy memory against open streams")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "scale_rss.png"), dpi=110)
+        plt.close(fig)
+        out["scale"] = "scale_rss.png"
+    media = sc.get("media")
+    if isinstance(media, dict) and media.get("points"):
+        pts = media["points"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [p["image_mb"] for p in pts]
+        ax.plot(xs, [p.get("target_cpu_ms_per_req") for p in pts], "o", label="measured")
+        if "fit" in media:
+            f = media["fit"]
+            ax.plot([0, max(xs)], [f["intercept"], f["intercept"] + f["slope"] * max(xs)], "-",
+                    label=f"{f['slope']:.2f} ms/MiB + {f['intercept']:.2f} ms")
+        ax.set_xlabel("image MiB (before base64)")
+        ax.set_ylabel("proxy CPU ms per request")
+        ax.set_title("encoder stage: CPU against image size")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "media_cpu.png"), dpi=110)
+        plt.close(fig)
+        out["media"] = "media_cpu.png"
+    return out
+
+
+def _clean(o):
+    if isinstance(o, float):
+        return None if math.isnan(o) or math.isinf(o) else o
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write(result: dict, outdir: str, *, plots: bool = True) -> dict:
+    os.makedirs(outdir, exist_ok=True)
+    pl = make_plots(result, outdir) if plots else {}
+    jpath = os.path.join(outdir, "report.json")
+    with open(jpath, "w") as f:
+        json.dump(_clean(result), f, indent=1, default=str)
+    mpath = os.path.join(outdir, "report.md")
+    with open(mpath, "w") as f:
+        f.write(markdown(result, pl))
+    return {"json": jpath, "markdown": mpath, "plots": pl}
+
+
+def console_summary(result: dict) -> str:
+    lines = ["", "== targets =="]
+    for c in result.get("checks", []):
+        lines.append(f"  [{ {True: 'met', False: 'MISSED', None: ' - '}[c['met']]:6s}] {c['target']}: "
+                     f"{fmt(c['measured'])} {c['unit']} (limit {c['limit']}) {c.get('note', '')}")
+    return "\n".join(lines)

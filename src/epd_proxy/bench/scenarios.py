@@ -1,0 +1,587 @@
+"""The benchmark's scenarios. Each ``run_<name>(args)`` is a coroutine returning a
+JSON-able dict; :mod:`epd_proxy.bench.report` renders them and checks the targets.
+
+compare     every workload against direct / epd-proxy / vllm-router / nginx, interleaved, repeated
+latency     concurrency 1: TTFT through the proxy minus the stage times measured directly
+throughput  fast backends (short token delay, few tokens): what one proxy core sustains
+scale       thousands of slow streams: memory and CPU per 1k streams
+workers     ``--workers 2`` against one worker, each worker held to a CPU quota
+media       big images through the encoder stage: CPU against image size
+push        TTFT in NIXL push mode against pull mode
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+
+import msgspec
+
+from epd_proxy.http.client import ConnectionPool, Timeouts
+
+from . import targets as T
+from .compare import Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
+from .loadgen import send
+from .procs import nofile_limits, pin, self_cpu_seconds, tree_cpu_seconds, tree_pids, tree_rss_bytes
+from .stats import linear_fit, median_range, summarize
+from .workloads import Prepared, chat_body, make_workload, simulator_expected
+
+perf = time.perf_counter
+_HEADERS = [(b"content-type", b"application/json")]
+
+
+# -- url ----------------------------------------------------------------------------------------
+class _External:
+    """A process we did not start, measured by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def cpu_seconds(self) -> float:
+        return tree_cpu_seconds(self.pid)
+
+    def rss_bytes(self) -> int:
+        return tree_rss_bytes(self.pid)
+
+
+async def run_url(args) -> dict:
+    """Load against ``--url`` only."""
+    lab = Lab(lab_settings(args))
+    target = T.Target("url", args.url.rstrip("/"), None)
+    if args.pid:
+        target.service = _External(args.pid)  # type: ignore[assignment]
+    out: dict = {"url": args.url, "workloads": {}}
+    verify = args.verify == "on"
+    for name in args.workloads:
+        reqs = workload_requests(args, name)
+        if not verify:
+            reqs = [replace(r, expected=None) for r in reqs]
+        res = await lab.phase(target, reqs, concurrency=args.concurrency, rate=args.rate, warmup=args.warmup,
+                              duration=args.duration, max_requests=args.requests, verify=verify,
+                              label=f"{name} {args.url}", progress=args.progress, seed=args.seed)
+        out["workloads"][name] = res
+    return out
+
+
+# -- compare ------------------------------------------------------------------------------------
+async def run_compare(args) -> dict:
+    return await _run_compare(args, progress=args.progress)
+
+
+# -- throughput -----------------------------------------------------------------------------------
+async def run_throughput(args) -> dict:
+    """Fast backends: the proxy core is the cap. Same machinery as compare."""
+    a = _copy_args(args, itl_ms=args.throughput_itl_ms, max_tokens=args.throughput_tokens,
+                   concurrency=args.throughput_concurrency, workloads=["mm", "stream", "nonstream"],
+                   sweep=[], requests=None, repeat=max(1, min(args.repeat, 3)))
+    out = await _run_compare(a, progress=args.progress)
+    out["note"] = (f"backends made fast so they are not the cap: {a.itl_ms:g} ms between tokens, "
+                   f"{a.max_tokens} tokens per request, concurrency {a.concurrency}")
+    return out
+
+
+def _copy_args(args, **changes):
+    import argparse
+
+    ns = argparse.Namespace(**vars(args))
+    for k, v in changes.items():
+        setattr(ns, k, v)
+    return ns
+
+
+# -- latency ---------------------------------------------------------------------------------------
+async def _stage_calls(pools: dict, prep: Prepared, timeouts: Timeouts) -> dict:
+    """Run the stages the proxy would run, directly against the instances, one after
+    the other; returns each stage's time and decode's TTFT (seconds)."""
+    from epd_proxy.ec_match import consumer_ec_params, match_encoder_output
+    from epd_proxy.encoder_plan import encoder_body, new_transfer_id, plan_sub_requests
+    from epd_proxy.multimodal import collect_media, rewrite_media
+    from epd_proxy.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
+
+    body = prep.obj
+    out = {"encode": 0.0, "prefill": 0.0, "decode_ttft": math.nan, "error": None}
+    items = collect_media(body)
+    consumer = body
+    if items:
+        subs = plan_sub_requests(items, [0] * len(items), 0)
+        results: list = [None] * len(items)
+        handles: dict = {}
+        t0 = perf()
+        for sub in subs:
+            tids = [new_transfer_id() for _ in sub.items]
+            eb = encoder_body(body, sub, rewrite=True, transfer_ids=tids, consumer_zmq=None)
+            resp = await pools["encode"].request("POST", prep.path, body=msgspec.json.encode(eb), headers=_HEADERS,
+                                                 timeouts=timeouts)
+            try:
+                data = await resp.read()
+            finally:
+                resp.close()
+            if resp.status != 200:
+                out["error"] = f"encode HTTP {resp.status}"
+                return out
+            ec = msgspec.json.decode(data).get("ec_transfer_params")
+            res, h = match_encoder_output(sub, tids, ec)
+            for item, r in zip(sub.items, res):
+                results[item.index] = r
+            handles.update(h)
+        out["encode"] = perf() - t0
+        consumer = rewrite_media(body, items, results)
+        ec = consumer_ec_params(items, results, handles)
+        if ec is not None:
+            consumer["ec_transfer_params"] = ec
+    t0 = perf()
+    resp = await pools["prefill"].request("POST", prep.path,
+                                          body=msgspec.json.encode(prefill_body(consumer,
+                                                                                nixl_prefill_request_params())),
+                                          headers=_HEADERS, timeouts=timeouts)
+    try:
+        data = await resp.read()
+    finally:
+        resp.close()
+    out["prefill"] = perf() - t0
+    if resp.status != 200:
+        out["error"] = f"prefill HTTP {resp.status}"
+        return out
+    kv = msgspec.json.decode(data).get("kv_transfer_params")
+    d = Prepared(prep.kind, prep.path, msgspec.json.encode(decode_body(consumer, kv=kv)), True, prep.expected, {})
+    o = await send(pools["decode"], d, timeouts)
+    if not o.ok:
+        out["error"] = f"decode: {o.error}"
+        return out
+    out["decode_ttft"] = o.ttft
+    return out
+
+
+async def run_latency(args) -> dict:
+    """Concurrency 1: TTFT through the proxy against the sum of the stage times, each
+    stage called directly by the load generator (one HTTP round trip each, like the
+    proxy's own calls). Samples are paired and alternate which goes first."""
+    settings = lab_settings(args)
+    out: dict = {"samples": args.latency_samples, "tokens": args.latency_tokens, "workloads": {},
+                 "sim": settings.sim}
+    with Lab(settings) as lab:
+        lab.pin_self()
+        sim = lab.start_sim()
+        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
+        if not proxy.available:
+            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        timeouts = Timeouts(connect=10, headers=60, idle=60)
+        pools = {"encode": ConnectionPool(sim.encode[0]) if sim.encode else None,
+                 "prefill": ConnectionPool(sim.prefill[0]), "decode": ConnectionPool(sim.decode[0]),
+                 "proxy": ConnectionPool(proxy.url)}
+        try:
+            for name in ("stream", "mm"):
+                if name == "mm" and not sim.encode:
+                    continue
+                reqs = workload_requests(args, name, max_tokens=args.latency_tokens)
+                # Warm every connection first.
+                for prep in reqs[:3]:
+                    await _stage_calls(pools, prep, timeouts)
+                    await send(pools["proxy"], prep, timeouts)
+                proxy_ttft, stage_sum, diff, parts, timing = [], [], [], {"encode": [], "prefill": [],
+                                                                          "decode_ttft": []}, []
+                errors = 0
+                cpu0 = proxy.service.cpu_seconds()
+                for i in range(args.latency_samples):
+                    prep = reqs[i % len(reqs)]
+                    if i % 2 == 0:
+                        st = await _stage_calls(pools, prep, timeouts)
+                        o = await send(pools["proxy"], prep, timeouts)
+                    else:
+                        o = await send(pools["proxy"], prep, timeouts)
+                        st = await _stage_calls(pools, prep, timeouts)
+                    if st["error"] or not o.ok or o.ttft is None:
+                        errors += 1
+                        continue
+                    s = st["encode"] + st["prefill"] + st["decode_ttft"]
+                    proxy_ttft.append(o.ttft)
+                    stage_sum.append(s)
+                    diff.append(o.ttft - s)
+                    for k in parts:
+                        parts[k].append(st[k])
+                    if o.server_timing:
+                        timing.append(o.server_timing.decode("latin-1"))
+                    if args.progress and i % 20 == 0:
+                        print(f"\rlatency {name}: {i}/{args.latency_samples}", end="", file=sys.stderr,
+                              flush=True)
+                cpu1 = proxy.service.cpu_seconds()
+                if args.progress:
+                    print(f"\rlatency {name}: {args.latency_samples}/{args.latency_samples}", file=sys.stderr)
+                n = len(diff)
+                out["workloads"][name] = {
+                    "ok": n, "errors": errors,
+                    "proxy_ttft_ms": summarize(proxy_ttft, 1000),
+                    "stage_sum_ms": summarize(stage_sum, 1000),
+                    "added_ms": summarize(diff, 1000),
+                    "added_p50_of_medians_ms": (summarize(proxy_ttft, 1000)["p50"]
+                                                - summarize(stage_sum, 1000)["p50"]),
+                    "stages_ms": {k: summarize(v, 1000) for k, v in parts.items()},
+                    "proxy_cpu_ms_per_req": 1000 * (cpu1 - cpu0) / n if n else math.nan,
+                    "server_timing_example": timing[-1] if timing else None,
+                }
+        finally:
+            for p in pools.values():
+                if p is not None:
+                    await p.close()
+    return out
+
+
+# -- media -----------------------------------------------------------------------------------------
+async def run_media(args) -> dict:
+    """One image of growing size per request (E+P+D, stream, 4 tokens): proxy CPU per
+    request against the image size, and a least-squares line through it."""
+    settings = lab_settings(args, sim={"itl_ms": 1.0})
+    out: dict = {"sizes_mb": list(args.media_mb), "points": []}
+    with Lab(settings) as lab:
+        lab.pin_self()
+        sim = lab.start_sim()
+        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
+        if not proxy.available:
+            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        for mb in args.media_mb:
+            reqs = workload_requests(args, "mm", images=1, image_kb=mb * 1024, max_tokens=4, variants=2)
+            res = await lab.phase(proxy, reqs, concurrency=2, warmup=0.5, duration=max(3.0, args.duration),
+                                  max_requests=None, verify=args.verify != "off", label=f"media {mb:g} MiB",
+                                  progress=args.progress, seed=args.seed)
+            res["image_mb"] = mb
+            res["body_mb"] = len(reqs[0].body) / 2**20
+            out["points"].append(res)
+    pts = [p for p in out["points"] if p["requests"] and not math.isnan(p.get("target_cpu_ms_per_req", math.nan))]
+    if len(pts) >= 2:
+        fit = linear_fit([p["image_mb"] for p in pts], [p["target_cpu_ms_per_req"] for p in pts])
+        out["fit"] = fit
+        out["ms_per_mb"] = fit["slope"]
+        body = linear_fit([p["body_mb"] for p in pts], [p["target_cpu_ms_per_req"] for p in pts])
+        out["ms_per_body_mb"] = body["slope"]
+    return out
+
+
+# -- push -----------------------------------------------------------------------------------------
+async def run_push(args) -> dict:
+    """TTFT at concurrency 1 with prefill time T_p (prefill ``ttft_ms``) and a decode-side
+    time T_d (``decode:delay=T_d`` on each request: decode work that does not need
+    the KV), in pull (nixl) and push (nixl-push) mode."""
+    tp = args.push_tp_ms
+    out: dict = {"tp_ms": tp, "td_ms": list(args.push_td_ms), "modes": {}}
+    expected = simulator_expected() if args.verify != "off" else None
+    for mode in ("nixl", "nixl-push"):
+        settings = lab_settings(args, sim={"kv_connector": mode, "itl_ms": 5.0},
+                                roles={"prefill": {"ttft_ms": tp, "ttft_per_token_ms": 0.0}},
+                                counts={"encode": 0, "prefill": 1, "decode": 1})
+        rows = []
+        with Lab(settings) as lab:
+            lab.pin_self()
+            sim = lab.start_sim()
+            proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir,
+                                               kv_connector=mode))
+            if not proxy.available:
+                raise RuntimeError(f"epd-proxy ({mode}) did not start: {proxy.note}")
+            pool = ConnectionPool(proxy.url)
+            timeouts = Timeouts(connect=10, headers=60, idle=60)
+            try:
+                for td in args.push_td_ms:
+                    w = make_workload("stream", max_tokens=4, prompt_bytes=args.prompt_bytes, model=args.model)[0]
+                    reqs = []
+                    for i in range(8):
+                        body = chat_body(w, i, args.seed)
+                        body["sim_fault"] = f"decode:delay={td / 1000.0:g}"
+                        reqs.append(Prepared("stream", "/v1/chat/completions", msgspec.json.encode(body), True,
+                                             expected(body) if expected else None, body))
+                    for prep in reqs[:2]:
+                        await send(pool, prep, timeouts)
+                    ttft, errors = [], 0
+                    for i in range(args.push_samples):
+                        o = await send(pool, reqs[i % len(reqs)], timeouts)
+                        if o.ok and o.ttft is not None:
+                            ttft.append(o.ttft)
+                        else:
+                            errors += 1
+                    model = max(tp, td) if mode == "nixl-push" else tp + td
+                    s = summarize(ttft, 1000)
+                    rows.append({"td_ms": td, "model_ms": model, "model": "max(Tp, Td)" if mode == "nixl-push"
+                                 else "Tp + Td", "ttft_ms": s, "overhead_p50_ms": s["p50"] - model,
+                                 "errors": errors})
+                    if args.progress:
+                        print(f"push {mode} Td={td:g}: TTFT p50 {s['p50']:.1f} ms (model {model:g})",
+                              file=sys.stderr)
+            finally:
+                await pool.close()
+        out["modes"][mode] = rows
+    return out
+
+
+# -- scale ------------------------------------------------------------------------------------------
+async def run_scale(args) -> dict:
+    """Thousands of concurrent slow streams (one token per second) through one proxy."""
+    n = args.scale_streams
+    soft, hard = nofile_limits()
+    out: dict = {"streams": n, "nofile": [soft, hard], "runs": []}
+    need = 2 * n + 256  # client side + decode side per stream, plus pools and files
+    plans = []
+    if need <= hard:
+        plans.append((1, n))
+    else:
+        n1 = max(500, ((hard - 256) // 2) // 500 * 500)
+        plans.append((1, min(n, n1)))
+        plans.append((2, n))
+        out["note"] = (f"one process can hold at most {hard} descriptors here (ulimit -Hn, not raisable "
+                       f"without CAP_SYS_RESOURCE) and a stream needs two (client + decode): one worker is "
+                       f"measured at {min(n, n1)} streams, {n} streams with --workers 2")
+    for workers, streams in plans:
+        out["runs"].append(await _scale_once(args, workers, streams, hard))
+    return out
+
+
+async def _scale_once(args, workers: int, n: int, nofile: int) -> dict:
+    ramp, hold, settle = args.scale_ramp, args.scale_hold, 3.0
+    tokens = int(math.ceil(ramp + settle + hold + 3))
+    settings = lab_settings(args, sim={"itl_ms": 1000.0, "max_num_seqs": n + 1000}, nofile=nofile)
+    res: dict = {"workers": workers, "streams": n, "tokens_per_stream": tokens, "ramp_s": ramp, "hold_s": hold}
+    with Lab(settings) as lab:
+        lab.pin_self()
+        sim = lab.start_sim()
+        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir,
+                                           workers=workers))
+        if not proxy.available:
+            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        svc = proxy.service
+        await asyncio.sleep(1.0)
+        reqs = workload_requests(args, "stream", max_tokens=tokens)
+        pool = ConnectionPool(proxy.url, idle_timeout=30.0, max_idle=n + 100)
+        timeouts = Timeouts(connect=30, headers=120, idle=120)
+        state = {"active": 0, "ok": 0, "errors": 0, "verify_errors": 0, "examples": [], "ttft": [], "itl": []}
+        stop = asyncio.Event()
+        rss0 = svc.rss_bytes()
+        cpu_idle0 = svc.cpu_seconds()
+        samples: list[dict] = []
+        t_start = perf()
+
+        async def slot(i: int) -> None:
+            k = i
+            while not stop.is_set():
+                state["active"] += 1
+                try:
+                    o = await send(pool, reqs[k % len(reqs)], timeouts)
+                finally:
+                    state["active"] -= 1
+                k += n
+                if o.ok:
+                    state["ok"] += 1
+                    if o.ttft is not None:
+                        state["ttft"].append(o.ttft)
+                    if o.itl:
+                        state["itl"].extend(o.itl[:5])
+                else:
+                    state["errors"] += 1
+                    if o.verify_error:
+                        state["verify_errors"] += 1
+                    if len(state["examples"]) < 5:
+                        state["examples"].append(o.error)
+
+        def sample(tag: str = "") -> dict:
+            s = {"t": perf() - t_start, "active": state["active"], "rss_mb": svc.rss_bytes() / 2**20,
+                 "cpu_s": svc.cpu_seconds(), "tag": tag}
+            samples.append(s)
+            return s
+
+        async def sampler() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                s = sample()
+                if args.progress:
+                    print(f"\rscale w={workers}: {s['active']:6d} streams open, proxy RSS {s['rss_mb']:.0f} MiB, "
+                          f"ok {state['ok']} err {state['errors']}   ", end="", file=sys.stderr, flush=True)
+
+        loop = asyncio.get_running_loop()
+        sampler_task = loop.create_task(sampler())
+        tasks = []
+        milestones = []
+        t0 = perf()
+        for i in range(n):
+            tasks.append(loop.create_task(slot(i)))
+            if (i + 1) % 1000 == 0 or i + 1 == n:
+                await asyncio.sleep(0.3)
+                milestones.append({"opened": i + 1, **sample("ramp")})
+            delay = t0 + ramp * (i + 1) / n - perf()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await asyncio.sleep(settle)
+        h0 = sample("hold-start")
+        lg0 = self_cpu_seconds()
+        sim0 = lab.sim_service.cpu_seconds()
+        await asyncio.sleep(hold)
+        h1 = sample("hold-end")
+        lg1 = self_cpu_seconds()
+        sim1 = lab.sim_service.cpu_seconds()
+        stop.set()
+        # Let every stream finish (and be verified).
+        done, pending = await asyncio.wait(tasks, timeout=tokens + 60)
+        for t in pending:
+            t.cancel()
+        sampler_task.cancel()
+        await pool.close()
+        if args.progress:
+            print("", file=sys.stderr)
+        per_stream = [(m["rss_mb"] - rss0 / 2**20) / m["opened"] * 1000 for m in milestones if m["opened"]]
+        full = n / 1000.0
+        cpu_hold = h1["cpu_s"] - h0["cpu_s"]
+        res.update({
+            "rss_idle_mb": rss0 / 2**20,
+            "milestones": milestones,
+            "samples": samples,
+            "rss_full_mb": h0["rss_mb"],
+            "rss_per_1k_streams_mb": (h0["rss_mb"] - rss0 / 2**20) / full,
+            "rss_per_1k_by_milestone_mb": per_stream,
+            "rss_hold_growth_mb": h1["rss_mb"] - h0["rss_mb"],
+            "rss_hold_growth_pct": 100.0 * (h1["rss_mb"] - h0["rss_mb"]) / h0["rss_mb"] if h0["rss_mb"] else math.nan,
+            "active_during_hold": [h0["active"], h1["active"]],
+            "proxy_cpu_util_hold": cpu_hold / hold,
+            "cpu_ms_per_s_per_1k_streams": 1000.0 * cpu_hold / hold / full,
+            "sim_cpu_util_hold": (sim1 - sim0) / hold,
+            "loadgen_cpu_util_hold": (lg1 - lg0) / hold,
+            "idle_cpu_s": cpu_idle0,
+            "ok": state["ok"], "errors": state["errors"], "verify_errors": state["verify_errors"],
+            "error_examples": state["examples"],
+            "ttft_ms": summarize(state["ttft"], 1000),
+            "itl_ms": summarize(state["itl"], 1000),
+            "unfinished": len(pending),
+        })
+    return res
+
+
+# -- workers ------------------------------------------------------------------------------------------
+class CpuQuota:
+    """A CPU cgroup (v1 ``cpu`` controller or v2 ``cpu.max``) holding processes to a quota."""
+
+    def __init__(self, name: str, cores: float, *, shares: int = 8192, period_us: int = 10000) -> None:
+        self.name = name
+        self.cores = cores
+        self.shares = shares
+        self.period = period_us
+        self.v1 = os.path.isdir("/sys/fs/cgroup/cpu") and os.path.exists("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+        self.root = "/sys/fs/cgroup/cpu" if self.v1 else "/sys/fs/cgroup"
+        self.path = os.path.join(self.root, name)
+
+    @staticmethod
+    def available() -> bool:
+        q = CpuQuota("epd-bench-probe", 1.0)
+        try:
+            q.create()
+            q.remove()
+            return True
+        except OSError:
+            return False
+
+    def _write(self, fname: str, value: str) -> None:
+        with open(os.path.join(self.path, fname), "w") as f:
+            f.write(value)
+
+    def create(self) -> "CpuQuota":
+        os.makedirs(self.path, exist_ok=True)
+        self.set(self.cores)
+        return self
+
+    def set(self, cores: float | None) -> None:
+        if self.v1:
+            self._write("cpu.cfs_period_us", str(self.period))
+            self._write("cpu.cfs_quota_us", "-1" if cores is None else str(int(cores * self.period)))
+            self._write("cpu.shares", str(self.shares))
+        else:
+            self._write("cpu.max", "max" if cores is None else f"{int(cores * self.period)} {self.period}")
+            try:
+                self._write("cpu.weight", str(max(1, min(10000, self.shares // 10))))
+            except OSError:
+                pass
+
+    def add(self, pid: int) -> None:
+        self._write("cgroup.procs", str(pid))
+
+    def remove(self) -> None:
+        try:
+            with open(os.path.join(self.path, "cgroup.procs")) as f:
+                pids = [p.strip() for p in f if p.strip()]
+            for p in pids:
+                with open(os.path.join(self.root, "cgroup.procs"), "w") as f:
+                    f.write(p)
+        except OSError:
+            pass
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass
+
+
+def _worker_pids(svc, want: int, timeout: float = 10.0) -> list[int]:
+    """The worker processes of ``epd-proxy serve --workers N`` (the master's children), or
+    the process itself for one worker."""
+    if want <= 1:
+        return [svc.pid]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = [p for p in tree_pids(svc.pid) if p != svc.pid]
+        if len(kids) >= want:
+            return sorted(kids)
+        time.sleep(0.1)
+    raise RuntimeError("the proxy's workers did not appear")
+
+
+async def run_workers(args) -> dict:
+    """``--workers 2`` against one worker. On a 2-core machine the load cannot have cores
+    of its own, so each proxy worker is held to ``--workers-quota`` of a core by a CPU
+    cgroup (high weight, so the load never takes that share) and pinned to its own
+    core; the simulator and load generator use the rest. A worker is then a fixed
+    slice of CPU, the load is never the cap, and the ratio shows how the proxy scales
+    with workers (connection spreading by SO_REUSEPORT, nothing shared)."""
+    from epd_proxy.bench.procs import available_cpus
+
+    q = args.workers_quota
+    cpus = available_cpus()
+    quota_ok = CpuQuota.available()
+    a = _copy_args(args, itl_ms=args.throughput_itl_ms, max_tokens=args.throughput_tokens, pin=False,
+                   proxy_cpus=None, load_cpus=None)
+    settings = lab_settings(a)
+    out: dict = {"quota_cores_per_worker": q if quota_ok else None, "cpus": cpus, "cgroup": quota_ok,
+                 "concurrency": args.workers_concurrency, "tokens": a.max_tokens, "itl_ms": a.itl_ms,
+                 "workload": "stream", "runs": {}}
+    groups: list[CpuQuota] = []
+    with Lab(settings) as lab:
+        lab.pin_self()
+        sim = lab.start_sim()
+        tgts = {}
+        for w in (1, 2):
+            t = lab.add(T.epd_proxy_target(sim, cpus=None, log_dir=settings.log_dir, workers=w,
+                                           name=f"epd-proxy-{w}w"))
+            if not t.available:
+                raise RuntimeError(f"{t.name} did not start: {t.note}")
+            pids = _worker_pids(t.service, w)
+            for i, pid in enumerate(pids):
+                pin(pid, [cpus[i % len(cpus)]])
+                if quota_ok:
+                    g = CpuQuota(f"epd-bench-{w}w-{i}", q).create()
+                    g.add(pid)
+                    groups.append(g)
+            tgts[w] = (t, pids)
+        reqs = workload_requests(a, "stream")
+        try:
+            for rep in range(max(1, args.repeat)):
+                for w in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                    t, pids = tgts[w]
+                    res = await lab.phase(t, reqs, concurrency=args.workers_concurrency, warmup=args.warmup,
+                                          duration=max(4.0, args.duration), max_requests=None,
+                                          verify=args.verify != "off", label=f"workers={w} #{rep + 1}",
+                                          progress=args.progress, seed=args.seed, track_pids=pids)
+                    res["worker_cpu_util"] = [res["pid_cpu_util"][str(p)] for p in pids]
+                    out["runs"].setdefault(str(w), []).append(res)
+        finally:
+            for g in groups:
+                g.remove()
+    s = summarize_runs(out["runs"])
+    out["summary"] = s
+    r1 = [r["req_s"] for r in out["runs"]["1"]]
+    r2 = [r["req_s"] for r in out["runs"]["2"]]
+    out["ratio"] = median_range([b / a_ for a_, b in zip(r1, r2) if a_])
+    return out

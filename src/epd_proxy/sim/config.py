@@ -1,0 +1,108 @@
+"""Simulator settings: one :class:`SimConfig` per cluster, with per-role overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("encode", "prefill", "decode", "pd")
+KV_CONNECTORS = ("nixl", "nixl-push", "mooncake")
+
+
+@dataclass
+class SimConfig:
+    """How simulated instances behave. Times are milliseconds unless named ``*_timeout``
+    (seconds). Defaults are small, for tests; ``roles`` overrides any field per role,
+    e.g. ``SimConfig(roles={"decode": {"itl_ms": 5}})``."""
+
+    # --- identity and API ---------------------------------------------------------
+    model: str = "sim-model"
+    max_model_len: int = 32768
+    check_model: bool = True  # unknown "model" -> 404, as vLLM
+    created: int | None = None  # the "created" field; None = the cluster's start time
+    engine_id_format: str = "sim-{role}-{index}"  # {role}, {index}, {name}
+
+    # --- latency model (continuous batching; see engine.py) ---------------------------
+    ttft_ms: float = 2.0  # base prefill time
+    ttft_per_token_ms: float = 0.01  # plus this per prompt token
+    itl_ms: float = 1.0  # engine step = inter-token latency; 0 = as fast as possible
+    encode_ms_per_item: float = 1.0  # encoder time per distinct media item
+    local_encode_ms_per_item: float = 2.0  # a consumer encoding a raw item itself
+    kv_load_ms: float = 0.2  # decode: after the KV arrived, before the first token
+    max_num_seqs: int = 256
+    default_max_tokens: int = 16  # output length when the request sets no max
+
+    # --- KV transfer ------------------------------------------------------------------
+    kv_connector: str = "nixl"  # nixl (pull) | nixl-push | mooncake
+    kv_abort_timeout: float = 480.0  # P frees unclaimed blocks after this (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+    push_registration_timeout: float = 480.0  # D gives up waiting for a push after this
+    kv_side_channel_timeout: float = 5.0  # D's pull request over the side channel
+    block_size: int = 16
+    num_gpu_blocks: int = 65536  # for vllm:kv_cache_usage_perc
+    tp_size: int = 1
+    pp_size: int = 1
+    prompt_tokens_details: bool = True  # decode usage carries cached_tokens after a KV load
+
+    # --- EC ---------------------------------------------------------------------------
+    hidden_size: int = 2048  # size_bytes = tokens * hidden_size * 2
+    ec_store_capacity: int = 100_000
+
+    # --- output -----------------------------------------------------------------------
+    split_utf8: bool = True  # write some SSE events in two pieces cut inside a character
+    echo_request_id: bool = True
+    keep_alive_timeout: float = 5.0  # idle keep-alive connections closed after (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+
+    # --- faults -----------------------------------------------------------------------
+    fault_rate: float = 0.0  # probability that a generation request gets a random fault
+    fault_seed: int = 0
+    fault_kinds: tuple[str, ...] = ("status=503", "error-after=1", "reset-after=1")
+
+    # --- bookkeeping ------------------------------------------------------------------
+    records: bool = True
+    max_records: int = 100_000
+    record_responses: bool = False  # keep each response body in its record (SimRecord.response_body)
+
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {KV_CONNECTORS}, not {self.kv_connector!r}")
+        for role, over in self.roles.items():
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r} in SimConfig.roles")
+            bad = set(over) - {f.name for f in dataclasses.fields(self)} | ({"roles"} & set(over))
+            if bad:
+                raise ValueError(f"unknown SimConfig fields for role {role!r}: {sorted(bad)}")
+        self.fault_kinds = tuple(self.fault_kinds)
+
+    def for_role(self, role: str) -> "SimConfig":
+        """This config with the overrides of ``role`` applied."""
+        over = self.roles.get(role)
+        if not over:
+            return self
+        return dataclasses.replace(self, roles={}, **over)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def with_values(self, values: dict[str, str]) -> "SimConfig":
+        """A copy with fields set from strings (topology spec / CLI), converted by type."""
+        changes: dict[str, Any] = {}
+        types = {f.name: f.type for f in dataclasses.fields(self)}
+        for key, raw in values.items():
+            if key not in types or key == "roles":
+                raise ValueError(f"unknown simulator setting {key!r}")
+            t = str(types[key])
+            if t.startswith("bool"):
+                changes[key] = raw.lower() in ("1", "true", "yes", "on")
+            elif t.startswith("int"):
+                changes[key] = None if raw.lower() == "none" else int(raw)
+            elif t.startswith("float"):
+                changes[key] = float(raw)
+            elif t.startswith("tuple"):
+                changes[key] = tuple(x for x in raw.split(";") if x)
+            else:
+                changes[key] = raw
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,399 @@
+"""One engine per simulated instance: continuous batching on a single timer.
+
+vLLM runs one engine loop per instance. Each step admits waiting requests up
+to ``max_num_seqs`` and produces one token for every running sequence. The
+simulator does the same, with the step period as the inter-token latency:
+
+* a request is *waiting* until admitted, then *prefilling* until its TTFT has
+  elapsed (``ready_at``), then *running*: one token (one SSE event, one
+  ``writer.write``) per step until it has produced all its tokens;
+* a decode that loads KV from a prefill is admitted first and then waits for
+  the transfer (vLLM's WAITING_FOR_REMOTE_KVS), so a long queue on D can
+  outlive the prefill's abort timeout, as it can with vLLM;
+* the timer only runs while something is active; when every active sequence
+  is prefilling or stalled, the engine sleeps until the earliest one is due.
+
+There is no per-token ``sleep``: the cost per token is a bytes concatenation
+and a ``transport.write``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+import msgspec
+
+from epd_proxy.sim.tokens import VOCAB, VOCAB_JSON, VOCAB_SPLIT
+
+if TYPE_CHECKING:  # pragma: no cover
+    from epd_proxy.http.server import ResponseWriter
+    from epd_proxy.sim.records import SimRecord
+
+_INF = float("inf")
+WAITING, ACTIVE, DONE = 0, 1, 2
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class Sequence:
+    """One request inside an engine, and how its output is written."""
+
+    __slots__ = (
+        "engine", "writer", "rec", "stream", "chat", "n", "tokens", "emitted", "state", "ready_at",
+        "next_at", "ttft", "needs_load", "admitted", "done", "prompt_tokens", "cached_tokens",
+        "finish_reason", "faulty", "error_after", "reset_after", "stall_after", "stall_seconds",
+        "stalled", "slow_body", "split", "prefixes", "suffix", "final_suffix", "role_events",
+        "include_usage", "continuous_usage", "head", "on_complete", "on_error", "on_reset",
+        "loading", "ctx", "fast", "on_ready",
+    )
+
+    def __init__(self, *, writer: "ResponseWriter", rec: "SimRecord | None", stream: bool, chat: bool,
+                 tokens: list[list[int]], prompt_tokens: int, ttft: float, finish_reason: str,
+                 head: bytes, include_usage: bool, continuous_usage: bool, split: bool,
+                 on_complete: Callable[["Sequence"], None], on_error: Callable[["Sequence", str], None],
+                 on_reset: Callable[["Sequence"], None], ctx=None) -> None:
+        self.engine: Engine | None = None
+        self.writer = writer
+        self.rec = rec
+        self.stream = stream
+        self.chat = chat
+        self.tokens = tokens
+        self.n = len(tokens[0]) if tokens else 0
+        self.emitted = 0
+        self.state = WAITING
+        self.ready_at = _INF
+        self.next_at = 0.0
+        self.ttft = ttft
+        self.needs_load = False
+        self.loading = False
+        self.admitted: asyncio.Future | None = None
+        self.done: asyncio.Future | None = None
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        self.finish_reason = finish_reason
+        self.faulty = False
+        self.error_after: int | None = None
+        self.reset_after: int | None = None
+        self.stall_after: int | None = None
+        self.stall_seconds = 0.0
+        self.stalled = False
+        self.slow_body = 0.0
+        self.split = split
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.on_complete = on_complete
+        self.on_error = on_error
+        self.on_reset = on_reset
+        self.ctx = ctx
+        # Called once, when the prefill is done (before the first token and its faults).
+        self.on_ready: Callable[["Sequence"], None] | None = None
+        # Non-stream without per-token faults: jump straight to the last token.
+        self.fast = not stream
+        # ``head`` is ``data: {"id":..,"object":..,"created":..,"model":..,"choices":[{"index":``
+        self.head = head
+        if stream:
+            ncho = len(tokens)
+            if chat:
+                self.prefixes = [head + b"%d" % c + b',"delta":{"content":' for c in range(ncho)]
+                self.suffix = b'},"logprobs":null,"finish_reason":null}]'
+                self.final_suffix = (b'},"logprobs":null,"finish_reason":"' + finish_reason.encode()
+                                     + b'","stop_reason":null}]')
+                self.role_events = [head + b"%d" % c + b',"delta":{"role":"assistant","content":""},'
+                                    b'"logprobs":null,"finish_reason":null}]' for c in range(ncho)]
+            else:
+                self.prefixes = [head + b"%d" % c + b',"text":' for c in range(ncho)]
+                self.suffix = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]'
+                self.final_suffix = (b',"logprobs":null,"finish_reason":"' + finish_reason.encode()
+                                     + b'","stop_reason":null}]')
+                self.role_events = None
+        else:
+            self.prefixes = None
+            self.suffix = self.final_suffix = b""
+            self.role_events = None
+
+    def set_faults(self, error_after, reset_after, stall_after, stall_seconds, slow_body) -> None:
+        self.error_after = error_after
+        self.reset_after = reset_after
+        self.stall_after = stall_after
+        self.stall_seconds = stall_seconds
+        self.slow_body = slow_body
+        self.faulty = (error_after is not None or reset_after is not None or stall_after is not None
+                       or slow_body > 0)
+        if self.faulty:
+            self.fast = False
+
+    # -- output ------------------------------------------------------------------------
+    def _usage_json(self, completion_tokens: int, final: bool) -> bytes:
+        usage = {"prompt_tokens": self.prompt_tokens,
+                 "total_tokens": self.prompt_tokens + completion_tokens,
+                 "completion_tokens": completion_tokens}
+        if final and self.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return msgspec.json.encode(usage)
+
+    def _tail(self, end: bytes, ntok: int = 0) -> bytes:
+        # Object close (``}``) plus, with continuous usage stats, the running usage.
+        if self.continuous_usage:
+            return end + b',"usage":' + self._usage_json(ntok * len(self.tokens), False) + b"}\n\n"
+        if not self.chat:
+            return end + b',"usage":null}\n\n'
+        return end + b"}\n\n"
+
+    def _emit(self, i: int) -> None:
+        w = self.writer
+        last = i == self.n - 1
+        end = self.final_suffix if last else self.suffix
+        prefixes = self.prefixes
+        simple = self.chat and not self.continuous_usage
+        for c, toks in enumerate(self.tokens):
+            tok = toks[i]
+            prefix = prefixes[c]
+            if simple:
+                ev = prefix + VOCAB_JSON[tok] + end + b"}\n\n"
+            else:
+                ev = prefix + VOCAB_JSON[tok] + self._tail(end, i + 1)
+            if i == 0 and self.role_events is not None:
+                # The role chunk goes out with the first token (one write, two SSE events).
+                role = self._tail(self.role_events[c])
+                prefix = role + prefix
+                ev = role + ev
+            cut = VOCAB_SPLIT[tok]
+            if cut > 0 and self.split:
+                # Once per choice: one event in two writes, cut inside a UTF-8 character.
+                if c == len(self.tokens) - 1:
+                    self.split = False
+                cut += len(prefix)
+                w.write(ev[:cut])
+                w.write(ev[cut:])
+            else:
+                w.write(ev)
+
+    def stream_tail(self) -> bytes:
+        """What ends a successful stream: an empty finish chunk if no token was
+        produced, the usage chunk if asked for, then ``[DONE]``."""
+        parts = []
+        if self.n == 0:
+            if self.role_events is not None:
+                parts.extend(self._tail(ev) for ev in self.role_events)
+            for prefix in self.prefixes:
+                parts.append(prefix + b'""' + self._tail(self.final_suffix))
+        if self.include_usage:
+            total = self.n * len(self.tokens)
+            parts.append(self.head.partition(b',"choices":')[0] + b',"choices":[],"usage":'
+                         + self._usage_json(total, True) + b"}\n\n")
+        parts.append(DONE_EVENT)
+        return b"".join(parts)
+
+    def text(self, choice: int) -> str:
+        return "".join([VOCAB[t] for t in self.tokens[choice]])
+
+    # -- stepping ----------------------------------------------------------------------
+    def step(self, now: float) -> bool:
+        """Produce the next token; True when the sequence has finished."""
+        if self.on_ready is not None:
+            cb, self.on_ready = self.on_ready, None
+            cb(self)
+        i = self.emitted
+        if self.faulty:
+            # A stall comes first, so "stall-after=N:S,error-after=N" fails S seconds late.
+            if self.stall_after == i and not self.stalled:
+                self.stalled = True
+                self.next_at = now + self.stall_seconds
+                return False
+            if self.error_after == i:
+                self.on_error(self, f"injected fault: error after {i} tokens")
+                return True
+            if self.reset_after == i:
+                self.on_reset(self)
+                return True
+        if i >= self.n:
+            self.on_complete(self)
+            return True
+        if self.stream:
+            self._emit(i)
+        elif self.fast and i == 0 and self.n > 1:
+            # Nobody sees the tokens of a non-stream answer: skip to the last one.
+            self.emitted = self.n - 1
+            self.next_at = now + (self.n - 1) * self.engine.itl
+            return False
+        self.emitted = i + 1
+        if self.emitted >= self.n:
+            self.on_complete(self)
+            return True
+        if self.slow_body > 0:
+            self.next_at = now + self.slow_body
+        return False
+
+
+class Engine:
+    """Continuous batching for one instance.
+
+    Tokens are produced on engine *ticks*, at most one tick per ``itl``: every
+    running sequence that is due gets one token per tick. Admission is
+    immediate (O(1) per request, never a pass over the running batch); a
+    sequence whose prefill completes produces its first token at the next tick,
+    as vLLM emits a request's first token at the end of the step that ran its
+    prefill.
+    """
+
+    def __init__(self, itl_ms: float, max_num_seqs: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.itl = max(itl_ms, 0.0) / 1000.0
+        # Timers may fire a little early; anything this close to the tick counts as on time.
+        self._slack = min(self.itl * 0.2, 0.0002)
+        self.max_num_seqs = max(int(max_num_seqs), 1)
+        self.waiting: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.n_waiting = 0
+        self.n_active = 0
+        self.n_loading = 0
+        self.steps = 0
+        self._last_tick = -_INF
+        self._handle: asyncio.Handle | None = None
+        self._handle_at = _INF
+
+    # -- public ------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.n_active - self.n_loading
+
+    @property
+    def num_waiting(self) -> int:
+        return self.n_waiting + self.n_loading
+
+    def submit(self, seq: Sequence) -> None:
+        seq.engine = self
+        if self.n_active < self.max_num_seqs and not self.n_waiting:
+            self._admit(seq, self.loop.time())
+        else:
+            seq.state = WAITING
+            self.n_waiting += 1
+            self.waiting.append(seq)
+
+    def ready(self, seq: Sequence, at: float) -> None:
+        """A loading sequence has its KV: it produces tokens from ``at`` on."""
+        if seq.state != ACTIVE or not seq.loading:
+            return
+        seq.loading = False
+        self.n_loading -= 1
+        seq.ready_at = at
+        self._wake_for(at)
+
+    def retire(self, seq: Sequence) -> None:
+        """Take a sequence out (finished, failed or aborted); idempotent."""
+        if seq.state == WAITING:
+            self.n_waiting -= 1
+        elif seq.state == ACTIVE:
+            self.n_active -= 1
+            if seq.loading:
+                seq.loading = False
+                self.n_loading -= 1
+        else:
+            return
+        seq.state = DONE
+        if seq.admitted is not None and not seq.admitted.done():
+            seq.admitted.cancel()
+        if seq.done is not None and not seq.done.done():
+            seq.done.set_result(None)
+        if self.n_waiting and self.n_active < self.max_num_seqs:
+            self._admit_waiting()
+
+    def kv_blocks_in_use(self, block_size: int) -> int:
+        total = 0
+        for seq in self.active:
+            if seq.state == ACTIVE:
+                total += -(-(seq.prompt_tokens + seq.emitted) // block_size)
+        return total
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+            self._handle_at = _INF
+
+    # -- internals ---------------------------------------------------------------------
+    def _admit(self, seq: Sequence, now: float) -> None:
+        seq.state = ACTIVE
+        self.n_active += 1
+        self.active.append(seq)
+        if seq.needs_load:
+            seq.loading = True
+            self.n_loading += 1
+            seq.ready_at = _INF
+            if seq.admitted is not None and not seq.admitted.done():
+                seq.admitted.set_result(None)
+        else:
+            seq.ready_at = now + seq.ttft
+            self._wake_for(seq.ready_at)
+
+    def _admit_waiting(self) -> None:
+        now = self.loop.time()
+        waiting = self.waiting
+        while waiting and self.n_active < self.max_num_seqs:
+            seq = waiting.popleft()
+            if seq.state != WAITING:
+                continue
+            self.n_waiting -= 1
+            self._admit(seq, now)
+
+    def _wake_for(self, t: float) -> None:
+        tick = self._last_tick + self.itl
+        self._schedule(t if t > tick else tick)
+
+    def _schedule(self, at: float) -> None:
+        if self._handle is not None:
+            if at >= self._handle_at:
+                return
+            self._handle.cancel()
+        self._handle_at = at
+        if at <= self.loop.time():
+            self._handle = self.loop.call_soon(self._step)
+        else:
+            self._handle = self.loop.call_at(at, self._step)
+
+    def _step(self) -> None:
+        self._handle = None
+        self._handle_at = _INF
+        now = self.loop.time()
+        if now + self._slack < self._last_tick + self.itl:
+            self._schedule(self._last_tick + self.itl)
+            return
+        self.steps += 1
+        self._last_tick = now
+        active = self.active
+        self.active = []  # sequences admitted during this step land here
+        keep: list[Sequence] = []
+        nxt = _INF
+        emitting = False
+        for seq in active:
+            if seq.state != ACTIVE:
+                continue
+            if seq.ready_at > now + self._slack:
+                if seq.ready_at < nxt:
+                    nxt = seq.ready_at
+                keep.append(seq)
+                continue
+            if seq.next_at > now + self._slack:
+                if seq.next_at < nxt:
+                    nxt = seq.next_at
+                keep.append(seq)
+                continue
+            if seq.step(now):
+                self.retire(seq)
+                continue
+            if seq.state != ACTIVE:
+                continue
+            keep.append(seq)
+            if seq.next_at > now:
+                if seq.next_at < nxt:
+                    nxt = seq.next_at
+            else:
+                emitting = True
+        if self.active:
+            keep.extend(self.active)
+        self.active = keep
+        if emitting:
+            nxt = now
+        if nxt < _INF:
+            self._wake_for(nxt)

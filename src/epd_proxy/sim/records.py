@@ -1,0 +1,83 @@
+"""What each simulated instance saw: request records and counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class SimRecord:
+    """One request an instance received (side-channel traffic between simulated
+    instances, ``/sim/...``, is not recorded here; see ``SimInstance.kv_events``).
+
+    Times are ``time.monotonic()``: ``t_received`` when the request was fully
+    read, ``t_headers`` when the status line went out (None if it never did),
+    ``t_end`` when the response ended, was reset or the client went away.
+    """
+
+    path: str
+    method: str
+    headers: dict[str, str]
+    body: bytes
+    json: Any
+    t_received: float
+    t_headers: float | None = None
+    t_end: float | None = None
+    status: int | None = None
+    aborted: bool = False  # the client closed the connection before the end
+    bytes_sent: int = 0  # response body bytes
+    fault: str | None = None  # the faults applied, as written ("decode:reset-after=3")
+    instance: str = ""
+    request_id: str | None = None  # the X-Request-Id header
+    error: str | None = None  # why the simulator failed the request (generation error / reset)
+    stream: bool = False
+    kv: dict | None = field(default=None)  # kv_transfer_params in the response, if any
+    # Each piece of the response body as written (stream events, the two pieces of a split
+    # event): kept for every failed request (error status, in-band error, reset, abort) and,
+    # with SimConfig.record_responses, for successful ones too; else None.
+    response_chunks: list | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.t_end is not None
+
+    @property
+    def response_body(self) -> bytes | None:
+        """The response body as sent (for a success, needs ``SimConfig.record_responses``)."""
+        return None if self.response_chunks is None else b"".join(self.response_chunks)
+
+
+class Stats:
+    """Counters for one instance; also exported on ``/metrics``."""
+
+    __slots__ = ("requests", "success", "prompt_tokens", "generation_tokens", "local_prefills",
+                 "local_encodes", "ec_hits", "encoded_items", "ec_failures", "kv_pulls",
+                 "kv_pull_failures", "kv_pushes", "kv_push_failures", "kv_blocks_expired",
+                 "kv_requests_expired", "kv_blocks_served", "external_cached_tokens", "aborted",
+                 "faults", "errors")
+
+    def __init__(self) -> None:
+        self.requests = 0  # generation requests received
+        self.success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.local_prefills = 0  # prompts computed here (not loaded from a prefill)
+        self.local_encodes = 0  # raw media items a consumer encoded itself
+        self.ec_hits = 0  # media items found in the EC store
+        self.encoded_items = 0  # items an encoder encoded
+        self.ec_failures = 0  # *_embeds references that could not be satisfied
+        self.kv_pulls = 0  # decode: successful KV loads (pull or push)
+        self.kv_pull_failures = 0  # decode: failed KV loads
+        self.kv_pushes = 0  # prefill: blocks handed to a decoder (pulled or pushed)
+        self.kv_push_failures = 0  # prefill: side-channel requests refused
+        self.kv_blocks_expired = 0  # prefill: blocks freed by the abort timeout
+        self.kv_requests_expired = 0
+        self.kv_blocks_served = 0
+        self.external_cached_tokens = 0  # decode: prompt tokens that came over KV transfer
+        self.aborted = 0  # requests whose client went away
+        self.faults = 0  # requests with an injected fault
+        self.errors = 0  # requests failed by the simulator (generation errors)
+
+    def as_dict(self) -> dict:
+        return {k: (dict(getattr(self, k)) if k == "success" else getattr(self, k)) for k in self.__slots__}

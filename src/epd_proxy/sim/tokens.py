@@ -1,0 +1,345 @@
+"""Deterministic prompts and outputs for the simulator.
+
+Everything here is a pure function of the request body, so a test (or the
+benchmark) can compute what a simulated instance will answer without asking
+it, and compare a response relayed by the proxy byte for byte.
+
+Prompt analysis
+    A prompt is reduced to a *fingerprint* (sha256 over the roles, the text and,
+    for each media item, its modality and engine hash) and a *token count*:
+
+    * chat: per message 1 token + the whitespace-separated words of its text
+      parts, plus per media item ``t*h*w // 4`` for an image/video grid and
+      ``length // 4`` for audio (the grid is what the encoder reports, see
+      :func:`media_metadata`);
+    * completions: the whitespace-separated words of ``prompt`` (a list of token
+      ids counts its length); at least 1.
+
+    A raw media item and the ``*_embeds`` reference the proxy rewrites it to
+    have the same engine hash and the same grid, so the fingerprint, the token
+    count and therefore the output are the same whether a request reaches an
+    instance directly or through the proxy (rewritten or not).
+
+Output
+    ``n`` tokens drawn from :data:`VOCAB` by a PRNG seeded with the prompt
+    fingerprint, the request's ``seed`` and the choice index. ``n`` is
+    ``max_completion_tokens`` (chat; it wins) or ``max_tokens`` when given,
+    else ``max(default_max_tokens, min_tokens)`` (the default is 16, vLLM's
+    completions default). A shorter response is a prefix of a longer one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+DEFAULT_MAX_TOKENS = 16
+
+# ASCII words (with JSON-significant characters), accented Latin, CJK, Hangul,
+# 3-byte symbols and 4-byte emoji (some of them several code points long).
+VOCAB: tuple[str, ...] = (
+    " the", " model", " data", " token", " cache", " prefill", " decode", " stream",
+    " fast", " and", " of", " to", " in", " is", " a", ",", ".", "\n",
+    ' "quoted"', " back\\slash", " tab\there", " 42", " x<y>&z", " ok",
+    " café", " naïve", " résumé", " über", " señor", " Ångström", " façade", " élan",
+    "你好", "世界", "模型", "数据", "東京", "日本語", "缓存", "解码",
+    "안녕", "한국어", " €", " —", " ∑", " →", " ½", " ©",
+    " 🙂", "🚀", "👍🏽", "🇫🇷", " 🎉", "🧪", "👩‍💻", " 😀",
+    " Straße", " ξένος", " мир", " שלום", " مرحبا", " ñandú", " Øre", " Œuvre",
+)
+VOCAB_BYTES: tuple[bytes, ...] = tuple(t.encode("utf-8") for t in VOCAB)
+# Each token as a JSON string literal (quotes included, UTF-8 unescaped like vLLM).
+VOCAB_JSON: tuple[bytes, ...] = tuple(msgspec.json.encode(t) for t in VOCAB)
+
+
+def _split_offset(encoded: bytes) -> int:
+    """An offset inside the first multibyte UTF-8 character, or -1 if all ASCII."""
+    for i, b in enumerate(encoded):
+        if b >= 0xC0:
+            return i + 1
+    return -1
+
+
+# Where to cut a token's JSON literal so that the cut falls inside a character.
+VOCAB_SPLIT: tuple[int, ...] = tuple(_split_offset(j) for j in VOCAB_JSON)
+_VOCAB_RANGE = range(len(VOCAB))
+
+MEDIA_FAMILY = {
+    "image_url": "image", "image_embeds": "image",
+    "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio",
+    "video_url": "video", "video_embeds": "video",
+}
+RAW_MEDIA_TYPES = frozenset(("image_url", "audio_url", "input_audio", "video_url"))
+EMBEDS_TYPES = frozenset(("image_embeds", "audio_embeds", "video_embeds"))
+_URL_TYPES = frozenset(("image_url", "audio_url", "video_url"))
+
+
+class PromptError(ValueError):
+    """The prompt is malformed (the instance answers 400)."""
+
+
+# ---------------------------------------------------------------------------------
+# Media
+
+def media_payload(part: dict) -> bytes:
+    """The bytes a raw media item stands for: its URL (a ``data:`` URL carries the
+    media itself), or the sorted-key JSON of the part without ``uuid``."""
+    kind = part.get("type")
+    if kind in _URL_TYPES:
+        payload = part.get(kind)
+        if isinstance(payload, dict) and isinstance(payload.get("url"), str):
+            return payload["url"].encode("utf-8")
+        if isinstance(payload, str):
+            return payload.encode("utf-8")
+        raise PromptError(f"{kind} content part needs an object with a string 'url'")
+    if kind == "input_audio":
+        payload = part.get("input_audio")
+        if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
+            raise PromptError("input_audio content part needs an object with a string 'data'")
+    stripped = {k: v for k, v in part.items() if k != "uuid"}
+    return msgspec.json.encode(stripped, order="sorted")
+
+
+def content_hash(part: dict) -> str:
+    """sha256 of the media payload: the engine hash of an item sent without ``uuid``."""
+    return hashlib.sha256(media_payload(part)).hexdigest()
+
+
+def engine_hash(part: dict, processed: bool) -> str | None:
+    """The engine's multimodal hash for a media or ``*_embeds`` part.
+
+    The item's ``uuid`` when given (else the content hash for raw media, None
+    for an ``*_embeds`` reference), with ``-processed`` appended when the
+    request carries ``mm_processor_kwargs``.
+    """
+    uuid = part.get("uuid")
+    if isinstance(uuid, str) and uuid:
+        base = uuid
+    elif part.get("type") in RAW_MEDIA_TYPES:
+        base = content_hash(part)
+    else:
+        return None
+    return base + "-processed" if processed else base
+
+
+def media_metadata(part: dict) -> dict:
+    """The metadata an encoder reports for a raw media item, derived from its bytes."""
+    family = MEDIA_FAMILY[part["type"]]
+    d = hashlib.sha256(media_payload(part)).digest()
+    h = 4 + 2 * (d[0] % 15)
+    w = 4 + 2 * (d[1] % 15)
+    if family == "image":
+        return {"image_grid_thw": [[1, h, w]]}
+    if family == "video":
+        return {"video_grid_thw": [[1 + d[2] % 4, h, w]]}
+    return {"audio_feature_lengths": [64 + ((d[0] << 8 | d[1]) % 960)]}
+
+
+def flatten_metadata(metadata: dict) -> dict:
+    """Each list value flattened one level, as the proxy writes it into ``*_embeds``."""
+    out = {}
+    for key, value in metadata.items():
+        if isinstance(value, list) and any(isinstance(v, list) for v in value):
+            flat: list = []
+            for v in value:
+                if isinstance(v, list):
+                    flat.extend(v)
+                else:
+                    flat.append(v)
+            value = flat
+        out[key] = value
+    return out
+
+
+def _ints(value: Any) -> list[int]:
+    out: list[int] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out.append(v)
+    return out
+
+
+def media_tokens(family: str, metadata: Any) -> int:
+    """Placeholder tokens for one media item, from its metadata."""
+    if not isinstance(metadata, dict):
+        return 1
+    if family in ("image", "video"):
+        thw = _ints(metadata.get(f"{family}_grid_thw"))
+        n = 1
+        for v in thw:
+            n *= max(v, 1)
+        return max(n // 4, 1) if thw else 1
+    lengths = _ints(metadata.get("audio_feature_lengths"))
+    return max(sum(lengths) // 4, 1) if lengths else 1
+
+
+@dataclass(slots=True)
+class MediaRef:
+    """One media item of a chat prompt, in global order."""
+
+    index: int
+    type: str  # the part's type: image_url, image_embeds, ...
+    family: str  # image / audio / video
+    part: dict
+    mm_hash: str | None
+    metadata: Any  # raw: derived from the bytes; embeds: what the part carries
+    raw: bool
+
+
+@dataclass(slots=True)
+class Prompt:
+    fingerprint: bytes  # sha256 digest of the normalised prompt
+    tokens: int
+    media: list[MediaRef]
+
+    @property
+    def hash_hex(self) -> str:
+        return self.fingerprint.hex()
+
+
+def analyze(body: dict, chat: bool) -> Prompt:
+    """Fingerprint, token count and media items of a request body."""
+    h = hashlib.sha256()
+    media: list[MediaRef] = []
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            h.update(b"P\x00" + prompt.encode("utf-8"))
+            return Prompt(h.digest(), max(len(prompt.split()), 1), media)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            h.update(b"T\x00" + ",".join(map(str, prompt)).encode())
+            return Prompt(h.digest(), len(prompt), media)
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise PromptError("the simulator supports one prompt per completions request")
+        raise PromptError("'prompt' must be a string or a list of token ids")
+
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty list")
+    processed = bool(body.get("mm_processor_kwargs"))
+    tokens = 0
+    for mi, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise PromptError(f"messages[{mi}] must be an object")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise PromptError(f"messages[{mi}].role must be a string")
+        h.update(b"R\x00" + role.encode("utf-8") + b"\x00")
+        tokens += 1
+        content = msg.get("content")
+        if content is None:
+            continue
+        if isinstance(content, str):
+            h.update(b"S\x00" + content.encode("utf-8") + b"\x00")
+            tokens += len(content.split())
+            continue
+        if not isinstance(content, list):
+            raise PromptError(f"messages[{mi}].content must be a string, a list of parts or null")
+        for pi, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise PromptError(f"messages[{mi}].content[{pi}] must be an object with a 'type'")
+            kind = part["type"]
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise PromptError(f"messages[{mi}].content[{pi}].text must be a string")
+                h.update(b"S\x00" + text.encode("utf-8") + b"\x00")
+                tokens += len(text.split())
+            elif kind in MEDIA_FAMILY:
+                family = MEDIA_FAMILY[kind]
+                raw = kind in RAW_MEDIA_TYPES
+                mm_hash = engine_hash(part, processed)
+                if raw:
+                    metadata: Any = media_metadata(part)
+                else:
+                    metadata = part.get(kind)
+                    if isinstance(metadata, dict) and mm_hash is None:
+                        raise PromptError(
+                            f"messages[{mi}].content[{pi}]: a {kind} metadata reference needs a 'uuid'")
+                    if not isinstance(metadata, dict):
+                        # Inline embeddings (a base64 tensor): identified by their bytes.
+                        mm_hash = mm_hash or hashlib.sha256(
+                            msgspec.json.encode(metadata)).hexdigest()
+                tokens += media_tokens(family, metadata)
+                h.update(b"M\x00" + family.encode() + b"\x00" + (mm_hash or "").encode() + b"\x00")
+                media.append(MediaRef(len(media), kind, family, part, mm_hash, metadata, raw))
+            else:
+                h.update(b"O\x00" + msgspec.json.encode(part, order="sorted") + b"\x00")
+                tokens += 1
+    return Prompt(h.digest(), tokens, media)
+
+
+# ---------------------------------------------------------------------------------
+# Output
+
+def _opt_int(body: dict, key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PromptError(f"'{key}' must be an integer")
+    return v
+
+
+def max_tokens_of(body: dict, chat: bool) -> int | None:
+    """The explicit output cap: ``max_completion_tokens`` wins on chat."""
+    if chat:
+        v = _opt_int(body, "max_completion_tokens")
+        if v is not None:
+            return v
+    return _opt_int(body, "max_tokens")
+
+
+def output_length(body: dict, chat: bool, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> tuple[int, bool]:
+    """(number of output tokens, whether that is the explicit cap -> finish "length")."""
+    cap = max_tokens_of(body, chat)
+    if cap is not None:
+        return cap, True
+    return max(default_max_tokens, _opt_int(body, "min_tokens") or 0), False
+
+
+def _seed_bytes(body: dict) -> bytes:
+    seed = body.get("seed")
+    return b"none" if seed is None else str(seed).encode()
+
+
+def output_tokens(fingerprint: bytes, seed: bytes, n: int, choice: int = 0) -> list[int]:
+    """Indices into :data:`VOCAB` of the ``n`` output tokens of one choice."""
+    if n <= 0:
+        return []
+    d = hashlib.sha256(fingerprint + b"\x00" + seed + b"\x00%d" % choice).digest()
+    rng = random.Random(int.from_bytes(d[:16], "big"))
+    return rng.choices(_VOCAB_RANGE, k=n)
+
+
+def expected_tokens(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> list[str]:
+    """The output tokens (strings) of a full, un-faulted response to ``body``."""
+    chat = "messages" in body
+    prompt = analyze(body, chat)
+    n, _ = output_length(body, chat, default_max_tokens)
+    return [VOCAB[i] for i in output_tokens(prompt.fingerprint, _seed_bytes(body), n, choice)]
+
+
+def expected_text(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> str:
+    """The text of a full, un-faulted response of a prefill/decode/pd instance to ``body``.
+
+    Chat if ``body`` has ``messages``, completions otherwise. Equal to the
+    non-stream ``content``/``text`` and to the concatenated stream deltas.
+    """
+    return "".join(expected_tokens(body, choice=choice, default_max_tokens=default_max_tokens))
+
+
+def prompt_tokens(body: dict) -> int:
+    """The ``usage.prompt_tokens`` the simulator reports for ``body``."""
+    return analyze(body, "messages" in body).tokens

@@ -1,0 +1,54 @@
+import os
+
+from epd_proxy.bench.procs import (CLK_TCK, all_stats, machine_busy_seconds, parse_proc_stat, read_stat, rss_bytes,
+                                   tree_cpu_seconds, tree_pids)
+
+# A real line, with a command name that contains a space and a parenthesis.
+LINE = ("4242 (my (odd) name) S 1 4242 4242 0 -1 4194560 2156 0 0 0 1234 567 8 9 20 0 3 0 11770 "
+        "116842496 3791 18446744073709551615 1 1 0 0 0 0 0 16781312 16386 0 0 0 17 1 0 0 0 0 0")
+
+
+def test_parse_proc_stat_fields():
+    st = parse_proc_stat(LINE)
+    assert st.pid == 4242
+    assert st.comm == "my (odd) name"
+    assert st.state == "S"
+    assert st.ppid == 1
+    assert st.utime == 1234 and st.stime == 567
+    assert st.cpu_ticks == 1801
+    assert st.num_threads == 3
+    assert st.rss_pages == 3791
+
+
+def test_read_own_stat():
+    st = read_stat(os.getpid())
+    assert st is not None and st.pid == os.getpid()
+    assert st.ppid == os.getppid()
+    assert read_stat(2**31 - 1) is None
+
+
+def test_tree_includes_children():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        pids = tree_pids(os.getpid())
+        assert os.getpid() in pids and child.pid in pids
+        stats = all_stats()
+        assert tree_pids(child.pid, stats) == [child.pid]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_cpu_and_memory_readings():
+    t0 = tree_cpu_seconds(os.getpid())
+    x = 0
+    for i in range(2_000_000):
+        x += i
+    t1 = tree_cpu_seconds(os.getpid())
+    assert t1 >= t0 >= 0
+    assert t1 - t0 >= 1.0 / CLK_TCK or t1 > 0
+    assert rss_bytes(os.getpid()) > 1 << 20
+    assert machine_busy_seconds() > 0

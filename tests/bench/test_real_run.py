@@ -1,0 +1,65 @@
+"""A small real run: the load generator through a real proxy in front of an in-process
+simulator, on loopback; the report's numbers must add up."""
+
+import json
+
+from epd_proxy.bench import report
+from epd_proxy.bench.loadgen import Phase
+from epd_proxy.bench.workloads import make_workload, prepare, simulator_expected
+from epd_proxy.config import ProxyConfig, parse_instance
+from epd_proxy.serve import start_proxy
+from epd_proxy.sim import SimCluster, SimConfig
+
+
+async def test_small_run_through_the_proxy(tmp_path):
+    cfg = SimConfig(itl_ms=1.0, split_utf8=True, records=False)
+    async with SimCluster(encode=1, prefill=1, decode=1, config=cfg) as cluster:
+        pc = ProxyConfig(encode=[parse_instance(u, "encode") for u in cluster.urls("encode")],
+                         prefill=[parse_instance(u, "prefill") for u in cluster.urls("prefill")],
+                         decode=[parse_instance(u, "decode") for u in cluster.urls("decode")],
+                         probe_interval=0)
+        proxy = await start_proxy(pc)
+        url = proxy.url
+        try:
+            runs = {}
+            for name in ("mixed", "nonstream"):
+                wl = make_workload(name, max_tokens=12, variants=3, image_kb=20)
+                reqs = prepare(wl, expected=simulator_expected())
+                ph = Phase(url, reqs, concurrency=4, warmup=0.0, duration=30.0, max_requests=24,
+                           progress=False, label=name)
+                await ph.run()
+                s = ph.summary()
+                runs[name] = s
+                assert s["requests"] == 24, s["error_examples"]
+                assert s["ok"] == 24 and s["errors"] == 0
+                assert s["verify_errors"] == 0 and s["outside_window"]["verify_errors"] == 0
+                assert s["req_s"] > 0 and s["window_s"] > 0
+                assert s["e2e_ms"]["count"] == 24
+                assert s["e2e_ms"]["p50"] <= s["e2e_ms"]["p99"]
+            mixed = runs["mixed"]
+            assert set(mixed["e2e_ms_by_kind"]) == {"stream", "nonstream", "mm"}
+            # Streams have per-token gaps; 11 gaps per 12-token stream.
+            n_stream = mixed["e2e_ms_by_kind"]["stream"]["count"] + mixed["e2e_ms_by_kind"]["mm"]["count"]
+            assert mixed["itl_ms"]["count"] == 11 * n_stream
+            assert mixed["ttft_ms"]["count"] == 24
+            assert runs["nonstream"]["itl_ms"]["count"] == 0
+        finally:
+            await proxy.close()
+    res = {"meta": {"command": "test"}, "scenarios": {"url": {"url": url, "workloads": runs}}}
+    res["checks"] = report.checks(res)
+    report.write(res, str(tmp_path), plots=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["scenarios"]["url"]["workloads"]["mixed"]["requests"] == 24
+    assert [c for c in data["checks"] if c["key"] == "verify"][0]["measured"] == 0
+    assert "| mixed |" in (tmp_path / "report.md").read_text()
+
+
+async def test_verification_catches_a_wrong_answer():
+    cfg = SimConfig(itl_ms=0.5, records=False)
+    async with SimCluster(decode=1, config=cfg) as cluster:
+        reqs = prepare(make_workload("stream", max_tokens=4, variants=2), expected=lambda body: "not this")
+        ph = Phase(cluster.urls("decode")[0], reqs, concurrency=2, max_requests=6, progress=False)
+        await ph.run()
+        s = ph.summary()
+        assert s["verify_errors"] == 6 and s["ok"] == 0
+        assert s["error_kinds"] == {"verification": 6}

@@ -1,0 +1,178 @@
+"""Encoders (EC producers) and EC consumers."""
+
+from __future__ import annotations
+
+import hashlib
+
+from epd_proxy.sim import SimCluster, expected_text, media_metadata
+from simhelpers import fast_config, metric, prefill_body, stream_text
+
+URL_A = "https://example.com/a.jpg"
+URL_B = "https://example.com/b.jpg"
+
+
+def sha(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def image(url: str, uuid: str | None = "auto") -> dict:
+    part = {"type": "image_url", "image_url": {"url": url}}
+    if uuid == "auto":
+        part["uuid"] = sha(url)
+    elif uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def flat(meta: dict) -> dict:
+    out = {}
+    for k, v in meta.items():
+        out[k] = [x for sub in v for x in (sub if isinstance(sub, list) else [sub])]
+    return out
+
+
+def embeds(url: str, meta: dict) -> dict:
+    return {"type": "image_embeds", "image_embeds": flat(meta), "uuid": sha(url)}
+
+
+def client_body(*parts, **kw) -> dict:
+    body = {"model": "sim-model", "messages": [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": [*parts, {"type": "text", "text": "What is in these images?"}]}]}
+    body.update(kw)
+    return body
+
+
+async def encode(http, cluster, parts, i=0, **extra) -> dict:
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": list(parts)}], "stream": False}
+    body.update(extra)
+    r = await http.chat(cluster.urls("encode")[i], body, rid="r1:0:abcdef")
+    assert r.status == 200, r.data
+    j = r.json
+    assert j["choices"][0]["message"]["content"] == "" and j["usage"]["completion_tokens"] == 0
+    assert j["kv_transfer_params"] is None
+    return j["ec_transfer_params"]
+
+
+async def test_encoder_batches_identical_items_and_reports_grids(http):
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A), image(URL_B), image(URL_A)])
+        assert set(ec) == {sha(URL_A), sha(URL_B)}
+        a = ec[sha(URL_A)]
+        assert a["item_indices"] == [0, 2] and ec[sha(URL_B)]["item_indices"] == [1]
+        assert a["metadata"] == media_metadata(image(URL_A))
+        (t, h, w), = a["metadata"]["image_grid_thw"]
+        assert t == 1 and 4 <= h <= 32 and 4 <= w <= 32
+        e = c.instances("encode")[0]
+        assert (a["peer_host"], a["peer_port"]) == (e.host, e.port)
+        assert a["size_bytes"] == (h * w // 4) * 2048 * 2
+        assert e.stats.encoded_items == 3
+        assert len(c.ec_store) == 2
+
+
+async def test_engine_hash_processed_and_no_uuid(http):
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A)], mm_processor_kwargs={"max_pixels": 1000})
+        assert list(ec) == [sha(URL_A) + "-processed"]
+        ec = await encode(http, c, [image(URL_B, uuid=None)])  # --no-rewrite: content hash
+        assert list(ec) == [sha(URL_B)]
+        audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+        ec = await encode(http, c, [audio])
+        (entry,) = ec.values()
+        assert set(entry["metadata"]) == {"audio_feature_lengths"}
+        video = {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}
+        ec = await encode(http, c, [video])
+        assert set(next(iter(ec.values()))["metadata"]) == {"video_grid_thw"}
+
+
+async def test_consumer_with_embedding_succeeds_and_output_matches_client_body(http):
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A), image(URL_B)])
+        meta_a, meta_b = ec[sha(URL_A)]["metadata"], ec[sha(URL_B)]["metadata"]
+        client = client_body(image(URL_A, None), image(URL_B, None), max_tokens=7)
+        rewritten = client_body(embeds(URL_A, meta_a), embeds(URL_B, meta_b), max_tokens=7,
+                                ec_transfer_params={"ec_items": [{"mm_hash": sha(URL_A), "transfer_id": "0" * 32}],
+                                                    **ec})
+        pd = c.instances("pd")[0]
+        r = await http.chat(pd.url, rewritten)
+        assert r.status == 200, r.data
+        # The text depends on the prompt content, which the rewrite preserves.
+        assert r.json["choices"][0]["message"]["content"] == expected_text(client)
+        direct = await http.chat(pd.url, client)
+        assert direct.json["choices"][0]["message"]["content"] == expected_text(client)
+        assert direct.json["usage"] == r.json["usage"]
+        # The rewritten request loaded both embeddings; the raw one found them in the EC store too.
+        assert pd.stats.ec_hits == 4 and pd.stats.local_encodes == 0
+
+
+async def test_consumer_without_embedding_fails(http):
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        meta = media_metadata(image(URL_A))
+        body = client_body(embeds(URL_A, meta), max_tokens=3)
+        pd = c.instances("pd")[0]
+        r = await http.chat(pd.url, body)
+        assert r.status == 500
+        assert r.json["error"]["type"] == "InternalServerError" and "no embedding" in r.json["error"]["message"]
+        r = await http.chat(pd.url, dict(body, stream=True))
+        assert r.status == 200
+        evs = r.events
+        assert "error" in evs[0] and evs[0]["error"]["code"] == 500 and evs[-1] == "[DONE]" and len(evs) == 2
+        assert pd.stats.ec_failures == 2
+        # Encoded with mm_processor_kwargs, consumed without: the hashes differ -> miss.
+        await encode(http, c, [image(URL_A)], mm_processor_kwargs={"max_pixels": 1})
+        r = await http.chat(pd.url, body)
+        assert r.status == 500
+        r = await http.chat(pd.url, dict(body, mm_processor_kwargs={"max_pixels": 1}))
+        assert r.status == 200
+        m = (await http.get(pd.url, "/metrics")).data.decode()
+        assert metric(m, "sim:ec_failures_total") == 3
+
+
+async def test_metadata_mismatch_fails(http):
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A), image(URL_B)])
+        meta_a, meta_b = ec[sha(URL_A)]["metadata"], ec[sha(URL_B)]["metadata"]
+        assert meta_a != meta_b
+        swapped = client_body(embeds(URL_A, meta_b), embeds(URL_B, meta_a), max_tokens=3)
+        r = await http.chat(c.urls("pd")[0], swapped)
+        assert r.status == 500 and "metadata mismatch" in r.json["error"]["message"]
+        # The unflattened form the encoder reported is accepted as well.
+        ok = client_body({"type": "image_embeds", "image_embeds": meta_a, "uuid": sha(URL_A)}, max_tokens=3)
+        assert (await http.chat(c.urls("pd")[0], ok)).status == 200
+
+
+async def test_raw_media_is_encoded_locally(http):
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        pd = c.instances("pd")[0]
+        r = await http.chat(pd.url, client_body(image(URL_A, None), image(URL_B), max_tokens=2))
+        assert r.status == 200
+        assert pd.stats.local_encodes == 2
+        m = (await http.get(pd.url, "/metrics")).data.decode()
+        assert metric(m, "sim:local_encodes_total") == 2
+        # --no-rewrite: the encoder hashed the content, the consumer finds it.
+        await encode(http, c, [image("https://example.com/c.jpg", None)])
+        r = await http.chat(pd.url, client_body(image("https://example.com/c.jpg", None), max_tokens=2))
+        assert r.status == 200 and pd.stats.local_encodes == 2 and pd.stats.ec_hits == 1
+
+
+async def test_epd_full_flow_with_prefill_as_ec_consumer(http):
+    async with SimCluster(encode=1, prefill=1, decode=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A)])
+        meta = ec[sha(URL_A)]["metadata"]
+        client = client_body(image(URL_A, None), max_tokens=6, stream=True,
+                             stream_options={"include_usage": True})
+        rewritten = client_body(embeds(URL_A, meta), max_tokens=6, stream=True,
+                                stream_options={"include_usage": True}, ec_transfer_params=ec)
+        p = c.instances("prefill")[0]
+        pr = await http.chat(p.url, prefill_body(rewritten), rid="epd-1")
+        assert pr.status == 200 and p.stats.ec_hits == 1 and p.stats.local_encodes == 0
+        kv = pr.json["kv_transfer_params"]
+        dr = await http.chat(c.urls("decode")[0], dict(rewritten, kv_transfer_params=kv), rid="epd-1")
+        assert stream_text(dr.events) == expected_text(client)
+        d = c.instances("decode")[0]
+        # D has no EC role: it loaded KV, never looked at the embeddings.
+        assert d.stats.ec_hits == 0 and d.stats.ec_failures == 0 and d.stats.kv_pulls == 1
+        # Without the embedding the prefill (EC consumer) fails.
+        other = client_body(embeds(URL_B, media_metadata(image(URL_B))), max_tokens=2)
+        r = await http.chat(p.url, prefill_body(other))
+        assert r.status == 500 and "no embedding" in r.json["error"]["message"]

@@ -1,0 +1,144 @@
+"""KV connectors against the simulator: NIXL push (both legs at once) and its failure timings."""
+
+import asyncio
+
+import msgspec
+import pytest
+from helpers import chat_body, stack, wait_for
+
+from epd_proxy.config import Timeouts
+from epd_proxy.connectors import NixlPush
+from epd_proxy.sim import SimConfig, expected_text
+
+
+def push_sim(**kw) -> SimConfig:
+    base = dict(itl_ms=0, ttft_ms=0.5, kv_connector="nixl-push", push_registration_timeout=2.0,
+                kv_abort_timeout=2.0)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def test_push_decode_params_carry_the_prefills_identity():
+    from epd_proxy.config import parse_instance
+    spec = parse_instance("http://p1:8100;engine_id=prefill-0;kv_host=10.0.0.1;kv_port=5600;tp=2;pp=1", "prefill")
+    params = NixlPush.decode_params(spec, "req-1", "xfer-abc")
+    assert params == {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "prefill-0",
+                      "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 2, "pp_size": 1,
+                      "remote_request_id": "req-1", "transfer_id": "xfer-abc"}
+    assert "remote_block_ids" not in params
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_push_runs_both_legs_at_once(stream):
+    sim = push_sim(roles={"prefill": {"ttft_ms": 150.0}})
+    async with stack(sim=sim, kv_connector="nixl-push") as (cluster, proxy, client):
+        body = chat_body(stream=stream, max_tokens=6)
+        reply = await client.chat(body, headers=[(b"x-request-id", b"push-1")])
+        assert reply.status == 200, reply.body
+        assert reply.text() == expected_text(body)
+        p = cluster.records("prefill")[-1]
+        d = cluster.records("decode")[-1]
+        # Decode's request arrived before prefill had answered: the legs overlapped.
+        assert d.t_received < p.t_headers
+        pk, dk = p.json["kv_transfer_params"], d.json["kv_transfer_params"]
+        assert pk["do_remote_decode"] is True and pk["transfer_id"].startswith("xfer-")
+        assert dk["transfer_id"] == pk["transfer_id"]
+        ident = cluster.prefill_identity(0)
+        assert (dk["remote_engine_id"], dk["remote_host"], dk["remote_port"]) == (
+            ident["engine_id"], ident["kv_host"], ident["kv_port"])
+        assert dk["remote_request_id"] == "push-1" and "remote_block_ids" not in dk
+        assert p.json["stream"] is False and p.json["max_tokens"] == 1
+        assert cluster.held_kv_blocks == 0
+
+
+async def test_push_with_several_prefills_uses_each_ones_identity():
+    async with stack(prefill=2, sim=push_sim(), kv_connector="nixl-push") as (cluster, proxy, client):
+        for _ in range(4):
+            assert (await client.chat(chat_body())).status == 200
+        by_engine = {}
+        for d in cluster.records("decode"):
+            by_engine.setdefault(d.json["kv_transfer_params"]["remote_engine_id"], 0)
+            by_engine[d.json["kv_transfer_params"]["remote_engine_id"]] += 1
+        assert set(by_engine) == {i["engine_id"] for i in cluster.prefill_identities()}
+
+
+async def test_push_prefill_failure_before_first_token_is_a_status_and_closes_decode():
+    async with stack(sim=push_sim(), kv_connector="nixl-push", decode_retries=0) as (cluster, proxy, client):
+        cluster.instances("prefill")[0].inject("status=503")
+        reply = await client.chat(chat_body(stream=True))
+        assert reply.status == 502
+        assert reply.json()["error"]["type"] == "BadGatewayError"
+        await wait_for(lambda: cluster.records("decode") and cluster.records("decode")[-1].done)
+        assert cluster.records("decode")[-1].aborted
+
+
+async def test_push_prefill_client_error_is_relayed():
+    async with stack(sim=push_sim(), kv_connector="nixl-push") as (cluster, proxy, client):
+        cluster.instances("prefill")[0].inject("status=400")
+        reply = await client.chat(chat_body(stream=True))
+        assert reply.status == 400
+        assert len(cluster.records("prefill")) == 1
+
+
+async def test_push_retry_uses_a_new_transfer_id():
+    async with stack(sim=push_sim(), kv_connector="nixl-push") as (cluster, proxy, client):
+        cluster.instances("prefill")[0].inject("status=503")
+        body = chat_body(stream=True)
+        reply = await client.chat(body)
+        assert reply.status == 200, reply.body
+        assert reply.text() == expected_text(body)
+        tids = [r.json["kv_transfer_params"]["transfer_id"] for r in cluster.records("prefill")]
+        assert len(tids) == 2 and tids[0] != tids[1]
+
+
+async def test_push_prefill_failure_after_first_token_ends_in_band():
+    # Prefill pushes the KV (decode starts streaming), then answers 500 a little later.
+    sim = push_sim(itl_ms=20)
+    async with stack(sim=sim, kv_connector="nixl-push") as (cluster, proxy, client):
+        cluster.instances("prefill")[0].inject("stall-after=0:0.2,error-after=0")
+        reply = await client.chat(chat_body(stream=True, max_tokens=40))
+        assert reply.status == 200
+        assert reply.events[-1] == b"data: [DONE]"
+        err = msgspec.json.decode(reply.events[-2][len(b"data: "):])
+        assert "prefill" in err["error"]["message"]
+        await wait_for(lambda: cluster.records("decode")[-1].done)
+        assert cluster.records("decode")[-1].aborted
+
+
+async def test_push_decode_done_while_prefill_hangs_ends_the_response_now():
+    sim = push_sim()
+    async with stack(sim=sim, kv_connector="nixl-push", timeouts=Timeouts(prefill=1.0)) as (
+            cluster, proxy, client):
+        # Prefill pushes (so decode can finish) but never answers its HTTP request.
+        cluster.instances("prefill")[0].inject("stall-after=0:30")
+        body = chat_body(stream=True)
+        reply = await asyncio.wait_for(client.chat(body), 5)
+        assert reply.status == 200 and reply.text() == expected_text(body)
+        # The prefill leg is drained in the background and bounded by its timeout.
+        await wait_for(lambda: cluster.records("prefill")[-1].done, timeout=5)
+        await wait_for(lambda: not proxy.app.pipeline._background, timeout=5)
+
+
+async def test_push_client_disconnect_closes_both_legs():
+    sim = push_sim(itl_ms=20, roles={"prefill": {"ttft_ms": 300.0}})
+    async with stack(sim=sim, kv_connector="nixl-push") as (cluster, proxy, client):
+        reader, writer = await asyncio.open_connection(*proxy.url.removeprefix("http://").split(":"))
+        raw = msgspec.json.encode(chat_body(stream=True, max_tokens=100))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%b" % (len(raw), raw))
+        await wait_for(lambda: cluster.records("prefill") and cluster.records("decode"))
+        writer.transport.abort()
+        await wait_for(lambda: cluster.records("prefill")[-1].done and cluster.records("decode")[-1].done)
+        assert cluster.records("prefill")[-1].aborted and cluster.records("decode")[-1].aborted
+        await wait_for(lambda: cluster.held_kv_blocks == 0, timeout=5)
+
+
+async def test_e_p_d_in_push_mode_encodes_first():
+    async with stack(encode=1, sim=push_sim(), kv_connector="nixl-push") as (cluster, proxy, client):
+        body = chat_body(images=["https://x/a.png"], stream=True)
+        reply = await client.chat(body)
+        assert reply.status == 200, reply.body
+        e = cluster.records("encode")[-1]
+        p = cluster.records("prefill")[-1]
+        assert e.t_end <= p.t_received
+        assert p.json["messages"][0]["content"][1]["type"] == "image_embeds"
