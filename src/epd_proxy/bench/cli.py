@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="stream, nonstream, mm, mixed (comma-separated; default: stream,nonstream,mm)")
     w.add_argument("--concurrency", "-c", type=int, default=96, help="closed loop: requests in flight")
     w.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    w.add_argument("--requests", "-n", type=int, default=1500, help="stop measuring after this many requests")
-    w.add_argument("--duration", type=float, default=5.0, help="... or after this many seconds")
+    w.add_argument("--requests", "-n", type=int, default=1200, help="stop measuring after this many requests")
+    w.add_argument("--duration", type=float, default=4.0, help="... or after this many seconds")
     w.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured load first")
     w.add_argument("--repeat", type=int, default=3, help="compare: interleaved repeats (median, min-max)")
     w.add_argument("--images", type=int, default=1, help="mm: images per request")
@@ -81,19 +81,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pin the proxy and the load (simulator + load generator) to different cores")
     p.add_argument("--proxy-cpus", default=None, help="cores for the proxy under test (default: first core)")
     p.add_argument("--load-cpus", default=None, help="cores for simulator + load generator (default: the rest)")
+    p.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                   help="shared machine: before each phase wait up to S s for other processes to go quiet")
+    p.add_argument("--retries", type=int, default=0,
+                   help="shared machine: re-run a phase during which other processes used more than --max-foreign")
+    p.add_argument("--max-foreign", type=float, default=0.15, metavar="CORES",
+                   help="CPU other processes may use during a phase before it counts as disturbed")
     o = parser.add_argument_group("output")
     o.add_argument("--out", default="bench-results", help="report directory (a timestamped subdirectory)")
     o.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    o.add_argument("--profile", action="store_true",
+                   help="compare: one more (unmeasured) phase per workload with py-spy recording epd-proxy; "
+                        "top functions in the report")
+    o.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames too)")
     o.add_argument("--sweep", type=_ints, default=[8, 32, 96, 192],
                    help="compare: concurrencies for req/s vs concurrency (empty string: none)")
-    o.add_argument("--sweep-duration", type=float, default=3.0)
+    o.add_argument("--sweep-duration", type=float, default=2.5)
     x = parser.add_argument_group("scenarios")
-    x.add_argument("--latency-samples", type=int, default=300, help="latency: paired samples per workload")
+    x.add_argument("--latency-samples", type=int, default=200, help="latency: paired samples per workload")
     x.add_argument("--latency-tokens", type=int, default=8, help="latency: output tokens (TTFT is what counts)")
     x.add_argument("--throughput-concurrency", type=int, default=128)
     x.add_argument("--throughput-tokens", type=int, default=16)
     x.add_argument("--throughput-itl-ms", type=float, default=1.0)
+    x.add_argument("--throughput-spill", action=argparse.BooleanOptionalAction, default=True,
+                   help="throughput: let the load use the proxy's core too, at SCHED_IDLE priority")
     x.add_argument("--scale-streams", type=int, default=10000)
     x.add_argument("--scale-ramp", type=float, default=20.0, help="scale: seconds to open all streams")
     x.add_argument("--scale-hold", type=float, default=30.0, help="scale: seconds at full load (measured)")

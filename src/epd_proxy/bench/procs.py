@@ -161,6 +161,22 @@ def pin_tree(root: int, cpus: Sequence[int] | None) -> None:
         pin(pid, cpus)
 
 
+def set_sched_idle(pid: int = 0) -> bool:
+    """Lowest CPU priority (``SCHED_IDLE``): runs only on time no normal task wants."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def set_sched_normal(pid: int = 0) -> None:
+    try:
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
 def raise_nofile(want: int) -> int:
     """Raise the soft open-files limit towards ``want`` (up to the hard limit); returns it."""
     import resource
@@ -205,7 +221,7 @@ class Service:
 
     def __init__(self, name: str, argv: list[str], *, cpus: Sequence[int] | None = None,
                  log_path: str | None = None, env: dict | None = None, url: str | None = None,
-                 ready_path: str = "/health", cwd: str | None = None) -> None:
+                 ready_path: str = "/health", cwd: str | None = None, sched_idle: bool = False) -> None:
         self.name = name
         self.argv = argv
         self.cpus = list(cpus) if cpus else None
@@ -214,6 +230,7 @@ class Service:
         self.url = url
         self.ready_path = ready_path
         self.cwd = cwd
+        self.sched_idle = sched_idle
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -225,10 +242,13 @@ class Service:
     def start(self, *, pipe_stdout: bool = False) -> "Service":
         """Start the process (stdout to a pipe when ``pipe_stdout``, else to the log)."""
         cpus = self.cpus
+        idle = self.sched_idle
 
         def child_setup() -> None:  # runs in the child before exec
             if cpus:
                 os.sched_setaffinity(0, set(cpus))
+            if idle:
+                set_sched_idle(0)
 
         self._log = open(self.log_path, "ab") if self.log_path else None
         sink = self._log if self._log is not None else subprocess.DEVNULL

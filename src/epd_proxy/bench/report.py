@@ -228,6 +228,17 @@ def _compare_section(r: dict, plots: dict, title: str = "Side by side") -> list[
         for key in (f"cdf_{wl}",):
             if key in plots:
                 out += [f"![latency CDFs, {wl}]({plots[key]})", ""]
+    for key, pr in (r.get("profiles") or {}).items():
+        prof = pr.get("profile")
+        out += [f"### Profile: {key} (py-spy, {prof['samples'] if prof else 0} samples on CPU; "
+                f"{fmt(pr.get('target_cpu_ms_per_req'), 3)} ms CPU/req under the profiler)", ""]
+        if not prof:
+            out += [f"no profile: {pr.get('error')}", ""]
+            continue
+        rows = []
+        for a, b in zip(prof["self"][:15], prof["inclusive"][:15]):
+            rows.append([f"`{a['function']}`", fmt(100 * a["share"], 1), f"`{b['function']}`", fmt(100 * b["share"], 1)])
+        out += [_table(["self", "%", "inclusive", "%"], rows), "", f"raw stacks: `{pr.get('file')}`", ""]
     if "cpu_bars" in plots and title == "Side by side":
         out += [f"![proxy CPU per request]({plots['cpu_bars']})", ""]
     sw = r.get("sweep")
