@@ -452,3 +452,22 @@ async def test_keep_alive_client_connection_serves_many_requests():
         for _ in range(5):
             assert (await client.chat(chat_body(stream=True))).status == 200
         assert client.pool.open_connections == 1
+
+
+async def test_push_ec_consumer_address_and_replica_rank_match():
+    zmq = ["tcp://10.0.0.5:19019", "tcp://10.0.0.5:19020"]  # one decode server, two DP replicas
+    async with stack(encode=1, prefill=0, decode=0, pd=1, ec_consumer_zmq_addrs=zmq,
+                     ec_consumer_dp_size=2) as (cluster, proxy, client):
+        for i in range(4):
+            reply = await client.chat(chat_body(images=[f"https://x/z{i}.png"]))
+            assert reply.status == 200, reply.body
+        enc = cluster.records("encode")
+        pd = cluster.records("pd")
+        ranks = [int(r.headers["x-data-parallel-rank"]) for r in pd]
+        assert ranks == [0, 1, 0, 1]
+        for e, d, rank in zip(enc, pd, ranks):
+            ec = e.json["ec_transfer_params"]
+            assert ec["consumer_zmq"] == zmq[rank]
+            sent = [x["transfer_id"] for x in ec["ec_items"]]
+            got = [x["transfer_id"] for x in d.json["ec_transfer_params"]["ec_items"]]
+            assert sent == got and all(len(t) == 32 for t in sent)
