@@ -15,12 +15,11 @@ class RequestContext:
     (the least-loaded policy's signal) exact even when a request is cancelled.
     """
 
-    __slots__ = ("request_id", "path", "stream", "excluded", "timings", "_base_headers", "_held")
+    __slots__ = ("request_id", "path", "excluded", "timings", "_base_headers", "_held")
 
-    def __init__(self, request_id: str, path: str, stream: bool, base_headers: list) -> None:
+    def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
         self.path = path
-        self.stream = stream
         self.excluded: set[Instance] = set()
         self.timings: dict[str, float] = {}
         self._base_headers = base_headers

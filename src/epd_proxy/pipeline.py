@@ -99,7 +99,7 @@ class Pipeline:
         try:
             body = parse_body(req, path)
             items = collect_media(body) if path == CHAT else []
-            ctx = RequestContext(rid, path, body.get("stream") is True, self._headers_for(req))
+            ctx = RequestContext(rid, path, self._headers_for(req))
             leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
             ok = False
@@ -130,7 +130,8 @@ class Pipeline:
             if ctx is not None:
                 ctx.release_all()
                 self.metrics.observe_stages(ctx.timings)
-            self.metrics.observe_request(path, writer.status, time.perf_counter() - t0)
+            # 499: the client went away before a status was sent (nginx's convention).
+            self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0)
 
     async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
