@@ -95,6 +95,26 @@ async def read_body(pool: InstancePool, inst: Instance, att: RequestContext, sta
         raise ProxyError(502, f"{stage} instance {inst.url} broke off its answer: {exc}", retryable=True) from None
 
 
+async def exchange(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, path: str, body: bytes,
+                   headers: list, timeouts: Timeouts) -> bytes:
+    """A whole request/response with one instance; a non-200 answer raises (and a
+    5xx counts against the instance and is retryable elsewhere)."""
+    resp = await call(pool, inst, att, stage, path, body, headers, timeouts)
+    try:
+        data = await read_body(pool, inst, att, stage, resp)
+    finally:
+        resp.close()
+        att.release(inst)
+    if resp.status != 200:
+        err = status_error(stage, inst, resp.status, data, resp.content_type)
+        if err.retryable:
+            pool.record_failure(inst, err.message)
+            att.failed(inst)
+        raise err
+    pool.record_success(inst)
+    return data
+
+
 class _EncoderReply(msgspec.Struct):
     ec_transfer_params: object = None
 
@@ -154,20 +174,8 @@ class EncoderFanout:
         payload = msgspec.json.encode(
             encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
         rid = encoder_request_id(att.request_id, sub.items[0].index, os.urandom(3).hex())
-        resp = await call(self.pool, inst, att, "encode", "/v1/chat/completions", payload,
-                          att.upstream_headers(rid), self.timeouts)
-        try:
-            data = await read_body(self.pool, inst, att, "encode", resp)
-        finally:
-            resp.close()
-            att.release(inst)
-        if resp.status != 200:
-            err = status_error("encode", inst, resp.status, data, resp.content_type)
-            if err.retryable:
-                self.pool.record_failure(inst, err.message)
-                att.failed(inst)
-            raise err
-        self.pool.record_success(inst)
+        data = await exchange(self.pool, inst, att, "encode", "/v1/chat/completions", payload,
+                              att.upstream_headers(rid), self.timeouts)
         try:
             ec_params = msgspec.json.decode(data, type=_EncoderReply).ec_transfer_params
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -206,20 +214,8 @@ class PrefillStage:
 
     async def run(self, att: RequestContext, inst: Instance, body: dict) -> msgspec.Raw | None:
         t0 = time.perf_counter()
-        resp = await call(self.pool, inst, att, "prefill", att.path, msgspec.json.encode(body),
-                          att.upstream_headers(), self.timeouts)
-        try:
-            data = await read_body(self.pool, inst, att, "prefill", resp)
-        finally:
-            resp.close()
-            att.release(inst)
-        if resp.status != 200:
-            err = status_error("prefill", inst, resp.status, data, resp.content_type)
-            if err.retryable:
-                self.pool.record_failure(inst, err.message)
-                att.failed(inst)
-            raise err
-        self.pool.record_success(inst)
+        data = await exchange(self.pool, inst, att, "prefill", att.path, msgspec.json.encode(body),
+                              att.upstream_headers(), self.timeouts)
         att.timing("prefill", time.perf_counter() - t0)
         try:
             raw = msgspec.json.decode(data, type=_PrefillReply).kv_transfer_params
