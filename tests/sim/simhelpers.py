@@ -194,3 +194,23 @@ def push_decode_params(ident: dict, transfer_id: str, rid: str = "req-1") -> dic
     return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": ident["engine_id"],
             "remote_host": ident["kv_host"], "remote_port": ident["kv_port"], "tp_size": ident["tp"],
             "pp_size": ident["pp"], "remote_request_id": rid, "transfer_id": transfer_id}
+
+
+# vLLM's only words about a generation failure (KV or EC load, injected error): the 500 body
+# (JSONResponse, compact) and the in-band event (json.dumps, with its spacing).
+GENERIC_500 = b'{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}'
+GENERIC_EVENT = (b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
+                 b'"param": null, "code": 500}}\n\n')
+
+
+def failure(reply: Reply, instance) -> str:
+    """Check that ``reply`` is vLLM's generation failure (a 500, or a stream ending in the
+    in-band error and ``[DONE]``); return the simulator's reason, from the instance's record."""
+    if reply.status == 500:
+        assert reply.data == GENERIC_500, reply.data
+    else:
+        assert reply.status == 200, reply.status
+        assert reply.data.endswith(GENERIC_EVENT + b"data: [DONE]\n\n"), reply.data
+    rec = instance.generation_records()[-1]
+    assert rec.error, rec
+    return rec.error

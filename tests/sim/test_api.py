@@ -24,18 +24,31 @@ async def test_chat_stream_format(http):
         for ev in evs[:-1]:
             assert ev["id"] == "chatcmpl-fmt-1" and ev["object"] == "chat.completion.chunk"
             assert ev["created"] == 1700000000 and ev["model"] == "sim-model"
-        assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]
+        # vLLM 0.32's chunks, with exactly the fields it sets.
+        assert first == {"id": "chatcmpl-fmt-1", "object": "chat.completion.chunk", "created": 1700000000,
+                         "model": "sim-model",
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None}
         assert len(toks) == 5
         for ev in toks[:-1]:
             (ch,) = ev["choices"]
+            assert set(ev) == {"id", "object", "created", "model", "choices"}
             assert set(ch["delta"]) == {"content"} and ch["finish_reason"] is None
-            assert "usage" not in ev
-        assert toks[-1]["choices"][0]["finish_reason"] == "length"
-        assert toks[-1]["choices"][0]["stop_reason"] is None
-        assert usage["choices"] == [] and usage["usage"] == {
-            "prompt_tokens": prompt_tokens(body), "total_tokens": prompt_tokens(body) + 5, "completion_tokens": 5}
+            assert set(ch) == {"index", "delta", "logprobs", "finish_reason", "token_ids"} and ch["token_ids"] is None
+        (last,) = toks[-1]["choices"]
+        assert last["finish_reason"] == "length" and last["stop_reason"] is None and last["token_ids"] is None
+        # The usage chunk follows, so the fingerprint rides on it, not on the finish chunk.
+        assert "system_fingerprint" not in toks[-1]
+        fp = c.instances("pd")[0].system_fingerprint
+        assert usage == {"id": "chatcmpl-fmt-1", "object": "chat.completion.chunk", "created": 1700000000,
+                         "model": "sim-model", "choices": [],
+                         "usage": {"prompt_tokens": prompt_tokens(body), "total_tokens": prompt_tokens(body) + 5,
+                                   "completion_tokens": 5}, "system_fingerprint": fp}
         assert stream_text(evs) == expected_text(body)
+        # Without a usage chunk, the chunk that carries finish_reason has the fingerprint.
+        evs = (await http.chat(c.urls("pd")[0], dict(body, stream_options=None), rid="fmt-2")).events
+        assert evs[-2]["system_fingerprint"] == fp and evs[-2]["choices"][0]["finish_reason"] == "length"
+        assert all("system_fingerprint" not in e for e in evs[:-2])
 
 
 async def test_stream_without_usage_and_continuous_usage(http):
@@ -45,8 +58,17 @@ async def test_stream_without_usage_and_continuous_usage(http):
         assert len(evs) == 1 + 3 + 1 and all("usage" not in e for e in evs[:-1])
         body = dict(body, stream_options={"include_usage": True, "continuous_usage_stats": True})
         evs = (await http.chat(c.urls("pd")[0], body)).events
-        assert [e["usage"]["completion_tokens"] for e in evs[1:-2]] == [1, 2, 3]
-        assert evs[-2]["usage"]["completion_tokens"] == 3
+        assert [e["usage"]["completion_tokens"] for e in evs[:-2]] == [0, 1, 2, 3]  # the role chunk too
+        p = prompt_tokens(body)
+        assert evs[1]["usage"] == {"prompt_tokens": p, "total_tokens": p + 1, "completion_tokens": 1,
+                                   "completion_tokens_details": None}
+        assert list(evs[0]) == ["id", "object", "created", "model", "choices", "usage", "prompt_token_ids",
+                                "prompt_text"]
+        assert evs[-2]["usage"]["completion_tokens"] == 3 and "completion_tokens_details" not in evs[-2]["usage"]
+        # Per choice, as vLLM counts it.
+        evs = (await http.chat(c.urls("pd")[0], dict(body, n=2))).events
+        assert [e["usage"]["completion_tokens"] for e in evs[:-2] if e["choices"][0]["index"] == 1] == [0, 1, 2, 3]
+        assert evs[-2]["usage"]["completion_tokens"] == 6
 
 
 async def test_completions_stream_and_non_stream(http):
@@ -59,15 +81,36 @@ async def test_completions_stream_and_non_stream(http):
         assert j["choices"][0]["text"] == expected_text(body) and j["choices"][0]["finish_reason"] == "length"
         assert j["kv_transfer_params"] is None and j["ec_transfer_params"] is None
         assert j["usage"] == {"prompt_tokens": 3, "total_tokens": 9, "completion_tokens": 6,
-                              "prompt_tokens_details": None}
+                              "prompt_tokens_details": None, "completion_tokens_details": None}
+        assert list(j) == ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
+                           "usage", "kv_transfer_params", "ec_transfer_params", "metrics"]
+        assert list(j["choices"][0]) == ["index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                                         "prompt_logprobs", "prompt_token_ids", "routed_experts"]
+        assert j["metrics"] is None
         r = await http.completion(url, dict(body, stream=True, stream_options={"include_usage": True}))
         evs = r.events
         assert all(e["object"] == "text_completion" for e in evs[:-1])
         assert stream_text(evs) == expected_text(body)
         assert evs[-2]["choices"] == [] and evs[-2]["usage"]["completion_tokens"] == 6
-        assert evs[0]["choices"][0].keys() >= {"index", "text", "logprobs", "finish_reason"}
-        # Default length: 16 tokens, finish_reason "stop".
+        assert evs[-2]["system_fingerprint"] == j["system_fingerprint"]
+        for ev in evs[:-2]:
+            # No "usage" key at all unless usage was asked per chunk.
+            assert list(ev) == ["id", "object", "created", "model", "choices"]
+            assert list(ev["choices"][0]) == ["index", "text", "logprobs", "finish_reason", "stop_reason",
+                                              "prompt_token_ids", "token_ids"]
+        assert b'"usage":null' not in r.data
+        r = await http.completion(url, dict(body, stream=True))
+        evs = r.events
+        assert all("usage" not in e for e in evs[:-1])
+        assert evs[-2]["system_fingerprint"] == j["system_fingerprint"]
+        assert all("system_fingerprint" not in e for e in evs[:-2])
+        # No max_tokens: vLLM's completions default of 16 is a cap, so finish_reason "length" ...
         j = (await http.completion(url, {"prompt": "no max"})).json
+        assert j["usage"]["completion_tokens"] == 16 and j["choices"][0]["finish_reason"] == "length"
+        # ... while an explicit null means no cap: the simulated model stops by itself.
+        j = (await http.completion(url, {"prompt": "no max", "max_tokens": None})).json
+        assert j["usage"]["completion_tokens"] == 16 and j["choices"][0]["finish_reason"] == "stop"
+        j = (await http.chat(url, chat_body("no max"))).json
         assert j["usage"]["completion_tokens"] == 16 and j["choices"][0]["finish_reason"] == "stop"
 
 
@@ -128,35 +171,52 @@ async def test_n_choices(http):
         assert stream_text(evs, 1) == expected_text(body, choice=1)
 
 
+def err(r) -> dict:
+    assert r.headers[b"content-type"] == b"application/json"
+    (e,) = r.json.values()
+    assert list(e) == ["message", "type", "param", "code"] and e["code"] == r.status
+    return e
+
+
 async def test_validation_errors(http):
+    """vLLM's own checks: BadRequestError, `` (parameter=X[, value=Y])`` appended, ``param`` X."""
     async with SimCluster(pd=1, prefill=1, config=fast_config()) as c:
         url = c.urls("pd")[0]
         r = await http.chat(url, chat_body(stream_options={"include_usage": True}))
-        assert r.status == 400
-        e = r.json["error"]
-        assert e["type"] == "BadRequestError" and e["code"] == 400 and "stream=True" in e["message"]
+        assert r.status == 400 and err(r) == {
+            "message": "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+            "type": "BadRequestError", "param": "stream_options", "code": 400}
         r = await http.chat(url, chat_body(stream=False, stream_options={"include_usage": True}))
         assert r.status == 400
+        # An empty stream_options is falsy for vLLM's check.
+        assert (await http.chat(url, chat_body(max_tokens=1, stream_options={}))).status == 200
         r = await http.chat(url, chat_body(max_tokens=1, min_tokens=5))
-        assert r.status == 400 and "min_tokens" in r.json["error"]["message"]
+        assert r.status == 400 and err(r) == {
+            "message": "min_tokens must be less than or equal to max_tokens=1, got 5.", "type": "BadRequestError",
+            "param": None, "code": 400}
         # max_completion_tokens is the cap on chat.
         r = await http.chat(url, chat_body(max_tokens=10, max_completion_tokens=1, min_tokens=5))
-        assert r.status == 400
+        assert r.status == 400 and "max_tokens=1," in err(r)["message"]
         assert (await http.chat(url, chat_body(max_tokens=10, min_tokens=5))).status == 200
+        r = await http.chat(url, chat_body(min_tokens=-1))
+        assert r.status == 400 and err(r) == {
+            "message": "min_tokens must be greater than or equal to 0, got -1.", "type": "BadRequestError",
+            "param": None, "code": 400}
         r = await http.chat(url, chat_body(model="gpt-4"))
-        assert r.status == 404 and r.json["error"]["type"] == "NotFoundError"
-        r = await http.post(url, "/v1/chat/completions", None, raw=b"{not json",
-                            headers=[(b"content-type", b"application/json")])
-        assert r.status == 400
-        r = await http.post(url, "/v1/chat/completions", None, raw=msgspec.json.encode(chat_body()),
-                            headers=[(b"content-type", b"text/plain")])
-        assert r.status == 400 and "application/json" in r.json["error"]["message"]
+        assert r.status == 404 and err(r) == {
+            "message": "The model `gpt-4` does not exist. Valid aliases: sim-model.", "type": "NotFoundError",
+            "param": "model", "code": 404}
+        assert (await http.chat(url, chat_body(model="", max_tokens=1))).status == 200  # empty: the default
         r = await http.chat(url, {"model": "sim-model", "messages": []})
         assert r.status == 400
-        r = await http.chat(url, chat_body(max_tokens=0))
-        assert r.status == 400
-        r = await http.chat(url, chat_body(max_tokens=40000))
-        assert r.status == 400 and "maximum context length" in r.json["error"]["message"]
+        for cap in (0, -3):
+            r = await http.chat(url, chat_body(max_tokens=cap))
+            assert r.status == 400 and err(r) == {
+                "message": f"max_tokens must be at least 1, got {cap}. (parameter=max_tokens, value={cap})",
+                "type": "BadRequestError", "param": "max_tokens", "code": 400}
+        r = await http.chat(url, chat_body(n=0))
+        assert r.status == 400 and err(r) == {"message": "n must be at least 1, got 0.", "type": "BadRequestError",
+                                              "param": None, "code": 400}
         r = await http.get(url, "/v1/chat/completions")
         assert r.status == 405
         r = await http.get(url, "/nope")
@@ -164,6 +224,119 @@ async def test_validation_errors(http):
         # A stream that fails validation is refused with a status, before any event (as vLLM).
         r = await http.chat(url, chat_body(stream=True, max_tokens=1, min_tokens=2))
         assert r.status == 400 and r.headers[b"content-type"] == b"application/json"
+        r = await http.completion(url, {"model": "sim-model"})
+        assert r.status == 400 and err(r) == {
+            "message": "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+            "type": "BadRequestError", "param": "prompt", "code": 400}
+        # The reason is in the record too.
+        assert c.instances("pd")[0].generation_records()[-1].error.startswith("Either prompt")
+
+
+async def test_schema_errors_look_like_pydantic(http):
+    """Wrongly typed fields: FastAPI/pydantic's 400, "type": "Bad Request", param the location."""
+    async with SimCluster(pd=1, config=fast_config()) as c:
+        url = c.urls("pd")[0]
+        r = await http.chat(url, chat_body(stream=True, stream_options={"include_usage": "yes!"}))
+        assert r.status == 400 and err(r) == {
+            "message": "1 validation error:\n  {'type': 'bool_parsing', 'loc': 'body.stream_options.include_usage', "
+                       "'msg': 'Input should be a valid boolean, unable to interpret input', 'input': 'yes!'}",
+            "type": "Bad Request", "param": "body.stream_options.include_usage", "code": 400}
+        r = await http.chat(url, chat_body(stream=True, stream_options="x"))
+        assert err(r)["message"] == (
+            "1 validation error:\n  {'type': 'model_type', 'loc': 'body.stream_options', 'msg': 'Input should be a "
+            "valid dictionary or instance of StreamOptions', 'input': 'x', 'ctx': {'class_name': 'StreamOptions'}}")
+        r = await http.chat(url, chat_body(max_tokens="ten", n=[1], model=5))
+        e = err(r)
+        assert e["type"] == "Bad Request" and e["param"] == "body.model"
+        assert e["message"] == (
+            "3 validation errors:\n"
+            "  {'type': 'string_type', 'loc': 'body.model', 'msg': 'Input should be a valid string', 'input': '5'}\n"
+            "  {'type': 'int_parsing', 'loc': 'body.max_tokens', 'msg': 'Input should be a valid integer, unable "
+            "to parse string as an integer', 'input': 'ten'}\n"
+            "  {'type': 'int_type', 'loc': 'body.n', 'msg': 'Input should be a valid integer', "
+            "'input': '<list of 1 items>'}")
+        r = await http.chat(url, chat_body(max_tokens=1.5))
+        assert "'int_from_float'" in err(r)["message"] and err(r)["param"] == "body.max_tokens"
+        r = await http.chat(url, chat_body(min_tokens=None))
+        assert err(r)["param"] == "body.min_tokens" and "'input': 'None'" in err(r)["message"]
+        r = await http.chat(url, chat_body(stream=2))
+        assert err(r)["param"] == "body.stream" and "'bool_parsing'" in err(r)["message"]
+        r = await http.chat(url, chat_body(kv_transfer_params=[]))
+        assert err(r)["message"] == (
+            "1 validation error:\n  {'type': 'dict_type', 'loc': 'body.kv_transfer_params', 'msg': 'Input should "
+            "be a valid dictionary', 'input': '<list of 0 items>'}")
+        r = await http.chat(url, {"model": "sim-model", "messages": "hi"})
+        assert err(r)["param"] == "body.messages" and "'list_type'" in err(r)["message"]
+        r = await http.chat(url, {"model": "sim-model"})
+        assert err(r)["message"] == ("1 validation error:\n  {'type': 'missing', 'loc': 'body.messages', "
+                                     "'msg': 'Field required', 'input': '<dict of 1 items>'}")
+        r = await http.completion(url, {"prompt": 5})
+        assert err(r)["message"].startswith("4 validation errors:\n  {'type': 'list_type', 'loc': 'body.prompt'")
+        r = await http.post(url, "/v1/chat/completions", None, raw=b"[1, 2]",
+                            headers=[(b"content-type", b"application/json")])
+        assert err(r) == {"message": "1 validation error:\n  {'type': 'model_type', 'loc': 'body', 'msg': 'Input "
+                                     "should be a valid dictionary or instance of ChatCompletionRequest', 'input': "
+                                     "'<list of 2 items>', 'ctx': {'class_name': 'ChatCompletionRequest'}}",
+                          "type": "Bad Request", "param": "body", "code": 400}
+        r = await http.post(url, "/v1/chat/completions", None, raw=b"{not json",
+                            headers=[(b"content-type", b"application/json")])
+        assert r.status == 400 and err(r) == {
+            "message": "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', 'msg': 'JSON decode error', "
+                       "'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting property name enclosed in double "
+                       "quotes'}}", "type": "Bad Request", "param": "body.1", "code": 400}
+        r = await http.post(url, "/v1/chat/completions", None, raw=msgspec.json.encode(chat_body()),
+                            headers=[(b"content-type", b"text/plain")])
+        assert r.status == 400 and err(r) == {
+            "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+            "type": "Bad Request", "param": None, "code": 400}
+        # Lax conversions vLLM accepts are accepted: "yes" is true, "3" is 3, true is 1.
+        r = await http.chat(url, chat_body(stream="yes", max_tokens="3"))
+        assert r.status == 200 and stream_text(r.events) == expected_text(chat_body(max_tokens=3))
+        j = (await http.chat(url, chat_body(max_tokens=True, n=2.0))).json
+        assert j["usage"]["completion_tokens"] == 2 and len(j["choices"]) == 2
+
+
+async def test_context_length(http):
+    """A prompt that fits with a max_tokens that does not: 200, output capped, "length"."""
+    async with SimCluster(pd=1, config=fast_config(max_model_len=64)) as c:
+        url = c.urls("pd")[0]
+        body = chat_body(" ".join(["w"] * 49), max_tokens=60)  # 50 prompt tokens
+        assert prompt_tokens(body) == 50
+        j = (await http.chat(url, body)).json
+        assert j["usage"]["completion_tokens"] == 14 and j["choices"][0]["finish_reason"] == "length"
+        assert j["choices"][0]["message"]["content"] == expected_text(body, max_model_len=64)
+        assert expected_text(body, max_model_len=64) == expected_text(dict(body, max_tokens=14))
+        evs = (await http.chat(url, dict(body, stream=True))).events
+        assert stream_text(evs) == expected_text(body, max_model_len=64)
+        assert evs[-2]["choices"][0]["finish_reason"] == "length"
+        # No cap: the model's own length, unless the context ends first.
+        j = (await http.chat(url, chat_body(" ".join(["w"] * 59)))).json
+        assert j["usage"]["completion_tokens"] == 4 and j["choices"][0]["finish_reason"] == "length"
+        # min_tokens is checked against the capped budget.
+        r = await http.chat(url, dict(body, min_tokens=20))
+        assert err(r)["message"] == "min_tokens must be less than or equal to max_tokens=14, got 20."
+        # max_tokens beyond the context itself is a 400 ...
+        r = await http.chat(url, chat_body(max_tokens=65))
+        assert r.status == 400 and err(r) == {
+            "message": "max_tokens=65 cannot be greater than max_model_len=64. Please request fewer output tokens. "
+                       "(parameter=max_tokens, value=65)", "type": "BadRequestError", "param": "max_tokens",
+            "code": 400}
+        r = await http.chat(url, chat_body(max_completion_tokens=65))
+        assert err(r)["param"] == "max_completion_tokens"
+        # ... and so is a prompt longer than the context, whatever max_tokens is.
+        long = chat_body(" ".join(["w"] * 99), max_tokens=1)
+        r = await http.chat(url, long)
+        assert r.status == 400 and err(r) == {
+            "message": "This model's maximum context length is 64 tokens. However, your prompt contains at least 65 "
+                       "input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                       "length of the input prompt. (parameter=input_tokens, value=65)",
+            "type": "BadRequestError", "param": "input_tokens", "code": 400}
+        # Token ids are counted exactly.
+        r = await http.completion(url, {"prompt": list(range(70)), "max_tokens": 1})
+        assert "contains 70 input tokens" in err(r)["message"] and err(r)["message"].endswith("value=70)")
+        # A prompt that fills the context leaves no room: vLLM's max_tokens check.
+        r = await http.completion(url, {"prompt": list(range(64))})
+        assert err(r)["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
 
 
 async def test_models_health_version_metrics(http):

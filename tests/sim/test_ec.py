@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from epd_proxy.sim import SimCluster, expected_text, media_metadata
-from simhelpers import fast_config, metric, prefill_body, stream_text
+from simhelpers import GENERIC_EVENT, failure, fast_config, metric, prefill_body, stream_text
 
 URL_A = "https://example.com/a.jpg"
 URL_B = "https://example.com/b.jpg"
@@ -112,11 +112,15 @@ async def test_consumer_without_embedding_fails(http):
         pd = c.instances("pd")[0]
         r = await http.chat(pd.url, body)
         assert r.status == 500
-        assert r.json["error"]["type"] == "InternalServerError" and "no embedding" in r.json["error"]["message"]
-        r = await http.chat(pd.url, dict(body, stream=True))
+        assert r.json["error"]["type"] == "InternalServerError" and "no embedding" in failure(r, pd)
+        r = await http.chat(pd.url, dict(body, stream=True, n=2))
         assert r.status == 200
         evs = r.events
-        assert "error" in evs[0] and evs[0]["error"]["code"] == 500 and evs[-1] == "[DONE]" and len(evs) == 2
+        # One role chunk per choice, then the in-band error and [DONE].
+        assert [e["choices"][0]["index"] for e in evs[:2]] == [0, 1]
+        assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": ""} for e in evs[:2])
+        assert "error" in evs[2] and evs[2]["error"]["code"] == 500 and evs[-1] == "[DONE]" and len(evs) == 4
+        assert r.data.endswith(GENERIC_EVENT + b"data: [DONE]\n\n") and "no embedding" in failure(r, pd)
         assert pd.stats.ec_failures == 2
         # Encoded with mm_processor_kwargs, consumed without: the hashes differ -> miss.
         await encode(http, c, [image(URL_A)], mm_processor_kwargs={"max_pixels": 1})
@@ -135,7 +139,7 @@ async def test_metadata_mismatch_fails(http):
         assert meta_a != meta_b
         swapped = client_body(embeds(URL_A, meta_b), embeds(URL_B, meta_a), max_tokens=3)
         r = await http.chat(c.urls("pd")[0], swapped)
-        assert r.status == 500 and "metadata mismatch" in r.json["error"]["message"]
+        assert r.status == 500 and "metadata mismatch" in failure(r, c.instances("pd")[0])
         # The unflattened form the encoder reported is accepted as well.
         ok = client_body({"type": "image_embeds", "image_embeds": meta_a, "uuid": sha(URL_A)}, max_tokens=3)
         assert (await http.chat(c.urls("pd")[0], ok)).status == 200
@@ -175,4 +179,76 @@ async def test_epd_full_flow_with_prefill_as_ec_consumer(http):
         # Without the embedding the prefill (EC consumer) fails.
         other = client_body(embeds(URL_B, media_metadata(image(URL_B))), max_tokens=2)
         r = await http.chat(p.url, prefill_body(other))
-        assert r.status == 500 and "no embedding" in r.json["error"]["message"]
+        assert r.status == 500 and "no embedding" in failure(r, p)
+
+
+async def test_example_connector_reports_empty_metadata(http):
+    """ECExampleConnector: {"<mm_hash>": {"item_indices": [...], "metadata": {}}}, no handle."""
+    async with SimCluster(encode=1, pd=1, config=fast_config(ec_connector="example")) as c:
+        r = await http.chat(c.urls("encode")[0], {"model": "sim-model", "messages": [
+            {"role": "user", "content": [image(URL_A), image(URL_B), image(URL_A)]}]})
+        assert r.status == 200
+        assert b'"ec_transfer_params":{"%s":{"item_indices":[0,2],"metadata":{}}' % sha(URL_A).encode() in r.data
+        ec = r.json["ec_transfer_params"]
+        assert ec == {sha(URL_A): {"item_indices": [0, 2], "metadata": {}},
+                      sha(URL_B): {"item_indices": [1], "metadata": {}}}
+        # The cache itself is there, under the hash (the shared directory).
+        assert c.ec_store.get(sha(URL_A)).metadata == media_metadata(image(URL_A))
+    # The default ("nixl") keeps the metadata and the handle.
+    async with SimCluster(encode=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A)])
+        assert set(ec[sha(URL_A)]) == {"metadata", "item_indices", "peer_host", "peer_port", "size_bytes"}
+
+
+async def _raw_part_consumption(http, connector: str) -> None:
+    async with SimCluster(encode=1, pd=1, config=fast_config(ec_connector=connector)) as c:
+        pd = c.instances("pd")[0]
+        # E got the item with a uuid; the consumer gets the raw part with that same uuid: an EC hit.
+        await encode(http, c, [image(URL_A, "u-a")])
+        body = client_body(image(URL_A, "u-a"), max_tokens=3)
+        r = await http.chat(pd.url, body)
+        assert r.status == 200 and r.json["choices"][0]["message"]["content"] == expected_text(body)
+        assert (pd.stats.ec_hits, pd.stats.local_encodes) == (1, 0)
+        # The same uuid, but E ran with mm_processor_kwargs: the hash is "<uuid>-processed".
+        await encode(http, c, [image(URL_B, "u-b")], mm_processor_kwargs={"max_pixels": 4})
+        r = await http.chat(pd.url, client_body(image(URL_B, "u-b"), max_tokens=3,
+                                                mm_processor_kwargs={"max_pixels": 4}))
+        assert r.status == 200 and (pd.stats.ec_hits, pd.stats.local_encodes) == (2, 0)
+        r = await http.chat(pd.url, client_body(image(URL_B, "u-b"), max_tokens=3))  # no kwargs: a miss
+        assert r.status == 200 and (pd.stats.ec_hits, pd.stats.local_encodes) == (2, 1)
+        # No uuid on either side: the content hash matches.
+        await encode(http, c, [image("https://example.com/c.jpg", None)])
+        r = await http.chat(pd.url, client_body(image("https://example.com/c.jpg", None), max_tokens=3))
+        assert r.status == 200 and (pd.stats.ec_hits, pd.stats.local_encodes) == (3, 1)
+        # A uuid E never saw (or E got no uuid and the consumer does): encoded locally.
+        r = await http.chat(pd.url, client_body(image("https://example.com/c.jpg", "other"), max_tokens=3))
+        assert r.status == 200 and (pd.stats.ec_hits, pd.stats.local_encodes) == (3, 2)
+        r = await http.chat(pd.url, client_body(image("https://example.com/d.jpg", None), max_tokens=3))
+        assert r.status == 200 and (pd.stats.ec_hits, pd.stats.local_encodes) == (3, 3)
+        m = (await http.get(pd.url, "/metrics")).data.decode()
+        assert metric(m, "sim:ec_hits_total") == 3 and metric(m, "sim:local_encodes_total") == 3
+
+
+async def test_raw_part_with_encoder_uuid_is_an_ec_hit_example_connector(http):
+    await _raw_part_consumption(http, "example")
+
+
+async def test_raw_part_with_encoder_uuid_is_an_ec_hit_nixl_connector(http):
+    await _raw_part_consumption(http, "nixl")
+
+
+async def test_example_connector_refuses_embeds_without_data(http):
+    """An ``*_embeds`` reference built from empty metadata is vLLM's 400 (BLIP-2 and other
+    models without embedding fields), before any stream starts."""
+    async with SimCluster(encode=1, pd=1, config=fast_config(ec_connector="example")) as c:
+        await encode(http, c, [image(URL_A)])
+        part = {"type": "image_embeds", "image_embeds": {}, "uuid": sha(URL_A)}
+        for stream in (False, True):
+            r = await http.chat(c.urls("pd")[0], client_body(part, max_tokens=2, stream=stream))
+            assert r.status == 400 and r.json == {"error": {
+                "message": "If given, multi_modal_uuids['image'] must have same length as "
+                           "multi_modal_data['image'], but got 1 vs 0.",
+                "type": "BadRequestError", "param": None, "code": 400}}
+        r = await http.chat(c.urls("pd")[0], client_body(image(URL_B), part, max_tokens=2))
+        assert r.status == 400 and "but got 2 vs 1." in r.json["error"]["message"]
+        assert c.instances("pd")[0].stats.ec_failures == 0

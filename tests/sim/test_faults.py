@@ -10,8 +10,8 @@ import pytest
 from epd_proxy.http.client import Timeouts, UpstreamError, UpstreamTimeout
 from epd_proxy.sim import SimCluster, SimConfig, expected_text, parse_faults
 from epd_proxy.sim.faults import FaultSyntaxError
-from simhelpers import (chat_body, fast_config, prefill_body, push_decode_params, sse_events, stream_pieces,
-                        stream_text)
+from simhelpers import (GENERIC_EVENT, chat_body, failure, fast_config, prefill_body, push_decode_params, sse_events,
+                        stream_pieces, stream_text)
 
 
 def test_fault_syntax():
@@ -58,8 +58,16 @@ async def test_error_after(http):
         assert stream_text(evs) == expected_text(dict(body, max_tokens=3))
         r = await http.chat(d, dict(body, stream=False), fault="error-after=3")
         assert r.status == 500 and r.json["error"]["code"] == 500
+        assert failure(r, c.instances("decode")[0]) == "injected fault: error after 3 tokens"
+        # Before any token: the role chunk still goes first (chat), as vLLM sends it.
         r = await http.chat(d, body, fault="error-after=0")
-        assert r.events[0].keys() == {"error"}
+        evs = r.events
+        assert len(evs) == 3 and evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert evs[1].keys() == {"error"} and evs[2] == "[DONE]"
+        assert failure(r, c.instances("decode")[0]) == "injected fault: error after 0 tokens"
+        # Completions: no role chunk, the error event is first.
+        r = await http.completion(d, {"prompt": "err", "max_tokens": 4, "stream": True, "sim_fault": "error-after=0"})
+        assert r.data == GENERIC_EVENT + b"data: [DONE]\n\n"
 
 
 async def test_reset_after(http):

@@ -6,7 +6,7 @@ import asyncio
 
 from epd_proxy.sim import SimCluster, expected_text
 
-from simhelpers import chat_body, fast_config, metric, prefill_body, stream_text
+from simhelpers import GENERIC_EVENT, chat_body, failure, fast_config, metric, prefill_body, stream_text
 
 REAL_032_FIELDS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                    "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
@@ -66,23 +66,35 @@ async def test_handoff_succeeds_once_then_second_pull_fails(http):
         assert p.held_kv_blocks == 0
         assert dec.stats.kv_pulls == 1 and dec.stats.local_prefills == 0
 
-        # The same params again: the blocks are gone -> non-stream 500 ...
+        # The same params again: the blocks are gone -> non-stream 500 with vLLM's generic
+        # body; the reason stays in the simulator's record ...
         r2 = await http.chat(d, dict(body, kv_transfer_params=kv), rid="req-1")
         assert r2.status == 500
-        err = r2.json["error"]
-        assert err["type"] == "InternalServerError" and err["code"] == 500 and err["param"] is None
-        assert "no KV blocks held" in err["message"]
-        # ... and stream: 200, then vLLM's in-band error event and [DONE].
-        r3 = await http.chat(d, dict(body, stream=True, kv_transfer_params=kv))
+        assert r2.json == {"error": {"message": "Internal server error", "type": "InternalServerError",
+                                     "param": None, "code": 500}}
+        assert "no KV blocks held" in failure(r2, dec)
+        assert b"no KV" not in r2.data
+        # ... and stream: 200, then (chat) the role chunk, vLLM's in-band error event and [DONE].
+        r3 = await http.chat(d, dict(body, stream=True, kv_transfer_params=kv), rid="req-3")
         assert r3.status == 200
         evs = r3.events
-        assert evs[-1] == "[DONE]" and len(evs) == 2
-        assert set(evs[0]) == {"error"} and evs[0]["error"]["type"] == "InternalServerError"
-        assert evs[0]["error"]["code"] == 500
-        assert dec.stats.kv_pull_failures == 2
+        assert evs[-1] == "[DONE]" and len(evs) == 3
+        assert evs[0] == {"id": "chatcmpl-req-3", "object": "chat.completion.chunk", "created": c.created,
+                          "model": "sim-model",
+                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None}
+        assert r3.data.split(b"\n\n")[1] + b"\n\n" == GENERIC_EVENT
+        assert "no KV blocks held" in failure(r3, dec)
+        # Completions streams have no role chunk: the error event comes first.
+        r4 = await http.completion(d, {"model": "sim-model", "prompt": "hello there world", "max_tokens": 2,
+                                       "stream": True, "kv_transfer_params": kv})
+        assert r4.data == GENERIC_EVENT + b"data: [DONE]\n\n"
+        assert dec.stats.kv_pull_failures == 3
         m = (await http.get(d, "/metrics")).data.decode()
-        assert metric(m, "sim:kv_pull_failures_total") == 2
+        assert metric(m, "sim:kv_pull_failures_total") == 3
+        assert metric(m, "vllm:nixl_num_failed_transfers_total") == 3
         assert metric(m, "sim:kv_pulls_total") == 1
+        assert metric(m, 'vllm:request_success_total{model_name="sim-model",engine="0",finished_reason="error"}') == 3
 
 
 async def test_streamed_decode_after_pull(http):
@@ -107,7 +119,7 @@ async def test_blocks_expire_after_abort_timeout(http):
         assert p.held_kv_blocks == 0
         assert p.stats.kv_blocks_expired == 1
         r = await http.chat(c.urls("decode")[0], dict(body, kv_transfer_params=kv))
-        assert r.status == 500 and "expired" in r.json["error"]["message"]
+        assert r.status == 500 and "expired" in failure(r, c.instances("decode")[0])
 
 
 async def test_prompt_mismatch_fails(http):
@@ -117,7 +129,7 @@ async def test_prompt_mismatch_fails(http):
         other = chat_body("a different prompt for D", max_tokens=3, kv_transfer_params=kv)
         r = await http.chat(c.urls("decode")[0], other)
         assert r.status == 500
-        assert "prompt mismatch" in r.json["error"]["message"]
+        assert "prompt mismatch" in failure(r, c.instances("decode")[0])
 
 
 async def test_wrong_engine_id_or_blocks_fail(http):
@@ -125,10 +137,11 @@ async def test_wrong_engine_id_or_blocks_fail(http):
         body = chat_body("x y z", max_tokens=2)
         kv = (await _prefill(http, c, body))["kv_transfer_params"]
         d = c.urls("decode")[0]
+        dec = c.instances("decode")[0]
         r = await http.chat(d, dict(body, kv_transfer_params=dict(kv, remote_engine_id="someone-else")))
-        assert r.status == 500 and "engine id mismatch" in r.json["error"]["message"]
+        assert r.status == 500 and "engine id mismatch" in failure(r, dec)
         r = await http.chat(d, dict(body, kv_transfer_params=dict(kv, remote_block_ids=[[999]])))
-        assert r.status == 500 and "block ids" in r.json["error"]["message"]
+        assert r.status == 500 and "block ids" in failure(r, dec)
         # Still held: the right params work.
         r = await http.chat(d, dict(body, kv_transfer_params=kv))
         assert r.status == 200
@@ -140,7 +153,7 @@ async def test_dead_side_channel_fails(http):
         kv = (await _prefill(http, c, body))["kv_transfer_params"]
         await c.instances("prefill")[0].crash()
         r = await http.chat(c.urls("decode")[0], dict(body, kv_transfer_params=kv))
-        assert r.status == 500 and "side channel" in r.json["error"]["message"]
+        assert r.status == 500 and "side channel" in failure(r, c.instances("decode")[0])
 
 
 async def test_decode_without_remote_params_counts_local_prefill(http):
@@ -194,5 +207,5 @@ async def test_decode_queue_longer_than_abort_timeout_loses_kv(http):
         blocker = asyncio.create_task(http.chat(d, chat_body("long one", max_tokens=30)))
         await asyncio.sleep(0.02)
         r = await http.chat(d, dict(body, kv_transfer_params=kv))
-        assert r.status == 500 and "no KV blocks held" in r.json["error"]["message"]
+        assert r.status == 500 and "no KV blocks held" in failure(r, c.instances("decode")[0])
         assert (await blocker).status == 200

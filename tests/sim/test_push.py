@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from epd_proxy.sim import SimCluster, expected_text
-from simhelpers import chat_body, fast_config, metric, prefill_body, push_decode_params, stream_text
+from simhelpers import chat_body, failure, fast_config, metric, prefill_body, push_decode_params, stream_text
 
 
 async def test_push_concurrent_legs_overlap(http):
@@ -64,7 +64,7 @@ async def test_push_prefill_first_holds_then_decode_claims(http):
         t0 = time.monotonic()
         cfg_timeout = c.instances("decode")[0].config.push_registration_timeout
         dr2 = await http.chat(c.urls("decode")[0], dict(body, kv_transfer_params=push_decode_params(ident, "t-p1")))
-        assert dr2.status == 500 and "push_registration_timeout" in dr2.json["error"]["message"]
+        assert dr2.status == 500 and "push_registration_timeout" in failure(dr2, c.instances("decode")[0])
         assert time.monotonic() - t0 >= cfg_timeout * 0.9
 
 
@@ -79,9 +79,11 @@ async def test_push_registration_timeout(http):
         assert 0.12 <= elapsed < 1.0
         assert dr.status == 200
         evs = dr.events
-        assert "error" in evs[0] and evs[-1] == "[DONE]"
-        assert "push_registration_timeout" in evs[0]["error"]["message"]
         d = c.instances("decode")[0]
+        # vLLM sends the chat role chunk first, then the in-band error and [DONE].
+        assert evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert "error" in evs[1] and evs[-1] == "[DONE]" and len(evs) == 3
+        assert "push_registration_timeout" in failure(dr, d)
         assert d.stats.kv_pull_failures == 1
 
 
@@ -103,7 +105,7 @@ async def test_push_engine_id_mismatch_fails(http):
         body = chat_body("wrong identity", max_tokens=2)
         await http.chat(c.urls("prefill")[0], prefill_body(body, "t-e"))
         dr = await http.chat(c.urls("decode")[0], dict(body, kv_transfer_params=push_decode_params(ident, "t-e")))
-        assert dr.status == 500 and "engine id mismatch" in dr.json["error"]["message"]
+        assert dr.status == 500 and "engine id mismatch" in failure(dr, c.instances("decode")[0])
 
 
 async def test_push_prompt_mismatch_fails(http):
@@ -112,7 +114,7 @@ async def test_push_prompt_mismatch_fails(http):
         await http.chat(c.urls("prefill")[0], prefill_body(chat_body("P prompt", max_tokens=2), "t-m"))
         dr = await http.chat(c.urls("decode")[0],
                              chat_body("D prompt", max_tokens=2, kv_transfer_params=push_decode_params(ident, "t-m")))
-        assert dr.status == 500 and "prompt mismatch" in dr.json["error"]["message"]
+        assert dr.status == 500 and "prompt mismatch" in failure(dr, c.instances("decode")[0])
 
 
 async def test_push_prefill_requires_transfer_id(http):
@@ -125,7 +127,7 @@ async def test_pull_decoder_rejects_push_params(http):
     async with SimCluster(prefill=1, decode=1, config=fast_config()) as c:
         ident = c.prefill_identity(0)
         r = await http.chat(c.urls("decode")[0], chat_body(kv_transfer_params=push_decode_params(ident, "t")))
-        assert r.status == 500 and "remote_block_ids" in r.json["error"]["message"]
+        assert r.status == 500 and "remote_block_ids" in failure(r, c.instances("decode")[0])
 
 
 async def test_mooncake_query_and_handoff(http):
@@ -153,7 +155,7 @@ async def test_mooncake_query_and_handoff(http):
                                                                                     transfer_id="t2")))
         bad = dict(d_kv, remote_engine_id="sim-prefill-0", transfer_id="t2")
         r = await http.chat(c.urls("decode")[0], dict(body, stream=False, kv_transfer_params=bad))
-        assert r.status == 500 and "engine id mismatch" in r.json["error"]["message"]
+        assert r.status == 500 and "engine id mismatch" in failure(r, c.instances("decode")[0])
 
 
 async def test_client_abort_while_decode_waits_for_push(http):

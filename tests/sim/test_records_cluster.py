@@ -65,7 +65,9 @@ async def test_client_disconnect_mid_stream_is_recorded_as_aborted(http):
         assert d.stats.aborted == 1 and d.engine.n_active == 0
         text = (await http.get(d.url, "/metrics")).data.decode()
         assert metric(text, "sim:aborted_requests_total") == 1
-        assert 'finished_reason="abort"} 1.0' in text
+        # vLLM counts a client's disconnect under no finished_reason.
+        assert metric(text, "vllm:request_success_total") == 0
+        assert 'finished_reason="abort"} 0.0' in text
         # Non-stream aborts are seen too (vLLM cancels those handlers as well).
         pool = ConnectionPool(d.url)
         task = asyncio.create_task(pool.request("POST", "/v1/chat/completions", headers=JSON_HEADERS,
@@ -77,6 +79,7 @@ async def test_client_disconnect_mid_stream_is_recorded_as_aborted(http):
         await pool.close()
         await asyncio.sleep(0.05)
         assert d.records[-1].aborted and d.records[-1].t_headers is None and d.stats.aborted == 2
+        assert sum(d.stats.success.values()) == 0
 
 
 async def test_records_can_be_turned_off(http):
@@ -181,3 +184,22 @@ def test_config_validation():
         SimConfig(roles={"decode": {"nope": 1}})
     with pytest.raises(ValueError):
         SimConfig(roles={"worker": {"itl_ms": 1}})
+    with pytest.raises(ValueError):
+        SimConfig(ec_connector="shared-disk")
+    with pytest.raises(ValueError):
+        SimConfig(roles={"encode": {"ec_connector": "nope"}})
+
+
+def test_cli_fidelity_switches():
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    cfg = sim_cli.config_from_args(parser.parse_args(["--ec-connector", "example", "--no-strict-roles",
+                                                      "--kv-failure-delay-ms", "5000"]))
+    assert (cfg.ec_connector, cfg.strict_roles, cfg.kv_failure_delay_ms) == ("example", False, 5000.0)
+    cfg = sim_cli.config_from_args(parser.parse_args([]))
+    assert (cfg.ec_connector, cfg.strict_roles, cfg.kv_failure_delay_ms, cfg.echo_request_id) == (
+        "nixl", True, 0.0, True)
+    c = SimCluster.from_spec("pd=1,ec_connector=example,echo_request_id=false,system_fingerprint=fp-1")
+    (inst,) = c.all_instances()
+    assert inst.config.ec_connector == "example" and not inst.config.echo_request_id
+    assert inst.system_fingerprint == "fp-1"

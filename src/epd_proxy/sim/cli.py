@@ -12,7 +12,7 @@ import dataclasses
 import sys
 
 from epd_proxy.sim.cluster import SimCluster
-from epd_proxy.sim.config import KV_CONNECTORS, SimConfig
+from epd_proxy.sim.config import EC_CONNECTORS, KV_CONNECTORS, SimConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--base-port", type=int, default=None, metavar="N",
                    help="consecutive ports from N (encoders, prefills, decodes, pds); default: ephemeral")
     g.add_argument("--kv-connector", choices=KV_CONNECTORS, default=None)
+    g.add_argument("--ec-connector", choices=EC_CONNECTORS, default=None,
+                   help="what encoders report: nixl (metadata and handle, default) or example "
+                        "(ECExampleConnector: empty metadata)")
+    g.add_argument("--no-strict-roles", action="store_true",
+                   help="accept plain requests on prefills and do_remote_decode on decodes, as vLLM does")
     g.add_argument("--model", default=None, help="served model name (default sim-model)")
     lat = parser.add_argument_group("latency model")
     lat.add_argument("--ttft-ms", type=float, default=None, help="base time to first token")
@@ -39,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_argument_group("KV transfer")
     kv.add_argument("--kv-abort-timeout", type=float, default=None, metavar="S")
     kv.add_argument("--push-registration-timeout", type=float, default=None, metavar="S")
+    kv.add_argument("--kv-failure-delay-ms", type=float, default=None, metavar="MS",
+                    help="a failed KV load answers after this long (real NIXL: its ~5 s handshake timeout)")
     f = parser.add_argument_group("faults")
     f.add_argument("--fault-rate", type=float, default=None, help="probability of a random fault per request")
     f.add_argument("--fault-seed", type=int, default=None)
@@ -56,7 +63,8 @@ def config_from_args(args: argparse.Namespace, base: SimConfig | None = None) ->
                "itl_ms": "itl_ms", "encode_ms": "encode_ms_per_item", "max_num_seqs": "max_num_seqs",
                "default_max_tokens": "default_max_tokens", "kv_abort_timeout": "kv_abort_timeout",
                "push_registration_timeout": "push_registration_timeout", "fault_rate": "fault_rate",
-               "fault_seed": "fault_seed", "kv_connector": "kv_connector"}
+               "fault_seed": "fault_seed", "kv_connector": "kv_connector", "ec_connector": "ec_connector",
+               "kv_failure_delay_ms": "kv_failure_delay_ms"}
     for attr, field in mapping.items():
         v = getattr(args, attr, None)
         if v is not None:
@@ -65,6 +73,8 @@ def config_from_args(args: argparse.Namespace, base: SimConfig | None = None) ->
         changes["fault_kinds"] = tuple(k for k in args.fault_kinds.split(";") if k.strip())
     if getattr(args, "no_records", False):
         changes["records"] = False
+    if getattr(args, "no_strict_roles", False):
+        changes["strict_roles"] = False
     if changes:
         cfg = dataclasses.replace(cfg, **changes)
     return cfg

@@ -8,6 +8,7 @@ from typing import Any
 
 ROLES = ("encode", "prefill", "decode", "pd")
 KV_CONNECTORS = ("nixl", "nixl-push", "mooncake")
+EC_CONNECTORS = ("nixl", "example")
 
 
 @dataclass
@@ -20,6 +21,10 @@ class SimConfig:
     model: str = "sim-model"
     max_model_len: int = 32768
     check_model: bool = True  # unknown "model" -> 404, as vLLM
+    # The "system_fingerprint" of responses: "auto" = vLLM's default form "vllm-0.32.0-<8 hex>",
+    # stable per instance configuration; "" = none (null, as with --fingerprint-mode none);
+    # anything else is used as is (--fingerprint-mode custom).
+    system_fingerprint: str = "auto"
     created: int | None = None  # the "created" field; None = the cluster's start time
     engine_id_format: str = "sim-{role}-{index}"  # {role}, {index}, {name}
 
@@ -43,13 +48,29 @@ class SimConfig:
     tp_size: int = 1
     pp_size: int = 1
     prompt_tokens_details: bool = True  # decode usage carries cached_tokens after a KV load
+    kv_bytes_per_block: int = 2 * 1024 * 1024  # for vllm:nixl_bytes_transferred (16 tokens x 128 KiB)
+    # A failed KV load answers only after this long. Real NIXL waits for its handshake timeout
+    # (about 5 s) when the side channel is dead; 0 keeps the simulator fast.
+    kv_failure_delay_ms: float = 0.0
+    # Deliberate strictness (real vLLM accepts both): a prefill refuses a request without
+    # kv_transfer_params.do_remote_decode, a decode refuses one with do_remote_decode, so a proxy
+    # that skips or mixes up P/D is caught. False = behave like vLLM (NixlConnector does not
+    # enforce kv_role: any prefill/decode produces KV for do_remote_decode and loads it for
+    # do_remote_prefill).
+    strict_roles: bool = True
 
     # --- EC ---------------------------------------------------------------------------
+    # What an encoder reports in ec_transfer_params: "nixl" = {metadata (grids), item_indices,
+    # peer_host, peer_port, size_bytes}; "example" = vLLM's ECExampleConnector: {item_indices,
+    # metadata: {}} and no handle (consumers then find the cache by the item's hash).
+    ec_connector: str = "nixl"
     hidden_size: int = 2048  # size_bytes = tokens * hidden_size * 2
     ec_store_capacity: int = 100_000
 
     # --- output -----------------------------------------------------------------------
     split_utf8: bool = True  # write some SSE events in two pieces cut inside a character
+    # Echo X-Request-Id (or a generated id) on every response, as vLLM does with
+    # --enable-request-id-headers. vLLM's default is not to echo (it still uses the id).
     echo_request_id: bool = True
     keep_alive_timeout: float = 5.0  # idle keep-alive connections closed after (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
@@ -68,12 +89,16 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be one of {KV_CONNECTORS}, not {self.kv_connector!r}")
+        if self.ec_connector not in EC_CONNECTORS:
+            raise ValueError(f"ec_connector must be one of {EC_CONNECTORS}, not {self.ec_connector!r}")
         for role, over in self.roles.items():
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r} in SimConfig.roles")
             bad = set(over) - {f.name for f in dataclasses.fields(self)} | ({"roles"} & set(over))
             if bad:
                 raise ValueError(f"unknown SimConfig fields for role {role!r}: {sorted(bad)}")
+            if over:
+                dataclasses.replace(self, roles={}, **over)  # checks the overridden values
         self.fault_kinds = tuple(self.fault_kinds)
 
     def for_role(self, role: str) -> "SimConfig":

@@ -45,14 +45,14 @@ class Sequence:
         "finish_reason", "faulty", "error_after", "reset_after", "stall_after", "stall_seconds",
         "stalled", "slow_body", "split", "prefixes", "suffix", "final_suffix", "role_events",
         "include_usage", "continuous_usage", "head", "on_complete", "on_error", "on_reset",
-        "loading", "ctx", "fast", "on_ready",
+        "loading", "ctx", "fast", "on_ready", "fingerprint",
     )
 
     def __init__(self, *, writer: "ResponseWriter", rec: "SimRecord | None", stream: bool, chat: bool,
                  tokens: list[list[int]], prompt_tokens: int, ttft: float, finish_reason: str,
                  head: bytes, include_usage: bool, continuous_usage: bool, split: bool,
                  on_complete: Callable[["Sequence"], None], on_error: Callable[["Sequence", str], None],
-                 on_reset: Callable[["Sequence"], None], ctx=None) -> None:
+                 on_reset: Callable[["Sequence"], None], ctx=None, fingerprint: bytes = b"") -> None:
         self.engine: Engine | None = None
         self.writer = writer
         self.rec = rec
@@ -86,6 +86,9 @@ class Sequence:
         self.on_error = on_error
         self.on_reset = on_reset
         self.ctx = ctx
+        # The JSON string of system_fingerprint (b"" for none): vLLM stamps it on the
+        # chunks that carry a finish_reason, or on the usage chunk when there is one.
+        self.fingerprint = fingerprint
         # Called once, when the prefill is done (before the first token and its faults).
         self.on_ready: Callable[["Sequence"], None] | None = None
         # Non-stream without per-token faults: jump straight to the last token.
@@ -93,19 +96,23 @@ class Sequence:
         # ``head`` is ``data: {"id":..,"object":..,"created":..,"model":..,"choices":[{"index":``
         self.head = head
         if stream:
+            # vLLM 0.32's chunks (model_dump_json(exclude_unset=True)): only the fields it sets.
             ncho = len(tokens)
+            fin = finish_reason.encode()
+            fp = b',"system_fingerprint":' + fingerprint if fingerprint and not include_usage else b""
             if chat:
                 self.prefixes = [head + b"%d" % c + b',"delta":{"content":' for c in range(ncho)]
-                self.suffix = b'},"logprobs":null,"finish_reason":null}]'
-                self.final_suffix = (b'},"logprobs":null,"finish_reason":"' + finish_reason.encode()
-                                     + b'","stop_reason":null}]')
+                self.suffix = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]'
+                self.final_suffix = (b'},"logprobs":null,"finish_reason":"' + fin
+                                     + b'","stop_reason":null,"token_ids":null}]' + fp)
                 self.role_events = [head + b"%d" % c + b',"delta":{"role":"assistant","content":""},'
                                     b'"logprobs":null,"finish_reason":null}]' for c in range(ncho)]
             else:
                 self.prefixes = [head + b"%d" % c + b',"text":' for c in range(ncho)]
-                self.suffix = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]'
-                self.final_suffix = (b',"logprobs":null,"finish_reason":"' + finish_reason.encode()
-                                     + b'","stop_reason":null}]')
+                self.suffix = (b',"logprobs":null,"finish_reason":null,"stop_reason":null,'
+                               b'"prompt_token_ids":null,"token_ids":null}]')
+                self.final_suffix = (b',"logprobs":null,"finish_reason":"' + fin + b'","stop_reason":null,'
+                                     b'"prompt_token_ids":null,"token_ids":null}]' + fp)
                 self.role_events = None
         else:
             self.prefixes = None
@@ -125,27 +132,42 @@ class Sequence:
 
     # -- output ------------------------------------------------------------------------
     def _usage_json(self, completion_tokens: int, final: bool) -> bytes:
-        usage = {"prompt_tokens": self.prompt_tokens,
-                 "total_tokens": self.prompt_tokens + completion_tokens,
-                 "completion_tokens": completion_tokens}
-        if final and self.cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        usage: dict = {"prompt_tokens": self.prompt_tokens,
+                       "total_tokens": self.prompt_tokens + completion_tokens,
+                       "completion_tokens": completion_tokens}
+        if final:
+            if self.cached_tokens:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        elif self.chat:
+            usage["completion_tokens_details"] = None  # set explicitly by vLLM's chat stream
         return msgspec.json.encode(usage)
 
     def _tail(self, end: bytes, ntok: int = 0) -> bytes:
-        # Object close (``}``) plus, with continuous usage stats, the running usage.
+        # Object close (``}``) plus, with continuous usage stats, the choice's running usage.
         if self.continuous_usage:
-            return end + b',"usage":' + self._usage_json(ntok * len(self.tokens), False) + b"}\n\n"
-        if not self.chat:
-            return end + b',"usage":null}\n\n'
+            return end + b',"usage":' + self._usage_json(ntok, False) + b"}\n\n"
         return end + b"}\n\n"
+
+    def _role_event(self, c: int) -> bytes:
+        """The chat chunk that announces the assistant role for choice ``c``."""
+        ev = self.role_events[c]
+        if self.continuous_usage:
+            ev += b',"usage":' + self._usage_json(0, False)
+        return ev + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
+
+    def error_head(self) -> bytes:
+        """What precedes an in-band error: vLLM sends a chat stream's role chunks on the
+        engine's first output, even when that output is the failure."""
+        if self.role_events is None or self.emitted:
+            return b""
+        return b"".join([self._role_event(c) for c in range(len(self.tokens))])
 
     def _emit(self, i: int) -> None:
         w = self.writer
         last = i == self.n - 1
         end = self.final_suffix if last else self.suffix
         prefixes = self.prefixes
-        simple = self.chat and not self.continuous_usage
+        simple = not self.continuous_usage
         for c, toks in enumerate(self.tokens):
             tok = toks[i]
             prefix = prefixes[c]
@@ -155,7 +177,7 @@ class Sequence:
                 ev = prefix + VOCAB_JSON[tok] + self._tail(end, i + 1)
             if i == 0 and self.role_events is not None:
                 # The role chunk goes out with the first token (one write, two SSE events).
-                role = self._tail(self.role_events[c])
+                role = self._role_event(c)
                 prefix = role + prefix
                 ev = role + ev
             cut = VOCAB_SPLIT[tok]
@@ -170,18 +192,18 @@ class Sequence:
                 w.write(ev)
 
     def stream_tail(self) -> bytes:
-        """What ends a successful stream: an empty finish chunk if no token was
-        produced, the usage chunk if asked for, then ``[DONE]``."""
+        """What ends a successful stream: the role chunks if no token was produced (vLLM
+        sends no chunk for an output without text), the usage chunk if asked for, then
+        ``[DONE]``."""
         parts = []
         if self.n == 0:
-            if self.role_events is not None:
-                parts.extend(self._tail(ev) for ev in self.role_events)
-            for prefix in self.prefixes:
-                parts.append(prefix + b'""' + self._tail(self.final_suffix))
+            parts.append(self.error_head())
         if self.include_usage:
             total = self.n * len(self.tokens)
             parts.append(self.head.partition(b',"choices":')[0] + b',"choices":[],"usage":'
-                         + self._usage_json(total, True) + b"}\n\n")
+                         + self._usage_json(total, True)
+                         + (b',"system_fingerprint":' + self.fingerprint if self.fingerprint else b"")
+                         + b"}\n\n")
         parts.append(DONE_EVENT)
         return b"".join(parts)
 

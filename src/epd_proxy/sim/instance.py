@@ -43,7 +43,7 @@ from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
 from epd_proxy.http.server import HttpServer, ServerLimits
 from epd_proxy.sim import faults as _faults
 from epd_proxy.sim.config import SimConfig
-from epd_proxy.sim.engine import DONE, Engine, Sequence
+from epd_proxy.sim.engine import DONE, DONE_EVENT, Engine, Sequence
 from epd_proxy.sim.records import SimRecord, Stats
 from epd_proxy.sim.tokens import (
     PromptError,
@@ -51,8 +51,15 @@ from epd_proxy.sim.tokens import (
     analyze,
     flatten_metadata,
     media_tokens,
-    output_length,
     output_tokens,
+)
+from epd_proxy.sim.validation import (
+    UNSUPPORTED_MEDIA_TYPE,
+    ApiError,
+    check_lengths,
+    check_request,
+    json_error,
+    schema_error,
 )
 
 log = logging.getLogger("epd_proxy.sim")
@@ -67,6 +74,13 @@ _ERROR_TYPES = {
 }
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
+VLLM_VERSION = "0.32.0"
+# What vLLM says about any generation failure (GenerationError): the 500 body (JSONResponse,
+# compact) and the in-band stream event (json.dumps, with its spacing).
+_GENERATION_ERROR_BODY = (b'{"error":{"message":"Internal server error","type":"InternalServerError",'
+                          b'"param":null,"code":500}}')
+_STREAM_GENERATION_ERROR = (b'data: {"error": {"message": "Internal server error", "type": '
+                            b'"InternalServerError", "param": null, "code": 500}}\n\n')
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
@@ -251,6 +265,26 @@ class SimInstance:
         self._tasks: set[asyncio.Task] = set()
         self._model_json = _encode(self.config.model)
         self._in_flight = 0
+        self.system_fingerprint = self._make_fingerprint()
+        self._fingerprint_json = _encode(self.system_fingerprint) if self.system_fingerprint else b""
+
+    def _make_fingerprint(self) -> str | None:
+        """vLLM's default ``system_fingerprint``: ``vllm-<version>[-tpN][-ppN]-<8 hex>``, the hex
+        from its config hash. Here the hash covers what differs between the simulated
+        instances' configurations, so instances of one role and config share it."""
+        cfg = self.config
+        mode = cfg.system_fingerprint
+        if mode != "auto":
+            return mode or None
+        parts = [f"vllm-{VLLM_VERSION}"]
+        if cfg.tp_size > 1:
+            parts.append(f"tp{cfg.tp_size}")
+        if cfg.pp_size > 1:
+            parts.append(f"pp{cfg.pp_size}")
+        key = repr((cfg.model, cfg.max_model_len, self.role, cfg.kv_connector, cfg.ec_connector, cfg.tp_size,
+                    cfg.pp_size, cfg.block_size))
+        parts.append(hashlib.sha256(key.encode()).hexdigest()[:8])
+        return "-".join(parts)
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -466,6 +500,11 @@ class SimInstance:
                headers=None) -> None:
         self._send(writer, rec, status, error_body(status, message, param), headers=headers, error=message)
 
+    def _api_error(self, writer, rec, exc: ApiError, headers=None) -> None:
+        body = _encode({"error": {"message": exc.message, "type": exc.etype, "param": exc.param,
+                                  "code": exc.status}})
+        self._send(writer, rec, exc.status, body, headers=headers, error=exc.message)
+
     # -- faults ----------------------------------------------------------------------------
     def _plan(self, req, body: dict) -> _faults.FaultPlan | None:
         found: list[_faults.Fault] = []
@@ -521,8 +560,9 @@ class SimInstance:
                     if rec is not None:
                         rec.error = f"{self.name} crashed"
                 else:
+                    # Only the simulator's own counter: vLLM counts a client's disconnect in
+                    # no vllm:request_success_total reason.
                     self.stats.aborted += 1
-                    self.stats.success["abort"] += 1
                     if rec is not None:
                         rec.aborted = True
             raise
@@ -532,26 +572,27 @@ class SimInstance:
         loop = asyncio.get_running_loop()
         st = self.stats
         cfg = self.config
+        # Identity of this request: vLLM uses X-Request-Id when there is one.
+        rid_h = req.headers.get(b"x-request-id")
+        base = rid_h.decode("latin-1") if rid_h else hashlib.sha256(
+            f"{self.created}/{self.name}/{counter}".encode()).hexdigest()[:32]
+        echo = [(b"x-request-id", rid_h or base.encode())] if cfg.echo_request_id else None
         ct = req.headers.get(b"content-type", b"")
         if ct.split(b";", 1)[0].strip().lower() != b"application/json":
-            return self._error(writer, rec, 400, "Unsupported Media Type: Only 'application/json' is allowed")
+            return self._api_error(writer, rec, schema_error([UNSUPPORTED_MEDIA_TYPE]), echo)
         try:
             body = _decode(req.body)
-        except msgspec.DecodeError as exc:
-            return self._error(writer, rec, 400, f"JSON decode error: {exc}")
-        if not isinstance(body, dict):
-            return self._error(writer, rec, 400, "the request body must be a JSON object")
-        stream_v = body.get("stream")
-        stream = stream_v is True
+        except msgspec.DecodeError:
+            return self._api_error(writer, rec, json_error(req.body), echo)
         if rec is not None:
             rec.json = body
-            rec.stream = stream
+            rec.stream = isinstance(body, dict) and body.get("stream") is True
 
         # Faults that act before any work.
         try:
-            plan = self._plan(req, body)
+            plan = self._plan(req, body if isinstance(body, dict) else {})
         except _faults.FaultSyntaxError as exc:
-            return self._error(writer, rec, 400, f"sim: {exc}", "x-sim-fault")
+            return self._error(writer, rec, 400, f"sim: {exc}", "x-sim-fault", headers=echo)
         if plan is not None:
             st.faults += 1
             if rec is not None:
@@ -567,88 +608,63 @@ class SimInstance:
                 await self._forever()
             if plan.status is not None:
                 return self._error(writer, rec, plan.status,
-                                   f"sim: injected fault status={plan.status} on {self.name}")
+                                   f"sim: injected fault status={plan.status} on {self.name}", headers=echo)
 
-        # vLLM's request validation.
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            return self._error(writer, rec, 400, "'model' must be a string", "model")
-        if cfg.check_model and model is not None and model != cfg.model:
-            return self._error(writer, rec, 404, f"The model `{model}` does not exist.", "model")
-        if stream_v is not None and not isinstance(stream_v, bool):
-            return self._error(writer, rec, 400, "'stream' must be a boolean", "stream")
-        so = body.get("stream_options")
-        if so is not None:
-            if not stream:
-                return self._error(writer, rec, 400,
-                                   "Stream options can only be defined when `stream=True`.", "stream_options")
-            if not isinstance(so, dict):
-                return self._error(writer, rec, 400, "'stream_options' must be an object", "stream_options")
+        # vLLM's request validation, in its order: the request schema, the model, the prompt,
+        # the token budget.
         try:
-            n_out, explicit = output_length(body, chat, cfg.default_max_tokens)
-            prompt = analyze(body, chat)
-        except PromptError as exc:
-            return self._error(writer, rec, 400, str(exc))
-        if explicit and n_out < 1:
-            return self._error(writer, rec, 400, f"max_tokens must be at least 1, got {n_out}.",
-                               "max_completion_tokens" if chat and body.get("max_completion_tokens")
-                               is not None else "max_tokens")
-        min_t = body.get("min_tokens")
-        if min_t is not None:
-            if isinstance(min_t, bool) or not isinstance(min_t, int) or min_t < 0:
-                return self._error(writer, rec, 400, f"min_tokens must be greater than or equal to 0, got {min_t}.",
-                                   "min_tokens")
-            if explicit and min_t > n_out:
-                return self._error(writer, rec, 400,
-                                   f"min_tokens must be less than or equal to max_tokens={n_out}, got {min_t}.",
-                                   "min_tokens")
-        n_choices = body.get("n")
-        if n_choices is None:
-            n_choices = 1
-        if isinstance(n_choices, bool) or not isinstance(n_choices, int) or n_choices < 1:
-            return self._error(writer, rec, 400, f"n must be at least 1, got {n_choices}.", "n")
-        if prompt.tokens + n_out > cfg.max_model_len:
-            return self._error(
-                writer, rec, 400,
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-                f"{prompt.tokens + n_out} tokens ({prompt.tokens} in the messages, {n_out} in the completion). "
-                f"Please reduce the length of the messages or completion.")
+            checked = check_request(body, chat)
+            body = checked.body
+            model = body.get("model")
+            if cfg.check_model and model and model != cfg.model:
+                raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
+                               "NotFoundError", "model")
+            try:
+                prompt = analyze(body, chat)
+            except PromptError as exc:
+                raise ApiError(400, str(exc), "BadRequestError") from None
+            n_out, by_length = check_lengths(body, chat, prompt.tokens, cfg.max_model_len, checked.n,
+                                             exact_prompt=prompt.exact, natural_len=cfg.default_max_tokens)
+        except ApiError as exc:
+            return self._api_error(writer, rec, exc, echo)
+        stream = checked.stream
+        if rec is not None:
+            rec.stream = stream
         kv = body.get("kv_transfer_params")
-        if kv is not None and not isinstance(kv, dict):
-            return self._error(writer, rec, 400, "'kv_transfer_params' must be an object or null",
-                               "kv_transfer_params")
 
         # Role.
         role = self.role
         ctx = _Ctx()
         remote_kv: dict | None = None
-        if role == "prefill":
-            if not (kv and kv.get("do_remote_decode") is True):
-                return self._error(
-                    writer, rec, 400,
-                    f"sim: {self.name} is a prefill (KV producer) instance and needs "
-                    "kv_transfer_params.do_remote_decode=true; without it nothing is kept for a decoder "
-                    "(a request meant for a decoder or a plain instance was sent to a prefiller)",
-                    "kv_transfer_params")
-            if cfg.kv_connector != "nixl":
-                tid = kv.get("transfer_id")
-                if not isinstance(tid, str) or not tid:
+        if role in ("prefill", "decode"):
+            produce = bool(kv) and kv.get("do_remote_decode") is True
+            if cfg.strict_roles:
+                if role == "prefill" and not produce:
                     return self._error(
                         writer, rec, 400,
-                        f"sim: {self.name} runs the {cfg.kv_connector} connector: "
-                        "kv_transfer_params.transfer_id is required to pair the prefill with its decode",
-                        "kv_transfer_params")
-                ctx.transfer_id = tid
-            ctx.hold_kv = True
-            ctx.drop_kv = plan is not None and plan.drop_kv
-        elif role == "decode" and kv:
-            if kv.get("do_remote_decode") is True:
-                return self._error(
-                    writer, rec, 400,
-                    f"sim: {self.name} is a decode (KV consumer) instance but got "
-                    "kv_transfer_params.do_remote_decode=true (a prefill request sent to a decoder)",
-                    "kv_transfer_params")
-            if kv.get("do_remote_prefill") is True:
+                        f"sim: {self.name} is a prefill (KV producer) instance and needs "
+                        "kv_transfer_params.do_remote_decode=true; without it nothing is kept for a decoder "
+                        "(a request meant for a decoder or a plain instance was sent to a prefiller; "
+                        "SimConfig.strict_roles)", "kv_transfer_params", headers=echo)
+                if role == "decode" and produce:
+                    return self._error(
+                        writer, rec, 400,
+                        f"sim: {self.name} is a decode (KV consumer) instance but got "
+                        "kv_transfer_params.do_remote_decode=true (a prefill request sent to a decoder; "
+                        "SimConfig.strict_roles)", "kv_transfer_params", headers=echo)
+            if produce:
+                if cfg.kv_connector != "nixl":
+                    tid = kv.get("transfer_id")
+                    if not isinstance(tid, str) or not tid:
+                        return self._error(
+                            writer, rec, 400,
+                            f"sim: {self.name} runs the {cfg.kv_connector} connector: "
+                            "kv_transfer_params.transfer_id is required to pair the prefill with its decode",
+                            "kv_transfer_params", headers=echo)
+                    ctx.transfer_id = tid
+                ctx.hold_kv = True
+                ctx.drop_kv = plan is not None and plan.drop_kv
+            elif kv and kv.get("do_remote_prefill") is True and (role == "decode" or not cfg.strict_roles):
                 remote_kv = kv
 
         # Encoder cache (EC consumer side) and local work.
@@ -656,7 +672,7 @@ class SimInstance:
         ttft_ms = 0.0
         if role == "encode":
             n_out = 0
-            explicit = False
+            by_length = False
             groups: dict[str, dict] = {}
             for m in prompt.media:
                 if not m.raw:
@@ -669,7 +685,12 @@ class SimInstance:
             ctx.ec_groups = groups
             ttft_ms = cfg.encode_ms_per_item * len(groups)
         elif remote_kv is None:
+            if cfg.ec_connector == "example" and prompt.media:
+                refused = self._empty_embeds(prompt.media)
+                if refused is not None:
+                    return self._error(writer, rec, 400, refused, headers=echo)
             st.local_prefills += 1
+            st.local_prompt_tokens += prompt.tokens
             extra = 0.0
             store = self.ec_store
             for m in prompt.media:
@@ -696,10 +717,6 @@ class SimInstance:
                 st.ec_failures += 1
             ttft_ms = cfg.ttft_ms + cfg.ttft_per_token_ms * prompt.tokens + extra
 
-        # Identity of this request.
-        rid_h = req.headers.get(b"x-request-id")
-        base = rid_h.decode("latin-1") if rid_h else hashlib.sha256(
-            f"{self.created}/{self.name}/{counter}".encode()).hexdigest()[:32]
         suffix = hashlib.sha256(f"{self.engine_id}/{self.created}/{counter}".encode()).hexdigest()[:8]
         if chat:
             ctx.resp_id = "chatcmpl-" + base
@@ -707,11 +724,11 @@ class SimInstance:
         else:
             ctx.resp_id = "cmpl-" + base
             ctx.internal_id = f"cmpl-{base}-0-{suffix}"
-        ctx.headers = [(b"x-request-id", rid_h or base.encode())] if cfg.echo_request_id else None
+        ctx.headers = echo
         ctx.chat = chat
-        ctx.model = model if model is not None else cfg.model
+        ctx.model = cfg.model  # vLLM answers with its served model name, whatever the request said
         ctx.prompt = prompt
-        ctx.n_choices = n_choices
+        ctx.n_choices = n_choices = checked.n
         ctx.body = body
 
         seed = _seed_bytes(body)
@@ -724,14 +741,14 @@ class SimInstance:
                     + (b"chat.completion.chunk" if chat else b"text_completion")
                     + b'","created":' + self._created_b + b',"model":' + _encode(ctx.model)
                     + b',"choices":[{"index":')
-            if so:
-                include_usage = so.get("include_usage") is True
-                continuous = include_usage and so.get("continuous_usage_stats") is True
+            include_usage = checked.include_usage
+            continuous = checked.continuous_usage
         seq = Sequence(
             writer=writer, rec=rec, stream=stream, chat=chat, tokens=tokens, prompt_tokens=prompt.tokens,
-            ttft=ttft_ms / 1000.0, finish_reason="length" if explicit else "stop", head=head,
+            ttft=ttft_ms / 1000.0, finish_reason="length" if by_length else "stop", head=head,
             include_usage=include_usage, continuous_usage=continuous, split=cfg.split_utf8,
-            on_complete=self._on_complete, on_error=self._on_error, on_reset=self._on_reset, ctx=ctx)
+            on_complete=self._on_complete, on_error=self._on_error, on_reset=self._on_reset, ctx=ctx,
+            fingerprint=self._fingerprint_json)
         if ctx.hold_kv and not ctx.drop_kv:
             seq.on_ready = self._on_prefilled
         if plan is not None and plan.streams_tokens:
@@ -756,22 +773,45 @@ class SimInstance:
             seq.admitted = loop.create_future()
             engine.submit(seq)
             await seq.admitted
+            st.external_queried_tokens += prompt.tokens
             ok, info = await self._load_kv(ctx, remote_kv)
             if seq.state == DONE:
                 return
             if not ok:
                 st.kv_pull_failures += 1
+                if cfg.kv_failure_delay_ms > 0:
+                    # Real NIXL notices a dead peer only after its handshake timeout.
+                    await asyncio.sleep(cfg.kv_failure_delay_ms / 1000.0)
+                    if seq.state == DONE:
+                        return
                 self._on_error(seq, info)
                 engine.retire(seq)
                 return
+            ntok, nblocks = info
             st.kv_pulls += 1
-            st.external_cached_tokens += info
+            st.external_cached_tokens += ntok
+            if cfg.kv_connector != "mooncake":
+                st.add_kv_transfer(nblocks * cfg.kv_bytes_per_block)
             if cfg.prompt_tokens_details:
-                seq.cached_tokens = info
+                seq.cached_tokens = ntok
             engine.ready(seq, loop.time() + cfg.kv_load_ms / 1000.0)
         else:
             engine.submit(seq)
         await seq.done
+
+    def _empty_embeds(self, media: list) -> str | None:
+        """vLLM's refusal of ``*_embeds`` references without data (an ECExampleConnector
+        encoder reports empty metadata, and a model that declares no embedding fields,
+        like BLIP-2, has nothing to build the item from)."""
+        if not any(not m.raw and m.metadata == {} for m in media):
+            return None
+        for family in ("image", "audio", "video"):
+            items = [m for m in media if m.family == family]
+            with_data = [m for m in items if m.raw or m.metadata != {}]
+            if len(items) != len(with_data):
+                return (f"If given, multi_modal_uuids[{family!r}] must have same length as "
+                        f"multi_modal_data[{family!r}], but got {len(items)} vs {len(with_data)}.")
+        return None
 
     # -- engine callbacks --------------------------------------------------------------------
     def _on_complete(self, seq: Sequence) -> None:
@@ -790,27 +830,31 @@ class SimInstance:
         if seq.stream:
             writer.end(seq.stream_tail())
         else:
+            # vLLM 0.32's response models, dumped whole (JSONResponse(model.model_dump())).
             usage = {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + ncomp,
                      "completion_tokens": ncomp,
-                     "prompt_tokens_details": {"cached_tokens": seq.cached_tokens} if seq.cached_tokens else None}
+                     "prompt_tokens_details": {"cached_tokens": seq.cached_tokens} if seq.cached_tokens else None,
+                     "completion_tokens_details": None}
             if ctx.chat:
                 choices = [{"index": c, "message": {
                     "role": "assistant", "content": seq.text(c), "refusal": None, "annotations": None,
-                    "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
+                    "audio": None, "function_call": None, "reasoning": None},
                     "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None,
-                    "token_ids": None} for c in range(ctx.n_choices)]
+                    "token_ids": None, "routed_experts": None} for c in range(ctx.n_choices)]
                 resp = {"id": ctx.resp_id, "object": "chat.completion", "created": self.created,
                         "model": ctx.model, "choices": choices, "service_tier": None,
-                        "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
-                        "prompt_token_ids": None, "kv_transfer_params": kv_out, "ec_transfer_params": ec_out}
+                        "system_fingerprint": self.system_fingerprint, "usage": usage, "prompt_logprobs": None,
+                        "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": kv_out,
+                        "ec_transfer_params": ec_out, "metrics": None}
             else:
                 choices = [{"index": c, "text": seq.text(c), "logprobs": None,
                             "finish_reason": seq.finish_reason, "stop_reason": None, "token_ids": None,
-                            "prompt_logprobs": None, "prompt_token_ids": None} for c in range(ctx.n_choices)]
+                            "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
+                           for c in range(ctx.n_choices)]
                 resp = {"id": ctx.resp_id, "object": "text_completion", "created": self.created,
                         "model": ctx.model, "choices": choices, "service_tier": None,
-                        "system_fingerprint": None, "usage": usage,
-                        "kv_transfer_params": kv_out, "ec_transfer_params": ec_out}
+                        "system_fingerprint": self.system_fingerprint, "usage": usage,
+                        "kv_transfer_params": kv_out, "ec_transfer_params": ec_out, "metrics": None}
             writer.send(200, _encode(resp), headers=ctx.headers)
             if rec is not None:
                 rec.t_headers = time.monotonic()
@@ -832,16 +876,17 @@ class SimInstance:
             seq.rec.kv = ctx.kv_out
 
     def _on_error(self, seq: Sequence, message: str) -> None:
-        """A generation failure (finish_reason "error"): 500, or in-band once streaming."""
+        """A generation failure (finish_reason "error"): 500, or in-band once streaming. vLLM
+        says only "Internal server error" on the wire; the reason goes to the record and log."""
         self.stats.errors += 1
         self.stats.success["error"] += 1
         writer = seq.writer
         rec = seq.rec
-        body = error_body(500, message)
+        log.warning("%s: request %s failed: %s", self.name, getattr(seq.ctx, "resp_id", "?"), message)
         if writer.started:
-            writer.end(b"data: " + body + b"\n\n" + b"data: [DONE]\n\n")
+            writer.end(seq.error_head() + _STREAM_GENERATION_ERROR + DONE_EVENT)
         else:
-            writer.send(500, body, headers=seq.ctx.headers)
+            writer.send(500, _GENERATION_ERROR_BODY, headers=seq.ctx.headers)
             if rec is not None:
                 rec.t_headers = time.monotonic()
                 rec.status = 500
@@ -862,13 +907,18 @@ class SimInstance:
     # -- EC producer ---------------------------------------------------------------------------
     def _store_ec(self, groups: dict[str, dict]) -> dict:
         out = {}
+        example = self.config.ec_connector == "example"
         for mm_hash, g in groups.items():
             tokens = media_tokens(g["family"], g["metadata"])
             size = tokens * self.config.hidden_size * 2
             self.ec_store.put(mm_hash, EcEntry(g["metadata"], size, self.name, self.host, self.port))
             self.stats.encoded_items += len(g["item_indices"])
-            out[mm_hash] = {"metadata": g["metadata"], "item_indices": g["item_indices"],
-                            "peer_host": self.host, "peer_port": self.port, "size_bytes": size}
+            if example:
+                # ECExampleConnector: the cache sits in the shared directory under the hash.
+                out[mm_hash] = {"item_indices": g["item_indices"], "metadata": {}}
+            else:
+                out[mm_hash] = {"metadata": g["metadata"], "item_indices": g["item_indices"],
+                                "peer_host": self.host, "peer_port": self.port, "size_bytes": size}
         return out
 
     # -- KV producer ---------------------------------------------------------------------------
@@ -967,7 +1017,8 @@ class SimInstance:
         return resp.status, obj if isinstance(obj, dict) else {"error": str(obj)}
 
     async def _load_kv(self, ctx: _Ctx, kv: dict) -> tuple[bool, Any]:
-        """Fetch the prompt's KV from the prefill named in ``kv``; (True, tokens) or (False, why)."""
+        """Fetch the prompt's KV from the prefill named in ``kv``; (True, (tokens, blocks)) or
+        (False, why)."""
         cfg = self.config
         conn = cfg.kv_connector
         fail = "KV load failed (kv_load_failure_policy=fail): "
@@ -1006,7 +1057,8 @@ class SimInstance:
         if status == 200:
             self.kv_events.append({"t": time.monotonic(), "op": "load", "ok": True, "peer": base,
                                    "tokens": data.get("num_tokens")})
-            return True, int(data.get("num_tokens") or 0)
+            blocks = data.get("block_ids")
+            return True, (int(data.get("num_tokens") or 0), len(blocks) if isinstance(blocks, list) else 0)
         msg = fail + f"{base} answered {status}: {data.get('error')}"
         self.kv_events.append({"t": time.monotonic(), "op": "load", "ok": False, "error": msg})
         return False, msg
@@ -1138,7 +1190,7 @@ class SimInstance:
         eng = self.engine
         st = self.stats
         cfg = self.config
-        lbl = f'engine="0",model_name="{cfg.model}"'
+        lbl = f'model_name="{cfg.model}",engine="0"'
         running = eng.num_running if eng else 0
         waiting = eng.num_waiting if eng else 0
         used = (eng.kv_blocks_in_use(cfg.block_size) if eng else 0) + self._held_blocks
@@ -1156,15 +1208,36 @@ class SimInstance:
             "# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
         ]
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in ("stop", "length", "abort", "error", "repetition"):
             lines.append(f'vllm:request_success_total{{{lbl},finished_reason="{reason}"}} '
                          f"{st.success.get(reason, 0)}.0")
+        lines += [
+            "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.",
+            "# TYPE vllm:prompt_tokens_by_source_total counter",
+            f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_compute"}} {st.local_prompt_tokens}.0',
+            f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_cache_hit"}} 0.0',
+            f'vllm:prompt_tokens_by_source_total{{{lbl},source="external_kv_transfer"}} '
+            f"{st.external_cached_tokens}.0",
+        ]
+        if self.role in ("prefill", "decode") and cfg.kv_connector != "mooncake":
+            # NixlConnector's histogram of bytes per transfer (one transfer per KV load here).
+            lines += ["# HELP vllm:nixl_bytes_transferred Histogram of bytes transferred per NIXL KV Cache "
+                      "transfers.", "# TYPE vllm:nixl_bytes_transferred histogram"]
+            cum = 0
+            for le, count in zip(st.KV_BYTES_BUCKETS, st.kv_bytes_buckets):
+                cum += count
+                lines.append(f'vllm:nixl_bytes_transferred_bucket{{{lbl},le="{float(le)!r}"}} {cum}.0')
+            lines += [f'vllm:nixl_bytes_transferred_bucket{{{lbl},le="+Inf"}} {st.kv_transfers}.0',
+                      f"vllm:nixl_bytes_transferred_count{{{lbl}}} {st.kv_transfers}.0",
+                      f"vllm:nixl_bytes_transferred_sum{{{lbl}}} {st.kv_bytes_transferred}.0"]
         counters = [
             ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", st.prompt_tokens),
             ("vllm:generation_tokens_total", "Number of generation tokens processed.", st.generation_tokens),
             ("vllm:num_preemptions_total", "Cumulative number of preemptions.", 0),
-            ("vllm:external_prefix_cache_hits_total", "Prompt tokens loaded over KV transfer.",
-             st.external_cached_tokens),
+            ("vllm:external_prefix_cache_queries_total", "External prefix cache queries from KV connector "
+             "cross-instance cache sharing, in terms of number of queried tokens.", st.external_queried_tokens),
+            ("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector "
+             "cross-instance cache sharing, in terms of number of cached tokens.", st.external_cached_tokens),
             ("vllm:nixl_num_failed_transfers_total", "Failed KV loads (this instance as consumer).",
              st.kv_pull_failures),
             ("sim:requests_total", "Generation requests received.", st.requests),

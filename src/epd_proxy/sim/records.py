@@ -55,11 +55,16 @@ class Stats:
                  "local_encodes", "ec_hits", "encoded_items", "ec_failures", "kv_pulls",
                  "kv_pull_failures", "kv_pushes", "kv_push_failures", "kv_blocks_expired",
                  "kv_requests_expired", "kv_blocks_served", "external_cached_tokens", "aborted",
-                 "faults", "errors")
+                 "faults", "errors", "external_queried_tokens", "local_prompt_tokens", "kv_transfers",
+                 "kv_bytes_transferred", "kv_bytes_buckets")
+
+    # vLLM's buckets for vllm:nixl_bytes_transferred (2 KiB to 8 GiB).
+    KV_BYTES_BUCKETS: tuple[int, ...] = tuple(2 ** (10 + i) for i in range(1, 25, 2))
 
     def __init__(self) -> None:
         self.requests = 0  # generation requests received
-        self.success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        # vllm:request_success_total; a client disconnect counts in none (as with vLLM).
+        self.success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.local_prefills = 0  # prompts computed here (not loaded from a prefill)
@@ -75,9 +80,26 @@ class Stats:
         self.kv_requests_expired = 0
         self.kv_blocks_served = 0
         self.external_cached_tokens = 0  # decode: prompt tokens that came over KV transfer
-        self.aborted = 0  # requests whose client went away
+        self.external_queried_tokens = 0  # decode: prompt tokens looked up over KV transfer
+        self.local_prompt_tokens = 0  # prompt tokens computed here (vllm:prompt_tokens_by_source local_compute)
+        self.kv_transfers = 0  # decode: KV loads (vllm:nixl_bytes_transferred_count)
+        self.kv_bytes_transferred = 0  # decode: their bytes (vllm:nixl_bytes_transferred_sum)
+        self.kv_bytes_buckets = [0] * len(self.KV_BYTES_BUCKETS)  # per bucket, not cumulative
+        self.aborted = 0  # requests whose client went away (sim:aborted_requests_total only)
         self.faults = 0  # requests with an injected fault
         self.errors = 0  # requests failed by the simulator (generation errors)
 
     def as_dict(self) -> dict:
-        return {k: (dict(getattr(self, k)) if k == "success" else getattr(self, k)) for k in self.__slots__}
+        out = {}
+        for k in self.__slots__:
+            v = getattr(self, k)
+            out[k] = dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v
+        return out
+
+    def add_kv_transfer(self, nbytes: int) -> None:
+        self.kv_transfers += 1
+        self.kv_bytes_transferred += nbytes
+        for i, le in enumerate(self.KV_BYTES_BUCKETS):
+            if nbytes <= le:
+                self.kv_bytes_buckets[i] += 1
+                return

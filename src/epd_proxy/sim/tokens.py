@@ -23,9 +23,10 @@ Prompt analysis
 Output
     ``n`` tokens drawn from :data:`VOCAB` by a PRNG seeded with the prompt
     fingerprint, the request's ``seed`` and the choice index. ``n`` is
-    ``max_completion_tokens`` (chat; it wins) or ``max_tokens`` when given,
-    else ``max(default_max_tokens, min_tokens)`` (the default is 16, vLLM's
-    completions default). A shorter response is a prefix of a longer one.
+    ``max_completion_tokens`` (chat; it wins) or ``max_tokens`` when given
+    (a completions request without it has vLLM's default cap of 16), else
+    ``max(default_max_tokens, min_tokens)``; never more than the context left
+    after the prompt. A shorter response is a prefix of a longer one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from epd_proxy.sim.validation import output_cap, plan_output
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -199,6 +202,7 @@ class Prompt:
     fingerprint: bytes  # sha256 digest of the normalised prompt
     tokens: int
     media: list[MediaRef]
+    exact: bool = False  # given as token ids: vLLM knows its exact length even past the context
 
     @property
     def hash_hex(self) -> str:
@@ -219,7 +223,7 @@ def analyze(body: dict, chat: bool) -> Prompt:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                        for t in prompt):
             h.update(b"T\x00" + ",".join(map(str, prompt)).encode())
-            return Prompt(h.digest(), len(prompt), media)
+            return Prompt(h.digest(), len(prompt), media, True)
         if isinstance(prompt, list) and len(prompt) > 1:
             raise PromptError("the simulator supports one prompt per completions request")
         raise PromptError("'prompt' must be a string or a list of token ids")
@@ -301,12 +305,19 @@ def max_tokens_of(body: dict, chat: bool) -> int | None:
     return _opt_int(body, "max_tokens")
 
 
-def output_length(body: dict, chat: bool, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> tuple[int, bool]:
-    """(number of output tokens, whether that is the explicit cap -> finish "length")."""
-    cap = max_tokens_of(body, chat)
-    if cap is not None:
-        return cap, True
-    return max(default_max_tokens, _opt_int(body, "min_tokens") or 0), False
+def output_length(body: dict, chat: bool, default_max_tokens: int = DEFAULT_MAX_TOKENS, *,
+                  prompt_tokens: int = 0, max_model_len: int | None = None) -> tuple[int, bool]:
+    """(number of output tokens, whether the output ends by length -> finish "length").
+
+    An explicit cap is always reached; without one the simulated model stops by
+    itself after ``max(default_max_tokens, min_tokens)`` tokens. A completions
+    request without ``max_tokens`` has vLLM's protocol default cap of 16. With
+    ``max_model_len``, the output also stops where the context ends.
+    """
+    max_tokens_of(body, chat)  # type check
+    cap, _, implicit = output_cap(body, chat)
+    room = float("inf") if max_model_len is None else max_model_len - prompt_tokens
+    return plan_output(cap, implicit, _opt_int(body, "min_tokens") or 0, default_max_tokens, room)
 
 
 def _seed_bytes(body: dict) -> bytes:
@@ -323,21 +334,25 @@ def output_tokens(fingerprint: bytes, seed: bytes, n: int, choice: int = 0) -> l
     return rng.choices(_VOCAB_RANGE, k=n)
 
 
-def expected_tokens(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> list[str]:
-    """The output tokens (strings) of a full, un-faulted response to ``body``."""
+def expected_tokens(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                    max_model_len: int | None = None) -> list[str]:
+    """The output tokens (strings) of a full, un-faulted response to ``body``
+    (``max_model_len``: the instance's context, when the cap may exceed it)."""
     chat = "messages" in body
     prompt = analyze(body, chat)
-    n, _ = output_length(body, chat, default_max_tokens)
+    n, _ = output_length(body, chat, default_max_tokens, prompt_tokens=prompt.tokens, max_model_len=max_model_len)
     return [VOCAB[i] for i in output_tokens(prompt.fingerprint, _seed_bytes(body), n, choice)]
 
 
-def expected_text(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> str:
+def expected_text(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                  max_model_len: int | None = None) -> str:
     """The text of a full, un-faulted response of a prefill/decode/pd instance to ``body``.
 
     Chat if ``body`` has ``messages``, completions otherwise. Equal to the
     non-stream ``content``/``text`` and to the concatenated stream deltas.
     """
-    return "".join(expected_tokens(body, choice=choice, default_max_tokens=default_max_tokens))
+    return "".join(expected_tokens(body, choice=choice, default_max_tokens=default_max_tokens,
+                                   max_model_len=max_model_len))
 
 
 def prompt_tokens(body: dict) -> int:
