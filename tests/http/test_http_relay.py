@@ -275,7 +275,11 @@ async def test_relay_of_an_already_complete_response_to_a_slow_client(http_serve
     async def proxy(req, w):
         resp = await pool.request("GET", req.path, timeouts=Timeouts(connect=1, headers=0.5, idle=0.5))
         try:
-            await asyncio.sleep(0.05)  # the whole body is in by now
+            for _ in range(500):  # wait until the whole body is in (and the connection pooled)
+                if resp.complete:
+                    break
+                await asyncio.sleep(0.01)
+            assert resp.complete
             w.start(200)
             sink = RelaySink(w, resp)
             sinks.append(sink)
@@ -293,7 +297,10 @@ async def test_relay_of_an_already_complete_response_to_a_slow_client(http_serve
         sock.setblocking(False)
         r, w = await asyncio.open_connection(sock=sock)
         w.write(request_bytes("GET", "/big"))
-        await asyncio.sleep(0.1)  # not reading yet: the replay hit back-pressure
+        for _ in range(500):  # not reading yet: the replay hits back-pressure
+            if sinks and sinks[0].pauses >= 1:
+                break
+            await asyncio.sleep(0.01)
         assert sinks[0].pauses >= 1
         resp = await asyncio.wait_for(read_response(r), 5)
         assert resp.body == body
