@@ -142,3 +142,51 @@ async def test_e_p_d_in_push_mode_encodes_first():
         p = cluster.records("prefill")[-1]
         assert e.t_end <= p.t_received
         assert p.json["messages"][0]["content"][1]["type"] == "image_embeds"
+
+
+# -- Mooncake ------------------------------------------------------------------------------
+
+def mooncake_sim(**kw) -> SimConfig:
+    return push_sim(kv_connector="mooncake", **kw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_mooncake_sends_bootstrap_address_and_engine_id(stream):
+    async with stack(sim=mooncake_sim(), kv_connector="mooncake") as (cluster, proxy, client):
+        body = chat_body(stream=stream)
+        reply = await client.chat(body)
+        assert reply.status == 200, reply.body
+        assert reply.text() == expected_text(body)
+        p, d = cluster.records("prefill")[-1], cluster.records("decode")[-1]
+        ident = cluster.prefill_identity(0)
+        pk, dk = p.json["kv_transfer_params"], d.json["kv_transfer_params"]
+        assert pk == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": pk["transfer_id"]}
+        assert dk == {"do_remote_decode": False, "do_remote_prefill": True,
+                      "remote_bootstrap_addr": ident["bootstrap_addr"], "remote_engine_id": ident["engine_id"],
+                      "transfer_id": pk["transfer_id"]}
+        assert p.headers["x-data-parallel-rank"] == "0"
+        assert cluster.held_kv_blocks == 0
+
+
+def test_mooncake_needs_each_prefills_bootstrap_port():
+    from epd_proxy.app import validate_config
+    from epd_proxy.config import ProxyConfig, parse_instance
+    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")],
+                      decode=[parse_instance("http://d:2", "decode")], kv_connector="mooncake")
+    with pytest.raises(ValueError, match="bootstrap_port"):
+        validate_config(cfg)
+    validate_config(cfg.replace(prefill=[parse_instance("http://p:1;bootstrap_port=8998", "prefill")]))
+
+
+async def test_mooncake_prefill_without_bootstrap_answer_is_skipped():
+    async with stack(prefill=2, sim=mooncake_sim(), kv_connector="mooncake") as (cluster, proxy, client):
+        connector = proxy.app.pipeline.connector
+        dead = proxy.app.pools["prefill"].instances[0]
+        # As if prefill 0's bootstrap server never answered: requests routed there move on.
+        connector._engines.pop(dead.url, None)
+        await cluster.instances("prefill")[0].crash()
+        for _ in range(3):
+            reply = await client.chat(chat_body())
+            assert reply.status == 200, reply.body
+        served = {r.instance for r in cluster.records("prefill") if r.path != "/query"}
+        assert served == {"prefill-1"}

@@ -66,6 +66,7 @@ class ProxyApp:
         return "+".join(names[r] for r in roles)
 
     async def start(self) -> None:
+        await self.pipeline.connector.start()
         for pool in self.pools.values():
             pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
 

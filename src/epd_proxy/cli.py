@@ -24,7 +24,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--prefill", action="append", metavar="URL",
                    help="prefill instance(s); omit (or 'none') for E+PD")
     p.add_argument("--decode", action="append", metavar="URL", help="decode (or PD) instance(s)")
-    p.add_argument("--kv-connector", default="nixl", help="nixl (pull, default) or nixl-push")
+    p.add_argument("--kv-connector", default="nixl", help="nixl (pull, default), nixl-push or mooncake")
     p.add_argument("--decode-retries", type=int, default=1,
                    help="fresh attempts after a retryable failure before the response starts (default 1)")
     p.add_argument("--encoder-max-batch-size", type=int,

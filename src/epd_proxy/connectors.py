@@ -11,8 +11,12 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 
+import msgspec
+
 from .context import RequestContext
 from .errors import ProxyError
+from .http.client import ConnectionPool, UpstreamError
+from .http.client import Timeouts as ClientTimeouts
 from .pool import Instance
 from .stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from .stages import DecodeLeg, DecodeStage, PrefillStage
@@ -38,6 +42,9 @@ class KVConnector:
     @classmethod
     def check_instances(cls, prefill: list) -> None:
         """Raise ValueError when the configured instances lack what this connector needs."""
+
+    async def start(self) -> None:
+        """Learn what the connector needs from the instances before serving (optional)."""
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         raise NotImplementedError
@@ -104,13 +111,19 @@ class NixlPush(KVConnector):
             "transfer_id": transfer_id,
         }
 
+    async def legs(self, ctx: RequestContext, plan: LegPlan, transfer_id: str) -> tuple[dict, dict, list | None]:
+        """The prefill's and decode's ``kv_transfer_params``, and extra prefill headers."""
+        return (nixl_prefill_request_params(transfer_id),
+                self.decode_params(plan.prefill.spec, ctx.request_id, transfer_id), None)
+
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         # One transfer id pairs the two legs; a retry gets a new one.
         transfer_id = f"xfer-{uuid.uuid4()}"
-        p_body = prefill_body(plan.body, nixl_prefill_request_params(transfer_id))
-        d_body = decode_body(plan.body, kv=self.decode_params(plan.prefill.spec, ctx.request_id, transfer_id))
+        p_kv, d_kv, p_headers = await self.legs(ctx, plan, transfer_id)
+        p_body = prefill_body(plan.body, p_kv)
+        d_body = decode_body(plan.body, kv=d_kv)
         loop = asyncio.get_running_loop()
-        prefill = loop.create_task(self.prefill.run(ctx, plan.prefill, p_body))
+        prefill = loop.create_task(self.prefill.run(ctx, plan.prefill, p_body, p_headers))
         decode = loop.create_task(self.decode.open(ctx, plan.decode, d_body, plan.decode_headers))
         try:
             while not decode.done():
@@ -137,4 +150,80 @@ async def _cancel(task: asyncio.Task) -> None:
     # (a cancelled or failed leg has already closed its connection in its own finally)
 
 
-CONNECTORS: dict[str, type[KVConnector]] = {"nixl": NixlPull, "nixl-push": NixlPush}
+class Mooncake(NixlPush):
+    """MooncakeConnector (§3.8): like push, both legs at once, but decode finds the
+    prefill through its bootstrap server and the engine id of the DP rank serving it.
+
+    Engine ids come from ``GET <bootstrap>/query`` (``{"0": {"engine_id": ...}}``),
+    asked at start-up and again whenever a prefill's are still unknown. A prefill
+    that has not answered yet fails only the requests routed to it (retryable,
+    so they move to another prefill), unlike the reference proxy, where one
+    missing prefill blocks everything.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, prefill: PrefillStage | None, decode: DecodeStage) -> None:
+        super().__init__(prefill, decode)
+        self._engines: dict[str, list[str]] = {}  # prefill URL -> engine id per DP rank
+        self._rank_cursor: dict[str, int] = {}
+
+    @classmethod
+    def check_instances(cls, prefill: list) -> None:
+        for spec in prefill:
+            if spec.bootstrap_port is None:
+                raise ValueError(f"--kv-connector mooncake needs each prefill's bootstrap port, e.g. "
+                                 f"'{spec.url};bootstrap_port=8998' (VLLM_MOONCAKE_BOOTSTRAP_PORT)")
+
+    @staticmethod
+    def bootstrap_addr(spec) -> str:
+        return f"http://{spec.kv_host or spec.host}:{spec.bootstrap_port}"
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._query(inst) for inst in self.prefill.pool.instances),
+                             return_exceptions=True)
+
+    async def _query(self, inst: Instance) -> list[str]:
+        known = self._engines.get(inst.url)
+        if known:
+            return known
+        url = self.bootstrap_addr(inst.spec)
+        pool = ConnectionPool(url, idle_timeout=0)
+        try:
+            t = ClientTimeouts(connect=2.0, headers=5.0, idle=5.0)
+            resp = await pool.request("GET", "/query", timeouts=t)
+            try:
+                data = await resp.read()
+            finally:
+                resp.close()
+            ranks = msgspec.json.decode(data) if resp.status == 200 else None
+            engines = [ranks[k]["engine_id"] for k in sorted(ranks, key=int)] if isinstance(ranks, dict) else []
+        except (UpstreamError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ProxyError(503, f"prefill {inst.url}: its Mooncake bootstrap server {url} did not "
+                                  f"answer /query: {exc}", retryable=True) from None
+        finally:
+            await pool.close()
+        if not engines:
+            raise ProxyError(503, f"prefill {inst.url}: bootstrap server {url} reported no engine ids",
+                             retryable=True)
+        self._engines[inst.url] = engines
+        return engines
+
+    async def legs(self, ctx: RequestContext, plan: LegPlan, transfer_id: str) -> tuple[dict, dict, list | None]:
+        try:
+            engines = await self._query(plan.prefill)
+        except ProxyError:
+            ctx.failed(plan.prefill)
+            raise
+        # Rotate over the prefill's DP ranks, so every rank gets work.
+        n = self._rank_cursor.get(plan.prefill.url, 0)
+        self._rank_cursor[plan.prefill.url] = n + 1
+        rank = n % len(engines)
+        p_kv = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+        d_kv = {"do_remote_decode": False, "do_remote_prefill": True,
+                "remote_bootstrap_addr": self.bootstrap_addr(plan.prefill.spec),
+                "remote_engine_id": engines[rank], "transfer_id": transfer_id}
+        return p_kv, d_kv, [(b"x-data-parallel-rank", str(rank).encode())]
+
+
+CONNECTORS: dict[str, type[KVConnector]] = {"nixl": NixlPull, "nixl-push": NixlPush, "mooncake": Mooncake}
