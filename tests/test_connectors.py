@@ -46,7 +46,12 @@ async def test_push_runs_both_legs_at_once(stream):
         ident = cluster.prefill_identity(0)
         assert (dk["remote_engine_id"], dk["remote_host"], dk["remote_port"]) == (
             ident["engine_id"], ident["kv_host"], ident["kv_port"])
-        assert dk["remote_request_id"] == "push-1" and "remote_block_ids" not in dk
+        # vLLM's push connector pairs the legs by X-Request-Id: a fresh id per attempt,
+        # the same on both legs, derived from the client's (which the client gets back).
+        leg_id = dk["remote_request_id"]
+        assert leg_id.startswith("push-1-") and "remote_block_ids" not in dk
+        assert p.request_id == d.request_id == leg_id
+        assert reply.headers[b"x-request-id"] == b"push-1"
         assert p.json["stream"] is False and p.json["max_tokens"] == 1
         assert cluster.held_kv_blocks == 0
 
@@ -80,6 +85,14 @@ async def test_push_prefill_client_error_is_relayed():
         assert len(cluster.records("prefill")) == 1
 
 
+async def test_push_reused_client_id_never_pairs_two_requests():
+    async with stack(sim=push_sim(), kv_connector="nixl-push") as (cluster, proxy, client):
+        for _ in range(2):
+            assert (await client.chat(chat_body(), headers=[(b"x-request-id", b"same")])).status == 200
+        ids = [r.request_id for r in cluster.records("decode")]
+        assert len(set(ids)) == 2 and all(i.startswith("same-") for i in ids)
+
+
 async def test_push_retry_uses_a_new_transfer_id():
     async with stack(sim=push_sim(), kv_connector="nixl-push") as (cluster, proxy, client):
         cluster.instances("prefill")[0].inject("status=503")
@@ -89,6 +102,8 @@ async def test_push_retry_uses_a_new_transfer_id():
         assert reply.text() == expected_text(body)
         tids = [r.json["kv_transfer_params"]["transfer_id"] for r in cluster.records("prefill")]
         assert len(tids) == 2 and tids[0] != tids[1]
+        leg_ids = [r.request_id for r in cluster.records("prefill")]
+        assert leg_ids[0] != leg_ids[1]
 
 
 async def test_push_prefill_failure_after_first_token_ends_in_band():

@@ -111,26 +111,32 @@ class NixlPush(KVConnector):
             "transfer_id": transfer_id,
         }
 
-    async def legs(self, ctx: RequestContext, plan: LegPlan, transfer_id: str) -> tuple[dict, dict, list | None]:
+    async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
+                   ) -> tuple[dict, dict, list | None]:
         """The prefill's and decode's ``kv_transfer_params``, and extra prefill headers."""
         return (nixl_prefill_request_params(transfer_id),
-                self.decode_params(plan.prefill.spec, ctx.request_id, transfer_id), None)
+                self.decode_params(plan.prefill.spec, leg_id, transfer_id), None)
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
-        # One transfer id pairs the two legs; a retry gets a new one.
+        # vLLM's push connector pairs the legs by their X-Request-Id (this build reads
+        # no transfer_id), so each attempt gets its own id on both legs: a client that
+        # reuses an id, or a retry, must never meet a prefill left from another one.
+        # One transfer id as well, for connectors that do pair by it.
+        leg_id = f"{ctx.request_id}-{uuid.uuid4().hex[:12]}"
         transfer_id = f"xfer-{uuid.uuid4()}"
-        p_kv, d_kv, p_headers = await self.legs(ctx, plan, transfer_id)
+        p_kv, d_kv, p_headers = await self.legs(ctx, plan, leg_id, transfer_id)
         p_body = prefill_body(plan.body, p_kv)
         d_body = decode_body(plan.body, kv=d_kv)
         loop = asyncio.get_running_loop()
-        prefill = loop.create_task(self.prefill.run(ctx, plan.prefill, p_body, p_headers))
-        decode = loop.create_task(self.decode.open(ctx, plan.decode, d_body, plan.decode_headers))
+        prefill = loop.create_task(self.prefill.run(ctx, plan.prefill, p_body, p_headers, request_id=leg_id))
+        decode = loop.create_task(self.decode.open(ctx, plan.decode, d_body, plan.decode_headers,
+                                                   request_id=leg_id))
         try:
-            while not decode.done():
-                await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
-                if prefill.done() and not decode.done() and prefill.exception() is not None:
-                    await _cancel(decode)
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and not decode.done():
+                if prefill.exception() is not None:
                     raise prefill.exception()
+                await asyncio.wait((decode,))  # prefill is done: only decode's answer is left
             leg = decode.result()  # raises decode's failure
         except BaseException:
             await _cancel(decode)
@@ -141,13 +147,13 @@ class NixlPush(KVConnector):
 
 
 async def _cancel(task: asyncio.Task) -> None:
+    """Cancel a leg and wait until it has closed its connection. Our own
+    cancellation (the client left) still propagates."""
     if not task.done():
         task.cancel()
-    try:
-        await task
-    except BaseException:
-        pass
-    # (a cancelled or failed leg has already closed its connection in its own finally)
+        await asyncio.wait((task,))
+    if not task.cancelled():
+        task.exception()  # retrieved: the caller reports the failure that matters
 
 
 class Mooncake(NixlPush):
@@ -209,7 +215,8 @@ class Mooncake(NixlPush):
         self._engines[inst.url] = engines
         return engines
 
-    async def legs(self, ctx: RequestContext, plan: LegPlan, transfer_id: str) -> tuple[dict, dict, list | None]:
+    async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
+                   ) -> tuple[dict, dict, list | None]:
         try:
             engines = await self._query(plan.prefill)
         except ProxyError:

@@ -140,12 +140,13 @@ class InstancePool:
     async def _probe(self, inst: Instance, timeout: float) -> None:
         t = Timeouts(connect=timeout, headers=timeout, idle=timeout)
         try:
-            resp = await asyncio.wait_for(inst.http.request("GET", "/health", timeouts=t), timeout)
-            try:
-                await asyncio.wait_for(resp.read(), timeout)
-            finally:
-                resp.close()
-        except (UpstreamError, asyncio.TimeoutError, OSError) as exc:
+            async with asyncio.timeout(timeout):
+                resp = await inst.http.request("GET", "/health", timeouts=t)
+                try:
+                    await resp.read()
+                finally:
+                    resp.close()
+        except (UpstreamError, TimeoutError, OSError) as exc:
             self.record_failure(inst, f"health probe: {exc}")
             return
         if resp.status == 200:

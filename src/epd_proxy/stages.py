@@ -212,11 +212,11 @@ class PrefillStage:
         self.pool = pool
         self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
 
-    async def run(self, att: RequestContext, inst: Instance, body: dict, extra_headers: list | None = None
-                  ) -> msgspec.Raw | None:
+    async def run(self, att: RequestContext, inst: Instance, body: dict, extra_headers: list | None = None,
+                  request_id: str | None = None) -> msgspec.Raw | None:
         t0 = time.perf_counter()
         data = await exchange(self.pool, inst, att, "prefill", att.path, msgspec.json.encode(body),
-                              att.upstream_headers(extra=extra_headers), self.timeouts)
+                              att.upstream_headers(request_id, extra_headers), self.timeouts)
         att.timing("prefill", time.perf_counter() - t0)
         try:
             raw = msgspec.json.decode(data, type=_PrefillReply).kv_transfer_params
@@ -249,11 +249,11 @@ class DecodeStage:
         self.pool = pool
         self.timeouts = Timeouts(connect=connect_timeout, headers=first_timeout, idle=idle_timeout)
 
-    async def open(self, att: RequestContext, inst: Instance, body: dict, extra_headers: list | None = None
-                   ) -> DecodeLeg:
+    async def open(self, att: RequestContext, inst: Instance, body: dict, extra_headers: list | None = None,
+                   request_id: str | None = None) -> DecodeLeg:
         t0 = time.perf_counter()
         resp = await call(self.pool, inst, att, "decode", att.path, msgspec.json.encode(body),
-                          att.upstream_headers(extra=extra_headers), self.timeouts)
+                          att.upstream_headers(request_id, extra_headers), self.timeouts)
         try:
             if resp.status != 200:
                 data = await read_body(self.pool, inst, att, "decode", resp)

@@ -2,9 +2,9 @@
 docs/real-vllm.md).
 
 Layout: every test module names the vLLM cluster it needs in a module-level ``CLUSTER``
-("pd" or "epd", see ``vllm_e2e.CLUSTERS``). Tests are reordered so that all tests of one cluster
-run together, and at most one cluster (at most three vLLM instances) runs at a time on the
-2-core machine: switching clusters stops the previous one first. Everything is stopped by PID
+("pd", "push" or "epd", see ``vllm_e2e.CLUSTERS``). Tests are reordered so that all tests of
+one cluster run together, and at most one cluster (at most three vLLM instances) runs at a time
+on the 2-core machine: switching clusters stops the previous one first. Everything is stopped by PID
 at the end of the session, and at interpreter exit as a last resort.
 """
 
@@ -29,7 +29,7 @@ def _sigterm(signum, frame):  # pragma: no cover - only on an outside kill
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Group this suite's tests by cluster (pd first, then epd), then by the module's ORDER.
+    """Group this suite's tests by cluster (pd, then push, then epd), then by the module's ORDER.
 
     Only the positions held by tests of this directory are reordered; others stay put."""
     def cluster(item):
@@ -107,6 +107,12 @@ def clusters(e2e_log_dir, vllm_env_ready):
 def pd(clusters):
     """1 prefill + 1 decode (tiny Llama, NIXL pull); shared by the module's tests."""
     return clusters.get("pd")
+
+
+@pytest.fixture(scope="module")
+def push(clusters):
+    """1 prefill + 1 decode (tiny Llama, NixlPushConnector); shared by the module's tests."""
+    return clusters.get("push")
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,4 @@ def test_pd_32_concurrent_requests(pd, proxy):
     print(f"\n[e2e] {n} concurrent P/D requests through the proxy in {elapsed:.2f}s")
 
 
-@pytest.mark.skip(reason="push mode (NixlPushConnector, --kv-connector nixl-push): not covered "
-                         "until the push issue lands")
-def test_pd_push_mode():
-    """Placeholder: P/D push through the proxy, same checks as pull."""
+# Push mode (NixlPushConnector, --kv-connector nixl-push) has its own cluster: test_pd_push.py.

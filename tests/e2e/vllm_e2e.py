@@ -197,6 +197,7 @@ class Vllm:
     args: list[str] = field(default_factory=list)
     debug: bool = False
     max_model_len: int = 512
+    engine_id: str | None = None  # pinned in its kv-transfer-config (push prefill)
     port: int = 0
     side_channel_port: int = 0
     proc: Proc | None = None
@@ -230,9 +231,18 @@ class Vllm:
     def metrics(self) -> "Metrics":
         return Metrics.scrape(self.url)
 
+    def push_spec(self) -> str:
+        """This (push prefill) instance as epd-proxy's --prefill takes it: URL + NIXL identity."""
+        assert self.engine_id, f"{self.name} has no pinned engine_id"
+        return (f"{self.url};engine_id={self.engine_id};kv_host=127.0.0.1;"
+                f"kv_port={self.side_channel_port};tp=1;pp=1")
 
-def nixl_config(role: str) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
+
+def nixl_config(role: str, connector: str = "NixlConnector", engine_id: str | None = None) -> str:
+    cfg = {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu"}
+    if engine_id is not None:
+        cfg["engine_id"] = engine_id
+    return json.dumps(cfg)
 
 
 def ec_config(role: str, path: str) -> str:
@@ -291,6 +301,24 @@ def pd_cluster(log_dir: str) -> Cluster:
     }, log_dir)
 
 
+PUSH_PREFILL_ENGINE_ID = "e2e-push-prefill-0"
+
+
+def push_cluster(log_dir: str) -> Cluster:
+    """1 prefill + 1 decode, tiny Llama, KV over NIXL push (NixlPushConnector: P WRITEs into D).
+
+    The prefill's engine_id is pinned: the proxy dispatches decode before prefill answers, so it
+    must know P's NIXL identity (engine id, side channel, TP/PP sizes) up front.
+    """
+    return Cluster("push", {
+        "prefill": Vllm("push-prefill", "tiny-model", 0, engine_id=PUSH_PREFILL_ENGINE_ID,
+                        args=["--kv-transfer-config",
+                              nixl_config("kv_producer", "NixlPushConnector", PUSH_PREFILL_ENGINE_ID)]),
+        "decode": Vllm("push-decode", "tiny-model", 1,
+                       args=["--kv-transfer-config", nixl_config("kv_consumer", "NixlPushConnector")]),
+    }, log_dir)
+
+
 def epd_cluster(log_dir: str) -> Cluster:
     """Tiny BLIP-2: E (EC producer), P (EC consumer + NIXL KV producer), D (NIXL KV consumer).
 
@@ -313,8 +341,9 @@ def epd_cluster(log_dir: str) -> Cluster:
     }, log_dir, ec_dir=ec_dir)
 
 
-CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "epd": epd_cluster}
-CLUSTER_ORDER = ["pd", "epd"]
+CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_cluster,
+                                                  "epd": epd_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,16 +377,19 @@ class Proxy:
 
 
 def start_proxy(name: str, log_dir: str, *, encode: Iterable[str] = (), prefill: Iterable[str] = (),
-                decode: Iterable[str], extra: Iterable[str] = ()) -> Proxy:
-    """`epd-proxy serve` exactly as a user would start it, on a free loopback port."""
+                decode: Iterable[str], kv_connector: str = "nixl", extra: Iterable[str] = ()) -> Proxy:
+    """`epd-proxy serve` exactly as a user would start it, on a free loopback port.
+
+    `kv_connector` ("nixl" pull or "nixl-push") is passed only when there are prefill instances."""
     port = free_port()
+    encode, prefill, decode = list(encode), list(prefill), list(decode)
     argv = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port)]
     for flag, urls in (("--encode", encode), ("--prefill", prefill), ("--decode", decode)):
         for u in urls:
             argv += [flag, u]
-    if list(prefill):
-        argv += ["--kv-connector", "nixl"]
-    argv += [*extra, "--log-level", "info"]
+    if prefill:
+        argv += ["--kv-connector", kv_connector]
+    argv += ["--log-level", "info", *extra]  # `extra` may override the log level
     env = dict(os.environ)
     env.pop("PYTEST_CURRENT_TEST", None)
     proc = Proc(f"proxy-{name}", argv, env, log_dir, cwd=REPO)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push")
-DEFAULT_TARGETS = ("direct", "epd-proxy", "vllm-router", "nginx")
+DEFAULT_TARGETS = ("direct", "direct-pd", "epd-proxy", "vllm-router", "nginx")
 
 
 def _csv(text: str) -> list[str]:
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--scenario", default=None,
                    help="comma-separated: " + ", ".join(SCENARIOS) + ", or 'all' (default: compare,latency)")
     m.add_argument("--targets", type=_csv, default=list(DEFAULT_TARGETS),
-                   help="compare: which of direct, epd-proxy, vllm-router, nginx")
+                   help="compare: which of direct, direct-pd, epd-proxy, vllm-router, nginx")
     m.add_argument("--other", action="append", default=[], metavar="NAME=COMMAND",
                    help="another proxy to compare; COMMAND may use {port} {host} {encode} {prefill} {decode} "
                         "{prefill0} {decode0} {python}")
@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="stream, nonstream, mm, mixed (comma-separated; default: stream,nonstream,mm)")
     w.add_argument("--concurrency", "-c", type=int, default=96, help="closed loop: requests in flight")
     w.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    w.add_argument("--requests", "-n", type=int, default=1200, help="stop measuring after this many requests")
-    w.add_argument("--duration", type=float, default=4.0, help="... or after this many seconds")
+    w.add_argument("--requests", "-n", type=int, default=1000, help="stop measuring after this many requests")
+    w.add_argument("--duration", type=float, default=3.0, help="... or after this many seconds")
     w.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured load first")
     w.add_argument("--repeat", type=int, default=3, help="compare: interleaved repeats (median, min-max)")
     w.add_argument("--images", type=int, default=1, help="mm: images per request")
@@ -164,6 +164,20 @@ def machine_info() -> dict:
             "python": platform.python_version(), "uvloop": uv, "git": commit}
 
 
+def _keep_partial(result: dict, name: str, partial: dict) -> None:
+    """An interrupted scenario: keep the phases it finished (compare-like ones)."""
+    from .compare import summarize_runs
+
+    r = partial.get("result")
+    if not isinstance(r, dict):
+        return
+    for w in r.get("workloads", {}).values():
+        if w.get("runs"):
+            w["summary"] = summarize_runs(w["runs"])
+    r["interrupted"] = True
+    result["scenarios"][name] = r
+
+
 def _background_load(seconds: float = 1.0) -> float:
     """Cores kept busy by other processes right now (before the benchmark starts anything)."""
     import time
@@ -205,13 +219,21 @@ def main(args: argparse.Namespace) -> int:
     if result["meta"]["background_cpu_cores"] > 0.15:
         print(f"bench: warning: {result['meta']['background_cpu_cores']:.2f} cores are busy with other work on this "
               "machine; the figures will be disturbed", file=sys.stderr)
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         for name in names:
             print(f"bench: scenario {name}", file=sys.stderr, flush=True)
             fn = getattr(scenarios, f"run_{name}")
+            args.partial = {}
             try:
                 result["scenarios"][name] = runner(fn(args))
             except KeyboardInterrupt:
+                _keep_partial(result, name, args.partial)
                 raise
             except Exception as exc:  # keep what ran; say what did not
                 import traceback
@@ -220,6 +242,8 @@ def main(args: argparse.Namespace) -> int:
                 result["scenarios"][name] = {"error": f"{type(exc).__name__}: {exc}"}
     except KeyboardInterrupt:
         print("bench: interrupted; writing what was measured", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
     result["meta"]["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
     result["checks"] = report.checks(result)
     paths = report.write(result, outdir, plots=args.plots)

@@ -201,7 +201,7 @@ class Lab:
         ph = Phase(target.url, requests, concurrency=concurrency, rate=rate, warmup=warmup, duration=duration,
                    max_requests=max_requests, verify=verify, label=label or target.name, progress=progress,
                    on_window_start=lambda: snap(0), on_window_end=lambda: snap(1), seed=seed,
-                   start_offset=start_offset)
+                   start_offset=start_offset, client=target.make_client(concurrency))
         await ph.run()
         out = ph.summary()
         if spy is not None:
@@ -305,6 +305,8 @@ def make_targets(lab: Lab, names: list[str], others: list[str]) -> list[T.Target
     for name in names:
         if name == "direct":
             out.append(lab.add(T.direct_target(sim)))
+        elif name == "direct-pd":
+            out.append(lab.add(T.direct_pd_target(sim)))
         elif name == "epd-proxy":
             out.append(lab.add(T.epd_proxy_target(sim, cpus=cpus, log_dir=log_dir)))
         elif name == "vllm-router":
@@ -348,6 +350,9 @@ async def run_compare(args, progress: bool = True) -> dict:
                                  "proxy_cpus": settings.proxy_cpus, "load_cpus": settings.load_cpus,
                                  "spill": settings.spill},
                     "targets": {}, "workloads": {}, "sweep": None}
+    partial = getattr(args, "partial", None)
+    if isinstance(partial, dict):
+        partial["result"] = result  # what was measured so far, if the run is interrupted
     with Lab(settings) as lab:
         lab.pin_self()
         lab.start_sim()
@@ -436,4 +441,7 @@ def summarize_runs(runs: dict[str, list[dict]]) -> dict:
             # Ratios per repeat (paired), then median: robust to drift between repeats.
             pairs = [ratio(a["req_s"], b["req_s"]) for a, b in zip(runs[name], runs["direct"])]
             s["req_s_vs_direct"] = median_range(pairs)
+        if "direct-pd" in out:
+            pairs = [ratio(a["req_s"], b["req_s"]) for a, b in zip(runs[name], runs["direct-pd"])]
+            s["req_s_vs_direct_pd"] = median_range(pairs)
     return out

@@ -369,7 +369,7 @@ class Phase:
                  label: str = "", progress: bool = True,
                  on_window_start: Callable[[], None] | None = None,
                  on_window_end: Callable[[], None] | None = None,
-                 start_offset: int = 0, max_outstanding: int | None = None) -> None:
+                 start_offset: int = 0, max_outstanding: int | None = None, client=None) -> None:
         if not requests:
             raise ValueError("no requests to send")
         if duration is None and max_requests is None:
@@ -398,7 +398,7 @@ class Phase:
         self.t_window_end = math.nan
         self.cpu_self = 0.0
         self.issued = 0
-        self.pool: ConnectionPool | None = None
+        self.client = client  # how a request is sent (default: to ``url``)
 
     # -- window ---------------------------------------------------------------------------
     def _begin_window(self) -> None:
@@ -449,13 +449,13 @@ class Phase:
 
     # -- drivers --------------------------------------------------------------------------
     async def _worker(self) -> None:
-        pool = self.pool
+        client = self.client
         while not self._stop.is_set():
-            o = await send(pool, self._take(), self.timeouts, verify=self.verify)
+            o = await client.send(self._take(), self.timeouts, self.verify)
             self._record(o)
 
     async def _one(self, prep: Prepared) -> None:
-        o = await send(self.pool, prep, self.timeouts, verify=self.verify)
+        o = await self.client.send(prep, self.timeouts, self.verify)
         self._record(o)
 
     async def _open_loop(self) -> None:
@@ -486,7 +486,11 @@ class Phase:
     async def run(self) -> "Phase":
         self._stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        self.pool = ConnectionPool(self.url, idle_timeout=2.0, max_idle=max(256, self.concurrency * 2))
+        if self.client is None:
+            from .clients import UrlClient
+
+            self.client = UrlClient(self.url, max_idle=max(256, self.concurrency * 2))
+        await self.client.start()
         self.progress.start()
         try:
             if self.warmup > 0:
@@ -508,7 +512,7 @@ class Phase:
                         raise t.exception()
         finally:
             self.progress.close()
-            await self.pool.close()
+            await self.client.close()
         return self
 
     # -- results ----------------------------------------------------------------------------

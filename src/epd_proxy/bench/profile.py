@@ -95,9 +95,12 @@ class PySpy:
         if exe is None:
             self.error = "py-spy not installed"
             return False
+        # Native (C) frames need the process paused per sample: fewer samples then.
+        rate = min(self.rate, 200) if self.native else self.rate
         argv = [exe, "record", "--pid", str(self.pid), "--duration", str(max(1, int(round(self.duration)))),
-                "--rate", str(self.rate), "--format", "raw", "--output", self.out_path, "--nonblocking",
-                "--nolineno"]
+                "--rate", str(rate), "--format", "raw", "--output", self.out_path, "--nolineno"]
+        if not self.native:
+            argv.append("--nonblocking")
         if self.subprocesses:
             argv.append("--subprocesses")
         if self.native:

@@ -81,8 +81,11 @@ def checks(result: dict) -> list[dict]:
             s = comp["workloads"].get(wl, {}).get("summary", {})
             ep = s.get("epd-proxy")
             if ep and "req_s_vs_direct" in ep:
-                c = _check("reqs_vs_direct", ep["req_s_vs_direct"]["median"], f"compare/{wl}",
-                           f"{fmt(ep['req_s']['median'], 1)} vs {fmt(s['direct']['req_s']['median'], 1)} req/s")
+                note = f"{fmt(ep['req_s']['median'], 1)} vs {fmt(s['direct']['req_s']['median'], 1)} req/s"
+                if "req_s_vs_direct_pd" in ep:
+                    note += (f"; vs the same E/P/D calls made without a proxy (direct-pd): "
+                             f"{fmt(ep['req_s_vs_direct_pd']['median'], 3)}")
+                c = _check("reqs_vs_direct", ep["req_s_vs_direct"]["median"], f"compare/{wl}", note)
                 c["target"] += f" ({wl})"
                 out.append(c)
     thr = sc.get("throughput")
@@ -208,14 +211,17 @@ def _compare_section(r: dict, plots: dict, title: str = "Side by side") -> list[
         s = w.get("summary", {})
         out += [f"### {wl}: {w.get('description', '')}", ""]
         rows = []
+        has_pd = any("req_s_vs_direct_pd" in t for t in s.values())
         for name, t in s.items():
-            rows.append([name, fmt_range(t["req_s"], 1), fmt_range(t.get("req_s_vs_direct"), 3),
+            rows.append([name, fmt_range(t["req_s"], 1), fmt_range(t.get("req_s_vs_direct"), 3)]
+                        + ([fmt_range(t.get("req_s_vs_direct_pd"), 3)] if has_pd else []) + [
                          fmt_range(t["target_cpu_ms_per_req"], 3),
                          f"{fmt(t['ttft_ms']['p50']['median'])} / {fmt(t['ttft_ms']['p99']['median'])}",
                          f"{fmt(t['itl_ms']['p50']['median'])} / {fmt(t['itl_ms']['p99']['median'])}",
                          f"{fmt(t['e2e_ms']['p50']['median'])} / {fmt(t['e2e_ms']['p99']['median'])}",
                          f"{t['errors']} / {t['verify_errors']}", str(t["requests"])])
-        out += [_table(["target", "req/s", "vs direct", "proxy CPU ms/req", "TTFT p50/p99 ms",
+        out += [_table(["target", "req/s", "vs direct"] + (["vs direct-pd"] if has_pd else []) + [
+                        "proxy CPU ms/req", "TTFT p50/p99 ms",
                         "ITL p50/p99 ms", "E2E p50/p99 ms", "errors / mismatches", "requests"], rows), ""]
         rows = [[name, fmt_range(t["sim_cpu_ms_per_req"], 3), fmt_range(t["loadgen_cpu_ms_per_req"], 3),
                  fmt_range(_pct(t["load_core_util"]), 0), fmt_range(_pct(t["target_cpu_util"]), 0),

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, Timeouts
+from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
 
 from . import targets as T
 from .compare import ForeignMeter, Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
@@ -98,65 +98,16 @@ def _copy_args(args, **changes):
 
 # -- latency ---------------------------------------------------------------------------------------
 async def _stage_calls(pools: dict, prep: Prepared, timeouts: Timeouts) -> dict:
-    """Run the stages the proxy would run, directly against the instances, one after
-    the other; returns each stage's time and decode's TTFT (seconds)."""
-    from epd_proxy.ec_match import consumer_ec_params, match_encoder_output
-    from epd_proxy.encoder_plan import encoder_body, new_transfer_id, plan_sub_requests
-    from epd_proxy.multimodal import collect_media, rewrite_media
-    from epd_proxy.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
+    """The stages the proxy would run, called directly, one after the other: each
+    stage's time and decode's TTFT (seconds), or ``error``."""
+    from .clients import StageError, run_stages
 
-    body = prep.obj
-    out = {"encode": 0.0, "prefill": 0.0, "decode_ttft": math.nan, "error": None}
-    items = collect_media(body)
-    consumer = body
-    if items:
-        subs = plan_sub_requests(items, [0] * len(items), 0)
-        results: list = [None] * len(items)
-        handles: dict = {}
-        t0 = perf()
-        for sub in subs:
-            tids = [new_transfer_id() for _ in sub.items]
-            eb = encoder_body(body, sub, rewrite=True, transfer_ids=tids, consumer_zmq=None)
-            resp = await pools["encode"].request("POST", prep.path, body=msgspec.json.encode(eb), headers=_HEADERS,
-                                                 timeouts=timeouts)
-            try:
-                data = await resp.read()
-            finally:
-                resp.close()
-            if resp.status != 200:
-                out["error"] = f"encode HTTP {resp.status}"
-                return out
-            ec = msgspec.json.decode(data).get("ec_transfer_params")
-            res, h = match_encoder_output(sub, tids, ec)
-            for item, r in zip(sub.items, res):
-                results[item.index] = r
-            handles.update(h)
-        out["encode"] = perf() - t0
-        consumer = rewrite_media(body, items, results)
-        ec = consumer_ec_params(items, results, handles)
-        if ec is not None:
-            consumer["ec_transfer_params"] = ec
-    t0 = perf()
-    resp = await pools["prefill"].request("POST", prep.path,
-                                          body=msgspec.json.encode(prefill_body(consumer,
-                                                                                nixl_prefill_request_params())),
-                                          headers=_HEADERS, timeouts=timeouts)
     try:
-        data = await resp.read()
-    finally:
-        resp.close()
-    out["prefill"] = perf() - t0
-    if resp.status != 200:
-        out["error"] = f"prefill HTTP {resp.status}"
-        return out
-    kv = msgspec.json.decode(data).get("kv_transfer_params")
-    d = Prepared(prep.kind, prep.path, msgspec.json.encode(decode_body(consumer, kv=kv)), True, prep.expected, {})
-    o = await send(pools["decode"], d, timeouts)
-    if not o.ok:
-        out["error"] = f"decode: {o.error}"
-        return out
-    out["decode_ttft"] = o.ttft
-    return out
+        times, o = await run_stages(pools, prep, timeouts)
+    except (StageError, UpstreamError, msgspec.DecodeError) as exc:
+        return {"error": str(exc)}
+    times["error"] = None if o.ok and o.ttft is not None else f"decode: {o.error}"
+    return times
 
 
 async def _latency_block(args, name, reqs, pools, proxy, timeouts, lab) -> dict:

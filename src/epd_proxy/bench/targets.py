@@ -59,6 +59,16 @@ class Target:
     kinds: frozenset = ALL_KINDS
     note: str = ""
     available: bool = True
+    stages: dict | None = None  # client-side E→P→D: {"encode": url, "prefill": url, "decode": url}
+
+    def make_client(self, concurrency: int):
+        from .clients import StagesClient, UrlClient
+
+        n = max(256, 2 * concurrency)
+        if self.stages is not None:
+            return StagesClient(self.stages.get("encode"), self.stages.get("prefill"), self.stages["decode"],
+                                max_idle=n)
+        return UrlClient(self.url, max_idle=n)
 
     def supports(self, kind: str) -> bool:
         return self.available and kind in self.kinds
@@ -73,6 +83,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 def direct_target(sim: SimInfo) -> Target:
     return Target("direct", sim.decode[0], None, ALL_KINDS,
                   note="the simulated decode instance itself, no proxy (it prefills locally)")
+
+
+def direct_pd_target(sim: SimInfo) -> Target:
+    return Target("direct-pd", sim.decode[0], None, ALL_KINDS if sim.encode else TEXT_KINDS,
+                  note="no proxy: the load generator itself calls encoder, prefill, then decode (same backend "
+                       "work as through a proxy)",
+                  stages={"encode": sim.encode[0] if sim.encode else None,
+                          "prefill": sim.prefill[0] if sim.prefill else None, "decode": sim.decode[0]})
 
 
 def epd_proxy_target(sim: SimInfo, *, cpus=None, log_dir: str, workers: int = 1, kv_connector: str = "nixl",
@@ -130,14 +148,14 @@ def find_nginx() -> str | None:
     return None
 
 
-def nginx_conf(port: int, decode: list[str], prefix: str, *, as_root: bool) -> str:
+def nginx_conf(port: int, decode: list[str], prefix: str, *, as_root: bool, nofile: int = 20000) -> str:
     servers = "\n".join(f"    server {u.split('://', 1)[1]};" for u in decode)
     user = "user root;\n" if as_root else ""
     return f"""{user}worker_processes 1;
-worker_rlimit_nofile 40000;
+worker_rlimit_nofile {nofile};
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
-events {{ worker_connections 30000; }}
+events {{ worker_connections {max(1024, nofile - 100)}; }}
 http {{
   access_log off;
   client_body_temp_path {prefix}/body;
@@ -174,7 +192,9 @@ def nginx_target(sim: SimInfo, *, cpus=None, log_dir: str) -> Target:
     prefix = tempfile.mkdtemp(prefix="epd-bench-nginx-", dir=log_dir)
     conf = os.path.join(prefix, "nginx.conf")
     with open(conf, "w") as f:
-        f.write(nginx_conf(port, sim.decode, prefix, as_root=os.geteuid() == 0))
+        from .procs import nofile_limits
+
+        f.write(nginx_conf(port, sim.decode, prefix, as_root=os.geteuid() == 0, nofile=min(nofile_limits()[1], 65536)))
     argv = [exe, "-p", prefix, "-c", conf, "-g", "daemon off;"]
     url = f"http://127.0.0.1:{port}"
     svc = Service("nginx", argv, cpus=cpus, log_path=os.path.join(log_dir, "nginx.log"), url=url)

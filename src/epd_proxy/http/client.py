@@ -463,18 +463,22 @@ class ConnectionPool:
 
     async def _connect(self, timeout: float | None) -> _Connection:
         conn = _Connection(self)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+        # cancellation that arrives as the connection completes, leaving the
+        # cancelled request running.
         try:
-            coro = self.loop.create_connection(
-                lambda: conn, self.host, self.port, ssl=self._ssl,
-                server_hostname=self.host if self._ssl else None)
-            if timeout is None:
-                await coro
-            else:
-                await asyncio.wait_for(coro, timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self.loop.create_connection(
+                    lambda: conn, self.host, self.port, ssl=self._ssl,
+                    server_hostname=self.host if self._ssl else None)
+        except TimeoutError:
             raise UpstreamError(f"connect to {self.url} timed out after {timeout:g} s", kind="connect") from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {self.url}: {exc.strerror or exc}", kind="connect") from None
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.abort()
+            raise
         self._all.add(conn)
         return conn
 
