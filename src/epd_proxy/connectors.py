@@ -8,13 +8,13 @@ Adding a connector means adding a class here, not an ``if`` in the pipeline.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import dataclass
 
 import msgspec
 
 from .context import RequestContext
 from .errors import ProxyError
+from .ids import hex_id, uuid4_str
 from .http.client import ConnectionPool, UpstreamError
 from .http.client import Timeouts as ClientTimeouts
 from .pool import Instance
@@ -122,8 +122,8 @@ class NixlPush(KVConnector):
         # no transfer_id), so each attempt gets its own id on both legs: a client that
         # reuses an id, or a retry, must never meet a prefill left from another one.
         # One transfer id as well, for connectors that do pair by it.
-        leg_id = f"{ctx.request_id}-{uuid.uuid4().hex[:12]}"
-        transfer_id = f"xfer-{uuid.uuid4()}"
+        leg_id = f"{ctx.request_id}-{hex_id(48)}"
+        transfer_id = f"xfer-{uuid4_str()}"
         p_kv, d_kv, p_headers = await self.legs(ctx, plan, leg_id, transfer_id)
         p_body = prefill_body(plan.body, p_kv)
         d_body = decode_body(plan.body, kv=d_kv)

@@ -8,7 +8,7 @@ Images that land on the same encoder then travel together, up to
 
 from __future__ import annotations
 
-import uuid as _uuid
+from .ids import hex_id
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -168,4 +168,4 @@ def encoder_request_id(request_id: str, first_index: int, rand6: str) -> str:
 
 def new_transfer_id() -> str:
     """A fresh 32-hex transfer id; one per item occurrence and attempt (§4.6)."""
-    return _uuid.uuid4().hex
+    return hex_id()

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 
 import msgspec
 
@@ -22,6 +21,7 @@ from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
 from .context import RequestContext
 from .errors import ProxyError, bad_request
 from .http.server import Request, ResponseWriter
+from .ids import hex_id
 from .metrics import ProxyMetrics
 from .multimodal import MediaItem, collect_media
 from .pool import Instance, InstancePool
@@ -92,7 +92,7 @@ class Pipeline:
     # -- the request path -------------------------------------------------------------------
     async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
         t0 = time.perf_counter()
-        rid = (req.header(b"x-request-id") or b"").decode("latin-1") or uuid.uuid4().hex
+        rid = (req.header(b"x-request-id") or b"").decode("latin-1") or hex_id()
         id_header = [(b"x-request-id", rid.encode("latin-1"))]
         ctx = None
         self.metrics.inflight.inc()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 import msgspec
@@ -20,6 +19,7 @@ from .ec_match import consumer_ec_params, match_encoder_output
 from .encoder_plan import (RoundRobinCursor, encoder_body, encoder_request_id, new_transfer_id,
                            plan_sub_requests)
 from .errors import ProxyError
+from .ids import hex_id
 from .http.client import Response, Timeouts, UpstreamError, UpstreamTimeout
 from .multimodal import MediaItem, rewrite_media
 from .pool import Instance, InstancePool
@@ -173,7 +173,7 @@ class EncoderFanout:
                    consumer_zmq: str | None):
         payload = msgspec.json.encode(
             encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
-        rid = encoder_request_id(att.request_id, sub.items[0].index, os.urandom(3).hex())
+        rid = encoder_request_id(att.request_id, sub.items[0].index, hex_id(24))
         data = await exchange(self.pool, inst, att, "encode", "/v1/chat/completions", payload,
                               att.upstream_headers(rid), self.timeouts)
         try:

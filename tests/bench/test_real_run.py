@@ -63,3 +63,21 @@ async def test_verification_catches_a_wrong_answer():
         s = ph.summary()
         assert s["verify_errors"] == 6 and s["ok"] == 0
         assert s["error_kinds"] == {"verification": 6}
+
+
+async def test_client_side_stages_baseline():
+    """direct-pd: the load generator runs E -> P -> D itself; the text must still verify."""
+    from epd_proxy.bench.clients import StagesClient
+
+    cfg = SimConfig(itl_ms=0.5, records=False)
+    async with SimCluster(encode=1, prefill=1, decode=1, config=cfg) as cluster:
+        reqs = prepare(make_workload("mixed", max_tokens=6, variants=2, image_kb=8), expected=simulator_expected())
+        client = StagesClient(cluster.urls("encode")[0], cluster.urls("prefill")[0], cluster.urls("decode")[0])
+        ph = Phase("direct-pd", reqs, concurrency=2, max_requests=8, progress=False, client=client)
+        await ph.run()
+        s = ph.summary()
+        assert s["ok"] == 8 and s["errors"] == 0, s["error_examples"]
+        assert s["verify_errors"] == 0
+        # The prefill and encoder really were used.
+        assert cluster.instances("prefill")[0].stats.requests >= 8
+        assert cluster.instances("encode")[0].stats.requests >= 2

@@ -31,7 +31,11 @@ from .stats import linear_fit, median_range, summarize
 from .workloads import Prepared, chat_body, make_workload, simulator_expected
 
 perf = time.perf_counter
-_HEADERS = [(b"content-type", b"application/json")]
+
+
+def _tty(args) -> bool:
+    """Progress lines that redraw themselves only on a terminal."""
+    return bool(args.progress) and sys.stderr.isatty()
 
 
 # -- url ----------------------------------------------------------------------------------------
@@ -135,11 +139,11 @@ async def _latency_block(args, name, reqs, pools, proxy, timeouts, lab) -> dict:
             parts[k].append(st[k])
         if o.server_timing:
             timing.append(o.server_timing.decode("latin-1"))
-        if args.progress and i % 20 == 0:
+        if _tty(args) and i % 20 == 0:
             print(f"\rlatency {name}: {i}/{args.latency_samples}", end="", file=sys.stderr, flush=True)
     cpu1 = proxy.service.cpu_seconds()
     foreign = meter.stop()
-    if args.progress:
+    if _tty(args):
         print(f"\rlatency {name}: {args.latency_samples}/{args.latency_samples}", file=sys.stderr)
     n = len(diff)
     return {
@@ -371,7 +375,7 @@ async def _scale_once(args, workers: int, n: int, nofile: int) -> dict:
             while True:
                 await asyncio.sleep(1.0)
                 s = sample()
-                if args.progress:
+                if _tty(args):
                     print(f"\rscale w={workers}: {s['active']:6d} streams open, proxy RSS {s['rss_mb']:.0f} MiB, "
                           f"ok {state['ok']} err {state['errors']}   ", end="", file=sys.stderr, flush=True)
 
@@ -405,7 +409,7 @@ async def _scale_once(args, workers: int, n: int, nofile: int) -> dict:
             t.cancel()
         sampler_task.cancel()
         await pool.close()
-        if args.progress:
+        if _tty(args):
             print("", file=sys.stderr)
         per_stream = [(m["rss_mb"] - rss0 / 2**20) / m["opened"] * 1000 for m in milestones if m["opened"]]
         full = n / 1000.0
