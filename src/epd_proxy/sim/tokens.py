@@ -143,7 +143,11 @@ def media_metadata(part: dict) -> dict:
 
 
 def flatten_metadata(metadata: dict) -> dict:
-    """Each list value flattened one level, as the proxy writes it into ``*_embeds``."""
+    """Each list value flattened one level, as the proxy writes it into ``*_embeds``.
+
+    Written here again on purpose: the simulator checks what the proxy sends
+    against its own reading of the wire format, not against the proxy's code.
+    """
     out = {}
     for key, value in metadata.items():
         if isinstance(value, list) and any(isinstance(v, list) for v in value):
