@@ -70,7 +70,7 @@ fi
 if [ "$VENV_READY" != 1 ] || [ ! -f "$PLUGIN_STAMP" ] || [ "$(cat "$PLUGIN_STAMP")" != "$PLUGIN_SUM" ]; then
     [ "$VENV_READY" = 1 ] && log "reinstalling the local NIXL plugin (e2e/nixl_noprog changed)"
     rm -f "$PLUGIN_STAMP"
-    # pip builds from a copy; the source tree may be read-only (CI's shared/ is) so build elsewhere.
+    # pip builds from a copy: the source tree may be read-only, so build elsewhere.
     BUILD=$(mktemp -d)
     cp -r "$HERE/nixl_noprog" "$BUILD/"
     pip install -q --no-deps --no-build-isolation --force-reinstall "$BUILD/nixl_noprog"
