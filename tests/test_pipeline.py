@@ -189,6 +189,47 @@ async def test_no_rewrite_sends_raw_media_and_no_uuid():
         assert p.status == 200
 
 
+def _data_url(n: int, seed: int) -> str:
+    import base64
+    import random
+
+    return "data:image/png;base64," + base64.b64encode(random.Random(seed).randbytes(n)).decode()
+
+
+@pytest.mark.parametrize("mode", ["rewrite", "example", "no-rewrite", "no-encoder"])
+async def test_large_data_urls_reach_every_stage_byte_for_byte(mode):
+    # Large media strings are never decoded by the proxy (epd_proxy.blobs): what each
+    # stage receives must still be exactly the client's URL, hashed to the same uuid.
+    import hashlib
+
+    urls = [_data_url(40_000, 1), _data_url(3_000, 2), _data_url(40_000, 1)]
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, record_responses=True,
+                    ec_connector="example" if mode == "example" else "nixl")
+    encode = 0 if mode == "no-encoder" else 2
+    async with stack(encode=encode, sim=sim, rewrite=mode != "no-rewrite") as (cluster, proxy, client):
+        body = chat_body(CJK_PROMPT, images=urls, stream=True, max_tokens=12)
+        reply = await client.chat(body)
+        assert reply.status == 200, reply.body
+        assert reply.body == cluster.records("decode")[-1].response_body
+        assert reply.text() == expected_text(body)
+        sent = [p["image_url"]["url"] for r in cluster.records("encode") for p in r.json["messages"][0]["content"]]
+        assert sorted(sent) == sorted(urls[:encode and 3])
+        for r in cluster.records("encode"):
+            for part in r.json["messages"][0]["content"]:
+                if mode == "no-rewrite":
+                    assert "uuid" not in part
+                else:
+                    assert part["uuid"] == hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()
+        d = cluster.records("decode")[-1].json["messages"][0]["content"]
+        if mode in ("example", "no-rewrite", "no-encoder"):
+            assert [p["image_url"]["url"] for p in d[1:]] == urls
+        else:
+            assert [p["type"] for p in d[1:]] == ["image_embeds"] * 3
+        if encode:
+            consumer = cluster.instances("prefill")[0].stats
+            assert consumer.local_encodes == 0 and consumer.ec_hits == 3
+
+
 async def test_text_only_chat_skips_the_encoders():
     async with stack(encode=2) as (cluster, proxy, client):
         assert (await client.chat(chat_body())).status == 200

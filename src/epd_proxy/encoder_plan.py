@@ -12,6 +12,7 @@ from .ids import hex_id
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from epd_proxy.blobs import is_text
 from epd_proxy.multimodal import MediaItem, media_url
 
 # Client fields an encoder needs to process media exactly as the consumer
@@ -111,7 +112,7 @@ def _encoder_part(item: MediaItem, rewrite: bool) -> dict:
     part = dict(item.part)
     # The bare-string image form is normalised so the engine's parser, which
     # expects ``{"url": ...}``, accepts it; the hash is the same either way.
-    if item.type == "image_url" and isinstance(part.get("image_url"), str):
+    if item.type == "image_url" and is_text(part.get("image_url")):
         part["image_url"] = {"url": media_url(part)}
     if rewrite:
         part["uuid"] = item.uuid

@@ -15,11 +15,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-import msgspec
-
+from epd_proxy.blobs import encode_json_sorted, is_text, text_bytes
 from epd_proxy.errors import bad_request
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; avoids an import cycle
+    from epd_proxy.blobs import Blob
     from epd_proxy.ec_match import ItemResult
 
 MEDIA_TYPES = ("image_url", "audio_url", "input_audio", "video_url")
@@ -71,11 +71,11 @@ class MediaItem:
     uuid: str
 
 
-def _sha256_hex(data: bytes) -> str:
+def _sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def media_url(part: dict) -> str | None:
+def media_url(part: dict) -> str | Blob | None:
     """The URL of a URL-typed media part, or None.
 
     Accepts both ``{"url": ...}`` and the bare-string form some OpenAI clients
@@ -87,8 +87,8 @@ def media_url(part: dict) -> str | None:
     payload = part.get(kind)
     if isinstance(payload, dict):
         url = payload.get("url")
-        return url if isinstance(url, str) else None
-    if kind == "image_url" and isinstance(payload, str):
+        return url if is_text(url) else None
+    if kind == "image_url" and is_text(payload):
         return payload
     return None
 
@@ -104,10 +104,10 @@ def content_uuid(part: dict) -> str:
     """
     url = media_url(part)
     if url is not None:
-        return _sha256_hex(url.encode("utf-8"))
+        return _sha256_hex(text_bytes(url))
     if "uuid" in part:
         part = {k: v for k, v in part.items() if k != "uuid"}
-    return _sha256_hex(msgspec.json.encode(part, order="sorted"))
+    return _sha256_hex(encode_json_sorted(part))
 
 
 def _item_uuid(part: dict) -> str:
@@ -120,15 +120,15 @@ def _item_uuid(part: dict) -> str:
 def _check_media_payload(part: dict, kind: str, param: str) -> None:
     payload = part.get(kind)
     if kind == "input_audio":
-        if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
+        if not isinstance(payload, dict) or not is_text(payload.get("data")):
             raise bad_request(
                 "input_audio content part needs an object with a string 'data'",
                 param,
             )
         return
-    if kind == "image_url" and isinstance(payload, str):
+    if kind == "image_url" and is_text(payload):
         return
-    if not isinstance(payload, dict) or not isinstance(payload.get("url"), str):
+    if not isinstance(payload, dict) or not is_text(payload.get("url")):
         raise bad_request(
             f"{kind} content part needs an object with a string 'url'", param
         )

@@ -16,6 +16,7 @@ import time
 
 import msgspec
 
+from .blobs import decode_chat_body
 from .config import ProxyConfig
 from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
 from .context import RequestContext
@@ -40,7 +41,7 @@ def parse_body(req: Request, path: str) -> dict:
     if ctype != b"application/json":
         raise ProxyError(415, "Content-Type must be application/json")
     try:
-        body = msgspec.json.decode(req.body)
+        body = decode_chat_body(req.body) if path == CHAT else msgspec.json.decode(req.body)
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

@@ -14,6 +14,7 @@ import time
 
 import msgspec
 
+from .blobs import encode_json
 from .context import RequestContext
 from .ec_match import consumer_ec_params, match_encoder_output
 from .encoder_plan import (RoundRobinCursor, encoder_body, encoder_request_id, new_transfer_id,
@@ -171,7 +172,7 @@ class EncoderFanout:
 
     async def _one(self, att: RequestContext, body: dict, inst: Instance, sub, tids: list[str],
                    consumer_zmq: str | None):
-        payload = msgspec.json.encode(
+        payload = encode_json(
             encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
         rid = encoder_request_id(att.request_id, sub.items[0].index, hex_id(24))
         data = await exchange(self.pool, inst, att, "encode", "/v1/chat/completions", payload,
@@ -215,7 +216,7 @@ class PrefillStage:
     async def run(self, att: RequestContext, inst: Instance, body: dict, extra_headers: list | None = None,
                   request_id: str | None = None) -> msgspec.Raw | None:
         t0 = time.perf_counter()
-        data = await exchange(self.pool, inst, att, "prefill", att.path, msgspec.json.encode(body),
+        data = await exchange(self.pool, inst, att, "prefill", att.path, encode_json(body),
                               att.upstream_headers(request_id, extra_headers), self.timeouts)
         att.timing("prefill", time.perf_counter() - t0)
         try:
@@ -252,7 +253,7 @@ class DecodeStage:
     async def open(self, att: RequestContext, inst: Instance, body: dict, extra_headers: list | None = None,
                    request_id: str | None = None) -> DecodeLeg:
         t0 = time.perf_counter()
-        resp = await call(self.pool, inst, att, "decode", att.path, msgspec.json.encode(body),
+        resp = await call(self.pool, inst, att, "decode", att.path, encode_json(body),
                           att.upstream_headers(request_id, extra_headers), self.timeouts)
         try:
             if resp.status != 200:

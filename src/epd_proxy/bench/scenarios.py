@@ -22,6 +22,7 @@ from dataclasses import replace
 import msgspec
 
 from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+from epd_proxy.serve import tune_gc
 
 from . import targets as T
 from .compare import ForeignMeter, Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
@@ -181,6 +182,7 @@ async def run_latency(args) -> dict:
                 if name == "mm" and not sim.encode:
                     continue
                 reqs = workload_requests(args, name, max_tokens=args.latency_tokens)
+                tune_gc()  # the load generator's own collector pauses are not the proxy's latency
                 # Warm every connection first.
                 for prep in reqs[:3]:
                     await _stage_calls(pools, prep, timeouts)

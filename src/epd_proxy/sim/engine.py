@@ -272,6 +272,10 @@ class Engine:
         self.n_loading = 0
         self.steps = 0
         self._last_tick = -_INF
+        # Whether the last step left sequences producing tokens. Only then is the
+        # engine busy until the next tick: an engine whose last step finished its
+        # work starts the next step as soon as something is ready, as vLLM does.
+        self._busy = False
         self._handle: asyncio.Handle | None = None
         self._handle_at = _INF
 
@@ -360,7 +364,7 @@ class Engine:
             self._admit(seq, now)
 
     def _wake_for(self, t: float) -> None:
-        tick = self._last_tick + self.itl
+        tick = self._last_tick + self.itl if self._busy else -_INF
         self._schedule(t if t > tick else tick)
 
     def _schedule(self, at: float) -> None:
@@ -378,9 +382,10 @@ class Engine:
         self._handle = None
         self._handle_at = _INF
         now = self.loop.time()
-        if now + self._slack < self._last_tick + self.itl:
+        if self._busy and now + self._slack < self._last_tick + self.itl:
             self._schedule(self._last_tick + self.itl)
             return
+        prev_tick = self._last_tick
         self.steps += 1
         self._last_tick = now
         active = self.active
@@ -388,6 +393,7 @@ class Engine:
         keep: list[Sequence] = []
         nxt = _INF
         emitting = False
+        worked = ran = False
         for seq in active:
             if seq.state != ACTIVE:
                 continue
@@ -401,11 +407,13 @@ class Engine:
                     nxt = seq.next_at
                 keep.append(seq)
                 continue
+            worked = True
             if seq.step(now):
                 self.retire(seq)
                 continue
             if seq.state != ACTIVE:
                 continue
+            ran = True
             keep.append(seq)
             if seq.next_at > now:
                 if seq.next_at < nxt:
@@ -415,6 +423,15 @@ class Engine:
         if self.active:
             keep.extend(self.active)
         self.active = keep
+        if not worked:
+            # The timer fired before anything was due (uvloop's clock and timers have
+            # millisecond resolution): that was no engine step, so it must not push the
+            # next one a whole ``itl`` away. An idle vLLM engine starts a step as soon as
+            # a request is ready.
+            self.steps -= 1
+            self._last_tick = prev_tick
+        else:
+            self._busy = ran
         if emitting:
             nxt = now
         if nxt < _INF:
