@@ -395,3 +395,18 @@ async def test_latency_model(http):
         assert first_token >= 0.030 + 0.010  # 30 ms + 10 prompt tokens x 1 ms
         total = rec.t_end - rec.t_received
         assert total >= 0.040 + 5 * 0.010 * 0.9
+
+
+async def test_an_idle_engine_steps_as_soon_as_a_prefill_is_ready(http):
+    # The engine ticks at most once per itl while sequences are producing tokens; an
+    # engine whose last step finished its work starts the next one when a request is
+    # ready, as vLLM does, instead of waiting out the rest of an itl.
+    cfg = fast_config(ttft_ms=2.0, itl_ms=400)
+    async with SimCluster(pd=1, config=cfg) as c:
+        url = c.urls("pd")[0]
+        assert (await http.chat(url, chat_body("warm", max_tokens=1))).status == 200
+        sink, err = await stream_pieces(url, chat_body("next", max_tokens=2, stream=True))
+        assert err is None
+        rec = c.instances("pd")[0].records[-1]
+        assert sink.pieces[0][0] - rec.t_received < 0.2  # not held to the previous request's tick
+        assert rec.t_end - rec.t_received >= 0.4 * 0.9  # the second token is a full itl later
