@@ -77,13 +77,15 @@ class StreamRelay(FlowListener):
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: list,
                        companion: asyncio.Future | None = None) -> StreamRelay:
     """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed)."""
-    writer.start(200, resp.content_type or b"text/event-stream", headers)
+    # The head goes out with the first event, in one write (see ResponseWriter.start).
+    writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
     relay = StreamRelay(writer, resp)
     writer.flow = relay
     if writer.writing_paused:
         relay.pause()  # the client was already behind before the relay attached
     if first:
         relay.on_data(first)
+    writer.flush()  # the head, if the first event was held back whole
     if companion is not None:
         def companion_done(task: asyncio.Future) -> None:
             if task.cancelled() or relay.ended:

@@ -461,6 +461,62 @@ async def test_streamed_response_framing(http_server):
     w.close()
 
 
+async def test_a_held_head_goes_out_with_the_first_chunk(http_server):
+    go = asyncio.Event()
+
+    async def handler(req, w):
+        w.start(200, headers=[(b"x-request-id", b"7")], hold=True)
+        await go.wait()
+        w.write(b"data: first\n\n")
+        w.end(b"data: [DONE]\n\n")
+
+    srv = await http_server(handler)
+    r, w = await connect(srv.port)
+    w.write(request_bytes("GET", "/"))
+    with pytest.raises(asyncio.TimeoutError):  # nothing at all before the first chunk
+        await asyncio.wait_for(r.read(1), 0.1)
+    go.set()
+    resp = await asyncio.wait_for(read_response(r), 1)
+    assert resp.status == 200 and resp.header(b"x-request-id") == b"7"
+    assert resp.chunks == [b"data: first\n\n", b"data: [DONE]\n\n"]
+    w.close()
+
+
+@pytest.mark.parametrize("how", ["flush", "end", "end-data", "head", "http1.0"])
+async def test_a_held_head_is_never_lost(http_server, how):
+    go = asyncio.Event()
+
+    async def handler(req, w):
+        w.start(200, hold=True)
+        if how == "flush":
+            w.flush()
+            await go.wait()
+            w.end(b"x")
+        elif how == "end":
+            w.end()
+        elif how == "head":
+            w.write(b"ignored")
+            w.end()
+        else:
+            w.end(b"last")
+
+    srv = await http_server(handler)
+    r, w = await connect(srv.port)
+    method = "HEAD" if how == "head" else "GET"
+    w.write(request_bytes(method, "/", version="HTTP/1.0" if how == "http1.0" else "HTTP/1.1"))
+    if how == "flush":
+        head = await asyncio.wait_for(read_head(r), 1)  # before the handler goes on
+        assert head.status == 200
+        go.set()
+        await asyncio.sleep(0)
+        assert (await asyncio.wait_for(r.readuntil(b"0\r\n\r\n"), 1)) == b"1\r\nx\r\n0\r\n\r\n"
+    else:
+        resp = await asyncio.wait_for(read_response(r, head=how == "head"), 1)
+        assert resp.status == 200
+        assert resp.body == {"end": b"", "head": b"", "end-data": b"last", "http1.0": b"last"}[how]
+    w.close()
+
+
 async def test_write_after_end_is_ignored(http_server):
     writers = []
 

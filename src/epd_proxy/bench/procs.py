@@ -127,6 +127,17 @@ def machine_busy_seconds() -> float:
     return (sum(vals) - vals[3] - vals[4]) / CLK_TCK
 
 
+def steal_ticks() -> int:
+    """Time the hypervisor ran something else while this machine's cores wanted to run
+    (``/proc/stat`` "steal", all cores, in clock ticks); 0 on bare metal."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0
+    return int(fields[8]) if len(fields) > 8 else 0
+
+
 def self_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system

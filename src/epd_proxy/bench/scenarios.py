@@ -27,7 +27,7 @@ from epd_proxy.serve import tune_gc
 from . import targets as T
 from .compare import ForeignMeter, Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
 from .loadgen import send
-from .procs import nofile_limits, pin, self_cpu_seconds, tree_cpu_seconds, tree_pids, tree_rss_bytes
+from .procs import nofile_limits, pin, self_cpu_seconds, steal_ticks, tree_cpu_seconds, tree_pids, tree_rss_bytes
 from .stats import linear_fit, median_range, summarize
 from .workloads import Prepared, chat_body, make_workload, simulator_expected
 
@@ -115,27 +115,105 @@ async def _stage_calls(pools: dict, prep: Prepared, timeouts: Timeouts) -> dict:
     return times
 
 
-async def _latency_block(args, name, reqs, pools, proxy, timeouts, lab) -> dict:
+class _Seat:
+    """Where the load generator sits while it makes the direct stage calls.
+
+    The proxy's own upstream calls start on the proxy's core; on a VM, a wake-up
+    across cores costs far more than one on the same core (``cross_core_rtt``), and
+    the simulator runs on the load core. Stage times measured from the load core
+    would therefore leave out a cost every proxy hop pays, and charge it to the proxy
+    as "added" latency. So the stages are called from the proxy's core (at c=1 the
+    proxy is idle meanwhile), and from the load core as a second, stricter baseline.
+    """
+
+    def __init__(self, home: list[int] | None, proxy: list[int] | None) -> None:
+        self.home = set(home) if home else None
+        self.proxy = set(proxy) if proxy else None
+
+    async def stages(self, pools, prep, timeouts, on_proxy_core: bool) -> dict:
+        move = on_proxy_core and self.proxy is not None and self.proxy != self.home
+        if move:
+            os.sched_setaffinity(0, self.proxy)
+        try:
+            return await _stage_calls(pools, prep, timeouts)
+        finally:
+            if move:
+                os.sched_setaffinity(0, self.home or set(os.sched_getaffinity(0)))
+
+
+def cross_core_rtt(a: int | None, b: int | None, n: int = 2000) -> dict:
+    """Median round trip (µs) of one byte over a socket pair between two processes,
+    on the same core and across ``a``/``b``: the price of a wake-up on this machine."""
+    import socket
+
+    def one(ca: int, cb: int) -> float:
+        x, y = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                os.sched_setaffinity(0, {cb})
+                x.close()
+                while y.recv(1):
+                    y.send(b"x")
+            finally:
+                os._exit(0)
+        y.close()
+        old = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {ca})
+        times = []
+        try:
+            for i in range(n):
+                t0 = time.perf_counter()
+                x.send(b"x")
+                x.recv(1)
+                times.append(time.perf_counter() - t0)
+                if i % 8 == 0:
+                    time.sleep(0.0005)  # let the cores idle, as between stages
+        finally:
+            x.close()
+            os.waitpid(pid, 0)
+            os.sched_setaffinity(0, old)
+        return summarize(times, 1e6)["p50"]
+
+    if a is None or b is None or a == b:
+        return {}
+    return {"same_core_us": one(b, b), "cross_core_us": one(a, b)}
+
+
+async def _latency_block(args, name, reqs, pools, proxy, timeouts, lab, seat: _Seat) -> dict:
     proxy_ttft, stage_sum, diff, timing = [], [], [], []
+    stage_sum_load, diff_load = [], []
+    diff_clean = []  # samples during which the hypervisor took no core away (no steal)
     parts: dict = {"encode": [], "prefill": [], "decode_ttft": []}
     errors = 0
     meter = ForeignMeter(lab).start()
     cpu0 = proxy.service.cpu_seconds()
     for i in range(args.latency_samples):
         prep = reqs[i % len(reqs)]
-        if i % 2 == 0:
-            st = await _stage_calls(pools, prep, timeouts)
-            o = await send(pools["proxy"], prep, timeouts)
-        else:
-            o = await send(pools["proxy"], prep, timeouts)
-            st = await _stage_calls(pools, prep, timeouts)
-        if st["error"] or not o.ok or o.ttft is None:
+        # Three calls per sample, in a rotating order: stages from the proxy's core,
+        # the proxy, stages from the load core.
+        order = [("near", "proxy", "far"), ("proxy", "far", "near"), ("far", "near", "proxy")][i % 3]
+        got: dict = {}
+        steal0 = steal_ticks()
+        for what in order:
+            if what == "proxy":
+                got[what] = await send(pools["proxy"], prep, timeouts)
+            else:
+                got[what] = await seat.stages(pools, prep, timeouts, on_proxy_core=what == "near")
+        stolen = steal_ticks() != steal0
+        o, st, far = got["proxy"], got["near"], got["far"]
+        if st["error"] or far["error"] or not o.ok or o.ttft is None:
             errors += 1
             continue
         s = st["encode"] + st["prefill"] + st["decode_ttft"]
+        s_far = far["encode"] + far["prefill"] + far["decode_ttft"]
         proxy_ttft.append(o.ttft)
         stage_sum.append(s)
         diff.append(o.ttft - s)
+        if not stolen:
+            diff_clean.append(o.ttft - s)
+        stage_sum_load.append(s_far)
+        diff_load.append(o.ttft - s_far)
         for k in parts:
             parts[k].append(st[k])
         if o.server_timing:
@@ -152,7 +230,11 @@ async def _latency_block(args, name, reqs, pools, proxy, timeouts, lab) -> dict:
         "proxy_ttft_ms": summarize(proxy_ttft, 1000),
         "stage_sum_ms": summarize(stage_sum, 1000),
         "added_ms": summarize(diff, 1000),
+        "added_without_steal_ms": summarize(diff_clean, 1000),
+        "samples_with_steal": n - len(diff_clean),
         "added_p50_of_medians_ms": summarize(proxy_ttft, 1000)["p50"] - summarize(stage_sum, 1000)["p50"],
+        "stage_sum_from_load_core_ms": summarize(stage_sum_load, 1000),
+        "added_vs_load_core_ms": summarize(diff_load, 1000),
         "stages_ms": {k: summarize(v, 1000) for k, v in parts.items()},
         "proxy_cpu_ms_per_req": 1000 * (cpu1 - cpu0) / n if n else math.nan,
         "server_timing_example": timing[-1] if timing else None,
@@ -163,12 +245,16 @@ async def _latency_block(args, name, reqs, pools, proxy, timeouts, lab) -> dict:
 async def run_latency(args) -> dict:
     """Concurrency 1: TTFT through the proxy against the sum of the stage times, each
     stage called directly by the load generator (one HTTP round trip each, like the
-    proxy's own calls). Samples are paired and alternate which goes first."""
+    proxy's own calls) from the proxy's core, and again from the load core (see
+    :class:`_Seat`). The three calls of a sample rotate their order."""
     settings = lab_settings(args)
     out: dict = {"samples": args.latency_samples, "tokens": args.latency_tokens, "workloads": {},
                  "sim": settings.sim}
     with Lab(settings) as lab:
         lab.pin_self()
+        seat = _Seat(settings.load_cpus, settings.proxy_cpus)
+        if settings.proxy_cpus and settings.load_cpus:
+            out["wakeup_rtt"] = cross_core_rtt(settings.proxy_cpus[0], settings.load_cpus[0])
         sim = lab.start_sim()
         proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
         if not proxy.available:
@@ -185,13 +271,14 @@ async def run_latency(args) -> dict:
                 tune_gc()  # the load generator's own collector pauses are not the proxy's latency
                 # Warm every connection first.
                 for prep in reqs[:3]:
-                    await _stage_calls(pools, prep, timeouts)
+                    await seat.stages(pools, prep, timeouts, on_proxy_core=True)
+                    await seat.stages(pools, prep, timeouts, on_proxy_core=False)
                     await send(pools["proxy"], prep, timeouts)
                 tries = 0
                 while True:
                     if lab.s.quiet_wait > 0:
                         await lab.wait_quiet()
-                    res = await _latency_block(args, name, reqs, pools, proxy, timeouts, lab)
+                    res = await _latency_block(args, name, reqs, pools, proxy, timeouts, lab, seat)
                     if res["foreign_cpu_util"] <= lab.s.max_foreign or tries >= lab.s.retries:
                         res["retries"] = tries
                         break
@@ -214,6 +301,9 @@ async def run_media(args) -> dict:
     out: dict = {"sizes_mb": list(args.media_mb), "points": []}
     with Lab(settings) as lab:
         lab.pin_self()
+        seat = _Seat(settings.load_cpus, settings.proxy_cpus)
+        if settings.proxy_cpus and settings.load_cpus:
+            out["wakeup_rtt"] = cross_core_rtt(settings.proxy_cpus[0], settings.load_cpus[0])
         sim = lab.start_sim()
         proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
         if not proxy.available:

@@ -110,7 +110,7 @@ class ResponseWriter:
     """
 
     __slots__ = ("_conn", "_transport", "started", "finished", "status", "bytes_sent",
-                 "keep_alive", "flow", "_head_only", "_chunked")
+                 "keep_alive", "flow", "_head_only", "_chunked", "_held")
 
     def __init__(self, conn: "HttpServerProtocol", keep_alive: bool, head_only: bool = False,
                  chunked: bool = True) -> None:
@@ -124,6 +124,7 @@ class ResponseWriter:
         self.flow: FlowListener | None = None
         self._head_only = head_only
         self._chunked = chunked
+        self._held = b""  # a head written with the next write (start(hold=True))
 
     @property
     def disconnected(self) -> bool:
@@ -160,8 +161,12 @@ class ResponseWriter:
         self._conn.response_finished(self)
 
     def start(self, status: int, content_type: bytes | None = b"text/event-stream",
-              headers: Headers | None = None) -> None:
-        """Commit the status and headers of a chunked response."""
+              headers: Headers | None = None, *, hold: bool = False) -> None:
+        """Commit the status and headers of a chunked response.
+
+        With ``hold`` the head goes out with the first chunk (or :meth:`flush`), in
+        one write: a client waiting for its first token then wakes up once, not
+        twice (head, then the chunk)."""
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
@@ -173,8 +178,18 @@ class ResponseWriter:
             self.keep_alive = False  # the body is delimited by the close
         if content_type:
             extra = b"content-type: " + content_type + b"\r\n" + extra
-        if not self._conn.closed:
-            self._transport.write(self._head(status, headers, extra + b"\r\n"))
+        head = self._head(status, headers, extra + b"\r\n")
+        if hold:
+            self._held = head
+        elif not self._conn.closed:
+            self._transport.write(head)
+
+    def flush(self) -> None:
+        """Write a held head now (nothing else to send yet)."""
+        if self._held:
+            head, self._held = self._held, b""
+            if not self._conn.closed:
+                self._transport.write(head)
 
     def write(self, data: bytes) -> None:
         """Write one chunk as received; no copy beyond the framing."""
@@ -183,11 +198,13 @@ class ResponseWriter:
             return
         self.bytes_sent += len(data)
         if self._head_only:
+            self.flush()
             return
         if self._chunked:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._transport.write(b"%b%x\r\n%b\r\n" % (self._held, len(data), data))
         else:
-            self._transport.write(data)
+            self._transport.write(self._held + data if self._held else data)
+        self._held = b""
 
     def end(self, data: bytes = b"") -> None:
         if self.finished:
@@ -195,19 +212,25 @@ class ResponseWriter:
         self.finished = True
         if data:
             self.bytes_sent += len(data)
-        if not self._conn.closed and not self._head_only:
-            if not self._chunked:
-                if data:
-                    self._transport.write(data)
-            elif data:
-                self._transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
-            else:
-                self._transport.write(b"0\r\n\r\n")
+        held, self._held = self._held, b""
+        if self._conn.closed:
+            pass
+        elif self._head_only:
+            if held:
+                self._transport.write(held)
+        elif not self._chunked:
+            if data or held:
+                self._transport.write(held + data)
+        elif data:
+            self._transport.write(b"%b%x\r\n%b\r\n0\r\n\r\n" % (held, len(data), data))
+        else:
+            self._transport.write(held + b"0\r\n\r\n")
         self._conn.response_finished(self)
 
     def abort(self) -> None:
         """Cut the connection: the only honest signal left once a body is under way."""
         self.finished = True
+        self._held = b""
         self._conn.abort()
 
     @property
