@@ -148,17 +148,20 @@ class EncoderFanout:
         # Fresh transfer ids per item occurrence and per attempt (never reused on retry).
         tids = [[new_transfer_id() for _ in sub.items] for sub in subs]
         t0 = time.perf_counter()
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._one(att, body, encoders[sub.encoder], sub, t, consumer_zmq))
-                         for sub, t in zip(subs, tids)]
-        except* ProxyError as group:
-            raise _first(group) from None
+        if len(subs) == 1:  # the common case: no task to schedule, one loop turn saved
+            outcomes = [await self._one(att, body, encoders[subs[0].encoder], subs[0], tids[0], consumer_zmq)]
+        else:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tasks = [tg.create_task(self._one(att, body, encoders[sub.encoder], sub, t, consumer_zmq))
+                             for sub, t in zip(subs, tids)]
+            except* ProxyError as group:
+                raise _first(group) from None
+            outcomes = [task.result() for task in tasks]
         att.timing("encode", time.perf_counter() - t0)
         results = [None] * len(items)
         handles: dict = {}
-        for sub, task in zip(subs, tasks):
-            sub_results, sub_handles = task.result()
+        for sub, (sub_results, sub_handles) in zip(subs, outcomes):
             for item, res in zip(sub.items, sub_results):
                 results[item.index] = res
             handles.update(sub_handles)

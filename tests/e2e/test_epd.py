@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import random
 
 import pytest
 
@@ -177,6 +178,25 @@ def test_epd_image_chat(epd, proxies, topology, stream):
     else:  # PD did the whole generation, nothing was transferred
         assert E.delta(epd.prefill, "vllm:generation_tokens_total", p0, 8) == 8
         assert epd.decode.metrics().get(E.NIXL_XFERS) == d0.get(E.NIXL_XFERS)
+
+
+@pytest.mark.parametrize("mode", ["E+P+D", "no-rewrite"])
+def test_epd_large_image(epd, proxies, no_rewrite_proxy, mode):
+    """A ~60 KB data: URL, which the proxy never decodes (epd_proxy.blobs): the encoder,
+    the consumer and the engine's hashing see exactly the client's bytes."""
+    url = E.png_data_url((0, 0, 0), (128, 112), noise=random.randrange(1 << 30))
+    assert len(url) > 40_000
+    body = E.image_chat_body(url, max_tokens=8, stream=mode == "E+P+D")
+    expected = single_instance(epd, body)
+    before, missed = ec_entries(epd), ec_lookups_missed(epd)
+
+    proxy = proxies["E+P+D"] if mode == "E+P+D" else no_rewrite_proxy
+    resp = E.post(proxy.url, "/v1/chat/completions", body)
+
+    assert_ok(resp, mode == "E+P+D")
+    assert E.text_of(resp, "chat") == expected
+    mm_hash = new_entry(epd, before)
+    assert_consumer_loaded(epd, mm_hash, missed)
 
 
 @pytest.mark.parametrize("stream", STREAMS, ids=["nonstream", "stream"])

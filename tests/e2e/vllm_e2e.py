@@ -509,10 +509,17 @@ def text_body(endpoint: str, prompt: str, *, max_tokens: int = 16, stream: bool 
     return body
 
 
-def png_data_url(rgb: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> str:
-    """A solid-colour PNG as a data: URL, built with the stdlib (the test venv has no PIL)."""
+def png_data_url(rgb: tuple[int, int, int], size: tuple[int, int] = (64, 48), *, noise: int | None = None) -> str:
+    """A solid-colour PNG as a data: URL, built with the stdlib (the test venv has no PIL).
+
+    With ``noise`` (a seed) the pixels are random instead: the PNG barely compresses,
+    so the URL is as large as the pixels (about 4/3 x 3 bytes per pixel)."""
     w, h = size
-    raw = b"".join(b"\x00" + bytes(rgb) * w for _ in range(h))
+    if noise is None:
+        raw = b"".join(b"\x00" + bytes(rgb) * w for _ in range(h))
+    else:
+        rnd = random.Random(noise)
+        raw = b"".join(b"\x00" + rnd.randbytes(3 * w) for _ in range(h))
 
     def chunk(tag: bytes, data: bytes) -> bytes:
         return (struct.pack(">I", len(data)) + tag + data
