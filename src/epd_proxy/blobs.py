@@ -108,6 +108,7 @@ def _lift(raw: bytes) -> tuple[bytes, list[memoryview]] | None:
     if pos < 0:
         return None
     view = memoryview(raw)
+    ascii_body = raw.isascii()  # one pass, no copy; else each literal is checked on its own
     pieces: list = []
     literals: list[memoryview] = []
     start = 0
@@ -128,7 +129,7 @@ def _lift(raw: bytes) -> tuple[bytes, list[memoryview]] | None:
         if end < 0:
             break
         if (end - opening > MIN_BLOB and raw[opening - 1:opening] != b"\\"
-                and find(b"\\", opening, end) < 0 and raw[opening:end].isascii()):
+                and find(b"\\", opening, end) < 0 and (ascii_body or raw[opening:end].isascii())):
             pieces.append(view[start:opening])
             pieces.append(_MARK_JSON % len(literals))
             literals.append(view[opening:end + 1])
