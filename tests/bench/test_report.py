@@ -80,3 +80,26 @@ def test_write_markdown_json_and_plots(tmp_path):
         assert f.exists() and f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({name})" in md
     assert set(paths["plots"].values()) >= {"cpu_per_request.png", "media_cpu.png"}
+
+
+def _latency(stolen: int, n: int = 200) -> dict:
+    return {"ok": n, "errors": 0, "samples_with_steal": stolen,
+            "added_ms": {"count": n, "p50": 0.9, "p90": 1.5, "p99": 4.0},
+            "added_without_steal_ms": {"count": n - stolen, "p50": 0.8, "p90": 1.2, "p99": 2.0}}
+
+
+def test_latency_targets_leave_out_a_few_samples_with_steal():
+    key, note = report.latency_basis(_latency(stolen=10))
+    assert key == "added_without_steal_ms"
+    assert "10 of 200" in note and "p99 4.00" in note  # the figure over every sample is kept beside it
+
+
+def test_latency_targets_count_every_sample_when_steal_is_common_or_absent():
+    assert report.latency_basis(_latency(stolen=40))[0] == "added_ms"  # 20 %: too many to leave out
+    assert report.latency_basis(_latency(stolen=0)) == ("added_ms", "")
+    old = {"ok": 10, "added_ms": {"p50": 1, "p99": 2}}  # a report from before steal was recorded
+    assert report.latency_basis(old) == ("added_ms", "")
+    res = synthetic()
+    res["scenarios"]["latency"]["workloads"]["stream"].update(_latency(stolen=40))
+    cks = {c["key"] + c["source"]: c for c in report.checks(res)}
+    assert cks["added_p99latency/stream"]["measured"] == 4.0 and cks["added_p99latency/stream"]["met"] is False
