@@ -37,7 +37,8 @@ _MARK = "\x00" + os.urandom(8).hex() + ":"
 _MARK_JSON = b'"\\u0000' + _MARK[1:].encode() + b"%d" + b'"'
 
 _OPEN = b'"data'
-_URL_TYPES = ("image_url", "audio_url", "video_url")
+# Media whose payload is {"url": ...} (and, for images, also a bare string).
+URL_MEDIA_TYPES = ("image_url", "audio_url", "video_url")
 
 
 class Blob:
@@ -166,30 +167,22 @@ def _restore(body: Any, literals: list[memoryview]) -> bool:
         seen[i] = True
         return Blob(literals[i])
 
+    def put(container: dict, key: str) -> None:
+        blob = take(container.get(key))
+        if blob is not None:
+            container[key] = blob
+
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for part in content:
-            if not isinstance(part, dict):
-                continue
-            kind = part.get("type")
-            if kind in _URL_TYPES:
-                payload = part.get(kind)
-                if isinstance(payload, dict):
-                    blob = take(payload.get("url"))
-                    if blob is not None:
-                        payload["url"] = blob
-                elif kind == "image_url":
-                    blob = take(payload)
-                    if blob is not None:
-                        part[kind] = blob
-            elif kind == "input_audio":
-                payload = part.get(kind)
-                if isinstance(payload, dict):
-                    blob = take(payload.get("data"))
-                    if blob is not None:
-                        payload["data"] = blob
+            kind = part.get("type") if isinstance(part, dict) else None
+            payload = part.get(kind) if kind in URL_MEDIA_TYPES or kind == "input_audio" else None
+            if isinstance(payload, dict):
+                put(payload, "data" if kind == "input_audio" else "url")
+            elif kind == "image_url":
+                put(part, kind)
     return not clash and all(seen)
 
 

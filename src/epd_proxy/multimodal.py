@@ -15,7 +15,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from epd_proxy.blobs import encode_json_sorted, is_text, text_bytes
+from epd_proxy.blobs import URL_MEDIA_TYPES, encode_json_sorted, is_text, text_bytes
 from epd_proxy.errors import bad_request
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; avoids an import cycle
@@ -33,7 +33,7 @@ EMBEDS_TYPES = {
 }
 
 # Media whose identity is a URL; the rest are hashed by their JSON (§4.2).
-_URL_TYPES = frozenset(("image_url", "audio_url", "video_url"))
+_URL_TYPES = frozenset(URL_MEDIA_TYPES)
 
 # Part types vLLM's chat parser knows. Anything else would be rejected by the
 # engine after the encoders already ran, so we reject it up front with a

@@ -126,19 +126,19 @@ class _Seat:
     proxy is idle meanwhile), and from the load core as a second, stricter baseline.
     """
 
-    def __init__(self, home: list[int] | None, proxy: list[int] | None) -> None:
-        self.home = set(home) if home else None
-        self.proxy = set(proxy) if proxy else None
+    def __init__(self, proxy_cpus: list[int] | None) -> None:
+        self.proxy = set(proxy_cpus) if proxy_cpus else None
 
     async def stages(self, pools, prep, timeouts, on_proxy_core: bool) -> dict:
-        move = on_proxy_core and self.proxy is not None and self.proxy != self.home
+        home = os.sched_getaffinity(0)
+        move = on_proxy_core and self.proxy is not None and self.proxy != home
         if move:
             os.sched_setaffinity(0, self.proxy)
         try:
             return await _stage_calls(pools, prep, timeouts)
         finally:
             if move:
-                os.sched_setaffinity(0, self.home or set(os.sched_getaffinity(0)))
+                os.sched_setaffinity(0, home)
 
 
 def cross_core_rtt(a: int | None, b: int | None, n: int = 2000) -> dict:
@@ -252,7 +252,7 @@ async def run_latency(args) -> dict:
                  "sim": settings.sim}
     with Lab(settings) as lab:
         lab.pin_self()
-        seat = _Seat(settings.load_cpus, settings.proxy_cpus)
+        seat = _Seat(settings.proxy_cpus)
         if settings.proxy_cpus and settings.load_cpus:
             out["wakeup_rtt"] = cross_core_rtt(settings.proxy_cpus[0], settings.load_cpus[0])
         sim = lab.start_sim()
@@ -301,9 +301,6 @@ async def run_media(args) -> dict:
     out: dict = {"sizes_mb": list(args.media_mb), "points": []}
     with Lab(settings) as lab:
         lab.pin_self()
-        seat = _Seat(settings.load_cpus, settings.proxy_cpus)
-        if settings.proxy_cpus and settings.load_cpus:
-            out["wakeup_rtt"] = cross_core_rtt(settings.proxy_cpus[0], settings.load_cpus[0])
         sim = lab.start_sim()
         proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
         if not proxy.available:

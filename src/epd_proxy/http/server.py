@@ -213,18 +213,16 @@ class ResponseWriter:
         if data:
             self.bytes_sent += len(data)
         held, self._held = self._held, b""
-        if self._conn.closed:
-            pass
-        elif self._head_only:
-            if held:
-                self._transport.write(held)
+        if self._head_only:
+            out = held
         elif not self._chunked:
-            if data or held:
-                self._transport.write(held + data)
+            out = held + data
         elif data:
-            self._transport.write(b"%b%x\r\n%b\r\n0\r\n\r\n" % (held, len(data), data))
+            out = b"%b%x\r\n%b\r\n0\r\n\r\n" % (held, len(data), data)
         else:
-            self._transport.write(held + b"0\r\n\r\n")
+            out = held + b"0\r\n\r\n"
+        if out and not self._conn.closed:
+            self._transport.write(out)
         self._conn.response_finished(self)
 
     def abort(self) -> None:
