@@ -81,3 +81,48 @@ async def test_client_side_stages_baseline():
         # The prefill and encoder really were used.
         assert cluster.instances("prefill")[0].stats.requests >= 8
         assert cluster.instances("encode")[0].stats.requests >= 2
+
+
+class _Recording:
+    """The real client, noting when each request is sent."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.sent: list[float] = []
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def send(self, prep, timeouts, verify):
+        import time
+
+        self.sent.append(time.perf_counter())
+        return await self.inner.send(prep, timeouts, verify)
+
+
+async def _first_sends(url: str, reqs, ramp):
+    from epd_proxy.bench.clients import UrlClient
+
+    client = _Recording(UrlClient(url))
+    ph = Phase(url, reqs, concurrency=16, warmup=0.6, duration=0.2, progress=False, client=client, ramp=ramp)
+    await ph.run()
+    assert ph.summary()["errors"] == 0
+    return sorted(client.sent)[:16]
+
+
+async def test_closed_loop_workers_start_spread_over_the_warmup():
+    """A deterministic engine keeps workers started together in step forever (bursts of
+    C completions); by default the first requests are spread over the warm-up instead."""
+    cfg = SimConfig(itl_ms=1.0, records=False)
+    async with SimCluster(decode=1, config=cfg) as cluster:
+        url = cluster.urls("decode")[0]
+        reqs = prepare(make_workload("stream", max_tokens=40, variants=2), expected=simulator_expected())
+        together = await _first_sends(url, reqs, ramp=0.0)
+        spread = await _first_sends(url, reqs, ramp=None)  # default: over the warm-up
+        # Together: the 16 first requests leave before the first one can finish (~40 ms).
+        assert together[-1] - together[0] < 0.03
+        # Spread: 16 uniform draws over 0.6 s, far wider than one request.
+        assert spread[-1] - spread[0] > 0.2

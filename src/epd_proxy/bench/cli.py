@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", dest="workloads", type=_csv, default=None,
                    help="stream, nonstream, mm, mixed (comma-separated; default: stream,nonstream,mm)")
     w.add_argument("--concurrency", "-c", type=int, default=96, help="closed loop: requests in flight")
+    w.add_argument("--start", choices=["staggered", "together"], default="staggered",
+                   help="closed loop: spread the workers' first requests over the warm-up (staggered), or send "
+                        "them at once (together: a deterministic simulator then keeps all C in lock-step, so the "
+                        "backends and the proxy see bursts of C requests and req/s moves in steps of C/window)")
     w.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     w.add_argument("--requests", "-n", type=int, default=1000, help="stop measuring after this many requests")
     w.add_argument("--duration", type=float, default=3.0, help="... or after this many seconds")

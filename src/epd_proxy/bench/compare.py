@@ -47,6 +47,9 @@ class LabSettings:
     max_foreign: float = 0.15
     quiet_wait: float = 0.0
     retries: int = 0
+    # Closed loop: "staggered" spreads the workers' first requests over the warm-up;
+    # "together" starts them at once (a deterministic simulator then keeps them in step).
+    start: str = "staggered"
 
 
 def default_pinning(pin: bool, proxy_cpus: str | None, load_cpus: str | None) -> tuple[list | None, list | None]:
@@ -201,7 +204,8 @@ class Lab:
         ph = Phase(target.url, requests, concurrency=concurrency, rate=rate, warmup=warmup, duration=duration,
                    max_requests=max_requests, verify=verify, label=label or target.name, progress=progress,
                    on_window_start=lambda: snap(0), on_window_end=lambda: snap(1), seed=seed,
-                   start_offset=start_offset, client=target.make_client(concurrency))
+                   start_offset=start_offset, client=target.make_client(concurrency),
+                   ramp=None if self.s.start == "staggered" else 0.0)
         await ph.run()
         out = ph.summary()
         if spy is not None:
@@ -329,7 +333,7 @@ def lab_settings(args, **over) -> LabSettings:
                        load_cpus=load_cpus, log_dir=args.log_dir, nofile=over.pop("nofile", 0),
                        spill=bool(getattr(args, "spill", False)) and bool(proxy_cpus),
                        max_foreign=getattr(args, "max_foreign", 0.15), quiet_wait=getattr(args, "quiet_wait", 0.0),
-                       retries=getattr(args, "retries", 0))
+                       retries=getattr(args, "retries", 0), start=getattr(args, "start", "staggered"))
 
 
 def workload_requests(args, name: str, **over) -> list[Prepared]:
@@ -345,6 +349,7 @@ async def run_compare(args, progress: bool = True) -> dict:
     settings = lab_settings(args)
     result: dict = {"settings": {"concurrency": args.concurrency, "rate": args.rate, "repeat": args.repeat,
                                  "warmup_s": args.warmup, "duration_s": args.duration,
+                                 "start": settings.start,
                                  "requests": args.requests, "workloads": args.workloads,
                                  "sim": {**BENCH_SIM_DEFAULTS, **settings.sim}, "counts": settings.counts,
                                  "proxy_cpus": settings.proxy_cpus, "load_cpus": settings.load_cpus,

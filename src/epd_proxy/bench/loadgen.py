@@ -12,7 +12,10 @@ Measurement window: a phase runs ``warmup`` seconds unmeasured, then measures
 until ``max_requests`` requests completed or ``duration`` seconds passed,
 then stops issuing and lets the requests in flight finish (they are verified
 but not counted). Throughput is completions inside the window divided by its
-length: steady state, no ramp-up or drain tail.
+length: steady state, no ramp-up or drain tail. In a closed loop the workers'
+first requests are spread over the warm-up (``ramp``): started together, C
+requests to a deterministic simulator finish together, every cycle, and the
+window would count whole bursts.
 """
 
 from __future__ import annotations
@@ -369,7 +372,8 @@ class Phase:
                  label: str = "", progress: bool = True,
                  on_window_start: Callable[[], None] | None = None,
                  on_window_end: Callable[[], None] | None = None,
-                 start_offset: int = 0, max_outstanding: int | None = None, client=None) -> None:
+                 start_offset: int = 0, max_outstanding: int | None = None, client=None,
+                 ramp: float | None = None) -> None:
         if not requests:
             raise ValueError("no requests to send")
         if duration is None and max_requests is None:
@@ -379,6 +383,12 @@ class Phase:
         self.concurrency = max(1, concurrency)
         self.rate = rate
         self.warmup = max(0.0, warmup)
+        # Closed loop: the workers' first requests are spread over the warm-up, not sent
+        # together. A simulated engine is deterministic, so C requests started at once
+        # finish at once, forever: the backends and the proxy then see bursts of C
+        # requests per cycle, and a window counts whole bursts (req/s moves in steps of
+        # C / window). Real clients do not march in step.
+        self.ramp = self.warmup if ramp is None else max(0.0, ramp)
         self.duration = duration
         self.max_requests = max_requests
         self.seed = seed
@@ -448,8 +458,14 @@ class Phase:
         return prep
 
     # -- drivers --------------------------------------------------------------------------
-    async def _worker(self) -> None:
+    async def _worker(self, delay: float = 0.0) -> None:
         client = self.client
+        if delay > 0:
+            try:
+                await asyncio.wait_for(self._stop.wait(), delay)
+                return
+            except asyncio.TimeoutError:
+                pass
         while not self._stop.is_set():
             o = await client.send(self._take(), self.timeouts, self.verify)
             self._record(o)
@@ -500,7 +516,9 @@ class Phase:
             if self.rate:
                 await self._open_loop()
             else:
-                workers = [loop.create_task(self._worker()) for _ in range(self.concurrency)]
+                rng = random.Random(self.seed)
+                workers = [loop.create_task(self._worker(rng.random() * self.ramp if i else 0.0))
+                           for i in range(self.concurrency)]
                 await self._stop.wait()
                 done, pending = await asyncio.wait(workers, timeout=self.drain_timeout)
                 for t in pending:

@@ -214,6 +214,9 @@ def _compare_section(r: dict, plots: dict, title: str = "Side by side") -> list[
     out = [f"## {title}", ""]
     sim = st.get("sim", {})
     conc = f"concurrency {st.get('concurrency')}" if not st.get("rate") else f"Poisson {st.get('rate')} req/s"
+    if not st.get("rate") and st.get("start"):
+        conc += (", first requests spread over the warm-up" if st["start"] == "staggered"
+                 else ", all workers started at once")
     out.append(f"{conc}; window {st.get('duration_s')} s or {st.get('requests')} requests after "
                f"{st.get('warmup_s')} s warm-up; {st.get('repeat')} interleaved repeats: median [min–max]. "
                f"Simulator: {sim.get('itl_ms')} ms between tokens, prefill {sim.get('ttft_ms')} ms, "
