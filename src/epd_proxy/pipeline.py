@@ -96,7 +96,7 @@ class Pipeline:
         rid = (req.header(b"x-request-id") or b"").decode("latin-1") or hex_id()
         id_header = [(b"x-request-id", rid.encode("latin-1"))]
         ctx = None
-        self.metrics.inflight.inc()
+        self.metrics.inflight += 1
         try:
             body = parse_body(req, path)
             items = collect_media(body) if path == CHAT else []
@@ -112,7 +112,7 @@ class Pipeline:
                     relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion)
                     ok = relay.error is None
                     if not ok:
-                        self.metrics.stream_errors.inc()
+                        self.metrics.stream_errors += 1
                         log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
             finally:
                 if leg.companion is not None:
@@ -124,10 +124,10 @@ class Pipeline:
             if err.status >= 500:
                 log.warning("request %s failed: %s", rid, err.message)
         except asyncio.CancelledError:
-            self.metrics.disconnects.inc()
+            self.metrics.disconnects += 1
             raise
         finally:
-            self.metrics.inflight.dec()
+            self.metrics.inflight -= 1
             if ctx is not None:
                 ctx.release_all()
                 self.metrics.observe_stages(ctx.timings)
@@ -144,7 +144,7 @@ class Pipeline:
                 if not err.retryable or attempt >= self.retries:
                     raise
                 attempt += 1
-                self.metrics.retries.inc()
+                self.metrics.retries += 1
                 log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
 
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:

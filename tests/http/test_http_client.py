@@ -973,3 +973,51 @@ def test_pool_rejects_bad_urls():
         asyncio.set_event_loop(None)
         loop.close()
 
+
+
+async def test_early_header_timer_gives_way_to_the_idle_timeout(raw_server, pools):
+    """The header wait (0.1 s) is pending when the head arrives; a body whose pieces
+    come every 0.15 s (each gap under the 0.3 s idle timeout) must not be cut by it,
+    and a later silence must still end in the idle timeout."""
+    async def handler(conn):
+        await conn.request()
+        await asyncio.sleep(0.05)
+        conn.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(4):
+            await asyncio.sleep(0.15)
+            conn.send(chunked(b"%d" % i)[:-5])
+        conn.eof = await read_to_eof(conn.reader)  # then stalls
+
+    srv = await raw_server(handler)
+    pool = pools(srv.url)
+    loop = asyncio.get_running_loop()
+    resp = await pool.request("GET", "/", timeouts=Timeouts(connect=1, headers=0.1, idle=0.3))
+    got = b""
+    for _ in range(4):
+        got += await resp.read_chunk()
+    assert got == b"0123"
+    t0 = loop.time()
+    with pytest.raises(UpstreamTimeout) as ei:
+        await resp.read_chunk()
+    assert 0.2 <= loop.time() - t0 < 1.0
+    assert ei.value.response_started
+
+
+async def test_reused_connection_keeps_its_own_header_deadline(raw_server, pools):
+    """The first request's idle timer (0.1 s) is still pending when the connection is
+    reused; when it fires it must re-aim at the second request's header deadline
+    (0.6 s) rather than end a request whose answer takes 0.25 s."""
+    async def handler(conn):
+        req = await conn.request()
+        conn.send(ok(req.target.encode()))
+        req = await conn.request()
+        await asyncio.sleep(0.25)
+        conn.send(ok(req.target.encode()))
+        await read_to_eof(conn.reader)
+
+    srv = await raw_server(handler)
+    pool = pools(srv.url)
+    t = Timeouts(connect=1, headers=0.6, idle=0.1)
+    assert await (await pool.request("GET", "/1", timeouts=t)).read() == b"/1"
+    assert await (await pool.request("GET", "/2", timeouts=t)).read() == b"/2"
+    assert len(srv.conns) == 1

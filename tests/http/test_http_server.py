@@ -785,3 +785,21 @@ async def test_413_reaches_a_client_that_is_still_uploading(http_server):
         resp = await asyncio.wait_for(read_response(r), 2)
         assert resp.status == 413
         w.close()
+
+
+async def test_keep_alive_deadline_moves_with_each_response(http_server):
+    """The timer is moved lazily: the first response's keep-alive deadline is still
+    pending when the second response ends; when it fires it must re-aim at the second
+    deadline, neither closing the connection early nor leaving it open for good."""
+    srv = await http_server(echo, keep_alive_timeout=0.3)
+    loop = asyncio.get_running_loop()
+    r, w = await connect(srv.port)
+    w.write(request_bytes("GET", "/1"))
+    await asyncio.wait_for(read_response(r), 1)
+    await asyncio.sleep(0.2)  # 0.1 s before the first deadline
+    w.write(request_bytes("GET", "/2"))
+    await asyncio.wait_for(read_response(r), 1)
+    t0 = loop.time()
+    assert await wait_disconnect(r) == b""
+    assert 0.25 <= loop.time() - t0 < 1.0  # the second response's keep-alive, not the first's
+    w.close()

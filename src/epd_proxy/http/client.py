@@ -212,6 +212,8 @@ class _Connection(asyncio.Protocol):
         self._timeouts: Timeouts | None = None
         self._last_activity = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._armed = False  # a timeout applies (the timer may be pending either way)
+        self._sent_at = 0.0
         self._paused = False
         self._ignore_message = False
         self._head_request = False
@@ -242,7 +244,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.pool._forget(self)
-        self._cancel_timer()
+        self._drop_timer()
         resp = self._response
         if exc is None and resp is not None and not resp.complete and not self._body_has_length \
                 and resp._error is None and self._head_future is None:
@@ -321,7 +323,7 @@ class _Connection(asyncio.Protocol):
         self._head_request = head.startswith(b"HEAD ")
         self._timeouts = timeouts
         self._head_future = self.loop.create_future()
-        self._last_activity = self.loop.time()
+        self._last_activity = self._sent_at = self.loop.time()
         if body:
             if len(body) < 65536:
                 self.transport.write(head + body)
@@ -332,41 +334,60 @@ class _Connection(asyncio.Protocol):
         self._arm_timer()
         return self._head_future
 
+    # One timer per connection, moved lazily (as the server's): arming records what is
+    # due and only touches the loop's timers when the pending one would fire too late;
+    # disarming leaves it to fire into nothing. ``_check_timeout`` re-aims an early one.
     def _arm_timer(self) -> None:
         t = self._timeouts
         delay = t.headers if self._head_future is not None else t.idle
         if delay is None:
-            self._timer = None
+            self._armed = False
             return
-        self._timer = self.loop.call_at(self._last_activity + delay, self._check_timeout)
+        self._armed = True
+        due = self._last_activity + delay
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= due:
+                return
+            timer.cancel()
+        self._timer = self.loop.call_at(due, self._check_timeout)
 
     def _check_timeout(self) -> None:
         self._timer = None
-        if self.closed:
+        if self.closed or not self._armed:
             return
         t = self._timeouts
         waiting_head = self._head_future is not None
         delay = t.headers if waiting_head else t.idle
         if delay is None:
             return
+        now = self.loop.time()
         if waiting_head:
             # The header wait runs from when the request was sent, not from the last byte.
+            due = self._sent_at + delay
+            if now < due:
+                self._timer = self.loop.call_at(due, self._check_timeout)
+                return
             self._fail(UpstreamTimeout(f"no response headers within {delay:g} s",
                                        response_started=self._got_bytes))
             self.transport.abort()
             return
         if self._paused:
             # Silence because we are throttling for a slow client is not the upstream's fault.
-            self._timer = self.loop.call_later(delay, self._check_timeout)
+            self._timer = self.loop.call_at(now + delay, self._check_timeout)
             return
-        elapsed = self.loop.time() - self._last_activity
+        elapsed = now - self._last_activity
         if elapsed >= delay:
             self._fail(UpstreamTimeout(f"upstream sent nothing for {delay:g} s", response_started=True))
             self.transport.abort()
         else:
-            self._timer = self.loop.call_later(delay - elapsed, self._check_timeout)
+            self._timer = self.loop.call_at(self._last_activity + delay, self._check_timeout)
 
     def _cancel_timer(self) -> None:
+        self._armed = False
+
+    def _drop_timer(self) -> None:
+        self._armed = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

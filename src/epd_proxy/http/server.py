@@ -286,6 +286,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self._task: asyncio.Task | None = None
         self._writer: ResponseWriter | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._due: float | None = None  # when the armed timeout expires (loop time)
         self._reading_paused = False
         # Bytes of a request head still in progress (httptools buffers one header's
         # name and value internally until the line ends: bound that too).
@@ -307,7 +308,7 @@ class HttpServerProtocol(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self._connections.discard(self)
-        self._cancel_timer()
+        self._drop_timer()
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -403,18 +404,41 @@ class HttpServerProtocol(asyncio.Protocol):
         self.data_received(b"".join(head) + rest)
 
     # -- timers -------------------------------------------------------------------
+    # One timer per connection, moved lazily: arming sets a deadline and only touches
+    # the loop's timers when the pending one would fire too late; disarming clears the
+    # deadline and leaves the timer to fire into nothing (or to re-aim at a later
+    # deadline). A keep-alive request then costs no timer operations at all.
     def _arm_timer(self, delay: float) -> None:
-        self._cancel_timer()
-        if delay and delay > 0:
-            self._timer = self._loop.call_later(delay, self._on_timeout)
+        if not delay or delay <= 0:
+            self._due = None
+            return
+        due = self._loop.time() + delay
+        self._due = due
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= due:
+                return
+            timer.cancel()
+        self._timer = self._loop.call_at(due, self._on_timeout)
 
     def _cancel_timer(self) -> None:
+        self._due = None
+
+    def _drop_timer(self) -> None:
+        self._due = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _on_timeout(self) -> None:
         self._timer = None
+        due = self._due
+        if due is None or self.closed:
+            return
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._on_timeout)
+            return
+        self._due = None
         if self._task is not None and not self._task.done():
             return  # a handler is running: its own timeouts govern
         if self._parsing:

@@ -1,0 +1,73 @@
+"""The metrics record plain numbers and render Prometheus text only when scraped;
+what a scraper sees must equal what prometheus_client's own objects would say."""
+
+import random
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epd_proxy.metrics import _STAGE_BUCKETS, Buckets, ProxyMetrics
+
+
+def samples(text: bytes) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_bucket_bounds_are_inclusive():
+    b = Buckets((0.001, 0.01))
+    for v in (0.001, 0.0010001, 0.01, 5.0, 0.0):
+        b.observe(v)
+    assert b.cumulative() == [("0.001", 2), ("0.01", 4), ("+Inf", 5)]
+    assert abs(b.sum - 5.0120001) < 1e-12
+
+
+def test_histograms_match_prometheus_client():
+    rng = random.Random(7)
+    values = [rng.choice(_STAGE_BUCKETS) for _ in range(50)] + [rng.expovariate(20) for _ in range(500)] + [500.0]
+    ref_registry = CollectorRegistry()
+    ref = Histogram("epd_proxy_stage_duration_seconds", "x", ["stage"], buckets=_STAGE_BUCKETS,
+                    registry=ref_registry)
+    m = ProxyMetrics()
+    for v in values:
+        ref.labels("prefill").observe(v)
+        m.observe_stages({"prefill": v})
+    want = {k: v for k, v in samples(generate_latest(ref_registry)).items() if not k[0].endswith("_created")}
+    got = {k: v for k, v in samples(m.render()).items() if k[0].startswith("epd_proxy_stage_duration")}
+    assert want.keys() == got.keys()
+    for k in want:
+        assert abs(want[k] - got[k]) < 1e-9, k
+
+
+def test_exposition_has_every_family():
+    # What the collector reads from a pool, at scrape time.
+    inst = SimpleNamespace(url="http://127.0.0.1:9", healthy=True, inflight=2, errors=5)
+    pool = SimpleNamespace(instances=[inst])
+    m = ProxyMetrics({"decode": pool})
+    m.observe_request("/v1/chat/completions", 200, 0.3)
+    m.observe_request("/v1/chat/completions", 200, 0.2)
+    m.observe_request("/v1/completions", 499, 0.01)
+    m.retries += 2
+    m.stream_errors += 1
+    m.disconnects += 3
+    m.inflight += 4
+    m.inflight -= 1
+    s = samples(m.render())
+    chat = ("endpoint", "/v1/chat/completions")
+    assert s[("epd_proxy_requests_total", (chat, ("status", "200")))] == 2
+    assert s[("epd_proxy_requests_total", (("endpoint", "/v1/completions"), ("status", "499")))] == 1
+    assert s[("epd_proxy_request_duration_seconds_count", (chat,))] == 2
+    assert abs(s[("epd_proxy_request_duration_seconds_sum", (chat,))] - 0.5) < 1e-12
+    assert s[("epd_proxy_request_duration_seconds_bucket", (chat, ("le", "0.25")))] == 1
+    assert s[("epd_proxy_retries_total", ())] == 2
+    assert s[("epd_proxy_stream_errors_total", ())] == 1
+    assert s[("epd_proxy_client_disconnects_total", ())] == 3
+    assert s[("epd_proxy_inflight_requests", ())] == 3
+    inst = (("role", "decode"), ("url", "http://127.0.0.1:9"))
+    assert s[("epd_proxy_instance_healthy", inst)] == 1
+    assert s[("epd_proxy_instance_inflight", inst)] == 2
+    assert s[("epd_proxy_instance_errors", inst)] == 5
