@@ -18,7 +18,8 @@ def synthetic():
     runs = {"direct": [run(300, math.nan, r) for r in range(3)],
             "epd-proxy": [run(295, c, r) for r, c in enumerate((1.1, 1.0, 1.2))],
             "vllm-router": [run(280, 1.5, r) for r in range(3)]}
-    comp = {"settings": {"concurrency": 96, "repeat": 3, "sim": {"itl_ms": 5}}, "targets": {
+    comp = {"settings": {"concurrency": 96, "repeat": 3, "sim": {"itl_ms": 5}, "start": "staggered"},
+            "wake_write": {"asleep_us": 28.4, "awake_us": 2.1}, "targets": {
         "direct": {"available": True, "note": "d"}, "epd-proxy": {"available": True, "note": "p"},
         "vllm-router": {"available": True, "note": "r"}, "nginx": {"available": False, "note": "not installed"}},
         "workloads": {"stream": {"description": "stream", "runs": runs, "summary": summarize_runs(runs)}},
@@ -72,6 +73,8 @@ def test_write_markdown_json_and_plots(tmp_path):
     assert "not installed" in md
     assert "failed: `RuntimeError: x`" in md
     assert "ms per MiB of image" in md
+    assert "concurrency 96, first requests spread over the warm-up" in md
+    assert "costs the writer 28.4 µs when that process sleeps" in md and "2.1 µs when it is busy" in md
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["scenarios"]["compare"]["workloads"]["stream"]["summary"]["direct"]["target_cpu_ms_per_req"][
         "median"] is None  # NaN -> null

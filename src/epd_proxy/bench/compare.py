@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from . import targets as T
 from .loadgen import Phase
-from .procs import Service, available_cpus, machine_busy_seconds, raise_nofile, set_sched_idle, set_sched_normal
+from .procs import (Service, available_cpus, machine_busy_seconds, raise_nofile, set_sched_idle, set_sched_normal,
+                    wake_write_cost)
 from .stats import median_range, ratio
 from .workloads import Prepared, make_workload, prepare, simulator_expected
 
@@ -358,6 +359,9 @@ async def run_compare(args, progress: bool = True) -> dict:
     partial = getattr(args, "partial", None)
     if isinstance(partial, dict):
         partial["result"] = result  # what was measured so far, if the run is interrupted
+    if settings.proxy_cpus and settings.load_cpus:
+        # What a write that wakes a peer costs the writer here: context for CPU per request.
+        result["wake_write"] = wake_write_cost(settings.proxy_cpus[0], settings.load_cpus[0])
     with Lab(settings) as lab:
         lab.pin_self()
         lab.start_sim()

@@ -336,3 +336,52 @@ class Service:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def wake_write_cost(a: int | None, b: int | None, n: int = 400) -> dict:
+    """Median time (µs) of one small ``send()`` from core ``a`` to a process on core ``b``
+    that sleeps in ``recv`` (the write pays for waking it) and that is kept busy.
+
+    Waking a process on another core sends that core an interrupt; on a VM this can be
+    far dearer than on bare metal, and it is charged to the writer. It is why a proxy's
+    CPU per request depends on whether its peers were asleep (spread-out arrivals) or
+    busy (bursts)."""
+    import socket
+
+    from .stats import summarize
+
+    if a is None or b is None or a == b:
+        return {}
+    with socket.create_server(("127.0.0.1", 0)) as ls:  # loopback TCP, as the proxy's peers
+        x = socket.create_connection(ls.getsockname())
+        y, _ = ls.accept()
+    x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.sched_setaffinity(0, {b})
+            x.close()
+            while y.recv(65536):
+                pass
+        finally:
+            os._exit(0)
+    y.close()
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {a})
+    data = b"x" * 200
+    asleep, awake = [], []
+    try:
+        for i in range(n):
+            time.sleep(0.001)  # the receiver drains and goes back to sleep
+            t0 = time.perf_counter()
+            x.send(data)
+            asleep.append(time.perf_counter() - t0)
+        for i in range(n):
+            t0 = time.perf_counter()
+            x.send(data)
+            awake.append(time.perf_counter() - t0)
+    finally:
+        x.close()
+        os.waitpid(pid, 0)
+        os.sched_setaffinity(0, old)
+    return {"asleep_us": summarize(asleep, 1e6)["p50"], "awake_us": summarize(awake, 1e6)["p50"]}

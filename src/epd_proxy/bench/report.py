@@ -222,6 +222,13 @@ def _compare_section(r: dict, plots: dict, title: str = "Side by side") -> list[
                f"Simulator: {sim.get('itl_ms')} ms between tokens, prefill {sim.get('ttft_ms')} ms, "
                f"instances {st.get('counts')}. Proxy on cpus {st.get('proxy_cpus')}, simulator + load generator "
                f"on cpus {st.get('load_cpus')}.")
+    ww = r.get("wake_write") or {}
+    if ww:
+        out.append("")
+        out.append(f"On this machine a 200-byte write to a process on the load core costs the writer "
+                   f"{fmt(ww['asleep_us'], 1)} µs when that process sleeps (the write wakes it) and "
+                   f"{fmt(ww['awake_us'], 1)} µs when it is busy: a proxy's CPU per request depends on how "
+                   f"often its peers are asleep when it writes to them.")
     if r.get("note"):
         out.append("")
         out.append(r["note"])
