@@ -217,7 +217,8 @@ def _compare_section(r: dict, plots: dict, title: str = "Side by side") -> list[
     if not st.get("rate") and st.get("start"):
         conc += (", first requests spread over the warm-up" if st["start"] == "staggered"
                  else ", all workers started at once")
-    out.append(f"{conc}; window {st.get('duration_s')} s or {st.get('requests')} requests after "
+    bound = f" or {st['requests']} requests" if st.get("requests") else ""
+    out.append(f"{conc}; window {st.get('duration_s')} s{bound} after "
                f"{st.get('warmup_s')} s warm-up; {st.get('repeat')} interleaved repeats: median [min–max]. "
                f"Simulator: {sim.get('itl_ms')} ms between tokens, prefill {sim.get('ttft_ms')} ms, "
                f"instances {st.get('counts')}. Proxy on cpus {st.get('proxy_cpus')}, simulator + load generator "
