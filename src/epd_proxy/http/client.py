@@ -289,7 +289,7 @@ class _Connection(asyncio.Protocol):
         # Switch the timer from the header wait to the idle-body wait here, not when the
         # requesting task resumes: by then the body may be complete and this connection
         # back in the pool, carrying someone else's request (and header timer).
-        self._cancel_timer()
+        self._disarm_timer()
         self._last_activity = self.loop.time()
         self._arm_timer()
         if fut is not None and not fut.done():
@@ -298,7 +298,7 @@ class _Connection(asyncio.Protocol):
             # No body follows, whatever the headers say; httptools cannot be told so,
             # so the parser would wait for one: do not reuse this connection.
             self.reusable = False
-            self._cancel_timer()
+            self._disarm_timer()
             resp._finish(None)
 
     def on_body(self, body: bytes) -> None:
@@ -312,7 +312,7 @@ class _Connection(asyncio.Protocol):
             return
         resp = self._response
         if resp is not None:
-            self._cancel_timer()
+            self._disarm_timer()
             resp._finish(None)
 
     # -- request lifecycle ----------------------------------------------------------------
@@ -383,7 +383,7 @@ class _Connection(asyncio.Protocol):
         else:
             self._timer = self.loop.call_at(self._last_activity + delay, self._check_timeout)
 
-    def _cancel_timer(self) -> None:
+    def _disarm_timer(self) -> None:
         self._armed = False
 
     def _drop_timer(self) -> None:
@@ -406,7 +406,7 @@ class _Connection(asyncio.Protocol):
         if resp is not self._response:
             return
         self._response = None
-        self._cancel_timer()
+        self._disarm_timer()
         if self._paused:
             self.resume_reading()
         if self.reusable and not self.closed:

@@ -421,7 +421,7 @@ class HttpServerProtocol(asyncio.Protocol):
             timer.cancel()
         self._timer = self._loop.call_at(due, self._on_timeout)
 
-    def _cancel_timer(self) -> None:
+    def _disarm_timer(self) -> None:
         self._due = None
 
     def _drop_timer(self) -> None:
@@ -530,7 +530,7 @@ class HttpServerProtocol(asyncio.Protocol):
 
     # -- running handlers ---------------------------------------------------------
     def _start(self, request: Request) -> None:
-        self._cancel_timer()
+        self._disarm_timer()
         writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
                                 chunked=request.http_version != "1.0")
         self._writer = writer
