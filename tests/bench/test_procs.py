@@ -65,3 +65,15 @@ def test_wake_write_cost_measures_both_cases_and_restores_affinity():
     assert got["asleep_us"] > 0 and got["awake_us"] > 0
     assert os.sched_getaffinity(0) == before
     assert wake_write_cost(cpus[0], cpus[0]) == {}  # one core: nothing to compare
+
+
+def test_voluntary_switches_count_blocking():
+    import time
+
+    from epd_proxy.bench.procs import voluntary_switches
+
+    before = voluntary_switches(os.getpid())
+    for _ in range(5):
+        time.sleep(0.002)  # each sleep blocks once
+    assert voluntary_switches(os.getpid()) >= before + 5
+    assert voluntary_switches(2 ** 22 + 12345) != voluntary_switches(2 ** 22 + 12345)  # no such process: NaN

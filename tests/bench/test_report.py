@@ -106,3 +106,25 @@ def test_latency_targets_count_every_sample_when_steal_is_common_or_absent():
     res["scenarios"]["latency"]["workloads"]["stream"].update(_latency(stolen=40))
     cks = {c["key"] + c["source"]: c for c in report.checks(res)}
     assert cks["added_p99latency/stream"]["measured"] == 4.0 and cks["added_p99latency/stream"]["met"] is False
+
+
+def test_workers_section_shows_how_often_each_worker_slept(tmp_path):
+    def run(req_s, cpu, sleeps):
+        lat = {"p50": 1.0, "p90": 2.0, "p99": 3.0, "mean": 1.5}
+        return {"req_s": req_s, "target_cpu_ms_per_req": cpu, "errors": 0, "verify_errors": 0, "requests": 10,
+                "ttft_ms": lat, "itl_ms": lat, "e2e_ms": lat,
+                "outside_window": {"ok": 0, "errors": 0, "verify_errors": 0},
+                "worker_cpu_util": [0.2] * len(sleeps), "worker_sleeps_per_s": sleeps}
+
+    runs = {"1": [run(700, 0.29, [0.0]), run(690, 0.3, [1.0])],
+            "2": [run(1300, 0.31, [94.0, 151.0]), run(1290, 0.31, [69.0, 130.0])]}
+    wk = {"quota_cores_per_worker": 0.2, "tokens": 16, "itl_ms": 1.0, "concurrency": 256, "runs": runs,
+          "summary": summarize_runs(runs), "ratio": {"median": 1.86, "min": 1.86, "max": 1.87}}
+    res = {"meta": {"command": "epd-proxy bench --scenario workers", "machine": {"cpus": 2}},
+           "scenarios": {"workers": wk}}
+    res["checks"] = report.checks(res)
+    report.write(res, str(tmp_path), plots=False)
+    md = (tmp_path / "report.md").read_text()
+    assert "| per-worker sleeps/s (each run) |" in md
+    assert "| 0, 1 |" in md and "94/151, 69/130" in md
+    assert "held to 0.2 core" in md

@@ -113,8 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     x.add_argument("--scale-streams", type=int, default=10000)
     x.add_argument("--scale-ramp", type=float, default=20.0, help="scale: seconds to open all streams")
     x.add_argument("--scale-hold", type=float, default=30.0, help="scale: seconds at full load (measured)")
-    x.add_argument("--workers-quota", type=float, default=0.25,
-                   help="workers: CPU quota (cores) per proxy worker, so the load has cores of its own")
+    x.add_argument("--workers-quota", type=float, default=0.2,
+                   help="workers: CPU quota (cores) per proxy worker, so the load has cores of its own (at 0.25 "
+                        "two workers outran the load on 2 cores: they slept hundreds of times a second)")
     x.add_argument("--workers-concurrency", type=int, default=256)
     x.add_argument("--media-mb", type=_floats, default=[0.25, 0.5, 1, 2, 4], help="media: image sizes in MiB")
     x.add_argument("--push-tp-ms", type=float, default=40.0, help="push: prefill time T_p")

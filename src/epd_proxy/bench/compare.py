@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from . import targets as T
 from .loadgen import Phase
 from .procs import (Service, available_cpus, machine_busy_seconds, raise_nofile, set_sched_idle, set_sched_normal,
-                    wake_write_cost)
+                    voluntary_switches, wake_write_cost)
 from .stats import median_range, ratio
 from .workloads import Prepared, make_workload, prepare, simulator_expected
 
@@ -200,7 +200,8 @@ class Lab:
                           sim.cpu_seconds() if sim is not None else math.nan,
                           svc.rss_bytes() if svc is not None else 0,
                           machine_busy_seconds(),
-                          [_pid_cpu(p) for p in (track_pids or [])])
+                          [_pid_cpu(p) for p in (track_pids or [])],
+                          [voluntary_switches(p) for p in (track_pids or [])])
 
         ph = Phase(target.url, requests, concurrency=concurrency, rate=rate, warmup=warmup, duration=duration,
                    max_requests=max_requests, verify=verify, label=label or target.name, progress=progress,
@@ -236,6 +237,8 @@ class Lab:
                 + out["loadgen_cpu_s"]
             if track_pids:
                 out["pid_cpu_util"] = {str(p): (b - a) / w for p, a, b in zip(track_pids, snaps[0][4], snaps[1][4])}
+                # How often each went to sleep for want of work: ~0 when it is the bottleneck.
+                out["pid_sleeps_per_s"] = {str(p): (b - a) / w for p, a, b in zip(track_pids, snaps[0][5], snaps[1][5])}
             out["foreign_cpu_util"] = max(0.0, (snaps[1][3] - snaps[0][3] - ours) / w) if w > 0 else math.nan
         return out
 

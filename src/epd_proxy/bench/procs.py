@@ -9,6 +9,7 @@ measurement windows are kept long enough for that to be well under 1 %.
 from __future__ import annotations
 
 import http.client
+import math
 import os
 import signal
 import subprocess
@@ -385,3 +386,24 @@ def wake_write_cost(a: int | None, b: int | None, n: int = 400) -> dict:
         os.waitpid(pid, 0)
         os.sched_setaffinity(0, old)
     return {"asleep_us": summarize(asleep, 1e6)["p50"], "awake_us": summarize(awake, 1e6)["p50"]}
+
+
+def voluntary_switches(pid: int) -> float:
+    """How many times ``pid`` has blocked (``voluntary_ctxt_switches``, summed over its
+    threads): a process that is the bottleneck never runs out of work, so this stays
+    flat; one that waits for its load keeps blocking."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return math.nan
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return float(total)

@@ -363,10 +363,17 @@ def _workers_section(r: dict, plots: dict) -> list[str]:
     rows = []
     for w, t in s.items():
         per = [run.get("worker_cpu_util") for run in r["runs"][w]]
+        sleeps = [run.get("worker_sleeps_per_s") for run in r["runs"][w]]
         rows.append([w.replace("epd-proxy-", ""), fmt_range(t["req_s"], 1), fmt_range(t["target_cpu_ms_per_req"], 3),
-                     ", ".join("/".join(fmt(100 * x, 0) for x in p) for p in per if p), f"{t['errors']}"])
-    out += [_table(["workers", "req/s", "proxy CPU ms/req", "per-worker core % (each run)", "errors"], rows), ""]
+                     ", ".join("/".join(fmt(100 * x, 0) for x in p) for p in per if p),
+                     ", ".join("/".join(fmt(x, 0) for x in p) for p in sleeps if p) or "–", f"{t['errors']}"])
+    out += [_table(["workers", "req/s", "proxy CPU ms/req", "per-worker core % (each run)",
+                    "per-worker sleeps/s (each run)", "errors"], rows), ""]
     out.append(f"Ratio (paired per repeat): **{fmt_range(r.get('ratio'), 2)}**")
+    out.append("")
+    out.append("A worker that is the bottleneck always has work waiting and almost never sleeps; one that "
+               "sleeps hundreds of times a second was waiting for the load, and the ratio then measures the "
+               "load as well as the proxy.")
     out.append("")
     return out
 

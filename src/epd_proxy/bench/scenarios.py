@@ -650,6 +650,7 @@ async def run_workers(args) -> dict:
                                           verify=args.verify != "off", label=f"workers={w} #{rep + 1}",
                                           progress=args.progress, seed=args.seed, track_pids=pids)
                     res["worker_cpu_util"] = [res["pid_cpu_util"][str(p)] for p in pids]
+                    res["worker_sleeps_per_s"] = [res["pid_sleeps_per_s"][str(p)] for p in pids]
                     out["runs"].setdefault(str(w), []).append(res)
         finally:
             for g in groups:
