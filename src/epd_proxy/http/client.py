@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from .timers import aim
+
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -334,9 +336,8 @@ class _Connection(asyncio.Protocol):
         self._arm_timer()
         return self._head_future
 
-    # One timer per connection, moved lazily (as the server's): arming records what is
-    # due and only touches the loop's timers when the pending one would fire too late;
-    # disarming leaves it to fire into nothing. ``_check_timeout`` re-aims an early one.
+    # One timer, moved lazily (``timers``): disarming leaves it to fire into nothing;
+    # ``_check_timeout`` re-aims one that fires early.
     def _arm_timer(self) -> None:
         t = self._timeouts
         delay = t.headers if self._head_future is not None else t.idle
@@ -344,13 +345,7 @@ class _Connection(asyncio.Protocol):
             self._armed = False
             return
         self._armed = True
-        due = self._last_activity + delay
-        timer = self._timer
-        if timer is not None:
-            if timer.when() <= due:
-                return
-            timer.cancel()
-        self._timer = self.loop.call_at(due, self._check_timeout)
+        self._timer = aim(self.loop, self._timer, self._last_activity + delay, self._check_timeout)
 
     def _check_timeout(self) -> None:
         self._timer = None

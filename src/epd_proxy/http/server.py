@@ -22,6 +22,7 @@ from typing import Awaitable, Callable
 import httptools
 
 from ..errors import ProxyError
+from .timers import aim
 
 log = logging.getLogger("epd_proxy.http")
 
@@ -404,22 +405,15 @@ class HttpServerProtocol(asyncio.Protocol):
         self.data_received(b"".join(head) + rest)
 
     # -- timers -------------------------------------------------------------------
-    # One timer per connection, moved lazily: arming sets a deadline and only touches
-    # the loop's timers when the pending one would fire too late; disarming clears the
-    # deadline and leaves the timer to fire into nothing (or to re-aim at a later
-    # deadline). A keep-alive request then costs no timer operations at all.
+    # One timer, moved lazily (``timers``): disarming clears the deadline and leaves
+    # the timer to fire into nothing or to re-aim; a keep-alive request costs no timer
+    # operations at all.
     def _arm_timer(self, delay: float) -> None:
         if not delay or delay <= 0:
             self._due = None
             return
-        due = self._loop.time() + delay
-        self._due = due
-        timer = self._timer
-        if timer is not None:
-            if timer.when() <= due:
-                return
-            timer.cancel()
-        self._timer = self._loop.call_at(due, self._on_timeout)
+        self._due = due = self._loop.time() + delay
+        self._timer = aim(self._loop, self._timer, due, self._on_timeout)
 
     def _disarm_timer(self) -> None:
         self._due = None
