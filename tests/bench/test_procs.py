@@ -1,7 +1,7 @@
 import os
 
-from epd_proxy.bench.procs import (CLK_TCK, all_stats, machine_busy_seconds, parse_proc_stat, read_stat, rss_bytes,
-                                   tree_cpu_seconds, tree_pids, wake_write_cost)
+from epd_proxy.bench.procs import (CLK_TCK, all_stats, cross_core_rtt, machine_busy_seconds, parse_proc_stat, read_stat,
+                                   rss_bytes, tree_cpu_seconds, tree_pids, wake_write_cost)
 
 # A real line, with a command name that contains a space and a parenthesis.
 LINE = ("4242 (my (odd) name) S 1 4242 4242 0 -1 4194560 2156 0 0 0 1234 567 8 9 20 0 3 0 11770 "
@@ -65,6 +65,9 @@ def test_wake_write_cost_measures_both_cases_and_restores_affinity():
     assert got["asleep_us"] > 0 and got["awake_us"] > 0
     assert os.sched_getaffinity(0) == before
     assert wake_write_cost(cpus[0], cpus[0]) == {}  # one core: nothing to compare
+    rtt = cross_core_rtt(cpus[0], cpus[1], n=40)
+    assert set(rtt) == {"same_core_us", "cross_core_us"} and min(rtt.values()) > 0
+    assert os.sched_getaffinity(0) == before
 
 
 def test_voluntary_switches_count_blocking():

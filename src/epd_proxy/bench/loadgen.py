@@ -458,14 +458,20 @@ class Phase:
         return prep
 
     # -- drivers --------------------------------------------------------------------------
+    async def _stopped_within(self, delay: float) -> bool:
+        """Wait ``delay`` seconds; True if the phase was stopped meanwhile."""
+        if delay <= 0:
+            return self._stop.is_set()
+        try:
+            await asyncio.wait_for(self._stop.wait(), delay)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def _worker(self, delay: float = 0.0) -> None:
         client = self.client
-        if delay > 0:
-            try:
-                await asyncio.wait_for(self._stop.wait(), delay)
-                return
-            except asyncio.TimeoutError:
-                pass
+        if await self._stopped_within(delay):
+            return
         while not self._stop.is_set():
             o = await client.send(self._take(), self.timeouts, self.verify)
             self._record(o)
@@ -481,13 +487,8 @@ class Phase:
         t_next = perf()
         while not self._stop.is_set():
             t_next += rng.expovariate(self.rate)
-            delay = t_next - perf()
-            if delay > 0:
-                try:
-                    await asyncio.wait_for(self._stop.wait(), delay)
-                    break
-                except asyncio.TimeoutError:
-                    pass
+            if await self._stopped_within(t_next - perf()):
+                break
             if len(tasks) >= self.max_outstanding:
                 self.stats.errors["dropped (too many outstanding)"] += 1
                 continue

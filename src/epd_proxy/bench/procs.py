@@ -14,8 +14,9 @@ import os
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -339,6 +340,64 @@ class Service:
             self._log = None
 
 
+@contextmanager
+def _peer(x, y, our_core: int, peer_core: int, serve: Callable):
+    """A forked process pinned to ``peer_core`` running ``serve(y)`` while this one,
+    pinned to ``our_core``, uses ``x``; afterwards ``x`` is closed, the peer reaped
+    and this process's affinity restored."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.sched_setaffinity(0, {peer_core})
+            x.close()
+            serve(y)
+        finally:
+            os._exit(0)
+    y.close()
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {our_core})
+    try:
+        yield x
+    finally:
+        x.close()
+        os.waitpid(pid, 0)
+        os.sched_setaffinity(0, old)
+
+
+def _echo(sock) -> None:
+    while sock.recv(1):
+        sock.send(b"x")
+
+
+def _drain(sock) -> None:
+    while sock.recv(65536):
+        pass
+
+
+def cross_core_rtt(a: int | None, b: int | None, n: int = 2000) -> dict:
+    """Median round trip (µs) of one byte over a socket pair between two processes,
+    on the same core and across ``a``/``b``: the price of a wake-up on this machine."""
+    import socket
+
+    from .stats import summarize
+
+    def one(ca: int, cb: int) -> float:
+        times = []
+        with _peer(*socket.socketpair(), ca, cb, _echo) as x:
+            for i in range(n):
+                t0 = time.perf_counter()
+                x.send(b"x")
+                x.recv(1)
+                times.append(time.perf_counter() - t0)
+                if i % 8 == 0:
+                    time.sleep(0.0005)  # let the cores idle, as between stages
+        return summarize(times, 1e6)["p50"]
+
+    if a is None or b is None or a == b:
+        return {}
+    return {"same_core_us": one(b, b), "cross_core_us": one(a, b)}
+
+
 def wake_write_cost(a: int | None, b: int | None, n: int = 400) -> dict:
     """Median time (µs) of one small ``send()`` from core ``a`` to a process on core ``b``
     that sleeps in ``recv`` (the write pays for waking it) and that is kept busy.
@@ -357,34 +416,18 @@ def wake_write_cost(a: int | None, b: int | None, n: int = 400) -> dict:
         x = socket.create_connection(ls.getsockname())
         y, _ = ls.accept()
     x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            os.sched_setaffinity(0, {b})
-            x.close()
-            while y.recv(65536):
-                pass
-        finally:
-            os._exit(0)
-    y.close()
-    old = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {a})
     data = b"x" * 200
     asleep, awake = [], []
-    try:
-        for i in range(n):
+    with _peer(x, y, a, b, _drain):
+        for _ in range(n):
             time.sleep(0.001)  # the receiver drains and goes back to sleep
             t0 = time.perf_counter()
             x.send(data)
             asleep.append(time.perf_counter() - t0)
-        for i in range(n):
+        for _ in range(n):
             t0 = time.perf_counter()
             x.send(data)
             awake.append(time.perf_counter() - t0)
-    finally:
-        x.close()
-        os.waitpid(pid, 0)
-        os.sched_setaffinity(0, old)
     return {"asleep_us": summarize(asleep, 1e6)["p50"], "awake_us": summarize(awake, 1e6)["p50"]}
 
 

@@ -27,7 +27,8 @@ from epd_proxy.serve import tune_gc
 from . import targets as T
 from .compare import ForeignMeter, Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
 from .loadgen import send
-from .procs import nofile_limits, pin, self_cpu_seconds, steal_ticks, tree_cpu_seconds, tree_pids, tree_rss_bytes
+from .procs import (cross_core_rtt, nofile_limits, pin, self_cpu_seconds, steal_ticks, tree_cpu_seconds, tree_pids,
+                    tree_rss_bytes)
 from .stats import linear_fit, median_range, summarize
 from .workloads import Prepared, chat_body, make_workload, simulator_expected
 
@@ -139,45 +140,6 @@ class _Seat:
         finally:
             if move:
                 os.sched_setaffinity(0, home)
-
-
-def cross_core_rtt(a: int | None, b: int | None, n: int = 2000) -> dict:
-    """Median round trip (µs) of one byte over a socket pair between two processes,
-    on the same core and across ``a``/``b``: the price of a wake-up on this machine."""
-    import socket
-
-    def one(ca: int, cb: int) -> float:
-        x, y = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                os.sched_setaffinity(0, {cb})
-                x.close()
-                while y.recv(1):
-                    y.send(b"x")
-            finally:
-                os._exit(0)
-        y.close()
-        old = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {ca})
-        times = []
-        try:
-            for i in range(n):
-                t0 = time.perf_counter()
-                x.send(b"x")
-                x.recv(1)
-                times.append(time.perf_counter() - t0)
-                if i % 8 == 0:
-                    time.sleep(0.0005)  # let the cores idle, as between stages
-        finally:
-            x.close()
-            os.waitpid(pid, 0)
-            os.sched_setaffinity(0, old)
-        return summarize(times, 1e6)["p50"]
-
-    if a is None or b is None or a == b:
-        return {}
-    return {"same_core_us": one(b, b), "cross_core_us": one(a, b)}
 
 
 async def _latency_block(args, name, reqs, pools, proxy, timeouts, lab, seat: _Seat) -> dict:
