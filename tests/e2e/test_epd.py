@@ -86,20 +86,7 @@ def assert_consumer_loaded(epd, mm_hash: str, missed_before: set[str]) -> None:
 
 
 def single_instance(epd, body: dict) -> str:
-    ref = E.post(epd.decode.url, "/v1/chat/completions", dict(body, stream=False))
-    assert ref.status == 200, E.describe(ref)
-    return E.text_of(ref, "chat")
-
-
-def assert_ok(resp: E.Response, stream: bool) -> None:
-    assert resp.status == 200, E.describe(resp)
-    if stream:
-        assert resp.content_type.startswith("text/event-stream"), E.describe(resp)
-        events = resp.events()
-        assert events and events[-1] == "[DONE]", E.describe(resp)
-        assert not [ev for ev in events if isinstance(ev, dict) and "error" in ev], E.describe(resp)
-    else:
-        assert resp.content_type.startswith("application/json"), E.describe(resp)
+    return E.text_of(E.reference(epd, "chat", body), "chat")
 
 
 # --- the environment itself, without the proxy -------------------------------------------------
@@ -168,7 +155,7 @@ def test_epd_image_chat(epd, proxies, topology, stream):
 
     resp = E.post(proxies[topology].url, "/v1/chat/completions", body)
 
-    assert_ok(resp, stream)
+    E.assert_ok(resp, stream)
     assert E.text_of(resp, "chat") == expected
     mm_hash = new_entry(epd, before)                  # the encoder ran and stored its output
     assert_consumer_loaded(epd, mm_hash, missed)      # ... and P used it instead of encoding
@@ -193,7 +180,7 @@ def test_epd_large_image(epd, proxies, no_rewrite_proxy, mode):
     proxy = proxies["E+P+D"] if mode == "E+P+D" else no_rewrite_proxy
     resp = E.post(proxy.url, "/v1/chat/completions", body)
 
-    assert_ok(resp, mode == "E+P+D")
+    E.assert_ok(resp, mode == "E+P+D")
     assert E.text_of(resp, "chat") == expected
     mm_hash = new_entry(epd, before)
     assert_consumer_loaded(epd, mm_hash, missed)
@@ -208,7 +195,7 @@ def test_epd_no_rewrite(epd, no_rewrite_proxy, stream):
 
     resp = E.post(no_rewrite_proxy.url, "/v1/chat/completions", body)
 
-    assert_ok(resp, stream)
+    E.assert_ok(resp, stream)
     assert E.text_of(resp, "chat") == expected
     mm_hash = new_entry(epd, before)
     assert_consumer_loaded(epd, mm_hash, missed)
@@ -226,7 +213,7 @@ def test_epd_text_only_skips_encoder(epd, proxies, endpoint, stream):
 
     resp = E.post(proxies["E+P+D"].url, E.endpoint_path(endpoint), body)
 
-    assert_ok(resp, stream)
+    E.assert_ok(resp, stream)
     assert E.text_of(resp, endpoint) == E.text_of(ref, endpoint)
     assert ec_entries(epd) == before
     assert E.delta(epd.decode, E.NIXL_XFERS, d0, 1) == 1

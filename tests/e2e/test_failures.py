@@ -13,10 +13,8 @@
 from __future__ import annotations
 
 import http.client
-import http.server
 import json
 import socket
-import threading
 import time
 import urllib.parse
 import uuid
@@ -41,7 +39,7 @@ def proxy(pd, start_proxy):
 # --- decode pointed at a dead prefill side channel -------------------------------------------
 
 
-class DeadSideChannelPrefill:
+class DeadSideChannelPrefill(E.Interposer):
     """An HTTP interposer in front of the real prefill instance.
 
     Everything is forwarded to the real P unchanged, except that `kv_transfer_params` in P's
@@ -50,18 +48,11 @@ class DeadSideChannelPrefill:
     """
 
     def __init__(self, upstream: str) -> None:
-        self.upstream = urllib.parse.urlsplit(upstream)
         self.dead_port = E.free_port()
         self.generation_posts = 0
-        self.lock = threading.Lock()
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):  # keep pytest output clean
-                pass
-
+        class Handler(E.QuietHandler):
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 data = self.rfile.read(length) if length else None
@@ -98,18 +89,7 @@ class DeadSideChannelPrefill:
 
             do_GET = do_POST = _forward
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(upstream, Handler)
 
 
 @pytest.fixture(scope="module")

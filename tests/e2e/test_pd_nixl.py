@@ -33,24 +33,6 @@ def proxy(pd, start_proxy):
     return start_proxy("pd", prefill=[pd.prefill.url], decode=[pd.decode.url])
 
 
-def reference(pd, endpoint: str, body: dict) -> E.Response:
-    ref = E.post(pd.decode.url, E.endpoint_path(endpoint), dict(body, stream=False))
-    assert ref.status == 200, E.describe(ref)
-    return ref
-
-
-def assert_ok(resp: E.Response, stream: bool) -> None:
-    assert resp.status == 200, E.describe(resp)
-    if stream:
-        assert resp.content_type.startswith("text/event-stream"), E.describe(resp)
-        events = resp.events()
-        assert events and events[-1] == "[DONE]", E.describe(resp)
-        errors = [ev for ev in events if isinstance(ev, dict) and "error" in ev]
-        assert not errors, f"in-band error in the stream: {errors}"
-    else:
-        assert resp.content_type.startswith("application/json"), E.describe(resp)
-
-
 # --- the environment itself, without the proxy: tells a broken vLLM setup from a proxy bug ----
 
 
@@ -58,7 +40,7 @@ def test_vllm_direct_pull_roundtrip(pd):
     """The toy-proxy sequence by hand: P (max_tokens=1, do_remote_decode) then D with P's params."""
     prompt = E.unique_prompt()
     body = E.text_body("completions", prompt)
-    ref = reference(pd, "completions", body)
+    ref = E.reference(pd, "completions", body)
     m0 = pd.decode.metrics()
     pre = dict(body, max_tokens=1, kv_transfer_params=PULL_REQUEST)
     r1 = E.post(pd.prefill.url, "/v1/completions", pre, headers={"X-Request-Id": "e2e-direct-1"})
@@ -93,13 +75,13 @@ def test_proxy_health_and_models(proxy):
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_pd_text_equals_single_instance(pd, proxy, endpoint, stream):
     body = E.text_body(endpoint, E.unique_prompt(), max_tokens=16, stream=stream)
-    ref = reference(pd, endpoint, body)
+    ref = E.reference(pd, endpoint, body)
     prompt_tokens = ref.json()["usage"]["prompt_tokens"]
     d0, p0 = pd.decode.metrics(), pd.prefill.metrics()
 
     resp = E.post(proxy.url, E.endpoint_path(endpoint), body)
 
-    assert_ok(resp, stream)
+    E.assert_ok(resp, stream)
     assert E.text_of(resp, endpoint) == E.text_of(ref, endpoint)
     if not stream:
         assert resp.json()["usage"]["completion_tokens"] == 16, E.describe(resp)
@@ -125,12 +107,12 @@ def test_pd_prefill_body_is_sanitised(pd, proxy, endpoint, stream):
     if endpoint == "chat":
         del body["max_tokens"]
         body["max_completion_tokens"] = 12
-    ref = reference(pd, endpoint, {k: v for k, v in body.items() if k != "stream_options"})
+    ref = E.reference(pd, endpoint, {k: v for k, v in body.items() if k != "stream_options"})
     p0 = pd.prefill.metrics()
 
     resp = E.post(proxy.url, E.endpoint_path(endpoint), body)
 
-    assert_ok(resp, stream)
+    E.assert_ok(resp, stream)
     assert E.text_of(resp, endpoint) == E.text_of(ref, endpoint)
     if stream:
         usage = [ev["usage"] for ev in resp.events() if isinstance(ev, dict) and ev.get("usage")]
@@ -158,7 +140,7 @@ def test_pd_32_concurrent_requests(pd, proxy):
                 if r.status != 200 or not E.text_of(r, job[0])]
     assert not failures, f"{len(failures)}/{n} failed: {failures[:3]}"
     for (endpoint, stream, _), r in zip(jobs, results):
-        assert_ok(r, stream)
+        E.assert_ok(r, stream)
         if not stream:
             assert r.json()["usage"]["completion_tokens"] == 8
     assert E.delta(pd.decode, E.NIXL_XFERS, d0, n) == n

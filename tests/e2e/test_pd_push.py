@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
-import http.server
 import json
-import threading
 import time
-import urllib.parse
 import uuid
 
 import pytest
@@ -58,24 +55,6 @@ def proxy(push, start_proxy):
                        kv_connector="nixl-push")
 
 
-def reference(push, endpoint: str, body: dict) -> E.Response:
-    ref = E.post(push.decode.url, E.endpoint_path(endpoint), dict(body, stream=False))
-    assert ref.status == 200, E.describe(ref)
-    return ref
-
-
-def assert_ok(resp: E.Response, stream: bool) -> None:
-    assert resp.status == 200, E.describe(resp)
-    if stream:
-        assert resp.content_type.startswith("text/event-stream"), E.describe(resp)
-        events = resp.events()
-        assert events and events[-1] == "[DONE]", E.describe(resp)
-        errors = [ev for ev in events if isinstance(ev, dict) and "error" in ev]
-        assert not errors, f"in-band error in the stream: {errors}"
-    else:
-        assert resp.content_type.startswith("application/json"), E.describe(resp)
-
-
 def both_legs(push, path: str, p_body: dict, d_body: dict, p_rid: str, d_rid: str
               ) -> tuple[E.Response, E.Response]:
     """P's and D's legs sent at the same time, as the proxy does."""
@@ -92,7 +71,7 @@ def both_legs(push, path: str, p_body: dict, d_body: dict, p_rid: str, d_rid: st
 def test_vllm_direct_push_roundtrip(push, endpoint):
     """The proxy's push sequence by hand: both legs at once, same X-Request-Id."""
     body = E.text_body(endpoint, E.unique_prompt(), max_tokens=16)
-    ref = reference(push, endpoint, body)
+    ref = E.reference(push, endpoint, body)
     n = ref.json()["usage"]["prompt_tokens"]
     p0, d0 = push.prefill.metrics(), push.decode.metrics()
     rid, xfer = f"e2e-push-{uuid.uuid4().hex[:12]}", f"xfer-{uuid.uuid4()}"
@@ -141,8 +120,8 @@ def test_vllm_push_pairs_by_request_id_not_transfer_id(push):
     X-Request-Id."""
     rid = f"e2e-shared-{uuid.uuid4().hex[:12]}"
     a, b = (E.text_body("completions", p, max_tokens=12) for p in same_length_prompts(push.decode))
-    ref_a = E.text_of(reference(push, "completions", a), "completions")
-    ref_b = E.text_of(reference(push, "completions", b), "completions")
+    ref_a = E.text_of(E.reference(push, "completions", a), "completions")
+    ref_b = E.text_of(E.reference(push, "completions", b), "completions")
     assert ref_a != ref_b
     xa, xb = f"xfer-{uuid.uuid4()}", f"xfer-{uuid.uuid4()}"
     for body, xfer in ((a, xa), (b, xb)):  # A finishes first, then B
@@ -172,13 +151,13 @@ def test_vllm_push_pairs_by_request_id_not_transfer_id(push):
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_push_text_equals_single_instance(push, proxy, endpoint, stream):
     body = E.text_body(endpoint, E.unique_prompt(), max_tokens=16, stream=stream)
-    ref = reference(push, endpoint, body)
+    ref = E.reference(push, endpoint, body)
     prompt_tokens = ref.json()["usage"]["prompt_tokens"]
     d0, p0 = push.decode.metrics(), push.prefill.metrics()
 
     resp = E.post(proxy.url, E.endpoint_path(endpoint), body)
 
-    assert_ok(resp, stream)
+    E.assert_ok(resp, stream)
     assert E.text_of(resp, endpoint) == E.text_of(ref, endpoint)
     if not stream:
         assert resp.json()["usage"]["completion_tokens"] == 16, E.describe(resp)
@@ -211,7 +190,7 @@ def test_push_16_concurrent_requests(push, proxy):
                 if r.status != 200 or not E.text_of(r, job[0])]
     assert not failures, f"{len(failures)}/{n} failed: {failures[:3]}"
     for (endpoint, stream, _), r in zip(jobs, results):
-        assert_ok(r, stream)
+        E.assert_ok(r, stream)
         if not stream:
             assert r.json()["usage"]["completion_tokens"] == 8
     assert E.delta(push.prefill, E.NIXL_XFERS, p0, n) == n
@@ -231,7 +210,7 @@ def test_push_reused_client_request_id_gets_its_own_kv(push, proxy):
                headers={"X-Request-Id": rid})
     assert r.status == 200, E.describe(r)
     body = E.text_body("completions", E.unique_prompt(), max_tokens=12)
-    ref = reference(push, "completions", body)
+    ref = E.reference(push, "completions", body)
 
     resp = E.post(proxy.url, "/v1/completions", body, headers={"X-Request-Id": rid}, timeout=60)
 
@@ -257,7 +236,7 @@ def test_push_validation_error_is_relayed(push, proxy):
 # --- failures -----------------------------------------------------------------------------------
 
 
-class FailingPrefill:
+class FailingPrefill(E.Interposer):
     """An HTTP interposer standing in for the prefill's HTTP side: every POST is answered
     HTTP 500 (vLLM's error envelope) without reaching P; GETs (health, models) go to the real P.
 
@@ -266,18 +245,11 @@ class FailingPrefill:
     `push_registration_timeout`, 480 s by default, merely drops the registration)."""
 
     def __init__(self, upstream: str) -> None:
-        self.upstream = urllib.parse.urlsplit(upstream)
         self.posts = 0
         self.events: list[tuple[float, str, str | None, float]] = []  # (t, path, id, secs)
-        self.lock = threading.Lock()
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
+        class Handler(E.QuietHandler):
             def _reply(self, status: int, ctype: str, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
@@ -310,18 +282,7 @@ class FailingPrefill:
                 finally:
                     c.close()
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(upstream, Handler)
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +360,7 @@ def test_push_dead_prefill_side_channel_gives_502(push, start_proxy):
 def test_push_still_serves_after_failures(push, proxy):
     """The failures above left decode (and prefill) usable."""
     body = E.text_body("chat", E.unique_prompt(), max_tokens=8, stream=True)
-    ref = reference(push, "chat", body)
+    ref = E.reference(push, "chat", body)
     resp = E.post(proxy.url, "/v1/chat/completions", body)
-    assert_ok(resp, True)
+    E.assert_ok(resp, True)
     assert E.text_of(resp, "chat") == E.text_of(ref, "chat")

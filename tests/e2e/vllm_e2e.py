@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import base64
 import http.client
+import http.server
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import uuid
@@ -483,6 +485,56 @@ def text_of(resp: Response, endpoint: str) -> str:
 def describe(resp: Response, limit: int = 600) -> str:
     return (f"HTTP {resp.status} {resp.content_type} after {resp.elapsed:.2f}s: "
             f"{resp.body[:limit].decode('utf-8', 'replace')}")
+
+
+def reference(cluster: "Cluster", endpoint: str, body: dict) -> Response:
+    """The same request answered by the cluster's decode instance alone, not streamed."""
+    ref = post(cluster.decode.url, endpoint_path(endpoint), dict(body, stream=False))
+    assert ref.status == 200, describe(ref)
+    return ref
+
+
+def assert_ok(resp: Response, stream: bool) -> None:
+    """A 200 with the right content type; a stream ends in [DONE] with no in-band error."""
+    assert resp.status == 200, describe(resp)
+    if stream:
+        assert resp.content_type.startswith("text/event-stream"), describe(resp)
+        events = resp.events()
+        assert events and events[-1] == "[DONE]", describe(resp)
+        errors = [ev for ev in events if isinstance(ev, dict) and "error" in ev]
+        assert not errors, f"in-band error in the stream: {errors}"
+    else:
+        assert resp.content_type.startswith("application/json"), describe(resp)
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """Keep-alive request handler that keeps pytest's output clean."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+
+class Interposer:
+    """A threaded HTTP server on a free loopback port, standing in front of a real
+    instance to inject a fault. Subclasses set their state, then pass their handler."""
+
+    def __init__(self, upstream: str, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
+        self.upstream = urllib.parse.urlsplit(upstream)
+        self.lock = threading.Lock()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # ---------------------------------------------------------------------------------------------
