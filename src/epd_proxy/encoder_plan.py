@@ -8,11 +8,11 @@ Images that land on the same encoder then travel together, up to
 
 from __future__ import annotations
 
-from .ids import hex_id
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from epd_proxy.blobs import is_text
+from epd_proxy.ids import hex_id
 from epd_proxy.multimodal import MediaItem, media_url
 
 # Client fields an encoder needs to process media exactly as the consumer
