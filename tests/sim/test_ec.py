@@ -252,3 +252,18 @@ async def test_example_connector_refuses_embeds_without_data(http):
         r = await http.chat(c.urls("pd")[0], client_body(image(URL_B), part, max_tokens=2))
         assert r.status == 400 and "but got 2 vs 1." in r.json["error"]["message"]
         assert c.instances("pd")[0].stats.ec_failures == 0
+
+
+def test_metadata_of_a_long_url_follows_its_length_head_and_tail():
+    head = "data:image/png;base64," + "A" * 5000
+    tail = "B" * 5000
+    same = media_metadata(image(head + "x" * 100 + tail))
+    # The middle is not read (a real encoder takes the size from the header) ...
+    assert media_metadata(image(head + "y" * 100 + tail)) == same
+    # ... the length, the head and the tail are.
+    lengths = {str(media_metadata(image(head + "x" * n + tail))) for n in range(100, 140)}
+    heads = {str(media_metadata(image(head[:30] + c + head[31:] + "x" * 100 + tail))) for c in "CDEFGHIJKL"}
+    tails = {str(media_metadata(image(head + "x" * 100 + tail[:-30] + c + tail[-29:]))) for c in "CDEFGHIJKL"}
+    assert len(lengths) > 20 and len(heads) > 5 and len(tails) > 5
+    # A short payload is read whole.
+    assert media_metadata(image(URL_A)) != media_metadata(image(URL_B))
