@@ -152,10 +152,12 @@ def media_metadata(part: dict) -> dict:
     """
     family = MEDIA_FAMILY[part["type"]]
     url = _media_url(part)
-    if url is not None and len(url) > 2 * _METADATA_SAMPLE:
+    if url is None:
+        sample = media_payload(part)
+    elif len(url) > 2 * _METADATA_SAMPLE:
         sample = f"{len(url)}/{url[:_METADATA_SAMPLE]}/{url[-_METADATA_SAMPLE:]}".encode("utf-8")
     else:
-        sample = media_payload(part)
+        sample = url.encode("utf-8")
     d = zlib.crc32(sample).to_bytes(4, "little")
     h = 4 + 2 * (d[0] % 15)
     w = 4 + 2 * (d[1] % 15)
