@@ -294,6 +294,7 @@ class DecodeStage:
             ctype = resp.content_type or b""
             if not ctype.startswith(b"text/event-stream"):
                 data = await read_body(self.pool, inst, att, "decode", resp)
+                self.pool.record_success(inst)
                 att.timing("decode", time.perf_counter() - t0)
                 return DecodeLeg(inst, resp, body=data)
             first = await self._first_event(att, inst, resp)
