@@ -121,3 +121,17 @@ def test_policies_are_deterministic_units():
     rr, ll = RoundRobin(), LeastLoaded()
     assert [rr.choose(xs) for _ in range(3)] == [xs[0], xs[1], xs[0]]
     assert [ll.choose(xs) for _ in range(2)] == [xs[0], xs[1]]
+
+
+async def test_a_draining_instance_gets_no_new_requests():
+    pool = make_pool(2)
+    a, b = pool.instances
+    pool.drain(a)
+    assert a.state == "draining" and not a.healthy
+    assert {pool.choose() for _ in range(4)} == {b}
+    pool._probe_failed(b, "timeout", "probe")
+    pool._probe_failed(b, "timeout", "probe")
+    pool._probe_failed(b, "timeout", "probe")
+    assert b.state == "ejected"
+    assert {pool.choose() for _ in range(4)} == {b}  # panic routing leaves draining ones out
+    await pool.close()

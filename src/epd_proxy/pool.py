@@ -345,14 +345,17 @@ class InstancePool:
         """One instance's probes: at ``interval`` while it is steady, at the fast
         interval while it is failing, out, or has never answered yet."""
         fast = min(interval, FAST_PROBE_INTERVAL)
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 await self._probe(inst, timeout)
             except Exception:  # never let the prober die
                 log.exception("health probe loop error (%s %s)", self.role, inst.url)
             h = inst.health
             steady = h.state is HEALTHY and h.failures == 0 and h.seen_healthy
-            await asyncio.sleep(interval if steady else fast)
+            # Periods run from each probe's start: a probe that timed out has waited already.
+            await asyncio.sleep(max(0.0, started + (interval if steady else fast) - loop.time()))
 
     async def close(self) -> None:
         tasks, self._probe_tasks = self._probe_tasks, []
