@@ -3,7 +3,11 @@
 Each stage turns transport failures and upstream statuses into a
 :class:`ProxyError` with the status the client should see: an upstream 4xx is
 relayed as received (it is the client's mistake, e.g. vLLM's validation 400),
-a 5xx or a broken connection is a retryable 502, a stage timeout a 504.
+a 5xx or a broken connection is a retryable 502, a stage timeout a 504, a
+refused connection with no other instance of the role in rotation a
+(retryable) 503, and the proxy's own shortage of descriptors or memory a 503.
+On the way, each failure tells the pool what it says about the instance
+(``health.py``): an instance signal, a request signal, or nothing.
 """
 
 from __future__ import annotations
