@@ -25,7 +25,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 ROLES = ("encode", "prefill", "decode")
 FAULTS = ("refused", "500", "400", "503", "hang", "reset", "in-band", "stall")
-STAGE_TIMEOUT = 0.25
+STAGE_TIMEOUT = 0.3
 
 
 def fault_spec(role: str, fault: str) -> str:

@@ -175,7 +175,7 @@ async def test_a_wedged_instance_is_ejected_and_its_pending_requests_fail_over()
     stuck_url = await wedged.start()
     async with SimCluster(pd=1, config=SIM) as cluster:
         cfg = ProxyConfig(decode=[InstanceSpec(cluster.urls("pd")[0], "decode"), InstanceSpec(stuck_url, "decode")],
-                          probe_interval=0.2, probe_timeout=0.3, fail_threshold=2, routing="round-robin",
+                          probe_interval=0.2, probe_timeout=0.5, fail_threshold=2, routing="round-robin",
                           timeouts=Timeouts(decode_first=60.0, stream_idle=60.0))
         async with await start_proxy(cfg) as proxy:
             clients = [Client(proxy.url) for _ in range(6)]
