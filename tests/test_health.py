@@ -128,3 +128,31 @@ def test_draining_is_left_alone_by_signals():
     r.drain(h)
     assert fail(r, h, 0.0) is None and not r.success(h, 0.0, probe=True)
     assert h.state == "draining"
+
+
+def test_settings_come_from_the_command_line_with_the_dataclass_defaults():
+    from epd_proxy.cli import build_parser, config_from_args
+    from epd_proxy.config import ProxyConfig
+
+    defaults = OutlierSettings.from_config(config_from_args(build_parser().parse_args(
+        ["serve", "--decode", "http://d:1"])))
+    assert defaults == OutlierSettings.from_config(ProxyConfig()) == OutlierSettings()
+    args = build_parser().parse_args(
+        ["serve", "--decode", "http://d:1", "--fail-threshold", "4", "--outlier-failure-percent", "60",
+         "--outlier-min-requests", "7", "--outlier-interval", "3", "--ejection-time", "2",
+         "--max-ejection-time", "9", "--max-ejection-percent", "34"])
+    assert OutlierSettings.from_config(config_from_args(args)) == OutlierSettings(
+        fail_threshold=4, failure_percent=60, min_requests=7, interval=3, ejection_time=2,
+        max_ejection_time=9, max_ejection_percent=34)
+
+
+def test_out_of_range_settings_are_refused():
+    import pytest
+
+    from epd_proxy.config import InstanceSpec, ProxyConfig
+
+    d = [InstanceSpec("http://d:1", "decode")]
+    for bad in ({"max_ejection_percent": 101}, {"outlier_failure_percent": 0}, {"outlier_min_requests": 0},
+                {"ejection_time": 0}, {"max_ejection_time": 1.0, "ejection_time": 2.0}, {"fail_threshold": 0}):
+        with pytest.raises(ValueError):
+            ProxyConfig(decode=d, **bad).validate()
