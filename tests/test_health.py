@@ -156,3 +156,35 @@ def test_out_of_range_settings_are_refused():
                 {"ejection_time": 0}, {"max_ejection_time": 1.0, "ejection_time": 2.0}, {"fail_threshold": 0}):
         with pytest.raises(ValueError):
             ProxyConfig(decode=d, **bad).validate()
+
+
+def test_passive_signals_alone_never_take_out_more_than_the_cap():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    events = st.lists(st.tuples(st.integers(0, 4), st.sampled_from(["instance", "timeout", "request", "ok", "tick"])),
+                      max_size=200)
+
+    @settings(max_examples=200, deadline=None)
+    @given(n=st.integers(1, 5), events=events, percent=st.sampled_from([0, 34, 50, 100]))
+    def check(n, events, percent):
+        r = rules(fail_threshold=2, min_requests=2, failure_percent=50, max_ejection_percent=percent,
+                  ejection_time=1.0)
+        hs = [Health() for _ in range(n)]
+        now = 0.0
+        for i, what in events:
+            h = hs[i % n]
+            out = sum(x.out for x in hs)
+            now += 0.25
+            if what in ("instance", "timeout"):
+                r.instance_failure(h, now, kind=what, size=n, out=out)
+            elif what == "request":
+                r.request_failure(h, now, size=n, out=out)
+            elif what == "ok":
+                r.success(h, now)
+            else:
+                for x in hs:
+                    r.expire(x, now)
+            assert sum(x.out for x in hs) <= r.max_ejected(n)
+
+    check()
