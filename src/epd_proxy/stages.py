@@ -93,12 +93,11 @@ def transport_error(pool: InstancePool, inst: Instance, att: RequestContext, sta
         return ProxyError(503, f"the proxy is short of local resources ({_reason(exc)}); retry later",
                           retryable=False)
     log.warning("request %s: %s instance %s: %s %s", att.request_id, stage, inst.url, doing, exc)
-    pool.record_failure(inst, f"{doing}: {exc}", "timeout" if kind == "timeout" else kind, att)
+    pool.record_failure(inst, f"{doing}: {exc}", kind, att)
     if kind == "connect" and not pool.reachable(att.excluded):
         # Nothing in rotation that has not already refused this request: the role is
         # unreachable now (a retry may still find another instance answering).
-        return ProxyError(503, f"no {stage} instance available: the {stage} instances refuse connections",
-                          retryable=True)
+        return ProxyError(503, f"no {stage} instance available: none accepts connections", retryable=True)
     if isinstance(exc, UpstreamTimeout):
         return ProxyError(504, f"{stage} instance timed out: {exc}", retryable=True)
     if kind == "connect":
