@@ -12,6 +12,7 @@ from .errors import ProxyError
 from .http.client import Timeouts, UpstreamError
 from .http.server import Request, ResponseWriter
 from .metrics import ProxyMetrics
+from .health import OutlierSettings
 from .pipeline import CHAT, COMPLETIONS, Pipeline
 from .pool import InstancePool
 
@@ -42,7 +43,8 @@ class ProxyApp:
             if specs:
                 self.pools[role] = InstancePool(role, specs, policy=config.routing,
                                                 keep_alive=config.upstream_keep_alive,
-                                                fail_threshold=config.fail_threshold)
+                                                fail_threshold=config.fail_threshold,
+                                                outlier=OutlierSettings.from_config(config))
         self.metrics = ProxyMetrics(self.pools)
         self.pipeline = Pipeline(config, self.pools, self.metrics)
         self._routes = {

@@ -52,7 +52,25 @@ def _add_serve(sub) -> None:
     p.add_argument("--stream-idle-timeout", type=float, default=600.0)
     p.add_argument("--probe-interval", type=float, default=5.0, help="health probe period (0 = off)")
     p.add_argument("--probe-timeout", type=float, default=2.0)
-    p.add_argument("--fail-threshold", type=int, default=3)
+    p.add_argument("--fail-threshold", type=int, default=3,
+                   help="consecutive probe or transport failures that eject an instance (default 3)")
+    d = ProxyConfig()
+    p.add_argument("--outlier-failure-percent", type=float, default=d.outlier_failure_percent,
+                   help="share of requests failing with HTTP 500 that ejects an instance "
+                        f"(default {d.outlier_failure_percent:g})")
+    p.add_argument("--outlier-min-requests", type=int, default=d.outlier_min_requests,
+                   help=f"requests an instance must have had before that share counts (default "
+                        f"{d.outlier_min_requests})")
+    p.add_argument("--outlier-interval", type=float, default=d.outlier_interval,
+                   help=f"seconds over which the share is measured (default {d.outlier_interval:g})")
+    p.add_argument("--ejection-time", type=float, default=d.ejection_time,
+                   help="base ejection time, multiplied by the number of ejections in a row "
+                        f"(default {d.ejection_time:g} s)")
+    p.add_argument("--max-ejection-time", type=float, default=d.max_ejection_time,
+                   help=f"longest ejection (default {d.max_ejection_time:g} s)")
+    p.add_argument("--max-ejection-percent", type=int, default=d.max_ejection_percent,
+                   help="most of a role that request failures may eject, rounded down (default "
+                        f"{d.max_ejection_percent}); failed probes are not capped")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
@@ -80,6 +98,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         probe_interval=args.probe_interval,
         probe_timeout=args.probe_timeout,
         fail_threshold=args.fail_threshold,
+        outlier_failure_percent=args.outlier_failure_percent,
+        outlier_min_requests=args.outlier_min_requests,
+        outlier_interval=args.outlier_interval,
+        ejection_time=args.ejection_time,
+        max_ejection_time=args.max_ejection_time,
+        max_ejection_percent=args.max_ejection_percent,
     )
     return cfg
 

@@ -120,6 +120,13 @@ class ProxyConfig:
     probe_timeout: float = 2.0
     fail_threshold: int = 3
     routing: str = "least-loaded"
+    # Outlier detection (docs/architecture.md, "Health: ejection, panic routing and recovery").
+    outlier_failure_percent: float = 85.0  # request failures (HTTP 500) that eject, in % ...
+    outlier_min_requests: int = 20  # ... of at least this many requests ...
+    outlier_interval: float = 10.0  # ... within this many seconds of the first failure
+    ejection_time: float = 10.0  # base ejection time, times the number of ejections in a row
+    max_ejection_time: float = 300.0
+    max_ejection_percent: int = 50  # of a role, by passive signals (rounded down)
 
     def validate(self) -> None:
         if not self.decode:
@@ -138,6 +145,16 @@ class ProxyConfig:
                 raise ValueError(f"--ec-consumer-zmq-addrs needs {want} addresses "
                                  f"({len(self.decode)} decode x dp {self.ec_consumer_dp_size}), "
                                  f"got {len(self.ec_consumer_zmq_addrs)}")
+        if self.fail_threshold < 1:
+            raise ValueError("--fail-threshold must be >= 1")
+        if not 0 < self.outlier_failure_percent <= 100:
+            raise ValueError("--outlier-failure-percent must be in (0, 100]")
+        if self.outlier_min_requests < 1 or self.outlier_interval <= 0:
+            raise ValueError("--outlier-min-requests must be >= 1 and --outlier-interval > 0")
+        if self.ejection_time <= 0 or self.max_ejection_time < self.ejection_time:
+            raise ValueError("--ejection-time must be > 0 and --max-ejection-time >= --ejection-time")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ValueError("--max-ejection-percent must be in [0, 100]")
         for role in ROLES:
             urls = [s.url for s in getattr(self, role)]
             dup = {u for u in urls if urls.count(u) > 1}

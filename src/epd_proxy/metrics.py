@@ -124,11 +124,26 @@ def _pool_families(pools: dict):
                                  labels=["role", "url"])
     errors = GaugeMetricFamily("epd_proxy_instance_errors", "Failures seen on the instance (total).",
                                labels=["role", "url"])
+    ejections = CounterMetricFamily("epd_proxy_instance_ejections",
+                                    "Times the instance was taken out of rotation (probes or outlier detection).",
+                                    labels=["role", "url"])
+    panics = CounterMetricFamily("epd_proxy_panic_routing",
+                                 "Requests routed over every instance of a role because none was in rotation.",
+                                 labels=["role"])
+    local = CounterMetricFamily("epd_proxy_local_errors",
+                                "Upstream connects that failed for lack of the proxy's own resources (EMFILE, "
+                                "ENOBUFS, memory); never blamed on an instance.", labels=["role"])
     for role, pool in pools.items():
         for inst in pool.instances:
             healthy.add_metric([role, inst.url], 1.0 if inst.healthy else 0.0)
             inflight.add_metric([role, inst.url], float(inst.inflight))
             errors.add_metric([role, inst.url], float(inst.errors))
+            ejections.add_metric([role, inst.url], float(inst.health.ejections))
+        panics.add_metric([role], float(pool.panics))
+        local.add_metric([role], float(pool.local_errors))
     yield healthy
     yield inflight
     yield errors
+    yield ejections
+    yield panics
+    yield local

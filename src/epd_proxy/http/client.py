@@ -17,6 +17,7 @@ race with the server's idle close — and never after a byte was seen.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl as _ssl
 from collections import deque
 from typing import Protocol
@@ -34,7 +35,10 @@ class UpstreamError(Exception):
 
     def __init__(self, message: str, *, kind: str = "connection", response_started: bool = False) -> None:
         super().__init__(message)
-        self.kind = kind  # "connect", "connection", "timeout", "protocol"
+        # "connect", "connection", "timeout", "protocol"; "local" when this process ran out of
+        # something (descriptors, buffers, memory): not the upstream's fault; "ejected" when
+        # the pool gave up on a pending exchange (``ConnectionPool.fail_pending``).
+        self.kind = kind
         self.response_started = response_started
 
 
@@ -490,7 +494,10 @@ class ConnectionPool:
         except TimeoutError:
             raise UpstreamError(f"connect to {self.url} timed out after {timeout:g} s", kind="connect") from None
         except OSError as exc:
-            raise UpstreamError(f"cannot connect to {self.url}: {exc.strerror or exc}", kind="connect") from None
+            kind = "local" if exc.errno in _LOCAL_ERRNOS else "connect"
+            raise UpstreamError(f"cannot connect to {self.url}: {exc.strerror or exc}", kind=kind) from None
+        except MemoryError:
+            raise UpstreamError(f"cannot connect to {self.url}: out of memory", kind="local") from None
         except BaseException:
             if conn.transport is not None:
                 conn.transport.abort()
@@ -562,6 +569,21 @@ class ConnectionPool:
             raise
         return resp
 
+    def fail_pending(self, error) -> int:
+        """Fail every exchange still waiting for its answer: no headers yet, or a body
+        being read rather than relayed (work before a response is committed). For an
+        upstream that stopped answering, so its requests can be retried elsewhere
+        instead of waiting for their timeouts. ``error()`` makes each exception; returns
+        how many were failed."""
+        n = 0
+        for conn in list(self._all):
+            resp = conn._response
+            if conn._head_future is not None or (resp is not None and resp._sink is None and not resp.complete):
+                conn._fail(error())
+                conn.abort()
+                n += 1
+        return n
+
     async def close(self) -> None:
         self.closed = True
         for conn in list(self._all):
@@ -571,3 +593,5 @@ class ConnectionPool:
 
 
 _DEFAULT_TIMEOUTS = Timeouts()
+# Connect failures that are this process's own shortage, not the upstream's.
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
