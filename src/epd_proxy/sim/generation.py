@@ -31,9 +31,17 @@ from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import responses
 from epd_proxy.sim.ec_store import empty_embeds_refusal, encode_groups, load_for_consumer, store_outputs
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
+from epd_proxy.sim.prefix_cache import block_hashes
 from epd_proxy.sim.records import SimRecord
 from epd_proxy.sim.responses import JSON, SSE, refusal
-from epd_proxy.sim.tokens import Prompt, PromptError, _seed_bytes, analyze, output_tokens
+from epd_proxy.sim.tokens import (
+    Prompt,
+    PromptError,
+    _seed_bytes,
+    analyze,
+    output_tokens,
+    prompt_token_ids,
+)
 from epd_proxy.sim.validation import (
     UNSUPPORTED_MEDIA_TYPE,
     ApiError,
@@ -106,7 +114,8 @@ class GenerationRequest:
     """One generation request's state, shared by the steps and the engine callbacks."""
 
     __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
-                 "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq")
+                 "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
+                 "cached_tokens")
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
@@ -120,6 +129,7 @@ class GenerationRequest:
         self.kv_out: dict | None = None
         self.reset = False
         self.seq: Sequence | None = None  # once there is one
+        self.cached_tokens = 0  # prompt tokens found in this instance's prefix cache
 
 
 class GenerationHandler:
@@ -178,7 +188,7 @@ class GenerationHandler:
             remote_kv = self._assign_role(g, body.get("kv_transfer_params"), plan)
             if inst.role == "encode":
                 n_out, by_length = 0, False
-            ttft_ms, gen_error = self._local_work(g, prompt, remote_kv is not None)
+            ttft_ms, gen_error = self._local_work(g, body, prompt, remote_kv is not None)
         except ApiError as exc:
             return inst.send_error(writer, rec, exc, g.headers)
         self._name(g, base, counter)
@@ -297,10 +307,11 @@ class GenerationHandler:
             return kv
         return None
 
-    def _local_work(self, g: GenerationRequest, prompt: Prompt, remote_kv: bool) -> tuple[float, str | None]:
-        """The work before the first token: an encoder encodes its distinct items; any other
-        instance without remote KV prefills the prompt and loads (or encodes) its media.
-        Returns the time to the first token (ms) and a generation failure, if any."""
+    def _local_work(self, g: GenerationRequest, body: dict, prompt: Prompt,
+                    remote_kv: bool) -> tuple[float, str | None]:
+        """The work before the first token: an encoder encodes its distinct items; any other instance without remote KV prefills the prompt (the part not
+        in its prefix cache) and loads (or encodes) its media. Returns the time to the first
+        token (ms) and a generation failure, if any."""
         inst = self.inst
         cfg = self.config
         st = self.stats
@@ -314,14 +325,26 @@ class GenerationHandler:
             if refused is not None:
                 raise refusal(400, refused)
         st.local_prefills += 1
-        st.local_prompt_tokens += prompt.tokens
+        g.cached_tokens = cached = self._cached_prefix(body, g.chat, prompt)
+        st.local_prompt_tokens += prompt.tokens - cached
         ec = load_for_consumer(inst.ec_store, prompt.media, inst.name)
         st.ec_hits += ec.hits
         st.local_encodes += ec.local_encodes
         if ec.error is not None:
             st.ec_failures += 1
         extra = cfg.local_encode_ms_per_item * ec.local_encodes
-        return cfg.ttft_ms + cfg.ttft_per_token_ms * prompt.tokens + extra, ec.error
+        return cfg.ttft_ms + cfg.ttft_per_token_ms * (prompt.tokens - cached) + extra, ec.error
+
+    def _cached_prefix(self, body: dict, chat: bool, prompt: Prompt) -> int:
+        """Look the prompt up in the prefix cache and keep its blocks there (vLLM caches a
+        request's full blocks when it schedules them); returns the tokens found cached."""
+        cache = self.inst.prefix_cache
+        if cache is None:
+            return 0
+        hashes = block_hashes(prompt_token_ids(body, chat, prompt), cache.block_size)
+        cached = cache.lookup(hashes, prompt.tokens)
+        cache.store(hashes)
+        return cached
 
     def _name(self, g: GenerationRequest, base: str, counter: int) -> None:
         """The response id and vLLM's internal request id (what ``remote_request_id`` names)."""
@@ -356,6 +379,8 @@ class GenerationHandler:
             fingerprint=inst.fingerprint_json)
         if g.hold_kv and not g.drop_kv:
             seq.on_ready = self.on_prefilled
+        if self.config.prompt_tokens_details:
+            seq.cached_tokens = g.cached_tokens
         if plan is not None and plan.streams_tokens:
             seq.set_faults(plan.error_after, plan.reset_after, plan.stall_after, plan.stall_seconds,
                            plan.slow_body)
@@ -398,7 +423,7 @@ class GenerationHandler:
         if cfg.kv_connector != "mooncake":
             st.add_kv_transfer(nblocks * cfg.kv_bytes_per_block)
         if cfg.prompt_tokens_details:
-            seq.cached_tokens = ntok
+            seq.cached_tokens = _reported_cached_tokens(remote_kv, ntok)
         engine.ready(seq, loop.time() + cfg.kv_load_ms / 1000.0)
         await seq.done
 
@@ -447,7 +472,8 @@ class GenerationHandler:
         the prefill is computed, before the response is written, so faults on the response
         (error-after, stall-after, reset-after) leave the KV held or pushed, as with vLLM."""
         g: GenerationRequest = seq.ctx
-        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, g.prompt.hash_hex, g.transfer_id)
+        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, g.prompt.hash_hex, g.transfer_id,
+                                        g.cached_tokens)
         if seq.rec is not None:
             seq.rec.kv = g.kv_out
 
@@ -479,6 +505,16 @@ class GenerationHandler:
             rec.bytes_sent = seq.writer.bytes_sent
             rec.error = f"sim: connection reset after {seq.emitted} tokens (injected)"
         seq.writer.abort()
+
+
+def _reported_cached_tokens(kv: dict, loaded: int) -> int:
+    """What a decode reports as cached after a KV load, as vLLM 0.31+ does: the prefill's own
+    prefix-cache hits when the params carry them (``remote_prefill_cached_tokens``), else
+    the tokens it loaded (vLLM 0.30, or a producer that does not send the field)."""
+    remote = kv.get("remote_prefill_cached_tokens")
+    if isinstance(remote, int) and not isinstance(remote, bool):
+        return remote
+    return loaded
 
 
 async def _forever() -> None:

@@ -28,6 +28,7 @@ from epd_proxy.sim.ec_store import EcStore
 from epd_proxy.sim.engine import Engine
 from epd_proxy.sim.generation import GenerationHandler
 from epd_proxy.sim.kv_channel import KvSideChannel
+from epd_proxy.sim.prefix_cache import PrefixCache
 from epd_proxy.sim.records import SimRecord, Stats
 from epd_proxy.sim.responses import JSON, api_error_body, system_fingerprint
 from epd_proxy.sim.validation import ApiError
@@ -65,6 +66,12 @@ class SimInstance:
         self._unhealthy_until = 0.0
         self.faults = _faults.FaultSource(role, cfg.fault_rate, cfg.fault_kinds, f"{cfg.fault_seed}/{self.name}")
         self.kv = KvSideChannel(self)
+        # The cache vLLM keeps in memory of what an instance computed before; None where the
+        # role keeps none.
+        self.prefix_cache: PrefixCache | None = None
+        if role != "encode" and cfg.enable_prefix_caching:
+            capacity = cfg.num_gpu_blocks if cfg.prefix_cache_blocks is None else cfg.prefix_cache_blocks
+            self.prefix_cache = PrefixCache(cfg.block_size, capacity)
         self._generation = GenerationHandler(self)
         self._tasks: set[asyncio.Task] = set()
         self._in_flight = 0
@@ -204,9 +211,15 @@ class SimInstance:
         self.crashed = True
         await self._close_servers()
         self.kv.drop()
+        self._forget_caches()
         await self.kv.close_pools()
         # Let the cancelled handlers run their cleanup.
         await asyncio.sleep(0)
+
+    def _forget_caches(self) -> None:
+        """A restarted vLLM starts with empty caches."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     async def restart(self) -> None:
         """Start again on the same port(s) after ``crash()``."""

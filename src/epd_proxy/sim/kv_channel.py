@@ -122,9 +122,11 @@ class KvSideChannel:
             await p.close()
 
     # -- producer (prefill) --------------------------------------------------------------
-    def produce(self, internal_id: str, prompt_tokens: int, prompt_hash: str, transfer_id: str | None) -> dict:
+    def produce(self, internal_id: str, prompt_tokens: int, prompt_hash: str, transfer_id: str | None,
+                cached_tokens: int = 0) -> dict:
         """The prompt's KV now exists: hold it (pull), offer or push it (push, Mooncake);
-        returns the ``kv_transfer_params`` vLLM 0.32 answers with."""
+        returns the ``kv_transfer_params`` vLLM 0.32 answers with (``cached_tokens``: the
+        prompt tokens this prefill found in its prefix cache)."""
         inst = self.inst
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -142,7 +144,7 @@ class KvSideChannel:
                     "remote_host": inst.kv_host, "remote_port": inst.kv_port, "tp_size": cfg.tp_size,
                     "dcp_size": 1, "pp_size": cfg.pp_size, "remote_num_tokens": ntok,
                     "remote_blocks_expiry_time": None, "transfer_mode": "pull",
-                    "remote_prefill_cached_tokens": 0}
+                    "remote_prefill_cached_tokens": cached_tokens}
         tid = transfer_id
         waiter = self._push_waiters.pop(tid, None)
         if waiter is not None and not waiter[0].done():
@@ -155,7 +157,8 @@ class KvSideChannel:
             return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": inst.engine_id,
                     "remote_request_id": internal_id, "remote_host": inst.kv_host,
                     "remote_port": inst.kv_port, "tp_size": cfg.tp_size, "dcp_size": 1, "pp_size": cfg.pp_size,
-                    "remote_num_tokens": ntok, "transfer_mode": "push", "transfer_id": tid}
+                    "remote_num_tokens": ntok, "transfer_mode": "push", "transfer_id": tid,
+                    "remote_prefill_cached_tokens": cached_tokens}
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": inst.engine_id,
                 "remote_bootstrap_addr": inst.bootstrap_addr, "remote_request_id": internal_id,
                 "remote_num_tokens": ntok, "transfer_id": tid}

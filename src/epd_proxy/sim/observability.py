@@ -20,6 +20,7 @@ def state(inst: "SimInstance") -> dict:
     """``GET /sim/state``: held KV, queue lengths and counters."""
     eng = inst.engine
     kv = inst.kv
+    pc = inst.prefix_cache
     return {
         "name": inst.name, "role": inst.role, "url": inst.url, "engine_id": inst.engine_id,
         "healthy": inst.healthy, "held_kv_blocks": kv.held_blocks,
@@ -28,6 +29,7 @@ def state(inst: "SimInstance") -> dict:
         "push_waiters": kv.push_waiters(),
         "running": eng.num_running if eng else 0, "waiting": eng.num_waiting if eng else 0,
         "stats": inst.stats.as_dict(), "ec_store_entries": len(inst.ec_store),
+        "prefix_cache": None if pc is None else {"blocks": len(pc), "queries": pc.queries, "hits": pc.hits},
     }
 
 
@@ -51,6 +53,7 @@ def metrics_text(inst: "SimInstance") -> str:
     st = inst.stats
     cfg = inst.config
     held_blocks = inst.kv.held_blocks
+    pc = inst.prefix_cache
     lbl = f'model_name="{cfg.model}",engine="0"'
     running = eng.num_running if eng else 0
     waiting = eng.num_waiting if eng else 0
@@ -76,7 +79,7 @@ def metrics_text(inst: "SimInstance") -> str:
         "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.",
         "# TYPE vllm:prompt_tokens_by_source_total counter",
         f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_compute"}} {st.local_prompt_tokens}.0',
-        f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_cache_hit"}} 0.0',
+        f'vllm:prompt_tokens_by_source_total{{{lbl},source="local_cache_hit"}} {pc.hits if pc else 0}.0',
         f'vllm:prompt_tokens_by_source_total{{{lbl},source="external_kv_transfer"}} '
         f"{st.external_cached_tokens}.0",
     ]
@@ -95,6 +98,10 @@ def metrics_text(inst: "SimInstance") -> str:
         ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", st.prompt_tokens),
         ("vllm:generation_tokens_total", "Number of generation tokens processed.", st.generation_tokens),
         ("vllm:num_preemptions_total", "Cumulative number of preemptions.", 0),
+        ("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.",
+         pc.queries if pc else 0),
+        ("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
+         pc.hits if pc else 0),
         ("vllm:external_prefix_cache_queries_total", "External prefix cache queries from KV connector "
          "cross-instance cache sharing, in terms of number of queried tokens.", st.external_queried_tokens),
         ("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector "
@@ -129,5 +136,8 @@ def metrics_text(inst: "SimInstance") -> str:
         "# HELP sim:held_kv_requests Requests whose KV is held for a decoder.",
         "# TYPE sim:held_kv_requests gauge",
         f"sim:held_kv_requests{{{lbl}}} {inst.kv.held_requests}.0",
+        "# HELP sim:prefix_cache_blocks KV blocks kept in the prefix cache.",
+        "# TYPE sim:prefix_cache_blocks gauge",
+        f"sim:prefix_cache_blocks{{{lbl}}} {len(pc) if pc else 0}.0",
     ]
     return "\n".join(lines) + "\n"
