@@ -32,7 +32,8 @@ class SimConfig:
     ttft_ms: float = 2.0  # base prefill time
     ttft_per_token_ms: float = 0.01  # plus this per prompt token not found in the prefix cache
     itl_ms: float = 1.0  # engine step = inter-token latency; 0 = as fast as possible
-    encode_ms_per_item: float = 1.0  # encoder time per distinct media item
+    encode_ms_per_item: float = 1.0  # encoder time per distinct media item missing from its cache
+    encode_ms_per_mm_token: float = 0.0  # plus this per placeholder token of such an item (its size)
     local_encode_ms_per_item: float = 2.0  # a consumer encoding a raw item itself
     kv_load_ms: float = 0.2  # decode: after the KV arrived, before the first token
     max_num_seqs: int = 256
@@ -68,6 +69,9 @@ class SimConfig:
     # block_size blocks, LRU beyond prefix_cache_blocks blocks (None = num_gpu_blocks).
     enable_prefix_caching: bool = True
     prefix_cache_blocks: int | None = None
+    # An encoder's cache of its outputs, keyed by the item's hash: a hit costs nothing; it
+    # holds this many placeholder tokens of outputs (0 = no cache, every item is encoded).
+    encoder_cache_tokens: int = 16384
 
     # --- EC ---------------------------------------------------------------------------
     # What an encoder reports in ec_transfer_params: "nixl" = {metadata (grids), item_indices,

@@ -39,6 +39,7 @@ from epd_proxy.sim.tokens import (
     PromptError,
     _seed_bytes,
     analyze,
+    media_tokens,
     output_tokens,
     prompt_token_ids,
 )
@@ -309,7 +310,8 @@ class GenerationHandler:
 
     def _local_work(self, g: GenerationRequest, body: dict, prompt: Prompt,
                     remote_kv: bool) -> tuple[float, str | None]:
-        """The work before the first token: an encoder encodes its distinct items; any other instance without remote KV prefills the prompt (the part not
+        """The work before the first token: an encoder encodes its distinct items (those not
+        in its cache); any other instance without remote KV prefills the prompt (the part not
         in its prefix cache) and loads (or encodes) its media. Returns the time to the first
         token (ms) and a generation failure, if any."""
         inst = self.inst
@@ -317,7 +319,7 @@ class GenerationHandler:
         st = self.stats
         if inst.role == "encode":
             g.ec_groups = groups = encode_groups(prompt.media)
-            return cfg.encode_ms_per_item * len(groups), None
+            return self._encode_ms(groups), None
         if remote_kv:
             return 0.0, None
         if cfg.ec_connector == "example" and prompt.media:
@@ -345,6 +347,19 @@ class GenerationHandler:
         cached = cache.lookup(hashes, prompt.tokens)
         cache.store(hashes)
         return cached
+
+    def _encode_ms(self, groups: dict[str, dict]) -> float:
+        """An encoder's time for its distinct items: nothing for an item in its cache, else
+        a fixed cost plus one proportional to the item's size."""
+        cfg = self.config
+        cache = self.inst.encoder_cache
+        ms = 0.0
+        for mm_hash, group in groups.items():
+            tokens = media_tokens(group["family"], group["metadata"])
+            if cache is not None and cache.lookup(mm_hash, tokens):
+                continue
+            ms += cfg.encode_ms_per_item + cfg.encode_ms_per_mm_token * tokens
+        return ms
 
     def _name(self, g: GenerationRequest, base: str, counter: int) -> None:
         """The response id and vLLM's internal request id (what ``remote_request_id`` names)."""

@@ -25,6 +25,7 @@ from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import observability
 from epd_proxy.sim.config import SimConfig
 from epd_proxy.sim.ec_store import EcStore
+from epd_proxy.sim.encoder_cache import EncoderCache
 from epd_proxy.sim.engine import Engine
 from epd_proxy.sim.generation import GenerationHandler
 from epd_proxy.sim.kv_channel import KvSideChannel
@@ -66,12 +67,13 @@ class SimInstance:
         self._unhealthy_until = 0.0
         self.faults = _faults.FaultSource(role, cfg.fault_rate, cfg.fault_kinds, f"{cfg.fault_seed}/{self.name}")
         self.kv = KvSideChannel(self)
-        # The cache vLLM keeps in memory of what an instance computed before; None where the
-        # role keeps none.
+        # The caches vLLM keeps in memory: what an instance computed (prefix cache) or encoded
+        # (encoder cache) before. None where the role keeps none.
         self.prefix_cache: PrefixCache | None = None
         if role != "encode" and cfg.enable_prefix_caching:
             capacity = cfg.num_gpu_blocks if cfg.prefix_cache_blocks is None else cfg.prefix_cache_blocks
             self.prefix_cache = PrefixCache(cfg.block_size, capacity)
+        self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens) if role == "encode" else None
         self._generation = GenerationHandler(self)
         self._tasks: set[asyncio.Task] = set()
         self._in_flight = 0
@@ -220,6 +222,8 @@ class SimInstance:
         """A restarted vLLM starts with empty caches."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
 
     async def restart(self) -> None:
         """Start again on the same port(s) after ``crash()``."""

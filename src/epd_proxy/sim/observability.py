@@ -21,6 +21,7 @@ def state(inst: "SimInstance") -> dict:
     eng = inst.engine
     kv = inst.kv
     pc = inst.prefix_cache
+    ec = inst.encoder_cache
     return {
         "name": inst.name, "role": inst.role, "url": inst.url, "engine_id": inst.engine_id,
         "healthy": inst.healthy, "held_kv_blocks": kv.held_blocks,
@@ -30,6 +31,8 @@ def state(inst: "SimInstance") -> dict:
         "running": eng.num_running if eng else 0, "waiting": eng.num_waiting if eng else 0,
         "stats": inst.stats.as_dict(), "ec_store_entries": len(inst.ec_store),
         "prefix_cache": None if pc is None else {"blocks": len(pc), "queries": pc.queries, "hits": pc.hits},
+        "encoder_cache": None if ec is None else {"items": len(ec), "tokens": ec.tokens, "queries": ec.queries,
+                                                  "hits": ec.hits},
     }
 
 
@@ -54,6 +57,7 @@ def metrics_text(inst: "SimInstance") -> str:
     cfg = inst.config
     held_blocks = inst.kv.held_blocks
     pc = inst.prefix_cache
+    ec = inst.encoder_cache
     lbl = f'model_name="{cfg.model}",engine="0"'
     running = eng.num_running if eng else 0
     waiting = eng.num_waiting if eng else 0
@@ -116,6 +120,10 @@ def metrics_text(inst: "SimInstance") -> str:
         ("sim:ec_hits_total", "Media items found in the encoder cache.", st.ec_hits),
         ("sim:ec_failures_total", "Requests failed for a missing or mismatched embedding.", st.ec_failures),
         ("sim:encoded_items_total", "Media items encoded (encoder).", st.encoded_items),
+        ("sim:encoder_cache_queries_total", "Distinct media items an encoder looked up in its own cache.",
+         ec.queries if ec else 0),
+        ("sim:encoder_cache_hits_total", "Distinct media items an encoder found in its own cache (not "
+         "encoded again).", ec.hits if ec else 0),
         ("sim:kv_pulls_total", "Successful KV loads (decode).", st.kv_pulls),
         ("sim:kv_pull_failures_total", "Failed KV loads (decode).", st.kv_pull_failures),
         ("sim:kv_transfers_served_total", "KV hand-offs served to decoders (prefill).", st.kv_pushes),
