@@ -1,9 +1,6 @@
-"""Pure pieces of the simulator, without sockets."""
+"""The EC hand-off store and both sides of the EC hand-off, without sockets."""
 
 from epd_proxy.sim.ec_store import EcEntry, EcStore, empty_embeds_refusal, encode_groups, load_for_consumer
-from epd_proxy.sim.faults import FaultSource
-from epd_proxy.sim.kv_channel import flat_ints
-from epd_proxy.sim.responses import refusal
 from epd_proxy.sim.tokens import MediaRef
 
 
@@ -11,11 +8,6 @@ def _media(index, mm_hash, *, raw=True, metadata=None, family="image"):
     return MediaRef(index=index, type="image_url" if raw else "image_embeds", family=family, part={},
                     mm_hash=mm_hash, metadata=metadata if metadata is not None else {"image_grid_thw": [[1, 4, 4]]},
                     raw=raw)
-
-
-def test_block_ids_compare_flat():
-    assert flat_ints([[1, 2], [3]]) == flat_ints([1, 2, 3]) == [1, 2, 3]
-    assert flat_ints(7) == [7]
 
 
 def test_ec_store_evicts_the_oldest_entry_beyond_capacity():
@@ -43,16 +35,3 @@ def test_embeds_without_data_are_refused_as_vllm_refuses_them():
     assert empty_embeds_refusal([_media(0, "h1")]) is None
     msg = empty_embeds_refusal([_media(0, "h1", raw=False, metadata={})])
     assert msg.endswith("but got 1 vs 0.")
-
-
-def test_injected_faults_apply_to_the_next_n_requests_of_their_role():
-    src = FaultSource("decode", 0.0, (), "0/decode-0")
-    src.inject("decode:status=503,prefill:hang", times=2)
-    plans = [src.plan(None, {}) for _ in range(3)]
-    assert [p.status if p else None for p in plans] == [503, 503, None]
-    assert not plans[0].hang
-
-
-def test_a_refusal_is_typed_by_its_status():
-    exc = refusal(503, "busy")
-    assert (exc.status, exc.etype, exc.param) == (503, "ServiceUnavailableError", None)
