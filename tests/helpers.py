@@ -20,6 +20,9 @@ JSON = [(b"content-type", b"application/json")]
 async def stack(encode=0, prefill=1, decode=1, pd=0, sim: SimConfig | None = None, **proxy_kwargs):
     """A simulated cluster and a proxy in front of it; yields (cluster, proxy, client)."""
     sim = sim or SimConfig(itl_ms=0, ttft_ms=0.5)
+    # Like probes, the background /metrics scrape is off unless a test asks for it: the
+    # simulator records every request, and tests count records.
+    proxy_kwargs.setdefault("scrape_interval", 0)
     async with SimCluster(encode=encode, prefill=prefill, decode=decode, pd=pd, config=sim) as cluster:
         base = ProxyConfig(probe_interval=0, **proxy_kwargs)
         async with await start_proxy(config_for_cluster(cluster, base)) as proxy:

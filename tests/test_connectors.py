@@ -57,7 +57,8 @@ async def test_push_runs_both_legs_at_once(stream):
 
 
 async def test_push_with_several_prefills_uses_each_ones_identity():
-    async with stack(prefill=2, sim=push_sim(), kv_connector="nixl-push") as (cluster, proxy, client):
+    async with stack(prefill=2, sim=push_sim(), kv_connector="nixl-push",
+                     prefill_policy="round-robin") as (cluster, proxy, client):
         for _ in range(4):
             assert (await client.chat(chat_body())).status == 200
         by_engine = {}

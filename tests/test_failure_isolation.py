@@ -61,7 +61,9 @@ async def deployment(request):
         t = Timeouts(connect=1.0, encode=STAGE_TIMEOUT, prefill=STAGE_TIMEOUT, decode_first=STAGE_TIMEOUT,
                      stream_idle=STAGE_TIMEOUT)
         # fail_threshold=2: counting every attempt of one request (or its 500s) would eject.
-        base = ProxyConfig(probe_interval=0, fail_threshold=2, decode_retries=1, timeouts=t,
+        # least-loaded: every request here has the same prompt, so affinity would send all first
+        # attempts to one instance and only the faulty retries to the other.
+        base = ProxyConfig(probe_interval=0, fail_threshold=2, decode_retries=1, timeouts=t, routing="least-loaded",
                            forward_headers=("traceparent", "tracestate", "x-sim-fault"))
         async with await start_proxy(config_for_cluster(cluster, base)) as proxy:
             client = Client(proxy.url)
@@ -135,7 +137,10 @@ async def test_a_poison_request_never_fails_anyone_else(prefills, pair):
     request) every ~0.2 s, alone or in pairs, while others send normal traffic."""
     sim = SimConfig(itl_ms=0, ttft_ms=0.5)
     async with SimCluster(prefill=prefills, decode=1, config=sim) as cluster:
-        async with await start_proxy(config_for_cluster(cluster, ProxyConfig(probe_interval=0))) as proxy:
+        # least-loaded, as above: one prompt for all traffic would otherwise leave the poison's
+        # retries alone on the second instance.
+        cfg = ProxyConfig(probe_interval=0, routing="least-loaded")
+        async with await start_proxy(config_for_cluster(cluster, cfg)) as proxy:
             loop = asyncio.get_running_loop()
             end = loop.time() + 2.0
             poison = chat_body(sim_fault="prefill:status=500")

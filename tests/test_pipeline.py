@@ -78,7 +78,7 @@ async def test_decode_gets_prefills_kv_transfer_params_verbatim():
 
 
 async def test_request_id_is_kept_shared_and_derived_for_encoders():
-    async with stack(encode=2) as (cluster, proxy, client):
+    async with stack(encode=2, encode_policy="round-robin") as (cluster, proxy, client):
         body = chat_body(images=["https://x/a.png", "https://x/b.png"])
         reply = await client.chat(body, headers=[(b"x-request-id", b"req-42")])
         assert reply.status == 200, reply.body
@@ -101,7 +101,7 @@ async def test_a_request_id_is_made_when_the_client_sends_none():
 # -- encoders -------------------------------------------------------------------------------
 
 async def test_single_image_requests_rotate_over_all_encoders():
-    async with stack(encode=3) as (cluster, proxy, client):
+    async with stack(encode=3, encode_policy="round-robin") as (cluster, proxy, client):
         for i in range(6):
             reply = await client.chat(chat_body(images=[f"https://x/{i}.png"]))
             assert reply.status == 200, reply.body
@@ -110,7 +110,7 @@ async def test_single_image_requests_rotate_over_all_encoders():
 
 
 async def test_cursor_stays_contiguous_across_item_counts():
-    async with stack(encode=3, encoder_max_batch_size=1) as (cluster, proxy, client):
+    async with stack(encode=3, encoder_max_batch_size=1, encode_policy="round-robin") as (cluster, proxy, client):
         groups = []
         for n, count in enumerate([2, 1, 3, 1]):
             before = len(cluster.records("encode"))
@@ -124,7 +124,7 @@ async def test_cursor_stays_contiguous_across_item_counts():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 async def test_whole_cycles_hit_every_encoder_equally(n):
-    async with stack(encode=n) as (cluster, proxy, client):
+    async with stack(encode=n, encode_policy="round-robin") as (cluster, proxy, client):
         for i in range(3 * n):
             assert (await client.chat(chat_body(images=[f"https://x/{i}.png"]))).status == 200
         counts = [len(inst.records) for inst in cluster.instances("encode")]
@@ -132,7 +132,7 @@ async def test_whole_cycles_hit_every_encoder_equally(n):
 
 
 async def test_concurrent_requests_never_share_a_slot():
-    async with stack(encode=4) as (cluster, proxy, client):
+    async with stack(encode=4, encode_policy="round-robin") as (cluster, proxy, client):
         replies = await asyncio.gather(*(client.chat(chat_body(images=[f"https://x/c{i}.png"]))
                                          for i in range(20)))
         assert all(r.status == 200 for r in replies)
@@ -142,7 +142,7 @@ async def test_concurrent_requests_never_share_a_slot():
 @pytest.mark.parametrize("batch, sizes", [(0, [3, 3]), (1, [1] * 6), (2, [2, 2, 1, 1])])
 async def test_images_on_one_encoder_are_batched(batch, sizes):
     a, c, d, f = (f"https://x/{k}.png" for k in "ACDF")
-    async with stack(encode=2, encoder_max_batch_size=batch) as (cluster, proxy, client):
+    async with stack(encode=2, encoder_max_batch_size=batch, encode_policy="round-robin") as (cluster, proxy, client):
         body = chat_body(images=[a, a, c, d, a, f], mm_processor_kwargs={"size": 224})
         reply = await client.chat(body)
         assert reply.status == 200, reply.body
@@ -231,7 +231,7 @@ async def test_large_data_urls_reach_every_stage_byte_for_byte(mode):
 
 
 async def test_text_only_chat_skips_the_encoders():
-    async with stack(encode=2) as (cluster, proxy, client):
+    async with stack(encode=2, encode_policy="round-robin") as (cluster, proxy, client):
         assert (await client.chat(chat_body())).status == 200
         assert cluster.records("encode") == []
 
@@ -407,7 +407,7 @@ async def test_client_disconnect_mid_prefill_closes_prefill():
 
 
 async def test_client_disconnect_mid_encode_closes_every_encoder_request():
-    async with stack(encode=2) as (cluster, proxy, client):
+    async with stack(encode=2, encode_policy="round-robin") as (cluster, proxy, client):
         for inst in cluster.instances("encode"):
             inst.inject("hang")
         await _send_and_drop(proxy.url, chat_body(images=["https://x/a.png", "https://x/b.png"]), wait=0.2)

@@ -83,8 +83,9 @@ from epd_proxy.serve import install_uvloop
 async def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    # No background scrape: its pooled connection would spare the request the failing connect.
     cfg = ProxyConfig(decode=[InstanceSpec(u, "decode") for u in sys.argv[1:]], probe_interval=0,
-                      fail_threshold=1, decode_retries=1)
+                      fail_threshold=1, decode_retries=1, scrape_interval=0)
     proxy = await start_proxy(cfg)
     print("port", proxy.server.port, flush=True)
     loop = asyncio.get_running_loop()

@@ -14,7 +14,9 @@ from .http.server import Request, ResponseWriter
 from .metrics import ProxyMetrics
 from .health import OutlierSettings
 from .pipeline import CHAT, COMPLETIONS, Pipeline
+from .load_signals import LoadScraper
 from .pool import InstancePool
+from .routing import make_policy
 
 log = logging.getLogger("epd_proxy.app")
 
@@ -41,11 +43,16 @@ class ProxyApp:
         for role in ("encode", "prefill", "decode"):
             specs = getattr(config, role)
             if specs:
-                self.pools[role] = InstancePool(role, specs, policy=config.routing,
+                policy = make_policy(config.policy_for(role), balance_abs=config.balance_abs,
+                                     balance_rel=config.balance_rel)
+                self.pools[role] = InstancePool(role, specs, policy=policy,
                                                 keep_alive=config.upstream_keep_alive,
                                                 fail_threshold=config.fail_threshold,
                                                 outlier=OutlierSettings.from_config(config))
         self.metrics = ProxyMetrics(self.pools)
+        # Load signals are scraped only for the pools whose policy reads them.
+        self.scrapers = [LoadScraper(pool, config.scrape_interval, config.probe_timeout)
+                         for pool in self.pools.values() if pool.policy.uses_signals]
         self.pipeline = Pipeline(config, self.pools, self.metrics)
         self._routes = {
             ("POST", CHAT): self._generate_chat,
@@ -70,8 +77,12 @@ class ProxyApp:
         await self.pipeline.connector.start()
         for pool in self.pools.values():
             pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
+        for scraper in self.scrapers:
+            scraper.start()
 
     async def close(self) -> None:
+        for scraper in self.scrapers:
+            await scraper.close()
         await self.pipeline.close()
         for pool in self.pools.values():
             await pool.close()

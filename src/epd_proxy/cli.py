@@ -7,7 +7,12 @@ import logging
 import os
 import sys
 
-from .config import ProxyConfig, Timeouts, parse_instance, split_instances
+from .config import ROLE_POLICY_DEFAULTS, ProxyConfig, Timeouts, parse_instance, split_instances
+from .routing import POLICIES
+
+
+def _defaults_text() -> str:
+    return ", ".join(f"{role} {name}" for role, name in ROLE_POLICY_DEFAULTS.items())
 
 
 def _add_serve(sub) -> None:
@@ -39,7 +44,25 @@ def _add_serve(sub) -> None:
                    help="sent to backends as 'Authorization: Bearer' (default: $OPENAI_API_KEY)")
     p.add_argument("--forward-header", action="append", default=[], metavar="NAME",
                    help="client header to pass on to every stage (traceparent/tracestate always are)")
-    p.add_argument("--routing", choices=["least-loaded", "round-robin"], default="least-loaded")
+    d = ProxyConfig()
+    names = list(POLICIES)
+    p.add_argument("--routing", choices=names, default=d.routing,
+                   help="routing policy of every role without its own flag (default: each role's own, "
+                        f"{_defaults_text()})")
+    for role in ("prefill", "decode", "encode"):
+        p.add_argument(f"--{role}-policy", choices=names, default=getattr(d, f"{role}_policy"),
+                       help=f"routing policy of the {role} instances (default: --routing, else "
+                            f"{ROLE_POLICY_DEFAULTS[role]}" + ("; cache-aware for PD, i.e. without --prefill)"
+                                                               if role == "decode" else ")"))
+    p.add_argument("--balance-abs", type=float, default=d.balance_abs,
+                   help="cache-aware passes over its preferred instance when that one has more than this "
+                        f"many requests beyond the least-loaded one (default {d.balance_abs:g}) ...")
+    p.add_argument("--balance-rel", type=float, default=d.balance_rel,
+                   help=f"... and more than this many times its load (default {d.balance_rel:g})")
+    p.add_argument("--scrape-interval", type=float, default=d.scrape_interval,
+                   help="seconds between background scrapes of each instance's /metrics for load signals "
+                        f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; default "
+                        f"{d.scrape_interval:g})")
     p.add_argument("--upstream-keep-alive", type=float,
                    default=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
                    help="the backends' keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); idle pooled "
@@ -54,7 +77,6 @@ def _add_serve(sub) -> None:
     p.add_argument("--probe-timeout", type=float, default=2.0)
     p.add_argument("--fail-threshold", type=int, default=3,
                    help="consecutive probe or transport failures that eject an instance (default 3)")
-    d = ProxyConfig()
     p.add_argument("--outlier-failure-percent", type=float, default=d.outlier_failure_percent,
                    help="share of requests failing with HTTP 500 that ejects an instance "
                         f"(default {d.outlier_failure_percent:g})")
@@ -91,6 +113,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         upstream_api_key=args.upstream_api_key or None,
         forward_headers=("traceparent", "tracestate", *args.forward_header),
         routing=args.routing,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        encode_policy=args.encode_policy,
+        balance_abs=args.balance_abs,
+        balance_rel=args.balance_rel,
+        scrape_interval=args.scrape_interval,
         upstream_keep_alive=args.upstream_keep_alive,
         timeouts=Timeouts(connect=args.connect_timeout, encode=args.encode_timeout,
                           prefill=args.prefill_timeout, decode_first=args.decode_timeout,

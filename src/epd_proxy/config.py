@@ -14,7 +14,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from .routing import POLICIES
+
 ROLES = ("encode", "prefill", "decode")
+
+# The measured best routing policy per role (docs/architecture.md, "Routing").
+ROLE_POLICY_DEFAULTS = {"encode": "cache-aware", "prefill": "cache-aware", "decode": "load-aware"}
 
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
 _KNOWN_ATTRS = {"engine_id", "kv_host"} | _INT_ATTRS
@@ -119,7 +124,15 @@ class ProxyConfig:
     probe_interval: float = 5.0
     probe_timeout: float = 2.0
     fail_threshold: int = 3
-    routing: str = "least-loaded"
+    # Routing (docs/architecture.md, "Routing"): a policy per role; None = ``routing`` if set,
+    # else the role's default (ROLE_POLICY_DEFAULTS).
+    routing: str | None = None
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    encode_policy: str | None = None
+    balance_abs: float = 4.0  # cache-aware passes over an instance loaded beyond the least loaded + this ...
+    balance_rel: float = 1.5  # ... and beyond the least loaded x this
+    scrape_interval: float = 1.0  # the background /metrics scrape of load signals (0 = off)
     # Outlier detection (docs/architecture.md, "Health: ejection, panic routing and recovery").
     outlier_failure_percent: float = 85.0  # request failures (HTTP 500) that eject, in % ...
     outlier_min_requests: int = 20  # ... of at least this many requests ...
@@ -155,11 +168,30 @@ class ProxyConfig:
             raise ValueError("--ejection-time must be > 0 and --max-ejection-time >= --ejection-time")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ValueError("--max-ejection-percent must be in [0, 100]")
+        for name in (self.routing, self.prefill_policy, self.decode_policy, self.encode_policy):
+            if name is not None and name not in POLICIES:
+                raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")
+        if self.balance_abs < 0 or self.balance_rel < 1:
+            raise ValueError("--balance-abs must be >= 0 and --balance-rel >= 1")
+        if self.scrape_interval < 0:
+            raise ValueError("--scrape-interval must be >= 0")
         for role in ROLES:
             urls = [s.url for s in getattr(self, role)]
             dup = {u for u in urls if urls.count(u) > 1}
             if dup:
                 raise ValueError(f"{role} instance listed twice: {', '.join(sorted(dup))}")
+
+    def policy_for(self, role: str) -> str:
+        """The routing policy of a role: its own flag, else ``--routing``, else its default
+        (decode without a prefill pool is PD: it prefills, so prefix affinity pays there)."""
+        own = getattr(self, f"{role}_policy")
+        if own:
+            return own
+        if self.routing:
+            return self.routing
+        if role == "decode" and not self.prefill:
+            return ROLE_POLICY_DEFAULTS["prefill"]
+        return ROLE_POLICY_DEFAULTS[role]
 
     def replace(self, **changes) -> "ProxyConfig":
         return dataclasses.replace(self, **changes)

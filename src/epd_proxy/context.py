@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .pool import Instance
+from .routing import EMPTY_VIEW, RequestView
 
 _JSON_HEADER = (b"content-type", b"application/json")
 
@@ -15,13 +16,14 @@ class RequestContext:
     (the least-loaded policy's signal) exact even when a request is cancelled.
     """
 
-    __slots__ = ("request_id", "path", "excluded", "timings", "_base_headers", "_held")
+    __slots__ = ("request_id", "path", "excluded", "timings", "view", "_base_headers", "_held")
 
     def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
         self.path = path
         self.excluded: set[Instance] = set()
         self.timings: dict[str, float] = {}
+        self.view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
         self._base_headers = base_headers
         self._held: list[Instance] = []
 

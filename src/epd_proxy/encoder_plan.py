@@ -1,15 +1,18 @@
-"""Which encoder gets which media item, and the encoder sub-request bodies.
+"""Encoder sub-requests: batching the items per encoder, and their bodies.
 
-Items are spread round-robin from a cursor shared by all requests (§3.1, §6):
-a per-request cursor would send every single-image request to E0 (#52484).
-Images that land on the same encoder then travel together, up to
-``max_batch`` per sub-request (§4.3); audio and video travel alone.
+Which encoder gets which item is the encode pool's routing policy's choice
+(``routing.py``); its ``round-robin`` is the reference's spread, a cursor
+shared by all requests (§3.1, §6: a per-request cursor would send every
+single-image request to E0, #52484), which :func:`assign_round_robin` and
+:class:`RoundRobinCursor` state on indices. Images that land on the same
+encoder then travel together, up to ``max_batch`` per sub-request (§4.3);
+audio and video travel alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from epd_proxy.blobs import is_text
 from epd_proxy.ids import hex_id
@@ -66,14 +69,15 @@ class RoundRobinCursor:
 
 @dataclass(slots=True)
 class SubRequest:
-    """One encoder call: an encoder index and the items it encodes, in order."""
+    """One encoder call: an encoder (an index, or the instance itself) and the items it
+    encodes, in order."""
 
-    encoder: int
+    encoder: Hashable
     items: list[MediaItem] = field(default_factory=list)
 
 
 def plan_sub_requests(
-    items: Sequence[MediaItem], encoders: Sequence[int], max_batch: int
+    items: Sequence[MediaItem], encoders: Sequence[Hashable], max_batch: int
 ) -> list[SubRequest]:
     """Group items into encoder sub-requests (§4.3).
 
@@ -94,7 +98,7 @@ def plan_sub_requests(
         raise ValueError("items and encoders must have the same length")
 
     subs: list[SubRequest] = []
-    open_image_group: dict[int, SubRequest] = {}
+    open_image_group: dict[Hashable, SubRequest] = {}
     for item, encoder in zip(items, encoders):
         if item.type != "image_url":
             subs.append(SubRequest(encoder, [item]))

@@ -27,6 +27,7 @@ from .metrics import ProxyMetrics
 from .multimodal import MediaItem, collect_media
 from .pool import Instance, InstancePool
 from .relay import relay_stream
+from .routing import request_view
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
 
 log = logging.getLogger("epd_proxy.pipeline")
@@ -83,6 +84,8 @@ class Pipeline:
         else:
             self.connector = DecodeOnly(None, decode_stage)
         self.retries = config.decode_retries
+        # The request's routing keys are computed only when a policy reads them.
+        self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._dp_counter = itertools.count()
         self._base_headers: list = []
@@ -101,6 +104,8 @@ class Pipeline:
             body = parse_body(req, path)
             items = collect_media(body) if path == CHAT else []
             ctx = RequestContext(rid, path, self._headers_for(req))
+            if self._keyed:
+                ctx.view = request_view(body, items, path == CHAT)
             leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
             ok = False
@@ -149,8 +154,8 @@ class Pipeline:
 
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """One attempt builds every handle anew from the untouched client body."""
-        d = self.decode.choose(ctx.excluded)
-        p = self.prefill.choose(ctx.excluded) if self.prefill else None
+        d = self.decode.choose(ctx.excluded, ctx.view)
+        p = self.prefill.choose(ctx.excluded, ctx.view) if self.prefill else None
         dp_headers, consumer_zmq = self._ec_consumer(d)
         if items and self.fanout is not None:
             body = await self.fanout.run(ctx, body, items, consumer_zmq)

@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Iterable, Protocol
+from typing import Iterable, Sequence
 
 from .config import InstanceSpec
 from .errors import ProxyError
 from .health import DRAINING, HALF_OPEN, HEALTHY, Ejection, Health, OutlierRules, OutlierSettings
 from .http.client import ConnectionPool, Timeouts, UpstreamError
+from .load_signals import LoadSignals
+from .routing import EMPTY_VIEW, RequestView, RoutingPolicy, make_policy
+from .routing import POLICIES, LeastLoaded, RoundRobin  # noqa: F401  (re-exported: they lived here)
 
 log = logging.getLogger("epd_proxy.pool")
 
@@ -35,7 +38,7 @@ PANIC_LOG_INTERVAL = 10.0
 class Instance:
     """One upstream vLLM instance: its connection pool and what we know of its state."""
 
-    __slots__ = ("spec", "url", "role", "http", "inflight", "health", "requests", "errors", "expiry")
+    __slots__ = ("spec", "url", "role", "http", "inflight", "health", "requests", "errors", "expiry", "signals")
 
     def __init__(self, spec: InstanceSpec, http: ConnectionPool) -> None:
         self.spec = spec
@@ -47,6 +50,7 @@ class Instance:
         self.requests = 0
         self.errors = 0  # every failure seen (by kind in health.errors)
         self.expiry: asyncio.TimerHandle | None = None  # the end of an ejection
+        self.signals = LoadSignals()  # its own load, from its /metrics (load_signals.py)
 
     @property
     def healthy(self) -> bool:
@@ -69,50 +73,10 @@ class Instance:
         return f"<Instance {self.role} {self.url} inflight={self.inflight} {self.health.state}>"
 
 
-class RoutingPolicy(Protocol):
-    """Picks one of the candidates (never empty)."""
-
-    def choose(self, candidates: list[Instance]) -> Instance: ...
-
-
-class RoundRobin:
-    """Strict rotation; the cursor persists across requests."""
-
-    def __init__(self) -> None:
-        self._cursor = 0
-
-    def choose(self, candidates: list[Instance]) -> Instance:
-        inst = candidates[self._cursor % len(candidates)]
-        self._cursor += 1
-        return inst
-
-
-class LeastLoaded:
-    """Fewest requests in flight from this proxy; ties rotate, so an idle
-    cluster still spreads requests evenly instead of piling on the first."""
-
-    def __init__(self) -> None:
-        self._cursor = 0
-
-    def choose(self, candidates: list[Instance]) -> Instance:
-        n = len(candidates)
-        start = self._cursor % n
-        best = candidates[start]
-        for i in range(1, n):
-            c = candidates[(start + i) % n]
-            if c.inflight < best.inflight:
-                best = c
-        self._cursor += 1
-        return best
-
-
-POLICIES = {"round-robin": RoundRobin, "least-loaded": LeastLoaded}
-
-
 class InstancePool:
     """All instances of one role."""
 
-    def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str = "least-loaded",
+    def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str | RoutingPolicy = "least-loaded",
                  keep_alive: float = 5.0, default_headers=None, fail_threshold: int = 3,
                  outlier: OutlierSettings | None = None) -> None:
         self.role = role
@@ -120,7 +84,7 @@ class InstancePool:
         idle = keep_alive / 2 if keep_alive > 0 else 0.0
         self.instances = [Instance(s, ConnectionPool(s.url, idle_timeout=idle, default_headers=default_headers))
                           for s in specs]
-        self.policy: RoutingPolicy = POLICIES[policy]()
+        self.policy: RoutingPolicy = make_policy(policy) if isinstance(policy, str) else policy
         # ``outlier`` carries every knob; ``fail_threshold`` alone is the short form.
         settings = outlier or OutlierSettings(fail_threshold=max(1, fail_threshold))
         self.rules = OutlierRules(settings)
@@ -144,15 +108,20 @@ class InstancePool:
         return bool(self.instances)
 
     # -- routing --------------------------------------------------------------------------
-    def choose(self, exclude: Iterable[Instance] = ()) -> Instance:
+    def choose(self, exclude: Iterable[Instance] = (), view: RequestView = EMPTY_VIEW) -> Instance:
         """An instance for one attempt, preferring ones not in ``exclude`` (those that
         already failed this request). Never fails for a configured role: with no
-        instance in rotation it routes over all of them (panic routing)."""
+        instance in rotation it routes over all of them (panic routing). The policy
+        picks among the candidates, seeing the request's ``view`` (routing.py)."""
         if self._half_open:
             trial = self._trial(exclude)
             if trial is not None:
                 return trial
-        return self.policy.choose(self.candidates(exclude))
+        return self.policy.choose(self.candidates(exclude), view)
+
+    def assign(self, items: Sequence, exclude: Iterable[Instance] = ()) -> list[Instance]:
+        """An instance per media item (encoders), chosen by the policy among the candidates."""
+        return self.policy.assign(self.candidates(exclude), items)
 
     def candidates(self, exclude: Iterable[Instance] = ()) -> list[Instance]:
         """The instances to route over: healthy ones not in ``exclude``; else a half-open

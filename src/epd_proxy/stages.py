@@ -21,8 +21,7 @@ import msgspec
 from .blobs import encode_json
 from .context import RequestContext
 from .ec_match import consumer_ec_params, match_encoder_output
-from .encoder_plan import (RoundRobinCursor, encoder_body, encoder_request_id, new_transfer_id,
-                           plan_sub_requests)
+from .encoder_plan import encoder_body, encoder_request_id, new_transfer_id, plan_sub_requests
 from .errors import ProxyError
 from .ids import hex_id
 from .http.client import Response, Timeouts, UpstreamError, UpstreamTimeout
@@ -158,10 +157,10 @@ class _EncoderReply(msgspec.Struct):
 class EncoderFanout:
     """Sends a request's media items to the encoders and rewrites the body for the consumer.
 
-    Items are assigned round-robin from a cursor that persists across requests
-    (so single-image requests rotate over every encoder), images on the same
-    encoder are batched, and every sub-request runs concurrently; the first
-    failure cancels the others.
+    Each item's encoder is the pool's policy's choice (``--encode-policy``:
+    affinity by the item's uuid, or the persistent round-robin cursor, ...),
+    images on the same encoder are batched, and every sub-request runs
+    concurrently; the first failure cancels the others.
     """
 
     def __init__(self, pool: InstancePool, *, max_batch: int, rewrite: bool, timeout: float,
@@ -169,22 +168,19 @@ class EncoderFanout:
         self.pool = pool
         self.max_batch = max_batch
         self.rewrite = rewrite
-        self.cursor = RoundRobinCursor()
         self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
 
     async def run(self, att: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
-        encoders = self.pool.candidates(att.excluded)
-        assigned = self.cursor.take(len(items), len(encoders))
-        subs = plan_sub_requests(items, assigned, self.max_batch)
+        subs = plan_sub_requests(items, self.pool.assign(items, att.excluded), self.max_batch)
         # Fresh transfer ids per item occurrence and per attempt (never reused on retry).
         tids = [[new_transfer_id() for _ in sub.items] for sub in subs]
         t0 = time.perf_counter()
         if len(subs) == 1:  # the common case: no task to schedule, one loop turn saved
-            outcomes = [await self._one(att, body, encoders[subs[0].encoder], subs[0], tids[0], consumer_zmq)]
+            outcomes = [await self._one(att, body, subs[0].encoder, subs[0], tids[0], consumer_zmq)]
         else:
             try:
                 async with asyncio.TaskGroup() as tg:
-                    tasks = [tg.create_task(self._one(att, body, encoders[sub.encoder], sub, t, consumer_zmq))
+                    tasks = [tg.create_task(self._one(att, body, sub.encoder, sub, t, consumer_zmq))
                              for sub, t in zip(subs, tids)]
             except* ProxyError as group:
                 raise _first(group) from None

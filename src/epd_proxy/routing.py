@@ -1,0 +1,456 @@
+"""Routing policies: which instance of a role serves a request (or a media item).
+
+The pool filters the candidates by health (healthy, half-open, panic rules);
+a policy only picks among them, from two kinds of input:
+
+* a small, pure view of the request (:class:`RequestView`), computed once per
+  request from the already-parsed body: the conversation *anchor* (a hash of
+  the prompt's beginning), the media items' uuids, and lazily the prompt's
+  size and its chained block hashes;
+* each candidate's load: this proxy's in-flight count, plus the instance's
+  own queue as last scraped from its ``/metrics`` (:class:`LoadSignals`, kept
+  fresh by ``load_signals.py`` in the background).
+
+``cache-aware`` routes by rendezvous (highest-random-weight) hashing of the
+anchor, or of an item's uuid for encoders: every proxy replica and every
+``--workers`` process computes the same order from the instance URLs alone,
+so they agree without a shared store, and an instance leaving moves only the
+keys that were its own. Load bounds it: an instance loaded past the balance
+thresholds relative to the least-loaded candidate is passed over, in
+rendezvous order.
+
+Pure: no I/O, no clock; the only state is rotation cursors and a random
+generator for ``power-of-two``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import zlib
+from array import array
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+from .encoder_plan import assign_round_robin
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; pool.py imports this module
+    from .multimodal import MediaItem
+    from .pool import Instance
+
+_M64 = (1 << 64) - 1
+
+# The anchor hashes at most this many characters of a chat's first turns and of a
+# completions prompt (token-id prompts: ids): enough to tell conversations apart,
+# bounded so a 100 KB first message costs no more than a short one.
+CHAT_ANCHOR_CHARS = 4096
+PROMPT_ANCHOR_CHARS = 1024
+PROMPT_ANCHOR_IDS = 256
+# Block hashes (the approximate prefix identity of the whole prompt): characters per
+# block, and at most this many blocks.
+BLOCK_CHARS = 1024
+MAX_BLOCKS = 64
+
+# Media part types whose item uuid stands for the part (the same set collect_media finds).
+_MEDIA = frozenset(("image_url", "audio_url", "input_audio", "video_url"))
+
+
+def mix64(x: int) -> int:
+    """A 64-bit avalanche (murmur3's finaliser): deterministic across processes,
+    unlike ``hash()`` of a ``str``."""
+    x &= _M64
+    x = ((x ^ (x >> 33)) * 0xFF51AFD7ED558CCD) & _M64
+    x = ((x ^ (x >> 33)) * 0xC4CEB9FE1A85EC53) & _M64
+    return x ^ (x >> 33)
+
+
+def key_of(text: str) -> int:
+    """The routing key of a string (an item uuid)."""
+    return mix64(zlib.crc32(text.encode("utf-8", "surrogatepass")) | (len(text) << 32))
+
+
+def instance_seed(url: str) -> int:
+    """An instance's rendezvous seed: from its URL only, so replicas configured with the
+    same URLs agree."""
+    return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "big")
+
+
+# --------------------------------------------------------------------------------------
+# The request's view
+
+class RequestView:
+    """What a policy may know of a request: its routing keys, nothing else.
+
+    ``anchor``: 0 when the request has none (then cache-aware falls back to load).
+    ``items``: the media items' uuids, in the request's global order.
+    ``size`` and ``blocks()`` are computed on first use only.
+    """
+
+    __slots__ = ("anchor", "items", "_body", "_chat", "_size", "_blocks")
+
+    def __init__(self, anchor: int, items: Sequence[str] = (), body: dict | None = None,
+                 chat: bool = True) -> None:
+        self.anchor = anchor
+        self.items = items
+        self._body = body
+        self._chat = chat
+        self._size: int | None = None
+        self._blocks: list[int] | None = None
+
+    @property
+    def size(self) -> int:
+        """The prompt's size in characters (media count as their uuid's length)."""
+        if self._size is None:
+            self._size = sum(len(p) for p in _pieces(self._body, self._chat)) if self._body else 0
+        return self._size
+
+    def blocks(self) -> list[int]:
+        """Chained hashes of the canonical prompt's ``BLOCK_CHARS``-character blocks (the last,
+        partial one included), at most ``MAX_BLOCKS``: two prompts share the first n hashes
+        exactly when their first n blocks agree."""
+        if self._blocks is None:
+            self._blocks = _block_hashes(_pieces(self._body, self._chat)) if self._body else []
+        return self._blocks
+
+
+EMPTY_VIEW = RequestView(0)
+
+
+def request_view(body: dict, items: Sequence[MediaItem], chat: bool) -> RequestView:
+    """The view of a parsed request (chat: after ``collect_media`` validated it)."""
+    uuids = [it.uuid for it in items]
+    anchor = _chat_anchor(body.get("messages"), uuids) if chat else _prompt_anchor(body.get("prompt"))
+    return RequestView(anchor, uuids, body, chat)
+
+
+def _chat_anchor(messages, uuids: list[str]) -> int:
+    """The messages up to and including the first user turn (system prompt and the
+    conversation's opening), at most ``CHAT_ANCHOR_CHARS`` characters of content: the same
+    for every turn of one conversation, different between conversations."""
+    if not isinstance(messages, list):
+        return 0
+    crc = 0
+    budget = CHAT_ANCHOR_CHARS
+    media = 0
+    for msg in messages:
+        if not isinstance(msg, dict):
+            return 0
+        role = msg.get("role")
+        crc = zlib.crc32(b"\x00" + (role.encode() if isinstance(role, str) else b"?"), crc)
+        content = msg.get("content")
+        if isinstance(content, str):
+            if budget > 0:
+                piece = content[:budget]
+                budget -= len(piece)
+                crc = zlib.crc32(piece.encode("utf-8", "surrogatepass"), crc)
+        elif isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    text = part.get("text")
+                    if isinstance(text, str) and budget > 0:
+                        piece = text[:budget]
+                        budget -= len(piece)
+                        crc = zlib.crc32(piece.encode("utf-8", "surrogatepass"), crc)
+                elif kind in _MEDIA:
+                    if media < len(uuids):
+                        crc = zlib.crc32(uuids[media].encode(), crc)
+                    media += 1
+                elif isinstance(kind, str):
+                    uuid = part.get("uuid")
+                    crc = zlib.crc32((uuid if isinstance(uuid, str) else kind).encode(), crc)
+        if role == "user":
+            break
+    return mix64(crc | (1 << 32))
+
+
+def _prompt_anchor(prompt) -> int:
+    """A completions prompt's first ``PROMPT_ANCHOR_CHARS`` characters (or
+    ``PROMPT_ANCHOR_IDS`` token ids); a batch is anchored by its first prompt."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return mix64(zlib.crc32(prompt[:PROMPT_ANCHOR_CHARS].encode("utf-8", "surrogatepass")) | (2 << 32))
+    if isinstance(prompt, list) and prompt:
+        try:
+            raw = array("q", prompt[:PROMPT_ANCHOR_IDS]).tobytes()
+        except (TypeError, OverflowError):
+            return 0
+        return mix64(zlib.crc32(raw) | (3 << 32))
+    return 0
+
+
+def _pieces(body: dict, chat: bool) -> list[str]:
+    """The canonical prompt as text pieces (media by uuid), for size and block hashes."""
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list):
+            return [",".join(map(str, prompt))]
+        return []
+    out: list[str] = []
+    for msg in body.get("messages") or ():
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        out.append(f"\x00{role}\x00")
+        content = msg.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict):
+                    continue
+                kind = part.get("type")
+                if kind == "text" and isinstance(part.get("text"), str):
+                    out.append(part["text"])
+                elif isinstance(part.get("uuid"), str):
+                    out.append(part["uuid"])
+                elif isinstance(kind, str):
+                    out.append(f"\x00{kind}\x00")
+    return out
+
+
+def _block_hashes(pieces: list[str]) -> list[int]:
+    out: list[int] = []
+    crc = 0
+    fill = 0  # characters in the current block so far
+    for piece in pieces:
+        pos = 0
+        while pos < len(piece) and len(out) < MAX_BLOCKS:
+            take = min(BLOCK_CHARS - fill, len(piece) - pos)
+            crc = zlib.crc32(piece[pos:pos + take].encode("utf-8", "surrogatepass"), crc)
+            pos += take
+            fill += take
+            if fill == BLOCK_CHARS:
+                out.append(crc)
+                fill = 0
+    if fill and len(out) < MAX_BLOCKS:
+        out.append(crc)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Load
+
+def load_of(inst: Instance) -> float:
+    """Requests on the instance: this proxy's, plus others' as last scraped."""
+    return inst.inflight + inst.signals.others
+
+
+# A full KV cache weighs as much as this many queued requests in the load-aware score.
+KV_USAGE_WEIGHT = 8.0
+
+
+def score_of(inst: Instance) -> float:
+    """The load-aware score (lower is better): load, plus a penalty for a full KV cache
+    (a decode near its limit would preempt the next long stream)."""
+    s = inst.signals
+    return inst.inflight + s.others + KV_USAGE_WEIGHT * s.kv_usage
+
+
+# --------------------------------------------------------------------------------------
+# Policies
+
+class RoutingPolicy(Protocol):
+    """Picks among candidates (never empty) already filtered by health."""
+
+    # Whether the pipeline must compute the request's view / the pool scrape load signals.
+    uses_view: bool
+    uses_signals: bool
+
+    def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
+        """The instance for the request (prefill, decode, PD)."""
+        ...
+
+    def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
+        """An instance per media item (encoders), in the items' order."""
+        ...
+
+
+class RoundRobin:
+    """Strict rotation; the cursor persists across requests (for encoders: per item, which is
+    the reference proxy's spread, #52484)."""
+
+    uses_view = False
+    uses_signals = False
+
+    def __init__(self) -> None:
+        self._cursor = 0
+
+    def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
+        inst = candidates[self._cursor % len(candidates)]
+        self._cursor += 1
+        return inst
+
+    def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
+        indices, self._cursor = assign_round_robin(self._cursor, len(candidates), len(items))
+        return [candidates[i] for i in indices]
+
+
+class _Scored:
+    """Lowest score wins; ties rotate, so an idle cluster still spreads requests evenly
+    instead of piling on the first. Items of one request count against each other."""
+
+    uses_view = False
+    uses_signals = False
+
+    def __init__(self) -> None:
+        self._cursor = 0
+
+    @staticmethod
+    def score(inst: Instance) -> float:
+        return inst.inflight
+
+    def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
+        n = len(candidates)
+        start = self._cursor % n
+        self._cursor += 1
+        score = self.score
+        best = candidates[start]
+        low = score(best)
+        for i in range(1, n):
+            c = candidates[(start + i) % n]
+            s = score(c)
+            if s < low:
+                best, low = c, s
+        return best
+
+    def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
+        n = len(candidates)
+        scores = [self.score(c) for c in candidates]
+        out = []
+        for _ in items:
+            start = self._cursor % n
+            self._cursor += 1
+            best = start
+            for i in range(1, n):
+                j = (start + i) % n
+                if scores[j] < scores[best]:
+                    best = j
+            scores[best] += 1
+            out.append(candidates[best])
+        return out
+
+
+class LeastLoaded(_Scored):
+    """Fewest requests in flight from this proxy."""
+
+
+class LoadAware(_Scored):
+    """This proxy's in-flight count plus the instance's scraped queue and KV-cache usage."""
+
+    uses_signals = True
+    score = staticmethod(score_of)
+
+
+class PowerOfTwo:
+    """Two candidates at random, the lower load-aware score wins: spreads like least-loaded
+    without every replica herding onto the one instance that looked idle at the last scrape."""
+
+    uses_view = False
+    uses_signals = True
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._random = random.Random(seed).random
+
+    def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
+        n = len(candidates)
+        if n == 1:
+            return candidates[0]
+        r = self._random
+        i = int(r() * n)
+        j = int(r() * (n - 1))
+        if j >= i:
+            j += 1
+        a, b = candidates[i], candidates[j]
+        return b if score_of(b) < score_of(a) else a
+
+    def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
+        return [self.choose(candidates) for _ in items]
+
+
+class CacheAware:
+    """Rendezvous affinity bounded by load.
+
+    The preferred instance for a key is the candidate with the highest ``mix64(key ^
+    seed(url))``; it is passed over, in rendezvous order, while its load exceeds both
+    ``min_load + balance_abs`` and ``min_load * balance_rel`` (``min_load`` that of the
+    least-loaded candidate): a hot prefix spills to its second instance, and so on. The
+    least-loaded candidate always qualifies, so a pick always exists. A request without an
+    anchor goes to the load-aware choice.
+    """
+
+    uses_view = True
+    uses_signals = True
+
+    def __init__(self, balance_abs: float = 4, balance_rel: float = 1.5) -> None:
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self._seeds: dict[str, int] = {}
+        self._fallback = LoadAware()
+
+    def seed(self, inst: Instance) -> int:
+        seed = self._seeds.get(inst.url)
+        if seed is None:
+            seed = self._seeds[inst.url] = instance_seed(inst.url)
+        return seed
+
+    def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
+        key = view.anchor
+        if not key:
+            return self._fallback.choose(candidates)
+        if len(candidates) == 1:
+            return candidates[0]
+        return candidates[self._pick(candidates, key, [load_of(c) for c in candidates])]
+
+    def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
+        if len(candidates) == 1:
+            return [candidates[0]] * len(items)
+        loads = [load_of(c) for c in candidates]
+        out = []
+        for item in items:
+            i = self._pick(candidates, key_of(item.uuid), loads)
+            loads[i] += 1  # the request's own items count against each other
+            out.append(candidates[i])
+        return out
+
+    def _pick(self, candidates: list[Instance], key: int, loads: list[float]) -> int:
+        low = min(loads)
+        bound = max(low + self.balance_abs, low * self.balance_rel)
+        best = -1
+        top = -1
+        seed = self.seed
+        for i, c in enumerate(candidates):
+            if loads[i] <= bound:
+                s = mix64(key ^ seed(c))
+                if s > top:
+                    best, top = i, s
+        return best
+
+
+def rendezvous_order(urls: Sequence[str], key: int) -> list[str]:
+    """The URLs in rendezvous order for ``key`` (what ``cache-aware`` tries first to last
+    when every instance is within the load bound)."""
+    return sorted(urls, key=lambda u: mix64(key ^ instance_seed(u)), reverse=True)
+
+
+POLICIES = {
+    "round-robin": RoundRobin,
+    "least-loaded": LeastLoaded,
+    "load-aware": LoadAware,
+    "power-of-two": PowerOfTwo,
+    "cache-aware": CacheAware,
+}
+
+
+def make_policy(name: str, *, balance_abs: float = 4, balance_rel: float = 1.5) -> RoutingPolicy:
+    """A policy by its name (``POLICIES``); ValueError names the known ones."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")
+    if cls is CacheAware:
+        return CacheAware(balance_abs, balance_rel)
+    return cls()
