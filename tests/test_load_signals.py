@@ -1,0 +1,88 @@
+"""Load signals: parsing vLLM's /metrics, and the background scrape against simulated instances."""
+
+import asyncio
+
+import msgspec
+from helpers import chat_body, stack, wait_for
+
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.client import Timeouts as ClientTimeouts
+from epd_proxy.load_signals import gauge_samples, parse_load
+from epd_proxy.sim import SimConfig
+
+VLLM_TEXT = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-0.6B"} 3.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-0.6B"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-0.6B"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen3-0.6B"} NaN
+vllm:num_requests_waiting_by_reason{engine="0",model_name="Qwen/Qwen3-0.6B",reason="capacity"} 99.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-0.6B"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.25
+"""
+
+
+def test_parse_sums_queues_over_engines_and_averages_kv_usage():
+    assert parse_load(VLLM_TEXT) == (5.0, 4.0, 0.375)
+
+
+def test_parse_ignores_comments_longer_names_and_bad_values():
+    assert gauge_samples(VLLM_TEXT, b"vllm:num_requests_waiting") == [4.0]
+    assert gauge_samples(b"vllm:num_requests_running 7\n", b"vllm:num_requests_running") == [7.0]
+    assert gauge_samples(b"vllm:num_requests_running{a=\"} x\"} oops\n", b"vllm:num_requests_running") == []
+    assert parse_load(b"# nothing here\nother_metric 1\n") is None
+    assert parse_load(b"") is None
+
+
+async def test_the_scrape_reads_each_instances_own_queue():
+    """A decode busy with requests that did not come through this proxy is seen as busy, and
+    load-aware routing sends this proxy's requests to the idle one."""
+    sim = SimConfig(itl_ms=20, ttft_ms=0.5)
+    async with stack(prefill=0, decode=0, pd=2, sim=sim, decode_policy="load-aware",
+                     scrape_interval=0.05) as (cluster, proxy, client):
+        busy, idle = cluster.instances("pd")
+        pools = proxy.app.pools["decode"]
+        inst_busy = pools.find(busy.url)
+        direct = ConnectionPool(busy.url)
+        t = ClientTimeouts(connect=5, headers=5, idle=5)
+
+        async def occupy():
+            resp = await direct.request("POST", "/v1/chat/completions", body=msgspec.json.encode(
+                chat_body(max_tokens=40, stream=True)), headers=[(b"content-type", b"application/json")],
+                timeouts=t)
+            try:
+                await resp.read()
+            finally:
+                resp.close()
+
+        tasks = [asyncio.create_task(occupy()) for _ in range(3)]
+        try:
+            await wait_for(lambda: inst_busy.signals.others >= 3, timeout=3)
+            before = len(idle.generation_records())
+            for k in range(4):
+                assert (await client.chat(chat_body(f"question {k}"))).status == 200
+            assert len(idle.generation_records()) - before == 4
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await direct.close()
+        scraper = proxy.app.scrapers[0]
+        assert scraper.scrapes > 0 and scraper.failures == 0
+
+
+async def test_a_failed_scrape_forgets_the_signals_and_ejects_nothing():
+    async with stack(prefill=0, decode=0, pd=2, decode_policy="load-aware",
+                     scrape_interval=0.05) as (cluster, proxy, client):
+        pool = proxy.app.pools["decode"]
+        victim = pool.find(cluster.instances("pd")[0].url)
+        await wait_for(lambda: victim.signals.scraped_at is not None, timeout=3)
+        await cluster.instances("pd")[0].crash()
+        try:
+            await wait_for(lambda: victim.signals.scraped_at is None, timeout=3)
+            assert victim.healthy and victim.failures == 0  # not a health signal
+        finally:
+            await cluster.instances("pd")[0].restart()

@@ -1,0 +1,276 @@
+"""The routing policies and the request's routing keys, as pure units."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import epd_proxy
+from epd_proxy.blobs import Blob, decode_chat_body
+from epd_proxy.load_signals import LoadSignals
+from epd_proxy.multimodal import collect_media
+from epd_proxy.routing import (EMPTY_VIEW, CacheAware, LeastLoaded, LoadAware, PowerOfTwo, RoundRobin,
+                               key_of, make_policy, rendezvous_order, request_view)
+
+
+class Inst:
+    """What a policy reads of an instance."""
+
+    def __init__(self, url, inflight=0):
+        self.url = url
+        self.inflight = inflight
+        self.signals = LoadSignals()
+
+    def __repr__(self):
+        return self.url
+
+
+def insts(n):
+    return [Inst(f"http://10.0.0.{i}:8000") for i in range(n)]
+
+
+class Keyed:
+    def __init__(self, anchor):
+        self.anchor = anchor
+
+
+class Item:
+    def __init__(self, uuid):
+        self.uuid = uuid
+
+
+def chat(*turns, system="You are a helpful assistant who answers briefly."):
+    """A conversation: user, assistant, user, ... texts."""
+    msgs = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"model": "m", "messages": msgs}
+
+
+def view_of(body, chat_path=True):
+    items = collect_media(body) if chat_path else []
+    return request_view(body, items, chat_path)
+
+
+# -- rendezvous: stability and agreement ----------------------------------------------------------
+
+def test_an_instance_leaving_moves_only_its_own_keys():
+    pool = insts(5)
+    policy = CacheAware()
+    keys = [key_of(f"conversation-{k}") for k in range(2000)]
+    before = {k: policy.choose(pool, Keyed(k)) for k in keys}
+    gone = pool[2]
+    rest = [i for i in pool if i is not gone]
+    after = {k: policy.choose(rest, Keyed(k)) for k in keys}
+    moved = [k for k in keys if before[k] is not after[k]]
+    assert moved and all(before[k] is gone for k in moved)  # only the leaver's keys move ...
+    assert sum(before[k] is gone for k in keys) == len(moved)  # ... all of them ...
+    assert len({after[k] for k in moved}) == 4  # ... spread over the others, not piled on one
+    # and it coming back takes exactly its keys back
+    assert {k: policy.choose(pool, Keyed(k)) for k in keys} == before
+
+
+def test_an_instance_joining_takes_keys_only_for_itself():
+    pool = insts(4)
+    policy = CacheAware()
+    keys = [key_of(f"c{k}") for k in range(1000)]
+    before = {k: policy.choose(pool, Keyed(k)) for k in keys}
+    new = Inst("http://10.0.0.9:8000")
+    after = {k: policy.choose(pool + [new], Keyed(k)) for k in keys}
+    moved = [k for k in keys if before[k] is not after[k]]
+    assert moved and all(after[k] is new for k in moved)
+    assert 100 < len(moved) < 300  # about a fifth
+
+
+def test_the_order_of_the_candidates_does_not_matter():
+    pool = insts(4)
+    policy = CacheAware()
+    for k in range(200):
+        key = key_of(str(k))
+        assert policy.choose(pool, Keyed(key)) is policy.choose(pool[::-1], Keyed(key))
+        assert policy.choose(pool, Keyed(key)).url == rendezvous_order([i.url for i in pool], key)[0]
+
+
+def test_separate_processes_agree_whatever_their_hash_seed():
+    """Replicas and --workers share nothing: the pick is a function of the URLs and the body."""
+    body = chat("Tell me about the moon.", "It is far.", "How far?")
+    urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
+    code = ("import sys, msgspec; from epd_proxy.routing import request_view, rendezvous_order;"
+            "b = msgspec.json.decode(sys.argv[1]); v = request_view(b, [], True);"
+            "print(rendezvous_order(sys.argv[2:], v.anchor)[0], v.anchor)")
+    src = str(Path(epd_proxy.__file__).resolve().parents[1])
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=src)
+        out = subprocess.run([sys.executable, "-c", code, msgspec.json.encode(body).decode(), *urls], env=env,
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+        outs.add(out.strip())
+    here = view_of(body).anchor
+    assert outs == {f"{rendezvous_order(urls, here)[0]} {here}"}
+
+
+# -- the load bound --------------------------------------------------------------------------------
+
+def test_a_loaded_preferred_instance_is_passed_over_in_rendezvous_order():
+    pool = insts(4)
+    policy = CacheAware(balance_abs=2, balance_rel=1.5)
+    key = key_of("hot")
+    order = rendezvous_order([i.url for i in pool], key)
+    by_url = {i.url: i for i in pool}
+    first, second = by_url[order[0]], by_url[order[1]]
+    assert policy.choose(pool, Keyed(key)) is first
+    first.inflight = 2  # within min 0 + 2
+    assert policy.choose(pool, Keyed(key)) is first
+    first.inflight = 3  # beyond it: the next in rendezvous order
+    assert policy.choose(pool, Keyed(key)) is second
+    second.inflight = 3
+    assert policy.choose(pool, Keyed(key)).url == order[2]
+    for i in pool:  # everyone busy alike: back to the first
+        i.inflight = 10
+    assert policy.choose(pool, Keyed(key)) is first
+    first.inflight = 14  # 10 + 2 < 14 but 14 <= 10 x 1.5: still within the relative bound
+    assert policy.choose(pool, Keyed(key)) is first
+    first.inflight = 16
+    assert policy.choose(pool, Keyed(key)) is second
+
+
+def test_scraped_load_counts_in_the_bound():
+    pool = insts(2)
+    policy = CacheAware(balance_abs=1, balance_rel=1.0)
+    key = key_of("k")
+    first = next(i for i in pool if i.url == rendezvous_order([p.url for p in pool], key)[0])
+    first.signals.update(running=5, waiting=3, kv_usage=0.2, own_inflight=0, now=0.0)
+    assert policy.choose(pool, Keyed(key)) is not first
+    first.signals.forget()
+    assert policy.choose(pool, Keyed(key)) is first
+
+
+def test_no_anchor_falls_back_to_load():
+    pool = insts(3)
+    pool[0].inflight = pool[1].inflight = 2
+    assert CacheAware().choose(pool, EMPTY_VIEW) is pool[2]
+
+
+# -- encoders: per item --------------------------------------------------------------------------
+
+def test_the_same_item_goes_to_the_same_encoder_and_a_request_spreads_its_items():
+    pool = insts(3)
+    policy = CacheAware()
+    a = [policy.assign(pool, [Item("img-a")])[0] for _ in range(5)]
+    assert len(set(a)) == 1
+    many = policy.assign(pool, [Item(f"img-{k}") for k in range(30)])
+    assert len(set(many)) == 3
+    # a hot item spills once its encoder is loaded past the bound (items of one request count too)
+    assert len(set(policy.assign(pool, [Item("img-a")] * 12))) > 1
+
+
+def test_round_robin_assign_is_the_reference_cursor():
+    pool = insts(3)
+    rr = RoundRobin()
+    got = [rr.assign(pool, [Item("x")] * n) for n in (1, 2, 4)]
+    assert got == [[pool[0]], [pool[1], pool[2]], [pool[0], pool[1], pool[2], pool[0]]]
+
+
+def test_least_loaded_assign_counts_the_requests_own_items():
+    pool = insts(3)
+    pool[0].inflight = 1
+    got = LeastLoaded().assign(pool, [Item("x")] * 5)
+    assert sorted(got.count(i) for i in pool) == [1, 2, 2] and got.count(pool[0]) == 1
+
+
+# -- load-aware ----------------------------------------------------------------------------------------
+
+def test_load_aware_reads_the_scraped_queue_and_kv_usage():
+    pool = insts(3)
+    policy = LoadAware()
+    pool[0].signals.update(running=4, waiting=2, kv_usage=0.1, own_inflight=0, now=0.0)
+    pool[1].signals.update(running=0, waiting=0, kv_usage=0.95, own_inflight=0, now=0.0)
+    assert {policy.choose(pool) for _ in range(3)} == {pool[2]}
+    pool[2].inflight = 7  # scores: 4 + 2 + 0.1 x 8 = 6.8; 0.95 x 8 = 7.6; 7
+    assert policy.choose(pool) is pool[0]
+
+
+def test_the_scraped_queue_excludes_this_proxys_own_requests():
+    s = LoadSignals()
+    s.update(running=3, waiting=1, kv_usage=0.0, own_inflight=3, now=0.0)
+    assert s.others == 1
+    s.update(running=1, waiting=0, kv_usage=0.0, own_inflight=3, now=1.0)
+    assert s.others == 0  # never negative (scrape and counts are not simultaneous)
+
+
+def test_power_of_two_takes_the_lower_of_two():
+    pool = insts(2)
+    pool[0].inflight = 3
+    policy = PowerOfTwo(seed=7)
+    assert {policy.choose(pool) for _ in range(20)} == {pool[1]}
+    three = insts(3)
+    three[1].inflight = 9
+    picks = [policy.choose(three) for _ in range(200)]
+    assert set(picks) == {three[0], three[2]}  # the busiest always meets a less busy one
+
+
+def test_make_policy_knows_every_name():
+    for name in ("round-robin", "least-loaded", "load-aware", "power-of-two", "cache-aware"):
+        assert make_policy(name).choose(insts(2)) is not None
+    with pytest.raises(ValueError, match="known: round-robin"):
+        make_policy("random")
+
+
+# -- the request's keys -------------------------------------------------------------------------------
+
+def test_every_turn_of_a_conversation_has_its_anchor():
+    t1 = view_of(chat("What is the tallest mountain?"))
+    t2 = view_of(chat("What is the tallest mountain?", "Everest.", "And the second?"))
+    t3 = view_of(chat("What is the tallest mountain?", "Everest.", "And the second?", "K2.", "Third?"))
+    assert t1.anchor == t2.anchor == t3.anchor != 0
+    other = view_of(chat("What is the longest river?", "Everest.", "And the second?"))
+    assert other.anchor != t1.anchor
+    system = view_of(chat("What is the tallest mountain?", system="You are a pirate."))
+    assert system.anchor != t1.anchor
+
+
+def test_the_anchor_reads_parts_and_media_by_uuid():
+    def body(url, text="Describe this"):
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                          {"type": "image_url", "image_url": {"url": url}}]}]}
+    a, a2, b = view_of(body("https://x/a.png")), view_of(body("https://x/a.png")), view_of(body("https://x/b.png"))
+    assert a.anchor == a2.anchor != b.anchor
+    assert a.items == [collect_media(body("https://x/a.png"))[0].uuid]
+    assert view_of(body("https://x/a.png", "Other")).anchor != a.anchor
+
+
+def test_a_large_inline_image_is_keyed_by_its_uuid_without_its_bytes():
+    data = "data:image/png;base64," + "QUJD" * 4096
+    raw = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": data}}]}]})
+    body = decode_chat_body(raw)
+    assert isinstance(body["messages"][0]["content"][1]["image_url"]["url"], Blob)
+    view = view_of(body)
+    plain = view_of(msgspec.json.decode(raw))
+    assert view.anchor == plain.anchor != 0 and view.items == plain.items
+
+
+def test_completions_anchor_on_the_prompts_beginning():
+    base = "word " * 300  # 1500 characters: past the anchor's 1 KiB
+    a = view_of({"prompt": base + "first question"}, chat_path=False)
+    b = view_of({"prompt": base + "a different continuation"}, chat_path=False)
+    assert a.anchor == b.anchor != 0
+    assert view_of({"prompt": "short one"}, False).anchor != view_of({"prompt": "short two"}, False).anchor
+    ids = view_of({"prompt": list(range(300))}, False)
+    assert ids.anchor == view_of({"prompt": list(range(256)) + [7] * 50}, False).anchor != 0
+    assert view_of({"prompt": [[1, 2, 3]]}, False).anchor == view_of({"prompt": [1, 2, 3]}, False).anchor
+    assert view_of({"prompt": [1 << 70]}, False).anchor == 0  # not token ids: no anchor, no error
+    assert view_of({"prompt": "x"}, False).items == []
+
+
+def test_block_hashes_share_exactly_the_common_prefix():
+    long = "lorem ipsum " * 400  # about 4.7 KiB
+    t1 = view_of(chat(long + "first"))
+    t2 = view_of(chat(long + "first", "an answer", "next"))
+    b1, b2 = t1.blocks(), t2.blocks()
+    assert len(b1) >= 4 and b1[:4] == b2[:4] and b1[-1] != b2[len(b1) - 1]
+    assert t1.size < t2.size
+    assert EMPTY_VIEW.blocks() == [] and EMPTY_VIEW.size == 0

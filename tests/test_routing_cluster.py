@@ -1,0 +1,153 @@
+"""Routing over real sockets, in front of a simulated cluster with prefix and encoder caches:
+conversations stay where their prefix is cached, replicas agree, hot prefixes spill, images go
+where they were encoded."""
+
+import asyncio
+
+from helpers import Client, chat_body, stack
+
+from epd_proxy import ProxyConfig, start_proxy
+from epd_proxy.load_signals import gauge_samples
+from epd_proxy.serve import config_for_cluster
+from epd_proxy.sim import SimCluster, SimConfig
+
+SYSTEM = ("You are a careful assistant for a travel agency. Answer in short sentences, name places "
+          "precisely, give distances in kilometres and never invent prices or opening hours.")
+
+
+def turn_text(conv: int, turn: int) -> str:
+    return f"Conversation {conv} turn {turn}: " + " ".join(f"w{conv}x{turn}x{k}" for k in range(24))
+
+
+class Conversation:
+    """A chat whose every next prompt holds the previous answers."""
+
+    def __init__(self, conv: int, images=()) -> None:
+        self.conv = conv
+        self.images = list(images)
+        self.messages = [{"role": "system", "content": SYSTEM}]
+        self.turns = 0
+
+    def next_body(self) -> dict:
+        text = turn_text(self.conv, self.turns)
+        if self.images and self.turns == 0:
+            content = [{"type": "text", "text": text}] + [
+                {"type": "image_url", "image_url": {"url": u}} for u in self.images]
+        else:
+            content = text
+        return {"model": "sim-model", "messages": self.messages + [{"role": "user", "content": content}],
+                "max_tokens": 8}
+
+    async def say(self, client: Client) -> None:
+        body = self.next_body()
+        reply = await client.chat(body)
+        assert reply.status == 200, reply.body
+        self.messages = body["messages"] + [{"role": "assistant", "content": reply.text()}]
+        self.turns += 1
+
+
+async def metric(url: str, name: bytes) -> float:
+    client = Client(url)
+    try:
+        return sum(gauge_samples((await client.request("GET", "/metrics")).body, name))
+    finally:
+        await client.close()
+
+
+def served_by(cluster, role: str, conv: int) -> set[str]:
+    """The instances of ``role`` that computed a turn of conversation ``conv``."""
+    marker = f"Conversation {conv} turn"
+    return {inst.name for inst in cluster.instances(role) for r in inst.generation_records()
+            if marker in str(r.json.get("messages", ""))}
+
+
+async def test_a_conversations_turns_stay_on_one_prefill_whose_prefix_cache_hits_grow():
+    async with stack(prefill=3, decode=2) as (cluster, proxy, client):
+        hits = []
+        conv = Conversation(1)
+        for _ in range(4):
+            await conv.say(client)
+            hits.append(sum([await metric(i.url, b"vllm:prefix_cache_hits_total")
+                             for i in cluster.instances("prefill")]))
+        assert len(served_by(cluster, "prefill", 1)) == 1
+        assert hits[0] == 0 and hits[1] < hits[2] < hits[3]  # each turn reuses the conversation so far
+        others = [Conversation(c) for c in range(2, 14)]
+        for c in others:
+            await c.say(client)
+        # distinct conversations spread (12 conversations over 3 instances)
+        assert len(set().union(*(served_by(cluster, "prefill", c.conv) for c in others))) >= 2
+
+
+async def test_two_proxies_send_one_conversation_to_the_same_instance():
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5)
+    async with SimCluster(prefill=3, decode=2, config=sim) as cluster:
+        cfg = config_for_cluster(cluster, ProxyConfig(probe_interval=0, scrape_interval=0))
+        async with await start_proxy(cfg) as a, await start_proxy(cfg) as b:
+            clients = [Client(a.url), Client(b.url)]
+            try:
+                convs = [Conversation(c) for c in range(1, 6)]
+                for turn in range(4):
+                    for k, conv in enumerate(convs):
+                        await conv.say(clients[(turn + k) % 2])  # turns alternate between the proxies
+            finally:
+                for c in clients:
+                    await c.close()
+        for conv in convs:
+            assert len(served_by(cluster, "prefill", conv.conv)) == 1, conv.conv
+
+
+async def test_a_hot_prefix_spills_over_once_the_load_bound_is_passed():
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, roles={"prefill": {"ttft_ms": 150}})
+    async with stack(prefill=3, decode=1, sim=sim, balance_abs=1, balance_rel=1.0) as (cluster, proxy, client):
+        hot = Conversation(7)
+        await hot.say(client)
+        home = served_by(cluster, "prefill", 7)
+        assert len(home) == 1
+        clients = [Client(proxy.url) for _ in range(6)]
+        try:
+            body = hot.next_body()
+            replies = await asyncio.gather(*(c.chat(body) for c in clients))
+        finally:
+            for c in clients:
+                await c.close()
+        assert all(r.status == 200 for r in replies)
+        spread = served_by(cluster, "prefill", 7)
+        assert home < spread and len(spread) == 3  # beyond the bound: the next in rendezvous order
+        home_inst = next(i for i in cluster.instances("prefill") if i.name in home)
+        assert len(home_inst.generation_records()) >= 3  # ... while the home keeps its share
+
+
+async def test_the_same_image_goes_to_the_same_encoder_whose_cache_hits_grow():
+    async with stack(encode=3, prefill=1, decode=1) as (cluster, proxy, client):
+        for k in range(6):
+            reply = await client.chat(chat_body(f"Question {k} about the picture",
+                                                images=["https://example.com/cat.png"]))
+            assert reply.status == 200, reply.body
+        used = [i for i in cluster.instances("encode") if i.generation_records()]
+        assert len(used) == 1
+        assert await metric(used[0].url, b"sim:encoder_cache_hits_total") == 5
+        for k in range(12):  # other images spread
+            assert (await client.chat(chat_body("What is it?", images=[f"https://example.com/{k}.png"]))).status == 200
+        assert all(i.generation_records() for i in cluster.instances("encode"))
+
+
+async def test_pd_without_prefill_keeps_a_conversation_on_one_instance():
+    async with stack(prefill=0, decode=0, pd=3) as (cluster, proxy, client):
+        conv = Conversation(3)
+        for _ in range(3):
+            await conv.say(client)
+        assert len(served_by(cluster, "pd", 3)) == 1
+        assert proxy.app.pools["decode"].policy.__class__.__name__ == "CacheAware"
+
+
+async def test_one_instance_per_role():
+    async with stack(encode=1, prefill=1, decode=1) as (cluster, proxy, client):
+        conv = Conversation(4, images=["https://example.com/dog.png"])
+        for _ in range(3):
+            await conv.say(client)
+        (p,) = cluster.instances("prefill")
+        assert await metric(p.url, b"vllm:prefix_cache_hits_total") > 0
+        again = await client.chat(chat_body("Another look", images=["https://example.com/dog.png"]))
+        assert again.status == 200
+        # turns 2 and 3 carried the image again, then one more request: three hits
+        assert await metric(cluster.instances("encode")[0].url, b"sim:encoder_cache_hits_total") == 3
