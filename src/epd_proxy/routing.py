@@ -392,10 +392,10 @@ class CacheAware:
         self._seeds: dict[str, int] = {}
         self._fallback = LoadAware()
 
-    def seed(self, inst: Instance) -> int:
-        seed = self._seeds.get(inst.url)
+    def seed(self, url: str) -> int:
+        seed = self._seeds.get(url)
         if seed is None:
-            seed = self._seeds[inst.url] = instance_seed(inst.url)
+            seed = self._seeds[url] = instance_seed(url)
         return seed
 
     def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
@@ -404,12 +404,12 @@ class CacheAware:
             return self._fallback.choose(candidates)
         if len(candidates) == 1:
             return candidates[0]
-        return candidates[self._pick(candidates, key, [load_of(c) for c in candidates])]
+        return candidates[self._pick(candidates, key, [c.inflight + c.signals.others for c in candidates])]
 
     def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
         if len(candidates) == 1:
             return [candidates[0]] * len(items)
-        loads = [load_of(c) for c in candidates]
+        loads = [c.inflight + c.signals.others for c in candidates]
         out = []
         for item in items:
             i = self._pick(candidates, key_of(item.uuid), loads)
@@ -418,16 +418,20 @@ class CacheAware:
         return out
 
     def _pick(self, candidates: list[Instance], key: int, loads: list[float]) -> int:
+        """The index of the highest rendezvous score among the candidates within the bound
+        (``mix64`` inlined: this runs per candidate per request)."""
         low = min(loads)
         bound = max(low + self.balance_abs, low * self.balance_rel)
-        best = -1
-        top = -1
-        seed = self.seed
+        seeds = self._seeds
+        best = top = -1
         for i, c in enumerate(candidates):
             if loads[i] <= bound:
-                s = mix64(key ^ seed(c))
-                if s > top:
-                    best, top = i, s
+                x = key ^ (seeds.get(c.url) or self.seed(c.url))
+                x = ((x ^ (x >> 33)) * 0xFF51AFD7ED558CCD) & _M64
+                x = ((x ^ (x >> 33)) * 0xC4CEB9FE1A85EC53) & _M64
+                x ^= x >> 33
+                if x > top:
+                    best, top = i, x
         return best
 
 
