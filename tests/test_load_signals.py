@@ -51,7 +51,7 @@ async def test_the_scrape_reads_each_instances_own_queue():
 
         async def occupy():
             resp = await direct.request("POST", "/v1/chat/completions", body=msgspec.json.encode(
-                chat_body(max_tokens=40, stream=True)), headers=[(b"content-type", b"application/json")],
+                chat_body(max_tokens=200, stream=True)), headers=[(b"content-type", b"application/json")],
                 timeouts=t)
             try:
                 await resp.read()
