@@ -64,3 +64,33 @@ def test_invalid_configs_fail_before_serving(changes, fragment):
     cfg = ProxyConfig(decode=[parse_instance("http://d:2", "decode")]).replace(**changes)
     with pytest.raises(ValueError, match=fragment):
         validate_config(cfg)
+
+
+def test_routing_policies_per_role_with_routing_as_the_fallback():
+    def cfg(*flags, prefill=True):
+        argv = ["serve", "--decode", "http://d:1"] + (["--prefill", "http://p:1"] if prefill else []) + list(flags)
+        return config_from_args(build_parser().parse_args(argv))
+
+    default = cfg()
+    assert [default.policy_for(r) for r in ("encode", "prefill", "decode")] == [
+        "cache-aware", "cache-aware", "load-aware"]
+    assert cfg(prefill=False).policy_for("decode") == "cache-aware"  # PD prefills
+    legacy = cfg("--routing", "round-robin")
+    assert {legacy.policy_for(r) for r in ("encode", "prefill", "decode")} == {"round-robin"}
+    mixed = cfg("--routing", "least-loaded", "--decode-policy", "power-of-two")
+    assert (mixed.policy_for("prefill"), mixed.policy_for("decode")) == ("least-loaded", "power-of-two")
+    tuned = cfg("--balance-abs", "2", "--balance-rel", "1.2", "--scrape-interval", "0")
+    assert (tuned.balance_abs, tuned.balance_rel, tuned.scrape_interval) == (2, 1.2, 0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--decode", "http://d:1", "--prefill-policy", "random"])
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"encode_policy": "random"}, "unknown routing policy 'random'"),
+    ({"balance_rel": 0.5}, "--balance-rel"),
+    ({"scrape_interval": -1}, "--scrape-interval"),
+])
+def test_invalid_routing_settings_fail_before_serving(changes, fragment):
+    cfg = ProxyConfig(decode=[parse_instance("http://d:1", "decode")], **changes)
+    with pytest.raises(ValueError, match=fragment):
+        validate_config(cfg)

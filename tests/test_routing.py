@@ -274,3 +274,26 @@ def test_block_hashes_share_exactly_the_common_prefix():
     assert len(b1) >= 4 and b1[:4] == b2[:4] and b1[-1] != b2[len(b1) - 1]
     assert t1.size < t2.size
     assert EMPTY_VIEW.blocks() == [] and EMPTY_VIEW.size == 0
+
+
+async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_them_back():
+    """Through the pool's health filter: ejection and re-admission move only the ejected
+    instance's keys."""
+    from epd_proxy.config import InstanceSpec
+    from epd_proxy.health import OutlierSettings
+    from epd_proxy.pool import InstancePool
+
+    pool = InstancePool("prefill", [InstanceSpec(f"http://10.0.0.{i}:8000", "prefill") for i in range(4)],
+                        policy=CacheAware(), outlier=OutlierSettings(fail_threshold=1))
+    views = [view_of(chat(f"Conversation number {k}")) for k in range(400)]
+    before = [pool.choose(view=v) for v in views]
+    victim = pool.instances[1]
+    pool._probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
+    assert victim.state == "ejected"
+    during = [pool.choose(view=v) for v in views]
+    assert all(d is b for b, d in zip(before, during) if b is not victim)
+    assert victim not in during and sum(b is victim for b in before) > 50
+    pool.record_success(victim)  # it answers again
+    assert victim.healthy
+    assert [pool.choose(view=v) for v in views] == before
+    await pool.close()

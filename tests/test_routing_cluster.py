@@ -137,11 +137,14 @@ async def test_pd_without_prefill_keeps_a_conversation_on_one_instance():
         for _ in range(3):
             await conv.say(client)
         assert len(served_by(cluster, "pd", 3)) == 1
-        assert proxy.app.pools["decode"].policy.__class__.__name__ == "CacheAware"
+        status = (await client.request("GET", "/status")).json()
+        assert status["routing"] == {"decode": "cache-aware"}  # PD prefills: prefix affinity
 
 
 async def test_one_instance_per_role():
     async with stack(encode=1, prefill=1, decode=1) as (cluster, proxy, client):
+        status = (await client.request("GET", "/status")).json()
+        assert status["routing"] == {"encode": "cache-aware", "prefill": "cache-aware", "decode": "load-aware"}
         conv = Conversation(4, images=["https://example.com/dog.png"])
         for _ in range(3):
             await conv.say(client)

@@ -148,7 +148,8 @@ class ProxyApp:
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
         body = {"topology": self.topology, "kv_connector": self.config.kv_connector if "prefill" in self.pools
-                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()}}
+                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
+                "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:

@@ -80,21 +80,40 @@ def instance_seed(url: str) -> int:
 class RequestView:
     """What a policy may know of a request: its routing keys, nothing else.
 
+    Each key is computed on first use, once: a request that meets no policy reading it
+    (one instance, or a key-blind policy) costs one small object.
+
     ``anchor``: 0 when the request has none (then cache-aware falls back to load).
     ``items``: the media items' uuids, in the request's global order.
-    ``size`` and ``blocks()`` are computed on first use only.
+    ``size``: the prompt's size in characters; ``blocks()``: its chained block hashes.
     """
 
-    __slots__ = ("anchor", "items", "_body", "_chat", "_size", "_blocks")
+    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_size", "_blocks")
 
-    def __init__(self, anchor: int, items: Sequence[str] = (), body: dict | None = None,
-                 chat: bool = True) -> None:
-        self.anchor = anchor
-        self.items = items
+    def __init__(self, body: dict | None = None, media: Sequence[MediaItem] = (), chat: bool = True, *,
+                 anchor: int | None = None) -> None:
         self._body = body
+        self._media = media
         self._chat = chat
+        self._anchor = anchor if anchor is not None or body is not None else 0
+        self._items: list[str] | None = None
         self._size: int | None = None
         self._blocks: list[int] | None = None
+
+    @property
+    def anchor(self) -> int:
+        anchor = self._anchor
+        if anchor is None:
+            body = self._body
+            anchor = self._anchor = (_chat_anchor(body.get("messages"), self.items) if self._chat
+                                     else _prompt_anchor(body.get("prompt")))
+        return anchor
+
+    @property
+    def items(self) -> list[str]:
+        if self._items is None:
+            self._items = [it.uuid for it in self._media]
+        return self._items
 
     @property
     def size(self) -> int:
@@ -112,14 +131,13 @@ class RequestView:
         return self._blocks
 
 
-EMPTY_VIEW = RequestView(0)
+EMPTY_VIEW = RequestView()
 
 
 def request_view(body: dict, items: Sequence[MediaItem], chat: bool) -> RequestView:
-    """The view of a parsed request (chat: after ``collect_media`` validated it)."""
-    uuids = [it.uuid for it in items]
-    anchor = _chat_anchor(body.get("messages"), uuids) if chat else _prompt_anchor(body.get("prompt"))
-    return RequestView(anchor, uuids, body, chat)
+    """The view of a parsed request (chat: after ``collect_media`` validated it); its keys
+    are computed when a policy first reads them."""
+    return RequestView(body, items, chat)
 
 
 def _chat_anchor(messages, uuids: list[str]) -> int:
@@ -257,6 +275,7 @@ def score_of(inst: Instance) -> float:
 class RoutingPolicy(Protocol):
     """Picks among candidates (never empty) already filtered by health."""
 
+    name: str  # as in POLICIES and the flags
     # Whether the pipeline must compute the request's view / the pool scrape load signals.
     uses_view: bool
     uses_signals: bool
@@ -274,6 +293,7 @@ class RoundRobin:
     """Strict rotation; the cursor persists across requests (for encoders: per item, which is
     the reference proxy's spread, #52484)."""
 
+    name = "round-robin"
     uses_view = False
     uses_signals = False
 
@@ -338,10 +358,13 @@ class _Scored:
 class LeastLoaded(_Scored):
     """Fewest requests in flight from this proxy."""
 
+    name = "least-loaded"
+
 
 class LoadAware(_Scored):
     """This proxy's in-flight count plus the instance's scraped queue and KV-cache usage."""
 
+    name = "load-aware"
     uses_signals = True
     score = staticmethod(score_of)
 
@@ -350,6 +373,7 @@ class PowerOfTwo:
     """Two candidates at random, the lower load-aware score wins: spreads like least-loaded
     without every replica herding onto the one instance that looked idle at the last scrape."""
 
+    name = "power-of-two"
     uses_view = False
     uses_signals = True
 
@@ -383,6 +407,7 @@ class CacheAware:
     anchor goes to the load-aware choice.
     """
 
+    name = "cache-aware"
     uses_view = True
     uses_signals = True
 
@@ -399,11 +424,11 @@ class CacheAware:
         return seed
 
     def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
+        if len(candidates) == 1:
+            return candidates[0]
         key = view.anchor
         if not key:
             return self._fallback.choose(candidates)
-        if len(candidates) == 1:
-            return candidates[0]
         return candidates[self._pick(candidates, key, [c.inflight + c.signals.others for c in candidates])]
 
     def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
