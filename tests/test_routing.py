@@ -7,9 +7,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import epd_proxy
 from epd_proxy.blobs import Blob, decode_chat_body
+from epd_proxy.errors import ProxyError
 from epd_proxy.load_signals import LoadSignals
 from epd_proxy.multimodal import collect_media
 from epd_proxy.routing import (EMPTY_VIEW, CacheAware, LeastLoaded, LoadAware, PowerOfTwo, RoundRobin,
@@ -297,3 +300,29 @@ async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_the
     assert victim.healthy
     assert [pool.choose(view=v) for v in views] == before
     await pool.close()
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                     | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                  max_size=4), max_leaves=12)
+_part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio", "image_embeds",
+                                                        "refusal"])},
+                              optional={"text": _json, "image_url": _json, "input_audio": _json, "uuid": _json})
+_message = st.fixed_dictionaries({"role": _json}, optional={"content": _json | st.lists(_part, max_size=3)})
+
+
+@settings(max_examples=50, deadline=None)
+@given(messages=st.lists(_message, min_size=1, max_size=4), prompt=_json)
+def test_the_keys_of_any_accepted_body_never_raise(messages, prompt):
+    """The keys are computed inside the policy's choice: an exception there would be a 500."""
+    body = {"model": "m", "messages": messages}
+    try:
+        items = collect_media(decode_chat_body(msgspec.json.encode(body)))
+    except ProxyError:
+        items = None
+    if items is not None:
+        view = request_view(body, items, True)
+        assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)
+    view = request_view({"prompt": prompt}, [], False)
+    assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)

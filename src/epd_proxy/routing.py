@@ -105,8 +105,12 @@ class RequestView:
         anchor = self._anchor
         if anchor is None:
             body = self._body
-            anchor = self._anchor = (_chat_anchor(body.get("messages"), self.items) if self._chat
-                                     else _prompt_anchor(body.get("prompt")))
+            try:
+                anchor = (_chat_anchor(body.get("messages"), self.items) if self._chat
+                          else _prompt_anchor(body.get("prompt")))
+            except Exception:  # a body shape nobody foresaw routes by load; it never fails the request
+                anchor = 0
+            self._anchor = anchor
         return anchor
 
     @property
