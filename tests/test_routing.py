@@ -127,8 +127,10 @@ def test_a_loaded_preferred_instance_is_passed_over_in_rendezvous_order():
     assert policy.choose(pool, Keyed(key)) is first
     first.inflight = 2  # within min 0 + 2
     assert policy.choose(pool, Keyed(key)) is first
+    assert policy.spills == 0
     first.inflight = 3  # beyond it: the next in rendezvous order
     assert policy.choose(pool, Keyed(key)) is second
+    assert policy.spills == 1
     second.inflight = 3
     assert policy.choose(pool, Keyed(key)).url == order[2]
     for i in pool:  # everyone busy alike: back to the first

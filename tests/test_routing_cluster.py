@@ -115,6 +115,8 @@ async def test_a_hot_prefix_spills_over_once_the_load_bound_is_passed():
         assert home < spread and len(spread) == 3  # beyond the bound: the next in rendezvous order
         home_inst = next(i for i in cluster.instances("prefill") if i.name in home)
         assert len(home_inst.generation_records()) >= 3  # ... while the home keeps its share
+        text = (await client.request("GET", "/metrics")).body
+        assert sum(gauge_samples(text, b"epd_proxy_routing_spills_total")) >= 2
 
 
 async def test_the_same_image_goes_to_the_same_encoder_whose_cache_hits_grow():

@@ -133,8 +133,16 @@ def _pool_families(pools: dict):
     local = CounterMetricFamily("epd_proxy_local_errors",
                                 "Upstream connects that failed for lack of the proxy's own resources (EMFILE, "
                                 "ENOBUFS, memory); never blamed on an instance.", labels=["role"])
+    spills = CounterMetricFamily("epd_proxy_routing_spills",
+                                 "cache-aware picks that passed over the preferred instance for its load.",
+                                 labels=["role"])
+    others = GaugeMetricFamily("epd_proxy_instance_other_requests",
+                               "Requests on the instance that are not this proxy's, as last scraped from its "
+                               "/metrics (0 when unknown).", labels=["role", "url"])
     for role, pool in pools.items():
+        spills.add_metric([role], float(getattr(pool.policy, "spills", 0)))
         for inst in pool.instances:
+            others.add_metric([role, inst.url], float(inst.signals.others))
             healthy.add_metric([role, inst.url], 1.0 if inst.healthy else 0.0)
             inflight.add_metric([role, inst.url], float(inst.inflight))
             errors.add_metric([role, inst.url], float(inst.errors))
@@ -147,3 +155,5 @@ def _pool_families(pools: dict):
     yield ejections
     yield panics
     yield local
+    yield spills
+    yield others

@@ -420,6 +420,7 @@ class CacheAware:
         self.balance_rel = balance_rel
         self._seeds: dict[str, int] = {}
         self._fallback = LoadAware()
+        self.spills = 0  # picks that passed over the preferred instance for its load
 
     def seed(self, url: str) -> int:
         seed = self._seeds.get(url)
@@ -453,6 +454,7 @@ class CacheAware:
         bound = max(low + self.balance_abs, low * self.balance_rel)
         seeds = self._seeds
         best = top = -1
+        over = False
         for i, c in enumerate(candidates):
             if loads[i] <= bound:
                 x = key ^ (seeds.get(c.url) or self.seed(c.url))
@@ -461,6 +463,11 @@ class CacheAware:
                 x ^= x >> 33
                 if x > top:
                     best, top = i, x
+            else:
+                over = True
+        if over and any(mix64(key ^ self.seed(c.url)) > top
+                        for i, c in enumerate(candidates) if loads[i] > bound):
+            self.spills += 1  # the preferred instance was passed over for its load
         return best
 
 
