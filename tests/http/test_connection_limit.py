@@ -179,3 +179,21 @@ async def test_many_abandoned_waiters_are_dropped_from_the_line(gated):
 async def test_the_cap_must_be_positive():
     with pytest.raises(ValueError):
         ConnectionPool("http://127.0.0.1:1", max_connections=0)
+
+
+async def test_a_request_that_may_not_queue_opens_one_over_the_cap(gated):
+    """A health probe measures the upstream, not the pool's line: it never waits."""
+    gate, pool = await gated(1)
+    first = asyncio.ensure_future(fetch(pool, "/hold/a"))
+    await until(lambda: len(gate.arrived) == 1)
+    waiter = asyncio.ensure_future(fetch(pool, "/queued"))
+    await until(lambda: pool.waiting == 1)
+    resp = await pool.request("GET", "/probe", timeouts=T, queue=False)
+    assert await resp.read() == b"/probe"
+    resp.close()
+    assert pool.waiting == 1  # the over-the-cap connection was closed, not handed on
+    assert pool.open_connections == 1
+    gate.open_gates.set()
+    assert await first == b"/hold/a" and await waiter == b"/queued"
+    assert await fetch(pool, "/again") == b"/again"
+    assert pool.open_connections == 1

@@ -536,11 +536,11 @@ class ConnectionPool:
         self._all.add(conn)  # the connection owns the slot until it is forgotten
         return conn
 
-    async def _fresh(self, timeouts: Timeouts) -> tuple[_Connection, bool]:
-        """A connection for a request that found none idle: a new one if a slot is free,
-        else whatever the line gives (a handed-back connection, or a slot).
-        Returns the connection and whether it was reused."""
-        if self._slots < self._limit:
+    async def _fresh(self, timeouts: Timeouts, queue: bool = True) -> tuple[_Connection, bool]:
+        """A connection for a request that found none idle: a new one if a slot is free
+        (or the request may not queue), else whatever the line gives (a handed-back
+        connection, or a slot). Returns the connection and whether it was reused."""
+        if self._slots < self._limit or not queue:
             self._slots += 1
             return await self._connect(timeouts.connect), False
         got = await self._wait_turn(timeouts.headers)
@@ -590,8 +590,9 @@ class ConnectionPool:
         return None
 
     def _free_slot(self) -> None:
-        """A connection is gone (or was never made): its slot goes to the line first."""
-        fut = self._next_waiter() if self._waiters else None
+        """A connection is gone (or was never made): its slot goes to the line first
+        (unless it was one over the cap, opened by a request that may not queue)."""
+        fut = self._next_waiter() if self._waiters and self._slots <= self._limit else None
         if fut is not None:
             fut.set_result(None)
         elif self._slots > 0:
@@ -610,6 +611,9 @@ class ConnectionPool:
         return None
 
     def _release(self, conn: _Connection) -> None:
+        if self._slots > self._limit:
+            conn.abort()  # one over the cap (a request that may not queue): not kept
+            return
         if self._waiters and not self.closed and not conn.closed:
             fut = self._next_waiter()
             if fut is not None:
@@ -631,8 +635,12 @@ class ConnectionPool:
             pass
 
     async def request(self, method: str, path: str, *, body: bytes = b"", headers: Headers | None = None,
-                      timeouts: Timeouts | None = None) -> Response:
-        """Send a request; return once the status and headers have arrived."""
+                      timeouts: Timeouts | None = None, queue: bool = True) -> Response:
+        """Send a request; return once the status and headers have arrived.
+
+        ``queue=False`` never waits in line at the connection cap (a health probe must
+        measure the upstream, not this pool's queue): it opens a connection over the cap.
+        """
         if self.closed:
             raise UpstreamError("connection pool is closed", kind="connect")
         timeouts = timeouts or _DEFAULT_TIMEOUTS
@@ -640,14 +648,14 @@ class ConnectionPool:
         conn = self._take_idle()
         reused = conn is not None
         if conn is None:
-            conn, reused = await self._fresh(timeouts)
+            conn, reused = await self._fresh(timeouts, queue)
         try:
             return await self._exchange(conn, head, body, timeouts)
         except UpstreamError as exc:
             if not (reused and not exc.response_started and exc.kind == "connection"):
                 raise
         # The server closed the idle connection as we reused it: once more, on a fresh one.
-        conn, _ = await self._fresh(timeouts)
+        conn, _ = await self._fresh(timeouts, queue)
         return await self._exchange(conn, head, body, timeouts)
 
     async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: Timeouts) -> Response:
