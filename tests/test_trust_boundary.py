@@ -10,7 +10,7 @@ import hashlib
 
 import msgspec
 import pytest
-from helpers import chat_body, stack, wait_for
+from helpers import Client, chat_body, stack, wait_for
 
 from epd_proxy.multimodal import client_key
 from epd_proxy.sim import SimConfig, expected_text
@@ -188,18 +188,21 @@ async def test_one_request_never_opens_more_than_the_cap_to_an_encoder():
         big = asyncio.ensure_future(client.chat(chat_body(images=[f"https://x/{i}.png" for i in range(n)]),
                                                 timeout=30))
         await wait_for(lambda: peak.peak >= cap)
-        # Other requests still complete while the big one is queued at the encoder.
-        from helpers import Client
-
-        other = Client(proxy.url)
+        # Other requests still complete while the big one holds the encoder's connections:
+        # a text request at once, and a media request in its turn.
+        others = [Client(proxy.url) for _ in range(2)]
         try:
-            small = await other.chat(chat_body("text only"))
-            assert small.status == 200, small.body
+            text, media = await asyncio.gather(
+                others[0].chat(chat_body("text only")),
+                others[1].chat(chat_body(images=["https://x/other.png"]), timeout=30))
+            assert text.status == 200, text.body
+            assert media.status == 200, media.body
         finally:
-            await other.close()
+            for other in others:
+                await other.close()
         reply = await big
         assert reply.status == 200, reply.body
-        assert len(cluster.records("encode")) == n
+        assert len(cluster.records("encode")) == n + 1
         assert peak.peak == cap
 
 

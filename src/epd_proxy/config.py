@@ -99,9 +99,9 @@ class Timeouts:
     push_drain: float = 60.0  # push mode: prefill still running after decode ended
 
 
-# Headers a client may not have passed on with --forward-header: hop-by-hop headers
+# Headers --forward-header may not copy from a client to the backends: hop-by-hop headers
 # (RFC 9110 §7.6.1) and framing, which describe one connection, not the request; and the
-# headers the proxy writes itself, which would reach the backend twice.
+# headers the proxy writes itself, which would reach a backend twice.
 REFUSED_FORWARD_HEADERS = {
     "connection": "hop-by-hop",
     "keep-alive": "hop-by-hop",
