@@ -86,9 +86,15 @@ def test_authorization_is_forwarded_only_without_an_upstream_key():
         validate_config(_cfg(forward_headers=("Authorization",), upstream_api_key="k"))
 
 
-def test_the_cli_refuses_a_framing_header_at_start_up(capsys):
+def test_the_cli_refuses_a_framing_header_at_start_up(capsys, monkeypatch):
+    import importlib
+
     from epd_proxy.cli import main
 
+    def serve(*args, **kwargs):
+        raise AssertionError("the proxy would have started")
+
+    monkeypatch.setattr(importlib.import_module("epd_proxy.serve"), "serve", serve)
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--decode", "http://d:2", "--forward-header", "content-length"])
     assert exc.value.code == 2
