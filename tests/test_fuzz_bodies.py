@@ -25,10 +25,11 @@ from hypothesis import strategies as st
 
 from epd_proxy.blobs import MIN_BLOB, decode_chat_body, encode_json
 from epd_proxy.errors import ProxyError
-from epd_proxy.multimodal import own_media
+from epd_proxy.multimodal import collect_media, own_media
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+PURE = settings(SETTINGS, max_examples=100)
 
 # -- strategies ---------------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ def bodies_with_blobs(draw):
     return body
 
 
-@SETTINGS
+@PURE
 @given(body=bodies_with_blobs(), damage=st.sampled_from([None, b"\x00", b"\x7f", b"\xff"]))
 def test_decode_chat_body_is_a_plain_decode_and_encode_json_round_trips(body, damage):
     raw = encode_json(body)
@@ -241,16 +242,20 @@ def test_decode_chat_body_is_a_plain_decode_and_encode_json_round_trips(body, da
     assert encode_json(fast) == encode_json(plain)
 
 
-@SETTINGS
+@PURE
 @given(body=json_values | chat_bodies(), ignore=st.booleans())
-def test_own_media_either_answers_or_is_a_400_and_never_mutates(body, ignore):
+def test_collect_and_own_media_either_answer_or_400_and_never_mutate(body, ignore):
     before = copy.deepcopy(body)
     try:
-        out, items = own_media(body, ignore_client_uuids=ignore)
+        collected = collect_media(body, ignore_client_uuids=ignore)
     except ProxyError as err:
         assert err.status == 400 and err.message
+        with pytest.raises(ProxyError):
+            own_media(body, ignore_client_uuids=ignore)
         return
+    out, items = own_media(body, ignore_client_uuids=ignore)
     assert body == before
+    assert [(i.index, i.type, i.uuid) for i in items] == [(i.index, i.type, i.uuid) for i in collected]
     for item in items:
         part = out["messages"][item.message_index]["content"][item.part_index]
         assert part is item.part
