@@ -44,12 +44,29 @@ def _add_serve(sub) -> None:
                    default=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
                    help="the backends' keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); idle pooled "
                         "connections are retired at half of it")
-    p.add_argument("--connect-timeout", type=float, default=5.0)
-    p.add_argument("--encode-timeout", type=float, default=300.0)
-    p.add_argument("--prefill-timeout", type=float, default=600.0)
-    p.add_argument("--decode-timeout", type=float, default=600.0,
-                   help="until decode's first event")
-    p.add_argument("--stream-idle-timeout", type=float, default=600.0)
+    t, c = Timeouts(), ProxyConfig()
+    p.add_argument("--connect-timeout", type=float, default=t.connect)
+    p.add_argument("--encode-timeout", type=float, default=t.encode, help=f"(default {t.encode:g} s)")
+    p.add_argument("--prefill-timeout", type=float, default=t.prefill, help=f"(default {t.prefill:g} s)")
+    p.add_argument("--decode-timeout", type=float, default=t.decode_first,
+                   help=f"until decode's first event (default {t.decode_first:g} s)")
+    p.add_argument("--stream-idle-timeout", type=float, default=t.stream_idle)
+    p.add_argument("--first-byte-timeout", type=float, default=t.first_byte,
+                   help=f"from a request's arrival to its response's status: past it the client gets 504 "
+                        f"and every upstream leg is closed (default {t.first_byte:g} s, 0 = off)")
+    p.add_argument("--max-inflight", type=int, default=c.max_inflight,
+                   help=f"client requests this process works on at once (default {c.max_inflight}: "
+                        f"unlimited); more wait in the queue or get 429")
+    p.add_argument("--queue-size", type=int, default=c.queue_size,
+                   help=f"requests waiting for a slot beyond --max-inflight (default {c.queue_size})")
+    p.add_argument("--queue-timeout", type=float, default=c.queue_timeout,
+                   help=f"longest wait in that queue before 429 (default {c.queue_timeout:g} s)")
+    p.add_argument("--shutdown-grace", type=float, default=c.shutdown_grace,
+                   help=f"after SIGTERM, /ready is 503 and new connections are still accepted for this "
+                        f"long (default {c.shutdown_grace:g} s)")
+    p.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout,
+                   help=f"after SIGTERM, in-flight requests may finish until this long after the signal; "
+                        f"then the rest are ended (default {c.shutdown_timeout:g} s)")
     p.add_argument("--probe-interval", type=float, default=5.0, help="health probe period (0 = off)")
     p.add_argument("--probe-timeout", type=float, default=2.0)
     p.add_argument("--fail-threshold", type=int, default=3)
@@ -76,10 +93,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         upstream_keep_alive=args.upstream_keep_alive,
         timeouts=Timeouts(connect=args.connect_timeout, encode=args.encode_timeout,
                           prefill=args.prefill_timeout, decode_first=args.decode_timeout,
-                          stream_idle=args.stream_idle_timeout, push_drain=args.prefill_timeout),
+                          stream_idle=args.stream_idle_timeout, first_byte=args.first_byte_timeout),
         probe_interval=args.probe_interval,
         probe_timeout=args.probe_timeout,
         fail_threshold=args.fail_threshold,
+        max_inflight=args.max_inflight,
+        queue_size=args.queue_size,
+        queue_timeout=args.queue_timeout,
+        shutdown_grace=args.shutdown_grace,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return cfg
 

@@ -16,6 +16,7 @@ import time
 
 import msgspec
 
+from .admission import ADMIT, SHED, Admission, shed_error
 from .blobs import decode_chat_body
 from .config import ProxyConfig
 from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
@@ -26,7 +27,7 @@ from .ids import hex_id
 from .metrics import ProxyMetrics
 from .multimodal import MediaItem, collect_media
 from .pool import Instance, InstancePool
-from .relay import relay_stream
+from .relay import StreamRelay, relay_stream
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
 
 log = logging.getLogger("epd_proxy.pipeline")
@@ -89,10 +90,27 @@ class Pipeline:
         if config.upstream_api_key:
             self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+        self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
+        self.first_byte = t.first_byte
+        # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
+        # ``stopping`` ends the ones still running (see handle's CancelledError branch).
+        self.closing = False
+        self.stopping = False
+        metrics.admission = self.admission
+        self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
+        self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
+        self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
+
+    def close_admission(self) -> None:
+        """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
+        self.closing = True
+        self._gated = True
 
     # -- the request path -------------------------------------------------------------------
     async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
         t0 = time.perf_counter()
+        if self._gated and not await self._admit(req, writer, path, t0):
+            return
         rid = (req.header(b"x-request-id") or b"").decode("latin-1") or hex_id()
         id_header = [(b"x-request-id", rid.encode("latin-1"))]
         ctx = None
@@ -101,7 +119,19 @@ class Pipeline:
             body = parse_body(req, path)
             items = collect_media(body) if path == CHAT else []
             ctx = RequestContext(rid, path, self._headers_for(req))
-            leg = await self._open(ctx, body, items)
+            if self.first_byte:
+                deadline = asyncio.timeout(self.first_byte)
+                try:
+                    async with deadline:
+                        leg = await self._open(ctx, body, items)
+                except TimeoutError:
+                    if not deadline.expired():
+                        raise
+                    # Leaving the block cancelled every leg: their finally blocks closed them.
+                    raise ProxyError(504, f"no response within the first-byte timeout "
+                                          f"({self.first_byte:g} s); the request was abandoned") from None
+            else:
+                leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
             ok = False
             try:
@@ -124,15 +154,65 @@ class Pipeline:
             if err.status >= 500:
                 log.warning("request %s failed: %s", rid, err.message)
         except asyncio.CancelledError:
-            self.metrics.disconnects += 1
-            raise
+            if not (self.stopping and self._end_at_shutdown(writer, rid)):
+                self.metrics.disconnects += 1
+                raise
         finally:
             self.metrics.inflight -= 1
             if ctx is not None:
                 ctx.release_all()
                 self.metrics.observe_stages(ctx.timings)
+            if self.admission.limit:
+                self.admission.leave()
             # 499: the client went away before a status was sent (nginx's convention).
             self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0)
+
+    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
+        """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
+        Runs before the body is parsed: a refused request costs a prebuilt response."""
+        if self.closing:
+            status, body, retry = 503, self._503_closing, b"1"
+        else:
+            admission = self.admission
+            verdict = admission.try_enter()
+            if verdict == ADMIT:
+                return True
+            if verdict != SHED:
+                if await admission.wait():
+                    self.metrics.queue_wait.observe(time.perf_counter() - t0)
+                    if not self.closing:
+                        return True
+                    admission.leave()  # woken by the shutdown: the slot is not used
+                    status, body, retry = 503, self._503_closing, b"1"
+                else:
+                    self.metrics.queue_wait.observe(time.perf_counter() - t0)
+                    status, body, retry = 429, self._429, b"1"
+            else:
+                status, body, retry = 429, self._429, b"1"
+        headers = [(b"retry-after", retry)]
+        rid = req.header(b"x-request-id")
+        if rid is not None:
+            headers.append((b"x-request-id", rid))
+        writer.send(status, body, b"application/json", headers)
+        self.metrics.observe_request(path, status, time.perf_counter() - t0)
+        return False
+
+    def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
+        """The shutdown timeout cancelled this request (not its client): end it properly.
+        Before the commit: 503 with the envelope; a committed stream: the in-band error
+        event and ``[DONE]``. Returns False when nothing can be said any more."""
+        if writer.disconnected or writer.finished:
+            return False
+        err = ProxyError(503, "the proxy shut down before the response was complete")
+        if not writer.started:
+            writer.keep_alive = False
+            writer.send(503, err.body(), b"application/json", [(b"retry-after", b"1")])
+        elif isinstance(writer.flow, StreamRelay):
+            writer.flow.fail(err)
+        else:
+            return False
+        log.warning("request %s: ended by the shutdown timeout", rid)
+        return True
 
     async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
