@@ -130,6 +130,10 @@ class Pipeline:
                     # Leaving the block cancelled every leg: their finally blocks closed them.
                     raise ProxyError(504, f"no response within the first-byte timeout "
                                           f"({self.first_byte:g} s); the request was abandoned") from None
+                finally:
+                    # The Timeout refers to this task: kept in this frame, it would close a
+                    # reference cycle through the traceback of a failure raised later.
+                    deadline = None
             else:
                 leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
@@ -148,6 +152,7 @@ class Pipeline:
                 if leg.companion is not None:
                     self._settle(leg.companion, keep=ok)
         except ProxyError as err:
+            _drop_traceback(err)
             if not writer.started:
                 headers = id_header + [(b"retry-after", b"5")] if err.status == 503 else id_header
                 writer.send(err.status, err.body(), err.content_type(), headers)
@@ -158,6 +163,7 @@ class Pipeline:
                 self.metrics.disconnects += 1
                 raise
         finally:
+            writer.flow = None  # the relay refers to the writer: no cycle left behind
             self.metrics.inflight -= 1
             if ctx is not None:
                 ctx.release_all()
@@ -223,6 +229,7 @@ class Pipeline:
             except ProxyError as err:
                 if not err.retryable or attempt >= self.retries:
                     raise
+                _drop_traceback(err)
                 attempt += 1
                 self.metrics.retries += 1
                 log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
@@ -275,6 +282,15 @@ class Pipeline:
             index = self.decode.instances.index(d)
             zmq = cfg.ec_consumer_zmq_addrs[index * dp + (rank or 0)]
         return headers, zmq
+
+
+def _drop_traceback(err: BaseException) -> None:
+    """An answered error's traceback is of no further use, and its frames often hold the
+    error itself (``err = ...; raise err``) or a group containing it: a reference cycle
+    that would keep the request's objects alive until a full collection."""
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = None
 
 
 def _server_timing(timings: dict) -> list:

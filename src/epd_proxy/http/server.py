@@ -320,6 +320,11 @@ class HttpServerProtocol(asyncio.Protocol):
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._queue.clear()
+        # Both refer back to this protocol (the parser holds its callbacks, the task's
+        # frames its handler's): let go of them so the connection is freed without the
+        # cyclic collector, which the frozen-GC settings make rare.
+        self._task = None
+        self._parser = None
 
     def pause_writing(self) -> None:
         self.writing_paused = True
