@@ -78,7 +78,7 @@ async def _start_proxy(cluster, *extra: str):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "epd_proxy", "serve", "--port", str(port), "--probe-interval", "0",
         "--prefill", cluster.urls("prefill")[0], "--decode", cluster.urls("decode")[0],
-        "--log-level", "warning", *extra, env=env, stdout=asyncio.subprocess.DEVNULL)
+        "--log-level", "warning", *extra, env=env, stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     client = Client(url)
     client.url = url
@@ -120,8 +120,10 @@ async def _ready_turns_503(client: Client):
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-async def test_sigterm_lets_every_request_in_flight_finish_and_exits_0(workers):
+@pytest.mark.parametrize("workers, group", [(1, False), (2, False), (2, True)])
+async def test_sigterm_lets_every_request_in_flight_finish_and_exits_0(workers, group):
+    # group: SIGTERM to every process of the group at once (a service manager's stop), so
+    # each worker gets it twice (directly and from the parent) and must still drain.
     sim = SimConfig(itl_ms=0, ttft_ms=0.5, roles={"decode": {"itl_ms": 15}})
     async with SimCluster(prefill=1, decode=1, config=sim) as cluster:
         proc, client = await _start_proxy(cluster, "--workers", str(workers), "--shutdown-grace", "1",
@@ -132,7 +134,10 @@ async def test_sigterm_lets_every_request_in_flight_finish_and_exits_0(workers):
             tasks = [asyncio.ensure_future(client.chat(b, timeout=30)) for b in bodies]
             decode = cluster.instances("decode")[0]
             await wait_for(lambda: decode._in_flight == 25, timeout=10)
-            proc.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             # /ready turns 503 at once (a new connection, during the grace period: the
             # proxy closes idle keep-alive connections when it starts draining).
             ready = await _ready_turns_503(client)
@@ -148,14 +153,16 @@ async def test_sigterm_lets_every_request_in_flight_finish_and_exits_0(workers):
             assert decode.stats.aborted == 0
         finally:
             if proc.returncode is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
             await client.close()
 
 
-async def test_a_second_sigterm_exits_at_once():
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_second_sigterm_exits_at_once(workers):
     async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
-        proc, client = await _start_proxy(cluster, "--shutdown-grace", "30", "--shutdown-timeout", "60")
+        proc, client = await _start_proxy(cluster, "--shutdown-grace", "30", "--shutdown-timeout", "60",
+                                          "--workers", str(workers))
         try:
             cluster.instances("prefill")[0].inject("hang")
             held = asyncio.ensure_future(client.chat(chat_body(), timeout=30))
@@ -168,6 +175,6 @@ async def test_a_second_sigterm_exits_at_once():
             await wait_for(lambda: _legs_closed(cluster), timeout=2)
         finally:
             if proc.returncode is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
             await client.close()

@@ -115,8 +115,14 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
-                         simulate: str | None, announce: bool,
-                         signals: tuple = (signal.SIGINT, signal.SIGTERM)) -> None:
+                         simulate: str | None, announce: bool, worker: bool = False) -> None:
+    """Serve until a signal, then shut down gracefully.
+
+    Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
+    As a ``--workers`` worker, SIGTERM starts it (again and again: a service manager that
+    signals the whole group must not count twice) and SIGQUIT, which the parent sends on
+    a second signal, exits at once.
+    """
     cluster = None
     if simulate:
         from .sim import SimCluster
@@ -129,13 +135,15 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
-        if stop.is_set():
-            log.warning("second %s: exiting at once", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if signum == signal.SIGQUIT or (stop.is_set() and not worker):
+            log.warning("%s: exiting at once", name)
             os._exit(1)
-        log.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(signum).name)
-        stop.set()
+        if not stop.is_set():
+            log.info("%s: shutting down gracefully (a second signal exits at once)", name)
+            stop.set()
 
-    for sig in signals:
+    for sig in (signal.SIGTERM, signal.SIGQUIT) if worker else (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover
@@ -191,24 +199,27 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     for index in range(workers):
         pid = os.fork()
         if pid == 0:  # worker
-            # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker (a Ctrl-C
-            # reaches the whole process group: the worker must not count it twice).
+            # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
+            # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             install_uvloop()
             code = 1
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
-                                           announce=index == 0, signals=(signal.SIGTERM,)))
+                                           announce=index == 0, worker=True))
                 code = 0
             finally:
                 os._exit(code)
         children.append(pid)
     log.info("started %d workers: %s", workers, children)
 
+    received = []
+
     def forward(signum, _frame):
+        received.append(signum)
         for child in children:
             try:
-                os.kill(child, signal.SIGTERM)
+                os.kill(child, signal.SIGTERM if len(received) == 1 else signal.SIGQUIT)
             except ProcessLookupError:
                 pass
 
