@@ -1,6 +1,6 @@
 """The overload and soak scenarios at tiny sizes (seconds), so they cannot rot."""
 
-from epd_proxy.bench import scenarios
+from epd_proxy.bench import report, scenarios
 from epd_proxy.cli import build_parser
 
 
@@ -25,6 +25,7 @@ async def test_overload_sheds_the_burst_and_recovers(tmp_path):
     assert r["proxy_shed_total"] >= r["burst_shed_429"]
     assert r["rss_peak_mb"] > 0 and r["fds_peak"] > 0
     assert r["recovery_s"] >= 0 and r["normal_baseline_ms"]["count"] >= 5
+    assert "## Overload" in report.markdown({"scenarios": {"overload": r}})
 
 
 async def test_soak_reports_memory_growth_errors_and_mismatches(tmp_path):
@@ -34,3 +35,7 @@ async def test_soak_reports_memory_growth_errors_and_mismatches(tmp_path):
     assert r["rss_start_mb"] > 0 and r["rss_end_mb"] > 0
     assert isinstance(r["rss_growth_pct"], float)
     assert len(r["samples"]) >= 2
+    res = {"scenarios": {"soak": r}}
+    res["checks"] = report.checks(res)
+    assert any(c["key"] == "soak_flat" for c in res["checks"])
+    assert "## Soak" in report.markdown(res)
