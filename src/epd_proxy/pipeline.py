@@ -21,6 +21,7 @@ from .blobs import decode_chat_body
 from .config import ProxyConfig
 from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
 from .context import RequestContext
+from .deadline import Deadlines
 from .errors import ProxyError, bad_request
 from .http.server import Request, ResponseWriter
 from .ids import hex_id
@@ -92,6 +93,7 @@ class Pipeline:
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
         self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
         self.first_byte = t.first_byte
+        self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
         # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.closing = False
@@ -119,21 +121,23 @@ class Pipeline:
             body = parse_body(req, path)
             items = collect_media(body) if path == CHAT else []
             ctx = RequestContext(rid, path, self._headers_for(req))
-            if self.first_byte:
-                deadline = asyncio.timeout(self.first_byte)
+            if self.deadlines is not None:
+                task = asyncio.current_task()
+                self.deadlines.enter(task)
                 try:
-                    async with deadline:
-                        leg = await self._open(ctx, body, items)
-                except TimeoutError:
-                    if not deadline.expired():
+                    leg = await self._open(ctx, body, items)
+                except asyncio.CancelledError:
+                    if not self.deadlines.expired(task):
                         raise
-                    # Leaving the block cancelled every leg: their finally blocks closed them.
+                    # The cancellation closed every leg on its way out (their finally blocks).
+                    task.uncancel()
                     raise ProxyError(504, f"no response within the first-byte timeout "
                                           f"({self.first_byte:g} s); the request was abandoned") from None
                 finally:
-                    # The Timeout refers to this task: kept in this frame, it would close a
-                    # reference cycle through the traceback of a failure raised later.
-                    deadline = None
+                    self.deadlines.leave(task)
+                    # Kept in this frame, the task would close a reference cycle through the
+                    # traceback of a later failure (the task holds its exception).
+                    task = None
             else:
                 leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
@@ -261,6 +265,8 @@ class Pipeline:
             log.warning("background leg failed after its response ended: %s", task.exception())
 
     async def close(self) -> None:
+        if self.deadlines is not None:
+            await self.deadlines.close()
         for task in list(self._background):
             task.cancel()
         if self._background:

@@ -1,10 +1,30 @@
-"""The pre-commit deadline (--first-byte-timeout): 504 with the envelope, and every upstream leg closed."""
+"""The pre-commit deadline (--first-byte-timeout): the sweep itself, then over real sockets
+504 with the envelope and every upstream leg closed."""
+
+import asyncio
 
 import pytest
 from helpers import chat_body, stack, wait_for
 
 from epd_proxy.config import Timeouts
+from epd_proxy.deadline import Deadlines
 from epd_proxy.sim import SimConfig
+
+
+async def test_the_sweep_cancels_only_requests_past_their_deadline():
+    d = Deadlines(0.05)
+    late = asyncio.ensure_future(asyncio.sleep(30))
+    prompt = asyncio.ensure_future(asyncio.sleep(30))
+    d.enter(late)
+    d.enter(prompt)
+    d.leave(prompt)  # committed in time
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    assert d.expired(late) and not d.expired(prompt) and not prompt.done()
+    d.leave(late)
+    assert not d.expired(late)
+    prompt.cancel()
+    await d.close()
 
 
 def _legs_closed(cluster) -> bool:
