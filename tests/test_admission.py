@@ -137,3 +137,50 @@ async def test_queue_timeout_answers_429():
         assert len(cluster.records("prefill")) == 1
         held.cancel()
         await asyncio.gather(held, return_exceptions=True)
+
+
+# -- per-stage caps (--max-inflight-per-role) -----------------------------------------------------
+
+async def test_a_full_prefill_stage_sheds_with_429_naming_the_stage():
+    async with stack(max_inflight_per_role={"prefill": 1}) as (cluster, proxy, client):
+        held = _hold_one(cluster, client)
+        await wait_for(lambda: len(cluster.records("prefill")) == 1)
+        reply = await client.chat(chat_body())
+        assert reply.status == 429 and reply.headers[b"retry-after"] == b"1"
+        assert "prefill stage" in reply.json()["error"]["message"]
+        assert len(cluster.records("prefill")) == 1 and cluster.records("decode") == []
+        metrics = (await client.request("GET", "/metrics")).body.decode()
+        assert 'epd_proxy_stage_shed_requests_total{role="prefill"} 1.0' in metrics
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await wait_for(lambda: proxy.app.pipeline.role_caps["prefill"].active == 0)
+        cluster.instances("prefill")[0].clear_faults()
+        assert (await client.chat(chat_body())).status == 200
+
+
+async def test_a_hung_encoder_pool_holds_image_requests_only():
+    async with stack(encode=1, max_inflight_per_role={"encode": 1}, queue_size=1,
+                     queue_timeout=30) as (cluster, proxy, client):
+        cluster.instances("encode")[0].inject("hang")
+        held = asyncio.ensure_future(client.chat(chat_body(images=["https://x/a.png"])))
+        await wait_for(lambda: len(cluster.records("encode")) == 1)
+        queued = asyncio.ensure_future(client.chat(chat_body(images=["https://x/b.png"])))
+        cap = proxy.app.pipeline.role_caps["encode"]
+        await wait_for(lambda: cap.waiting == 1)
+        assert (await client.chat(chat_body(images=["https://x/c.png"]))).status == 429  # queue full
+        assert (await client.chat(chat_body())).status == 200  # text needs no encoder slot
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        assert (await queued).status == 200
+        assert cap.active == 0
+
+
+def test_role_caps_on_the_command_line():
+    from epd_proxy.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "--decode", "http://d:1", "--prefill", "http://p:1",
+                                      "--max-inflight-per-role", "prefill=64,encode=8"])
+    assert config_from_args(args).max_inflight_per_role == {"prefill": 64, "encode": 8}
+    args = build_parser().parse_args(["serve", "--decode", "http://d:1", "--max-inflight-per-role", "decode=1"])
+    with pytest.raises(ValueError, match="encode or prefill"):
+        config_from_args(args).validate()

@@ -61,6 +61,9 @@ def _add_serve(sub) -> None:
                    help=f"requests waiting for a slot beyond --max-inflight (default {c.queue_size})")
     p.add_argument("--queue-timeout", type=float, default=c.queue_timeout,
                    help=f"longest wait in that queue before 429 (default {c.queue_timeout:g} s)")
+    p.add_argument("--max-inflight-per-role", action="append", default=[], metavar="ROLE=N",
+                   help="requests in the encode or prefill stage at once (repeatable, comma-separated; default "
+                        "none); more wait in the same kind of queue (--queue-size, --queue-timeout) or get 429")
     p.add_argument("--shutdown-grace", type=float, default=c.shutdown_grace,
                    help=f"after SIGTERM, /ready is 503 and new connections are still accepted for this "
                         f"long (default {c.shutdown_grace:g} s)")
@@ -74,6 +77,19 @@ def _add_serve(sub) -> None:
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _role_caps(values: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in split_instances(values):
+        role, sep, n = item.partition("=")
+        try:
+            out[role.strip()] = int(n)
+        except ValueError:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64") from None
+        if not sep:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64")
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -98,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         probe_timeout=args.probe_timeout,
         fail_threshold=args.fail_threshold,
         max_inflight=args.max_inflight,
+        max_inflight_per_role=_role_caps(args.max_inflight_per_role),
         queue_size=args.queue_size,
         queue_timeout=args.queue_timeout,
         shutdown_grace=args.shutdown_grace,

@@ -131,6 +131,7 @@ class ProxyConfig:
     max_inflight: int = 0
     queue_size: int = 0
     queue_timeout: float = 10.0
+    max_inflight_per_role: dict[str, int] = field(default_factory=dict)  # encode/prefill -> cap (0 = none)
     # Graceful shutdown (serve.py): /ready is 503 and the listener open for the grace
     # period, then in-flight requests finish until shutdown_timeout (from the signal).
     shutdown_grace: float = 5.0
@@ -155,6 +156,10 @@ class ProxyConfig:
                                  f"got {len(self.ec_consumer_zmq_addrs)}")
         if self.max_inflight < 0 or self.queue_size < 0 or self.queue_timeout < 0:
             raise ValueError("--max-inflight, --queue-size and --queue-timeout must be >= 0")
+        for role, n in self.max_inflight_per_role.items():
+            if role not in ("encode", "prefill") or n < 0:
+                raise ValueError(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
+                                 f"(decode's cap is --max-inflight) and the cap >= 0")
         if self.shutdown_grace < 0 or self.shutdown_timeout < 0:
             raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
         if self.timeouts.first_byte < 0:

@@ -59,6 +59,7 @@ class ProxyMetrics:
         self.inflight = 0
         self.pools = pools or {}
         self.admission = None  # admission.Admission, read at scrape time
+        self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -109,6 +110,7 @@ class ProxyMetrics:
         yield GaugeMetricFamily("epd_proxy_inflight_requests", "Client requests in progress.",
                                 value=float(self.inflight))
         yield from _admission_families(self.admission, self.queue_wait)
+        yield from _role_admission_families(self.role_admission)
         yield from _pool_families(self.pools)
 
 
@@ -133,6 +135,20 @@ def _admission_families(admission, queue_wait: Buckets):
                               "(until admitted or shed).")
     h.add_metric([], queue_wait.cumulative(), sum_value=queue_wait.sum)
     yield h
+
+
+def _role_admission_families(caps: dict):
+    if not caps:
+        return
+    shed = CounterMetricFamily("epd_proxy_stage_shed_requests", "Requests answered 429 by a stage's "
+                               "concurrency cap (--max-inflight-per-role).", labels=["role"])
+    depth = GaugeMetricFamily("epd_proxy_stage_queue_depth", "Requests waiting for a stage's slot.",
+                              labels=["role"])
+    for role, cap in sorted(caps.items()):
+        shed.add_metric([role], float(cap.shed))
+        depth.add_metric([role], float(cap.waiting))
+    yield shed
+    yield depth
 
 
 def _pool_families(pools: dict):

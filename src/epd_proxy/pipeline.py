@@ -92,6 +92,10 @@ class Pipeline:
             self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
         self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
+        # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
+        self.role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
+                          for role, n in config.max_inflight_per_role.items() if n > 0 and pools.get(role)}
+        metrics.role_admission = self.role_caps
         self.first_byte = t.first_byte
         self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
         # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
@@ -158,7 +162,8 @@ class Pipeline:
         except ProxyError as err:
             _drop_traceback(err)
             if not writer.started:
-                headers = id_header + [(b"retry-after", b"5")] if err.status == 503 else id_header
+                headers = id_header + [(b"retry-after", _RETRY_AFTER[err.status])] if err.status in _RETRY_AFTER \
+                    else id_header
                 writer.send(err.status, err.body(), err.content_type(), headers)
             if err.status >= 500:
                 log.warning("request %s failed: %s", rid, err.message)
@@ -243,9 +248,26 @@ class Pipeline:
         d = self.decode.choose(ctx.excluded)
         p = self.prefill.choose(ctx.excluded) if self.prefill else None
         dp_headers, consumer_zmq = self._ec_consumer(d)
+        caps = self.role_caps
         if items and self.fanout is not None:
-            body = await self.fanout.run(ctx, body, items, consumer_zmq)
-        return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+            cap = caps.get("encode") if caps else None
+            if cap is None:
+                body = await self.fanout.run(ctx, body, items, consumer_zmq)
+            else:
+                await _take_slot("encode", cap)
+                try:
+                    body = await self.fanout.run(ctx, body, items, consumer_zmq)
+                finally:
+                    cap.leave()
+        cap = caps.get("prefill") if caps and p is not None else None
+        if cap is None:
+            return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+        # Held until decode's first event: in push mode the prefill runs that long anyway.
+        await _take_slot("prefill", cap)
+        try:
+            return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+        finally:
+            cap.leave()
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
         """A leg still running when the response is over: drained in the background
@@ -288,6 +310,17 @@ class Pipeline:
             index = self.decode.instances.index(d)
             zmq = cfg.ec_consumer_zmq_addrs[index * dp + (rank or 0)]
         return headers, zmq
+
+
+_RETRY_AFTER = {503: b"5", 429: b"1"}
+
+
+async def _take_slot(role: str, cap: Admission) -> None:
+    """A slot of a stage's cap, after waiting in its queue if need be; 429 past it."""
+    verdict = cap.try_enter()
+    if verdict == ADMIT or (verdict != SHED and await cap.wait()):
+        return
+    raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
 
 
 def _drop_traceback(err: BaseException) -> None:
