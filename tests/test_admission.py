@@ -74,6 +74,21 @@ async def test_a_slot_handed_to_a_waiter_that_left_is_passed_on():
     assert adm.active == 1
 
 
+async def test_closing_sends_every_waiter_away_without_a_slot():
+    adm = Admission(limit=1, queue_size=5)
+    adm.try_enter()
+    waiters = []
+    for _ in range(3):
+        assert adm.try_enter() == QUEUE
+        waiters.append(asyncio.ensure_future(adm.wait()))
+    await wait_for(lambda: adm.waiting == 3)
+    adm.close()
+    assert await asyncio.gather(*waiters) == [False, False, False]
+    assert adm.active == 1 and adm.waiting == 0
+    adm.leave()
+    assert adm.active == 0
+
+
 # -- over real sockets -----------------------------------------------------------------------------
 
 def _hold_one(cluster, client):

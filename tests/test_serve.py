@@ -37,19 +37,23 @@ async def test_shutdown_timeout_ends_a_stream_in_band_and_an_uncommitted_request
         await wait_for(lambda: _legs_closed(cluster), timeout=2)
 
 
-async def test_draining_proxy_answers_new_requests_on_open_connections_503_and_queued_ones_too():
-    async with stack(max_inflight=1, queue_size=2) as (cluster, proxy, client):
+async def test_once_the_listener_closed_queued_and_new_requests_get_503():
+    async with stack(max_inflight=1, queue_size=2, queue_timeout=30) as (cluster, proxy, client):
         cluster.instances("prefill")[0].inject("hang")
         held = asyncio.ensure_future(client.chat(chat_body(), timeout=30))
         await wait_for(lambda: len(cluster.records("prefill")) == 1)
         queued = asyncio.ensure_future(client.chat(chat_body(), timeout=30))
         await wait_for(lambda: proxy.app.pipeline.admission.waiting == 1)
         proxy.app.pipeline.close_admission()
+        reply = await queued  # sent away at once, while the held request goes on
+        assert reply.status == 503 and "shutting down" in reply.json()["error"]["message"]
+        assert reply.headers[b"retry-after"] == b"1"
+        assert not held.done()
+        assert (await client.chat(chat_body())).status == 503
+        assert len(cluster.records("prefill")) == 1
         held.cancel()
         await asyncio.gather(held, return_exceptions=True)
-        reply = await queued
-        assert reply.status == 503 and "shutting down" in reply.json()["error"]["message"]
-        assert proxy.app.pipeline.admission.active == 0
+        await wait_for(lambda: proxy.app.pipeline.admission.active == 0)
 
 
 # -- a real child process --------------------------------------------------------------------------

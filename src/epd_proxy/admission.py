@@ -65,7 +65,8 @@ class Admission:
         return verdict
 
     async def wait(self) -> bool:
-        """Wait in the queue; True once a slot was handed over, False after the queue timeout."""
+        """Wait in the queue; True once a slot was handed over, False after the queue timeout
+        or when the queue is closed (shutdown)."""
         self.queued += 1
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
@@ -75,7 +76,7 @@ class Admission:
                     await fut
             else:
                 await fut
-            return True
+            return fut.result()
         except TimeoutError:
             if fut.done() and not fut.cancelled():
                 return True  # the slot arrived as the clock ran out: use it
@@ -100,6 +101,13 @@ class Admission:
         while waiters:
             fut = waiters.popleft()
             if not fut.done():
-                fut.set_result(None)  # the slot changes hands; ``active`` is unchanged
+                fut.set_result(True)  # the slot changes hands; ``active`` is unchanged
                 return
         self.active -= 1
+
+    def close(self) -> None:
+        """Send every waiter away without a slot (the proxy is shutting down)."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(False)

@@ -111,6 +111,7 @@ class Pipeline:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
         self.closing = True
         self._gated = True
+        self.admission.close()
 
     # -- the request path -------------------------------------------------------------------
     async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
@@ -193,14 +194,15 @@ class Pipeline:
             if verdict == ADMIT:
                 return True
             if verdict != SHED:
-                if await admission.wait():
-                    self.metrics.queue_wait.observe(time.perf_counter() - t0)
-                    if not self.closing:
-                        return True
-                    admission.leave()  # woken by the shutdown: the slot is not used
+                admitted = await admission.wait()
+                self.metrics.queue_wait.observe(time.perf_counter() - t0)
+                if admitted and not self.closing:
+                    return True
+                if admitted:
+                    admission.leave()  # the proxy began shutting down meanwhile: the slot goes unused
+                if self.closing:
                     status, body, retry = 503, self._503_closing, b"1"
                 else:
-                    self.metrics.queue_wait.observe(time.perf_counter() - t0)
                     status, body, retry = 429, self._429, b"1"
             else:
                 status, body, retry = 429, self._429, b"1"
