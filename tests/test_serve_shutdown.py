@@ -1,4 +1,4 @@
-"""Graceful shutdown: in-process (the shutdown timeout) and as a real child process (SIGTERM)."""
+"""Graceful shutdown (serve.py): in-process (the shutdown timeout) and as a real child process (SIGTERM)."""
 
 import asyncio
 import os

@@ -52,7 +52,7 @@ def _add_serve(sub) -> None:
                    help=f"until decode's first event (default {t.decode_first:g} s)")
     p.add_argument("--stream-idle-timeout", type=float, default=t.stream_idle)
     p.add_argument("--first-byte-timeout", type=float, default=t.first_byte,
-                   help=f"from a request's arrival to its response's status: past it the client gets 504 "
+                   help=f"from a request's admission to its response's status: past it the client gets 504 "
                         f"and every upstream leg is closed (default {t.first_byte:g} s, 0 = off)")
     p.add_argument("--max-inflight", type=int, default=c.max_inflight,
                    help=f"client requests this process works on at once (default {c.max_inflight}: "

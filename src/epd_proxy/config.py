@@ -103,7 +103,7 @@ class Timeouts:
     prefill: float = 120.0  # until prefill's whole answer
     decode_first: float = 120.0  # until decode's headers and first event
     stream_idle: float = 600.0  # longest silence inside decode's stream
-    first_byte: float = 180.0  # from the request's arrival to its status line
+    first_byte: float = 180.0  # from the request's admission to its status line
 
 
 @dataclass(slots=True)
