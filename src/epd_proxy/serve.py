@@ -50,8 +50,9 @@ class RunningProxy:
         ``/ready`` turns 503 at once and every response closes its connection; the
         listener keeps accepting for ``grace`` seconds (a load balancer needs that long to
         notice); then it closes, so do idle connections, new requests on open ones get 503,
-        and in-flight ones may finish until ``timeout`` seconds after the call. What is left is ended as well as it can be: 503 before the
-        commit point, an in-band error and ``[DONE]`` on a committed stream.
+        and in-flight ones may finish until ``timeout`` seconds after the call. What is left
+        is ended as well as it can be: 503 before the commit point, an in-band error and
+        ``[DONE]`` on a committed stream.
         """
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
