@@ -182,3 +182,26 @@ async def test_a_second_sigterm_exits_at_once(workers):
                 os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
             await client.close()
+
+
+async def test_past_the_shutdown_timeout_what_is_left_is_ended_and_the_exit_is_0():
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, roles={"decode": {"itl_ms": 20}})
+    async with SimCluster(prefill=1, decode=1, config=sim) as cluster:
+        proc, client = await _start_proxy(cluster, "--shutdown-grace", "0", "--shutdown-timeout", "0.5")
+        try:
+            stream = asyncio.ensure_future(client.chat(chat_body(stream=True, max_tokens=2000), timeout=30))
+            await wait_for(lambda: cluster.instances("decode")[0]._in_flight == 1)
+            cluster.instances("prefill")[0].inject("hang")
+            hung = asyncio.ensure_future(client.chat(chat_body(), timeout=30))
+            await wait_for(lambda: len(cluster.records("prefill")) == 2)
+            proc.send_signal(signal.SIGTERM)
+            s, h = await stream, await hung
+            assert s.events[-2].startswith(b'data: {"error"') and s.events[-1] == b"data: [DONE]"
+            assert h.status == 503 and h.json()["error"]["code"] == 503
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+            await wait_for(lambda: _legs_closed(cluster), timeout=2)
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+            await client.close()
