@@ -79,7 +79,7 @@ async def test_no_request_object_outlives_its_request_without_the_collector(kv):
                            kv_port=int(ident["kv_port"]), tp=1, pp=1)
     config = ProxyConfig(encode=[InstanceSpec(urls["encode"], "encode")], prefill=[prefill],
                          decode=[InstanceSpec(urls["decode"], "decode")], kv_connector=kv, probe_interval=0,
-                         timeouts=Timeouts(first_byte=0.25))
+                         timeouts=Timeouts(first_byte=0.4))
     kinds = [
         (chat_body(stream=True), 0, b"200 OK"),
         (chat_body(), 0, b"200 OK"),
