@@ -45,8 +45,9 @@ def test_histograms_match_prometheus_client():
 
 def test_exposition_has_every_family():
     # What the collector reads from a pool, at scrape time.
-    inst = SimpleNamespace(url="http://127.0.0.1:9", healthy=True, inflight=2, errors=5)
-    pool = SimpleNamespace(instances=[inst])
+    inst = SimpleNamespace(url="http://127.0.0.1:9", healthy=True, inflight=2, errors=5,
+                           health=SimpleNamespace(ejections=4))
+    pool = SimpleNamespace(instances=[inst], panics=6, local_errors=7)
     m = ProxyMetrics({"decode": pool})
     m.observe_request("/v1/chat/completions", 200, 0.3)
     m.observe_request("/v1/chat/completions", 200, 0.2)
@@ -71,3 +72,6 @@ def test_exposition_has_every_family():
     assert s[("epd_proxy_instance_healthy", inst)] == 1
     assert s[("epd_proxy_instance_inflight", inst)] == 2
     assert s[("epd_proxy_instance_errors", inst)] == 5
+    assert s[("epd_proxy_instance_ejections_total", inst)] == 4
+    assert s[("epd_proxy_panic_routing_total", (("role", "decode"),))] == 6
+    assert s[("epd_proxy_local_errors_total", (("role", "decode"),))] == 7

@@ -307,12 +307,14 @@ async def test_encoder_4xx_reaches_a_streaming_client_as_a_status():
         assert cluster.records("decode") == []
 
 
-async def test_encoder_down_is_a_502_for_a_streaming_client():
+async def test_encoder_down_is_a_503_for_a_streaming_client():
+    # Its only encoder refuses connections: the role is unreachable now.
     async with stack(encode=1, decode_retries=0) as (cluster, proxy, client):
         await cluster.instances("encode")[0].crash()
         reply = await client.chat(chat_body(images=["https://x/a.png"], stream=True))
-        assert reply.status == 502
-        assert reply.json()["error"]["type"] == "BadGatewayError"
+        assert reply.status == 503
+        assert reply.headers[b"retry-after"] == b"5"
+        assert reply.json()["error"]["type"] == "ServiceUnavailableError"
 
 
 async def test_prefill_without_kv_params_is_a_502_not_a_silent_full_prefill():
@@ -333,14 +335,20 @@ async def test_stage_timeout_is_504():
         await wait_for(lambda: cluster.records("prefill")[-1].aborted)
 
 
-async def test_no_healthy_decode_is_503_with_retry_after():
+async def test_no_reachable_decode_is_503_with_retry_after():
     async with stack(fail_threshold=1, decode_retries=0) as (cluster, proxy, client):
-        await cluster.instances("decode")[0].crash()
-        first = await client.chat(chat_body())
-        assert first.status == 502
-        second = await client.chat(chat_body())
-        assert second.status == 503
-        assert second.headers[b"retry-after"] == b"5"
+        d = cluster.instances("decode")[0]
+        await d.crash()
+        for _ in range(2):  # in rotation, then ejected by its probe: tried anyway, both times
+            reply = await client.chat(chat_body())
+            assert reply.status == 503
+            assert reply.headers[b"retry-after"] == b"5"
+            assert "no decode instance" in reply.json()["error"]["message"]
+            assert d.url not in reply.json()["error"]["message"]
+            await proxy.app.pools["decode"].probe_once(0.5)
+        assert proxy.app.pools["decode"].instances[0].state == "ejected"
+        await d.restart()
+        assert (await client.chat(chat_body())).status == 200
 
 
 # -- failures after the commit point ------------------------------------------------------------

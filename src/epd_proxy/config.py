@@ -89,14 +89,21 @@ def split_instances(values: list[str] | None) -> list[str]:
 
 @dataclass(slots=True)
 class Timeouts:
-    """Bounds on every wait, in seconds (stage waits end in a 504)."""
+    """Bounds on every wait, in seconds (stage waits end in a 504).
+
+    Stage defaults follow what each call does on vLLM (docs/architecture.md,
+    "Overload, deadlines and shutdown"): an encoder call is short, a prefill is one
+    forward pass over the prompt plus its queueing, decode's first event in push
+    mode waits for that prefill. ``first_byte`` bounds the whole pre-commit phase
+    (every stage and retry) of one request; 0 turns it off.
+    """
 
     connect: float = 5.0
-    encode: float = 300.0
-    prefill: float = 600.0  # until prefill's whole answer
-    decode_first: float = 600.0  # until decode's headers and first event
+    encode: float = 60.0
+    prefill: float = 120.0  # until prefill's whole answer
+    decode_first: float = 120.0  # until decode's headers and first event
     stream_idle: float = 600.0  # longest silence inside decode's stream
-    push_drain: float = 60.0  # push mode: prefill still running after decode ended
+    first_byte: float = 180.0  # from the request's admission to its status line
 
 
 # Headers --forward-header may not copy from a client to the backends: hop-by-hop headers
@@ -158,6 +165,22 @@ class ProxyConfig:
     probe_timeout: float = 2.0
     fail_threshold: int = 3
     routing: str = "least-loaded"
+    # Outlier detection (docs/architecture.md, "Health: ejection, panic routing and recovery").
+    outlier_failure_percent: float = 85.0  # request failures (HTTP 500) that eject, in % ...
+    outlier_min_requests: int = 20  # ... of at least this many requests ...
+    outlier_interval: float = 10.0  # ... within this many seconds of the first failure
+    ejection_time: float = 10.0  # base ejection time, times the number of ejections in a row
+    max_ejection_time: float = 300.0
+    max_ejection_percent: int = 50  # of a role, by passive signals (rounded down)
+    # Admission control (admission.py): 0 = unlimited; see docs/architecture.md.
+    max_inflight: int = 0
+    queue_size: int = 0
+    queue_timeout: float = 10.0
+    max_inflight_per_role: dict[str, int] = field(default_factory=dict)  # encode/prefill -> cap (0 = none)
+    # Graceful shutdown (serve.py): /ready is 503 and the listener open for the grace
+    # period, then in-flight requests finish until shutdown_timeout (from the signal).
+    shutdown_grace: float = 5.0
+    shutdown_timeout: float = 25.0
     # The trust boundary (docs/architecture.md): what a client's body may ask for.
     ignore_client_uuids: bool = False  # use content-derived keys even when a client sends a uuid
     # Media parts per request, all modalities together; vLLM's --limit-mm-per-prompt
@@ -195,6 +218,26 @@ class ProxyConfig:
                 raise ValueError(f"--ec-consumer-zmq-addrs needs {want} addresses "
                                  f"({len(self.decode)} decode x dp {self.ec_consumer_dp_size}), "
                                  f"got {len(self.ec_consumer_zmq_addrs)}")
+        if self.fail_threshold < 1:
+            raise ValueError("--fail-threshold must be >= 1")
+        if not 0 < self.outlier_failure_percent <= 100:
+            raise ValueError("--outlier-failure-percent must be in (0, 100]")
+        if self.outlier_min_requests < 1 or self.outlier_interval <= 0:
+            raise ValueError("--outlier-min-requests must be >= 1 and --outlier-interval > 0")
+        if self.ejection_time <= 0 or self.max_ejection_time < self.ejection_time:
+            raise ValueError("--ejection-time must be > 0 and --max-ejection-time >= --ejection-time")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ValueError("--max-ejection-percent must be in [0, 100]")
+        if self.max_inflight < 0 or self.queue_size < 0 or self.queue_timeout < 0:
+            raise ValueError("--max-inflight, --queue-size and --queue-timeout must be >= 0")
+        for role, n in self.max_inflight_per_role.items():
+            if role not in ("encode", "prefill") or n < 0:
+                raise ValueError(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
+                                 f"(decode's cap is --max-inflight) and the cap >= 0")
+        if self.shutdown_grace < 0 or self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
+        if self.timeouts.first_byte < 0:
+            raise ValueError("--first-byte-timeout must be >= 0")
         for role in ROLES:
             urls = [s.url for s in getattr(self, role)]
             dup = {u for u in urls if urls.count(u) > 1}

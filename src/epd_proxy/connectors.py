@@ -8,6 +8,7 @@ Adding a connector means adding a class here, not an ``if`` in the pipeline.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import msgspec
@@ -20,6 +21,8 @@ from .http.client import Timeouts as ClientTimeouts
 from .pool import Instance
 from .stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from .stages import DecodeLeg, DecodeStage, PrefillStage
+
+log = logging.getLogger("epd_proxy.connectors")
 
 
 @dataclass(slots=True)
@@ -69,8 +72,10 @@ class NixlPull(KVConnector):
         kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params()))
         if kv is None:
             # Without them decode would silently prefill the whole prompt itself.
-            raise ProxyError(502, f"prefill instance {plan.prefill.url} returned no kv_transfer_params; "
-                                  "is it running with a NIXL kv-transfer-config?", retryable=True)
+            log.warning("request %s: prefill instance %s returned no kv_transfer_params", ctx.request_id,
+                        plan.prefill.url)
+            raise ProxyError(502, "prefill instance returned no kv_transfer_params; is it running with a "
+                                  "NIXL kv-transfer-config?", retryable=True)
         return await self.decode.open(ctx, plan.decode, decode_body(plan.body, kv=kv), plan.decode_headers)
 
 
@@ -205,12 +210,15 @@ class Mooncake(NixlPush):
             ranks = msgspec.json.decode(data) if resp.status == 200 else None
             engines = [ranks[k]["engine_id"] for k in sorted(ranks, key=int)] if isinstance(ranks, dict) else []
         except (UpstreamError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ProxyError(503, f"prefill {inst.url}: its Mooncake bootstrap server {url} did not "
-                                  f"answer /query: {exc}", retryable=True) from None
+            log.warning("prefill %s: its Mooncake bootstrap server %s did not answer /query: %s", inst.url,
+                        url, exc)
+            raise ProxyError(503, "prefill instance's Mooncake bootstrap server did not answer", retryable=True
+                             ) from None
         finally:
             await pool.close()
         if not engines:
-            raise ProxyError(503, f"prefill {inst.url}: bootstrap server {url} reported no engine ids",
+            log.warning("prefill %s: its Mooncake bootstrap server %s reported no engine ids", inst.url, url)
+            raise ProxyError(503, "prefill instance's Mooncake bootstrap server reported no engine ids",
                              retryable=True)
         self._engines[inst.url] = engines
         return engines

@@ -58,6 +58,9 @@ class ProxyMetrics:
         self.disconnects = 0
         self.inflight = 0
         self.pools = pools or {}
+        self.admission = None  # admission.Admission, read at scrape time
+        self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
+        self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -106,6 +109,8 @@ class ProxyMetrics:
             yield CounterMetricFamily(name, doc, value=float(value))
         yield GaugeMetricFamily("epd_proxy_inflight_requests", "Client requests in progress.",
                                 value=float(self.inflight))
+        yield from _admission_families(self.admission, self.queue_wait)
+        yield from _role_admission_families(self.role_admission)
         yield from _pool_families(self.pools)
 
 
@@ -116,6 +121,36 @@ def _histogram(name: str, doc: str, label: str, series: dict[str, Buckets]) -> H
     return h
 
 
+def _admission_families(admission, queue_wait: Buckets):
+    """Admission control (admission.py): what was shed, what waits, how long it waited."""
+    if admission is None:
+        return
+    yield CounterMetricFamily("epd_proxy_shed_requests", "Requests answered 429 by admission control "
+                              "(queue full or queue timeout).", value=float(admission.shed))
+    yield GaugeMetricFamily("epd_proxy_queue_depth", "Requests waiting for an admission slot.",
+                            value=float(admission.waiting))
+    yield GaugeMetricFamily("epd_proxy_admitted_requests", "Admission slots in use (0 when unlimited).",
+                            value=float(admission.active))
+    h = HistogramMetricFamily("epd_proxy_queue_wait_seconds", "Time queued requests waited for a slot "
+                              "(until admitted or shed).")
+    h.add_metric([], queue_wait.cumulative(), sum_value=queue_wait.sum)
+    yield h
+
+
+def _role_admission_families(caps: dict):
+    if not caps:
+        return
+    shed = CounterMetricFamily("epd_proxy_stage_shed_requests", "Requests answered 429 by a stage's "
+                               "concurrency cap (--max-inflight-per-role).", labels=["role"])
+    depth = GaugeMetricFamily("epd_proxy_stage_queue_depth", "Requests waiting for a stage's slot.",
+                              labels=["role"])
+    for role, cap in sorted(caps.items()):
+        shed.add_metric([role], float(cap.shed))
+        depth.add_metric([role], float(cap.waiting))
+    yield shed
+    yield depth
+
+
 def _pool_families(pools: dict):
     """Instance health and load, read at scrape time."""
     healthy = GaugeMetricFamily("epd_proxy_instance_healthy", "1 if the instance is in rotation.",
@@ -124,11 +159,26 @@ def _pool_families(pools: dict):
                                  labels=["role", "url"])
     errors = GaugeMetricFamily("epd_proxy_instance_errors", "Failures seen on the instance (total).",
                                labels=["role", "url"])
+    ejections = CounterMetricFamily("epd_proxy_instance_ejections",
+                                    "Times the instance was taken out of rotation (probes or outlier detection).",
+                                    labels=["role", "url"])
+    panics = CounterMetricFamily("epd_proxy_panic_routing",
+                                 "Requests routed over every instance of a role because none was in rotation.",
+                                 labels=["role"])
+    local = CounterMetricFamily("epd_proxy_local_errors",
+                                "Upstream connects that failed for lack of the proxy's own resources (EMFILE, "
+                                "ENOBUFS, memory); never blamed on an instance.", labels=["role"])
     for role, pool in pools.items():
         for inst in pool.instances:
             healthy.add_metric([role, inst.url], 1.0 if inst.healthy else 0.0)
             inflight.add_metric([role, inst.url], float(inst.inflight))
             errors.add_metric([role, inst.url], float(inst.errors))
+            ejections.add_metric([role, inst.url], float(inst.health.ejections))
+        panics.add_metric([role], float(pool.panics))
+        local.add_metric([role], float(pool.local_errors))
     yield healthy
     yield inflight
     yield errors
+    yield ejections
+    yield panics
+    yield local

@@ -3,7 +3,11 @@
 Each stage turns transport failures and upstream statuses into a
 :class:`ProxyError` with the status the client should see: an upstream 4xx is
 relayed as received (it is the client's mistake, e.g. vLLM's validation 400),
-a 5xx or a broken connection is a retryable 502, a stage timeout a 504.
+a 5xx or a broken connection is a retryable 502, a stage timeout a 504, a
+refused connection with no other instance of the role in rotation a
+(retryable) 503, and the proxy's own shortage of descriptors or memory a 503.
+On the way, each failure tells the pool what it says about the instance
+(``health.py``): an instance signal, a request signal, or nothing.
 """
 
 from __future__ import annotations
@@ -51,14 +55,62 @@ def upstream_message(body: bytes) -> str:
     return text or "(empty body)"
 
 
-def status_error(stage: str, inst: Instance, status: int, body: bytes, content_type: bytes | None) -> ProxyError:
-    """An upstream answered with a non-200 status."""
+def status_error(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, status: int, body: bytes,
+                 content_type: bytes | None) -> ProxyError:
+    """An upstream answered with a non-200 status: what it says about the instance is
+    recorded, and the error the client should see is returned."""
     if 400 <= status < 500:
-        # The request itself is wrong: the client gets the engine's own answer.
+        # The request itself is wrong: the client gets the engine's own answer, and the
+        # instance, which answered properly, is not blamed.
+        pool.record_success(inst)
         return ProxyError(status, upstream_message(body), upstream_body=body,
                           upstream_content_type=content_type or _JSON)
-    return ProxyError(502, f"{stage} instance {inst.url} failed with HTTP {status}: {upstream_message(body)}",
-                      retryable=True)
+    message = upstream_message(body)
+    log.warning("request %s: %s instance %s answered HTTP %d: %s", att.request_id, stage, inst.url, status,
+                message)
+    if status in _GATEWAY_STATUSES:
+        # What gateways and an overloaded or dying vLLM answer: about the instance.
+        pool.record_failure(inst, f"HTTP {status}: {message}", f"http_{status}", att)
+    else:
+        # vLLM's 500: this request failed on it (e.g. one odd image), not the instance.
+        pool.record_request_failure(inst, f"HTTP {status}: {message}", f"http_{status}", att)
+    return ProxyError(502, f"{stage} instance failed with HTTP {status}: {message}", retryable=True)
+
+
+_GATEWAY_STATUSES = frozenset({502, 503, 504})
+
+
+def transport_error(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, exc: UpstreamError,
+                    doing: str) -> ProxyError:
+    """A failure below HTTP talking to an instance, as the client should see it. The
+    address goes to the log line only: clients learn the role, never our topology."""
+    kind = exc.kind
+    if kind == "local":
+        # This process is short of descriptors, buffers or memory: nothing the instance did.
+        pool.record_local_error()
+        log.error("request %s: cannot reach %s instance %s for lack of local resources: %s",
+                  att.request_id, stage, inst.url, exc)
+        return ProxyError(503, f"the proxy is short of local resources ({_reason(exc)}); retry later",
+                          retryable=False)
+    log.warning("request %s: %s instance %s: %s %s", att.request_id, stage, inst.url, doing, exc)
+    pool.record_failure(inst, f"{doing}: {exc}", kind, att)
+    if kind == "connect" and not pool.reachable(att.excluded):
+        # Nothing in rotation that has not already refused this request: the role is
+        # unreachable now (a retry may still find another instance answering).
+        return ProxyError(503, f"no {stage} instance available: none accepts connections", retryable=True)
+    if isinstance(exc, UpstreamTimeout):
+        return ProxyError(504, f"{stage} instance timed out: {exc}", retryable=True)
+    if kind == "connect":
+        return ProxyError(502, f"{stage} instance unreachable", retryable=True)
+    if kind == "ejected":
+        return ProxyError(502, f"{stage} instance stopped answering and was taken out of rotation",
+                          retryable=True)
+    return ProxyError(502, f"{stage} instance broke off the connection while {doing}", retryable=True)
+
+
+def _reason(exc: UpstreamError) -> str:
+    """The OS's words from a connect failure, without the address before them."""
+    return str(exc).rsplit(": ", 1)[-1]
 
 
 async def call(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, path: str, body: bytes,
@@ -68,16 +120,9 @@ async def call(pool: InstancePool, inst: Instance, att: RequestContext, stage: s
     att.hold(inst)
     try:
         return await inst.http.request("POST", path, body=body, headers=headers, timeouts=timeouts)
-    except UpstreamTimeout as exc:
-        att.release(inst)
-        pool.record_failure(inst, str(exc))
-        att.failed(inst)
-        raise ProxyError(504, f"{stage} instance {inst.url} timed out: {exc}", retryable=True) from None
     except UpstreamError as exc:
         att.release(inst)
-        pool.record_failure(inst, str(exc))
-        att.failed(inst)
-        raise ProxyError(502, f"{stage} instance {inst.url} unreachable: {exc}", retryable=True) from None
+        raise transport_error(pool, inst, att, stage, exc, "sending the request") from None
     except BaseException:
         att.release(inst)
         raise
@@ -86,20 +131,14 @@ async def call(pool: InstancePool, inst: Instance, att: RequestContext, stage: s
 async def read_body(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, resp: Response) -> bytes:
     try:
         return await resp.read()
-    except UpstreamTimeout as exc:
-        pool.record_failure(inst, str(exc))
-        att.failed(inst)
-        raise ProxyError(504, f"{stage} instance {inst.url} timed out: {exc}", retryable=True) from None
     except UpstreamError as exc:
-        pool.record_failure(inst, str(exc))
-        att.failed(inst)
-        raise ProxyError(502, f"{stage} instance {inst.url} broke off its answer: {exc}", retryable=True) from None
+        raise transport_error(pool, inst, att, stage, exc, "reading its answer") from None
 
 
 async def exchange(pool: InstancePool, inst: Instance, att: RequestContext, stage: str, path: str, body: bytes,
                    headers: list, timeouts: Timeouts) -> bytes:
     """A whole request/response with one instance; a non-200 answer raises (and a
-    5xx counts against the instance and is retryable elsewhere)."""
+    5xx is retryable elsewhere)."""
     resp = await call(pool, inst, att, stage, path, body, headers, timeouts)
     try:
         data = await read_body(pool, inst, att, stage, resp)
@@ -107,11 +146,7 @@ async def exchange(pool: InstancePool, inst: Instance, att: RequestContext, stag
         resp.close()
         att.release(inst)
     if resp.status != 200:
-        err = status_error(stage, inst, resp.status, data, resp.content_type)
-        if err.retryable:
-            pool.record_failure(inst, err.message)
-            att.failed(inst)
-        raise err
+        raise status_error(pool, inst, att, stage, resp.status, data, resp.content_type)
     pool.record_success(inst)
     return data
 
@@ -138,11 +173,7 @@ class EncoderFanout:
         self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
 
     async def run(self, att: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
-        healthy = [e for e in self.pool.instances if e.healthy]
-        if not healthy:
-            raise ProxyError(503, "no healthy encode instance available for the request's media")
-        avoid = [e for e in healthy if e not in att.excluded]
-        encoders = avoid or healthy
+        encoders = self.pool.candidates(att.excluded)
         assigned = self.cursor.take(len(items), len(encoders))
         subs = plan_sub_requests(items, assigned, self.max_batch)
         # Fresh transfer ids per item occurrence and per attempt (never reused on retry).
@@ -225,8 +256,9 @@ class PrefillStage:
         try:
             raw = msgspec.json.decode(data, type=_PrefillReply).kv_transfer_params
         except (msgspec.DecodeError, msgspec.ValidationError):
-            raise ProxyError(502, f"prefill instance {inst.url} returned an unreadable answer",
-                             retryable=True) from None
+            log.warning("request %s: prefill instance %s returned an unreadable answer", att.request_id,
+                        inst.url)
+            raise ProxyError(502, "prefill instance returned an unreadable answer", retryable=True) from None
         return None if bytes(raw) == b"null" else raw
 
 
@@ -261,14 +293,11 @@ class DecodeStage:
         try:
             if resp.status != 200:
                 data = await read_body(self.pool, inst, att, "decode", resp)
-                err = status_error("decode", inst, resp.status, data, resp.content_type)
-                if err.retryable:
-                    self.pool.record_failure(inst, err.message)
-                    att.failed(inst)
-                raise err
+                raise status_error(self.pool, inst, att, "decode", resp.status, data, resp.content_type)
             ctype = resp.content_type or b""
             if not ctype.startswith(b"text/event-stream"):
                 data = await read_body(self.pool, inst, att, "decode", resp)
+                self.pool.record_success(inst)
                 att.timing("decode", time.perf_counter() - t0)
                 return DecodeLeg(inst, resp, body=data)
             first = await self._first_event(att, inst, resp)
@@ -294,12 +323,9 @@ class DecodeStage:
             while end < 0:
                 try:
                     chunk = await resp.read_chunk()
-                except (UpstreamError, UpstreamTimeout) as exc:
-                    self.pool.record_failure(inst, str(exc))
-                    att.failed(inst)
-                    status = 504 if isinstance(exc, UpstreamTimeout) else 502
-                    raise ProxyError(status, f"decode instance {inst.url} broke off before its first event: "
-                                             f"{exc}", retryable=True) from None
+                except UpstreamError as exc:
+                    raise transport_error(self.pool, inst, att, "decode", exc,
+                                          "reading its stream before the first event") from None
                 if not chunk:
                     return buf  # the stream ended: relay what there is
                 buf += chunk
@@ -313,9 +339,11 @@ class DecodeStage:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return buf
             if parsed.error is not None:
-                att.failed(inst)
-                raise ProxyError(502, f"decode instance {inst.url} failed: {upstream_message(event[6:])}",
-                                 retryable=True)
+                message = upstream_message(event[6:])
+                log.warning("request %s: decode instance %s failed in-band: %s", att.request_id, inst.url,
+                            message)
+                self.pool.record_request_failure(inst, f"in-band error: {message}", "in_band", att)
+                raise ProxyError(502, f"decode instance failed: {message}", retryable=True)
             if not parsed.role_only():
                 return buf
         return buf

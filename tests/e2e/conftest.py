@@ -72,15 +72,28 @@ class ClusterManager:
         self.failed: dict[str, str] = {}
 
     def get(self, name: str) -> E.Cluster:
+        """The named cluster, running and ready (started now if it is not the current one)."""
+        cluster = self.launch(name, fresh=False)
+        try:
+            cluster.wait_ready()
+        except RuntimeError as e:
+            self.current = None
+            self.failed[name] = str(e)
+            pytest.fail(f"cluster {name} failed to start: {e}", pytrace=False)
+        return cluster
+
+    def launch(self, name: str, *, fresh: bool = True) -> E.Cluster:
+        """The named cluster's processes, started without waiting for them to be ready
+        (``fresh``: restarted even if it is the current one)."""
         if name in self.failed:
             pytest.fail(f"cluster {name} failed to start earlier: {self.failed[name]}", pytrace=False)
-        if self.current is not None and self.current.name == name:
+        if not fresh and self.current is not None and self.current.name == name:
             return self.current
         self.stop()
         cluster = E.CLUSTERS[name](self.log_dir)
         try:
-            cluster.start()
-        except RuntimeError as e:
+            cluster.launch()
+        except (RuntimeError, OSError) as e:
             self.failed[name] = str(e)
             pytest.fail(f"cluster {name} failed to start: {e}", pytrace=False)
         self.current = cluster

@@ -263,6 +263,8 @@ class Cluster:
         self.log_dir = log_dir
         self.ec_dir = ec_dir
         self.started_in = 0.0
+        self.ready = False
+        self._t0 = 0.0
 
     def __getattr__(self, item: str) -> Vllm:
         inst = self.__dict__.get("instances", {})
@@ -271,16 +273,32 @@ class Cluster:
         raise AttributeError(item)
 
     def start(self) -> None:
-        t0 = time.monotonic()
+        """Launch every instance and wait until each answers ``/health``."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the processes without waiting for them (as pods start together)."""
+        self._t0 = time.monotonic()
+        self.ready = False
         try:
             for v in self.instances.values():
                 v.start(self.log_dir)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        try:
             for v in self.instances.values():
                 v.wait_ready()
         except BaseException:
             self.stop()
             raise
-        self.started_in = time.monotonic() - t0
+        self.ready = True
+        self.started_in = time.monotonic() - self._t0
         print(f"\n[e2e] cluster {self.name} up in {self.started_in:.0f}s: "
               + ", ".join(f"{k}={v.url} (sc {v.side_channel_port})" for k, v in self.instances.items()),
               file=sys.stderr)
@@ -391,7 +409,9 @@ def start_proxy(name: str, log_dir: str, *, encode: Iterable[str] = (), prefill:
             argv += [flag, u]
     if prefill:
         argv += ["--kv-connector", kv_connector]
-    argv += ["--log-level", "info", *extra]  # `extra` may override the log level
+    # No grace period at shutdown: nothing balances load over these proxies (each stop would
+    # otherwise wait --shutdown-grace for load balancers to notice /ready).
+    argv += ["--log-level", "info", "--shutdown-grace", "0", *extra]  # `extra` may override these
     env = dict(os.environ)
     env.pop("PYTEST_CURRENT_TEST", None)
     proc = Proc(f"proxy-{name}", argv, env, log_dir, cwd=REPO)

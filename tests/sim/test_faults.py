@@ -9,7 +9,7 @@ import pytest
 
 from epd_proxy.http.client import Timeouts, UpstreamError, UpstreamTimeout
 from epd_proxy.sim import SimCluster, SimConfig, expected_text, parse_faults
-from epd_proxy.sim.faults import FaultSyntaxError
+from epd_proxy.sim.faults import FaultSource, FaultSyntaxError
 from simhelpers import (GENERIC_EVENT, chat_body, failure, fast_config, prefill_body, push_decode_params, sse_events,
                         stream_pieces, stream_text)
 
@@ -236,3 +236,11 @@ async def test_prefill_pushes_before_its_response_fails(http):
         assert r.status == 500 and c.held_kv_blocks == 1  # stranded until kv_abort_timeout
         r = await http.chat(c.urls("prefill")[0], prefill_body(chat_body()), fault="status=503")
         assert r.status == 503 and c.held_kv_blocks == 1  # refused before any work
+
+
+def test_injected_faults_apply_to_the_next_n_requests_of_their_role():
+    src = FaultSource("decode", 0.0, (), "0/decode-0")
+    src.inject("decode:status=503,prefill:hang", times=2)
+    plans = [src.plan(None, {}) for _ in range(3)]
+    assert [p.status if p else None for p in plans] == [503, 503, None]
+    assert not plans[0].hang

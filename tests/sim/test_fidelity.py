@@ -136,9 +136,11 @@ async def test_decode_kv_metrics(http):
         assert metric(m, src % "external_kv_transfer") == 15
         assert metric(m, src % "local_compute") == 3
         assert metric(m, src % "local_cache_hit") == 0
-        # The prefill computed both prompts and transferred nothing itself.
+        # The prefill computed both prompts and transferred nothing itself; the second prompt's
+        # first block (the role and three words) came from its prefix cache.
         pm = (await http.get(c.urls("prefill")[0], "/metrics")).data.decode()
-        assert metric(pm, src % "local_compute") == 15 and metric(pm, "vllm:nixl_bytes_transferred_count") == 0
+        assert metric(pm, src % "local_compute") == 11 and metric(pm, "vllm:nixl_bytes_transferred_count") == 0
+        assert metric(pm, src % "local_cache_hit") == 4
     # Push mode counts one transfer per load as well; Mooncake has no NIXL metrics.
     async with SimCluster(prefill=1, decode=1, config=fast_config(kv_connector="nixl-push")) as c:
         body = chat_body("pushed", max_tokens=2)

@@ -43,9 +43,9 @@ async def test_records_are_accurate(http):
         assert drec.json["min_tokens"] == 2
         assert [r.instance for r in c.records()] == ["prefill-0", "decode-0"]
         assert c.records("decode") == [drec]
-        # Side-channel traffic is not in the records; it is in kv_events.
+        # Side-channel traffic is not in the records; it is in side_channel_log.
         assert all(not r.path.startswith("/sim/") for r in c.records())
-        assert [e["op"] for e in c.instances("prefill")[0].kv_events] == ["serve-pull"]
+        assert [e["op"] for e in c.instances("prefill")[0].side_channel_log] == ["serve-pull"]
 
 
 async def test_client_disconnect_mid_stream_is_recorded_as_aborted(http):

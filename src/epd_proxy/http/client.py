@@ -23,6 +23,7 @@ free slot; the wait is bounded by the request's header timeout.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl as _ssl
 import sys
 from collections import deque
@@ -41,7 +42,10 @@ class UpstreamError(Exception):
 
     def __init__(self, message: str, *, kind: str = "connection", response_started: bool = False) -> None:
         super().__init__(message)
-        self.kind = kind  # "connect", "connection", "timeout", "protocol"
+        # "connect", "connection", "timeout", "protocol"; "local" when this process ran out of
+        # something (descriptors, buffers, memory): not the upstream's fault; "ejected" when
+        # the pool gave up on a pending exchange (``ConnectionPool.fail_pending``).
+        self.kind = kind
         self.response_started = response_started
 
 
@@ -259,10 +263,14 @@ class _Connection(asyncio.Protocol):
                 and resp._error is None and self._head_future is None:
             # A close-delimited body ends at a clean EOF (a reset is a truncation).
             resp._finish(None)
-            return
-        self._fail(UpstreamError(
-            "upstream closed the connection" + (f": {exc}" if exc else ""),
-            response_started=self._got_bytes))
+        else:
+            self._fail(UpstreamError(
+                "upstream closed the connection" + (f": {exc}" if exc else ""),
+                response_started=self._got_bytes))
+        # The parser holds this connection's callbacks and the response refers back to it:
+        # let go of both, so a closed connection is freed without the cyclic collector.
+        self._response = None
+        self.parser = None
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -524,7 +532,11 @@ class ConnectionPool:
             raise UpstreamError(f"connect to {self.url} timed out after {timeout:g} s", kind="connect") from None
         except OSError as exc:
             self._free_slot()
-            raise UpstreamError(f"cannot connect to {self.url}: {exc.strerror or exc}", kind="connect") from None
+            kind = "local" if exc.errno in _LOCAL_ERRNOS else "connect"
+            raise UpstreamError(f"cannot connect to {self.url}: {exc.strerror or exc}", kind=kind) from None
+        except MemoryError:
+            self._free_slot()
+            raise UpstreamError(f"cannot connect to {self.url}: out of memory", kind="local") from None
         except BaseException:
             if conn.transport is not None:
                 conn.transport.abort()
@@ -676,6 +688,21 @@ class ConnectionPool:
             raise
         return resp
 
+    def fail_pending(self, error) -> int:
+        """Fail every exchange still waiting for its answer: no headers yet, or a body
+        being read rather than relayed (work before a response is committed). For an
+        upstream that stopped answering, so its requests can be retried elsewhere
+        instead of waiting for their timeouts. ``error()`` makes each exception; returns
+        how many were failed."""
+        n = 0
+        for conn in list(self._all):
+            resp = conn._response
+            if conn._head_future is not None or (resp is not None and resp._sink is None and not resp.complete):
+                conn._fail(error())
+                conn.abort()
+                n += 1
+        return n
+
     async def close(self) -> None:
         self.closed = True
         for conn in list(self._all):
@@ -690,3 +717,5 @@ class ConnectionPool:
 
 
 _DEFAULT_TIMEOUTS = Timeouts()
+# Connect failures that are this process's own shortage, not the upstream's.
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

@@ -7,7 +7,8 @@ import dataclasses
 import time
 
 from epd_proxy.sim.config import KV_CONNECTORS, ROLES, SimConfig
-from epd_proxy.sim.instance import EcStore, SimInstance
+from epd_proxy.sim.ec_store import EcStore
+from epd_proxy.sim.instance import SimInstance
 from epd_proxy.sim.records import SimRecord
 
 _ROLE_ALIASES = {"encode": "encode", "e": "encode", "encoder": "encode", "encoders": "encode",

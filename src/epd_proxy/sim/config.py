@@ -30,9 +30,10 @@ class SimConfig:
 
     # --- latency model (continuous batching; see engine.py) ---------------------------
     ttft_ms: float = 2.0  # base prefill time
-    ttft_per_token_ms: float = 0.01  # plus this per prompt token
+    ttft_per_token_ms: float = 0.01  # plus this per prompt token not found in the prefix cache
     itl_ms: float = 1.0  # engine step = inter-token latency; 0 = as fast as possible
-    encode_ms_per_item: float = 1.0  # encoder time per distinct media item
+    encode_ms_per_item: float = 1.0  # encoder time per distinct media item missing from its cache
+    encode_ms_per_mm_token: float = 0.0  # plus this per placeholder token of such an item (its size)
     local_encode_ms_per_item: float = 2.0  # a consumer encoding a raw item itself
     kv_load_ms: float = 0.2  # decode: after the KV arrived, before the first token
     max_num_seqs: int = 256
@@ -43,11 +44,14 @@ class SimConfig:
     kv_abort_timeout: float = 480.0  # P frees unclaimed blocks after this (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
     push_registration_timeout: float = 480.0  # D gives up waiting for a push after this
     kv_side_channel_timeout: float = 5.0  # D's pull request over the side channel
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV block (held KV and the prefix cache)
     num_gpu_blocks: int = 65536  # for vllm:kv_cache_usage_perc
     tp_size: int = 1
     pp_size: int = 1
-    prompt_tokens_details: bool = True  # decode usage carries cached_tokens after a KV load
+    # usage.prompt_tokens_details.cached_tokens, as vLLM's --enable-prompt-tokens-details (off by
+    # default there too): a prefill/pd reports its prefix-cache hits; a decode after a KV load
+    # reports the prefill's (remote_prefill_cached_tokens), else the tokens it loaded.
+    prompt_tokens_details: bool = False
     kv_bytes_per_block: int = 2 * 1024 * 1024  # for vllm:nixl_bytes_transferred (16 tokens x 128 KiB)
     # A failed KV load answers only after this long. Real NIXL waits for its handshake timeout
     # (about 5 s) when the side channel is dead; 0 keeps the simulator fast.
@@ -58,6 +62,16 @@ class SimConfig:
     # enforce kv_role: any prefill/decode produces KV for do_remote_decode and loads it for
     # do_remote_prefill).
     strict_roles: bool = True
+
+    # --- caches -----------------------------------------------------------------------
+    # vLLM's automatic prefix caching (on by default in vLLM's V1 engine) on the instances that
+    # compute prompts (prefill, pd, and a decode without remote KV): chained hashes of full
+    # block_size blocks, LRU beyond prefix_cache_blocks blocks (None = num_gpu_blocks).
+    enable_prefix_caching: bool = True
+    prefix_cache_blocks: int | None = None
+    # An encoder's cache of its outputs, keyed by the item's hash: a hit costs nothing; it
+    # holds this many placeholder tokens of outputs (0 = no cache, every item is encoded).
+    encoder_cache_tokens: int = 16384
 
     # --- EC ---------------------------------------------------------------------------
     # What an encoder reports in ec_transfer_params: "nixl" = {metadata (grids), item_indices,
@@ -99,6 +113,8 @@ class SimConfig:
                 raise ValueError(f"unknown SimConfig fields for role {role!r}: {sorted(bad)}")
             if over:
                 dataclasses.replace(self, roles={}, **over)  # checks the overridden values
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, not {self.block_size}")
         self.fault_kinds = tuple(self.fault_kinds)
 
     def for_role(self, role: str) -> "SimConfig":

@@ -38,6 +38,7 @@ unknown headers; vLLM ignores unknown fields); the instance's injected queue
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from epd_proxy.sim.config import ROLES
@@ -158,3 +159,51 @@ class FaultPlan:
 
 def applicable(faults: list[Fault], role: str) -> list[Fault]:
     return [f for f in faults if f.role is None or f.role == role]
+
+
+class FaultSource:
+    """Where one instance's faults come from, beside the request itself: the queue that
+    ``SimInstance.inject`` fills and the seeded random draw (``fault_rate``)."""
+
+    def __init__(self, role: str, fault_rate: float, fault_kinds: tuple[str, ...], seed: str) -> None:
+        self.role = role
+        self.fault_rate = fault_rate
+        self._queue: list[list] = []
+        self._rate_faults = [parse(k) for k in fault_kinds] if fault_rate else []
+        self._rng = random.Random(seed)
+
+    def inject(self, spec: str, times: int = 1) -> None:
+        parsed = parse(spec)
+        if times > 0 and parsed:
+            self._queue.append([parsed, times])
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    def plan(self, header: bytes | None, body: dict) -> FaultPlan | None:
+        """The faults for the next generation request: its ``X-Sim-Fault`` header, its
+        ``sim_fault`` field, the head of the injected queue and the random draw, limited to
+        this instance's role. Raises :class:`FaultSyntaxError` for a bad spec."""
+        found: list[Fault] = []
+        if header:
+            found += parse(header.decode("latin-1"))
+        spec = body.get("sim_fault")
+        if isinstance(spec, str) and spec:
+            found += parse(spec)
+        if self._queue:
+            entry = self._queue[0]
+            found += entry[0]
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self._queue.pop(0)
+        if self._rate_faults and self._rng.random() < self.fault_rate:
+            found += self._rng.choice(self._rate_faults)
+        if not found:
+            return None
+        mine = applicable(found, self.role)
+        if not mine:
+            return None
+        plan = FaultPlan()
+        for f in mine:
+            plan.add(f)
+        return plan

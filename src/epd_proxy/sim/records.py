@@ -9,7 +9,7 @@ from typing import Any
 @dataclass(slots=True)
 class SimRecord:
     """One request an instance received (side-channel traffic between simulated
-    instances, ``/sim/...``, is not recorded here; see ``SimInstance.kv_events``).
+    instances, ``/sim/...``, is not recorded here; see ``SimInstance.side_channel_log``).
 
     Times are ``time.monotonic()``: ``t_received`` when the request was fully
     read, ``t_headers`` when the status line went out (None if it never did),

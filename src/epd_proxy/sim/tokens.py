@@ -314,6 +314,47 @@ def analyze(body: dict, chat: bool) -> Prompt:
     return Prompt(h.digest(), tokens, media)
 
 
+
+def _word_ids(text: str) -> list[int]:
+    return [zlib.crc32(w.encode("utf-8")) for w in text.split()]
+
+
+def prompt_token_ids(body: dict, chat: bool, prompt: Prompt) -> list[int]:
+    """Token ids of an analysed prompt, ``prompt.tokens`` of them, for the prefix cache:
+    one per word, one per message (its role), and per media item its placeholder tokens,
+    derived from the item's engine hash (vLLM adds the hash to the block's key), so two
+    prompts share a prefix exactly when their text and media agree up to there. Stable
+    across processes (crc32)."""
+    if not chat:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1:
+            p = p[0]
+        if isinstance(p, list):
+            return list(p)
+        return _word_ids(p) or [0]
+    ids: list[int] = []
+    media = iter(prompt.media)
+    for msg in body["messages"]:
+        ids.append(zlib.crc32(b"\x00role:" + msg["role"].encode("utf-8")))
+        content = msg.get("content")
+        if content is None:
+            continue
+        if isinstance(content, str):
+            ids += _word_ids(content)
+            continue
+        for part in content:
+            kind = part["type"]
+            if kind == "text":
+                ids += _word_ids(part["text"])
+            elif kind in MEDIA_FAMILY:
+                m = next(media)
+                seed = zlib.crc32(f"\x00mm:{m.mm_hash}".encode())
+                ids += [seed + i for i in range(media_tokens(m.family, m.metadata))]
+            else:
+                ids.append(zlib.crc32(msgspec.json.encode(part, order="sorted")))
+    return ids
+
+
 # ---------------------------------------------------------------------------------
 # Output
 

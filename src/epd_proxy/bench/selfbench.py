@@ -1,6 +1,7 @@
-"""How many streamed requests per second one simulator process sustains.
+"""How many streamed requests per second one simulator process sustains (the
+simulator's own cost, so that a benchmark knows when the simulator is the limit).
 
-    python -m epd_proxy.sim.selfbench [--concurrency 512] [--tokens 64] [--itl-ms 5] [--duration 10]
+    python -m epd_proxy.bench.selfbench [--concurrency 512] [--tokens 64] [--itl-ms 5] [--duration 10]
 
 Starts ``python -m epd_proxy.sim --pd 1`` in a child process pinned to one
 CPU (records off, ``max_num_seqs`` large), drives it from this process
@@ -23,7 +24,6 @@ import sys
 import time
 
 import msgspec
-
 
 
 def _free_port() -> int:
@@ -108,7 +108,7 @@ async def _drive(port: int, concurrency: int, tokens: int, duration: float, warm
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m epd_proxy.sim.selfbench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m epd_proxy.bench.selfbench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)

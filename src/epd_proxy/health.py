@@ -1,0 +1,197 @@
+"""Per-instance health: the states an instance moves through and the rules that move it.
+
+Pure logic over plain data, with the clock passed in (``now``: seconds on any
+monotonic clock), so every rule is testable without sockets or sleeps. The
+pool is the I/O shell: it feeds in what probes and requests observe and acts
+on the verdicts (routing lists, the re-admission timer, failing the pending
+requests of an instance that stopped answering).
+
+What an answer says is kept apart from what it says about the request:
+
+* **instance signals** (connection refused/reset, connect and first-byte
+  timeouts, HTTP 502/503/504, a failed probe) feed a *consecutive* counter,
+  ``fail_threshold`` in a row eject;
+* **request signals** (an HTTP 500 or an in-band error: vLLM failing one
+  request) feed a *rate* detector: the failure share among the requests an
+  instance got in ``interval`` seconds from the first failure, once it has had
+  ``min_requests``;
+* a 4xx says nothing bad about the instance: it answered.
+
+Passive signals (what requests saw) never take out more than
+``max_ejection_percent`` of a role (rounded down: a role's only instance is
+never ejected by them). A failed probe is the instance's own answer and ejects
+regardless; routing covers the case where every instance is out (panic
+routing, in the pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+HEALTHY = "healthy"
+EJECTED = "ejected"
+HALF_OPEN = "half-open"  # an ejection ran out: a share of live traffic decides
+DRAINING = "draining"  # an operator asked it to leave (set by the membership work)
+
+# Why an instance was ejected: it decides what may end the ejection early.
+BY_PROBE = "probe"  # probes failed (or kept failing): a probe or request success ends it
+BY_INSTANCE = "instance"  # requests saw instance signals: out for the ejection time
+BY_RATE = "rate"  # too many request failures: out for the ejection time, back on a live success
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierSettings:
+    """The knobs (``--fail-threshold``, ``--outlier-*``, ``--ejection-time``, ...)."""
+
+    fail_threshold: int = 3
+    failure_percent: float = 85.0
+    min_requests: int = 20
+    interval: float = 10.0
+    ejection_time: float = 10.0
+    max_ejection_time: float = 300.0
+    max_ejection_percent: int = 50
+
+    @classmethod
+    def from_config(cls, config) -> "OutlierSettings":
+        """From a :class:`~epd_proxy.config.ProxyConfig`."""
+        return cls(fail_threshold=max(1, config.fail_threshold), failure_percent=config.outlier_failure_percent,
+                   min_requests=config.outlier_min_requests, interval=config.outlier_interval,
+                   ejection_time=config.ejection_time, max_ejection_time=config.max_ejection_time,
+                   max_ejection_percent=config.max_ejection_percent)
+
+
+class Health:
+    """What is known about one instance's health (plain data)."""
+
+    __slots__ = ("state", "failures", "ejections", "streak", "ejected_until", "cause", "seen_healthy",
+                 "healthy_since", "window_start", "window_requests", "window_failures", "last_error",
+                 "errors")
+
+    def __init__(self) -> None:
+        self.state = HEALTHY
+        self.failures = 0  # consecutive instance signals
+        self.ejections = 0  # in total
+        self.streak = 0  # ejections without a clean spell between them: the time multiplier
+        self.ejected_until = 0.0
+        self.cause: str | None = None
+        # Never answered a probe yet: probed at the fast interval until it does.
+        self.seen_healthy = False
+        self.healthy_since = 0.0
+        self.window_start = 0.0
+        self.window_requests = 0
+        self.window_failures = 0
+        self.last_error: str | None = None
+        self.errors: dict[str, int] = {}  # by kind
+
+    @property
+    def out(self) -> bool:
+        return self.state is EJECTED or self.state is HALF_OPEN
+
+
+class Ejection(NamedTuple):
+    """A verdict: the instance is out until ``until``; ``stalled`` when it stopped
+    answering (its pending requests will not be answered either)."""
+
+    until: float
+    stalled: bool
+
+
+class OutlierRules:
+    """The state machine; every method takes the instance's :class:`Health` and the clock."""
+
+    def __init__(self, settings: OutlierSettings | None = None) -> None:
+        self.s = settings or OutlierSettings()
+
+    def max_ejected(self, size: int) -> int:
+        """How many of a role of ``size`` passive signals may have out at once."""
+        return size * max(0, min(100, self.s.max_ejection_percent)) // 100
+
+    def ejection_time(self, streak: int) -> float:
+        return min(self.s.ejection_time * streak, max(self.s.max_ejection_time, self.s.ejection_time))
+
+    # -- signals ------------------------------------------------------------------------
+    def instance_failure(self, h: Health, now: float, *, kind: str, size: int, out: int,
+                         probe: bool = False) -> Ejection | None:
+        """A connection failure, timeout, gateway status or failed probe.
+
+        ``size`` is the role's instance count and ``out`` how many are ejected or
+        half-open now (the cap for passive signals)."""
+        h.failures += 1
+        stalled = kind == "timeout"
+        if h.state is HALF_OPEN:
+            return self._eject(h, now, BY_PROBE if probe else BY_INSTANCE, stalled)
+        if h.state is EJECTED:
+            if probe:
+                h.cause = BY_PROBE  # probes confirm it is down: a probe success will end it
+            return None
+        if h.state is not HEALTHY or h.failures < max(1, self.s.fail_threshold):
+            return None
+        if not probe and out >= self.max_ejected(size):
+            return None
+        return self._eject(h, now, BY_PROBE if probe else BY_INSTANCE, stalled)
+
+    def request_failure(self, h: Health, now: float, *, size: int, out: int) -> Ejection | None:
+        """vLLM failed one request (HTTP 500, in-band error): counted once per client request."""
+        s = self.s
+        if now - h.window_start >= s.interval:
+            h.window_start = now
+            h.window_requests = 0
+            h.window_failures = 0
+        h.window_requests += 1
+        h.window_failures += 1
+        if h.state is HALF_OPEN:
+            return self._eject(h, now, BY_RATE, False)
+        if h.state is not HEALTHY or h.window_requests < max(1, s.min_requests):
+            return None
+        if h.window_failures * 100 < s.failure_percent * h.window_requests:
+            return None
+        if out >= self.max_ejected(size):
+            return None
+        return self._eject(h, now, BY_RATE, False)
+
+    def success(self, h: Health, now: float, *, probe: bool = False) -> bool:
+        """A probe answered 200, or a request was answered; True if the state changed."""
+        h.failures = 0
+        if probe:
+            h.seen_healthy = True
+        state = h.state
+        if state is HEALTHY or state is DRAINING:
+            return False
+        if state is EJECTED and h.cause is not BY_PROBE:
+            return False  # passive ejections run their time
+        if state is HALF_OPEN and probe and h.cause is BY_RATE:
+            return False  # its probes were fine all along: only a live success counts
+        self._restore(h, now)
+        return True
+
+    def expire(self, h: Health, now: float) -> bool:
+        """The ejection time is over: half-open. True if the state changed."""
+        if h.state is EJECTED and now >= h.ejected_until:
+            h.state = HALF_OPEN
+            return True
+        return False
+
+    def drain(self, h: Health) -> None:
+        h.state = DRAINING
+
+    # -- transitions --------------------------------------------------------------------
+    def _eject(self, h: Health, now: float, cause: str, stalled: bool) -> Ejection:
+        if h.streak and h.state is HEALTHY and now - h.healthy_since >= self.ejection_time(h.streak):
+            h.streak = 0  # healthy for longer than its last ejection lasted: forgiven
+        h.streak += 1
+        h.ejections += 1
+        h.state = EJECTED
+        h.cause = cause
+        h.ejected_until = now + self.ejection_time(h.streak)
+        return Ejection(h.ejected_until, stalled)
+
+    def _restore(self, h: Health, now: float) -> None:
+        h.state = HEALTHY
+        h.cause = None
+        h.failures = 0
+        h.ejected_until = 0.0
+        h.healthy_since = now
+        h.window_start = now
+        h.window_requests = 0
+        h.window_failures = 0

@@ -1,0 +1,536 @@
+"""Generation requests (``POST /v1/chat/completions`` and ``/v1/completions``) on one
+simulated instance: validation, the role's behaviour, and the answer.
+
+A request goes through named steps, in vLLM's order:
+
+1. :meth:`GenerationHandler._parse` -- content type and JSON;
+2. :meth:`~GenerationHandler._apply_faults` -- faults that act before any work;
+3. :meth:`~GenerationHandler._validate` -- vLLM's request validation;
+4. :meth:`~GenerationHandler._assign_role` -- what the role makes of ``kv_transfer_params``;
+5. :meth:`~GenerationHandler._local_work` -- encoding (encoder) or prefill and EC loads
+   (everyone else), which set the time to the first token;
+6. :meth:`~GenerationHandler._sequence` -- the engine sequence that writes the answer;
+7. :meth:`~GenerationHandler._run` -- into the engine, after loading remote KV if any.
+
+The engine then calls back :meth:`~GenerationHandler.on_prefilled` (KV exists),
+:meth:`~GenerationHandler.on_complete`, :meth:`~GenerationHandler.on_error` or
+:meth:`~GenerationHandler.on_reset`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from epd_proxy.sim import faults as _faults
+from epd_proxy.sim import responses
+from epd_proxy.sim.ec_store import empty_embeds_refusal, encode_groups, load_for_consumer, store_outputs
+from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
+from epd_proxy.sim.prefix_cache import block_hashes
+from epd_proxy.sim.records import SimRecord
+from epd_proxy.sim.responses import JSON, SSE, refusal
+from epd_proxy.sim.tokens import (
+    Prompt,
+    PromptError,
+    _seed_bytes,
+    analyze,
+    media_tokens,
+    output_tokens,
+    prompt_token_ids,
+)
+from epd_proxy.sim.validation import (
+    UNSUPPORTED_MEDIA_TYPE,
+    ApiError,
+    Checked,
+    check_lengths,
+    check_request,
+    json_error,
+    schema_error,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from epd_proxy.sim.instance import SimInstance
+
+log = logging.getLogger("epd_proxy.sim")
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+
+
+class TeeWriter:
+    """A ResponseWriter that also keeps what it writes in the request's record."""
+
+    __slots__ = ("_w", "_parts")
+
+    def __init__(self, writer, rec: SimRecord) -> None:
+        self._w = writer
+        rec.response_chunks = self._parts = []
+
+    @property
+    def started(self) -> bool:
+        return self._w.started
+
+    @property
+    def finished(self) -> bool:
+        return self._w.finished
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._w.bytes_sent
+
+    @property
+    def disconnected(self) -> bool:
+        return self._w.disconnected
+
+    def send(self, status, body=b"", content_type=JSON, headers=None) -> None:
+        if body:
+            self._parts.append(body)
+        self._w.send(status, body, content_type=content_type, headers=headers)
+
+    def start(self, status, content_type=SSE, headers=None) -> None:
+        self._w.start(status, content_type=content_type, headers=headers)
+
+    def write(self, data: bytes) -> None:
+        if data and not self._w.disconnected:
+            self._parts.append(data)
+        self._w.write(data)
+
+    def end(self, data: bytes = b"") -> None:
+        if data and not self._w.disconnected and not self._w.finished:
+            self._parts.append(data)
+        self._w.end(data)
+
+    def abort(self) -> None:
+        self._w.abort()
+
+    async def drain(self) -> None:
+        await self._w.drain()
+
+
+class GenerationRequest:
+    """One generation request's state, shared by the steps and the engine callbacks."""
+
+    __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
+                 "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
+                 "cached_tokens")
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.resp_id = "?"
+        self.internal_id = ""
+        self.headers: list | None = None  # the X-Request-Id echo, on every answer
+        self.hold_kv = False
+        self.transfer_id: str | None = None
+        self.drop_kv = False
+        self.ec_groups: dict | None = None
+        self.kv_out: dict | None = None
+        self.reset = False
+        self.seq: Sequence | None = None  # once there is one
+        self.cached_tokens = 0  # prompt tokens found in this instance's prefix cache
+
+
+class GenerationHandler:
+    """Serves the generation routes of one instance."""
+
+    def __init__(self, inst: "SimInstance") -> None:
+        self.inst = inst
+        self.config = inst.config
+        self.stats = inst.stats
+        self._counter = 0
+
+    async def serve(self, req, writer, chat: bool) -> None:
+        inst = self.inst
+        self.stats.requests += 1
+        self._counter += 1
+        rec = inst.new_record(req, time.monotonic())
+        if rec is not None:
+            # Response bodies are kept for failures always, for successes with record_responses.
+            writer = TeeWriter(writer, rec)
+        g = GenerationRequest(chat)
+        try:
+            await self._serve(req, writer, g, rec, self._counter)
+        except asyncio.CancelledError:
+            # The client went away (or the instance crashed) before the end.
+            seq = g.seq
+            if seq is None or seq.state != DONE:
+                if seq is not None:
+                    inst.engine.retire(seq)
+                if rec is not None:
+                    rec.t_end = time.monotonic()
+                    rec.bytes_sent = writer.bytes_sent
+                if inst.crashed:
+                    if rec is not None:
+                        rec.error = f"{inst.name} crashed"
+                else:
+                    # Only the simulator's own counter: vLLM counts a client's disconnect in
+                    # no vllm:request_success_total reason.
+                    self.stats.aborted += 1
+                    if rec is not None:
+                        rec.aborted = True
+            raise
+
+    async def _serve(self, req, writer, g: GenerationRequest, rec: SimRecord | None, counter: int) -> None:
+        inst = self.inst
+        # Identity of this request: vLLM uses X-Request-Id when there is one.
+        rid_h = req.headers.get(b"x-request-id")
+        base = rid_h.decode("latin-1") if rid_h else hashlib.sha256(
+            f"{inst.created}/{inst.name}/{counter}".encode()).hexdigest()[:32]
+        g.headers = [(b"x-request-id", rid_h or base.encode())] if self.config.echo_request_id else None
+        try:
+            body = self._parse(req, rec)
+            plan = await self._apply_faults(req, body, rec)
+            checked, body, prompt, n_out, by_length = self._validate(body, g.chat)
+            if rec is not None:
+                rec.stream = checked.stream
+            remote_kv = self._assign_role(g, body.get("kv_transfer_params"), plan)
+            if inst.role == "encode":
+                n_out, by_length = 0, False
+            ttft_ms, gen_error = self._local_work(g, body, prompt, remote_kv is not None)
+        except ApiError as exc:
+            return inst.send_error(writer, rec, exc, g.headers)
+        self._name(g, base, counter)
+        g.model = self.config.model  # vLLM answers with its served model name, whatever the request said
+        g.prompt = prompt
+        g.n_choices = checked.n
+        g.body = body
+        seq = self._sequence(g, writer, rec, checked, n_out, by_length, ttft_ms, plan)
+        if checked.stream:
+            writer.start(200, SSE, g.headers)
+            if rec is not None:
+                rec.t_headers = time.monotonic()
+                rec.status = 200
+        if gen_error is not None:
+            seq.state = DONE
+            self.on_error(seq, gen_error)
+            return
+        g.seq = seq
+        await self._run(g, seq, remote_kv)
+
+    # -- steps ---------------------------------------------------------------------------
+    @staticmethod
+    def _parse(req, rec: SimRecord | None) -> object:
+        """Content type and JSON, as pydantic's request parsing refuses them."""
+        ct = req.headers.get(b"content-type", b"")
+        if ct.split(b";", 1)[0].strip().lower() != b"application/json":
+            raise schema_error([UNSUPPORTED_MEDIA_TYPE])
+        try:
+            body = _decode(req.body)
+        except msgspec.DecodeError:
+            raise json_error(req.body) from None
+        if rec is not None:
+            rec.json = body
+            rec.stream = isinstance(body, dict) and body.get("stream") is True
+        return body
+
+    async def _apply_faults(self, req, body: object, rec: SimRecord | None) -> _faults.FaultPlan | None:
+        """The request's faults; those that act before any work act here (``status`` raises
+        the refusal, ``hang`` and ``crash`` never return)."""
+        inst = self.inst
+        try:
+            plan = inst.faults.plan(req.headers.get(b"x-sim-fault"), body if isinstance(body, dict) else {})
+        except _faults.FaultSyntaxError as exc:
+            raise refusal(400, f"sim: {exc}", "x-sim-fault") from None
+        if plan is None:
+            return None
+        self.stats.faults += 1
+        if rec is not None:
+            rec.fault = plan.describe
+        if plan.unhealthy:
+            inst.set_unhealthy_for(plan.unhealthy)
+        if plan.crash:
+            inst.spawn(inst.crash_and_restart(plan.crash_restart))
+            await _forever()
+        if plan.delay:
+            await asyncio.sleep(plan.delay)
+        if plan.hang:
+            await _forever()
+        if plan.status is not None:
+            raise refusal(plan.status, f"sim: injected fault status={plan.status} on {inst.name}")
+        return plan
+
+    def _validate(self, body: object, chat: bool) -> tuple[Checked, dict, Prompt, int, bool]:
+        """vLLM's request validation, in its order: the request schema, the model, the prompt,
+        the token budget. Returns the checked request, the (converted) body, the prompt, the
+        output length and whether it is cut by length."""
+        cfg = self.config
+        checked = check_request(body, chat)
+        body = checked.body
+        model = body.get("model")
+        if cfg.check_model and model and model != cfg.model:
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
+                           "NotFoundError", "model")
+        try:
+            prompt = analyze(body, chat)
+        except PromptError as exc:
+            raise ApiError(400, str(exc), "BadRequestError") from None
+        n_out, by_length = check_lengths(body, chat, prompt.tokens, cfg.max_model_len, checked.n,
+                                         exact_prompt=prompt.exact, natural_len=cfg.default_max_tokens)
+        return checked, body, prompt, n_out, by_length
+
+    def _assign_role(self, g: GenerationRequest, kv: dict | None, plan: _faults.FaultPlan | None) -> dict | None:
+        """What this role does with ``kv_transfer_params``: a KV producer marks the request to
+        hold its KV (``g.hold_kv``); a KV consumer returns the params to load from."""
+        inst = self.inst
+        cfg = self.config
+        role = inst.role
+        if role not in ("prefill", "decode"):
+            return None
+        produce = bool(kv) and kv.get("do_remote_decode") is True
+        if cfg.strict_roles:
+            if role == "prefill" and not produce:
+                raise refusal(
+                    400, f"sim: {inst.name} is a prefill (KV producer) instance and needs "
+                    "kv_transfer_params.do_remote_decode=true; without it nothing is kept for a decoder "
+                    "(a request meant for a decoder or a plain instance was sent to a prefiller; "
+                    "SimConfig.strict_roles)", "kv_transfer_params")
+            if role == "decode" and produce:
+                raise refusal(
+                    400, f"sim: {inst.name} is a decode (KV consumer) instance but got "
+                    "kv_transfer_params.do_remote_decode=true (a prefill request sent to a decoder; "
+                    "SimConfig.strict_roles)", "kv_transfer_params")
+        if produce:
+            if cfg.kv_connector != "nixl":
+                tid = kv.get("transfer_id")
+                if not isinstance(tid, str) or not tid:
+                    raise refusal(
+                        400, f"sim: {inst.name} runs the {cfg.kv_connector} connector: "
+                        "kv_transfer_params.transfer_id is required to pair the prefill with its decode",
+                        "kv_transfer_params")
+                g.transfer_id = tid
+            g.hold_kv = True
+            g.drop_kv = plan is not None and plan.drop_kv
+            return None
+        if kv and kv.get("do_remote_prefill") is True and (role == "decode" or not cfg.strict_roles):
+            return kv
+        return None
+
+    def _local_work(self, g: GenerationRequest, body: dict, prompt: Prompt,
+                    remote_kv: bool) -> tuple[float, str | None]:
+        """The work before the first token: an encoder encodes its distinct items (those not
+        in its cache); any other instance without remote KV prefills the prompt (the part not
+        in its prefix cache) and loads (or encodes) its media. Returns the time to the first
+        token (ms) and a generation failure, if any."""
+        inst = self.inst
+        cfg = self.config
+        st = self.stats
+        if inst.role == "encode":
+            g.ec_groups = groups = encode_groups(prompt.media)
+            return self._encode_ms(groups), None
+        if remote_kv:
+            return 0.0, None
+        if cfg.ec_connector == "example" and prompt.media:
+            refused = empty_embeds_refusal(prompt.media)
+            if refused is not None:
+                raise refusal(400, refused)
+        st.local_prefills += 1
+        g.cached_tokens = cached = self._cached_prefix(body, g.chat, prompt)
+        st.local_prompt_tokens += prompt.tokens - cached
+        ec = load_for_consumer(inst.ec_store, prompt.media, inst.name)
+        st.ec_hits += ec.hits
+        st.local_encodes += ec.local_encodes
+        if ec.error is not None:
+            st.ec_failures += 1
+        extra = cfg.local_encode_ms_per_item * ec.local_encodes
+        return cfg.ttft_ms + cfg.ttft_per_token_ms * (prompt.tokens - cached) + extra, ec.error
+
+    def _cached_prefix(self, body: dict, chat: bool, prompt: Prompt) -> int:
+        """Look the prompt up in the prefix cache and keep its blocks there (vLLM caches a
+        request's full blocks when it schedules them); returns the tokens found cached."""
+        cache = self.inst.prefix_cache
+        if cache is None:
+            return 0
+        hashes = block_hashes(prompt_token_ids(body, chat, prompt), cache.block_size)
+        cached = cache.lookup(hashes, prompt.tokens)
+        cache.store(hashes)
+        return cached
+
+    def _encode_ms(self, groups: dict[str, dict]) -> float:
+        """An encoder's time for its distinct items: nothing for an item in its cache, else
+        a fixed cost plus one proportional to the item's size."""
+        cfg = self.config
+        cache = self.inst.encoder_cache
+        ms = 0.0
+        for mm_hash, group in groups.items():
+            tokens = media_tokens(group["family"], group["metadata"])
+            if cache is not None and cache.lookup(mm_hash, tokens):
+                continue
+            ms += cfg.encode_ms_per_item + cfg.encode_ms_per_mm_token * tokens
+        return ms
+
+    def _name(self, g: GenerationRequest, base: str, counter: int) -> None:
+        """The response id and vLLM's internal request id (what ``remote_request_id`` names)."""
+        inst = self.inst
+        suffix = hashlib.sha256(f"{inst.engine_id}/{inst.created}/{counter}".encode()).hexdigest()[:8]
+        if g.chat:
+            g.resp_id = "chatcmpl-" + base
+            g.internal_id = f"chatcmpl-{base}-{suffix}"
+        else:
+            g.resp_id = "cmpl-" + base
+            g.internal_id = f"cmpl-{base}-0-{suffix}"
+
+    def _sequence(self, g: GenerationRequest, writer, rec: SimRecord | None, checked: Checked,
+                  n_out: int, by_length: bool, ttft_ms: float, plan: _faults.FaultPlan | None) -> Sequence:
+        """The engine sequence that produces the request's tokens and writes its answer."""
+        inst = self.inst
+        stream = checked.stream
+        seed = _seed_bytes(g.body)
+        fp = g.prompt.fingerprint
+        tokens = [output_tokens(fp, seed, n_out, c) for c in range(g.n_choices)]
+        head = b""
+        include_usage = continuous = False
+        if stream:
+            head = responses.stream_head(g.resp_id, g.chat, inst.created_bytes, g.model)
+            include_usage = checked.include_usage
+            continuous = checked.continuous_usage
+        seq = Sequence(
+            writer=writer, rec=rec, stream=stream, chat=g.chat, tokens=tokens, prompt_tokens=g.prompt.tokens,
+            ttft=ttft_ms / 1000.0, finish_reason="length" if by_length else "stop", head=head,
+            include_usage=include_usage, continuous_usage=continuous, split=self.config.split_utf8,
+            on_complete=self.on_complete, on_error=self.on_error, on_reset=self.on_reset, ctx=g,
+            fingerprint=inst.fingerprint_json)
+        if g.hold_kv and not g.drop_kv:
+            seq.on_ready = self.on_prefilled
+        if self.config.prompt_tokens_details:
+            seq.cached_tokens = g.cached_tokens
+        if plan is not None and plan.streams_tokens:
+            seq.set_faults(plan.error_after, plan.reset_after, plan.stall_after, plan.stall_seconds,
+                           plan.slow_body)
+        seq.done = asyncio.get_running_loop().create_future()
+        return seq
+
+    async def _run(self, g: GenerationRequest, seq: Sequence, remote_kv: dict | None) -> None:
+        """Into the engine. A decode with remote KV is admitted first (it holds a slot while
+        the KV loads, as vLLM's WAITING_FOR_REMOTE_KVS), then loads it."""
+        inst = self.inst
+        cfg = self.config
+        st = self.stats
+        engine = inst.engine
+        loop = asyncio.get_running_loop()
+        if remote_kv is None:
+            engine.submit(seq)
+            await seq.done
+            return
+        seq.needs_load = True
+        seq.admitted = loop.create_future()
+        engine.submit(seq)
+        await seq.admitted
+        st.external_queried_tokens += g.prompt.tokens
+        ok, info = await inst.kv.load(remote_kv, g.prompt.hash_hex)
+        if seq.state == DONE:
+            return
+        if not ok:
+            st.kv_pull_failures += 1
+            if cfg.kv_failure_delay_ms > 0:
+                # Real NIXL notices a dead peer only after its handshake timeout.
+                await asyncio.sleep(cfg.kv_failure_delay_ms / 1000.0)
+                if seq.state == DONE:
+                    return
+            self.on_error(seq, info)
+            engine.retire(seq)
+            return
+        ntok, nblocks = info
+        st.kv_pulls += 1
+        st.external_cached_tokens += ntok
+        if cfg.kv_connector != "mooncake":
+            st.add_kv_transfer(nblocks * cfg.kv_bytes_per_block)
+        if cfg.prompt_tokens_details:
+            seq.cached_tokens = _reported_cached_tokens(remote_kv, ntok)
+        engine.ready(seq, loop.time() + cfg.kv_load_ms / 1000.0)
+        await seq.done
+
+    # -- engine callbacks ----------------------------------------------------------------
+    def on_complete(self, seq: Sequence) -> None:
+        inst = self.inst
+        g: GenerationRequest = seq.ctx
+        st = self.stats
+        kv_out = g.kv_out
+        ec_out = None
+        if g.ec_groups is not None:
+            out, items = store_outputs(inst.ec_store, g.ec_groups, example=self.config.ec_connector == "example",
+                                       hidden_size=self.config.hidden_size, producer=inst.name,
+                                       host=inst.host, port=inst.port)
+            st.encoded_items += items
+            ec_out = out or None
+        ncomp = seq.n * g.n_choices
+        st.success[seq.finish_reason] += 1
+        st.prompt_tokens += seq.prompt_tokens
+        st.generation_tokens += ncomp
+        writer = seq.writer
+        rec = seq.rec
+        if seq.stream:
+            writer.end(seq.stream_tail())
+        else:
+            # vLLM 0.32's response models, dumped whole (JSONResponse(model.model_dump())).
+            build = responses.chat_response if g.chat else responses.completion_response
+            resp = build(resp_id=g.resp_id, created=inst.created, model=g.model,
+                         texts=[seq.text(c) for c in range(g.n_choices)], finish_reason=seq.finish_reason,
+                         fingerprint=inst.system_fingerprint,
+                         usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
+                         kv_out=kv_out, ec_out=ec_out)
+            writer.send(200, _encode(resp), headers=g.headers)
+            if rec is not None:
+                rec.t_headers = time.monotonic()
+                rec.status = 200
+        if rec is not None:
+            rec.t_end = time.monotonic()
+            rec.bytes_sent = writer.bytes_sent
+            rec.kv = kv_out
+            if not self.config.record_responses:
+                rec.response_chunks = None
+
+    def on_prefilled(self, seq: Sequence) -> None:
+        """The prompt's KV exists: hold it for (or push it to) the decoder. This happens when
+        the prefill is computed, before the response is written, so faults on the response
+        (error-after, stall-after, reset-after) leave the KV held or pushed, as with vLLM."""
+        g: GenerationRequest = seq.ctx
+        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, g.prompt.hash_hex, g.transfer_id,
+                                        g.cached_tokens)
+        if seq.rec is not None:
+            seq.rec.kv = g.kv_out
+
+    def on_error(self, seq: Sequence, message: str) -> None:
+        """A generation failure (finish_reason "error"): 500, or in-band once streaming. vLLM
+        says only "Internal server error" on the wire; the reason goes to the record and log."""
+        self.stats.errors += 1
+        self.stats.success["error"] += 1
+        writer = seq.writer
+        rec = seq.rec
+        log.warning("%s: request %s failed: %s", self.inst.name, getattr(seq.ctx, "resp_id", "?"), message)
+        if writer.started:
+            writer.end(seq.error_head() + responses.STREAM_GENERATION_ERROR + DONE_EVENT)
+        else:
+            writer.send(500, responses.GENERATION_ERROR_BODY, headers=seq.ctx.headers)
+            if rec is not None:
+                rec.t_headers = time.monotonic()
+                rec.status = 500
+        if rec is not None:
+            rec.t_end = time.monotonic()
+            rec.bytes_sent = writer.bytes_sent
+            rec.error = message
+
+    def on_reset(self, seq: Sequence) -> None:
+        seq.ctx.reset = True
+        rec = seq.rec
+        if rec is not None:
+            rec.t_end = time.monotonic()
+            rec.bytes_sent = seq.writer.bytes_sent
+            rec.error = f"sim: connection reset after {seq.emitted} tokens (injected)"
+        seq.writer.abort()
+
+
+def _reported_cached_tokens(kv: dict, loaded: int) -> int:
+    """What a decode reports as cached after a KV load, as vLLM 0.31+ does: the prefill's own
+    prefix-cache hits when the params carry them (``remote_prefill_cached_tokens``), else
+    the tokens it loaded (vLLM 0.30, or a producer that does not send the field)."""
+    remote = kv.get("remote_prefill_cached_tokens")
+    if isinstance(remote, int) and not isinstance(remote, bool):
+        return remote
+    return loaded
+
+
+async def _forever() -> None:
+    await asyncio.get_running_loop().create_future()
