@@ -320,3 +320,18 @@ async def test_data_urls_can_be_refused_by_scheme():
         for url in (big, "data:image/png;base64,AAAA"):
             reply = await client.chat(_media_body(_img(url)))
             assert reply.status == 400 and "'data'" in _error(reply)["message"]
+
+
+async def test_a_shed_request_echoes_only_a_safe_client_request_id():
+    async with stack(max_inflight=1) as (cluster, proxy, client):
+        cluster.instances("prefill")[0].inject("hang")
+        held = asyncio.ensure_future(client.chat(chat_body(stream=True)))
+        await wait_for(lambda: len(cluster.records("prefill")) == 1)
+        safe = await client.chat(chat_body(), headers=[(b"x-request-id", b"shed-1")])
+        unsafe = await client.chat(chat_body(), headers=[(b"x-request-id", "café id".encode())])
+        assert safe.status == unsafe.status == 429
+        assert safe.headers[b"x-request-id"] == b"shed-1"
+        assert b"x-request-id" not in unsafe.headers
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        cluster.instances("prefill")[0].clear_faults()
