@@ -17,7 +17,8 @@ race with the server's idle close — and never after a byte was seen.
 or being opened), so no burst — one request with a thousand media items, or
 a thousand requests — can take every file descriptor. Requests over the cap
 wait in line (FIFO) for a connection another request hands back, or for a
-free slot; the wait is bounded by the request's header timeout.
+free slot; the wait is bounded by the request's header timeout, and running out
+of it is a ``local`` error (the proxy's limit, not the upstream's failure).
 """
 
 from __future__ import annotations
@@ -579,8 +580,10 @@ class ConnectionPool:
                 fut.cancel()
                 self._abandon()
             if isinstance(exc, TimeoutError):
-                raise UpstreamTimeout(f"no connection to {self.url} free within {timeout:g} s "
-                                      f"({self._limit} open, the per-instance limit)") from None
+                # The proxy's own limit, not the upstream's doing: "local", and no address
+                # in the words (they may reach a client).
+                raise UpstreamError(f"no connection free within {timeout:g} s, all {self._limit} in use "
+                                    "(--max-upstream-connections)", kind="local") from None
             raise
 
     def _abandon(self) -> None:
