@@ -14,6 +14,11 @@ from .routing import POLICIES
 def _defaults_text() -> str:
     return ", ".join(f"{role} {name}" for role, name in ROLE_POLICY_DEFAULTS.items())
 
+_DEFAULTS = ProxyConfig()
+# Upstream credentials come only from explicit configuration: never from OPENAI_API_KEY,
+# which may hold a key for another service entirely.
+UPSTREAM_API_KEY_ENV = "EPD_PROXY_UPSTREAM_API_KEY"
+
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the proxy",
@@ -40,63 +45,110 @@ def _add_serve(sub) -> None:
     p.add_argument("--ec-consumer-zmq-addrs", default="",
                    help="comma-separated EC consumer ZMQ addresses, aligned with --decode (E+PD only)")
     p.add_argument("--ec-consumer-dp-size", type=int, default=1)
-    p.add_argument("--upstream-api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="sent to backends as 'Authorization: Bearer' (default: $OPENAI_API_KEY)")
+    p.add_argument("--upstream-api-key", default=os.environ.get(UPSTREAM_API_KEY_ENV),
+                   help=f"sent to backends as 'Authorization: Bearer' (default: ${UPSTREAM_API_KEY_ENV}; "
+                        "for the reference proxies' behaviour pass --upstream-api-key \"$OPENAI_API_KEY\")")
     p.add_argument("--forward-header", action="append", default=[], metavar="NAME",
-                   help="client header to pass on to every stage (traceparent/tracestate always are)")
-    d = ProxyConfig()
+                   help="client header to pass on to every stage (traceparent/tracestate always are); "
+                        "hop-by-hop, framing and proxy-set headers are refused")
+    p.add_argument("--ignore-client-uuids", action="store_true", default=_DEFAULTS.ignore_client_uuids,
+                   help="key media by their content even when the client sends a uuid (multi-tenant)")
+    p.add_argument("--max-media-items", type=int, default=_DEFAULTS.max_media_items,
+                   help=f"media parts per request, all modalities (default {_DEFAULTS.max_media_items}; "
+                        "0 = no media accepted)")
+    p.add_argument("--max-upstream-connections", type=int, default=_DEFAULTS.max_upstream_connections,
+                   help="concurrent connections to one instance; further requests wait in line "
+                        f"(default {_DEFAULTS.max_upstream_connections})")
+    p.add_argument("--allowed-media-schemes", default=",".join(_DEFAULTS.allowed_media_schemes),
+                   help="comma-separated URL schemes media may use (default %(default)s)")
+    p.add_argument("--allowed-media-hosts", action="append", default=[], metavar="HOST|CIDR",
+                   help="hosts or networks media URLs may name although they are loopback, private, "
+                        "link-local, unspecified or multicast addresses; repeatable, comma-separated")
     names = list(POLICIES)
-    p.add_argument("--routing", choices=names, default=d.routing,
+    p.add_argument("--routing", choices=names, default=_DEFAULTS.routing,
                    help="routing policy of every role without its own flag (default: each role's own, "
                         f"{_defaults_text()})")
     for role in ("prefill", "decode", "encode"):
-        p.add_argument(f"--{role}-policy", choices=names, default=getattr(d, f"{role}_policy"),
+        p.add_argument(f"--{role}-policy", choices=names, default=getattr(_DEFAULTS, f"{role}_policy"),
                        help=f"routing policy of the {role} instances (default: --routing, else "
                             f"{ROLE_POLICY_DEFAULTS[role]}" + ("; cache-aware for PD, i.e. without --prefill)"
                                                                if role == "decode" else ")"))
-    p.add_argument("--balance-abs", type=float, default=d.balance_abs,
+    p.add_argument("--balance-abs", type=float, default=_DEFAULTS.balance_abs,
                    help="cache-aware passes over its preferred instance when that one has more than this "
-                        f"many requests beyond the least-loaded one (default {d.balance_abs:g}) ...")
-    p.add_argument("--balance-rel", type=float, default=d.balance_rel,
-                   help=f"... and more than this many times its load (default {d.balance_rel:g})")
-    p.add_argument("--scrape-interval", type=float, default=d.scrape_interval,
+                        f"many requests beyond the least-loaded one (default {_DEFAULTS.balance_abs:g}) ...")
+    p.add_argument("--balance-rel", type=float, default=_DEFAULTS.balance_rel,
+                   help=f"... and more than this many times its load (default {_DEFAULTS.balance_rel:g})")
+    p.add_argument("--scrape-interval", type=float, default=_DEFAULTS.scrape_interval,
                    help="seconds between background scrapes of each instance's /metrics for load signals "
                         f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; default "
-                        f"{d.scrape_interval:g})")
+                        f"{_DEFAULTS.scrape_interval:g})")
     p.add_argument("--upstream-keep-alive", type=float,
                    default=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
                    help="the backends' keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); idle pooled "
                         "connections are retired at half of it")
-    p.add_argument("--connect-timeout", type=float, default=5.0)
-    p.add_argument("--encode-timeout", type=float, default=300.0)
-    p.add_argument("--prefill-timeout", type=float, default=600.0)
-    p.add_argument("--decode-timeout", type=float, default=600.0,
-                   help="until decode's first event")
-    p.add_argument("--stream-idle-timeout", type=float, default=600.0)
+    t, c = Timeouts(), ProxyConfig()
+    p.add_argument("--connect-timeout", type=float, default=t.connect)
+    p.add_argument("--encode-timeout", type=float, default=t.encode, help=f"(default {t.encode:g} s)")
+    p.add_argument("--prefill-timeout", type=float, default=t.prefill, help=f"(default {t.prefill:g} s)")
+    p.add_argument("--decode-timeout", type=float, default=t.decode_first,
+                   help=f"until decode's first event (default {t.decode_first:g} s)")
+    p.add_argument("--stream-idle-timeout", type=float, default=t.stream_idle)
+    p.add_argument("--first-byte-timeout", type=float, default=t.first_byte,
+                   help=f"from a request's admission to its response's status: past it the client gets 504 "
+                        f"and every upstream leg is closed (default {t.first_byte:g} s, 0 = off)")
+    p.add_argument("--max-inflight", type=int, default=c.max_inflight,
+                   help=f"client requests this process works on at once (default {c.max_inflight}: "
+                        f"unlimited); more wait in the queue or get 429")
+    p.add_argument("--queue-size", type=int, default=c.queue_size,
+                   help=f"requests waiting for a slot beyond --max-inflight (default {c.queue_size})")
+    p.add_argument("--queue-timeout", type=float, default=c.queue_timeout,
+                   help=f"longest wait in that queue before 429 (default {c.queue_timeout:g} s)")
+    p.add_argument("--max-inflight-per-role", action="append", default=[], metavar="ROLE=N",
+                   help="requests in the encode or prefill stage at once (repeatable, comma-separated; default "
+                        "none); more wait in the same kind of queue (--queue-size, --queue-timeout) or get 429")
+    p.add_argument("--shutdown-grace", type=float, default=c.shutdown_grace,
+                   help=f"after SIGTERM, /ready is 503 and new connections are still accepted for this "
+                        f"long (default {c.shutdown_grace:g} s)")
+    p.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout,
+                   help=f"after SIGTERM, in-flight requests may finish until this long after the signal; "
+                        f"then the rest are ended (default {c.shutdown_timeout:g} s)")
     p.add_argument("--probe-interval", type=float, default=5.0, help="health probe period (0 = off)")
     p.add_argument("--probe-timeout", type=float, default=2.0)
     p.add_argument("--fail-threshold", type=int, default=3,
                    help="consecutive probe or transport failures that eject an instance (default 3)")
-    p.add_argument("--outlier-failure-percent", type=float, default=d.outlier_failure_percent,
+    p.add_argument("--outlier-failure-percent", type=float, default=c.outlier_failure_percent,
                    help="share of requests failing with HTTP 500 that ejects an instance "
-                        f"(default {d.outlier_failure_percent:g})")
-    p.add_argument("--outlier-min-requests", type=int, default=d.outlier_min_requests,
+                        f"(default {c.outlier_failure_percent:g})")
+    p.add_argument("--outlier-min-requests", type=int, default=c.outlier_min_requests,
                    help=f"requests an instance must have had before that share counts (default "
-                        f"{d.outlier_min_requests})")
-    p.add_argument("--outlier-interval", type=float, default=d.outlier_interval,
-                   help=f"seconds over which the share is measured (default {d.outlier_interval:g})")
-    p.add_argument("--ejection-time", type=float, default=d.ejection_time,
+                        f"{c.outlier_min_requests})")
+    p.add_argument("--outlier-interval", type=float, default=c.outlier_interval,
+                   help=f"seconds over which the share is measured (default {c.outlier_interval:g})")
+    p.add_argument("--ejection-time", type=float, default=c.ejection_time,
                    help="base ejection time, multiplied by the number of ejections in a row "
-                        f"(default {d.ejection_time:g} s)")
-    p.add_argument("--max-ejection-time", type=float, default=d.max_ejection_time,
-                   help=f"longest ejection (default {d.max_ejection_time:g} s)")
-    p.add_argument("--max-ejection-percent", type=int, default=d.max_ejection_percent,
+                        f"(default {c.ejection_time:g} s)")
+    p.add_argument("--max-ejection-time", type=float, default=c.max_ejection_time,
+                   help=f"longest ejection (default {c.max_ejection_time:g} s)")
+    p.add_argument("--max-ejection-percent", type=int, default=c.max_ejection_percent,
                    help="most of a role that request failures may eject, rounded down (default "
-                        f"{d.max_ejection_percent}); failed probes are not capped")
+                        f"{c.max_ejection_percent}); failed probes are not capped")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _role_caps(values: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in split_instances(values):
+        role, sep, n = item.partition("=")
+        try:
+            out[role.strip()] = int(n)
+        except ValueError:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64") from None
+        if not sep:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64")
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -112,6 +164,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ec_consumer_dp_size=args.ec_consumer_dp_size,
         upstream_api_key=args.upstream_api_key or None,
         forward_headers=("traceparent", "tracestate", *args.forward_header),
+        ignore_client_uuids=args.ignore_client_uuids,
+        max_media_items=args.max_media_items,
+        max_upstream_connections=args.max_upstream_connections,
+        allowed_media_schemes=tuple(split_instances([args.allowed_media_schemes])),
+        allowed_media_hosts=tuple(split_instances(args.allowed_media_hosts)),
         routing=args.routing,
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
@@ -122,7 +179,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         upstream_keep_alive=args.upstream_keep_alive,
         timeouts=Timeouts(connect=args.connect_timeout, encode=args.encode_timeout,
                           prefill=args.prefill_timeout, decode_first=args.decode_timeout,
-                          stream_idle=args.stream_idle_timeout, push_drain=args.prefill_timeout),
+                          stream_idle=args.stream_idle_timeout, first_byte=args.first_byte_timeout),
         probe_interval=args.probe_interval,
         probe_timeout=args.probe_timeout,
         fail_threshold=args.fail_threshold,
@@ -132,6 +189,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ejection_time=args.ejection_time,
         max_ejection_time=args.max_ejection_time,
         max_ejection_percent=args.max_ejection_percent,
+        max_inflight=args.max_inflight,
+        max_inflight_per_role=_role_caps(args.max_inflight_per_role),
+        queue_size=args.queue_size,
+        queue_timeout=args.queue_timeout,
+        shutdown_grace=args.shutdown_grace,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return cfg
 

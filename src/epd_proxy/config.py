@@ -94,14 +94,59 @@ def split_instances(values: list[str] | None) -> list[str]:
 
 @dataclass(slots=True)
 class Timeouts:
-    """Bounds on every wait, in seconds (stage waits end in a 504)."""
+    """Bounds on every wait, in seconds (stage waits end in a 504).
+
+    Stage defaults follow what each call does on vLLM (docs/architecture.md,
+    "Overload, deadlines and shutdown"): an encoder call is short, a prefill is one
+    forward pass over the prompt plus its queueing, decode's first event in push
+    mode waits for that prefill. ``first_byte`` bounds the whole pre-commit phase
+    (every stage and retry) of one request; 0 turns it off.
+    """
 
     connect: float = 5.0
-    encode: float = 300.0
-    prefill: float = 600.0  # until prefill's whole answer
-    decode_first: float = 600.0  # until decode's headers and first event
+    encode: float = 60.0
+    prefill: float = 120.0  # until prefill's whole answer
+    decode_first: float = 120.0  # until decode's headers and first event
     stream_idle: float = 600.0  # longest silence inside decode's stream
-    push_drain: float = 60.0  # push mode: prefill still running after decode ended
+    first_byte: float = 180.0  # from the request's admission to its status line
+
+
+# Headers --forward-header may not copy from a client to the backends: hop-by-hop headers
+# (RFC 9110 §7.6.1) and framing, which describe one connection, not the request; and the
+# headers the proxy writes itself, which would reach a backend twice.
+REFUSED_FORWARD_HEADERS = {
+    "connection": "hop-by-hop",
+    "keep-alive": "hop-by-hop",
+    "proxy-connection": "hop-by-hop",
+    "te": "hop-by-hop",
+    "trailer": "hop-by-hop",
+    "upgrade": "hop-by-hop",
+    "proxy-authorization": "hop-by-hop (credentials for this proxy's hop)",
+    "proxy-authenticate": "hop-by-hop",
+    "transfer-encoding": "message framing",
+    "content-length": "message framing",
+    "content-encoding": "message framing (the proxy sends a re-encoded JSON body)",
+    "expect": "message framing",
+    "host": "set by the proxy for each backend",
+    "content-type": "set by the proxy",
+    "x-request-id": "set by the proxy (the client's, if valid, is passed on already)",
+    "x-data-parallel-rank": "set by the proxy (it routes to a data-parallel replica)",
+}
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz")
+
+
+def check_forward_headers(names, upstream_api_key: str | None) -> None:
+    """Raise ValueError for a --forward-header the proxy must not copy to backends."""
+    for name in names:
+        low = name.strip().lower()
+        if not low or not set(low) <= _TOKEN_CHARS:
+            raise ValueError(f"--forward-header {name!r} is not a valid header name")
+        why = REFUSED_FORWARD_HEADERS.get(low)
+        if why:
+            raise ValueError(f"--forward-header {name!r} is refused: {why}")
+        if low == "authorization" and upstream_api_key:
+            raise ValueError("--forward-header authorization cannot be combined with --upstream-api-key: "
+                             "backends would get two Authorization headers")
 
 
 @dataclass(slots=True)
@@ -140,6 +185,25 @@ class ProxyConfig:
     ejection_time: float = 10.0  # base ejection time, times the number of ejections in a row
     max_ejection_time: float = 300.0
     max_ejection_percent: int = 50  # of a role, by passive signals (rounded down)
+    # Admission control (admission.py): 0 = unlimited; see docs/architecture.md.
+    max_inflight: int = 0
+    queue_size: int = 0
+    queue_timeout: float = 10.0
+    max_inflight_per_role: dict[str, int] = field(default_factory=dict)  # encode/prefill -> cap (0 = none)
+    # Graceful shutdown (serve.py): /ready is 503 and the listener open for the grace
+    # period, then in-flight requests finish until shutdown_timeout (from the signal).
+    shutdown_grace: float = 5.0
+    shutdown_timeout: float = 25.0
+    # The trust boundary (docs/architecture.md): what a client's body may ask for.
+    ignore_client_uuids: bool = False  # use content-derived keys even when a client sends a uuid
+    # Media parts per request, all modalities together; vLLM's --limit-mm-per-prompt
+    # defaults to 999 per modality.
+    max_media_items: int = 999
+    # Concurrent connections to one instance (in use or idle); more requests wait in line.
+    max_upstream_connections: int = 1024
+    allowed_media_schemes: tuple[str, ...] = ("http", "https", "data")
+    # Hosts or networks media URLs may name even when they are loopback, private, link-local...
+    allowed_media_hosts: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if not self.decode:
@@ -148,6 +212,15 @@ class ProxyConfig:
             raise ValueError("--decode-retries must be >= 0")
         if self.encoder_max_batch_size < 0:
             raise ValueError("--encoder-max-batch-size must be >= 0")
+        if self.max_media_items < 0:
+            raise ValueError("--max-media-items must be >= 0")
+        if self.max_upstream_connections < 1:
+            raise ValueError("--max-upstream-connections must be >= 1")
+        check_forward_headers(self.forward_headers, self.upstream_api_key)
+        from .media_policy import MediaPolicy  # the policy parses the host list
+
+        MediaPolicy(max_items=self.max_media_items, schemes=self.allowed_media_schemes,
+                    allowed_hosts=self.allowed_media_hosts)
         if self.ec_consumer_dp_size < 1:
             raise ValueError("--ec-consumer-dp-size must be >= 1")
         if self.ec_consumer_zmq_addrs:
@@ -168,6 +241,16 @@ class ProxyConfig:
             raise ValueError("--ejection-time must be > 0 and --max-ejection-time >= --ejection-time")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ValueError("--max-ejection-percent must be in [0, 100]")
+        if self.max_inflight < 0 or self.queue_size < 0 or self.queue_timeout < 0:
+            raise ValueError("--max-inflight, --queue-size and --queue-timeout must be >= 0")
+        for role, n in self.max_inflight_per_role.items():
+            if role not in ("encode", "prefill") or n < 0:
+                raise ValueError(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
+                                 f"(decode's cap is --max-inflight) and the cap >= 0")
+        if self.shutdown_grace < 0 or self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
+        if self.timeouts.first_byte < 0:
+            raise ValueError("--first-byte-timeout must be >= 0")
         for name in (self.routing, self.prefill_policy, self.decode_policy, self.encode_policy):
             if name is not None and name not in POLICIES:
                 raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")

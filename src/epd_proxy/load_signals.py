@@ -141,7 +141,8 @@ class LoadScraper:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.timeout):
-                resp = await inst.http.request("GET", "/metrics", timeouts=self.timeouts)
+                # Past the connection cap, like a probe: the load is read when it is highest.
+                resp = await inst.http.request("GET", "/metrics", timeouts=self.timeouts, queue=False)
                 try:
                     data = await resp.read()
                 finally:

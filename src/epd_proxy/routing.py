@@ -3,12 +3,12 @@
 The pool filters the candidates by health (healthy, half-open, panic rules);
 a policy only picks among them, from two kinds of input:
 
-* a small, pure view of the request (:class:`RequestView`), computed once per
-  request from the already-parsed body: the conversation *anchor* (a hash of
-  the prompt's beginning), the media items' uuids, and lazily the prompt's
-  size and its chained block hashes;
+* a small, pure view of the request (:class:`RequestView`) over the
+  already-parsed body, each key computed once, on first use: the conversation
+  *anchor* (a hash of the prompt's beginning), the media items' uuids, the
+  prompt's size and its chained block hashes;
 * each candidate's load: this proxy's in-flight count, plus the instance's
-  own queue as last scraped from its ``/metrics`` (:class:`LoadSignals`, kept
+  own queue as last scraped from its ``/metrics`` (``LoadSignals``, kept
   fresh by ``load_signals.py`` in the background).
 
 ``cache-aware`` routes by rendezvous (highest-random-weight) hashing of the
@@ -32,6 +32,7 @@ from array import array
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from .encoder_plan import assign_round_robin
+from .multimodal import EMBEDS_TYPES
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; pool.py imports this module
     from .multimodal import MediaItem
@@ -50,8 +51,8 @@ PROMPT_ANCHOR_IDS = 256
 BLOCK_CHARS = 1024
 MAX_BLOCKS = 64
 
-# Media part types whose item uuid stands for the part (the same set collect_media finds).
-_MEDIA = frozenset(("image_url", "audio_url", "input_audio", "video_url"))
+# Media part types whose item uuid stands for the part (the parts collect_media finds).
+_MEDIA = frozenset(EMBEDS_TYPES)
 
 
 def mix64(x: int) -> int:
