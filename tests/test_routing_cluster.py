@@ -156,3 +156,28 @@ async def test_one_instance_per_role():
         assert again.status == 200
         # turns 2 and 3 carried the image again, then one more request: three hits
         assert await metric(cluster.instances("encode")[0].url, b"sim:encoder_cache_hits_total") == 3
+
+
+async def test_a_restarted_proxy_sends_each_conversation_where_it_went_before():
+    """No routing state to lose: a fresh proxy process continues every conversation on the
+    instance that holds its prefix (no cache-miss storm after a failover)."""
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5)
+    async with SimCluster(prefill=3, decode=1, config=sim) as cluster:
+        cfg = config_for_cluster(cluster, ProxyConfig(probe_interval=0, scrape_interval=0))
+        convs = [Conversation(c) for c in range(20, 26)]
+        hits = []
+        for _ in range(2):  # two turns through one proxy, two through its replacement
+            async with await start_proxy(cfg) as proxy:
+                client = Client(proxy.url)
+                try:
+                    for _ in range(2):
+                        for conv in convs:
+                            await conv.say(client)
+                finally:
+                    await client.close()
+            hits.append(sum([await metric(i.url, b"vllm:prefix_cache_hits_total")
+                             for i in cluster.instances("prefill")]))
+        for conv in convs:
+            assert len(served_by(cluster, "prefill", conv.conv)) == 1, conv.conv
+        # turns 3 and 4 find the whole earlier conversation: more hits than turns 1 and 2
+        assert hits[1] - hits[0] > hits[0]
