@@ -442,9 +442,12 @@ class CacheAware:
             return [candidates[0]] * len(items)
         loads = [c.inflight + c.signals.others for c in candidates]
         out = []
+        seen: dict[str, int] = {}
         for item in items:
-            i = self._pick(candidates, key_of(item.uuid), loads)
-            loads[i] += 1  # the request's own items count against each other
+            i = seen.get(item.uuid)
+            if i is None:  # the same item twice in one request is encoded once, on one encoder
+                i = seen[item.uuid] = self._pick(candidates, key_of(item.uuid), loads)
+                loads[i] += 1  # the request's own items count against each other
             out.append(candidates[i])
         return out
 
