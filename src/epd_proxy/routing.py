@@ -19,8 +19,9 @@ keys that were its own. Load bounds it: an instance loaded past the balance
 thresholds relative to the least-loaded candidate is passed over, in
 rendezvous order.
 
-Pure: no I/O, no clock; the only state is rotation cursors and a random
-generator for ``power-of-two``.
+Pure: no I/O, no clock; the only state is rotation cursors, a random
+generator for ``power-of-two``, and ``cache-aware``'s seeds by URL and count
+of spills.
 """
 
 from __future__ import annotations
