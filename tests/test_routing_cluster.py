@@ -181,3 +181,56 @@ async def test_a_restarted_proxy_sends_each_conversation_where_it_went_before():
             assert len(served_by(cluster, "prefill", conv.conv)) == 1, conv.conv
         # turns 3 and 4 find the whole earlier conversation: more hits than turns 1 and 2
         assert hits[1] - hits[0] > hits[0]
+
+
+async def test_the_workers_of_one_proxy_agree():
+    """``--workers 2``: separate processes behind one port (the kernel spreads connections),
+    each with its own pools and no shared state, still send a conversation to one instance."""
+    import os
+    import signal
+    import sys
+
+    from test_serve_shutdown import _free_port
+
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5)
+    async with SimCluster(prefill=3, decode=1, config=sim) as cluster:
+        port = _free_port()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                        env.get("PYTHONPATH", "")] if p)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "epd_proxy", "serve", "--port", str(port), "--workers", "2",
+            "--probe-interval", "0", "--scrape-interval", "0", "--shutdown-grace", "0", "--log-level", "warning",
+            "--prefill", ",".join(cluster.urls("prefill")), "--decode", cluster.urls("decode")[0],
+            env=env, stdout=asyncio.subprocess.DEVNULL, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            pids = set()
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20
+            convs = [Conversation(c) for c in range(40, 48)]
+            for turn in range(3):
+                for conv in convs:
+                    client = Client(url)  # a new connection per turn: any worker may take it
+                    try:
+                        while True:
+                            try:
+                                pids.add((await client.request("GET", "/status", timeout=2)).json().get("pid"))
+                                break
+                            except Exception:
+                                assert proc.returncode is None and loop.time() < end, "the proxy did not start"
+                                await asyncio.sleep(0.05)
+                        await conv.say(client)
+                    finally:
+                        await client.close()
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), 10)
+                except TimeoutError:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    await proc.wait()
+        for conv in convs:
+            assert len(served_by(cluster, "prefill", conv.conv)) == 1, conv.conv
+        assert len(pids) == 2  # both workers took turns (24 connections: all on one is 2^-23 likely)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 
@@ -161,7 +162,8 @@ class ProxyApp:
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
         body = {"topology": self.topology, "kv_connector": self.config.kv_connector if "prefill" in self.pools
                 else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
-                "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
+                "routing": {role: pool.policy.name for role, pool in self.pools.items()},
+                "pid": os.getpid()}  # with --workers, which process answered
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
