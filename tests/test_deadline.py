@@ -59,7 +59,10 @@ async def test_hung_prefill_gets_504_and_every_leg_is_closed(kv, stream):
 
 
 async def test_hung_encoder_gets_504_and_every_encoder_call_is_closed():
-    async with stack(encode=2, timeouts=Timeouts(first_byte=0.3)) as (cluster, proxy, client):
+    # round-robin: the two images go to both encoders, one of which hangs (by uuid affinity
+    # both could land on the other one).
+    async with stack(encode=2, encode_policy="round-robin",
+                     timeouts=Timeouts(first_byte=0.3)) as (cluster, proxy, client):
         cluster.instances("encode")[0].inject("hang")
         reply = await client.chat(chat_body(images=["https://x/a.png", "https://x/b.png"]))
         _assert_504(reply)
