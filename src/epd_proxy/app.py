@@ -44,10 +44,8 @@ class ProxyApp:
                 self.pools[role] = InstancePool(role, specs, policy=config.routing,
                                                 keep_alive=config.upstream_keep_alive,
                                                 fail_threshold=config.fail_threshold,
-                                                outlier=OutlierSettings.from_config(config))
-        for pool in self.pools.values():  # the per-instance connection cap (trust boundary)
-            for inst in pool.instances:
-                inst.http.max_connections = config.max_upstream_connections
+                                                outlier=OutlierSettings.from_config(config),
+                                                max_connections=config.max_upstream_connections)
         self.metrics = ProxyMetrics(self.pools)
         self.pipeline = Pipeline(config, self.pools, self.metrics)
         self._routes = {
