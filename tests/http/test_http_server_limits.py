@@ -99,6 +99,36 @@ async def test_an_unexpected_error_while_parsing_closes_the_connection_with_one_
     w.close()
 
 
+async def test_a_bad_pipelined_request_does_not_cut_the_response_before_it(http_server):
+    async def handler(req, w):
+        await asyncio.sleep(0.05)
+        w.send(200, req.path.encode())
+
+    srv = await http_server(handler)
+    r, w = await connect(srv.port)
+    w.write(request_bytes("GET", "/1") + request_bytes("GET", "/2") + b"GARBAGE\r\n\r\n")
+    assert (await asyncio.wait_for(read_response(r), 2)).body == b"/1"
+    assert (await asyncio.wait_for(read_response(r), 2)).body == b"/2"
+    resp = await asyncio.wait_for(read_response(r), 2)
+    assert resp.status == 400 and _error(resp)["code"] == 400
+    assert await wait_disconnect(r) == b""
+    w.close()
+
+
+async def test_a_slow_head_pipelined_behind_a_request_still_times_out(http_server):
+    async def handler(req, w):
+        await asyncio.sleep(0.05)
+        w.send(200, b"ok")
+
+    srv = await http_server(handler, header_timeout=0.2, keep_alive_timeout=30)
+    r, w = await connect(srv.port)
+    w.write(request_bytes("GET", "/1") + b"GET /2 HTTP/1.1\r\nHost: t\r\n")  # the second never ends
+    assert (await asyncio.wait_for(read_response(r), 2)).body == b"ok"
+    resp = await asyncio.wait_for(read_response(r), 2)
+    assert resp.status == 408
+    w.close()
+
+
 # -- chunked trailers ------------------------------------------------------------------------
 async def test_trailer_fields_never_reach_the_request_headers(http_server):
     srv = await http_server(echo)
@@ -325,23 +355,49 @@ async def test_beyond_the_cap_new_connections_are_refused_with_503(http_server):
 
 
 # -- slow clients --------------------------------------------------------------------------------
+async def trickle(port: int, first: bytes, piece: bytes, *, interval: float, limit: int) -> tuple[bytes, int]:
+    """Send ``first``, then ``piece`` every ``interval`` until the server answers or
+    closes (or ``limit`` pieces went out). Returns what arrived and the pieces sent."""
+    loop = asyncio.get_running_loop()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setblocking(False)
+    got, sent = b"", 0
+    try:
+        await loop.sock_sendall(sock, first)
+        while sent < limit:
+            await asyncio.sleep(interval)
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                data = None
+            except ConnectionError:
+                break
+            if data is not None:  # an answer, or the close
+                got += data
+                break
+            try:
+                sock.send(piece)
+            except (BlockingIOError, ConnectionError):
+                break
+            sent += 1
+        while True:
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(sock, 65536), 3)
+            except ConnectionError:
+                break
+            if not data:
+                break
+            got += data
+    finally:
+        sock.close()
+    return got, sent
+
+
 async def test_header_and_body_timeouts_are_separate(http_server):
     srv = await http_server(echo, header_timeout=0.2, body_timeout=5.0)
     # A head trickled for longer than the header timeout: 408.
-    r, w = await connect(srv.port)
-    w.write(b"POST / HTTP/1.1\r\nHost: t\r\n")
-    for _ in range(50):  # until the answer arrives
-        try:
-            w.write(b"X-A: b\r\n")
-            await w.drain()
-        except ConnectionError:
-            break
-        if r.at_eof() or len(r._buffer):
-            break
-        await asyncio.sleep(0.02)
-    resp = await asyncio.wait_for(read_response(r), 2)
-    assert resp.status == 408 and _error(resp)["code"] == 408
-    w.close()
+    got, sent = await trickle(srv.port, b"POST / HTTP/1.1\r\nHost: t\r\n", b"X-A: b\r\n", interval=0.02, limit=200)
+    assert got.startswith(b"HTTP/1.1 408 ") and sent < 200
     # A body that takes longer than the header timeout (but not the body timeout): fine.
     r, w = await connect(srv.port)
     w.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\n")
@@ -366,44 +422,27 @@ async def test_slowloris_clients_are_cut_while_normal_requests_flow(http_server)
     """200 clients trickling headers get 408 and are closed by the header timeout;
     requests from normal clients meanwhile all succeed."""
     srv = await http_server(echo, header_timeout=0.3, keep_alive_timeout=5.0)
-    n_slow = 200
-
-    async def slowloris():
-        r, w = await connect(srv.port)
-        w.write(b"GET / HTTP/1.1\r\nHost: t\r\n")
-        sent = 0
-        try:
-            while not r.at_eof() and not len(r._buffer) and sent < 500:
-                w.write(b"X-%d: y\r\n" % sent)
-                sent += 1
-                await asyncio.sleep(0.03)
-            raw = await asyncio.wait_for(read_to_eof(r), 3)
-        except ConnectionError:
-            raw = b""
-        finally:
-            w.close()
-        return raw, sent
+    n_slow, limit = 200, 500
 
     async def normal(i):
         r, w = await connect(srv.port)
         try:
             w.write(request_bytes("POST", f"/n{i}", body=b"{}"))
-            resp = await asyncio.wait_for(read_response(r), 2)
-            return resp.status
+            return (await asyncio.wait_for(read_response(r), 2)).status
         finally:
             w.close()
 
-    slow = [asyncio.create_task(slowloris()) for _ in range(n_slow)]
+    slow = [asyncio.create_task(trickle(srv.port, b"GET / HTTP/1.1\r\nHost: t\r\n", b"X-a: y\r\n",
+                                        interval=0.03, limit=limit)) for _ in range(n_slow)]
     await wait_until(lambda: len(srv.connections) >= n_slow, 5)
     statuses = []
     for i in range(20):
         statuses.append(await normal(i))
         await asyncio.sleep(0.01)
-    results = await asyncio.wait_for(asyncio.gather(*slow), 10)
+    results = await asyncio.wait_for(asyncio.gather(*slow), 15)
     assert statuses == [200] * 20
-    cut = [raw for raw, sent in results if sent < 500]
-    assert len(cut) == n_slow  # every slow client was cut off before it finished trickling
-    assert sum(raw.startswith(b"HTTP/1.1 408 ") for raw in cut) >= n_slow * 0.9
+    assert all(sent < limit for _, sent in results)  # every slow client was cut off mid-head
+    assert sum(got.startswith(b"HTTP/1.1 408 ") for got, _ in results) >= n_slow * 0.9
     await wait_until(lambda: not srv.connections, 3)
 
 

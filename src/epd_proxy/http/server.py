@@ -367,6 +367,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self._body_timed = False
         self._ignoring_upgrade = False
         self._done_reading = False  # a non-keep-alive request was read: ignore the rest
+        self._rejection: tuple[int, str] | None = None  # an error to answer after the queued requests
         self._lingering = False  # rejected mid-request: the client's bytes are dropped until _LINGER
         # Body bytes charged to the server's budget: everything this connection holds,
         # and the part that belongs to the request being answered.
@@ -797,11 +798,16 @@ class HttpServerProtocol(asyncio.Protocol):
             return
         if self._queue or self._held_input is not None:
             self._loop.call_soon(self._next)
+        elif self._rejection is not None:
+            status, message = self._rejection
+            self._rejection = None
+            self._parsing = False  # the rejected message is not read further
+            self._reject(status, message)
         else:
             if self._reading_paused:
                 self._reading_paused = False
                 self.transport.resume_reading()
-            self._arm_timer(self._limits.keep_alive_timeout)
+            self._arm_waiting()
 
     def _next(self) -> None:
         if self.closed or self._task is not None:
@@ -824,8 +830,17 @@ class HttpServerProtocol(asyncio.Protocol):
         if self._task is None:
             if self._queue:
                 self._start(self._queue.pop(0))
-            elif not self._parsing:
-                self._arm_timer(self._limits.keep_alive_timeout)
+            else:
+                self._arm_waiting()
+
+    def _arm_waiting(self) -> None:
+        """No request is being answered: bound the wait for the next one (or for the
+        rest of one that began while the previous was answered)."""
+        limits = self._limits
+        if not self._parsing:
+            self._arm_timer(limits.keep_alive_timeout)
+        else:
+            self._arm_timer(limits.header_timeout if self._in_head else limits.body_timeout)
 
     def _reject(self, status: int, message: str) -> None:
         """A request we cannot parse (or take): answer it and close the connection."""
@@ -853,7 +868,13 @@ class HttpServerProtocol(asyncio.Protocol):
             else:
                 self.transport.close()
         else:
-            self.abort()
+            # A request before this one is being answered: it and those queued are
+            # answered first, then this error, then the connection closes.
+            self._rejection = (status, message)
+            self._body = []
+            partial = self._charged - self._active_size - sum(len(q.body) for q in self._queue)
+            if partial > 0:
+                self._release(partial)
 
 
 class HttpServer:
