@@ -120,3 +120,49 @@ def test_start_up_raises_the_descriptor_limit_and_idle_clients_cannot_exhaust_it
             s.close()
         proc.terminate()
         proc.wait(10)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_memory_of_large_bodies_is_returned_after_they_are_answered():
+    """Freed request bodies go back to the OS: glibc keeps freed read buffers in its
+    heap, so concurrent large uploads used to leave the process larger for good (by
+    0 to 108 MB after 20 x 30-60 MB bodies, depending on how the reads interleaved);
+    now the heap is trimmed once large bodies are released."""
+    import threading
+
+    port = _free_port()
+    proc = _spawn(["--port", str(port), "--decode", f"http://127.0.0.1:{_free_port()}", "--probe-interval", "0",
+                   "--log-level", "error"], soft=1024, hard=resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    try:
+        _wait_listening(port, proc)
+        time.sleep(0.3)
+        before = _rss_mb(proc.pid)
+        body = b'{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"' + b"a" * (10 << 20) + b'"}]}'
+        statuses = []
+
+        def upload():
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                statuses.append(s.recv(100)[:12])
+
+        threads = [threading.Thread(target=upload) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(statuses) == 10
+        deadline = time.monotonic() + 5
+        while _rss_mb(proc.pid) > before + 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _rss_mb(proc.pid) <= before + 8, (before, _rss_mb(proc.pid))
+    finally:
+        proc.terminate()
+        proc.wait(10)
