@@ -327,6 +327,27 @@ async def test_at_the_cap_idle_keep_alive_connections_make_room(http_server):
     w.close()
 
 
+async def test_at_the_cap_connections_that_were_served_go_before_fresh_ones(http_server):
+    srv = await http_server(echo, max_connections=3)
+    fresh_r, fresh_w = await connect(srv.port)  # connected, has not sent its request yet
+    await wait_until(lambda: len(srv.connections) == 1)
+    served = []
+    for i in range(2):
+        r, w = await connect(srv.port)
+        w.write(request_bytes("GET", f"/{i}"))
+        await asyncio.wait_for(read_response(r), 2)
+        served.append((r, w))
+    r, w = await connect(srv.port)
+    w.write(request_bytes("GET", "/new"))
+    assert (await asyncio.wait_for(read_response(r), 2)).status == 200
+    fresh_w.write(request_bytes("GET", "/fresh"))
+    assert json.loads((await asyncio.wait_for(read_response(fresh_r), 2)).body)["path"] == "/fresh"
+    for _, sw in served:
+        sw.close()
+    fresh_w.close()
+    w.close()
+
+
 async def test_beyond_the_cap_new_connections_are_refused_with_503(http_server):
     release = asyncio.Event()
 

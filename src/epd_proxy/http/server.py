@@ -343,6 +343,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self._body_len = 0
         self._length = -1  # the current message's Content-Length (-1: none)
         self._version = "1.1"
+        self._method = b""
         self._parsing = False
         # Requests parsed but not yet answered (pipelining), and the active handler.
         self._queue: list[Request] = []
@@ -373,6 +374,7 @@ class HttpServerProtocol(asyncio.Protocol):
         # and the part that belongs to the request being answered.
         self._charged = 0
         self._active_size = 0
+        self.kept_alive = False  # has answered a request and waits for the next
 
     # -- connection events --------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -658,12 +660,13 @@ class HttpServerProtocol(asyncio.Protocol):
                 raise _ParseError(400, f"HTTP/{version} is not supported on this HTTP/1.1 connection")
         elif b"host" not in self._headers:
             raise _ParseError(400, "missing Host header")
+        self._method = method = parser.get_method()
         line = self._line_data
         if line is not None:
             self._line_data = None
-            self._check_request_line(line)
+            self._check_request_line(line, method)
         if parser.should_upgrade():
-            if parser.get_method() == b"CONNECT":
+            if method == b"CONNECT":
                 raise _ParseError(400, "CONNECT is not supported")
             self._ignoring_upgrade = True  # see _without_upgrade
             return
@@ -682,10 +685,9 @@ class HttpServerProtocol(asyncio.Protocol):
                 and version != "1.0":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
-    def _check_request_line(self, line: bytes) -> None:
+    def _check_request_line(self, line: bytes, method: bytes) -> None:
         """RFC 9112 3: one space on each side of the target (llhttp skips extra ones).
         Checked when the request line is in the slice the message began at."""
-        method = self._parser.get_method()
         n = len(method)
         end = n + 1 + len(self._url)
         if not isinstance(line, bytes):
@@ -715,7 +717,7 @@ class HttpServerProtocol(asyncio.Protocol):
             return  # parsed again by _without_upgrade
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
-            self._parser.get_method().decode("latin-1"),
+            self._method.decode("latin-1"),
             self._url,
             self._headers,
             body,
@@ -796,6 +798,7 @@ class HttpServerProtocol(asyncio.Protocol):
             self.transport.close()
             self.closed = True
             return
+        self.kept_alive = True
         if self._queue or self._held_input is not None:
             self._loop.call_soon(self._next)
         elif self._rejection is not None:
@@ -923,15 +926,15 @@ class HttpServer:
         if loop.time() < self._scan_after:
             return False
         batch = max(1, self.limits.max_connections // 16)
-        closed = 0
-        for conn in list(self.connections):
-            if conn.idle:
-                conn.closed = True
-                self.connections.discard(conn)
-                conn.transport.close()
-                closed += 1
-                if closed >= batch:
-                    break
+        idle = [conn for conn in self.connections if conn.idle]
+        # Connections that answered a request and wait for another go first; one that
+        # never sent a byte may be a client about to send its first request.
+        idle.sort(key=lambda conn: not conn.kept_alive)
+        for conn in idle[:batch]:
+            conn.closed = True
+            self.connections.discard(conn)
+            conn.transport.close()
+        closed = min(len(idle), batch)
         if not closed:
             self._scan_after = loop.time() + 0.05  # nothing idle: refuse cheaply for a moment
         return closed > 0
