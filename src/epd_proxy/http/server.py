@@ -306,9 +306,15 @@ _SLICE = 8 * 1024
 # client still sends before it is closed.
 _LINGER = 5.0
 
-_OVERLOADED = ProxyError(503, "the proxy has too many client connections; retry shortly")
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-            b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(_OVERLOADED.body()) + _OVERLOADED.body())
+
+def _refusal() -> bytes:
+    """The whole answer to a connection beyond the cap, written once without reading."""
+    body = ProxyError(503, "the proxy has too many client connections; retry shortly").body()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+
+_REFUSED = _refusal()
 
 
 class _ParseError(Exception):
@@ -410,6 +416,11 @@ class HttpServerProtocol(asyncio.Protocol):
             self._task.cancel()
         self._queue.clear()
         self._body = []
+        # Both refer back to this protocol (the parser holds its callbacks, the task's
+        # frames its handler's): let go of them so the connection is freed without the
+        # cyclic collector, which the frozen-GC settings make rare.
+        self._task = None
+        self._parser = None
 
     @property
     def idle(self) -> bool:
@@ -946,6 +957,29 @@ class HttpServer:
     @property
     def host(self) -> str:
         return self._server.sockets[0].getsockname()[0]
+
+    # -- graceful shutdown (serve.py drives these) ----------------------------------------
+    def drain(self) -> None:
+        """Every response in progress closes its connection when it ends (the handler makes
+        later ones do so too)."""
+        for conn in self.connections:
+            if conn._writer is not None:
+                conn._writer.keep_alive = False
+
+    def close_idle(self) -> None:
+        """Close the connections that have no request in progress or half received."""
+        for conn in list(self.connections):
+            if conn._task is None and not conn._parsing and not conn._queue and conn.transport is not None:
+                conn.transport.close()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket; accepted connections go on."""
+        if self._server is not None:
+            self._server.close()
+
+    def busy(self) -> list[asyncio.Task]:
+        """The handler tasks still running."""
+        return [c._task for c in self.connections if c._task is not None and not c._task.done()]
 
     async def close(self, *, abort_connections: bool = True) -> None:
         if self._server is None:
