@@ -166,3 +166,21 @@ def test_memory_of_large_bodies_is_returned_after_they_are_answered():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_front_door_metrics():
+    import asyncio
+
+    async with stack(header_timeout=0.2) as (cluster, proxy, client):
+        host, port = proxy.server.host, proxy.server.port
+        for data in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: t\r\n"):  # 400, then 408
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(data)
+            await asyncio.wait_for(reader.read(), 3)
+            writer.close()
+        text = (await client.request("GET", "/metrics")).body.decode()
+    assert 'epd_proxy_client_rejections_total{status="400"} 1.0' in text
+    assert 'epd_proxy_client_rejections_total{status="408"} 1.0' in text
+    assert "epd_proxy_client_connections 1.0" in text  # the scrape's own
+    assert "epd_proxy_client_connections_refused_total 0.0" in text
+    assert "epd_proxy_buffered_body_bytes 0.0" in text

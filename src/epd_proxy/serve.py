@@ -100,6 +100,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     await app.start()
     server = await HttpServer(app, limits=server_limits(config), on_large_release=trim_heap).start(
         host, port, backlog=backlog, reuse_port=reuse_port)
+    app.metrics.front_door = server
     return RunningProxy(app, server)
 
 

@@ -816,7 +816,7 @@ class HttpServerProtocol(asyncio.Protocol):
             status, message = self._rejection
             self._rejection = None
             self._parsing = False  # the rejected message is not read further
-            self._reject(status, message)
+            self._answer_error(status, message)
         else:
             if self._reading_paused:
                 self._reading_paused = False
@@ -862,25 +862,11 @@ class HttpServerProtocol(asyncio.Protocol):
             return
         self._done_reading = True
         self._held_input = None
+        if self._server is not None:
+            counts = self._server.rejections
+            counts[status] = counts.get(status, 0) + 1
         if self._task is None or self._task.done():
-            body = ProxyError(status, message).body()
-            extra = b"retry-after: 1\r\n" if status == 503 else b""
-            self.transport.write(status_line(status) + _date.get() + extra +
-                                 b"content-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n" % len(body) + body)
-            self.closed = True
-            self._body = []
-            if self._charged:
-                self._release(self._charged)
-            if self._parsing and status != 408 and self.transport.can_write_eof():
-                # The client may still be sending (a large body): its bytes are read and
-                # dropped for a moment, so that it reads this answer instead of the reset
-                # that closing on unread data causes.
-                self._lingering = True
-                self.transport.write_eof()
-                self._arm_timer(_LINGER)
-            else:
-                self.transport.close()
+            self._answer_error(status, message)
         else:
             # A request before this one is being answered: it and those queued are
             # answered first, then this error, then the connection closes.
@@ -889,6 +875,27 @@ class HttpServerProtocol(asyncio.Protocol):
             partial = self._charged - self._active_size - sum(len(q.body) for q in self._queue)
             if partial > 0:
                 self._release(partial)
+
+    def _answer_error(self, status: int, message: str) -> None:
+        """Write the error with the envelope and close (no handler is running)."""
+        body = ProxyError(status, message).body()
+        extra = b"retry-after: 1\r\n" if status == 503 else b""
+        self.transport.write(status_line(status) + _date.get() + extra +
+                             b"content-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n" % len(body) + body)
+        self.closed = True
+        self._body = []
+        if self._charged:
+            self._release(self._charged)
+        if self._parsing and status != 408 and self.transport.can_write_eof():
+            # The client may still be sending (a large body): its bytes are read and
+            # dropped for a moment, so that it reads this answer instead of the reset
+            # that closing on unread data causes.
+            self._lingering = True
+            self.transport.write_eof()
+            self._arm_timer(_LINGER)
+        else:
+            self.transport.close()
 
 
 class HttpServer:
@@ -903,6 +910,8 @@ class HttpServer:
         self._trim_pending = False
         self.budget = BodyBudget(self.limits.max_buffered_bytes, self._schedule_trim if on_large_release else None)
         self.refused = 0  # connections turned away at the connection cap
+        self.reclaimed = 0  # idle connections closed to make room at the cap
+        self.rejections: dict[int, int] = {}  # status -> requests refused while parsing
         self._server: asyncio.base_events.Server | None = None
         self._scan_after = 0.0
 
@@ -946,6 +955,7 @@ class HttpServer:
             self.connections.discard(conn)
             conn.transport.close()
         closed = min(len(idle), batch)
+        self.reclaimed += closed
         if not closed:
             self._scan_after = loop.time() + 0.05  # nothing idle: refuse cheaply for a moment
         return closed > 0
