@@ -317,7 +317,7 @@ async def test_at_the_cap_idle_keep_alive_connections_make_room(http_server):
     closed = 0
     for ir, iw in idle:
         try:
-            if await asyncio.wait_for(ir.read(1), 0.5) == b"":
+            if await asyncio.wait_for(ir.read(1), 0.2) == b"":
                 closed += 1
         except (asyncio.TimeoutError, ConnectionError):
             pass
