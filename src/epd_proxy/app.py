@@ -49,10 +49,8 @@ class ProxyApp:
                 self.pools[role] = InstancePool(role, specs, policy=policy,
                                                 keep_alive=config.upstream_keep_alive,
                                                 fail_threshold=config.fail_threshold,
-                                                outlier=OutlierSettings.from_config(config))
-        for pool in self.pools.values():  # the per-instance connection cap (trust boundary)
-            for inst in pool.instances:
-                inst.http.max_connections = config.max_upstream_connections
+                                                outlier=OutlierSettings.from_config(config),
+                                                max_connections=config.max_upstream_connections)
         self.metrics = ProxyMetrics(self.pools)
         # Load signals are scraped only for the pools whose policy reads them.
         self.scrapers = [LoadScraper(pool, config.scrape_interval, config.probe_timeout)

@@ -14,9 +14,15 @@ import os
 import signal
 import sys
 
+try:
+    import resource
+except ImportError:  # pragma: no cover - not POSIX
+    resource = None
+
 from .app import ProxyApp
 from .config import InstanceSpec, ProxyConfig
-from .http.server import HttpServer
+from .http.heap import trim_heap
+from .http.server import HttpServer, ServerLimits
 
 log = logging.getLogger("epd_proxy")
 
@@ -92,8 +98,57 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
                       backlog: int = 4096, reuse_port: bool = False) -> RunningProxy:
     app = ProxyApp(config)
     await app.start()
-    server = await HttpServer(app).start(host, port, backlog=backlog, reuse_port=reuse_port)
+    server = await HttpServer(app, limits=server_limits(config), on_large_release=trim_heap).start(
+        host, port, backlog=backlog, reuse_port=reuse_port)
+    app.metrics.front_door = server
     return RunningProxy(app, server)
+
+
+# Descriptors kept for what is not a client or upstream connection: the listening
+# socket, logs, probes, the event loop's own.
+_RESERVED_FDS = 64
+
+
+def connection_cap(fd_limit: int) -> int:
+    """The default client-connection cap for a descriptor limit: a third of what is
+    left after the reserve, so every client connection can have two upstream legs
+    (prefill and decode) open at once without running out of descriptors."""
+    return max(16, (fd_limit - _RESERVED_FDS) // 3)
+
+
+def fd_limit() -> int:
+    """This process's soft RLIMIT_NOFILE (0 if unknown or unlimited)."""
+    if resource is None:  # pragma: no cover
+        return 0
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 0 if soft == resource.RLIM_INFINITY else soft
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, as servers commonly do at
+    start-up (the soft default, often 1,024, is what a few hundred idle clients
+    exhaust). Returns the soft limit in force afterwards."""
+    if resource is None:  # pragma: no cover
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # e.g. an infinite hard limit the kernel caps
+            log.warning("could not raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return fd_limit()
+
+
+def server_limits(config: ProxyConfig) -> ServerLimits:
+    """The client-facing limits of a config; the connection cap, unless set, from the
+    descriptor limit in force now."""
+    cap = config.max_connections
+    if not cap:
+        limit = fd_limit()
+        cap = connection_cap(limit) if limit else 0
+    return ServerLimits(max_body_bytes=config.max_body_size, max_buffered_bytes=config.max_buffered_bytes,
+                        max_connections=cap, header_timeout=config.header_timeout,
+                        body_timeout=config.body_timeout)
 
 
 async def _wait_until(done, deadline: float, interval: float = 0.05) -> None:
@@ -190,6 +245,7 @@ def tune_gc() -> None:
 def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None) -> int:
     """Run until SIGINT/SIGTERM. Returns the exit status."""
     tune_gc()
+    raise_fd_limit()
     if workers <= 1:
         install_uvloop()
         asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True))
