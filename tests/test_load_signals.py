@@ -3,7 +3,7 @@
 import asyncio
 
 import msgspec
-from helpers import chat_body, stack, wait_for
+from helpers import Client, chat_body, stack, wait_for
 
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.client import Timeouts as ClientTimeouts
@@ -86,3 +86,24 @@ async def test_a_failed_scrape_forgets_the_signals_and_ejects_nothing():
             assert victim.healthy and victim.failures == 0  # not a health signal
         finally:
             await cluster.instances("pd")[0].restart()
+
+
+async def test_the_scrape_is_not_held_up_by_the_connection_cap():
+    """At the cap (every connection to the instance busy with a stream) the instance's load is
+    at its highest: the scrape passes the cap, as a health probe does, instead of queueing."""
+    sim = SimConfig(itl_ms=20, ttft_ms=0.5)
+    async with stack(prefill=0, decode=0, pd=1, sim=sim, scrape_interval=0.05, max_upstream_connections=1,
+                     probe_timeout=5.0) as (cluster, proxy, client):
+        inst = proxy.app.pools["decode"].instances[0]
+        other = Client(proxy.url)
+        stream = asyncio.ensure_future(other.chat(chat_body(max_tokens=200, stream=True), timeout=30))
+        try:
+            await wait_for(lambda: inst.inflight == 1, timeout=3)
+            loop = asyncio.get_running_loop()
+            since = loop.time()
+            await wait_for(lambda: (inst.signals.scraped_at or 0) > since + 0.2, timeout=2)
+            assert inst.signals.others == 0  # the running stream is this proxy's own
+        finally:
+            stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
+            await other.close()
