@@ -19,10 +19,14 @@ import pytest
 DNSMASQ = shutil.which("dnsmasq") or ("/usr/sbin/dnsmasq" if os.access("/usr/sbin/dnsmasq", os.X_OK) else None)
 
 
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port() -> int:
+    """A port free for UDP and TCP on loopback (dnsmasq binds both)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+        t.bind(("127.0.0.1", 0))
+        port = t.getsockname()[1]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            u.bind(("127.0.0.1", port))
+        return port
 
 
 class Dnsmasq:
@@ -33,7 +37,17 @@ class Dnsmasq:
         self.hosts_path = os.path.join(directory, "hosts")
         self.records: dict[str, list[str]] = {}
         self._write()
-        self.port = _free_udp_port()
+        for attempt in range(5):  # another process may take the port meanwhile
+            try:
+                self._start()
+                return
+            except RuntimeError:
+                self.close()
+                if attempt == 4:
+                    raise
+
+    def _start(self) -> None:
+        self.port = _free_port()
         args = [DNSMASQ, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
                 "--no-negcache", "--local=/test/", f"--addn-hosts={self.hosts_path}", "--listen-address=127.0.0.1",
                 "--bind-interfaces", f"--port={self.port}", "--pid-file=", "--local-ttl=1",

@@ -192,6 +192,10 @@ class ProxyConfig:
                              "dns+http:// decode instance)")
         if self.dns_interval <= 0:
             raise ValueError("--dns-interval must be > 0")
+        if self.dns_server:
+            from .discovery import parse_server
+
+            parse_server(self.dns_server)
         if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
             raise ValueError("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
                              "--registration-allow CIDR: otherwise nothing may register")

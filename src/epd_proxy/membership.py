@@ -427,11 +427,13 @@ class Membership:
             if self.evicted_ttl > 0:
                 tick = max(SWEEP_INTERVAL / 2, min(tick, self.evicted_ttl / 4))
             self._wake.clear()
+            # A timer rather than asyncio.timeout: no TimeoutError (and its traceback
+            # cycle) every idle tick.
+            timer = asyncio.get_running_loop().call_later(tick, self._wake.set)
             try:
-                async with asyncio.timeout(tick):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+                await self._wake.wait()
+            finally:
+                timer.cancel()
 
     def sweep(self, now: float) -> None:
         """Drained instances that are idle leave; removed ones that are idle close their

@@ -2,7 +2,8 @@
 
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
-has its own pools, cursors and metrics (documented in docs/architecture.md).
+has its own pools, cursors and metrics; the roster is shared and the parent
+supervises (workers.py). SIGHUP reloads (reload.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import sys
 
 from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
+from .discovery import DnsDiscovery
 from .http.server import HttpServer
+from .reload import Reloader
+from .workers import PeerLink, SharedRoster, make_links, supervise
 
 log = logging.getLogger("epd_proxy")
 
@@ -32,15 +36,26 @@ def install_uvloop() -> None:
 class RunningProxy:
     """A started proxy (app + listening server), for tests and embedding."""
 
-    def __init__(self, app: ProxyApp, server: HttpServer) -> None:
+    def __init__(self, app: ProxyApp, server: HttpServer, discovery: DnsDiscovery | None = None) -> None:
         self.app = app
         self.server = server
+        self.discovery = discovery  # following the config's dns+ instances, if any
+        self.shared: SharedRoster | None = None  # --workers: the roster shared with the other workers
+
+    def apply_roster(self, specs: list[InstanceSpec], source: str):
+        """``Membership.apply`` for changes every worker makes by itself (reload, DNS)."""
+        if self.shared is None:
+            return self.app.membership.apply(specs, source=source)
+        with self.shared.local():
+            return self.app.membership.apply(specs, source=source)
 
     @property
     def url(self) -> str:
         return f"http://{self.server.host}:{self.server.port}"
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.server.close()
         await self.app.close()
 
@@ -94,7 +109,21 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     await app.start()
     handler = log_requests(app) if config.log_requests else app
     server = await HttpServer(handler).start(host, port, backlog=backlog, reuse_port=reuse_port)
-    return RunningProxy(app, server)
+    proxy = RunningProxy(app, server)
+    if config.discover:
+        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
+        proxy.discovery.set_targets(config.discover)
+    return proxy
+
+
+def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:
+    """A reloaded cluster file's instances into the roster, as one diff (requests in
+    flight on an instance that leaves finish), and its DNS names into discovery."""
+    proxy.apply_roster([*config.encode, *config.prefill, *config.decode], source="static")
+    if config.discover and proxy.discovery is None:
+        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
+    if proxy.discovery is not None:
+        proxy.discovery.set_targets(config.discover)
 
 
 async def _wait_until(done, deadline: float, interval: float = 0.05) -> None:
@@ -117,8 +146,9 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
-                         simulate: str | None, announce: bool, worker: bool = False) -> None:
-    """Serve until a signal, then shut down gracefully.
+                         simulate: str | None, announce: bool, worker: bool = False, settings=None,
+                         link: PeerLink | None = None, watch: bool = True) -> None:
+    """Serve until a signal, then shut down gracefully; SIGHUP reloads (reload.py).
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
     As a ``--workers`` worker, SIGTERM starts it (again and again: a service manager that
@@ -133,6 +163,11 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         await cluster.start()
         config = config_for_cluster(cluster, config)
     proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    if link is not None:
+        proxy.shared = SharedRoster(proxy.app.membership, link)
+    reloader = Reloader(settings, lambda cfg: apply_config(proxy, cfg),
+                        args=settings.started if settings is not None else None, watch=watch)
+    reloader.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -156,6 +191,9 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         await stop.wait()
         await proxy.shutdown(config.shutdown_grace, config.shutdown_timeout)
     finally:
+        await reloader.close()
+        if link is not None:
+            link.close()
         await proxy.close()
         if cluster is not None:
             await cluster.stop()
@@ -194,15 +232,19 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None) -> int:
-    """Run until SIGINT/SIGTERM. Returns the exit status."""
+def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None,
+          settings=None) -> int:
+    """Run until SIGINT/SIGTERM; SIGHUP reloads. ``settings`` (cli.ServeSettings) is
+    where a reload re-reads the cluster file. Returns the exit status."""
     tune_gc()
     if workers <= 1:
         install_uvloop()
-        asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True))
+        asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
+                                   settings=settings))
         return 0
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
+    links = make_links(workers)
     children: list[int] = []
     for index in range(workers):
         pid = os.fork()
@@ -210,43 +252,26 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
             # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until its loop handles it (a reload)
+            for n, (parent_end, worker_end) in enumerate(links):
+                parent_end.close()
+                if n != index:
+                    worker_end.close()
             install_uvloop()
             code = 1
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
-                                           announce=index == 0, worker=True))
+                                           announce=index == 0, worker=True, settings=settings,
+                                           link=PeerLink(links[index][1]), watch=False))
                 code = 0
             finally:
                 os._exit(code)
         children.append(pid)
+    for _, worker_end in links:
+        worker_end.close()
     log.info("started %d workers: %s", workers, children)
-
-    received = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-        for child in children:
-            try:
-                os.kill(child, signal.SIGTERM if len(received) == 1 else signal.SIGQUIT)
-            except ProcessLookupError:
-                pass
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    status = 0
-    for child in children:
-        while True:
-            try:
-                _, code = os.waitpid(child, 0)
-                break
-            except InterruptedError:
-                continue
-            except ChildProcessError:
-                code = 0
-                break
-        if code:
-            status = 1
-    return status
+    return supervise(children, [parent_end for parent_end, _ in links],
+                     settings.path if settings is not None else None)
 
 
 if __name__ == "__main__":  # pragma: no cover
