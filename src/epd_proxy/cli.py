@@ -76,35 +76,34 @@ def _add_serve(sub) -> None:
     p.add_argument("--probe-timeout", type=float, default=2.0)
     p.add_argument("--fail-threshold", type=int, default=3,
                    help="consecutive probe or transport failures that eject an instance (default 3)")
-    d = ProxyConfig()
-    p.add_argument("--outlier-failure-percent", type=float, default=d.outlier_failure_percent,
+    p.add_argument("--outlier-failure-percent", type=float, default=c.outlier_failure_percent,
                    help="share of requests failing with HTTP 500 that ejects an instance "
-                        f"(default {d.outlier_failure_percent:g})")
-    p.add_argument("--outlier-min-requests", type=int, default=d.outlier_min_requests,
+                        f"(default {c.outlier_failure_percent:g})")
+    p.add_argument("--outlier-min-requests", type=int, default=c.outlier_min_requests,
                    help=f"requests an instance must have had before that share counts (default "
-                        f"{d.outlier_min_requests})")
-    p.add_argument("--outlier-interval", type=float, default=d.outlier_interval,
-                   help=f"seconds over which the share is measured (default {d.outlier_interval:g})")
-    p.add_argument("--ejection-time", type=float, default=d.ejection_time,
+                        f"{c.outlier_min_requests})")
+    p.add_argument("--outlier-interval", type=float, default=c.outlier_interval,
+                   help=f"seconds over which the share is measured (default {c.outlier_interval:g})")
+    p.add_argument("--ejection-time", type=float, default=c.ejection_time,
                    help="base ejection time, multiplied by the number of ejections in a row "
-                        f"(default {d.ejection_time:g} s)")
-    p.add_argument("--max-ejection-time", type=float, default=d.max_ejection_time,
-                   help=f"longest ejection (default {d.max_ejection_time:g} s)")
-    p.add_argument("--max-ejection-percent", type=int, default=d.max_ejection_percent,
+                        f"(default {c.ejection_time:g} s)")
+    p.add_argument("--max-ejection-time", type=float, default=c.max_ejection_time,
+                   help=f"longest ejection (default {c.max_ejection_time:g} s)")
+    p.add_argument("--max-ejection-percent", type=int, default=c.max_ejection_percent,
                    help="most of a role that request failures may eject, rounded down (default "
-                        f"{d.max_ejection_percent}); failed probes are not capped")
+                        f"{c.max_ejection_percent}); failed probes are not capped")
     p.add_argument("--dynamic-registration", action="store_true",
                    help="instances may register at run time (POST /instances); the proxy may start with "
                         "none. Needs --admin-api-key or --registration-allow")
-    p.add_argument("--admin-api-key", default=os.environ.get("ADMIN_API_KEY") or d.admin_api_key,
+    p.add_argument("--admin-api-key", default=os.environ.get("ADMIN_API_KEY") or c.admin_api_key,
                    help="X-API-Key for roster changes, GET /instances, /status and profiling "
                         "(default: $ADMIN_API_KEY; unset = roster changes off)")
     p.add_argument("--registration-allow", action="append", default=[], metavar="CIDR",
                    help="network allowed to register without a key (vLLM's registrar sends none); repeatable")
-    p.add_argument("--evicted-ttl", type=float, default=d.evicted_ttl,
+    p.add_argument("--evicted-ttl", type=float, default=c.evicted_ttl,
                    help="forget a registered instance out of rotation this long, in s "
-                        f"(default {d.evicted_ttl:g}; 0 = never)")
-    p.add_argument("--topology", default=d.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
+                        f"(default {c.evicted_ttl:g}; 0 = never)")
+    p.add_argument("--topology", default=c.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
                    help="pin the topology (default: inferred from the instances present)")
     p.add_argument("--log-requests", action="store_true",
                    help="log every request's method, path, status and time (and set --log-level debug)")
@@ -116,10 +115,10 @@ def _add_serve(sub) -> None:
                    help="cluster file (TOML) holding any of these flags as keys and the instances with "
                         "their attributes; flags given here override it; re-read on SIGHUP and when it "
                         "changes (see 'epd-proxy check-config')")
-    p.add_argument("--dns-interval", type=float, default=d.dns_interval,
+    p.add_argument("--dns-interval", type=float, default=c.dns_interval,
                    help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
-                        f"shorter record TTL (at least 1 s) is honoured (default {d.dns_interval:g} s)")
-    p.add_argument("--dns-server", metavar="HOST:PORT", default=d.dns_server,
+                        f"shorter record TTL (at least 1 s) is honoured (default {c.dns_interval:g} s)")
+    p.add_argument("--dns-server", metavar="HOST:PORT", default=c.dns_server,
                    help="DNS server for 'dns+http://' instances (default: the system's resolver)")
 
 
