@@ -4,12 +4,14 @@ import asyncio
 
 import pytest
 
+from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec
 from epd_proxy.discovery import (MIN_INTERVAL, DnsDiscovery, Resolver, instances_for, next_delay, parse_server,
                                  source_of)
+from epd_proxy.sim import SimCluster, SimConfig
 
 from dnsmasq import dnsmasq  # noqa: F401  (fixture)
-from helpers import wait_for
+from helpers import Client, chat_body, wait_for
 
 TEMPLATE = InstanceSpec("http://decode.svc.test:8200", "decode", tp=2)
 
@@ -78,3 +80,46 @@ async def test_a_failed_lookup_keeps_the_known_instances(dnsmasq):  # noqa: F811
     dnsmasq.close()  # the server is gone: lookups time out
     await discovery.refresh(TEMPLATE)
     assert discovery.failures == 1 and applied == [["http://127.0.0.2:8200"]]
+
+
+async def test_the_proxy_follows_a_dns_record_change(dnsmasq):  # noqa: F811
+    """Decode instances on 127.0.0.2 and 127.0.0.3 (the same port) behind one name: a new
+    address gets traffic, a vanished one is drained and leaves once its stream is done."""
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, roles={"decode": {"itl_ms": 5}})
+    async with SimCluster(decode=1, config=sim, host="127.0.0.2") as first:
+        port = int(first.urls("decode")[0].rsplit(":", 1)[1])
+        async with SimCluster(decode=1, config=sim, host="127.0.0.3", base_port=port) as second:
+            (one,), (two,) = first.instances("decode"), second.instances("decode")
+            dnsmasq.set("decode.svc.test", ["127.0.0.2"])
+            template = InstanceSpec(f"http://decode.svc.test:{port}", "decode")
+            config = ProxyConfig(probe_interval=0, discover=[template], dns_interval=0.05,
+                                 dns_server=dnsmasq.server)
+            async with await start_proxy(config) as proxy:
+                client = Client(proxy.url)
+                try:
+                    roster = proxy.app.pools["decode"]
+                    await wait_for(lambda: [i.url for i in roster.instances] == [one.url])
+                    assert (await client.chat(chat_body())).status == 200 and len(one.generation_records()) == 1
+                    # A second address: it gets traffic.
+                    dnsmasq.set("decode.svc.test", ["127.0.0.2", "127.0.0.3"])
+                    await wait_for(lambda: len(roster.instances) == 2)
+                    for _ in range(4):
+                        assert (await client.chat(chat_body())).status == 200
+                    assert len(two.generation_records()) >= 1
+                    # The first one vanishes with a stream in flight: drained, the stream ends whole.
+                    stream = asyncio.ensure_future(client.chat(chat_body(stream=True, max_tokens=200), timeout=30))
+                    await wait_for(lambda: one._in_flight == 1 or two._in_flight == 1)
+                    busy = one if one._in_flight else two
+                    dnsmasq.set("decode.svc.test", ["127.0.0.3" if busy is one else "127.0.0.2"])
+                    await wait_for(lambda: roster.find(busy.url) is None or roster.find(busy.url).state == "draining")
+                    before = len(busy.generation_records())
+                    for _ in range(3):
+                        assert (await client.chat(chat_body())).status == 200
+                    assert len(busy.generation_records()) == before  # no new request for it
+                    reply = await stream
+                    assert reply.status == 200 and reply.events[-1] == b"data: [DONE]" and len(reply.events) > 200
+                    await wait_for(lambda: roster.find(busy.url) is None)
+                    assert proxy.app.membership.snapshot()["decode"]["live"] == [
+                        (two if busy is one else one).url]
+                finally:
+                    await client.close()

@@ -101,6 +101,8 @@ class Reloader:
         ok = True
         if self.settings is not None and self.settings.path:
             ok = self._reload_file()
+        elif not self._hooks:
+            log.info("reload: no cluster file to re-read (--config)")
         for hook in self._hooks:
             try:
                 hook()

@@ -168,6 +168,9 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     reloader = Reloader(settings, lambda cfg: apply_config(proxy, cfg),
                         args=settings.started if settings is not None else None, watch=watch)
     reloader.start()
+    if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
+        _EARLY_SIGHUP.clear()
+        reloader.request()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -232,6 +235,13 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
+_EARLY_SIGHUP: list[int] = []
+
+
+def _early_sighup(signum, _frame) -> None:
+    _EARLY_SIGHUP.append(signum)
+
+
 def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None,
           settings=None) -> int:
     """Run until SIGINT/SIGTERM; SIGHUP reloads. ``settings`` (cli.ServeSettings) is
@@ -252,7 +262,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
             # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until its loop handles it (a reload)
+            signal.signal(signal.SIGHUP, _early_sighup)  # until its loop handles it (a reload)
             for n, (parent_end, worker_end) in enumerate(links):
                 parent_end.close()
                 if n != index:
