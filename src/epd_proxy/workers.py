@@ -214,6 +214,7 @@ class SharedRoster:
         self.membership = membership
         self.link = link
         self._local = 0
+        self._draining: set[str] = set()  # URLs draining here
         self.applied = 0  # changes received and applied (tests wait on it)
         membership.subscribe(self._changed)
         link.start(self._received)
@@ -227,6 +228,16 @@ class SharedRoster:
             self._local -= 1
 
     def _changed(self, change) -> None:
+        url = change.spec.url
+        if change.event == "draining":
+            self._draining.add(url)
+        elif change.event == "removed" and url in self._draining:
+            # A drained instance leaving: every worker that drained it sees it leave by
+            # itself (and one that did not, e.g. whose DNS answer still lists it, keeps it).
+            self._draining.discard(url)
+            return
+        elif change.event == "registered":
+            self._draining.discard(url)
         if self._local or change.event not in SHARED_EVENTS:
             return
         spec = {f: getattr(change.spec, f) for f in change.spec.__slots__}
