@@ -340,3 +340,20 @@ async def test_profiling_is_forwarded_to_every_instance():
         assert r.status == 503 and "profiling" in r.json()["error"]["message"]
         for inst in cluster.all_instances():
             assert [rec.path for rec in inst.records] == ["/start_profile"]
+
+
+async def test_registered_ec_consumer_addresses_follow_the_replica():
+    """A decode instance's registered ec_zmq_addrs (one per DP replica) are where the encoder
+    pushes, for the replica the request is pinned to; no flag needed."""
+    zmq = ["tcp://10.0.0.5:19019", "tcp://10.0.0.5:19020"]
+    async with empty_proxy(encode=1, pd=1, admin_api_key="K") as (cluster, proxy, client):
+        await announce(client, "encode", cluster.urls("encode")[0], KEY)
+        r = await client.post("/instances", {"role": "decode", "url": cluster.urls("pd")[0], "ec_zmq_addrs": zmq,
+                                             "dp_size": 2}, KEY)
+        assert r.status == 200
+        for i in range(4):
+            assert (await client.chat(chat_body(images=[f"https://x/z{i}.png"]))).status == 200
+        ranks = [int(r.headers["x-data-parallel-rank"]) for r in cluster.records("pd")]
+        assert ranks == [0, 1, 0, 1]
+        sent = [r.json["ec_transfer_params"]["consumer_zmq"] for r in cluster.records("encode")]
+        assert sent == [zmq[rank] for rank in ranks]

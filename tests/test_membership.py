@@ -279,3 +279,18 @@ async def test_pinned_topology_rejects_other_roles():
         m.register(P)
     assert m.topology == "E+PD" and m.required_roles() == ("encode", "decode")
     await m.close()
+
+
+async def test_apply_brings_back_an_instance_it_was_draining():
+    m = membership()
+    m.apply([D], source="dns")
+    old = m.find(D.url)
+    old.inflight = 1
+    m.apply([], source="dns")
+    assert old.state == "draining"
+    diff = m.apply([D], source="dns")
+    assert diff.added == [D] and not diff.rejected
+    new = m.find(D.url)
+    assert new is not old and new.state == "healthy"
+    assert m.counts() == {("decode", "healthy"): 1, ("decode", "leaving"): 1}
+    await m.close()

@@ -342,9 +342,15 @@ class Membership:
             except ValueError as exc:
                 diff.rejected.append((new, str(exc)))
         for spec in diff.added:
+            known = self.find(spec.url)
             try:
-                if self.find(spec.url) is not None and self.source_of(self.find(spec.url)) != source:
-                    raise MembershipConflict(f"instance already belongs to {self.source_of(self.find(spec.url))}")
+                if known is not None:
+                    owner = self._source.get(known)
+                    if owner != source:
+                        raise MembershipConflict(f"instance already belongs to source {owner!r}")
+                    # Ours, draining (an earlier apply dropped it): it comes back as a fresh
+                    # instance; the old one's requests finish.
+                    self._remove(known, "unregistered")
                 self.register(spec, source=source)
             except ValueError as exc:
                 diff.rejected.append((spec, str(exc)))
