@@ -73,7 +73,7 @@ async def test_empty_roster_filled_by_registrars(per_role):
             r = await announce(client, "prefill", url)
             assert (r.status, r.json()) == (200, {"registered": True})
         r = await client.request("GET", "/ready")
-        assert r.status == 503 and r.json()["no_healthy"] == ["decode"]
+        assert r.status == 503 and r.json()["no_instances"] == ["decode"]
         for url in cluster.urls("decode"):
             assert (await announce(client, "decode", url)).json() == {"registered": True}
             assert (await announce(client, "decode", url + "/")).json() == {"registered": False}  # re-announce
@@ -282,7 +282,7 @@ async def test_pinned_topology_needs_every_role():
         for role in ("prefill", "decode"):
             assert (await announce(client, role, cluster.urls(role)[0], KEY)).status == 200
         r = await client.request("GET", "/ready")
-        assert r.status == 503 and r.json()["no_healthy"] == ["encode"]
+        assert r.status == 503 and r.json()["no_instances"] == ["encode"]
         r = await client.chat(chat_body(images=[IMAGE]))
         assert r.status == 503 and r.json()["error"]["message"] == "no encode instance available"
         assert r.headers[b"retry-after"]

@@ -294,3 +294,17 @@ async def test_apply_brings_back_an_instance_it_was_draining():
     assert new is not old and new.state == "healthy"
     assert m.counts() == {("decode", "healthy"): 1, ("decode", "leaving"): 1}
     await m.close()
+
+
+async def test_roles_from_the_flags_stay_in_the_topology():
+    """A P/D proxy whose prefills all left is not ready and answers 503 for prefill; it does
+    not quietly become PD. Roles that only registered come and go with their instances."""
+    m = membership(static=[P, D])
+    m.unregister(P.url)
+    assert m.topology == "P+D" and m.required_roles() == ("prefill", "decode")
+    m.register(E)
+    assert m.topology == "E+P+D"
+    m.unregister(E.url)
+    assert m.topology == "P+D"
+    assert infer_topology(["decode"], configured=["prefill", "decode"]) == "P+D"
+    await m.close()

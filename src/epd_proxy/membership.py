@@ -167,12 +167,12 @@ def check_registration(spec: InstanceSpec, roster: Iterable[InstanceSpec], topol
     return None
 
 
-def infer_topology(present: Iterable[str], pinned: str = "auto") -> str:
-    """The topology: the pinned one, else what the roles with instances make
-    (``none`` while nothing has registered)."""
+def infer_topology(present: Iterable[str], pinned: str = "auto", configured: Iterable[str] = ()) -> str:
+    """The topology: the pinned one, else what the roles with instances make, together
+    with the roles the flags configured (``none`` while there is nothing at all)."""
     if pinned != "auto":
         return pinned
-    roles = set(present)
+    roles = set(present) | set(configured)
     if not roles:
         return "none"
     if "prefill" in roles:
@@ -238,13 +238,16 @@ class Membership:
         self.pools = pools
         self.evicted_ttl = evicted_ttl
         self.pinned = topology
+        # The roles the flags gave instances for stay part of the topology when their
+        # instances leave: a P/D proxy whose prefills are gone is not ready, not PD.
+        self.configured = tuple(r for r, p in pools.items() if p.instances)
         self._check = check  # connector-specific rules (raise ValueError): e.g. push needs engine_id
         self._source: dict[Instance, str] = {}
         self._out_since: dict[Instance, float] = {}
         self._leaving: list[Instance] = []  # out of the roster, requests still in flight
         self._subscribers: list[Callable[[Change], None]] = []
         self._sweeper: asyncio.Task | None = None
-        self._wake = asyncio.Event()  # the sweeper's: something is leaving or draining
+        self._wake: asyncio.Future | None = None  # the idle sweeper's: something is leaving or draining
         self.registrations: dict[str, int] = {}  # by role: new instances
         self.removals: dict[tuple[str, str], int] = {}  # (role, why) -> instances that left
         for role, pool in pools.items():  # instances the pools were built with are static
@@ -268,7 +271,7 @@ class Membership:
 
     @property
     def topology(self) -> str:
-        return infer_topology((r for r, p in self.pools.items() if p.instances), self.pinned)
+        return infer_topology((r for r, p in self.pools.items() if p.instances), self.pinned, self.configured)
 
     def required_roles(self) -> tuple[str, ...]:
         return required_roles(self.topology)
@@ -432,12 +435,15 @@ class Membership:
             tick = IDLE_SWEEP_INTERVAL
             if self.evicted_ttl > 0:
                 tick = max(SWEEP_INTERVAL / 2, min(tick, self.evicted_ttl / 4))
-            self._wake.clear()
+            # Until the tick, or until a removal or drain wakes it. A plain future and a
+            # timer: no exception per tick (a timeout's would leave a cycle for the collector).
+            loop = asyncio.get_running_loop()
+            self._wake = loop.create_future()
+            timer = loop.call_later(tick, _wake_up, self._wake)
             try:
-                async with asyncio.timeout(tick):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+                await self._wake
+            finally:
+                timer.cancel()
 
     def sweep(self, now: float) -> None:
         """Drained instances that are idle leave; removed ones that are idle close their
@@ -480,7 +486,7 @@ class Membership:
         self._kick()
 
     def _kick(self) -> None:
-        self._wake.set()
+        _wake_up(self._wake)
 
     def _emit(self, event: str, spec: InstanceSpec, source: str) -> None:
         change = Change(event, spec, source)
@@ -489,6 +495,11 @@ class Membership:
                 callback(change)
             except Exception:
                 log.exception("membership subscriber failed on %s", event)
+
+
+def _wake_up(waiter: asyncio.Future | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 def _now() -> float:
