@@ -63,6 +63,7 @@ class ProxyApp:
         self.metrics = ProxyMetrics(self.pools)
         self.metrics.membership = self.membership
         self.pipeline = Pipeline(config, self.pools, self.metrics)
+        self.membership.subscribe(self._roster_changed)
         self.admin = AdminApi(self.membership, AccessPolicy(config.admin_api_key, config.registration_allow),
                               self.pipeline._base_headers)
         self._routes = {
@@ -75,7 +76,7 @@ class ProxyApp:
             ("GET", "/metrics"): self._metrics,
             ("POST", "/instances"): self.admin.register,
             ("DELETE", "/instances"): self.admin.unregister,
-            ("GET", "/instances"): self.admin.list,
+            ("GET", "/instances"): self.admin.roster,
             ("POST", "/instances/drain"): self.admin.drain,
             ("POST", "/start_profile"): self.admin.start_profile,
             ("POST", "/stop_profile"): self.admin.stop_profile,
@@ -87,6 +88,10 @@ class ProxyApp:
     def topology(self) -> str:
         """PD, E+PD, P+D or E+P+D: pinned, or what the roster holds (``none`` while empty)."""
         return self.membership.topology
+
+    def _roster_changed(self, change) -> None:
+        if change.event in ("registered", "removed", "forgotten"):
+            self.pipeline.connector.forget(change.spec.url)
 
     async def start(self) -> None:
         await self.pipeline.connector.start()
