@@ -308,3 +308,24 @@ async def test_roles_from_the_flags_stay_in_the_topology():
     assert m.topology == "P+D"
     assert infer_topology(["decode"], configured=["prefill", "decode"]) == "P+D"
     await m.close()
+
+
+def test_a_reannouncement_keeps_what_it_leaves_out():
+    from epd_proxy.membership import merge_announcement
+    known = InstanceSpec("http://p:1", "prefill", engine_id="p0", kv_host="10.0.0.1", kv_port=5600, tp=2,
+                         dp_size=2, ec_zmq_addrs=("tcp://a", "tcp://b"))
+    registrar = parse_registration(body(role="prefill", url="http://p:1", ec_zmq_addrs=[], dp_size=1))
+    assert merge_announcement(known, registrar) == known
+    moved = parse_registration(body(role="prefill", url="http://p:1", kv_port=5700))
+    assert merge_announcement(known, moved) == InstanceSpec(
+        "http://p:1", "prefill", engine_id="p0", kv_host="10.0.0.1", kv_port=5700, tp=2, dp_size=2,
+        ec_zmq_addrs=("tcp://a", "tcp://b"))
+
+
+async def test_registrar_refresh_does_not_wipe_a_launchers_attributes():
+    m = membership()
+    full = InstanceSpec("http://p:1", "prefill", engine_id="p0", kv_host="h", kv_port=5600)
+    m.register(full)
+    assert m.register(InstanceSpec("http://p:1", "prefill")) is False
+    assert m.find("http://p:1").spec == full
+    await m.close()

@@ -167,6 +167,18 @@ def check_registration(spec: InstanceSpec, roster: Iterable[InstanceSpec], topol
     return None
 
 
+_DEFAULTS = InstanceSpec("", "")
+
+
+def merge_announcement(known: InstanceSpec, new: InstanceSpec) -> InstanceSpec:
+    """A re-announcement of a known instance: what it states replaces what was known,
+    what it leaves out (at its default) is kept. vLLM's registrar sends only role, url,
+    ec_zmq_addrs and dp_size every 30 s; it must not wipe the engine_id a launcher gave."""
+    keep = {f.name: getattr(known, f.name) for f in dataclasses.fields(InstanceSpec)
+            if f.name not in ("url", "role", "pd") and getattr(new, f.name) == getattr(_DEFAULTS, f.name)}
+    return dataclasses.replace(new, **keep) if keep else new
+
+
 def infer_topology(present: Iterable[str], pinned: str = "auto", configured: Iterable[str] = ()) -> str:
     """The topology: the pinned one, else what the roles with instances make, together
     with the roles the flags configured (``none`` while there is nothing at all)."""
@@ -281,12 +293,14 @@ class Membership:
         """Add ``spec``, or refresh it if known; True if it is new. Raises
         :class:`MembershipConflict` (role change, mixing PD with split P/D, outside
         a pinned topology) or ValueError (the connector cannot use it)."""
+        inst = self.find(spec.url)
+        if inst is not None:
+            spec = merge_announcement(inst.spec, spec)
         reason = check_registration(spec, (i.spec for i in self.instances()), self.pinned)
         if reason is not None:
             raise MembershipConflict(reason)
         if self._check is not None:
             self._check(spec)
-        inst = self.find(spec.url)
         if inst is not None:
             # Known: a re-announcement. Health stays the probes' business; an evicted
             # instance that still announces itself is not forgotten yet.
@@ -301,7 +315,8 @@ class Membership:
             return False
         inst = self.pools[spec.role].add(spec)
         self._source[inst] = source
-        self.registrations[spec.role] = self.registrations.get(spec.role, 0) + 1
+        role = registered_role(spec)
+        self.registrations[role] = self.registrations.get(role, 0) + 1
         log.info("%s instance %s joined (%s)", registered_role(spec), spec.url, source)
         self._emit("registered", spec, source)
         return True
@@ -478,7 +493,7 @@ class Membership:
         pool.remove(inst)
         self._out_since.pop(inst, None)
         self._leaving.append(inst)
-        key = (inst.spec.role, why)
+        key = (registered_role(inst.spec), why)
         self.removals[key] = self.removals.get(key, 0) + 1
         log.info("%s instance %s left the roster (%s; %d in flight finish)", registered_role(inst.spec),
                  inst.url, why, inst.inflight)
