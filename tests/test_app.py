@@ -54,3 +54,22 @@ async def test_no_request_lines_by_default(caplog):
     async with stack() as (cluster, proxy, client):
         assert (await client.chat(chat_body())).status == 200
     assert not [r for r in caplog.records if r.name == "epd_proxy.app" and "->" in r.getMessage()]
+
+
+async def test_models_with_no_decode_instance_is_503_with_retry_after():
+    from test_admin import empty_proxy
+
+    async with empty_proxy(decode=1, admin_api_key="K") as (cluster, proxy, client):
+        reply = await client.request("GET", "/v1/models")
+        assert reply.status == 503 and reply.headers[b"retry-after"] == b"5"
+        assert reply.json()["error"]["message"] == "no decode instance available"
+
+
+async def test_models_from_an_unreachable_decode_names_the_role_not_the_address():
+    async with stack(decode=2) as (cluster, proxy, client):
+        for inst in cluster.instances("decode"):
+            await inst.crash()
+        reply = await client.request("GET", "/v1/models")
+        assert reply.status == 502
+        message = reply.json()["error"]["message"]
+        assert message == "decode instance unreachable" and "127.0.0.1" not in message

@@ -130,7 +130,7 @@ class ProxyApp:
         t = self.config.timeouts
         timeouts = Timeouts(connect=t.connect, headers=10.0, idle=10.0)
         tried = set()
-        last: ProxyError = ProxyError(503, "no healthy decode instance available")
+        last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:
                 inst = pool.choose(tried)
@@ -147,11 +147,12 @@ class ProxyApp:
                     resp.close()
             except UpstreamError as exc:
                 pool.record_failure(inst, str(exc))
-                last = ProxyError(502, f"decode instance {inst.url} unreachable: {exc}")
+                log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
+                last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
             writer.send(resp.status, data, resp.content_type)
             return
-        writer.send(last.status, last.body())
+        writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
 
     async def _health(self, req: Request, writer: ResponseWriter) -> None:
         """Liveness of the proxy itself: never waits on a backend."""
