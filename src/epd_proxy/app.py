@@ -55,7 +55,8 @@ class ProxyApp:
             self.pools[role] = InstancePool(role, specs, policy=config.routing,
                                             keep_alive=config.upstream_keep_alive,
                                             fail_threshold=config.fail_threshold,
-                                            outlier=OutlierSettings.from_config(config))
+                                            outlier=OutlierSettings.from_config(config),
+                                            max_connections=config.max_upstream_connections)
         connector = CONNECTORS[config.kv_connector]
         self.membership = Membership(self.pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
                                      check=lambda spec: connector.check_instances([spec])
