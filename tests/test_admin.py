@@ -340,3 +340,45 @@ async def test_profiling_is_forwarded_to_every_instance():
         assert r.status == 503 and "profiling" in r.json()["error"]["message"]
         for inst in cluster.all_instances():
             assert [rec.path for rec in inst.records] == ["/start_profile"]
+
+
+async def test_registered_ec_consumer_addresses_follow_the_replica():
+    """A decode instance's registered ec_zmq_addrs (one per DP replica) are where the encoder
+    pushes, for the replica the request is pinned to; no flag needed."""
+    zmq = ["tcp://10.0.0.5:19019", "tcp://10.0.0.5:19020"]
+    async with empty_proxy(encode=1, pd=1, admin_api_key="K") as (cluster, proxy, client):
+        await announce(client, "encode", cluster.urls("encode")[0], KEY)
+        r = await client.post("/instances", {"role": "decode", "url": cluster.urls("pd")[0], "ec_zmq_addrs": zmq,
+                                             "dp_size": 2}, KEY)
+        assert r.status == 200
+        for i in range(4):
+            assert (await client.chat(chat_body(images=[f"https://x/z{i}.png"]))).status == 200
+        ranks = [int(r.headers["x-data-parallel-rank"]) for r in cluster.records("pd")]
+        assert ranks == [0, 1, 0, 1]
+        sent = [r.json["ec_transfer_params"]["consumer_zmq"] for r in cluster.records("encode")]
+        assert sent == [zmq[rank] for rank in ranks]
+
+
+async def test_mooncake_engine_ids_are_asked_again_after_a_prefill_rejoins():
+    """A prefill that leaves and registers again may be a restarted engine: its Mooncake
+    engine ids are asked anew, not taken from before."""
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, kv_connector="mooncake")
+    async with empty_proxy(sim=sim, prefill=1, decode=1, admin_api_key="K",
+                           kv_connector="mooncake") as (cluster, proxy, client):
+        ident = cluster.prefill_identity()
+        r = await announce(client, "prefill", ident["url"], KEY)
+        assert r.status == 422 and "bootstrap" in r.json()["error"]["message"]
+        attrs = {"kv_host": ident["kv_host"], "bootstrap_port": ident["bootstrap_port"]}
+        assert (await announce(client, "prefill", ident["url"], KEY, **attrs)).status == 200
+        assert (await announce(client, "decode", cluster.urls("decode")[0], KEY)).status == 200
+
+        def queries() -> int:
+            return sum(1 for r in cluster.records("prefill") if r.path == "/query")
+
+        for _ in range(2):
+            assert (await client.chat(chat_body())).status == 200
+        assert queries() == 1
+        assert (await delete(client, query=f"?url={ident['url']}", headers=KEY)).json() == {"removed": True}
+        assert (await announce(client, "prefill", ident["url"], KEY, **attrs)).status == 200
+        assert (await client.chat(chat_body())).status == 200
+        assert queries() == 2

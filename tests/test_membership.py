@@ -279,3 +279,53 @@ async def test_pinned_topology_rejects_other_roles():
         m.register(P)
     assert m.topology == "E+PD" and m.required_roles() == ("encode", "decode")
     await m.close()
+
+
+async def test_apply_brings_back_an_instance_it_was_draining():
+    m = membership()
+    m.apply([D], source="dns")
+    old = m.find(D.url)
+    old.inflight = 1
+    m.apply([], source="dns")
+    assert old.state == "draining"
+    diff = m.apply([D], source="dns")
+    assert diff.added == [D] and not diff.rejected
+    new = m.find(D.url)
+    assert new is not old and new.state == "healthy"
+    assert m.counts() == {("decode", "healthy"): 1, ("decode", "leaving"): 1}
+    await m.close()
+
+
+async def test_roles_from_the_flags_stay_in_the_topology():
+    """A P/D proxy whose prefills all left is not ready and answers 503 for prefill; it does
+    not quietly become PD. Roles that only registered come and go with their instances."""
+    m = membership(static=[P, D])
+    m.unregister(P.url)
+    assert m.topology == "P+D" and m.required_roles() == ("prefill", "decode")
+    m.register(E)
+    assert m.topology == "E+P+D"
+    m.unregister(E.url)
+    assert m.topology == "P+D"
+    assert infer_topology(["decode"], configured=["prefill", "decode"]) == "P+D"
+    await m.close()
+
+
+def test_a_reannouncement_keeps_what_it_leaves_out():
+    from epd_proxy.membership import merge_announcement
+    known = InstanceSpec("http://p:1", "prefill", engine_id="p0", kv_host="10.0.0.1", kv_port=5600, tp=2,
+                         dp_size=2, ec_zmq_addrs=("tcp://a", "tcp://b"))
+    registrar = parse_registration(body(role="prefill", url="http://p:1", ec_zmq_addrs=[], dp_size=1))
+    assert merge_announcement(known, registrar) == known
+    moved = parse_registration(body(role="prefill", url="http://p:1", kv_port=5700))
+    assert merge_announcement(known, moved) == InstanceSpec(
+        "http://p:1", "prefill", engine_id="p0", kv_host="10.0.0.1", kv_port=5700, tp=2, dp_size=2,
+        ec_zmq_addrs=("tcp://a", "tcp://b"))
+
+
+async def test_registrar_refresh_does_not_wipe_a_launchers_attributes():
+    m = membership()
+    full = InstanceSpec("http://p:1", "prefill", engine_id="p0", kv_host="h", kv_port=5600)
+    m.register(full)
+    assert m.register(InstanceSpec("http://p:1", "prefill")) is False
+    assert m.find("http://p:1").spec == full
+    await m.close()

@@ -84,7 +84,7 @@ class AdminApi:
             return
         writer.send(200, msgspec.json.encode({"draining": True, "inflight": inst.inflight if inst else 0}))
 
-    async def list(self, req: Request, writer: ResponseWriter) -> None:
+    async def roster(self, req: Request, writer: ResponseWriter) -> None:
         if not self.allowed(req, writer, READ):
             return
         writer.send(200, msgspec.json.encode(self.membership.snapshot()))

@@ -56,7 +56,8 @@ class ProxyApp:
             self.pools[role] = InstancePool(role, specs, policy=config.routing,
                                             keep_alive=config.upstream_keep_alive,
                                             fail_threshold=config.fail_threshold,
-                                            outlier=OutlierSettings.from_config(config))
+                                            outlier=OutlierSettings.from_config(config),
+                                            max_connections=config.max_upstream_connections)
         connector = CONNECTORS[config.kv_connector]
         self.membership = Membership(self.pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
                                      check=lambda spec: connector.check_instances([spec])
@@ -64,6 +65,7 @@ class ProxyApp:
         self.metrics = ProxyMetrics(self.pools)
         self.metrics.membership = self.membership
         self.pipeline = Pipeline(config, self.pools, self.metrics)
+        self.membership.subscribe(self._roster_changed)
         self.admin = AdminApi(self.membership, AccessPolicy(config.admin_api_key, config.registration_allow),
                               self.pipeline._base_headers)
         self._routes = {
@@ -76,7 +78,7 @@ class ProxyApp:
             ("GET", "/metrics"): self._metrics,
             ("POST", "/instances"): self.admin.register,
             ("DELETE", "/instances"): self.admin.unregister,
-            ("GET", "/instances"): self.admin.list,
+            ("GET", "/instances"): self.admin.roster,
             ("POST", "/instances/drain"): self.admin.drain,
             ("POST", "/start_profile"): self.admin.start_profile,
             ("POST", "/stop_profile"): self.admin.stop_profile,
@@ -88,6 +90,10 @@ class ProxyApp:
     def topology(self) -> str:
         """PD, E+PD, P+D or E+P+D: pinned, or what the roster holds (``none`` while empty)."""
         return self.membership.topology
+
+    def _roster_changed(self, change) -> None:
+        if change.event in ("registered", "removed", "forgotten"):
+            self.pipeline.connector.forget(change.spec.url)
 
     async def start(self) -> None:
         await self.pipeline.connector.start()
@@ -126,7 +132,7 @@ class ProxyApp:
         t = self.config.timeouts
         timeouts = Timeouts(connect=t.connect, headers=10.0, idle=10.0)
         tried = set()
-        last: ProxyError = ProxyError(503, "no healthy decode instance available")
+        last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:
                 inst = pool.choose(tried)
@@ -143,11 +149,12 @@ class ProxyApp:
                     resp.close()
             except UpstreamError as exc:
                 pool.record_failure(inst, str(exc))
-                last = ProxyError(502, f"decode instance {inst.url} unreachable: {exc}")
+                log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
+                last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
             writer.send(resp.status, data, resp.content_type)
             return
-        writer.send(last.status, last.body())
+        writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
 
     async def _health(self, req: Request, writer: ResponseWriter) -> None:
         """Liveness of the proxy itself: never waits on a backend."""

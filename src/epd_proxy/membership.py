@@ -167,12 +167,24 @@ def check_registration(spec: InstanceSpec, roster: Iterable[InstanceSpec], topol
     return None
 
 
-def infer_topology(present: Iterable[str], pinned: str = "auto") -> str:
-    """The topology: the pinned one, else what the roles with instances make
-    (``none`` while nothing has registered)."""
+_DEFAULTS = InstanceSpec("", "")
+
+
+def merge_announcement(known: InstanceSpec, new: InstanceSpec) -> InstanceSpec:
+    """A re-announcement of a known instance: what it states replaces what was known,
+    what it leaves out (at its default) is kept. vLLM's registrar sends only role, url,
+    ec_zmq_addrs and dp_size every 30 s; it must not wipe the engine_id a launcher gave."""
+    keep = {f.name: getattr(known, f.name) for f in dataclasses.fields(InstanceSpec)
+            if f.name not in ("url", "role", "pd") and getattr(new, f.name) == getattr(_DEFAULTS, f.name)}
+    return dataclasses.replace(new, **keep) if keep else new
+
+
+def infer_topology(present: Iterable[str], pinned: str = "auto", configured: Iterable[str] = ()) -> str:
+    """The topology: the pinned one, else what the roles with instances make, together
+    with the roles the flags configured (``none`` while there is nothing at all)."""
     if pinned != "auto":
         return pinned
-    roles = set(present)
+    roles = set(present) | set(configured)
     if not roles:
         return "none"
     if "prefill" in roles:
@@ -238,13 +250,16 @@ class Membership:
         self.pools = pools
         self.evicted_ttl = evicted_ttl
         self.pinned = topology
+        # The roles the flags gave instances for stay part of the topology when their
+        # instances leave: a P/D proxy whose prefills are gone is not ready, not PD.
+        self.configured = tuple(r for r, p in pools.items() if p.instances)
         self._check = check  # connector-specific rules (raise ValueError): e.g. push needs engine_id
         self._source: dict[Instance, str] = {}
         self._out_since: dict[Instance, float] = {}
         self._leaving: list[Instance] = []  # out of the roster, requests still in flight
         self._subscribers: list[Callable[[Change], None]] = []
         self._sweeper: asyncio.Task | None = None
-        self._wake = asyncio.Event()  # the sweeper's: something is leaving or draining
+        self._wake: asyncio.Future | None = None  # the idle sweeper's: something is leaving or draining
         self.registrations: dict[str, int] = {}  # by role: new instances
         self.removals: dict[tuple[str, str], int] = {}  # (role, why) -> instances that left
         for role, pool in pools.items():  # instances the pools were built with are static
@@ -268,7 +283,7 @@ class Membership:
 
     @property
     def topology(self) -> str:
-        return infer_topology((r for r, p in self.pools.items() if p.instances), self.pinned)
+        return infer_topology((r for r, p in self.pools.items() if p.instances), self.pinned, self.configured)
 
     def required_roles(self) -> tuple[str, ...]:
         return required_roles(self.topology)
@@ -278,12 +293,14 @@ class Membership:
         """Add ``spec``, or refresh it if known; True if it is new. Raises
         :class:`MembershipConflict` (role change, mixing PD with split P/D, outside
         a pinned topology) or ValueError (the connector cannot use it)."""
+        inst = self.find(spec.url)
+        if inst is not None:
+            spec = merge_announcement(inst.spec, spec)
         reason = check_registration(spec, (i.spec for i in self.instances()), self.pinned)
         if reason is not None:
             raise MembershipConflict(reason)
         if self._check is not None:
             self._check(spec)
-        inst = self.find(spec.url)
         if inst is not None:
             # Known: a re-announcement. Health stays the probes' business; an evicted
             # instance that still announces itself is not forgotten yet.
@@ -298,7 +315,8 @@ class Membership:
             return False
         inst = self.pools[spec.role].add(spec)
         self._source[inst] = source
-        self.registrations[spec.role] = self.registrations.get(spec.role, 0) + 1
+        role = registered_role(spec)
+        self.registrations[role] = self.registrations.get(role, 0) + 1
         log.info("%s instance %s joined (%s)", registered_role(spec), spec.url, source)
         self._emit("registered", spec, source)
         return True
@@ -342,9 +360,15 @@ class Membership:
             except ValueError as exc:
                 diff.rejected.append((new, str(exc)))
         for spec in diff.added:
+            known = self.find(spec.url)
             try:
-                if self.find(spec.url) is not None and self.source_of(self.find(spec.url)) != source:
-                    raise MembershipConflict(f"instance already belongs to {self.source_of(self.find(spec.url))}")
+                if known is not None:
+                    owner = self._source.get(known)
+                    if owner != source:
+                        raise MembershipConflict(f"instance already belongs to source {owner!r}")
+                    # Ours, draining (an earlier apply dropped it): it comes back as a fresh
+                    # instance; the old one's requests finish.
+                    self._remove(known, "unregistered")
                 self.register(spec, source=source)
             except ValueError as exc:
                 diff.rejected.append((spec, str(exc)))
@@ -426,12 +450,13 @@ class Membership:
             tick = IDLE_SWEEP_INTERVAL
             if self.evicted_ttl > 0:
                 tick = max(SWEEP_INTERVAL / 2, min(tick, self.evicted_ttl / 4))
-            self._wake.clear()
-            # A timer rather than asyncio.timeout: no TimeoutError (and its traceback
-            # cycle) every idle tick.
-            timer = asyncio.get_running_loop().call_later(tick, self._wake.set)
+            # Until the tick, or until a removal or drain wakes it. A plain future and a
+            # timer: no exception per tick (a timeout's would leave a cycle for the collector).
+            loop = asyncio.get_running_loop()
+            self._wake = loop.create_future()
+            timer = loop.call_later(tick, _wake_up, self._wake)
             try:
-                await self._wake.wait()
+                await self._wake
             finally:
                 timer.cancel()
 
@@ -468,7 +493,7 @@ class Membership:
         pool.remove(inst)
         self._out_since.pop(inst, None)
         self._leaving.append(inst)
-        key = (inst.spec.role, why)
+        key = (registered_role(inst.spec), why)
         self.removals[key] = self.removals.get(key, 0) + 1
         log.info("%s instance %s left the roster (%s; %d in flight finish)", registered_role(inst.spec),
                  inst.url, why, inst.inflight)
@@ -476,7 +501,7 @@ class Membership:
         self._kick()
 
     def _kick(self) -> None:
-        self._wake.set()
+        _wake_up(self._wake)
 
     def _emit(self, event: str, spec: InstanceSpec, source: str) -> None:
         change = Change(event, spec, source)
@@ -485,6 +510,11 @@ class Membership:
                 callback(change)
             except Exception:
                 log.exception("membership subscriber failed on %s", event)
+
+
+def _wake_up(waiter: asyncio.Future | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 def _now() -> float:

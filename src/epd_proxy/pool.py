@@ -114,11 +114,13 @@ class InstancePool:
 
     def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str = "least-loaded",
                  keep_alive: float = 5.0, default_headers=None, fail_threshold: int = 3,
-                 outlier: OutlierSettings | None = None) -> None:
+                 outlier: OutlierSettings | None = None, max_connections: int | None = None) -> None:
         self.role = role
         # Retire pooled sockets at half the server's keep-alive, before it closes them.
         self._idle = keep_alive / 2 if keep_alive > 0 else 0.0
         self._default_headers = default_headers
+        # ``max_connections``: the per-instance cap on concurrent upstream connections (None: none).
+        self._max_connections = max_connections
         self.instances = [self._new_instance(s) for s in specs]
         self.policy: RoutingPolicy = POLICIES[policy]()
         # ``outlier`` carries every knob; ``fail_threshold`` alone is the short form.
@@ -208,7 +210,8 @@ class InstancePool:
     # -- membership (membership.py decides; this keeps the routing lists in step) ------------
     def _new_instance(self, spec: InstanceSpec) -> Instance:
         return Instance(spec, ConnectionPool(spec.url, idle_timeout=self._idle,
-                                             default_headers=self._default_headers))
+                                             default_headers=self._default_headers,
+                                             max_connections=self._max_connections))
 
     def add(self, spec: InstanceSpec) -> Instance:
         """A new instance, in rotation at once (and probed, if probing is on). The
@@ -336,7 +339,8 @@ class InstancePool:
         t = Timeouts(connect=timeout, headers=timeout, idle=timeout)
         try:
             async with asyncio.timeout(timeout):
-                resp = await inst.http.request("GET", "/health", timeouts=t)
+                # A probe never queues behind the connection cap: a busy instance is not a dead one.
+                resp = await inst.http.request("GET", "/health", timeouts=t, queue=False)
                 try:
                     await resp.read()
                 finally:
