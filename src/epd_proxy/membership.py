@@ -257,6 +257,7 @@ class Membership:
         self._source: dict[Instance, str] = {}
         self._out_since: dict[Instance, float] = {}
         self._leaving: list[Instance] = []  # out of the roster, requests still in flight
+        self._closing: set[asyncio.Task] = set()  # closing the connections of those that left
         self._subscribers: list[Callable[[Change], None]] = []
         self._sweeper: asyncio.Task | None = None
         self._wake: asyncio.Future | None = None  # the idle sweeper's: something is leaving or draining
@@ -436,6 +437,8 @@ class Membership:
         leaving, self._leaving = self._leaving, []
         for inst in leaving:
             await inst.http.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -484,7 +487,9 @@ class Membership:
                 if inst.inflight > 0:
                     still.append(inst)
                     continue
-                asyncio.get_running_loop().create_task(inst.http.close())
+                task = asyncio.get_running_loop().create_task(inst.http.close())
+                self._closing.add(task)  # a strong reference until it is done
+                task.add_done_callback(self._closing.discard)
                 self._emit("left", inst.spec, self._source.pop(inst, "api"))
             self._leaving = still
 
