@@ -44,6 +44,13 @@ def test_the_file_holds_flags_and_instances_with_attributes():
     assert values["decode"] == ["http://d1:8200", "dns+http://decode.ns.svc.cluster.local:8200;tp=2"]
 
 
+def test_a_flag_with_its_own_parser_reads_the_same_text_in_the_file():
+    assert read_cluster_file('max_body_size = "64M"\nmax_buffered_bytes = 1024', OPTIONS) == {
+        "max_body_size": 64 << 20, "max_buffered_bytes": 1024}
+    with pytest.raises(ClusterFileError, match="max_body_size: not a size"):
+        read_cluster_file('max_body_size = "lots"', OPTIONS)
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("port = ", "not valid TOML"),
     ("prot = 1", "unknown key 'prot' (did you mean 'port'?)"),

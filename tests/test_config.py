@@ -149,3 +149,21 @@ async def test_the_connection_cap_reaches_every_instance_pool():
         assert {i.http.max_connections for p in app.pools.values() for i in p.instances} == {7}
     finally:
         await app.close()
+
+def test_front_door_flags_default_to_the_config_and_take_sizes():
+    base = ["serve", "--decode", "http://d:4"]
+    cfg = config_from_args(build_parser().parse_args(base))
+    default = ProxyConfig()
+    for name in ("max_body_size", "max_buffered_bytes", "max_connections", "header_timeout", "body_timeout"):
+        assert getattr(cfg, name) == getattr(default, name)
+    assert default.max_body_size == 64 << 20 and default.max_buffered_bytes == 512 << 20
+    cfg = config_from_args(build_parser().parse_args(base + [
+        "--max-body-size", "1M", "--max-buffered-bytes", "2g", "--max-connections", "100",
+        "--header-timeout", "2.5", "--body-timeout", "30"]))
+    assert (cfg.max_body_size, cfg.max_buffered_bytes, cfg.max_connections) == (1 << 20, 2 << 30, 100)
+    assert (cfg.header_timeout, cfg.body_timeout) == (2.5, 30)
+    assert config_from_args(build_parser().parse_args(base + ["--max-body-size", "1500"])).max_body_size == 1500
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--max-body-size", "lots"])
+    with pytest.raises(ValueError, match="--header-timeout"):
+        validate_config(cfg.replace(header_timeout=-1))

@@ -127,6 +127,19 @@ def _add_serve(sub) -> None:
                    help="pin the topology (default: inferred from the instances present)")
     p.add_argument("--log-requests", action="store_true",
                    help="log every request's method, path, status and time (and set --log-level debug)")
+    p.add_argument("--max-body-size", type=_size, default=c.max_body_size, metavar="BYTES",
+                   help="largest request body; larger ones get 413 (K/M/G suffixes; default 64M)")
+    p.add_argument("--max-buffered-bytes", type=_size, default=c.max_buffered_bytes, metavar="BYTES",
+                   help="request bodies held at once across all connections; beyond it 503 with "
+                        "Retry-After (0 = no limit; default 512M)")
+    p.add_argument("--max-connections", type=int, default=c.max_connections,
+                   help="client connections per process; beyond it idle keep-alive connections are "
+                        "closed, then new ones refused with 503 (default 0: a third of the descriptor "
+                        "limit, the rest kept for upstream connections)")
+    p.add_argument("--header-timeout", type=float, default=c.header_timeout,
+                   help="seconds from a request's first byte to the end of its headers (408; default 10)")
+    p.add_argument("--body-timeout", type=float, default=c.body_timeout,
+                   help="seconds from the end of the headers to the end of the body (408; default 60)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
@@ -191,6 +204,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ejection_time=args.ejection_time,
         max_ejection_time=args.max_ejection_time,
         max_ejection_percent=args.max_ejection_percent,
+        max_body_size=args.max_body_size,
+        max_buffered_bytes=args.max_buffered_bytes,
+        max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
         max_inflight=args.max_inflight,
         max_inflight_per_role=_role_caps(args.max_inflight_per_role),
         queue_size=args.queue_size,
@@ -232,9 +250,12 @@ def file_options(parser: argparse.ArgumentParser) -> dict[str, Option]:
             kind = "int"
         elif action.type is float:
             kind = "float"
+        elif action.type not in (None, str):
+            kind = "parsed"  # e.g. sizes: "64M"
         else:
             kind = "csv" if action.dest in _CSV_DESTS else "str"
-        out[action.dest] = Option(action.dest, kind, tuple(action.choices) if action.choices else None)
+        out[action.dest] = Option(action.dest, kind, tuple(action.choices) if action.choices else None,
+                                  action.type if kind == "parsed" else None)
     return out
 
 
@@ -318,6 +339,20 @@ def _check_config(path: str) -> int:
     print(f"{path}: OK")
     print(describe(cfg, args))
     return 0
+
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _size(text: str) -> int:
+    """A byte count: ``1048576``, ``64M``, ``512k``, ``1G`` (binary units)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _UNITS.get(t[-1:], 1)
+    try:
+        n = int(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 64M, 1G)") from None
+    return n * scale
 
 
 def build_parser() -> argparse.ArgumentParser:

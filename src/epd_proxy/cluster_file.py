@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
+from typing import Callable
 
 ROLE_KEYS = ("encode", "prefill", "decode")
 
@@ -36,8 +37,10 @@ class Option:
     """One setting the file may hold: a flag's destination and the type it takes."""
 
     dest: str
-    kind: str  # "int", "float", "str", "bool", "strlist" (a repeatable flag), "csv" (a comma-separated flag)
+    kind: str  # "int", "float", "str", "bool", "strlist" (a repeatable flag), "csv" (a comma-separated
+    # flag), "parsed" (a string or number the flag's own ``parse`` reads, e.g. "64M")
     choices: tuple[str, ...] | None = None
+    parse: Callable[[str], object] | None = None
 
 
 def read_cluster_file(text: str, options: dict[str, Option], *, source: str = "config") -> dict[str, object]:
@@ -95,6 +98,13 @@ def _value(key: str, value: object, option: Option, source: str) -> object:
         if option.choices and value not in option.choices:
             raise ClusterFileError(f"{where} must be one of {', '.join(option.choices)}, got {value!r}")
         return value
+    if kind == "parsed":
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ClusterFileError(f"{where} must be a string or a number, got {value!r}")
+        try:
+            return option.parse(str(value))
+        except Exception as exc:  # the flag's own message (ValueError, argparse.ArgumentTypeError)
+            raise ClusterFileError(f"{where}: {exc}") from None
     if kind in ("strlist", "csv"):
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(v, str) for v in items):

@@ -206,6 +206,13 @@ class ProxyConfig:
     discover: list[InstanceSpec] = field(default_factory=list)
     dns_interval: float = 10.0  # longest wait between re-resolutions (a shorter TTL is honoured)
     dns_server: str | None = None  # HOST:PORT; None = the system's resolver
+    # The front door (http/server.py): what one client may send and how slowly, and
+    # how much all of them together may hold.
+    max_body_size: int = 64 * 1024 * 1024  # one request body (413 beyond)
+    max_buffered_bytes: int = 512 * 1024 * 1024  # request bodies held at once (503 beyond)
+    max_connections: int = 0  # client connections; 0 = derived from RLIMIT_NOFILE at start-up
+    header_timeout: float = 10.0  # a request's first byte to the end of its head (408)
+    body_timeout: float = 60.0  # the end of the head to the end of the body (408)
     # Admission control (admission.py): 0 = unlimited; see docs/architecture.md.
     max_inflight: int = 0
     queue_size: int = 0
@@ -289,6 +296,9 @@ class ProxyConfig:
             raise ValueError("--ejection-time must be > 0 and --max-ejection-time >= --ejection-time")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ValueError("--max-ejection-percent must be in [0, 100]")
+        for name in ("max_body_size", "max_buffered_bytes", "max_connections", "header_timeout", "body_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.max_inflight < 0 or self.queue_size < 0 or self.queue_timeout < 0:
             raise ValueError("--max-inflight, --queue-size and --queue-timeout must be >= 0")
         for role, n in self.max_inflight_per_role.items():

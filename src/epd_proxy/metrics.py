@@ -62,6 +62,7 @@ class ProxyMetrics:
         self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
         self.membership = None  # set by the app: roster size and changes
+        self.front_door = None  # http.server.HttpServer, read at scrape time
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -112,6 +113,7 @@ class ProxyMetrics:
                                 value=float(self.inflight))
         yield from _admission_families(self.admission, self.queue_wait)
         yield from _role_admission_families(self.role_admission)
+        yield from _front_door_families(self.front_door)
         yield from _pool_families(self.pools)
         if self.membership is not None:
             yield from _membership_families(self.membership)
@@ -152,6 +154,26 @@ def _role_admission_families(caps: dict):
         depth.add_metric([role], float(cap.waiting))
     yield shed
     yield depth
+
+
+def _front_door_families(server):
+    """Client connections and what the HTTP server refused before any handler ran."""
+    if server is None:
+        return
+    yield GaugeMetricFamily("epd_proxy_client_connections", "Open client connections.",
+                            value=float(len(server.connections)))
+    yield CounterMetricFamily("epd_proxy_client_connections_refused", "Connections answered 503 at once "
+                              "because --max-connections were open and none was idle.", value=float(server.refused))
+    yield CounterMetricFamily("epd_proxy_client_connections_reclaimed", "Idle keep-alive connections closed "
+                              "to make room for new ones at --max-connections.", value=float(server.reclaimed))
+    yield GaugeMetricFamily("epd_proxy_buffered_body_bytes", "Request-body bytes held (--max-buffered-bytes).",
+                            value=float(server.budget.used))
+    rejected = CounterMetricFamily("epd_proxy_client_rejections", "Requests refused by the HTTP server before "
+                                   "any handler ran (400 malformed, 408 too slow, 413/431 too large, 503 "
+                                   "over the body budget), by status.", labels=["status"])
+    for status, n in sorted(server.rejections.items()):
+        rejected.add_metric([str(status)], float(n))
+    yield rejected
 
 
 def _pool_families(pools: dict):

@@ -15,10 +15,16 @@ import os
 import signal
 import sys
 
+try:
+    import resource
+except ImportError:  # pragma: no cover - not POSIX
+    resource = None
+
 from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
 from .discovery import DnsDiscovery
-from .http.server import HttpServer
+from .http.heap import trim_heap
+from .http.server import HttpServer, ServerLimits
 from .reload import Reloader
 from .workers import PeerLink, SharedRoster, make_links, supervise
 
@@ -108,7 +114,9 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     app = ProxyApp(config)
     await app.start()
     handler = log_requests(app) if config.log_requests else app
-    server = await HttpServer(handler).start(host, port, backlog=backlog, reuse_port=reuse_port)
+    server = await HttpServer(handler, limits=server_limits(config), on_large_release=trim_heap).start(
+        host, port, backlog=backlog, reuse_port=reuse_port)
+    app.metrics.front_door = server
     proxy = RunningProxy(app, server)
     if config.discover:
         proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
@@ -124,6 +132,53 @@ def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:
         proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
     if proxy.discovery is not None:
         proxy.discovery.set_targets(config.discover)
+
+
+# Descriptors kept for what is not a client or upstream connection: the listening
+# socket, logs, probes, the event loop's own.
+_RESERVED_FDS = 64
+
+
+def connection_cap(fd_limit: int) -> int:
+    """The default client-connection cap for a descriptor limit: a third of what is
+    left after the reserve, so every client connection can have two upstream legs
+    (prefill and decode) open at once without running out of descriptors."""
+    return max(16, (fd_limit - _RESERVED_FDS) // 3)
+
+
+def fd_limit() -> int:
+    """This process's soft RLIMIT_NOFILE (0 if unknown or unlimited)."""
+    if resource is None:  # pragma: no cover
+        return 0
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 0 if soft == resource.RLIM_INFINITY else soft
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, as servers commonly do at
+    start-up (the soft default, often 1,024, is what a few hundred idle clients
+    exhaust). Returns the soft limit in force afterwards."""
+    if resource is None:  # pragma: no cover
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # e.g. an infinite hard limit the kernel caps
+            log.warning("could not raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return fd_limit()
+
+
+def server_limits(config: ProxyConfig) -> ServerLimits:
+    """The client-facing limits of a config; the connection cap, unless set, from the
+    descriptor limit in force now."""
+    cap = config.max_connections
+    if not cap:
+        limit = fd_limit()
+        cap = connection_cap(limit) if limit else 0
+    return ServerLimits(max_body_bytes=config.max_body_size, max_buffered_bytes=config.max_buffered_bytes,
+                        max_connections=cap, header_timeout=config.header_timeout,
+                        body_timeout=config.body_timeout)
 
 
 async def _wait_until(done, deadline: float, interval: float = 0.05) -> None:
@@ -247,6 +302,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     """Run until SIGINT/SIGTERM; SIGHUP reloads. ``settings`` (cli.ServeSettings) is
     where a reload re-reads the cluster file. Returns the exit status."""
     tune_gc()
+    raise_fd_limit()
     if workers <= 1:
         install_uvloop()
         asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,

@@ -242,16 +242,79 @@ class ResponseWriter:
 
 
 class ServerLimits:
-    """Bounds on what one client may send, and how slowly."""
+    """Bounds on what clients may send, how slowly, and how many may be connected.
+
+    ``header_timeout`` bounds the time from a request's first byte to the end of its
+    head (a fresh connection must start within it, or within the keep-alive timeout if
+    shorter); ``body_timeout`` bounds the whole body after the head. Zero means no
+    bound for ``max_connections`` and ``max_buffered_bytes``.
+    """
 
     def __init__(self, *, max_header_bytes: int = 64 * 1024, max_body_bytes: int = 64 * 1024 * 1024,
-                 keep_alive_timeout: float = 75.0, read_timeout: float = 60.0,
-                 max_pipelined: int = 16) -> None:
+                 keep_alive_timeout: float = 75.0, header_timeout: float = 10.0, body_timeout: float = 60.0,
+                 max_pipelined: int = 16, max_connections: int = 0, max_buffered_bytes: int = 0,
+                 read_timeout: float | None = None) -> None:
+        if read_timeout is not None:  # one bound for both parts of a request
+            header_timeout = body_timeout = read_timeout
         self.max_header_bytes = max_header_bytes
         self.max_body_bytes = max_body_bytes
         self.keep_alive_timeout = keep_alive_timeout
-        self.read_timeout = read_timeout
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
         self.max_pipelined = max_pipelined
+        self.max_connections = max_connections
+        self.max_buffered_bytes = max_buffered_bytes
+
+
+class BodyBudget:
+    """Request-body bytes held by all connections of one server, against a limit.
+
+    A body is charged while it is read (a ``Content-Length`` at once) and released when
+    its response is finished or its connection is gone, so many large uploads at once
+    get 503 instead of growing the process without bound."""
+
+    __slots__ = ("limit", "used", "_released", "_on_large_release")
+
+    def __init__(self, limit: int, on_large_release: Callable[[], None] | None = None) -> None:
+        self.limit = limit if limit > 0 else 1 << 62
+        self.used = 0
+        self._released = 0
+        self._on_large_release = on_large_release
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        if n >= _LARGE_BODY:
+            self._released += n
+        if self._released and (self._released >= _TRIM_AFTER or self.used == 0):
+            self._released = 0
+            if self._on_large_release is not None:
+                self._on_large_release()
+
+
+# After bodies of 1 MiB or more were released, 32 MiB of them or all bodies at once,
+# the heap is trimmed (see ``http/heap.py``) a moment later, once they are freed.
+_LARGE_BODY = 1 << 20
+_TRIM_AFTER = 32 << 20
+_TRIM_DELAY = 0.5
+
+# Input is parsed in slices of at most this many bytes (a Content-Length body in one
+# go), so that a read full of pipelined requests stops being parsed once enough of them
+# wait: the rest waits, with reading paused, until the queue drains.
+_SLICE = 8 * 1024
+
+# How long a connection rejected mid-request keeps reading (and dropping) what its
+# client still sends before it is closed.
+_LINGER = 5.0
+
+
+def _refusal() -> bytes:
+    """The whole answer to a connection beyond the cap, written once without reading."""
+    body = ProxyError(503, "the proxy has too many client connections; retry shortly").body()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+
+_REFUSED = _refusal()
 
 
 class _ParseError(Exception):
@@ -263,10 +326,13 @@ class _ParseError(Exception):
 class HttpServerProtocol(asyncio.Protocol):
     """One client connection: parse requests, run the handler, write responses in order."""
 
-    def __init__(self, handler: Handler, limits: ServerLimits, connections: set) -> None:
+    def __init__(self, handler: Handler, limits: ServerLimits, connections: set,
+                 server: "HttpServer | None" = None) -> None:
         self._handler = handler
         self._limits = limits
         self._connections = connections
+        self._server = server
+        self._budget = server.budget if server is not None else BodyBudget(limits.max_buffered_bytes)
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -281,6 +347,9 @@ class HttpServerProtocol(asyncio.Protocol):
         self._header_name = b""
         self._body: list[bytes] = []
         self._body_len = 0
+        self._length = -1  # the current message's Content-Length (-1: none)
+        self._version = "1.1"
+        self._method = b""
         self._parsing = False
         # Requests parsed but not yet answered (pipelining), and the active handler.
         self._queue: list[Request] = []
@@ -289,27 +358,53 @@ class HttpServerProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._due: float | None = None  # when the armed timeout expires (loop time)
         self._reading_paused = False
-        # Bytes of a request head still in progress (httptools buffers one header's
-        # name and value internally until the line ends: bound that too).
+        self._held_input: bytes | None = None  # input not parsed yet: too many requests wait
+        # Bytes of a request head (or trailer section) still in progress: httptools
+        # buffers one field's name and value internally until the line ends, so
+        # bound that too.
         self._in_head = False
         self._head_pending = 0
+        self._data = b""  # the slice being parsed
+        self._line_data: bytes | None = None  # the slice the current message began at, if it did
         self._chunk_fresh = False
         self._began_here = False
         self._began_at_chunk_start = False
+        self._chunk_mark = -1  # body length at the last chunk header (-1: not in a chunk)
+        self._chunk_mark_new = False
+        self._body_timed = False
         self._ignoring_upgrade = False
         self._done_reading = False  # a non-keep-alive request was read: ignore the rest
+        self._rejection: tuple[int, str] | None = None  # an error to answer after the queued requests
+        self._lingering = False  # rejected mid-request: the client's bytes are dropped until _LINGER
+        # Body bytes charged to the server's budget: everything this connection holds,
+        # and the part that belongs to the request being answered.
+        self._charged = 0
+        self._active_size = 0
+        self.kept_alive = False  # has answered a request and waits for the next
 
     # -- connection events --------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
+        server = self._server
+        if server is not None and server.at_capacity() and not server.make_room():
+            # Refused without reading: a canned answer and the descriptor back at once.
+            self.closed = self._done_reading = True
+            transport.write(_REFUSED)
+            transport.close()
+            server.refused += 1
+            return
         self._peer = transport.get_extra_info("peername")
         self._connections.add(self)
-        self._arm_timer(self._limits.keep_alive_timeout)
+        limits = self._limits
+        self._arm_timer(min(limits.keep_alive_timeout, limits.header_timeout or limits.keep_alive_timeout))
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         self._connections.discard(self)
         self._drop_timer()
+        self._held_input = None
+        if self._charged:
+            self._release(self._charged)
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -320,11 +415,17 @@ class HttpServerProtocol(asyncio.Protocol):
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._queue.clear()
+        self._body = []
         # Both refer back to this protocol (the parser holds its callbacks, the task's
         # frames its handler's): let go of them so the connection is freed without the
         # cyclic collector, which the frozen-GC settings make rare.
         self._task = None
         self._parser = None
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for a request (between requests, or before the first byte)."""
+        return self._task is None and not self._parsing and not self._queue and not self.closed
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -361,43 +462,106 @@ class HttpServerProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._done_reading:
             return
-        self._chunk_fresh = not self._parsing  # this chunk starts at a message boundary
+        if self._held_input is not None:
+            self._held_input += data  # reading is paused; a read already under way lands here
+            return
+        try:
+            if len(data) <= _SLICE and len(self._queue) < self._limits.max_pipelined:
+                data = self._feed(data)
+                if data is None:
+                    return
+            self._consume(data)
+        except Exception as exc:  # never leave a socket open behind an unexpected error
+            self._fail(exc)
+
+    def _consume(self, data) -> None:
+        """Parse ``data`` slice by slice, re-parsing Upgrade requests without the
+        header, and hold the rest back while ``max_pipelined`` requests wait."""
+        while data:
+            if self.closed or self._done_reading:
+                return
+            if len(self._queue) >= self._limits.max_pipelined:
+                self._held_input = bytes(data)
+                if not self._reading_paused:
+                    self._reading_paused = True
+                    self.transport.pause_reading()
+                return
+            step = _SLICE
+            if self._length > 0 and not self._in_head and self._parsing:
+                step = max(step, self._length - self._body_len)  # no message ends inside a body
+            if len(data) > step:
+                view = data if isinstance(data, memoryview) else memoryview(data)
+                piece, data = view[:step], view[step:]
+            else:
+                piece, data = data, b""
+            again = self._feed(piece)
+            if again is not None:
+                data = again + data if data else again
+
+    def _feed(self, data) -> bytes | None:
+        """Parse one slice. Returns what must be parsed next in its place (an Upgrade
+        request's head without the header, and the rest of the slice), else None."""
+        self._chunk_fresh = not self._parsing  # this slice starts at a message boundary
         self._began_here = False
+        self._data = data
         try:
             self._parser.feed_data(data)
         except _ParseError as exc:
             self._reject(exc.status, str(exc))
         except httptools.HttpParserUpgrade as exc:
             if self._ignoring_upgrade:
-                self._restart_without_upgrade(data[exc.args[0]:])
-            else:
-                self._reject(400, "protocol upgrade is not supported")
+                return self._without_upgrade(data[exc.args[0]:])
+            self._reject(400, "protocol upgrade is not supported")
         except httptools.HttpParserCallbackError as exc:
             # httptools wraps what a callback raised; the original is the context.
             inner = exc.__context__
             if isinstance(inner, _ParseError):
                 self._reject(inner.status, str(inner))
+            elif inner is not None and not isinstance(inner, Exception):
+                raise inner
             else:
                 self._reject(400, f"malformed HTTP request: {exc}")
         except httptools.HttpParserError as exc:
             if self._done_reading:
-                return  # bytes after a "Connection: close" request: not a request of ours
+                return None  # bytes after a "Connection: close" request: not a request of ours
             self._reject(400, f"malformed HTTP request: {exc}")
         else:
             if self._in_head:
                 if self._began_here:
-                    # Count this chunk only if it began with the message (else part of it
-                    # belongs to the previous one; the next chunk will be counted).
+                    # Count this slice only if it began with the message (else part of it
+                    # belongs to the previous one; the next slice will be counted).
                     self._head_pending = len(data) if self._began_at_chunk_start else 0
                 else:
                     self._head_pending += len(data)
                 if self._head_pending > self._limits.max_header_bytes:
                     self._reject(431, "request headers too large")
+            elif self._parsing:
+                self._body_in_progress(len(data))
+        finally:
+            self._data = b""
+        return None
 
-    def _restart_without_upgrade(self, rest: bytes) -> None:
-        """Answer an ``Upgrade: h2c`` (or similar) request over HTTP/1.1, ignoring the
-        header (RFC 9110 7.8). httptools stops at an upgrade and skips the body, so the
-        head is parsed again without it by a fresh parser, followed by the rest."""
+    def _body_in_progress(self, n: int) -> None:
+        """A message's body (or its trailers) continues in the next read."""
+        if not self._body_timed:
+            self._body_timed = True
+            if self._task is None:
+                self._arm_timer(self._limits.body_timeout)
+        if self._chunk_mark == self._body_len:
+            # No body byte since the last chunk header: after the last chunk these are
+            # trailer bytes, which httptools holds until their line ends.
+            if self._chunk_mark_new:
+                self._chunk_mark_new = False
+                self._head_pending = 0
+            else:
+                self._head_pending += n
+                if self._head_pending > self._limits.max_header_bytes:
+                    self._reject(431, "request trailers too large")
+
+    def _without_upgrade(self, rest) -> bytes:
+        """An ``Upgrade: h2c`` (or similar) request is answered over HTTP/1.1, ignoring
+        the header (RFC 9110 7.8). httptools stops at an upgrade and skips the body, so
+        the head is parsed again without it by a fresh parser, followed by the rest."""
         self._ignoring_upgrade = False
         parser = self._parser
         head = [parser.get_method(), b" ", self._url, b" HTTP/", parser.get_http_version().encode(), b"\r\n"]
@@ -405,9 +569,20 @@ class HttpServerProtocol(asyncio.Protocol):
             if name != b"upgrade":
                 head += (name, b": ", value, b"\r\n")
         head.append(b"\r\n")
+        head.append(rest)
         self._parser = httptools.HttpRequestParser(self)
         self._parsing = False
-        self.data_received(b"".join(head) + rest)
+        return b"".join(head)
+
+    def _fail(self, exc: BaseException) -> None:
+        """An error no rule foresaw: one short log line and the connection closed."""
+        log.warning("closing client connection from %s after an unexpected %s: %.200s",
+                    self._peer, type(exc).__name__, exc)
+        self._done_reading = True
+        self._held_input = None
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.abort()
 
     # -- timers -------------------------------------------------------------------
     # One timer, moved lazily (``timers``): disarming clears the deadline and leaves
@@ -432,12 +607,15 @@ class HttpServerProtocol(asyncio.Protocol):
     def _on_timeout(self) -> None:
         self._timer = None
         due = self._due
-        if due is None or self.closed:
+        if due is None or (self.closed and not self._lingering):
             return
         if self._loop.time() < due:
             self._timer = self._loop.call_at(due, self._on_timeout)
             return
         self._due = None
+        if self._lingering:
+            self.transport.close()
+            return
         if self._task is not None and not self._task.done():
             return  # a handler is running: its own timeouts govern
         if self._parsing:
@@ -451,14 +629,18 @@ class HttpServerProtocol(asyncio.Protocol):
         self._in_head = True
         self._began_here = True
         self._began_at_chunk_start = self._chunk_fresh
+        self._line_data = self._data if self._chunk_fresh else None
         self._chunk_fresh = False
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
         self._body = []
         self._body_len = 0
+        self._length = -1
+        self._chunk_mark = -1
+        self._body_timed = False
         if self._task is None:
-            self._arm_timer(self._limits.read_timeout)
+            self._arm_timer(self._limits.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -469,19 +651,35 @@ class HttpServerProtocol(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_bytes += len(name) + len(value)
         if self._header_bytes > self._limits.max_header_bytes:
-            raise _ParseError(431, "request headers too large")
+            raise _ParseError(431, "request headers too large" if self._in_head else "request trailers too large")
+        if not self._in_head:
+            return  # a trailer field: counted, never merged into the judged head
         name = name.lower()
         if name in self._headers:
+            if name == b"host":
+                raise _ParseError(400, "more than one Host header")
             self._headers[name] += b", " + value
         else:
             self._headers[name] = value
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._parser.should_upgrade():
-            if self._parser.get_method() == b"CONNECT":
+        parser = self._parser
+        self._version = version = parser.get_http_version()
+        if version != "1.1":
+            if version != "1.0":
+                raise _ParseError(400, f"HTTP/{version} is not supported on this HTTP/1.1 connection")
+        elif b"host" not in self._headers:
+            raise _ParseError(400, "missing Host header")
+        self._method = method = parser.get_method()
+        line = self._line_data
+        if line is not None:
+            self._line_data = None
+            self._check_request_line(line, method)
+        if parser.should_upgrade():
+            if method == b"CONNECT":
                 raise _ParseError(400, "CONNECT is not supported")
-            self._ignoring_upgrade = True  # see _restart_without_upgrade
+            self._ignoring_upgrade = True  # see _without_upgrade
             return
         cl = self._headers.get(b"content-length")
         if cl is not None:
@@ -491,29 +689,52 @@ class HttpServerProtocol(asyncio.Protocol):
                 raise _ParseError(400, "invalid content-length") from None
             if n > self._limits.max_body_bytes:
                 raise _ParseError(413, f"request body larger than {self._limits.max_body_bytes} bytes")
+            if n:
+                self._length = n
+                self._charge(n)
         if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._task is None \
-                and self._parser.get_http_version() != "1.0":
+                and version != "1.0":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _check_request_line(self, line: bytes, method: bytes) -> None:
+        """RFC 9112 3: one space on each side of the target (llhttp skips extra ones).
+        Checked when the request line is in the slice the message began at."""
+        n = len(method)
+        end = n + 1 + len(self._url)
+        if not isinstance(line, bytes):
+            line = bytes(line[:end + 6])
+        if len(line) >= end + 6 and line.startswith(method) and \
+                (line[n + 1] == 32 or not line.startswith(b" HTTP/", end)):
+            raise _ParseError(400, "malformed request line")
+
+    def on_chunk_header(self) -> None:
+        self._chunk_mark = self._body_len
+        self._chunk_mark_new = True
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_mark = -1
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
         if self._body_len > self._limits.max_body_bytes:
             raise _ParseError(413, f"request body larger than {self._limits.max_body_bytes} bytes")
+        if self._length < 0:
+            self._charge(len(body))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
         self._parsing = False
         if self._ignoring_upgrade:
-            return  # parsed again by _restart_without_upgrade
+            return  # parsed again by _without_upgrade
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
-            self._parser.get_method().decode("latin-1"),
+            self._method.decode("latin-1"),
             self._url,
             self._headers,
             body,
             self._parser.should_keep_alive(),
             self._peer,
-            self._parser.get_http_version(),
+            self._version,
         )
         self._body = []
         if not request.keep_alive:
@@ -527,9 +748,24 @@ class HttpServerProtocol(asyncio.Protocol):
                 self._reading_paused = True
                 self.transport.pause_reading()
 
+    # -- the body budget ----------------------------------------------------------
+    def _charge(self, n: int) -> None:
+        budget = self._budget
+        if budget.used + n > budget.limit:
+            raise _ParseError(503, "the proxy is holding too many request bodies; retry shortly")
+        budget.used += n
+        self._charged += n
+
+    def _release(self, n: int) -> None:
+        n = min(n, self._charged)
+        if n > 0:
+            self._charged -= n
+            self._budget.release(n)
+
     # -- running handlers ---------------------------------------------------------
     def _start(self, request: Request) -> None:
         self._disarm_timer()
+        self._active_size = len(request.body)
         writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
                                 chunked=request.http_version != "1.0")
         self._writer = writer
@@ -564,58 +800,165 @@ class HttpServerProtocol(asyncio.Protocol):
             return
         self._writer = None
         self._task = None
+        if self._active_size:
+            self._release(self._active_size)
+            self._active_size = 0
         if self.closed:
             return
         if not writer.keep_alive:
             self.transport.close()
             self.closed = True
             return
-        if self._reading_paused:
-            self._reading_paused = False
-            self.transport.resume_reading()
-        if self._queue:
+        self.kept_alive = True
+        if self._queue or self._held_input is not None:
             self._loop.call_soon(self._next)
+        elif self._rejection is not None:
+            status, message = self._rejection
+            self._rejection = None
+            self._parsing = False  # the rejected message is not read further
+            self._answer_error(status, message)
         else:
-            self._arm_timer(self._limits.keep_alive_timeout)
+            if self._reading_paused:
+                self._reading_paused = False
+                self.transport.resume_reading()
+            self._arm_waiting()
 
     def _next(self) -> None:
-        if self._queue and self._task is None and not self.closed:
+        if self.closed or self._task is not None:
+            return
+        if self._queue:
             self._start(self._queue.pop(0))
-
-    def _reject(self, status: int, message: str) -> None:
-        """A request we cannot parse: answer it and close the connection."""
+        held = self._held_input
+        if held is not None and len(self._queue) < self._limits.max_pipelined:
+            self._held_input = None
+            try:
+                self._consume(held)
+            except Exception as exc:
+                self._fail(exc)
+                return
         if self.closed:
             return
-        if self._task is None or self._task.done():
-            body = ProxyError(status, message).body()
-            self.transport.write(status_line(status) + _date.get() +
-                                 b"content-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n" % len(body) + body)
-            self.transport.close()
-            self.closed = True
+        if self._held_input is None and self._reading_paused and len(self._queue) < self._limits.max_pipelined:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        if self._task is None:
+            if self._queue:
+                self._start(self._queue.pop(0))
+            else:
+                self._arm_waiting()
+
+    def _arm_waiting(self) -> None:
+        """No request is being answered: bound the wait for the next one (or for the
+        rest of one that began while the previous was answered)."""
+        limits = self._limits
+        if not self._parsing:
+            self._arm_timer(limits.keep_alive_timeout)
         else:
-            self.abort()
+            self._arm_timer(limits.header_timeout if self._in_head else limits.body_timeout)
+
+    def _reject(self, status: int, message: str) -> None:
+        """A request we cannot parse (or take): answer it and close the connection."""
+        if self.closed:
+            return
+        self._done_reading = True
+        self._held_input = None
+        if self._server is not None:
+            counts = self._server.rejections
+            counts[status] = counts.get(status, 0) + 1
+        if self._task is None or self._task.done():
+            self._answer_error(status, message)
+        else:
+            # A request before this one is being answered: it and those queued are
+            # answered first, then this error, then the connection closes.
+            self._rejection = (status, message)
+            self._body = []
+            partial = self._charged - self._active_size - sum(len(q.body) for q in self._queue)
+            if partial > 0:
+                self._release(partial)
+
+    def _answer_error(self, status: int, message: str) -> None:
+        """Write the error with the envelope and close (no handler is running)."""
+        body = ProxyError(status, message).body()
+        extra = b"retry-after: 1\r\n" if status == 503 else b""
+        self.transport.write(status_line(status) + _date.get() + extra +
+                             b"content-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n" % len(body) + body)
+        self.closed = True
+        self._body = []
+        if self._charged:
+            self._release(self._charged)
+        if self._parsing and status != 408 and self.transport.can_write_eof():
+            # The client may still be sending (a large body): its bytes are read and
+            # dropped for a moment, so that it reads this answer instead of the reset
+            # that closing on unread data causes.
+            self._lingering = True
+            self.transport.write_eof()
+            self._arm_timer(_LINGER)
+        else:
+            self.transport.close()
 
 
 class HttpServer:
     """Owns the listening socket and the live connections."""
 
-    def __init__(self, handler: Handler, *, limits: ServerLimits | None = None) -> None:
+    def __init__(self, handler: Handler, *, limits: ServerLimits | None = None,
+                 on_large_release: Callable[[], None] | None = None) -> None:
         self.handler = handler
         self.limits = limits or ServerLimits()
         self.connections: set[HttpServerProtocol] = set()
+        self._trim = on_large_release
+        self._trim_pending = False
+        self.budget = BodyBudget(self.limits.max_buffered_bytes, self._schedule_trim if on_large_release else None)
+        self.refused = 0  # connections turned away at the connection cap
+        self.reclaimed = 0  # idle connections closed to make room at the cap
+        self.rejections: dict[int, int] = {}  # status -> requests refused while parsing
         self._server: asyncio.base_events.Server | None = None
+        self._scan_after = 0.0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 4096,
                     reuse_port: bool = False, sock=None) -> "HttpServer":
         loop = asyncio.get_running_loop()
-        factory = lambda: HttpServerProtocol(self.handler, self.limits, self.connections)  # noqa: E731
+        factory = lambda: HttpServerProtocol(self.handler, self.limits, self.connections, self)  # noqa: E731
         if sock is not None:
             self._server = await loop.create_server(factory, sock=sock, backlog=backlog)
         else:
             self._server = await loop.create_server(factory, host, port, backlog=backlog,
                                                     reuse_port=reuse_port or None)
         return self
+
+    def _schedule_trim(self) -> None:
+        if not self._trim_pending:
+            self._trim_pending = True
+            asyncio.get_running_loop().call_later(_TRIM_DELAY, self._run_trim)
+
+    def _run_trim(self) -> None:
+        self._trim_pending = False
+        self._trim()
+
+    def at_capacity(self) -> bool:
+        cap = self.limits.max_connections
+        return cap > 0 and len(self.connections) >= cap
+
+    def make_room(self) -> bool:
+        """At the connection cap: close idle keep-alive connections (a batch, so the
+        scan is paid rarely). False if none was idle (then the newcomer is refused)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._scan_after:
+            return False
+        batch = max(1, self.limits.max_connections // 16)
+        idle = [conn for conn in self.connections if conn.idle]
+        # Connections that answered a request and wait for another go first; one that
+        # never sent a byte may be a client about to send its first request.
+        idle.sort(key=lambda conn: not conn.kept_alive)
+        for conn in idle[:batch]:
+            conn.closed = True
+            self.connections.discard(conn)
+            conn.transport.close()
+        closed = min(len(idle), batch)
+        self.reclaimed += closed
+        if not closed:
+            self._scan_after = loop.time() + 0.05  # nothing idle: refuse cheaply for a moment
+        return closed > 0
 
     @property
     def port(self) -> int:
