@@ -300,11 +300,10 @@ def _explicit_dests(argv: list[str]) -> set[str]:
 
 def describe(cfg: ProxyConfig, args: argparse.Namespace) -> str:
     """The resolved topology and settings, as ``check-config`` prints them."""
+    from .membership import infer_topology
+
     roles = [r for r in ROLES if getattr(cfg, r) or any(s.role == r for s in cfg.discover)]
-    if "prefill" not in roles:
-        topology = ("E+" if "encode" in roles else "") + "PD"
-    else:
-        topology = "+".join(r[0].upper() for r in roles)
+    topology = infer_topology(roles, cfg.topology)
     lines = [f"topology {topology}" + (f", kv-connector {cfg.kv_connector}" if "prefill" in roles else ""),
              f"listen {args.host}:{args.port}, workers {args.workers}"]
     for role in ROLES:
