@@ -44,6 +44,13 @@ def test_the_file_holds_flags_and_instances_with_attributes():
     assert values["decode"] == ["http://d1:8200", "dns+http://decode.ns.svc.cluster.local:8200;tp=2"]
 
 
+def test_a_comma_separated_flag_takes_a_list_too():
+    assert read_cluster_file('allowed_media_schemes = ["https", "data"]', OPTIONS) == {
+        "allowed_media_schemes": "https,data"}
+    assert read_cluster_file('ec_consumer_zmq_addrs = "tcp://a:1,tcp://b:2"', OPTIONS) == {
+        "ec_consumer_zmq_addrs": "tcp://a:1,tcp://b:2"}
+
+
 def test_a_flag_with_its_own_parser_reads_the_same_text_in_the_file():
     assert read_cluster_file('max_body_size = "64M"\nmax_buffered_bytes = 1024', OPTIONS) == {
         "max_body_size": 64 << 20, "max_buffered_bytes": 1024}

@@ -226,7 +226,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 
 # Settings the cluster file may hold as a list although the flag takes one comma-separated string.
-_CSV_DESTS = {"ec_consumer_zmq_addrs"}
+_CSV_DESTS = {"ec_consumer_zmq_addrs", "allowed_media_schemes"}
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -47,6 +47,7 @@ class RunningProxy:
         self.server = server
         self.discovery = discovery  # following the config's dns+ instances, if any
         self.shared: SharedRoster | None = None  # --workers: the roster shared with the other workers
+        self.reloader: Reloader | None = None  # SIGHUP (serve's processes only)
 
     def apply_roster(self, specs: list[InstanceSpec], source: str):
         """``Membership.apply`` for changes every worker makes by itself (reload, DNS)."""
@@ -223,6 +224,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     reloader = Reloader(settings, lambda cfg: apply_config(proxy, cfg),
                         args=settings.started if settings is not None else None, watch=watch)
     reloader.start()
+    proxy.reloader = reloader  # other reloadable things: proxy.reloader.on_reload(hook)
     if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
         _EARLY_SIGHUP.clear()
         reloader.request()
