@@ -27,6 +27,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
+from urllib.parse import parse_qs
 
 import msgspec
 
@@ -121,8 +122,6 @@ def parse_registration(body: bytes) -> InstanceSpec:
 
 def parse_url_param(query: str) -> str | None:
     """``url`` from a query string (``DELETE /instances?url=...``), normalised."""
-    from urllib.parse import parse_qs
-
     values = parse_qs(query).get("url")
     if not values:
         return None
