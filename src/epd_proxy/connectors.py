@@ -67,7 +67,7 @@ class DecodeOnly(KVConnector):
 
 
 class NixlPull(KVConnector):
-    """NIXL pull (§3.3): prefill first; its ``kv_transfer_params`` go to decode
+    """NIXL pull (docs/protocol.md §3.3): prefill first; its ``kv_transfer_params`` go to decode
     verbatim, and decode READs the blocks from the prefill instance."""
 
     name = "nixl"
@@ -84,7 +84,7 @@ class NixlPull(KVConnector):
 
 
 class NixlPush(KVConnector):
-    """NixlPushConnector (§3.4): prefill WRITEs the KV into decode, so both legs
+    """NixlPushConnector (docs/protocol.md §3.4): prefill WRITEs the KV into decode, so both legs
     start at once and decode is told the prefill's identity up front.
 
     The legs race until decode's first event: a prefill failure before then
@@ -166,7 +166,7 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 class Mooncake(NixlPush):
-    """MooncakeConnector (§3.8): like push, both legs at once, but decode finds the
+    """MooncakeConnector (docs/protocol.md §3.5): like push, both legs at once, but decode finds the
     prefill through its bootstrap server and the engine id of the DP rank serving it.
 
     Engine ids come from ``GET <bootstrap>/query`` (``{"0": {"engine_id": ...}}``),

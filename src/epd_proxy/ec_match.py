@@ -3,7 +3,7 @@
 The encoder keys its reply by the *engine's* mm hash, which may differ from
 the uuid the proxy sent (processing options make the engine rehash), so
 items are matched by position through ``item_indices`` first, and by key
-only as a fallback (§4.4). Anything ambiguous is a 502: guessing would put
+only as a fallback (docs/protocol.md §4.4). Anything ambiguous is a 502: guessing would put
 one image's grid on another image.
 """
 
@@ -22,7 +22,7 @@ class ItemResult:
     """What the encoder reported for one item.
 
     ``metadata`` may be empty: the entry still carries a handle, but the item
-    is not rewritten (§4.4 step 3).
+    is not rewritten (docs/protocol.md §4.4 step 3).
     """
 
     metadata: dict
@@ -122,7 +122,7 @@ def consumer_ec_params(
 ) -> dict | None:
     """The ``ec_transfer_params`` for the consumer (decode, or P in E+P+D).
 
-    ``{"ec_items": [...], <engine hash>: <entry>, ...}`` (§2.5, §4.5).
+    ``{"ec_items": [...], <engine hash>: <entry>, ...}`` (docs/protocol.md §2.5).
     ``ec_items`` lists, in global item order, every matched item: rewritten
     ones and those kept raw (which carry the same ``uuid`` and so resolve to
     the same engine hash on the consumer). A ``transfer_id`` is included when

@@ -1,9 +1,9 @@
 """Which encoder gets which media item, and the encoder sub-request bodies.
 
-Items are spread round-robin from a cursor shared by all requests (§3.1, §6):
+Items are spread round-robin from a cursor shared by all requests (docs/protocol.md §4.3):
 a per-request cursor would send every single-image request to E0 (#52484).
 Images that land on the same encoder then travel together, up to
-``max_batch`` per sub-request (§4.3); audio and video travel alone.
+``max_batch`` per sub-request; audio and video travel alone.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from epd_proxy.ids import hex_id
 from epd_proxy.multimodal import MediaItem, media_url
 
 # Client fields an encoder needs to process media exactly as the consumer
-# will (§3.1). Everything else, including all text, is dropped.
+# will (docs/protocol.md §3.1). Everything else, including all text, is dropped.
 _COPIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
 
 
@@ -75,7 +75,7 @@ class SubRequest:
 def plan_sub_requests(
     items: Sequence[MediaItem], encoders: Sequence[int], max_batch: int
 ) -> list[SubRequest]:
-    """Group items into encoder sub-requests (§4.3).
+    """Group items into encoder sub-requests.
 
     ``encoders[i]`` is the encoder of ``items[i]``. Images on the same
     encoder share a sub-request, in input order, until it holds ``max_batch``
@@ -127,17 +127,17 @@ def encoder_body(
     transfer_ids: Sequence[str],
     consumer_zmq: str | None,
 ) -> dict:
-    """The chat body for one encoder sub-request (§3.1).
+    """The chat body for one encoder sub-request (docs/protocol.md §3.1).
 
     With ``rewrite`` each part carries the proxy ``uuid``, the key the
     consumer will be given in the ``*_embeds`` reference. Without it the part
     is sent as the client wrote it (a client ``uuid`` included, no proxy
     uuid), so the encoder hashes the item exactly as the consumer will hash
-    the raw part it receives (§4.2).
+    the raw part it receives (docs/protocol.md §4.2).
 
     No ``max_tokens``: current encoders finish right after encoding.
     ``ec_transfer_params`` is added only for push EC (a ``consumer_zmq``),
-    with one ``transfer_id`` per item in sub-request order (§2.5).
+    with one ``transfer_id`` per item in sub-request order (docs/protocol.md §2.5).
     """
     out: dict = {}
     if "model" in body:
@@ -160,7 +160,7 @@ def encoder_body(
 
 
 def encoder_request_id(request_id: str, first_index: int, rand6: str) -> str:
-    """``<rid>:<global index of the first item>:<6 random hex>`` (§4.3).
+    """``<rid>:<global index of the first item>:<6 random hex>`` (docs/protocol.md §2.2).
 
     The random tail keeps a retry's sub-requests distinct on the engine.
     """
@@ -168,5 +168,5 @@ def encoder_request_id(request_id: str, first_index: int, rand6: str) -> str:
 
 
 def new_transfer_id() -> str:
-    """A fresh 32-hex transfer id; one per item occurrence and attempt (§4.6)."""
+    """A fresh 32-hex transfer id; one per item occurrence and attempt (docs/protocol.md §4.6)."""
     return hex_id()

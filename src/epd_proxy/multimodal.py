@@ -2,7 +2,7 @@
 
 The encoder fan-out, the matching of encoder output and the rewrite all
 address items by one global order: messages in order, then each list-typed
-``content`` in order (protocol §4.1). :func:`collect_media` defines that order
+``content`` in order (docs/protocol.md §4.1). :func:`collect_media` defines that order
 once and everything downstream indexes into its result, so the three stages
 cannot disagree about which item is which.
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only; avoids an import cycle
 
 MEDIA_TYPES = ("image_url", "audio_url", "input_audio", "video_url")
 
-# What each media type becomes once the encoder has produced it (§4.1).
+# What each media type becomes once the encoder has produced it (docs/protocol.md §4.1).
 EMBEDS_TYPES = {
     "image_url": "image_embeds",
     "audio_url": "audio_embeds",
@@ -35,7 +35,7 @@ EMBEDS_TYPES = {
 # Parts that reference an item by ``uuid`` without carrying the media itself.
 _EMBEDS_PART_TYPES = frozenset(("image_embeds", "audio_embeds", "video_embeds"))
 
-# Media whose identity is a URL; the rest are hashed by their JSON (§4.2).
+# Media whose identity is a URL; the rest are hashed by their JSON (docs/protocol.md §4.2).
 _URL_TYPES = frozenset(URL_MEDIA_TYPES)
 
 # Part types vLLM's chat parser knows. Anything else would be rejected by the
@@ -97,7 +97,7 @@ def media_url(part: dict) -> str | Blob | None:
 
 
 def content_uuid(part: dict) -> str:
-    """A content-derived cache key for a media part (§4.2).
+    """A content-derived cache key for a media part (docs/protocol.md §4.2).
 
     It must depend on the content, never on the request, or the EC cache and
     the engine's multimodal hash would miss on every request. URL media hash
@@ -252,7 +252,7 @@ def own_media(body: dict, *, ignore_client_uuids: bool = False) -> tuple[dict, l
 
 
 def flatten_metadata(metadata: dict) -> dict:
-    """Each value flattened one level (§4.5).
+    """Each value flattened one level.
 
     The encoder reports per-item grids batched, e.g. ``[[1, 36, 52]]``; the
     decoder's ``*_embeds`` part wants ``[1, 36, 52]``. Within a list, nested

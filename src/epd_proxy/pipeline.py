@@ -40,7 +40,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-# Body fields that are the proxy's own protocol with the engines (§2.4, §2.5): a client's
+# Body fields that are the proxy's own protocol with the engines (docs/protocol.md §2.4, §2.5): a client's
 # value would steer a KV or EC transfer (e.g. make decode pull KV from a host of the
 # client's choosing), so it is dropped on every path, not rejected: vLLM's own request
 # model serialises both as ``null``, and clients built on it must keep working.

@@ -1,8 +1,8 @@
 """The bodies sent to the prefill and decode stages.
 
 Both are shallow copies of the (possibly rewritten) client body with a few
-keys changed, so P and D see identical prompt content (§3.2) and the client's
-body stays untouched for a retry (§5.1).
+keys changed, so P and D see identical prompt content (docs/protocol.md §2.3) and the client's
+body stays untouched for a retry (docs/protocol.md §5.1).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 # What the proxy sends P so that it prefills for a remote decoder and keeps
-# the blocks (§2.4, NIXL pull; also push, EPD and multiturn on a miss).
+# the blocks (docs/protocol.md §2.4: NIXL pull, NIXL push and E+P+D).
 NIXL_PREFILL_PARAMS = MappingProxyType(
     {
         "do_remote_decode": True,
@@ -23,12 +23,12 @@ NIXL_PREFILL_PARAMS = MappingProxyType(
 )
 
 # Fields that would make P reject or mis-run a 1-token, non-streaming call
-# (§2.3 traps 1 and 2).
+# (docs/protocol.md §2.3 rules 1 and 2).
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 def nixl_prefill_request_params(transfer_id: str | None = None) -> dict:
-    """A fresh copy of the §2.4 "send to P" object, plus ``transfer_id`` if given."""
+    """A fresh copy of the "send to P" object (docs/protocol.md §2.4), plus ``transfer_id`` if given."""
     out = dict(NIXL_PREFILL_PARAMS)
     if transfer_id is not None:
         out["transfer_id"] = transfer_id
@@ -36,7 +36,7 @@ def nixl_prefill_request_params(transfer_id: str | None = None) -> dict:
 
 
 def prefill_body(body: dict, kv_transfer_params: dict | None) -> dict:
-    """The prefill leg: one token, not streamed (§2.3, §13).
+    """The prefill leg: one token, not streamed (docs/protocol.md §2.3).
 
     - ``stream: false``, and ``stream_options`` removed (400 otherwise);
     - ``max_tokens: 1``, and ``max_completion_tokens: 1`` if the client set it
@@ -81,7 +81,7 @@ def decode_body(body: dict, *, kv: dict | None = _KEEP, ec: dict | None = _KEEP)
       here: ``parse_body`` drops it; this is what the encoder fan-out set);
     - a dict: it replaces the client's value;
     - None: the key is removed, so a stale value from the client or from a
-      previous attempt can never reach D (§9.1 tests 1 and 4).
+      previous attempt can never reach D (docs/protocol.md §5.1).
 
     Callers on a P/D or EPD route always pass the argument they own.
     """

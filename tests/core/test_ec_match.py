@@ -171,7 +171,7 @@ def test_consumer_params_none_when_nothing():
     assert consumer_ec_params([], [], {}) is None
 
 
-# ---------------------------------------------------------------- §9.1 test 2
+# ---------------------------------------------------------------- batches keep item identity (docs/protocol.md §4.4)
 
 
 GRIDS = {"A": [[1, 2, 2]], "C": [[1, 4, 4]], "D": [[1, 6, 6]], "F": [[1, 8, 8]]}

@@ -104,7 +104,7 @@ def test_decode_body_sets_and_removes():
 
 
 def test_retry_does_not_inherit_previous_params():
-    """§9.1 tests 1 and 4: attempt 2 with nothing from P/E carries no stale params."""
+    """Attempt 2 with nothing from P/E carries no stale params (docs/protocol.md §5.1)."""
     body = client_body()
     before = copy.deepcopy(body)
     first = decode_body(body, kv={"remote_block_ids": [1]}, ec={"ec_items": [], "h": {}})

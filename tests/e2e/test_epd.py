@@ -14,7 +14,7 @@ the same request sent straight to D (no EC role, no kv params: it encodes the im
 The `image_embeds` rewrite: vLLM 0.32.0 accepts metadata-only `*_embeds` parts only for models
 that declare `embedding_fields` (Qwen2-VL family, MiniCPM-V, Keye, Ultravox, Qwen2-Audio, ...).
 BLIP-2 does not; its encoder publishes `"metadata": {}`, so the proxy must keep the raw item
-(protocol.md §4.5), and the test below pins what vLLM answers if a rewrite is sent anyway.
+(docs/protocol.md §4.5), and the test below pins what vLLM answers if a rewrite is sent anyway.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ PUSH_PREFILL_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False,
 
 
 def decode_push_params(push, request_id: str, transfer_id: str) -> dict:
-    """What the proxy sends D in push mode (§2.4 "Push"): P's identity, no block ids."""
+    """What the proxy sends D in push mode (docs/protocol.md §2.4): P's identity, no block ids."""
     return {"do_remote_decode": False, "do_remote_prefill": True,
             "remote_engine_id": push.prefill.engine_id, "remote_host": "127.0.0.1",
             "remote_port": push.prefill.side_channel_port, "tp_size": 1, "pp_size": 1,

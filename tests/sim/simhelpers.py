@@ -120,7 +120,7 @@ def chat_body(text: str = "tell me about the simulator", **kw) -> dict:
 
 
 def prefill_body(body: dict, transfer_id: str | None = None) -> dict:
-    """What a correct proxy sends to P (protocol §2.3/§2.4)."""
+    """What a correct proxy sends to P (docs/protocol.md §2.3, §2.4)."""
     out = dict(body)
     out["stream"] = False
     out["max_tokens"] = 1
@@ -190,7 +190,7 @@ async def stream_pieces(url: str, body: dict, fault: str | None = None) -> tuple
 
 
 def push_decode_params(ident: dict, transfer_id: str, rid: str = "req-1") -> dict:
-    """What the push demo sends D: P's identity, no block ids (protocol §2.4)."""
+    """What a push proxy sends D: P's identity, no block ids (docs/protocol.md §2.4)."""
     return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": ident["engine_id"],
             "remote_host": ident["kv_host"], "remote_port": ident["kv_port"], "tp_size": ident["tp"],
             "pp_size": ident["pp"], "remote_request_id": rid, "transfer_id": transfer_id}
