@@ -121,5 +121,8 @@ async def test_the_proxy_follows_a_dns_record_change(dnsmasq):  # noqa: F811
                     await wait_for(lambda: roster.find(busy.url) is None)
                     assert proxy.app.membership.snapshot()["decode"]["live"] == [
                         (two if busy is one else one).url]
+                    metrics = (await client.request("GET", "/metrics")).body
+                    assert b'epd_proxy_dns_lookups_total{result="ok"}' in metrics
+                    assert b'epd_proxy_dns_lookups_total{result="failed"} 0.0' in metrics
                 finally:
                     await client.close()

@@ -130,6 +130,8 @@ async def test_sighup_without_a_cluster_file_kills_no_process():
                     await proxy.wait_log("reload: no cluster file to re-read", count=n * workers)
                 assert proxy.proc.returncode is None
                 await _roster_of_every_worker(proxy, workers, lambda urls: urls == cluster.urls("decode"))
+                metrics = (await proxy.fresh_get("/metrics")).body
+                assert b'epd_proxy_reloads_total{result="ok"} 2.0' in metrics
 
 
 async def test_sighup_reloads_a_single_process(tmp_path):

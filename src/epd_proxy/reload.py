@@ -68,8 +68,8 @@ class Reloader:
         self._apply = apply  # the new config's instances into the roster
         self.args = args  # the settings in force
         self.watch = watch and settings is not None and settings.path is not None
-        self.reloads = 0  # completed reloads (tests wait on it)
-        self.failures = 0
+        self.reloads = 0  # reloads run (tests wait on it)
+        self.failures = 0  # of which failed (a bad file, a failed hook): the running configuration kept
         self._hooks: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
         self._pending = False
@@ -110,6 +110,8 @@ class Reloader:
                 ok = False
                 log.exception("reload hook failed")
         self.reloads += 1
+        if not ok:
+            self.failures += 1
         return ok
 
     def _reload_file(self) -> bool:
@@ -118,7 +120,6 @@ class Reloader:
             args = self.settings.load()
             config = self.settings.config(args)
         except ValueError as exc:
-            self.failures += 1
             msg = str(exc)
             log.error("reload: %s; keeping the running configuration", msg if msg.startswith(path)
                       else f"{path}: {msg}")

@@ -122,6 +122,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     if config.discover:
         proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
         proxy.discovery.set_targets(config.discover)
+        app.metrics.discovery = proxy.discovery
     return proxy
 
 
@@ -131,6 +132,7 @@ def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:
     proxy.apply_roster([*config.encode, *config.prefill, *config.decode], source="static")
     if config.discover and proxy.discovery is None:
         proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
+        proxy.app.metrics.discovery = proxy.discovery
     if proxy.discovery is not None:
         proxy.discovery.set_targets(config.discover)
 
@@ -225,6 +227,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
                         args=settings.started if settings is not None else None, watch=watch)
     reloader.start()
     proxy.reloader = reloader  # other reloadable things: proxy.reloader.on_reload(hook)
+    proxy.app.metrics.reloader = reloader
     if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
         _EARLY_SIGHUP.clear()
         reloader.request()
