@@ -141,6 +141,7 @@ class DnsDiscovery:
         self.lookups = 0  # completed lookups (tests wait on it)
         self.failures = 0
         self.last: dict[str, list[str]] = {}  # source -> addresses last applied
+        self._failing: set[str] = set()  # sources whose last lookup failed
 
     def set_targets(self, templates: Iterable[InstanceSpec]) -> None:
         """Start following new names; stop following removed ones (their instances leave)."""
@@ -165,9 +166,15 @@ class DnsDiscovery:
             addrs, ttl = await self.resolver.addresses(name)
         except LookupFailed as exc:
             self.failures += 1
-            log.warning("DNS lookup for %s instances failed, keeping %d known: %s", template.role,
-                        len(self.last.get(source, [])), exc)
+            # Once per outage (then debug): a DNS server that is down must not flood the log.
+            level = logging.DEBUG if source in self._failing else logging.WARNING
+            self._failing.add(source)
+            log.log(level, "DNS lookup for %s instances failed, keeping %d known (retrying every %g s): %s",
+                    template.role, len(self.last.get(source, [])), min(self.interval, RETRY_INTERVAL), exc)
             return min(self.interval, RETRY_INTERVAL)
+        if source in self._failing:
+            self._failing.discard(source)
+            log.info("DNS lookups for %s instances at %s answer again", template.role, template.url)
         specs = instances_for(template, addrs)
         urls = [s.url for s in specs]
         if urls != self.last.get(source):

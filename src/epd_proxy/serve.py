@@ -266,12 +266,15 @@ def _announce(proxy: RunningProxy, cluster) -> None:
     app = proxy.app
     topology = app.topology + (" pinned" if app.config.topology != "auto" else "")
     if app.topology == "none":
-        topology = "no instances yet: waiting for registrations (POST /instances)"
+        topology = ("no instances yet: resolving DNS names" if app.config.discover
+                    else "no instances yet: waiting for registrations (POST /instances)")
     lines = [f"epd-proxy listening on {proxy.url} ({topology}"
              + (f", kv-connector {app.config.kv_connector})" if app.pools["prefill"] else ")")]
     for role, pool in app.pools.items():
         if pool.instances:
             lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+    for spec in app.config.discover:
+        lines.append(f"  {spec.role:7s} dns+{spec.url} (every address it resolves to)")
     if app.admin.access.registration_on:
         lines.append("  registration: on (POST /instances)")
     if cluster is not None:
