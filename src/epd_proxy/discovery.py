@@ -151,6 +151,7 @@ class DnsDiscovery:
                 self._tasks.pop(template).cancel()
                 source = source_of(template)
                 self.last.pop(source, None)
+                self._failing.discard(source)
                 self._apply([], source)
                 log.info("stopped discovering %s instances at %s", template.role, template.url)
         loop = asyncio.get_running_loop()
