@@ -82,3 +82,44 @@ async def test_a_peer_link_carries_whole_messages_both_ways():
     finally:
         a.close()
         b.close()
+
+
+def _roster():
+    from epd_proxy.membership import Membership
+    from epd_proxy.pool import InstancePool
+
+    return Membership({role: InstancePool(role, ()) for role in ("encode", "prefill", "decode")})
+
+
+async def test_what_each_worker_does_by_itself_is_not_shared():
+    from epd_proxy.config import InstanceSpec
+    from epd_proxy.workers import SharedRoster
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ma, mb = _roster(), _roster()
+    a, b = SharedRoster(ma, PeerLink(left)), SharedRoster(mb, PeerLink(right))
+    try:
+        api = InstanceSpec("http://10.0.0.1:8000", "decode")
+        ma.register(api, source="api")  # through worker A's API
+        await wait_for(lambda: mb.find(api.url) is not None)
+        assert mb.source_of(mb.find(api.url)) == "api"
+        # DNS discovery and reloads run in every worker: not sent.
+        dns = InstanceSpec("http://10.0.0.2:8000", "decode")
+        with a.local():
+            ma.apply([dns], source="dns:decode:http://x:8000")
+        ma.drain(api.url)  # an operator's drain is shared ...
+        await wait_for(lambda: mb.find(api.url).state == "draining")
+        assert mb.find(dns.url) is None and b.applied == 2
+        # ... but its departure is each worker's own (A's sweep removes it; B keeps its own
+        # until B's requests on it are done).
+        ma.sweep(0.0)
+        assert ma.find(api.url) is None
+        mb.find(api.url).inflight = 1
+        ma.register(InstanceSpec("http://10.0.0.3:8000", "decode"), source="api")  # a marker after it
+        await wait_for(lambda: b.applied == 3)
+        assert mb.find(api.url) is not None
+    finally:
+        a.link.close()
+        b.link.close()
+        await ma.close()
+        await mb.close()
