@@ -127,6 +127,7 @@ def test_check_config_prints_the_resolved_topology(tmp_path, capsys):
     ("port = [", "not valid TOML"),
     ('decode = ["http://d:1"]\nprefill = ["http://p:1"]\nkv_connector = "nixl-push"', "needs each prefill"),
     ('encode = ["http://e:1"]', "at least one --decode"),
+    ('decode = ["dns+http://d.test:1"]\ndns_server = "ns.example"', "--dns-server 'ns.example': expected IP:PORT"),
 ])
 def test_check_config_rejects_a_bad_file_with_one_line_and_status_2(tmp_path, text, fragment):
     path = tmp_path / "cluster.toml"
