@@ -319,6 +319,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
     links = make_links(workers)
+    signal.signal(signal.SIGHUP, _early_sighup)  # a reload asked for before the parent supervises
     children: list[int] = []
     for index in range(workers):
         pid = os.fork()
@@ -327,6 +328,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGHUP, _early_sighup)  # until its loop handles it (a reload)
+            _EARLY_SIGHUP.clear()  # the parent's, if any, is the parent's to pass on
             for n, (parent_end, worker_end) in enumerate(links):
                 parent_end.close()
                 if n != index:
@@ -345,7 +347,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
         worker_end.close()
     log.info("started %d workers: %s", workers, children)
     return supervise(children, [parent_end for parent_end, _ in links],
-                     settings.path if settings is not None else None)
+                     settings.path if settings is not None else None, reload_now=bool(_EARLY_SIGHUP))
 
 
 if __name__ == "__main__":  # pragma: no cover

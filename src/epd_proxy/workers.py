@@ -99,9 +99,11 @@ def make_links(workers: int) -> list[tuple[socket.socket, socket.socket]]:
     return [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(workers)]
 
 
-def supervise(children: list[int], parent_ends: list[socket.socket], watch_path: str | None) -> int:
+def supervise(children: list[int], parent_ends: list[socket.socket], watch_path: str | None, *,
+              reload_now: bool = False) -> int:
     """The parent's loop until every worker has exited: relay roster changes, pass
-    signals on, watch the cluster file. Returns the exit status."""
+    signals on, watch the cluster file. ``reload_now``: a SIGHUP came while forking.
+    Returns the exit status."""
     sel = selectors.DefaultSelector()
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
@@ -137,6 +139,8 @@ def supervise(children: list[int], parent_ends: list[socket.socket], watch_path:
     previous = {sig: signal.signal(sig, on_signal)
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)}
     old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    if reload_now:
+        tell(signal.SIGHUP)
     try:
         while alive:
             for key, _ in sel.select(WATCH_INTERVAL if watch else None):
