@@ -8,7 +8,7 @@ import os
 import signal
 
 from helpers import Client, chat_body, wait_for
-from procs import ProxyProcess
+from proxy_process import ProxyProcess
 
 from epd_proxy import start_proxy
 from epd_proxy.cli import ServeSettings, build_parser

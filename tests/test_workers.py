@@ -7,7 +7,7 @@ import socket
 
 import msgspec
 from helpers import JSON, Client, chat_body, wait_for
-from procs import ProxyProcess
+from proxy_process import ProxyProcess
 
 from epd_proxy.sim import SimCluster, SimConfig
 from epd_proxy.workers import PeerLink
