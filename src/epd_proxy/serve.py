@@ -19,7 +19,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     resource = None
 
-from .app import ProxyApp
+from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
@@ -98,7 +98,8 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
                       backlog: int = 4096, reuse_port: bool = False) -> RunningProxy:
     app = ProxyApp(config)
     await app.start()
-    server = await HttpServer(app, limits=server_limits(config), on_large_release=trim_heap).start(
+    handler = log_requests(app) if config.log_requests else app
+    server = await HttpServer(handler, limits=server_limits(config), on_large_release=trim_heap).start(
         host, port, backlog=backlog, reuse_port=reuse_port)
     app.metrics.front_door = server
     return RunningProxy(app, server)
@@ -217,10 +218,16 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
 
 def _announce(proxy: RunningProxy, cluster) -> None:
     app = proxy.app
-    lines = [f"epd-proxy listening on {proxy.url} ({app.topology}"
-             + (f", kv-connector {app.config.kv_connector})" if "prefill" in app.pools else ")")]
+    topology = app.topology + (" pinned" if app.config.topology != "auto" else "")
+    if app.topology == "none":
+        topology = "no instances yet: waiting for registrations (POST /instances)"
+    lines = [f"epd-proxy listening on {proxy.url} ({topology}"
+             + (f", kv-connector {app.config.kv_connector})" if app.pools["prefill"] else ")")]
     for role, pool in app.pools.items():
-        lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+        if pool.instances:
+            lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+    if app.admin.access.registration_on:
+        lines.append("  registration: on (POST /instances)")
     if cluster is not None:
         lines.append("  (simulated vLLM instances in this process)")
         lines.append("")
