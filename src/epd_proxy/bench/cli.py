@@ -22,8 +22,8 @@ import sys
 SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "cluster")
 DEFAULT_TARGETS = ("direct", "direct-pd", "epd-proxy", "vllm-router", "nginx")
 # The cluster scenario's policies (bench/cluster.py); add the proxy's own with --policy-def.
-DEFAULT_CLUSTER_POLICIES = ("round-robin", "least-loaded", "oracle", "vllm-router:cache_aware",
-                            "vllm-router:power_of_two", "vllm-router:consistent_hash")
+DEFAULT_CLUSTER_POLICIES = ("round-robin", "least-loaded", "load-aware", "power-of-two", "cache-aware", "oracle",
+                            "vllm-router:cache_aware", "vllm-router:power_of_two", "vllm-router:consistent_hash")
 
 
 def _csv(text: str) -> list[str]:
@@ -126,9 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     x.add_argument("--push-samples", type=int, default=60)
     c = parser.add_argument_group("cluster scenario (routing policies on a simulated cluster with caches)")
     c.add_argument("--policies", type=_csv, default=list(DEFAULT_CLUSTER_POLICIES),
-                   help="cluster: policies to compare: round-robin, least-loaded, oracle (each conversation pinned "
-                        "to one instance per role, no proxy), vllm-router:POLICY (text workloads only), or a name "
-                        "given with --policy-def")
+                   help="cluster: policies to compare: the proxy's round-robin, least-loaded, load-aware, "
+                        "power-of-two, cache-aware; oracle (each conversation pinned to one instance per role, no "
+                        "proxy); vllm-router:POLICY (text workloads only); or a name given with --policy-def")
     c.add_argument("--policy-def", action="append", default=[], metavar="NAME=ARGS",
                    help="cluster: a proxy policy: NAME runs epd-proxy serve with ARGS added (e.g. "
                         "prefix='--prefill-policy prefix'); repeatable")
@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cluster-workloads", type=_csv, default=["chat", "text", "unique"],
                    help="cluster: chat (multi-turn, shared system prompts, repeated images: E+P+D), text (the same "
                         "without images: P/D, where vllm-router runs), unique (one turn, no shared prefix: spread)")
-    c.add_argument("--cluster-rates", type=_floats, default=[8.0, 16.0, 32.0],
+    c.add_argument("--cluster-rates", type=_floats, default=[10.0, 20.0, 40.0],
                    help="cluster: offered load levels, requests per second (conversations start as Poisson "
                         "arrivals at rate / turns)")
     c.add_argument("--cluster-unique-rate", type=float, default=None,

@@ -457,7 +457,7 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
         for pol, pd in w.get("policies", {}).items():
             for rate, c in pd.get("rates", {}).items():
                 if c.get("error") or c.get("available") is False:
-                    rows.append([pol, rate, c.get("error") or c.get("note", "not available")] + [""] * 11)
+                    rows.append([pol, rate, c.get("error") or c.get("note", "not available")] + [""] * 12)
                     continue
                 k = c["counters"]
                 sp_ = k["spread"]
@@ -470,10 +470,13 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
                              f"{_spread_text(sp_.get('decode'))} {k['requests'].get('decode')}",
                              _spread_text(sp_.get("encode")),
                              fmt(c.get("proxy_cpu_ms_per_req"), 3),
+                             f"{fmt(c.get('sim_cpu_util', math.nan))} + {fmt(c.get('loadgen_cpu_util', math.nan))}"
+                             f" / {fmt(c.get('foreign_cpu_util', math.nan))}",
                              str(c["errors"]), str(c["verify_errors"])])
         out += [_table(["policy", "req/s offered", "req/s", "TTFT p50 / p99 ms", "E2E p50 / p99 ms",
                         "prefill tokens computed", "prefix hit %", "encoder hit %", "prefill spread (requests)",
-                        "decode spread (requests)", "encoder spread", "proxy CPU ms/req", "errors", "mismatches"],
+                        "decode spread (requests)", "encoder spread", "proxy CPU ms/req",
+                        "cores: sim + loadgen / others", "errors", "mismatches"],
                        rows), ""]
     rep = r.get("replicas")
     if isinstance(rep, dict):
