@@ -643,6 +643,10 @@ async def run_cluster(args) -> dict:
         single = _cells(out, "chat", cand.name).get(str(rate))
         if single is None:
             single = await _measured_cell(args, "chat", spec, convs, images, ws, cand, rate)
+        else:  # the matrix's cell: what the comparison needs, not a second copy of its counts
+            single = {k: single[k] for k in ("prefix_hit_rate", "ttft_ms", "errors", "requests", "error")
+                      if k in single}
+            single["same_as"] = f"chat / {cand.name} / {rate:g} req/s"
         rep = await _measured_cell(args, "chat", spec, convs, images, ws, cand, rate, replicas=2, restart=True)
         out["replicas"] = {"policy": cand.name, "rate": rate, "single": single, "replicas": rep}
     out["targets"] = evaluate_targets(out, cand.name if cand else None)

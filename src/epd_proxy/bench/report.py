@@ -485,12 +485,15 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
         for label, c in (("one proxy", rep.get("single")), ("two proxies, turns alternating, one restarted",
                                                           rep.get("replicas"))):
             if not isinstance(c, dict) or c.get("error"):
-                rows.append([label, (c or {}).get("error", "–"), "", "", ""])
+                rows.append([label, (c or {}).get("error", "–"), "", "", "", ""])
                 continue
             down = ", ".join(f"{x['down_s']:.2f} s" for x in c.get("restarts", [])) or "–"
+            per = "/".join(str(x) for x in c.get("requests_per_proxy", [])) or str(c.get("requests", "–"))
             rows.append([label, fmt(100 * c["prefix_hit_rate"], 1),
-                         f"{fmt(c['ttft_ms']['p50'], 1)} / {fmt(c['ttft_ms']['p99'], 1)}", down, str(c["errors"])])
-        out += [_table(["", "prefix hit %", "TTFT p50 / p99 ms", "restart (out of rotation)", "errors"], rows), ""]
+                         f"{fmt(c['ttft_ms']['p50'], 1)} / {fmt(c['ttft_ms']['p99'], 1)}", per, down,
+                         str(c["errors"])])
+        out += [_table(["", "prefix hit %", "TTFT p50 / p99 ms", "requests (per proxy)", "restart (out of rotation)",
+                        "errors"], rows), ""]
     if "cluster_ttft" in plots:
         out += [f"![TTFT against load]({plots['cluster_ttft']})", ""]
     return out
