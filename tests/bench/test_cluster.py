@@ -196,3 +196,21 @@ async def test_two_replicas_one_restarted(tmp_path):
     assert len(cell["restarts"]) == 1
     assert sum(cell["requests_per_proxy"]) == 16 and min(cell["requests_per_proxy"]) > 0
     assert cell["proxy_cpu_s"] >= 0  # clock ticks of 10 ms: a tiny run may measure none
+
+
+async def test_a_policy_the_proxy_does_not_know_is_reported_not_available(tmp_path):
+    from epd_proxy.bench import report
+    from epd_proxy.bench.conversations import image_pool, working_set
+
+    args = _args(tmp_path)
+    spec = C.chat_spec(args, "text")
+    convs, images = make_conversations(spec), image_pool(spec)
+    ws = working_set(spec, convs, images, args.cluster_block_size)
+    (pol,) = C.parse_policies(["bogus"], ["bogus=--no-such-flag x"])
+    cell = await C.run_cell(args, "text", spec, convs, images, ws, pol, 40.0)
+    assert cell["available"] is False and "failed to start" in cell["note"]
+    # The report and the targets take it in their stride.
+    out = {"candidate": "bogus", "workloads": {"text": {"working_set": ws, "spec": {}, "rates": [40.0],
+                                                        "policies": {"bogus": {"rates": {"40.0": cell}}}}}}
+    assert all(t["met"] is None for t in C.evaluate_targets(out, "bogus"))
+    assert "failed to start" in "\n".join(report._cluster_section(out, {}))

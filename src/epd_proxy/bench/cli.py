@@ -148,7 +148,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cluster-decoders", type=int, default=4)
     c.add_argument("--cluster-cache-ratio", type=float, default=0.15,
                    help="cluster: each prefill's prefix-cache capacity as a share of the workload's working set "
-                        "(distinct blocks); each encoder's cache likewise of the distinct images' tokens")
+                        "(distinct blocks)")
+    c.add_argument("--cluster-encoder-cache-ratio", type=float, default=None,
+                   help="cluster: each encoder's cache as a share of the distinct images' tokens (default: "
+                        "--cluster-cache-ratio)")
     c.add_argument("--cluster-block-size", type=int, default=16)
     c.add_argument("--cluster-ttft-per-token-ms", type=float, default=0.1,
                    help="cluster: prefill time per prompt token not in the prefix cache (plus --ttft-ms)")

@@ -455,14 +455,16 @@ def chat_spec(args, workload: str) -> ChatSpec:
 
 def sim_settings(args, ws: dict) -> tuple[dict, dict, dict]:
     """(counts, SimConfig fields, per-role overrides) of the cluster, its caches sized to
-    ``--cluster-cache-ratio`` of the working set ``ws``."""
+    ``--cluster-cache-ratio`` of the working set ``ws`` (encoders: ``--cluster-encoder-cache-ratio``
+    of the distinct images' tokens, by default the same share)."""
     ratio = args.cluster_cache_ratio
+    enc_ratio = ratio if args.cluster_encoder_cache_ratio is None else args.cluster_encoder_cache_ratio
     counts = {"encode": args.cluster_encoders, "prefill": args.cluster_prefills, "decode": args.cluster_decoders}
     sim = {"itl_ms": args.itl_ms, "ttft_ms": args.ttft_ms, "ttft_per_token_ms": args.cluster_ttft_per_token_ms,
            "encode_ms_per_item": args.encode_ms, "encode_ms_per_mm_token": args.cluster_encode_ms_per_mm_token,
            "block_size": args.cluster_block_size,
            "prefix_cache_blocks": max(1, int(ratio * ws["blocks"])),
-           "encoder_cache_tokens": max(1, int(ratio * ws["image_tokens"])) if ws["image_tokens"] else 16384}
+           "encoder_cache_tokens": max(1, int(enc_ratio * ws["image_tokens"])) if ws["image_tokens"] else 16384}
     roles = {"prefill": {"max_num_seqs": args.cluster_prefill_seqs}}
     return counts, sim, roles
 
