@@ -48,11 +48,10 @@ from epd_proxy.http.client import ConnectionPool, Timeouts
 
 from . import targets as T
 from .clients import send_stages
-from .conversations import (CHAT_PATH, ChatSpec, Conversation, image_pool, make_conversations, turn_body,
-                            working_set)
+from .conversations import ChatSpec, Conversation, image_pool, make_conversations, turn_body, working_set
 from .loadgen import Outcome, send
 from .stats import summarize
-from .workloads import Prepared, simulator_expected
+from .workloads import CHAT_PATH, Prepared, simulator_expected
 
 perf = time.perf_counter
 
@@ -341,6 +340,8 @@ class Tally:
         self.verify_errors = 0
         self.examples: list[str] = []
         self.unsent = 0  # turns never sent because an earlier turn of their conversation failed
+        self.live = 0  # conversations started and not finished
+        self.max_live = 0
         self.t_first = math.inf
         self.t_last = -math.inf
 
@@ -364,6 +365,7 @@ class Tally:
         span = self.t_last - self.t_first if n else math.nan
         return {"requests": n, "ok": self.ok, "errors": sum(self.errors.values()), "error_kinds": dict(self.errors),
                 "verify_errors": self.verify_errors, "error_examples": self.examples, "unsent_turns": self.unsent,
+                "max_live_conversations": self.max_live,
                 # every request counts (no warm-up window: the caches start cold for every policy alike)
                 "outside_window": {"ok": 0, "errors": 0, "verify_errors": 0},
                 "span_s": span, "req_s": n / span if n and span > 0 else math.nan,
@@ -384,6 +386,14 @@ async def drive(spec: ChatSpec, convs: list[Conversation], images: list[str], ra
     conv_rate = rate / max(1, spec.turns)
 
     async def one(conv: Conversation) -> None:
+        tally.live += 1
+        tally.max_live = max(tally.max_live, tally.live)
+        try:
+            await turns(conv)
+        finally:
+            tally.live -= 1
+
+    async def turns(conv: Conversation) -> None:
         answers: list[str] = []
         for t, turn in enumerate(conv.turns):
             if t and turn.think_s > 0:

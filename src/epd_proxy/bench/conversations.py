@@ -27,9 +27,9 @@ import base64
 import random
 from dataclasses import dataclass, replace
 
-from .workloads import CHAT_PATH, _PNG_MAGIC, _WORDS
+from .workloads import _PNG_MAGIC, _WORDS
 
-__all__ = ["CHAT_PATH", "ChatSpec", "Conversation", "Turn", "conversation_bodies", "image_pool",
+__all__ = ["ChatSpec", "Conversation", "Turn", "conversation_bodies", "image_pool",
            "make_conversations", "turn_body", "working_set"]
 
 

@@ -461,7 +461,7 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
                     continue
                 k = c["counters"]
                 sp_ = k["spread"]
-                rows.append([pol, rate, fmt(c["req_s"], 1),
+                rows.append([pol, rate, f"{fmt(c['req_s'], 1)} ({c.get('max_live_conversations', '–')})",
                              f"{fmt(c['ttft_ms']['p50'], 1)} / {fmt(c['ttft_ms']['p99'], 1)}",
                              f"{fmt(c['e2e_ms']['p50'], 0)} / {fmt(c['e2e_ms']['p99'], 0)}",
                              f"{k['prefill_tokens_computed']:,}", fmt(100 * k["prefix_hit_rate"], 1),
@@ -472,8 +472,10 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
                              fmt(c.get("proxy_cpu_ms_per_req"), 3),
                              f"{fmt(c.get('sim_cpu_util', math.nan))} + {fmt(c.get('loadgen_cpu_util', math.nan))}"
                              f" / {fmt(c.get('foreign_cpu_util', math.nan))}",
-                             str(c["errors"]), str(c["verify_errors"])])
-        out += [_table(["policy", "req/s offered", "req/s", "TTFT p50 / p99 ms", "E2E p50 / p99 ms",
+                             str(c["errors"]) + (f" (+{c['unsent_turns']} unsent)" if c.get("unsent_turns") else ""),
+                             str(c["verify_errors"])])
+        out += [_table(["policy", "req/s offered", "req/s (most live conversations)", "TTFT p50 / p99 ms",
+                        "E2E p50 / p99 ms",
                         "prefill tokens computed", "prefix hit %", "encoder hit %", "prefill spread (requests)",
                         "decode spread (requests)", "encoder spread", "proxy CPU ms/req",
                         "cores: sim + loadgen / others", "errors", "mismatches"],
