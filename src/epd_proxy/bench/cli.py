@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cluster-workloads", type=_csv, default=["chat", "text", "unique"],
                    help="cluster: chat (multi-turn, shared system prompts, repeated images: E+P+D), text (the same "
                         "without images: P/D, where vllm-router runs), unique (one turn, no shared prefix: spread)")
-    c.add_argument("--cluster-rates", type=_floats, default=[10.0, 20.0, 40.0],
+    c.add_argument("--cluster-rates", type=_floats, default=[10.0, 25.0, 50.0],
                    help="cluster: offered load levels, requests per second (conversations start as Poisson "
                         "arrivals at rate / turns)")
     c.add_argument("--cluster-unique-rate", type=float, default=None,
