@@ -57,6 +57,7 @@ class ProxyApp:
             ("GET", "/metrics"): self._metrics,
         }
         self._paths = {path for _, path in self._routes}
+        self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
 
     @property
     def topology(self) -> str:
@@ -77,6 +78,8 @@ class ProxyApp:
             await pool.close()
 
     async def __call__(self, req: Request, writer: ResponseWriter) -> None:
+        if self.draining:
+            writer.keep_alive = False
         handler = self._routes.get((req.method, req.path))
         if handler is None:
             if req.path in self._paths:
@@ -127,10 +130,16 @@ class ProxyApp:
         writer.send(200, b'{"status":"ok"}')
 
     async def _ready(self, req: Request, writer: ResponseWriter) -> None:
-        """Ready when every configured stage has at least one healthy instance."""
-        missing = [role for role, pool in self.pools.items() if not any(i.healthy for i in pool.instances)]
+        """Whether this proxy can take traffic, not whether its backends are healthy: 503 while
+        draining, or while a role the topology needs has no instance at all; otherwise 200,
+        even when a pool is failing (the proxy then answers those requests itself, which beats
+        a load balancer dropping every replica at once). Backend health is in /status."""
+        if self.draining:
+            writer.send(503, b'{"status":"draining"}', headers=[(b"retry-after", b"5")])
+            return
+        missing = [role for role, pool in self.pools.items() if not pool.instances]
         if missing:
-            body = msgspec.json.encode({"status": "unavailable", "no_healthy": missing})
+            body = msgspec.json.encode({"status": "unavailable", "no_instances": missing})
             writer.send(503, body, headers=[(b"retry-after", b"5")])
         else:
             writer.send(200, b'{"status":"ready"}')

@@ -44,37 +44,69 @@ def _add_serve(sub) -> None:
                    default=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
                    help="the backends' keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); idle pooled "
                         "connections are retired at half of it")
-    p.add_argument("--connect-timeout", type=float, default=5.0)
-    p.add_argument("--encode-timeout", type=float, default=300.0)
-    p.add_argument("--prefill-timeout", type=float, default=600.0)
-    p.add_argument("--decode-timeout", type=float, default=600.0,
-                   help="until decode's first event")
-    p.add_argument("--stream-idle-timeout", type=float, default=600.0)
+    t, c = Timeouts(), ProxyConfig()
+    p.add_argument("--connect-timeout", type=float, default=t.connect)
+    p.add_argument("--encode-timeout", type=float, default=t.encode, help=f"(default {t.encode:g} s)")
+    p.add_argument("--prefill-timeout", type=float, default=t.prefill, help=f"(default {t.prefill:g} s)")
+    p.add_argument("--decode-timeout", type=float, default=t.decode_first,
+                   help=f"until decode's first event (default {t.decode_first:g} s)")
+    p.add_argument("--stream-idle-timeout", type=float, default=t.stream_idle)
+    p.add_argument("--first-byte-timeout", type=float, default=t.first_byte,
+                   help=f"from a request's admission to its response's status: past it the client gets 504 "
+                        f"and every upstream leg is closed (default {t.first_byte:g} s, 0 = off)")
+    p.add_argument("--max-inflight", type=int, default=c.max_inflight,
+                   help=f"client requests this process works on at once (default {c.max_inflight}: "
+                        f"unlimited); more wait in the queue or get 429")
+    p.add_argument("--queue-size", type=int, default=c.queue_size,
+                   help=f"requests waiting for a slot beyond --max-inflight (default {c.queue_size})")
+    p.add_argument("--queue-timeout", type=float, default=c.queue_timeout,
+                   help=f"longest wait in that queue before 429 (default {c.queue_timeout:g} s)")
+    p.add_argument("--max-inflight-per-role", action="append", default=[], metavar="ROLE=N",
+                   help="requests in the encode or prefill stage at once (repeatable, comma-separated; default "
+                        "none); more wait in the same kind of queue (--queue-size, --queue-timeout) or get 429")
+    p.add_argument("--shutdown-grace", type=float, default=c.shutdown_grace,
+                   help=f"after SIGTERM, /ready is 503 and new connections are still accepted for this "
+                        f"long (default {c.shutdown_grace:g} s)")
+    p.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout,
+                   help=f"after SIGTERM, in-flight requests may finish until this long after the signal; "
+                        f"then the rest are ended (default {c.shutdown_timeout:g} s)")
     p.add_argument("--probe-interval", type=float, default=5.0, help="health probe period (0 = off)")
     p.add_argument("--probe-timeout", type=float, default=2.0)
     p.add_argument("--fail-threshold", type=int, default=3,
                    help="consecutive probe or transport failures that eject an instance (default 3)")
-    d = ProxyConfig()
-    p.add_argument("--outlier-failure-percent", type=float, default=d.outlier_failure_percent,
+    p.add_argument("--outlier-failure-percent", type=float, default=c.outlier_failure_percent,
                    help="share of requests failing with HTTP 500 that ejects an instance "
-                        f"(default {d.outlier_failure_percent:g})")
-    p.add_argument("--outlier-min-requests", type=int, default=d.outlier_min_requests,
+                        f"(default {c.outlier_failure_percent:g})")
+    p.add_argument("--outlier-min-requests", type=int, default=c.outlier_min_requests,
                    help=f"requests an instance must have had before that share counts (default "
-                        f"{d.outlier_min_requests})")
-    p.add_argument("--outlier-interval", type=float, default=d.outlier_interval,
-                   help=f"seconds over which the share is measured (default {d.outlier_interval:g})")
-    p.add_argument("--ejection-time", type=float, default=d.ejection_time,
+                        f"{c.outlier_min_requests})")
+    p.add_argument("--outlier-interval", type=float, default=c.outlier_interval,
+                   help=f"seconds over which the share is measured (default {c.outlier_interval:g})")
+    p.add_argument("--ejection-time", type=float, default=c.ejection_time,
                    help="base ejection time, multiplied by the number of ejections in a row "
-                        f"(default {d.ejection_time:g} s)")
-    p.add_argument("--max-ejection-time", type=float, default=d.max_ejection_time,
-                   help=f"longest ejection (default {d.max_ejection_time:g} s)")
-    p.add_argument("--max-ejection-percent", type=int, default=d.max_ejection_percent,
+                        f"(default {c.ejection_time:g} s)")
+    p.add_argument("--max-ejection-time", type=float, default=c.max_ejection_time,
+                   help=f"longest ejection (default {c.max_ejection_time:g} s)")
+    p.add_argument("--max-ejection-percent", type=int, default=c.max_ejection_percent,
                    help="most of a role that request failures may eject, rounded down (default "
-                        f"{d.max_ejection_percent}); failed probes are not capped")
+                        f"{c.max_ejection_percent}); failed probes are not capped")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _role_caps(values: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in split_instances(values):
+        role, sep, n = item.partition("=")
+        try:
+            out[role.strip()] = int(n)
+        except ValueError:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64") from None
+        if not sep:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64")
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -94,7 +126,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         upstream_keep_alive=args.upstream_keep_alive,
         timeouts=Timeouts(connect=args.connect_timeout, encode=args.encode_timeout,
                           prefill=args.prefill_timeout, decode_first=args.decode_timeout,
-                          stream_idle=args.stream_idle_timeout, push_drain=args.prefill_timeout),
+                          stream_idle=args.stream_idle_timeout, first_byte=args.first_byte_timeout),
         probe_interval=args.probe_interval,
         probe_timeout=args.probe_timeout,
         fail_threshold=args.fail_threshold,
@@ -104,6 +136,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ejection_time=args.ejection_time,
         max_ejection_time=args.max_ejection_time,
         max_ejection_percent=args.max_ejection_percent,
+        max_inflight=args.max_inflight,
+        max_inflight_per_role=_role_caps(args.max_inflight_per_role),
+        queue_size=args.queue_size,
+        queue_timeout=args.queue_timeout,
+        shutdown_grace=args.shutdown_grace,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return cfg
 

@@ -89,14 +89,21 @@ def split_instances(values: list[str] | None) -> list[str]:
 
 @dataclass(slots=True)
 class Timeouts:
-    """Bounds on every wait, in seconds (stage waits end in a 504)."""
+    """Bounds on every wait, in seconds (stage waits end in a 504).
+
+    Stage defaults follow what each call does on vLLM (docs/architecture.md,
+    "Overload, deadlines and shutdown"): an encoder call is short, a prefill is one
+    forward pass over the prompt plus its queueing, decode's first event in push
+    mode waits for that prefill. ``first_byte`` bounds the whole pre-commit phase
+    (every stage and retry) of one request; 0 turns it off.
+    """
 
     connect: float = 5.0
-    encode: float = 300.0
-    prefill: float = 600.0  # until prefill's whole answer
-    decode_first: float = 600.0  # until decode's headers and first event
+    encode: float = 60.0
+    prefill: float = 120.0  # until prefill's whole answer
+    decode_first: float = 120.0  # until decode's headers and first event
     stream_idle: float = 600.0  # longest silence inside decode's stream
-    push_drain: float = 60.0  # push mode: prefill still running after decode ended
+    first_byte: float = 180.0  # from the request's admission to its status line
 
 
 @dataclass(slots=True)
@@ -127,6 +134,15 @@ class ProxyConfig:
     ejection_time: float = 10.0  # base ejection time, times the number of ejections in a row
     max_ejection_time: float = 300.0
     max_ejection_percent: int = 50  # of a role, by passive signals (rounded down)
+    # Admission control (admission.py): 0 = unlimited; see docs/architecture.md.
+    max_inflight: int = 0
+    queue_size: int = 0
+    queue_timeout: float = 10.0
+    max_inflight_per_role: dict[str, int] = field(default_factory=dict)  # encode/prefill -> cap (0 = none)
+    # Graceful shutdown (serve.py): /ready is 503 and the listener open for the grace
+    # period, then in-flight requests finish until shutdown_timeout (from the signal).
+    shutdown_grace: float = 5.0
+    shutdown_timeout: float = 25.0
 
     def validate(self) -> None:
         if not self.decode:
@@ -155,6 +171,16 @@ class ProxyConfig:
             raise ValueError("--ejection-time must be > 0 and --max-ejection-time >= --ejection-time")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ValueError("--max-ejection-percent must be in [0, 100]")
+        if self.max_inflight < 0 or self.queue_size < 0 or self.queue_timeout < 0:
+            raise ValueError("--max-inflight, --queue-size and --queue-timeout must be >= 0")
+        for role, n in self.max_inflight_per_role.items():
+            if role not in ("encode", "prefill") or n < 0:
+                raise ValueError(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
+                                 f"(decode's cap is --max-inflight) and the cap >= 0")
+        if self.shutdown_grace < 0 or self.shutdown_timeout < 0:
+            raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
+        if self.timeouts.first_byte < 0:
+            raise ValueError("--first-byte-timeout must be >= 0")
         for role in ROLES:
             urls = [s.url for s in getattr(self, role)]
             dup = {u for u in urls if urls.count(u) > 1}

@@ -58,6 +58,9 @@ class ProxyMetrics:
         self.disconnects = 0
         self.inflight = 0
         self.pools = pools or {}
+        self.admission = None  # admission.Admission, read at scrape time
+        self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
+        self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -106,6 +109,8 @@ class ProxyMetrics:
             yield CounterMetricFamily(name, doc, value=float(value))
         yield GaugeMetricFamily("epd_proxy_inflight_requests", "Client requests in progress.",
                                 value=float(self.inflight))
+        yield from _admission_families(self.admission, self.queue_wait)
+        yield from _role_admission_families(self.role_admission)
         yield from _pool_families(self.pools)
 
 
@@ -114,6 +119,36 @@ def _histogram(name: str, doc: str, label: str, series: dict[str, Buckets]) -> H
     for key, b in sorted(series.items()):
         h.add_metric([key], b.cumulative(), sum_value=b.sum)
     return h
+
+
+def _admission_families(admission, queue_wait: Buckets):
+    """Admission control (admission.py): what was shed, what waits, how long it waited."""
+    if admission is None:
+        return
+    yield CounterMetricFamily("epd_proxy_shed_requests", "Requests answered 429 by admission control "
+                              "(queue full or queue timeout).", value=float(admission.shed))
+    yield GaugeMetricFamily("epd_proxy_queue_depth", "Requests waiting for an admission slot.",
+                            value=float(admission.waiting))
+    yield GaugeMetricFamily("epd_proxy_admitted_requests", "Admission slots in use (0 when unlimited).",
+                            value=float(admission.active))
+    h = HistogramMetricFamily("epd_proxy_queue_wait_seconds", "Time queued requests waited for a slot "
+                              "(until admitted or shed).")
+    h.add_metric([], queue_wait.cumulative(), sum_value=queue_wait.sum)
+    yield h
+
+
+def _role_admission_families(caps: dict):
+    if not caps:
+        return
+    shed = CounterMetricFamily("epd_proxy_stage_shed_requests", "Requests answered 429 by a stage's "
+                               "concurrency cap (--max-inflight-per-role).", labels=["role"])
+    depth = GaugeMetricFamily("epd_proxy_stage_queue_depth", "Requests waiting for a stage's slot.",
+                              labels=["role"])
+    for role, cap in sorted(caps.items()):
+        shed.add_metric([role], float(cap.shed))
+        depth.add_metric([role], float(cap.waiting))
+    yield shed
+    yield depth
 
 
 def _pool_families(pools: dict):

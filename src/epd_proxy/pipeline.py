@@ -16,17 +16,19 @@ import time
 
 import msgspec
 
+from .admission import ADMIT, SHED, Admission, shed_error
 from .blobs import decode_chat_body
 from .config import ProxyConfig
 from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
 from .context import RequestContext
+from .deadline import Deadlines
 from .errors import ProxyError, bad_request
 from .http.server import Request, ResponseWriter
 from .ids import hex_id
 from .metrics import ProxyMetrics
 from .multimodal import MediaItem, collect_media
 from .pool import Instance, InstancePool
-from .relay import relay_stream
+from .relay import StreamRelay, relay_stream
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
 
 log = logging.getLogger("epd_proxy.pipeline")
@@ -89,10 +91,33 @@ class Pipeline:
         if config.upstream_api_key:
             self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+        self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
+        # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
+        self.role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
+                          for role, n in config.max_inflight_per_role.items() if n > 0 and pools.get(role)}
+        metrics.role_admission = self.role_caps
+        self.first_byte = t.first_byte
+        self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
+        # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
+        # ``stopping`` ends the ones still running (see handle's CancelledError branch).
+        self.closing = False
+        self.stopping = False
+        metrics.admission = self.admission
+        self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
+        self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
+        self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
+
+    def close_admission(self) -> None:
+        """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
+        self.closing = True
+        self._gated = True
+        self.admission.close()
 
     # -- the request path -------------------------------------------------------------------
     async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
         t0 = time.perf_counter()
+        if self._gated and not await self._admit(req, writer, path, t0):
+            return
         rid = (req.header(b"x-request-id") or b"").decode("latin-1") or hex_id()
         id_header = [(b"x-request-id", rid.encode("latin-1"))]
         ctx = None
@@ -101,7 +126,25 @@ class Pipeline:
             body = parse_body(req, path)
             items = collect_media(body) if path == CHAT else []
             ctx = RequestContext(rid, path, self._headers_for(req))
-            leg = await self._open(ctx, body, items)
+            if self.deadlines is not None:
+                task = asyncio.current_task()
+                self.deadlines.enter(task)
+                try:
+                    leg = await self._open(ctx, body, items)
+                except asyncio.CancelledError:
+                    if not self.deadlines.expired(task):
+                        raise
+                    # The cancellation closed every leg on its way out (their finally blocks).
+                    task.uncancel()
+                    raise ProxyError(504, f"no response within the first-byte timeout "
+                                          f"({self.first_byte:g} s); the request was abandoned") from None
+                finally:
+                    self.deadlines.leave(task)
+                    # Kept in this frame, the task would close a reference cycle through the
+                    # traceback of a later failure (the task holds its exception).
+                    task = None
+            else:
+                leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
             ok = False
             try:
@@ -118,21 +161,75 @@ class Pipeline:
                 if leg.companion is not None:
                     self._settle(leg.companion, keep=ok)
         except ProxyError as err:
+            _drop_traceback(err)
             if not writer.started:
-                headers = id_header + [(b"retry-after", b"5")] if err.status == 503 else id_header
+                headers = id_header + [(b"retry-after", _RETRY_AFTER[err.status])] if err.status in _RETRY_AFTER \
+                    else id_header
                 writer.send(err.status, err.body(), err.content_type(), headers)
             if err.status >= 500:
                 log.warning("request %s failed: %s", rid, err.message)
         except asyncio.CancelledError:
-            self.metrics.disconnects += 1
-            raise
+            if not (self.stopping and self._end_at_shutdown(writer, rid)):
+                self.metrics.disconnects += 1
+                raise
         finally:
+            writer.flow = None  # the relay refers to the writer: no cycle left behind
             self.metrics.inflight -= 1
             if ctx is not None:
                 ctx.release_all()
                 self.metrics.observe_stages(ctx.timings)
+            if self.admission.limit:
+                self.admission.leave()
             # 499: the client went away before a status was sent (nginx's convention).
             self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0)
+
+    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
+        """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
+        Runs before the body is parsed: a refused request costs a prebuilt response."""
+        if self.closing:
+            status, body, retry = 503, self._503_closing, b"1"
+        else:
+            admission = self.admission
+            verdict = admission.try_enter()
+            if verdict == ADMIT:
+                return True
+            if verdict != SHED:
+                admitted = await admission.wait()
+                self.metrics.queue_wait.observe(time.perf_counter() - t0)
+                if admitted and not self.closing:
+                    return True
+                if admitted:
+                    admission.leave()  # the proxy began shutting down meanwhile: the slot goes unused
+                if self.closing:
+                    status, body, retry = 503, self._503_closing, b"1"
+                else:
+                    status, body, retry = 429, self._429, b"1"
+            else:
+                status, body, retry = 429, self._429, b"1"
+        headers = [(b"retry-after", retry)]
+        rid = req.header(b"x-request-id")
+        if rid is not None:
+            headers.append((b"x-request-id", rid))
+        writer.send(status, body, b"application/json", headers)
+        self.metrics.observe_request(path, status, time.perf_counter() - t0)
+        return False
+
+    def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
+        """The shutdown timeout cancelled this request (not its client): end it properly.
+        Before the commit: 503 with the envelope; a committed stream: the in-band error
+        event and ``[DONE]``. Returns False when nothing can be said any more."""
+        if writer.disconnected or writer.finished:
+            return False
+        err = ProxyError(503, "the proxy shut down before the response was complete")
+        if not writer.started:
+            writer.keep_alive = False
+            writer.send(503, err.body(), b"application/json", [(b"retry-after", b"1")])
+        elif isinstance(writer.flow, StreamRelay):
+            writer.flow.fail(err)
+        else:
+            return False
+        log.warning("request %s: ended by the shutdown timeout", rid)
+        return True
 
     async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
@@ -143,6 +240,7 @@ class Pipeline:
             except ProxyError as err:
                 if not err.retryable or attempt >= self.retries:
                     raise
+                _drop_traceback(err)
                 attempt += 1
                 self.metrics.retries += 1
                 log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
@@ -152,9 +250,26 @@ class Pipeline:
         d = self.decode.choose(ctx.excluded)
         p = self.prefill.choose(ctx.excluded) if self.prefill else None
         dp_headers, consumer_zmq = self._ec_consumer(d)
+        caps = self.role_caps
         if items and self.fanout is not None:
-            body = await self.fanout.run(ctx, body, items, consumer_zmq)
-        return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+            cap = caps.get("encode") if caps else None
+            if cap is None:
+                body = await self.fanout.run(ctx, body, items, consumer_zmq)
+            else:
+                await _take_slot("encode", cap)
+                try:
+                    body = await self.fanout.run(ctx, body, items, consumer_zmq)
+                finally:
+                    cap.leave()
+        cap = caps.get("prefill") if caps and p is not None else None
+        if cap is None:
+            return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+        # Held until decode's first event: in push mode the prefill runs that long anyway.
+        await _take_slot("prefill", cap)
+        try:
+            return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+        finally:
+            cap.leave()
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
         """A leg still running when the response is over: drained in the background
@@ -174,6 +289,8 @@ class Pipeline:
             log.warning("background leg failed after its response ended: %s", task.exception())
 
     async def close(self) -> None:
+        if self.deadlines is not None:
+            await self.deadlines.close()
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -195,6 +312,26 @@ class Pipeline:
             index = self.decode.instances.index(d)
             zmq = cfg.ec_consumer_zmq_addrs[index * dp + (rank or 0)]
         return headers, zmq
+
+
+_RETRY_AFTER = {503: b"5", 429: b"1"}
+
+
+async def _take_slot(role: str, cap: Admission) -> None:
+    """A slot of a stage's cap, after waiting in its queue if need be; 429 past it."""
+    verdict = cap.try_enter()
+    if verdict == ADMIT or (verdict != SHED and await cap.wait()):
+        return
+    raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
+
+
+def _drop_traceback(err: BaseException) -> None:
+    """An answered error's traceback is of no further use, and its frames often hold the
+    error itself (``err = ...; raise err``) or a group containing it: a reference cycle
+    that would keep the request's objects alive until a full collection."""
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = None
 
 
 def _server_timing(timings: dict) -> list:

@@ -68,10 +68,12 @@ class StreamRelay(FlowListener):
 
     # -- FlowListener: a slow client throttles the upstream read ----------------------------
     def pause(self) -> None:
-        self.resp.pause_reading()
+        if self.resp is not None:
+            self.resp.pause_reading()
 
     def resume(self) -> None:
-        self.resp.resume_reading()
+        if self.resp is not None:
+            self.resp.resume_reading()
 
 
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: list,
@@ -105,4 +107,7 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
     finally:
         # Cancelled (client gone) or done: an unfinished upstream is aborted, so vLLM stops.
         resp.close()
+        # The response holds the relay as its sink: without this link back the pair is no
+        # reference cycle, and is freed with the request instead of by the collector.
+        relay.resp = None
     return relay

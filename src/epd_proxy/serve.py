@@ -44,6 +44,43 @@ class RunningProxy:
         await self.server.close()
         await self.app.close()
 
+    async def shutdown(self, grace: float, timeout: float) -> None:
+        """Graceful shutdown (call :meth:`close` after it).
+
+        ``/ready`` turns 503 at once and every response closes its connection; the
+        listener keeps accepting for ``grace`` seconds (a load balancer needs that long to
+        notice); then it closes, so do idle connections, new requests on open ones get 503,
+        and in-flight ones may finish until ``timeout`` seconds after the call. What is left
+        is ended as well as it can be: 503 before the commit point, an in-band error and
+        ``[DONE]`` on a committed stream.
+        """
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        app, server = self.app, self.server
+        app.draining = True
+        server.drain()
+        log.info("draining: /ready is 503; new connections accepted for %.1f s", grace)
+        await asyncio.sleep(max(0.0, min(grace, timeout)))
+        server.stop_accepting()
+        server.close_idle()
+        app.pipeline.close_admission()
+        busy = server.busy()
+        log.info("listener closed; %d request(s) in flight, up to %.1f s to finish", len(busy),
+                 max(0.0, end - loop.time()))
+
+        def drained() -> bool:
+            server.close_idle()  # e.g. a connection whose request was answered in the meantime
+            return not server.busy()
+
+        await _wait_until(drained, end)
+        busy = server.busy()
+        if busy:
+            log.warning("shutdown timeout: ending %d request(s) still in flight", len(busy))
+            app.pipeline.stopping = True
+            for task in busy:
+                task.cancel()
+            await asyncio.wait(busy, timeout=2.0)
+
     async def __aenter__(self) -> "RunningProxy":
         return self
 
@@ -59,6 +96,13 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     return RunningProxy(app, server)
 
 
+async def _wait_until(done, deadline: float, interval: float = 0.05) -> None:
+    """Poll ``done()`` until it holds or the loop's clock passes ``deadline`` (shutdown only)."""
+    loop = asyncio.get_running_loop()
+    while not done() and loop.time() < deadline:
+        await asyncio.sleep(min(interval, max(0.0, deadline - loop.time())))
+
+
 def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfig:
     """The proxy configuration for a simulated cluster: its instances, with each
     prefill's identity (for push connectors), and its KV connector."""
@@ -72,7 +116,14 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
-                         simulate: str | None, announce: bool) -> None:
+                         simulate: str | None, announce: bool, worker: bool = False) -> None:
+    """Serve until a signal, then shut down gracefully.
+
+    Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
+    As a ``--workers`` worker, SIGTERM starts it (again and again: a service manager that
+    signals the whole group must not count twice) and SIGQUIT, which the parent sends on
+    a second signal, exits at once.
+    """
     cluster = None
     if simulate:
         from .sim import SimCluster
@@ -83,15 +134,26 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGQUIT or (stop.is_set() and not worker):
+            log.warning("%s: exiting at once", name)
+            os._exit(1)
+        if not stop.is_set():
+            log.info("%s: shutting down gracefully (a second signal exits at once)", name)
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGQUIT) if worker else (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
     if announce:
         _announce(proxy, cluster)
     try:
         await stop.wait()
+        await proxy.shutdown(config.shutdown_grace, config.shutdown_timeout)
     finally:
         await proxy.close()
         if cluster is not None:
@@ -138,20 +200,27 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     for index in range(workers):
         pid = os.fork()
         if pid == 0:  # worker
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
+            # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             install_uvloop()
+            code = 1
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
-                                           announce=index == 0))
+                                           announce=index == 0, worker=True))
+                code = 0
             finally:
-                os._exit(0)
+                os._exit(code)
         children.append(pid)
     log.info("started %d workers: %s", workers, children)
 
+    received = []
+
     def forward(signum, _frame):
+        received.append(signum)
         for child in children:
             try:
-                os.kill(child, signal.SIGTERM)
+                os.kill(child, signal.SIGTERM if len(received) == 1 else signal.SIGQUIT)
             except ProcessLookupError:
                 pass
 

@@ -409,7 +409,9 @@ def start_proxy(name: str, log_dir: str, *, encode: Iterable[str] = (), prefill:
             argv += [flag, u]
     if prefill:
         argv += ["--kv-connector", kv_connector]
-    argv += ["--log-level", "info", *extra]  # `extra` may override the log level
+    # No grace period at shutdown: nothing balances load over these proxies (each stop would
+    # otherwise wait --shutdown-grace for load balancers to notice /ready).
+    argv += ["--log-level", "info", "--shutdown-grace", "0", *extra]  # `extra` may override these
     env = dict(os.environ)
     env.pop("PYTEST_CURRENT_TEST", None)
     proc = Proc(f"proxy-{name}", argv, env, log_dir, cwd=REPO)

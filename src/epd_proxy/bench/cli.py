@@ -19,7 +19,8 @@ import platform
 import subprocess
 import sys
 
-SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "cluster")
+SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "overload", "soak",
+             "cluster")
 DEFAULT_TARGETS = ("direct", "direct-pd", "epd-proxy", "vllm-router", "nginx")
 # The cluster scenario's policies (bench/cluster.py); add the proxy's own with --policy-def.
 DEFAULT_CLUSTER_POLICIES = ("round-robin", "least-loaded", "load-aware", "power-of-two", "cache-aware", "oracle",
@@ -124,6 +125,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     x.add_argument("--push-tp-ms", type=float, default=40.0, help="push: prefill time T_p")
     x.add_argument("--push-td-ms", type=_floats, default=[20.0, 40.0, 60.0], help="push: decode times T_d")
     x.add_argument("--push-samples", type=int, default=60)
+    x.add_argument("--overload-streams", type=int, default=2000, help="overload: slow streams opened at once")
+    x.add_argument("--overload-tokens", type=int, default=20, help="overload: tokens per slow stream")
+    x.add_argument("--overload-itl-ms", type=float, default=250.0, help="overload: token delay of the slow streams")
+    x.add_argument("--overload-max-inflight", type=int, default=500, help="overload: the proxy's --max-inflight")
+    x.add_argument("--overload-queue-size", type=int, default=200, help="overload: the proxy's --queue-size")
+    x.add_argument("--overload-queue-timeout", type=float, default=2.0, help="overload: the proxy's --queue-timeout")
+    x.add_argument("--overload-slowloris", type=int, default=200,
+                   help="overload: connections trickling a request head, one byte per interval")
+    x.add_argument("--overload-slowloris-interval", type=float, default=1.0)
+    x.add_argument("--overload-normal-concurrency", type=int, default=4,
+                   help="overload: closed-loop normal (non-stream) requests alongside")
+    x.add_argument("--overload-baseline", type=float, default=3.0, help="overload: seconds of normal traffic first")
+    x.add_argument("--overload-after", type=float, default=5.0,
+                   help="overload: seconds of normal traffic after the burst (recovery is measured in them)")
+    x.add_argument("--overload-sample", type=float, default=0.5, help="overload: RSS/descriptor sampling period")
+    x.add_argument("--soak-duration", type=float, default=600.0, help="soak: seconds of mixed load (>= 10 min "
+                   "for the published figure)")
+    x.add_argument("--soak-concurrency", type=int, default=64)
     c = parser.add_argument_group("cluster scenario (routing policies on a simulated cluster with caches)")
     c.add_argument("--policies", type=_csv, default=list(DEFAULT_CLUSTER_POLICIES),
                    help="cluster: policies to compare: the proxy's round-robin, least-loaded, load-aware, "

@@ -19,6 +19,7 @@ LIMITS = {
     "workers": ("--workers 2 req/s / one worker's", 1.7, "x", ">="),
     "scale_flat": ("Memory growth while holding the streams", 5.0, "%", "<="),
     "media_linear": ("Encoder-stage CPU linear in image size (R^2)", 0.98, "", ">="),
+    "soak_flat": ("Memory growth over the soak (mixed load)", 5.0, "%", "<="),
 }
 
 
@@ -137,6 +138,14 @@ def checks(result: dict) -> list[dict]:
             if run.get("errors"):
                 c["met"] = False
             out.append(c)
+    soak = sc.get("soak")
+    if isinstance(soak, dict) and "rss_growth_pct" in soak:
+        c = _check("soak_flat", soak["rss_growth_pct"], "soak",
+                   f"{soak['requests']} requests in {fmt(soak['duration_s'], 0)} s at concurrency "
+                   f"{soak['concurrency']}; errors {soak['errors']}, mismatches {soak['verify_errors']}")
+        if soak.get("errors"):
+            c["met"] = False
+        out.append(c)
     media = sc.get("media")
     if isinstance(media, dict) and "fit" in media:
         out.append(_check("media_linear", media["fit"]["r2"], "media",
@@ -352,6 +361,41 @@ def _scale_section(r: dict, plots: dict) -> list[str]:
     return out
 
 
+def _overload_section(r: dict, plots: dict) -> list[str]:
+    out = ["## Overload: a burst past the admission limit", "",
+           f"{r['streams']} slow streams opened at once ({r['tokens_per_stream']} tokens, {fmt(r['itl_ms'], 0)} ms "
+           f"apart) against `--max-inflight {r['max_inflight']} --queue-size {r['queue_size']} --queue-timeout "
+           f"{r['queue_timeout_s']:g}`, with {r['slowloris']} slowloris connections and closed-loop non-stream "
+           "requests alongside.", ""]
+    nd = r.get("normal_during_burst", {})
+    rows = [["burst", f"{r['burst_ok']} ok, {r['burst_shed_429']} shed (429), statuses {r['burst_statuses']}, "
+                      f"{r['burst_verify_errors']} mismatches, {r['burst_unfinished']} unfinished"],
+            ["shed (proxy's counter)", fmt(r.get("proxy_shed_total"), 0)],
+            ["RSS idle / peak / after, MiB", f"{fmt(r['rss_idle_mb'], 1)} / {fmt(r['rss_peak_mb'], 1)} / "
+                                             f"{fmt(r['rss_after_mb'], 1)}"],
+            ["descriptors idle / peak / after", f"{r['fds_idle']} / {r['fds_peak']} / {r['fds_after']}"],
+            ["normal requests during the burst", f"{nd.get('ok')} ok of {nd.get('requests')}, "
+                                                 f"{nd.get('shed_429')} shed; p50/p99 "
+                                                 f"{fmt(nd.get('latency_ms', {}).get('p50'))} / "
+                                                 f"{fmt(nd.get('latency_ms', {}).get('p99'))} ms (before: p50 "
+                                                 f"{fmt(r['normal_baseline_ms'].get('p50'))} ms)"],
+            ["slowloris", f"{r['slowloris_closed_by_proxy']} closed by the proxy, {r['slowloris_answered']} "
+                          f"answered, {r['slowloris_refused']} refused"],
+            ["time to recover after the burst", f"{fmt(r['recovery_s'], 2)} s"
+                                                + ("" if r.get("recovered") else " (not recovered)")]]
+    return out + [_table(["", ""], rows), ""]
+
+
+def _soak_section(r: dict, plots: dict) -> list[str]:
+    return ["## Soak: mixed load over time", "",
+            _table(["duration", "concurrency", "requests", "req/s", "errors / mismatches", "RSS start → end MiB",
+                    "growth", "bytes per request"],
+                   [[f"{fmt(r['duration_s'], 0)} s", str(r["concurrency"]), str(r["requests"]), fmt(r["req_s"], 1),
+                     f"{r['errors']} / {r['verify_errors']}", f"{fmt(r['rss_start_mb'], 1)} → "
+                     f"{fmt(r['rss_end_mb'], 1)}", f"{fmt(r['rss_growth_pct'], 2)} %",
+                     fmt(r["rss_growth_bytes_per_request"], 1)]]), ""]
+
+
 def _workers_section(r: dict, plots: dict) -> list[str]:
     out = ["## --workers 2 against one worker", ""]
     if r.get("quota_cores_per_worker"):
@@ -503,7 +547,8 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
 
 _SECTIONS = {"compare": _compare_section, "throughput": _throughput_section, "latency": _latency_section,
              "scale": _scale_section, "workers": _workers_section, "media": _media_section, "push": _push_section,
-             "url": _url_section, "cluster": _cluster_section}
+             "overload": _overload_section, "soak": _soak_section, "url": _url_section,
+             "cluster": _cluster_section}
 
 
 # -- plots ------------------------------------------------------------------------------------------

@@ -98,7 +98,8 @@ def epd_proxy_target(sim: SimInfo, *, cpus=None, log_dir: str, workers: int = 1,
     port = port or free_port()
     prefill = sim.prefill_specs() if kv_connector != "nixl" else list(sim.prefill)
     argv = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--decode", ",".join(sim.decode), "--kv-connector", kv_connector, "--log-level", "warning"]
+            "--decode", ",".join(sim.decode), "--kv-connector", kv_connector, "--log-level", "warning",
+            "--shutdown-grace", "0"]  # no load balancer to warn: stop without the grace period
     if sim.encode:
         argv += ["--encode", ",".join(sim.encode)]
     for spec in prefill:  # one flag each: specs contain no commas, but keep them apart anyway

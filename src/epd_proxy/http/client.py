@@ -256,10 +256,14 @@ class _Connection(asyncio.Protocol):
                 and resp._error is None and self._head_future is None:
             # A close-delimited body ends at a clean EOF (a reset is a truncation).
             resp._finish(None)
-            return
-        self._fail(UpstreamError(
-            "upstream closed the connection" + (f": {exc}" if exc else ""),
-            response_started=self._got_bytes))
+        else:
+            self._fail(UpstreamError(
+                "upstream closed the connection" + (f": {exc}" if exc else ""),
+                response_started=self._got_bytes))
+        # The parser holds this connection's callbacks and the response refers back to it:
+        # let go of both, so a closed connection is freed without the cyclic collector.
+        self._response = None
+        self.parser = None
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:

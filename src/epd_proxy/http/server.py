@@ -320,6 +320,11 @@ class HttpServerProtocol(asyncio.Protocol):
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._queue.clear()
+        # Both refer back to this protocol (the parser holds its callbacks, the task's
+        # frames its handler's): let go of them so the connection is freed without the
+        # cyclic collector, which the frozen-GC settings make rare.
+        self._task = None
+        self._parser = None
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -619,6 +624,29 @@ class HttpServer:
     @property
     def host(self) -> str:
         return self._server.sockets[0].getsockname()[0]
+
+    # -- graceful shutdown (serve.py drives these) ----------------------------------------
+    def drain(self) -> None:
+        """Every response in progress closes its connection when it ends (the handler makes
+        later ones do so too)."""
+        for conn in self.connections:
+            if conn._writer is not None:
+                conn._writer.keep_alive = False
+
+    def close_idle(self) -> None:
+        """Close the connections that have no request in progress or half received."""
+        for conn in list(self.connections):
+            if conn._task is None and not conn._parsing and not conn._queue and conn.transport is not None:
+                conn.transport.close()
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket; accepted connections go on."""
+        if self._server is not None:
+            self._server.close()
+
+    def busy(self) -> list[asyncio.Task]:
+        """The handler tasks still running."""
+        return [c._task for c in self.connections if c._task is not None and not c._task.done()]
 
     async def close(self, *, abort_connections: bool = True) -> None:
         if self._server is None:
