@@ -64,3 +64,88 @@ def test_invalid_configs_fail_before_serving(changes, fragment):
     cfg = ProxyConfig(decode=[parse_instance("http://d:2", "decode")]).replace(**changes)
     with pytest.raises(ValueError, match=fragment):
         validate_config(cfg)
+
+
+# -- the trust boundary ------------------------------------------------------------------------------
+
+def _cfg(**changes) -> ProxyConfig:
+    return ProxyConfig(decode=[parse_instance("http://d:2", "decode")]).replace(**changes)
+
+
+@pytest.mark.parametrize("name", ["content-length", "Host", "transfer-encoding", "connection", "keep-alive", "te",
+                                  "trailer", "upgrade", "proxy-authorization", "content-type", "x-request-id",
+                                  "content-encoding", "x-data-parallel-rank", "bad header", "x:y", ""])
+def test_framing_hop_by_hop_and_proxy_set_headers_cannot_be_forwarded(name):
+    with pytest.raises(ValueError, match="--forward-header"):
+        validate_config(_cfg(forward_headers=("traceparent", name)))
+
+
+def test_authorization_is_forwarded_only_without_an_upstream_key():
+    validate_config(_cfg(forward_headers=("authorization", "x-tenant")))
+    with pytest.raises(ValueError, match="two Authorization headers"):
+        validate_config(_cfg(forward_headers=("Authorization",), upstream_api_key="k"))
+
+
+def test_the_cli_refuses_a_framing_header_at_start_up(capsys, monkeypatch):
+    import importlib
+
+    from epd_proxy.cli import main
+
+    def serve(*args, **kwargs):
+        raise AssertionError("the proxy would have started")
+
+    monkeypatch.setattr(importlib.import_module("epd_proxy.serve"), "serve", serve)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--decode", "http://d:2", "--forward-header", "content-length"])
+    assert exc.value.code == 2
+    assert "message framing" in capsys.readouterr().err
+
+
+def test_upstream_api_key_never_comes_from_openai_api_key(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-backends")
+    monkeypatch.delenv("EPD_PROXY_UPSTREAM_API_KEY", raising=False)
+    cfg = config_from_args(build_parser().parse_args(["serve", "--decode", "http://d:2"]))
+    assert cfg.upstream_api_key is None
+    monkeypatch.setenv("EPD_PROXY_UPSTREAM_API_KEY", "backend-key")
+    cfg = config_from_args(build_parser().parse_args(["serve", "--decode", "http://d:2"]))
+    assert cfg.upstream_api_key == "backend-key"
+    cfg = config_from_args(build_parser().parse_args(["serve", "--decode", "http://d:2",
+                                                      "--upstream-api-key", "explicit"]))
+    assert cfg.upstream_api_key == "explicit"
+
+
+def test_trust_flags_default_to_the_config_defaults_and_parse():
+    defaults = ProxyConfig()
+    cfg = config_from_args(build_parser().parse_args(["serve", "--decode", "http://d:2"]))
+    for field in ("ignore_client_uuids", "max_media_items", "max_upstream_connections", "allowed_media_schemes",
+                  "allowed_media_hosts"):
+        assert getattr(cfg, field) == getattr(defaults, field), field
+    assert defaults.allowed_media_schemes == ("http", "https", "data") and defaults.max_media_items == 999
+    cfg = config_from_args(build_parser().parse_args([
+        "serve", "--decode", "http://d:2", "--ignore-client-uuids", "--max-media-items", "8",
+        "--max-upstream-connections", "16", "--allowed-media-schemes", "https,data",
+        "--allowed-media-hosts", "127.0.0.0/8,localhost", "--allowed-media-hosts", "fd00::/8"]))
+    assert cfg.ignore_client_uuids is True and cfg.max_media_items == 8 and cfg.max_upstream_connections == 16
+    assert cfg.allowed_media_schemes == ("https", "data")
+    assert cfg.allowed_media_hosts == ("127.0.0.0/8", "localhost", "fd00::/8")
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"max_media_items": -1}, "--max-media-items"),
+    ({"max_upstream_connections": 0}, "--max-upstream-connections"),
+    ({"allowed_media_hosts": ("10.0.0.0/99",)}, "--allowed-media-hosts"),
+])
+def test_invalid_trust_settings_fail_before_serving(changes, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        validate_config(_cfg(**changes))
+
+
+async def test_the_connection_cap_reaches_every_instance_pool():
+    from epd_proxy.app import ProxyApp
+
+    app = ProxyApp(_cfg(max_upstream_connections=7, encode=[parse_instance("http://e:1", "encode")]))
+    try:
+        assert {i.http.max_connections for p in app.pools.values() for i in p.instances} == {7}
+    finally:
+        await app.close()

@@ -44,7 +44,8 @@ class ProxyApp:
                 self.pools[role] = InstancePool(role, specs, policy=config.routing,
                                                 keep_alive=config.upstream_keep_alive,
                                                 fail_threshold=config.fail_threshold,
-                                                outlier=OutlierSettings.from_config(config))
+                                                outlier=OutlierSettings.from_config(config),
+                                                max_connections=config.max_upstream_connections)
         self.metrics = ProxyMetrics(self.pools)
         self.pipeline = Pipeline(config, self.pools, self.metrics)
         self._routes = {

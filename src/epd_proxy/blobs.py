@@ -13,9 +13,11 @@ hashes the view in place, and :func:`encode_json` writes the literal back
 verbatim wherever the part goes (encoder, prefill, decode).
 
 Only literals that JSON-decode to exactly their own bytes are lifted: ASCII,
-no backslash. The rest of the body is decoded and validated as before; a
-lifted literal is not (control characters inside one reach the engine, which
-rejects the body with its own 400). Anything unexpected — a lifted literal
+no backslash, and valid JSON (checked by msgspec without building a ``str``:
+a raw control byte would otherwise travel on as invalid JSON). A literal that
+fails stays in the body, whose decode then fails as a plain decode would.
+The rest of the body is decoded and validated as before. Anything
+unexpected — a lifted literal
 that is not a media payload, a non-chat body — falls back to a plain decode,
 so the result is always what :func:`msgspec.json.decode` would have given,
 with ``Blob`` in place of some ``str``.
@@ -92,6 +94,9 @@ def _enc_hook(obj: object) -> Any:
 
 
 _encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+# Validates one string literal (a raw control byte is the only way an ASCII literal
+# without a backslash can be invalid) in one pass, without decoding it.
+_check_literal = msgspec.json.Decoder(msgspec.Raw).decode
 _sorted_encoder = msgspec.json.Encoder(enc_hook=_enc_hook, order="sorted")
 
 encode_json = _encoder.encode
@@ -130,7 +135,8 @@ def _lift(raw: bytes) -> tuple[bytes, list[memoryview]] | None:
         if end < 0:
             break
         if (end - opening > MIN_BLOB and raw[opening - 1:opening] != b"\\"
-                and find(b"\\", opening, end) < 0 and (ascii_body or raw[opening:end].isascii())):
+                and find(b"\\", opening, end) < 0 and (ascii_body or raw[opening:end].isascii())
+                and _valid(view[opening:end + 1])):
             pieces.append(view[start:opening])
             pieces.append(_MARK_JSON % len(literals))
             literals.append(view[opening:end + 1])
@@ -140,6 +146,14 @@ def _lift(raw: bytes) -> tuple[bytes, list[memoryview]] | None:
         return None
     pieces.append(view[start:])
     return b"".join(pieces), literals
+
+
+def _valid(literal: memoryview) -> bool:
+    try:
+        _check_literal(literal)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def _restore(body: Any, literals: list[memoryview]) -> bool:

@@ -9,6 +9,11 @@ import sys
 
 from .config import ProxyConfig, Timeouts, parse_instance, split_instances
 
+_DEFAULTS = ProxyConfig()
+# Upstream credentials come only from explicit configuration: never from OPENAI_API_KEY,
+# which may hold a key for another service entirely.
+UPSTREAM_API_KEY_ENV = "EPD_PROXY_UPSTREAM_API_KEY"
+
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the proxy",
@@ -35,10 +40,25 @@ def _add_serve(sub) -> None:
     p.add_argument("--ec-consumer-zmq-addrs", default="",
                    help="comma-separated EC consumer ZMQ addresses, aligned with --decode (E+PD only)")
     p.add_argument("--ec-consumer-dp-size", type=int, default=1)
-    p.add_argument("--upstream-api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="sent to backends as 'Authorization: Bearer' (default: $OPENAI_API_KEY)")
+    p.add_argument("--upstream-api-key", default=os.environ.get(UPSTREAM_API_KEY_ENV),
+                   help=f"sent to backends as 'Authorization: Bearer' (default: ${UPSTREAM_API_KEY_ENV}; "
+                        "for the reference proxies' behaviour pass --upstream-api-key \"$OPENAI_API_KEY\")")
     p.add_argument("--forward-header", action="append", default=[], metavar="NAME",
-                   help="client header to pass on to every stage (traceparent/tracestate always are)")
+                   help="client header to pass on to every stage (traceparent/tracestate always are); "
+                        "hop-by-hop, framing and proxy-set headers are refused")
+    p.add_argument("--ignore-client-uuids", action="store_true", default=_DEFAULTS.ignore_client_uuids,
+                   help="key media by their content even when the client sends a uuid (multi-tenant)")
+    p.add_argument("--max-media-items", type=int, default=_DEFAULTS.max_media_items,
+                   help=f"media parts per request, all modalities (default {_DEFAULTS.max_media_items}; "
+                        "0 = no media accepted)")
+    p.add_argument("--max-upstream-connections", type=int, default=_DEFAULTS.max_upstream_connections,
+                   help="concurrent connections to one instance; further requests wait in line "
+                        f"(default {_DEFAULTS.max_upstream_connections})")
+    p.add_argument("--allowed-media-schemes", default=",".join(_DEFAULTS.allowed_media_schemes),
+                   help="comma-separated URL schemes media may use (default %(default)s)")
+    p.add_argument("--allowed-media-hosts", action="append", default=[], metavar="HOST|CIDR",
+                   help="hosts or networks media URLs may name although they are loopback, private, "
+                        "link-local, unspecified or multicast addresses; repeatable, comma-separated")
     p.add_argument("--routing", choices=["least-loaded", "round-robin"], default="least-loaded")
     p.add_argument("--upstream-keep-alive", type=float,
                    default=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
@@ -122,6 +142,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ec_consumer_dp_size=args.ec_consumer_dp_size,
         upstream_api_key=args.upstream_api_key or None,
         forward_headers=("traceparent", "tracestate", *args.forward_header),
+        ignore_client_uuids=args.ignore_client_uuids,
+        max_media_items=args.max_media_items,
+        max_upstream_connections=args.max_upstream_connections,
+        allowed_media_schemes=tuple(split_instances([args.allowed_media_schemes])),
+        allowed_media_hosts=tuple(split_instances(args.allowed_media_hosts)),
         routing=args.routing,
         upstream_keep_alive=args.upstream_keep_alive,
         timeouts=Timeouts(connect=args.connect_timeout, encode=args.encode_timeout,

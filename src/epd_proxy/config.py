@@ -106,6 +106,44 @@ class Timeouts:
     first_byte: float = 180.0  # from the request's admission to its status line
 
 
+# Headers --forward-header may not copy from a client to the backends: hop-by-hop headers
+# (RFC 9110 §7.6.1) and framing, which describe one connection, not the request; and the
+# headers the proxy writes itself, which would reach a backend twice.
+REFUSED_FORWARD_HEADERS = {
+    "connection": "hop-by-hop",
+    "keep-alive": "hop-by-hop",
+    "proxy-connection": "hop-by-hop",
+    "te": "hop-by-hop",
+    "trailer": "hop-by-hop",
+    "upgrade": "hop-by-hop",
+    "proxy-authorization": "hop-by-hop (credentials for this proxy's hop)",
+    "proxy-authenticate": "hop-by-hop",
+    "transfer-encoding": "message framing",
+    "content-length": "message framing",
+    "content-encoding": "message framing (the proxy sends a re-encoded JSON body)",
+    "expect": "message framing",
+    "host": "set by the proxy for each backend",
+    "content-type": "set by the proxy",
+    "x-request-id": "set by the proxy (the client's, if valid, is passed on already)",
+    "x-data-parallel-rank": "set by the proxy (it routes to a data-parallel replica)",
+}
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz")
+
+
+def check_forward_headers(names, upstream_api_key: str | None) -> None:
+    """Raise ValueError for a --forward-header the proxy must not copy to backends."""
+    for name in names:
+        low = name.strip().lower()
+        if not low or not set(low) <= _TOKEN_CHARS:
+            raise ValueError(f"--forward-header {name!r} is not a valid header name")
+        why = REFUSED_FORWARD_HEADERS.get(low)
+        if why:
+            raise ValueError(f"--forward-header {name!r} is refused: {why}")
+        if low == "authorization" and upstream_api_key:
+            raise ValueError("--forward-header authorization cannot be combined with --upstream-api-key: "
+                             "backends would get two Authorization headers")
+
+
 @dataclass(slots=True)
 class ProxyConfig:
     encode: list[InstanceSpec] = field(default_factory=list)
@@ -143,6 +181,16 @@ class ProxyConfig:
     # period, then in-flight requests finish until shutdown_timeout (from the signal).
     shutdown_grace: float = 5.0
     shutdown_timeout: float = 25.0
+    # The trust boundary (docs/architecture.md): what a client's body may ask for.
+    ignore_client_uuids: bool = False  # use content-derived keys even when a client sends a uuid
+    # Media parts per request, all modalities together; vLLM's --limit-mm-per-prompt
+    # defaults to 999 per modality.
+    max_media_items: int = 999
+    # Concurrent connections to one instance (in use or idle); more requests wait in line.
+    max_upstream_connections: int = 1024
+    allowed_media_schemes: tuple[str, ...] = ("http", "https", "data")
+    # Hosts or networks media URLs may name even when they are loopback, private, link-local...
+    allowed_media_hosts: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if not self.decode:
@@ -151,6 +199,15 @@ class ProxyConfig:
             raise ValueError("--decode-retries must be >= 0")
         if self.encoder_max_batch_size < 0:
             raise ValueError("--encoder-max-batch-size must be >= 0")
+        if self.max_media_items < 0:
+            raise ValueError("--max-media-items must be >= 0")
+        if self.max_upstream_connections < 1:
+            raise ValueError("--max-upstream-connections must be >= 1")
+        check_forward_headers(self.forward_headers, self.upstream_api_key)
+        from .media_policy import MediaPolicy  # the policy parses the host list
+
+        MediaPolicy(max_items=self.max_media_items, schemes=self.allowed_media_schemes,
+                    allowed_hosts=self.allowed_media_hosts)
         if self.ec_consumer_dp_size < 1:
             raise ValueError("--ec-consumer-dp-size must be >= 1")
         if self.ec_consumer_zmq_addrs:

@@ -12,7 +12,7 @@ Pure functions over plain dicts; the client's body is never mutated.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as _replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from epd_proxy.blobs import URL_MEDIA_TYPES, encode_json_sorted, is_text, text_bytes
@@ -31,6 +31,9 @@ EMBEDS_TYPES = {
     "input_audio": "audio_embeds",
     "video_url": "video_embeds",
 }
+
+# Parts that reference an item by ``uuid`` without carrying the media itself.
+_EMBEDS_PART_TYPES = frozenset(("image_embeds", "audio_embeds", "video_embeds"))
 
 # Media whose identity is a URL; the rest are hashed by their JSON (§4.2).
 _URL_TYPES = frozenset(URL_MEDIA_TYPES)
@@ -110,10 +113,32 @@ def content_uuid(part: dict) -> str:
     return _sha256_hex(encode_json_sorted(part))
 
 
-def _item_uuid(part: dict) -> str:
-    client = part.get("uuid")
-    if isinstance(client, str) and client:
-        return client
+# A client's uuid becomes this prefix plus its sha256, so it can never equal a key the
+# proxy derives from content (64 hex digits) nor the engine's own content hash, is the
+# same on encoder and consumer, and is a safe file name for connectors that store items
+# under their key (ECExampleConnector), whatever the client wrote.
+CLIENT_KEY_PREFIX = "client-"
+
+
+def client_key(uuid: str) -> str:
+    """The cache key for a client-chosen ``uuid``: namespaced, never a content key."""
+    return CLIENT_KEY_PREFIX + _sha256_hex(uuid.encode("utf-8", "surrogatepass"))
+
+
+def _client_uuid(part: dict, param: str) -> str | None:
+    """The client's own ``uuid`` on a part, if it set a usable one."""
+    value = part.get("uuid")
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise bad_request("'uuid' must be a string", f"{param}.uuid")
+    return value
+
+
+def _item_uuid(part: dict, param: str, ignore_client_uuids: bool) -> str:
+    client = _client_uuid(part, param)
+    if client is not None and not ignore_client_uuids:
+        return client_key(client)
     return content_uuid(part)
 
 
@@ -134,13 +159,8 @@ def _check_media_payload(part: dict, kind: str, param: str) -> None:
         )
 
 
-def collect_media(body: dict) -> list[MediaItem]:
-    """Every media item of a chat body, in global order, validated.
-
-    Raises a 400 :class:`~epd_proxy.errors.ProxyError` naming the offending
-    ``param`` for shapes that would otherwise fail later, inside an encoder
-    or the decoder, with a less useful error.
-    """
+def _scan(body: dict, ignore_client_uuids: bool) -> tuple[list[MediaItem], list[tuple[int, int]]]:
+    """The media items, and where a part (media or ``*_embeds``) carries a ``uuid`` key."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     messages = body.get("messages")
@@ -148,6 +168,7 @@ def collect_media(body: dict) -> list[MediaItem]:
         raise bad_request("'messages' must be a non-empty list", "messages")
 
     items: list[MediaItem] = []
+    with_uuid: list[tuple[int, int]] = []
     for mi, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request("each message must be an object", f"messages[{mi}]")
@@ -168,6 +189,8 @@ def collect_media(body: dict) -> list[MediaItem]:
                 raise bad_request("content part needs a string 'type'", param)
             if kind not in KNOWN_PART_TYPES:
                 raise bad_request(f"unknown content part type {kind!r}", param)
+            if "uuid" in part and (kind in EMBEDS_TYPES or kind in _EMBEDS_PART_TYPES):
+                with_uuid.append((mi, pi))
             if kind not in EMBEDS_TYPES:
                 continue
             _check_media_payload(part, kind, param)
@@ -178,10 +201,54 @@ def collect_media(body: dict) -> list[MediaItem]:
                     part_index=pi,
                     type=kind,
                     part=part,
-                    uuid=_item_uuid(part),
+                    uuid=_item_uuid(part, param, ignore_client_uuids),
                 )
             )
-    return items
+    return items, with_uuid
+
+
+def collect_media(body: dict, *, ignore_client_uuids: bool = False) -> list[MediaItem]:
+    """Every media item of a chat body, in global order, validated.
+
+    Raises a 400 :class:`~epd_proxy.errors.ProxyError` naming the offending
+    ``param`` for shapes that would otherwise fail later, inside an encoder
+    or the decoder, with a less useful error. An item's ``uuid`` is the
+    namespaced :func:`client_key` of the client's own ``uuid`` if it sent one
+    (and client uuids are not ignored), else its :func:`content_uuid`.
+    """
+    return _scan(body, ignore_client_uuids)[0]
+
+
+def own_media(body: dict, *, ignore_client_uuids: bool = False) -> tuple[dict, list[MediaItem]]:
+    """:func:`collect_media`, and the body every stage gets in place of the client's.
+
+    No client ``uuid`` reaches an engine as written: on media and ``*_embeds``
+    parts it is replaced by its :func:`client_key` (or removed when client
+    uuids are ignored, so encoder and consumer both key the item by its
+    content). Otherwise a client could name the key of someone else's image
+    and poison, or read, the encoder cache. Without any ``uuid`` in the body
+    (the usual case) the body and items are returned as they are.
+    """
+    items, with_uuid = _scan(body, ignore_client_uuids)
+    if not with_uuid:
+        return body, items
+    messages = list(body["messages"])
+    new_parts: dict[tuple[int, int], dict] = {}
+    for mi, pi in with_uuid:
+        message = messages[mi]
+        if message is body["messages"][mi]:
+            message = messages[mi] = {**message, "content": list(message["content"])}
+        part = {k: v for k, v in message["content"][pi].items() if k != "uuid"}
+        client = _client_uuid(message["content"][pi], f"messages[{mi}].content[{pi}]")
+        if client is not None and not ignore_client_uuids:
+            part["uuid"] = client_key(client)
+        message["content"][pi] = new_parts[(mi, pi)] = part
+    items = [
+        _replace(item, part=new_parts[(item.message_index, item.part_index)])
+        if (item.message_index, item.part_index) in new_parts else item
+        for item in items
+    ]
+    return {**body, "messages": messages}, items
 
 
 def flatten_metadata(metadata: dict) -> dict:

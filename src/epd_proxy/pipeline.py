@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import time
 
 import msgspec
@@ -26,7 +27,8 @@ from .errors import ProxyError, bad_request
 from .http.server import Request, ResponseWriter
 from .ids import hex_id
 from .metrics import ProxyMetrics
-from .multimodal import MediaItem, collect_media
+from .media_policy import MediaPolicy
+from .multimodal import MediaItem, own_media
 from .pool import Instance, InstancePool
 from .relay import StreamRelay, relay_stream
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
@@ -37,17 +39,45 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
+# Body fields that are the proxy's own protocol with the engines (§2.4, §2.5): a client's
+# value would steer a KV or EC transfer (e.g. make decode pull KV from a host of the
+# client's choosing), so it is dropped on every path, not rejected: vLLM's own request
+# model serialises both as ``null``, and clients built on it must keep working.
+PROXY_OWNED_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+
+# Python frames the request path may add above ``parse_body`` before it encodes the body
+# again (msgspec recurses on nesting and counts against the recursion limit): a body is
+# decoded only if it could be re-encoded that much deeper.
+_DEPTH_HEADROOM = 100
+
+
+def _decode_json(raw: bytes, chat: bool):
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit - _DEPTH_HEADROOM)
+    try:
+        return decode_chat_body(raw) if chat else msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def parse_body(req: Request, path: str) -> dict:
-    """The client's JSON body, validated just enough to route it (vLLM validates the rest)."""
+    """The client's JSON body, validated just enough to route it (vLLM validates the rest).
+
+    Fields the proxy owns (:data:`PROXY_OWNED_FIELDS`) are removed here, once, so no
+    stage can pass a client's value on.
+    """
     ctype = (req.header(b"content-type") or b"").split(b";", 1)[0].strip().lower()
     if ctype != b"application/json":
         raise ProxyError(415, "Content-Type must be application/json")
-    try:
-        body = decode_chat_body(req.body) if path == CHAT else msgspec.json.decode(req.body)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    body = _decode_json(req.body, path == CHAT)
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    for key in PROXY_OWNED_FIELDS:
+        body.pop(key, None)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
@@ -61,6 +91,27 @@ def parse_body(req: Request, path: str) -> dict:
         if not isinstance(prompt, (str, list)):
             raise bad_request("'prompt' must be a string or a list", "prompt")
     return body
+
+
+# A client's X-Request-Id is echoed and sent to every stage only if it is a short token
+# (no spaces, commas, quotes or bytes outside ASCII): it ends up in engine request ids,
+# log lines and our own derived ids (``<rid>:<k>:<rand>``).
+MAX_REQUEST_ID = 128
+_REQUEST_ID_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.:~+=@"
+
+
+def client_request_id(req: Request) -> bytes | None:
+    """The client's ``X-Request-Id`` if it is safe to echo and pass on byte for byte."""
+    raw = req.header(b"x-request-id")
+    if raw and len(raw) <= MAX_REQUEST_ID and not raw.translate(None, _REQUEST_ID_CHARS):
+        return raw
+    return None
+
+
+def request_id(req: Request) -> str:
+    """The client's ``X-Request-Id`` if it is safe, else a fresh one."""
+    raw = client_request_id(req)
+    return raw.decode("ascii") if raw is not None else hex_id()
 
 
 class Pipeline:
@@ -91,6 +142,8 @@ class Pipeline:
         if config.upstream_api_key:
             self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+        self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
+                                        allowed_hosts=config.allowed_media_hosts)
         self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
         self.role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
@@ -118,13 +171,13 @@ class Pipeline:
         t0 = time.perf_counter()
         if self._gated and not await self._admit(req, writer, path, t0):
             return
-        rid = (req.header(b"x-request-id") or b"").decode("latin-1") or hex_id()
-        id_header = [(b"x-request-id", rid.encode("latin-1"))]
+        rid = request_id(req)
+        id_header = [(b"x-request-id", rid.encode())]
         ctx = None
         self.metrics.inflight += 1
         try:
             body = parse_body(req, path)
-            items = collect_media(body) if path == CHAT else []
+            body, items = self._media(body) if path == CHAT else (body, [])
             ctx = RequestContext(rid, path, self._headers_for(req))
             if self.deadlines is not None:
                 task = asyncio.current_task()
@@ -207,7 +260,7 @@ class Pipeline:
             else:
                 status, body, retry = 429, self._429, b"1"
         headers = [(b"retry-after", retry)]
-        rid = req.header(b"x-request-id")
+        rid = client_request_id(req)
         if rid is not None:
             headers.append((b"x-request-id", rid))
         writer.send(status, body, b"application/json", headers)
@@ -297,6 +350,14 @@ class Pipeline:
             await asyncio.gather(*self._background, return_exceptions=True)
 
     # -- helpers ------------------------------------------------------------------------------
+    def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
+        """The media items, checked against the operator's rules, and the body with client
+        uuids namespaced (what every stage gets instead of the client's body)."""
+        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids)
+        if items:
+            self.media_policy.check(items)
+        return body, items
+
     def _headers_for(self, req: Request) -> list:
         extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
         return self._base_headers + extra if extra else self._base_headers

@@ -114,11 +114,13 @@ class InstancePool:
 
     def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str = "least-loaded",
                  keep_alive: float = 5.0, default_headers=None, fail_threshold: int = 3,
-                 outlier: OutlierSettings | None = None) -> None:
+                 outlier: OutlierSettings | None = None, max_connections: int | None = None) -> None:
         self.role = role
         # Retire pooled sockets at half the server's keep-alive, before it closes them.
         idle = keep_alive / 2 if keep_alive > 0 else 0.0
-        self.instances = [Instance(s, ConnectionPool(s.url, idle_timeout=idle, default_headers=default_headers))
+        # ``max_connections``: the per-instance cap on concurrent upstream connections (None: none).
+        self.instances = [Instance(s, ConnectionPool(s.url, idle_timeout=idle, default_headers=default_headers,
+                                                     max_connections=max_connections))
                           for s in specs]
         self.policy: RoutingPolicy = POLICIES[policy]()
         # ``outlier`` carries every knob; ``fail_threshold`` alone is the short form.
@@ -305,7 +307,8 @@ class InstancePool:
         t = Timeouts(connect=timeout, headers=timeout, idle=timeout)
         try:
             async with asyncio.timeout(timeout):
-                resp = await inst.http.request("GET", "/health", timeouts=t)
+                # A probe never queues behind the connection cap: a busy instance is not a dead one.
+                resp = await inst.http.request("GET", "/health", timeouts=t, queue=False)
                 try:
                     await resp.read()
                 finally:

@@ -43,8 +43,8 @@ def prefill_body(body: dict, kv_transfer_params: dict | None) -> dict:
       (it takes precedence over ``max_tokens`` on chat);
     - ``min_tokens`` / ``min_completion_tokens`` removed (min > max is a 400);
     - ``n: 1`` if the client set ``n`` (absent already means 1);
-    - ``kv_transfer_params`` set to the given object; with None any client
-      value is removed, because on a P/D route the proxy owns that field.
+    - ``kv_transfer_params`` set to the given object, or absent with None (a
+      client's value never gets here: ``parse_body`` drops it).
     """
     out = dict(body)
     out["stream"] = False
@@ -77,8 +77,8 @@ def decode_body(body: dict, *, kv: dict | None = _KEEP, ec: dict | None = _KEEP)
 
     For each of ``kv`` (``kv_transfer_params``) and ``ec``
     (``ec_transfer_params``):
-    - omitted: the client's value, if any, is passed through untouched (a
-      plain instance may legitimately receive client-supplied params);
+    - omitted: the body's value, if any, is kept (a client's own never gets
+      here: ``parse_body`` drops it; this is what the encoder fan-out set);
     - a dict: it replaces the client's value;
     - None: the key is removed, so a stale value from the client or from a
       previous attempt can never reach D (§9.1 tests 1 and 4).

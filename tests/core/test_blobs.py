@@ -155,3 +155,26 @@ def test_blob_equality_and_repr():
     assert "bytes" in repr(a)
     with pytest.raises(TypeError):
         hash(a)
+
+
+@pytest.mark.parametrize("byte", [0x00, 0x01, 0x09, 0x0A, 0x1F])
+@pytest.mark.parametrize("kind", ["image_url", "input_audio"])
+def test_a_large_literal_with_a_raw_control_byte_is_invalid_json(byte, kind):
+    """The fast path lifts literals without decoding them; one holding a raw control
+    byte must not be lifted (and then forwarded as invalid JSON), but rejected."""
+    payload = base64.b64encode(bytes(3 * MIN_BLOB)).decode()
+    bad = payload[:100] + chr(byte) + payload[100:]
+    if kind == "image_url":
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,PLACE"}}
+    else:
+        part = {"type": "input_audio", "input_audio": {"data": "PLACE", "format": "wav"}}
+    raw = msgspec.json.encode({"messages": [{"role": "user", "content": [part]}]})
+    raw = raw.replace(b"PLACE", bad.encode())
+    with pytest.raises(msgspec.DecodeError):
+        msgspec.json.decode(raw)
+    with pytest.raises(msgspec.DecodeError):
+        decode_chat_body(raw)
+    good = raw.replace(bad.encode(), payload.encode())
+    body = decode_chat_body(good)
+    payload_obj = body["messages"][0]["content"][0][kind]
+    assert isinstance(payload_obj["url" if kind == "image_url" else "data"], Blob)

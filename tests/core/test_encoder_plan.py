@@ -12,7 +12,7 @@ from epd_proxy.encoder_plan import (
     new_transfer_id,
     plan_sub_requests,
 )
-from epd_proxy.multimodal import collect_media, content_uuid
+from epd_proxy.multimodal import client_key, collect_media, content_uuid, own_media
 
 
 def img(url, **extra):
@@ -191,12 +191,11 @@ def test_encoder_body_without_rewrite_sends_no_uuid_and_optional_fields_absent()
     assert out["messages"][0]["content"][0] is not items[1].part
 
 
-def test_encoder_body_keeps_client_uuid():
-    body = body_with(img("https://x/a.jpg", uuid="mine"))
-    items = collect_media(body)
+def test_encoder_body_carries_the_client_uuid_namespaced_in_both_modes():
+    body, items = own_media(body_with(img("https://x/a.jpg", uuid="mine")))
     for rewrite in (True, False):
         out = encoder_body(body, SubRequest(0, items), rewrite=rewrite, transfer_ids=["t"], consumer_zmq=None)
-        assert out["messages"][0]["content"][0]["uuid"] == "mine"
+        assert out["messages"][0]["content"][0]["uuid"] == client_key("mine")
 
 
 def test_encoder_body_normalises_bare_image_url():

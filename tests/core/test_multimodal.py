@@ -9,9 +9,11 @@ from epd_proxy.errors import ProxyError
 from epd_proxy.multimodal import (
     EMBEDS_TYPES,
     MEDIA_TYPES,
+    client_key,
     collect_media,
     content_uuid,
     flatten_metadata,
+    own_media,
     rewrite_media,
 )
 
@@ -113,11 +115,63 @@ def test_collect_media_global_order_and_positions():
     assert items[3].uuid == content_uuid(body["messages"][4]["content"][1])
 
 
-def test_collect_media_honours_client_uuid():
+def test_collect_media_honours_client_uuid_namespaced():
     body = body_with(img("https://x/a.jpg", uuid="client-key"), img("https://x/b.jpg", uuid=""))
     items = collect_media(body)
-    assert items[0].uuid == "client-key"
+    assert items[0].uuid == client_key("client-key") == "client-" + sha("client-key")
     assert items[1].uuid == sha("https://x/b.jpg")
+
+
+def test_a_client_uuid_can_never_be_a_content_key():
+    """The attack of issue 13.1: the uuid is the victim's content key."""
+    victim = content_uuid(img("https://victim/secret.png"))
+    (item,) = collect_media(body_with(img("https://attacker/evil.png", uuid=victim)))
+    assert item.uuid != victim and item.uuid == client_key(victim)
+    assert not all(c in "0123456789abcdef" for c in item.uuid)
+
+
+def test_collect_media_can_ignore_client_uuids():
+    body = body_with(img("https://x/a.jpg", uuid="mine"))
+    (item,) = collect_media(body, ignore_client_uuids=True)
+    assert item.uuid == sha("https://x/a.jpg")
+
+
+def test_client_key_is_a_safe_file_name_of_bounded_length():
+    key = client_key("../../etc/passwd" + "x" * 10_000)
+    assert len(key) == len("client-") + 64 and "/" not in key and "." not in key
+
+
+@pytest.mark.parametrize("value", [1, ["a"], {"a": 1}, True])
+def test_a_non_string_uuid_is_a_400(value):
+    with pytest.raises(ProxyError) as exc:
+        collect_media(body_with(img("https://x/a.jpg", uuid=value)))
+    assert exc.value.status == 400 and exc.value.param == "messages[1].content[0].uuid"
+
+
+def test_own_media_without_uuids_returns_the_body_itself():
+    body = body_with(img("https://x/a.jpg"), {"type": "text", "text": "hi"})
+    out, items = own_media(body)
+    assert out is body and items[0].part is body["messages"][1]["content"][0]
+
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_own_media_replaces_every_client_uuid_without_touching_the_client_body(ignore):
+    embeds = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "victim"}
+    body = body_with(img("https://x/a.jpg", uuid="mine"), img("https://x/b.jpg", uuid=None), embeds)
+    before = copy.deepcopy(body)
+    out, items = own_media(body, ignore_client_uuids=ignore)
+    assert body == before
+    content = out["messages"][1]["content"]
+    if ignore:
+        assert all("uuid" not in part for part in content)
+        assert items[0].uuid == sha("https://x/a.jpg")
+    else:
+        assert content[0]["uuid"] == items[0].uuid == client_key("mine")
+        assert "uuid" not in content[1] and items[1].uuid == sha("https://x/b.jpg")
+        assert content[2]["uuid"] == client_key("victim")
+    assert [i.part for i in items] == content[:2]
+    assert all(i.part is content[k] for k, i in enumerate(items))
+    assert out["messages"][0] is body["messages"][0]  # untouched messages are shared
 
 
 def test_collect_media_accepts_bare_string_image_url():
@@ -253,7 +307,7 @@ def test_rewrite_media_uses_client_uuid_and_video_type():
     assert out["messages"][1]["content"][0] == {
         "type": "video_embeds",
         "video_embeds": {"video_grid_thw": [2, 4, 4]},
-        "uuid": "mine",
+        "uuid": client_key("mine"),
     }
 
 

@@ -12,6 +12,13 @@ vLLM closes idle keep-alive connections after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``
 ``idle_timeout`` (default 2.5 s). A request on a *reused* connection that dies
 before any response byte arrives is retried once on a fresh connection — the
 race with the server's idle close — and never after a byte was seen.
+
+``max_connections`` caps the connections open to one upstream (in use, idle
+or being opened), so no burst — one request with a thousand media items, or
+a thousand requests — can take every file descriptor. Requests over the cap
+wait in line (FIFO) for a connection another request hands back, or for a
+free slot; the wait is bounded by the request's header timeout, and running out
+of it is a ``local`` error (the proxy's limit, not the upstream's failure).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ssl as _ssl
+import sys
 from collections import deque
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -440,7 +448,8 @@ class ConnectionPool:
     """Keep-alive connections to one upstream origin (``http://host:port``)."""
 
     def __init__(self, url: str, *, idle_timeout: float = 2.5, max_idle: int = 256,
-                 default_headers: Headers | None = None, ssl_context: _ssl.SSLContext | None = None) -> None:
+                 default_headers: Headers | None = None, ssl_context: _ssl.SSLContext | None = None,
+                 max_connections: int | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https"):
             raise ValueError(f"unsupported URL scheme in {url!r}")
@@ -466,6 +475,29 @@ class ConnectionPool:
         self._idle: deque[_Connection] = deque()
         self._all: set[_Connection] = set()
         self.closed = False
+        # Slots: connections open or being opened. A slot freed while requests wait is
+        # handed to the first of them, never released, so a newcomer cannot jump the line.
+        self._limit = sys.maxsize
+        self._slots = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self._abandoned = 0  # about how many waiters in the deque gave up (when to sweep them)
+        self.max_connections = max_connections
+
+    @property
+    def max_connections(self) -> int | None:
+        """The cap on connections to this upstream (None: no cap)."""
+        return None if self._limit == sys.maxsize else self._limit
+
+    @max_connections.setter
+    def max_connections(self, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError("max_connections must be >= 1")
+        self._limit = sys.maxsize if value is None else value
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a connection (the cap is reached)."""
+        return sum(not w.done() for w in self._waiters)
 
     @property
     def open_connections(self) -> int:
@@ -486,6 +518,7 @@ class ConnectionPool:
         return b"".join(parts)
 
     async def _connect(self, timeout: float | None) -> _Connection:
+        """A new connection, in a slot the caller holds (freed here if the connect fails)."""
         conn = _Connection(self)
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
         # cancellation that arrives as the connection completes, leaving the
@@ -496,18 +529,89 @@ class ConnectionPool:
                     lambda: conn, self.host, self.port, ssl=self._ssl,
                     server_hostname=self.host if self._ssl else None)
         except TimeoutError:
+            self._free_slot()
             raise UpstreamError(f"connect to {self.url} timed out after {timeout:g} s", kind="connect") from None
         except OSError as exc:
+            self._free_slot()
             kind = "local" if exc.errno in _LOCAL_ERRNOS else "connect"
             raise UpstreamError(f"cannot connect to {self.url}: {exc.strerror or exc}", kind=kind) from None
         except MemoryError:
+            self._free_slot()
             raise UpstreamError(f"cannot connect to {self.url}: out of memory", kind="local") from None
         except BaseException:
             if conn.transport is not None:
                 conn.transport.abort()
+            self._free_slot()
             raise
-        self._all.add(conn)
+        if self.closed:
+            conn.transport.abort()
+            raise UpstreamError("connection pool is closed", kind="connect")
+        self._all.add(conn)  # the connection owns the slot until it is forgotten
         return conn
+
+    async def _fresh(self, timeouts: Timeouts, queue: bool = True) -> tuple[_Connection, bool]:
+        """A connection for a request that found none idle: a new one if a slot is free
+        (or the request may not queue), else whatever the line gives (a handed-back
+        connection, or a slot). Returns the connection and whether it was reused."""
+        if self._slots < self._limit or not queue:
+            self._slots += 1
+            return await self._connect(timeouts.connect), False
+        got = await self._wait_turn(timeouts.headers)
+        if got is not None:
+            return got, True
+        return await self._connect(timeouts.connect), False
+
+    async def _wait_turn(self, timeout: float | None) -> _Connection | None:
+        """Wait in line; returns a connection handed over, or None for a slot to fill."""
+        fut = self.loop.create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Served just as we gave up: pass it on, never drop it.
+                got = fut.result()
+                if got is None:
+                    self._free_slot()
+                else:
+                    self._release(got)
+            else:
+                fut.cancel()
+                self._abandon()
+            if isinstance(exc, TimeoutError):
+                # The proxy's own limit, not the upstream's doing: "local", and no address
+                # in the words (they may reach a client).
+                raise UpstreamError(f"no connection free within {timeout:g} s, all {self._limit} in use "
+                                    "(--max-upstream-connections)", kind="local") from None
+            raise
+
+    def _abandon(self) -> None:
+        """A waiter left the line; drop the dead ones once they are half of it
+        (removing each at once would be quadratic when a thousand leave together)."""
+        self._abandoned += 1
+        if self._abandoned * 2 > len(self._waiters):
+            self._waiters = deque(w for w in self._waiters if not w.done())
+            self._abandoned = 0
+
+    def _next_waiter(self) -> asyncio.Future | None:
+        waiters = self._waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                return fut
+            if self._abandoned:
+                self._abandoned -= 1
+        return None
+
+    def _free_slot(self) -> None:
+        """A connection is gone (or was never made): its slot goes to the line first
+        (unless it was one over the cap, opened by a request that may not queue)."""
+        fut = self._next_waiter() if self._waiters and self._slots <= self._limit else None
+        if fut is not None:
+            fut.set_result(None)
+        elif self._slots > 0:
+            self._slots -= 1
 
     def _take_idle(self) -> _Connection | None:
         now = self.loop.time()
@@ -522,6 +626,14 @@ class ConnectionPool:
         return None
 
     def _release(self, conn: _Connection) -> None:
+        if self._slots > self._limit:
+            conn.abort()  # one over the cap (a request that may not queue): not kept
+            return
+        if self._waiters and not self.closed and not conn.closed:
+            fut = self._next_waiter()
+            if fut is not None:
+                fut.set_result(conn)  # straight to the first in line
+                return
         if self.closed or len(self._idle) >= self.max_idle:
             conn.abort()
             return
@@ -529,15 +641,21 @@ class ConnectionPool:
         self._idle.append(conn)
 
     def _forget(self, conn: _Connection) -> None:
-        self._all.discard(conn)
+        if conn in self._all:
+            self._all.discard(conn)
+            self._free_slot()
         try:
             self._idle.remove(conn)
         except ValueError:
             pass
 
     async def request(self, method: str, path: str, *, body: bytes = b"", headers: Headers | None = None,
-                      timeouts: Timeouts | None = None) -> Response:
-        """Send a request; return once the status and headers have arrived."""
+                      timeouts: Timeouts | None = None, queue: bool = True) -> Response:
+        """Send a request; return once the status and headers have arrived.
+
+        ``queue=False`` never waits in line at the connection cap (a health probe must
+        measure the upstream, not this pool's queue): it opens a connection over the cap.
+        """
         if self.closed:
             raise UpstreamError("connection pool is closed", kind="connect")
         timeouts = timeouts or _DEFAULT_TIMEOUTS
@@ -545,14 +663,14 @@ class ConnectionPool:
         conn = self._take_idle()
         reused = conn is not None
         if conn is None:
-            conn = await self._connect(timeouts.connect)
+            conn, reused = await self._fresh(timeouts, queue)
         try:
             return await self._exchange(conn, head, body, timeouts)
         except UpstreamError as exc:
             if not (reused and not exc.response_started and exc.kind == "connection"):
                 raise
         # The server closed the idle connection as we reused it: once more, on a fresh one.
-        conn = await self._connect(timeouts.connect)
+        conn, _ = await self._fresh(timeouts, queue)
         return await self._exchange(conn, head, body, timeouts)
 
     async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: Timeouts) -> Response:
@@ -594,6 +712,11 @@ class ConnectionPool:
             conn.abort()
         self._idle.clear()
         self._all.clear()
+        waiters, self._waiters = self._waiters, deque()
+        self._abandoned = 0
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(UpstreamError("connection pool is closed", kind="connect"))
 
 
 _DEFAULT_TIMEOUTS = Timeouts()
