@@ -112,6 +112,19 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-ejection-percent", type=int, default=c.max_ejection_percent,
                    help="most of a role that request failures may eject, rounded down (default "
                         f"{c.max_ejection_percent}); failed probes are not capped")
+    p.add_argument("--max-body-size", type=_size, default=c.max_body_size, metavar="BYTES",
+                   help="largest request body; larger ones get 413 (K/M/G suffixes; default 64M)")
+    p.add_argument("--max-buffered-bytes", type=_size, default=c.max_buffered_bytes, metavar="BYTES",
+                   help="request bodies held at once across all connections; beyond it 503 with "
+                        "Retry-After (0 = no limit; default 512M)")
+    p.add_argument("--max-connections", type=int, default=c.max_connections,
+                   help="client connections per process; beyond it idle keep-alive connections are "
+                        "closed, then new ones refused with 503 (default 0: a third of the descriptor "
+                        "limit, the rest kept for upstream connections)")
+    p.add_argument("--header-timeout", type=float, default=c.header_timeout,
+                   help="seconds from a request's first byte to the end of its headers (408; default 10)")
+    p.add_argument("--body-timeout", type=float, default=c.body_timeout,
+                   help="seconds from the end of the headers to the end of the body (408; default 60)")
     p.add_argument("--dynamic-registration", action="store_true",
                    help="instances may register at run time (POST /instances); the proxy may start with "
                         "none. Needs --admin-api-key or --registration-allow")
@@ -127,19 +140,6 @@ def _add_serve(sub) -> None:
                    help="pin the topology (default: inferred from the instances present)")
     p.add_argument("--log-requests", action="store_true",
                    help="log every request's method, path, status and time (and set --log-level debug)")
-    p.add_argument("--max-body-size", type=_size, default=c.max_body_size, metavar="BYTES",
-                   help="largest request body; larger ones get 413 (K/M/G suffixes; default 64M)")
-    p.add_argument("--max-buffered-bytes", type=_size, default=c.max_buffered_bytes, metavar="BYTES",
-                   help="request bodies held at once across all connections; beyond it 503 with "
-                        "Retry-After (0 = no limit; default 512M)")
-    p.add_argument("--max-connections", type=int, default=c.max_connections,
-                   help="client connections per process; beyond it idle keep-alive connections are "
-                        "closed, then new ones refused with 503 (default 0: a third of the descriptor "
-                        "limit, the rest kept for upstream connections)")
-    p.add_argument("--header-timeout", type=float, default=c.header_timeout,
-                   help="seconds from a request's first byte to the end of its headers (408; default 10)")
-    p.add_argument("--body-timeout", type=float, default=c.body_timeout,
-                   help="seconds from the end of the headers to the end of the body (408; default 60)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
