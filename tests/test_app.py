@@ -21,8 +21,7 @@ async def test_ready_stays_200_when_every_backend_is_failing():
 
 
 async def test_ready_is_503_for_a_role_without_any_instance():
-    # Pinned: with the topology inferred, a P+D roster without prefill is a PD one.
-    async with stack(topology="P+D") as (cluster, proxy, client):
+    async with stack() as (cluster, proxy, client):
         proxy.app.pools["prefill"].instances = []  # as a roster with every prefill gone would leave it
         reply = await client.request("GET", "/ready")
         assert reply.status == 503 and reply.json()["no_instances"] == ["prefill"]
