@@ -312,6 +312,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     tune_gc()
     raise_fd_limit()
     if workers <= 1:
+        signal.signal(signal.SIGHUP, _early_sighup)  # until the loop handles it (a reload)
         install_uvloop()
         asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
                                    settings=settings))
