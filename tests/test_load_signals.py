@@ -70,7 +70,7 @@ async def test_the_scrape_reads_each_instances_own_queue():
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await direct.close()
-        scraper = proxy.app.scrapers[0]
+        scraper = next(s for s in proxy.app.scrapers if s.pool.role == "decode")
         assert scraper.scrapes > 0 and scraper.failures == 0
 
 

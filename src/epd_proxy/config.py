@@ -11,12 +11,15 @@ it answers (push mode dispatches decode before prefill has said anything).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from .routing import POLICIES
 
 ROLES = ("encode", "prefill", "decode")
+# What the roster may be: inferred from what registered ("auto"), or pinned.
+TOPOLOGIES = ("auto", "PD", "E+PD", "P+D", "E+P+D")
 
 # The measured best routing policy per role (docs/architecture.md, "Routing").
 ROLE_POLICY_DEFAULTS = {"encode": "cache-aware", "prefill": "cache-aware", "decode": "load-aware"}
@@ -38,6 +41,11 @@ class InstanceSpec:
     pp: int = 1
     bootstrap_port: int | None = None  # Mooncake bootstrap (VLLM_MOONCAKE_BOOTSTRAP_PORT)
     dp_size: int = 1
+    # Where an encoder pushes embeddings for this instance, one per DP replica (E+PD
+    # with a push EC connector): from its registration, or --ec-consumer-zmq-addrs.
+    ec_zmq_addrs: tuple[str, ...] = ()
+    # Registered as ``prefill_decode``: one instance doing both (it routes as decode).
+    pd: bool = False
 
     @property
     def host(self) -> str:
@@ -79,6 +87,28 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
         else:
             attrs[key] = value
     return InstanceSpec(url=url.rstrip("/"), role=role, **attrs)  # type: ignore[arg-type]
+
+
+DNS_PREFIX = "dns+"  # ``dns+http://NAME:PORT``: every address NAME resolves to is an instance
+
+
+def split_discovered(texts: dict[str, list[str]]) -> tuple[dict[str, list[InstanceSpec]], list[InstanceSpec]]:
+    """Per role, the instances given by address, and the ``dns+`` ones (kept as templates
+    whose host is re-resolved: discovery.py). Raises ValueError like ``parse_instance``."""
+    static: dict[str, list[InstanceSpec]] = {}
+    discover: list[InstanceSpec] = []
+    for role, items in texts.items():
+        static[role] = []
+        for text in items:
+            if text.strip().lower().startswith(DNS_PREFIX):
+                spec = parse_instance(text.strip()[len(DNS_PREFIX):], role)
+                if spec.engine_id or spec.kv_host:
+                    raise ValueError(f"{role} instance {text!r}: engine_id and kv_host name one instance; "
+                                     f"a DNS name stands for several")
+                discover.append(spec)
+            else:
+                static[role].append(parse_instance(text, role))
+    return static, discover
 
 
 def split_instances(values: list[str] | None) -> list[str]:
@@ -185,6 +215,10 @@ class ProxyConfig:
     ejection_time: float = 10.0  # base ejection time, times the number of ejections in a row
     max_ejection_time: float = 300.0
     max_ejection_percent: int = 50  # of a role, by passive signals (rounded down)
+    # DNS discovery (docs/architecture.md, "Discovery and reload"): templates whose host is a DNS name.
+    discover: list[InstanceSpec] = field(default_factory=list)
+    dns_interval: float = 10.0  # longest wait between re-resolutions (a shorter TTL is honoured)
+    dns_server: str | None = None  # HOST:PORT; None = the system's resolver
     # The front door (http/server.py): what one client may send and how slowly, and
     # how much all of them together may hold.
     max_body_size: int = 64 * 1024 * 1024  # one request body (413 beyond)
@@ -211,10 +245,37 @@ class ProxyConfig:
     allowed_media_schemes: tuple[str, ...] = ("http", "https", "data")
     # Hosts or networks media URLs may name even when they are loopback, private, link-local...
     allowed_media_hosts: tuple[str, ...] = ()
+    # Membership (docs/architecture.md, "Membership").
+    dynamic_registration: bool = False  # may start with no instance; they register at run time
+    admin_api_key: str | None = None  # X-API-Key for roster changes, /instances, /status, profiling
+    registration_allow: tuple[str, ...] = ()  # CIDRs that may register without a key
+    evicted_ttl: float = 900.0  # an instance out of rotation this long is forgotten (0 = never)
+    topology: str = "auto"  # or pinned: PD, E+PD, P+D, E+P+D
+    log_requests: bool = False
 
     def validate(self) -> None:
-        if not self.decode:
-            raise ValueError("at least one --decode instance is required")
+        if not self.decode and not self.dynamic_registration and not any(s.role == "decode"
+                                                                         for s in self.discover):
+            raise ValueError("at least one --decode instance is required (or --dynamic-registration, or a "
+                             "dns+http:// decode instance)")
+        if self.dns_interval <= 0:
+            raise ValueError("--dns-interval must be > 0")
+        if self.dns_server:
+            from .discovery import parse_server
+
+            parse_server(self.dns_server)
+        if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
+            raise ValueError("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
+                             "--registration-allow CIDR: otherwise nothing may register")
+        if self.evicted_ttl < 0:
+            raise ValueError("--evicted-ttl must be >= 0 (0 = never forget)")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
+        for cidr in self.registration_allow:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"--registration-allow {cidr!r}: not a network (e.g. 10.0.0.0/8)") from None
         if self.decode_retries < 0:
             raise ValueError("--decode-retries must be >= 0")
         if self.encoder_max_batch_size < 0:
@@ -276,13 +337,15 @@ class ProxyConfig:
 
     def policy_for(self, role: str) -> str:
         """The routing policy of a role: its own flag, else ``--routing``, else its default
-        (decode without a prefill pool is PD: it prefills, so prefix affinity pays there)."""
+        (decode without a prefill pool is PD: it prefills, so prefix affinity pays there). Decided
+        at start: with an empty roster, from ``--topology`` (``auto`` counts as PD until a prefill
+        is configured)."""
         own = getattr(self, f"{role}_policy")
         if own:
             return own
         if self.routing:
             return self.routing
-        if role == "decode" and not self.prefill:
+        if role == "decode" and not self.prefill and self.topology in ("auto", "PD", "E+PD"):
             return ROLE_POLICY_DEFAULTS["prefill"]
         return ROLE_POLICY_DEFAULTS[role]
 
