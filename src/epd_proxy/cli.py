@@ -110,6 +110,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-ejection-percent", type=int, default=c.max_ejection_percent,
                    help="most of a role that request failures may eject, rounded down (default "
                         f"{c.max_ejection_percent}); failed probes are not capped")
+    p.add_argument("--admin-api-key", default=os.environ.get("ADMIN_API_KEY") or c.admin_api_key,
+                   help="X-API-Key for roster changes, GET /instances, /status and profiling "
+                        "(default: $ADMIN_API_KEY; unset = roster changes off)")
     p.add_argument("--max-body-size", type=_size, default=c.max_body_size, metavar="BYTES",
                    help="largest request body; larger ones get 413 (K/M/G suffixes; default 64M)")
     p.add_argument("--max-buffered-bytes", type=_size, default=c.max_buffered_bytes, metavar="BYTES",
@@ -185,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         queue_timeout=args.queue_timeout,
         shutdown_grace=args.shutdown_grace,
         shutdown_timeout=args.shutdown_timeout,
+        admin_api_key=args.admin_api_key or None,
     )
     return cfg
 

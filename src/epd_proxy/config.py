@@ -198,6 +198,7 @@ class ProxyConfig:
     allowed_media_schemes: tuple[str, ...] = ("http", "https", "data")
     # Hosts or networks media URLs may name even when they are loopback, private, link-local...
     allowed_media_hosts: tuple[str, ...] = ()
+    admin_api_key: str | None = None  # X-API-Key for roster changes, /instances, /status, profiling
 
     def validate(self) -> None:
         if not self.decode:
