@@ -126,6 +126,17 @@ def _add_serve(sub) -> None:
                    help="seconds from a request's first byte to the end of its headers (408; default 10)")
     p.add_argument("--body-timeout", type=float, default=c.body_timeout,
                    help="seconds from the end of the headers to the end of the body (408; default 60)")
+    p.add_argument("--api-key", action="append", default=list(c.api_keys), metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
+                        "default none: the API is open); /health, /ready and /metrics stay open")
+    p.add_argument("--api-key-file", default=c.api_key_file, metavar="PATH",
+                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
+    p.add_argument("--protect-metrics", action="store_true", default=c.protect_metrics,
+                   help="/metrics needs the admin key (--admin-api-key) as X-API-Key or Bearer")
+    p.add_argument("--ssl-certfile", default=c.ssl_certfile, metavar="PATH",
+                   help="serve HTTPS with this certificate chain (PEM), as vllm serve's flag")
+    p.add_argument("--ssl-keyfile", default=c.ssl_keyfile, metavar="PATH",
+                   help="the certificate's private key (PEM; default: in --ssl-certfile)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
@@ -189,6 +200,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         shutdown_grace=args.shutdown_grace,
         shutdown_timeout=args.shutdown_timeout,
         admin_api_key=args.admin_api_key or None,
+        api_keys=tuple(args.api_key),
+        api_key_file=args.api_key_file or None,
+        protect_metrics=args.protect_metrics,
+        ssl_certfile=args.ssl_certfile or None,
+        ssl_keyfile=args.ssl_keyfile or None,
     )
     return cfg
 
@@ -208,8 +224,11 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="epd-proxy",
                                      description="A proxy for disaggregated (encode/prefill/decode) vLLM.")
+    parser.add_argument("--version", action="version", version=f"epd-proxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     sim = sub.add_parser("sim", help="run simulated vLLM instances")
@@ -240,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                 from .app import validate_config
 
                 validate_config(cfg)
+            from .serve import tls_context
+
+            tls_context(cfg)  # the certificate and key load
         except ValueError as exc:
             parser.error(str(exc))
         from .serve import serve

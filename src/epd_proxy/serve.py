@@ -8,10 +8,12 @@ has its own pools, cursors and metrics (documented in docs/architecture.md).
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import signal
+import ssl
 import sys
 
 try:
@@ -44,7 +46,7 @@ class RunningProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.host}:{self.server.port}"
+        return listen_url(self.server.host, self.server.port, tls=self.server.tls)
 
     async def close(self) -> None:
         await self.server.close()
@@ -94,12 +96,49 @@ class RunningProxy:
         await self.close()
 
 
+def listen_url(host: str, port: int, *, tls: bool = False) -> str:
+    """The URL of a listening address; an IPv6 address goes in brackets (RFC 3986)."""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+class ListenError(Exception):
+    """The listener could not be opened (the port is in use, the address is not local, ...): one
+    line for the operator, not a traceback."""
+
+
+def tls_context(config: ProxyConfig) -> ssl.SSLContext | None:
+    """The listener's TLS context (``--ssl-certfile``/``--ssl-keyfile``), built once; None for plain HTTP."""
+    if not config.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile}"
+                         f"{' / ' + config.ssl_keyfile if config.ssl_keyfile else ''}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    return ctx
+
+
 async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
                       backlog: int = 4096, reuse_port: bool = False) -> RunningProxy:
+    tls = tls_context(config)
     app = ProxyApp(config)
     await app.start()
-    server = await HttpServer(app, limits=server_limits(config), on_large_release=trim_heap).start(
-        host, port, backlog=backlog, reuse_port=reuse_port)
+    try:
+        server = await HttpServer(app, limits=server_limits(config), on_large_release=trim_heap).start(
+            host, port, backlog=backlog, reuse_port=reuse_port, ssl=tls)
+    except OSError as exc:
+        await app.close()
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            reason += " (another process listens there; choose another --port)"
+        raise ListenError(f"cannot listen on {listen_url(host, port, tls=tls is not None)}: {reason}") from None
+    except BaseException:
+        await app.close()
+        raise
     app.metrics.front_door = server
     return RunningProxy(app, server)
 
@@ -186,7 +225,12 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         cluster = SimCluster.from_spec(simulate)
         await cluster.start()
         config = config_for_cluster(cluster, config)
-    proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    try:
+        proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    except BaseException:
+        if cluster is not None:
+            await cluster.stop()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -204,6 +248,10 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
             loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
+    try:  # SIGHUP reloads what can change without a restart (ProxyApp.reload: the client key file)
+        loop.add_signal_handler(signal.SIGHUP, proxy.app.reload)
+    except (NotImplementedError, RuntimeError, AttributeError):  # pragma: no cover
+        pass
     if announce:
         _announce(proxy, cluster)
     try:
@@ -248,7 +296,11 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     raise_fd_limit()
     if workers <= 1:
         install_uvloop()
-        asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True))
+        try:
+            asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True))
+        except ListenError as exc:
+            print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
+            return 1
         return 0
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
@@ -265,6 +317,9 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
                                            announce=index == 0, worker=True))
                 code = 0
+            except ListenError as exc:
+                if index == 0:  # every worker fails alike: one line is enough
+                    print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
             finally:
                 os._exit(code)
         children.append(pid)
@@ -282,6 +337,15 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
+
+    def forward_hup(signum, _frame):
+        for child in children:
+            try:
+                os.kill(child, signal.SIGHUP)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGHUP, forward_hup)
     status = 0
     for child in children:
         while True:
