@@ -220,3 +220,14 @@ def test_a_bad_certificate_is_refused_at_start(tmp_path):
                           "--ssl-certfile", str(bad)], env=ENV, capture_output=True, timeout=30)
     assert out.returncode == 2
     assert b"--ssl-certfile" in out.stderr and b"Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_run_honours_port_and_sim(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    # -n: print the commands only; VENV points at an empty directory, so nothing is installed.
+    out = subprocess.run(["make", "-n", "-C", str(repo), "run", "PORT=9123", "SIM=prefill=1,decode=1",
+                          f"VENV={tmp_path}/venv"], capture_output=True, timeout=30, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"{tmp_path}/venv/bin/python -m epd_proxy serve --port 9123 --simulate 'prefill=1,decode=1'" \
+        in out.stdout
