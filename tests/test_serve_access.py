@@ -98,6 +98,26 @@ def test_the_key_file_is_read_again_on_sighup(tmp_path):
         _stop(proc)
 
 
+def test_sighup_reaches_every_worker(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-before\n")
+    port = _free_port()
+    # Two workers behind one port (SO_REUSEPORT); instances that are never called: a 401
+    # is answered before any routing, and /health is the proxy's own.
+    proc = _serve("--decode", "http://127.0.0.1:9", "--probe-interval", "0", "--port", str(port),
+                  "--workers", "2", "--api-key-file", str(keys))
+    try:
+        _wait_for(lambda: _post(port, "nobody") == 401, proc)
+        keys.write_text("key-after\n")
+        os.kill(proc.pid, signal.SIGHUP)
+        # Each new connection reaches either worker: once both have reloaded, the old key
+        # is refused on every one of them.
+        _wait_for(lambda: all(_post(port, "key-before") == 401 for _ in range(8)), proc)
+        _wait_for(lambda: all(_post(port, "key-after") != 401 for _ in range(8)), proc)  # 502: no instance
+    finally:
+        _stop(proc)
+
+
 _stderr_seen = b""
 
 
