@@ -173,3 +173,17 @@ async def test_a_plain_pool_is_not_rewritten():
         await client.chat(chat_body(LONG + " one"))
         reply = await client.chat(chat_body(LONG + " two"))
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_get_the_same_usage(stream):
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, roles={"prefill": {"prompt_tokens_details": True}})
+    extra = {"stream_options": {"include_usage": True}} if stream else {}
+    async with stack(sim=sim) as (cluster, proxy, client):
+        for tail in ("one", "two"):
+            body = {"model": "sim-model", "prompt": LONG + " " + tail, "max_tokens": 4, "stream": stream, **extra}
+            reply = await client.post("/v1/completions", body)
+            assert reply.status == 200
+        usage = _final_usage(reply) if stream else reply.json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": _prefill_hits(cluster)}
+        assert usage["completion_tokens"] == 4
