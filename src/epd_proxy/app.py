@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 
 import msgspec
 
+from .access import READ, AccessPolicy
+from .admin import AdminApi
 from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKeys, admin_key_presented, unauthorized
-from .config import ProxyConfig
+from .config import ROLES, ProxyConfig
 from .connectors import CONNECTORS
 from .errors import ProxyError
 from .http.client import Timeouts, UpstreamError
@@ -15,6 +19,7 @@ from .http.server import Request, ResponseWriter
 from .metrics import ProxyMetrics
 from .health import OutlierSettings
 from .pipeline import CHAT, COMPLETIONS, Pipeline
+from .membership import Membership, check_registration
 from .pool import InstancePool
 
 log = logging.getLogger("epd_proxy.app")
@@ -31,6 +36,12 @@ def validate_config(config: ProxyConfig) -> None:
         raise ValueError(f"unknown --kv-connector {config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
     if config.prefill:
         connector.check_instances(config.prefill)
+    if config.topology != "auto":
+        for role in ROLES:
+            for spec in getattr(config, role):
+                reason = check_registration(spec, (), config.topology)
+                if reason is not None:
+                    raise ValueError(f"{spec.url}: {reason}")
 
 
 class ProxyApp:
@@ -39,17 +50,25 @@ class ProxyApp:
     def __init__(self, config: ProxyConfig) -> None:
         validate_config(config)
         self.config = config
+        # Every role has a pool, possibly empty: instances may register at run time.
         self.pools: dict[str, InstancePool] = {}
-        for role in ("encode", "prefill", "decode"):
-            specs = getattr(config, role)
-            if specs:
-                self.pools[role] = InstancePool(role, specs, policy=config.routing,
-                                                keep_alive=config.upstream_keep_alive,
-                                                fail_threshold=config.fail_threshold,
-                                                outlier=OutlierSettings.from_config(config),
-                                                max_connections=config.max_upstream_connections)
+        for role in ROLES:
+            specs = _with_ec_consumers(config) if role == "decode" else getattr(config, role)
+            self.pools[role] = InstancePool(role, specs, policy=config.routing,
+                                            keep_alive=config.upstream_keep_alive,
+                                            fail_threshold=config.fail_threshold,
+                                            outlier=OutlierSettings.from_config(config),
+                                            max_connections=config.max_upstream_connections)
+        connector = CONNECTORS[config.kv_connector]
+        self.membership = Membership(self.pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
+                                     check=lambda spec: connector.check_instances([spec])
+                                     if spec.role == "prefill" else None)
         self.metrics = ProxyMetrics(self.pools)
+        self.metrics.membership = self.membership
         self.pipeline = Pipeline(config, self.pools, self.metrics)
+        self.membership.subscribe(self._roster_changed)
+        self.admin = AdminApi(self.membership, AccessPolicy(config.admin_api_key, config.registration_allow),
+                              self.pipeline._base_headers)
         self._routes = {
             ("POST", CHAT): self._generate_chat,
             ("POST", COMPLETIONS): self._generate_completions,
@@ -60,6 +79,12 @@ class ProxyApp:
             ("HEAD", "/ready"): self._ready,
             ("GET", "/status"): self._status,
             ("GET", "/metrics"): self._metrics,
+            ("POST", "/instances"): self.admin.register,
+            ("DELETE", "/instances"): self.admin.unregister,
+            ("GET", "/instances"): self.admin.roster,
+            ("POST", "/instances/drain"): self.admin.drain,
+            ("POST", "/start_profile"): self.admin.start_profile,
+            ("POST", "/stop_profile"): self.admin.stop_profile,
         }
         self._paths = {path for _, path in self._routes}
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
@@ -75,18 +100,21 @@ class ProxyApp:
 
     @property
     def topology(self) -> str:
-        roles = [r for r in ("encode", "prefill", "decode") if r in self.pools]
-        names = {"encode": "E", "prefill": "P", "decode": "D"}
-        if "prefill" not in self.pools:
-            return ("E+" if "encode" in self.pools else "") + "PD"
-        return "+".join(names[r] for r in roles)
+        """PD, E+PD, P+D or E+P+D: pinned, or what the roster holds (``none`` while empty)."""
+        return self.membership.topology
+
+    def _roster_changed(self, change) -> None:
+        if change.event in ("registered", "removed", "forgotten"):
+            self.pipeline.connector.forget(change.spec.url)
 
     async def start(self) -> None:
         await self.pipeline.connector.start()
         for pool in self.pools.values():
             pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
+        self.membership.start()
 
     async def close(self) -> None:
+        await self.membership.close()
         await self.pipeline.close()
         for pool in self.pools.values():
             await pool.close()
@@ -124,7 +152,7 @@ class ProxyApp:
         t = self.config.timeouts
         timeouts = Timeouts(connect=t.connect, headers=10.0, idle=10.0)
         tried = set()
-        last: ProxyError = ProxyError(503, "no healthy decode instance available")
+        last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:
                 inst = pool.choose(tried)
@@ -141,11 +169,12 @@ class ProxyApp:
                     resp.close()
             except UpstreamError as exc:
                 pool.record_failure(inst, str(exc))
-                last = ProxyError(502, f"decode instance {inst.url} unreachable: {exc}")
+                log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
+                last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
             writer.send(resp.status, data, resp.content_type)
             return
-        writer.send(last.status, last.body())
+        writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
 
     async def _health(self, req: Request, writer: ResponseWriter) -> None:
         """Liveness of the proxy itself: never waits on a backend."""
@@ -159,7 +188,7 @@ class ProxyApp:
         if self.draining:
             writer.send(503, b'{"status":"draining"}', headers=[(b"retry-after", b"5")])
             return
-        missing = [role for role, pool in self.pools.items() if not pool.instances]
+        missing = [role for role in self.membership.required_roles() if not self.pools[role].instances]
         if missing:
             body = msgspec.json.encode({"status": "unavailable", "no_instances": missing})
             writer.send(503, body, headers=[(b"retry-after", b"5")])
@@ -167,8 +196,11 @@ class ProxyApp:
             writer.send(200, b'{"status":"ready"}')
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
-        body = {"topology": self.topology, "kv_connector": self.config.kv_connector if "prefill" in self.pools
-                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()}}
+        if not self.admin.allowed(req, writer, READ):  # internal addresses: the admin key's, if one is set
+            return
+        body = {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
+                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
+                "roster": self.membership.snapshot()}
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
@@ -177,3 +209,27 @@ class ProxyApp:
             writer.send(401, err.body(), b"application/json", CHALLENGE)
             return
         writer.send(200, self.metrics.render(), _METRICS_TYPE)
+
+
+def _with_ec_consumers(config: ProxyConfig) -> list:
+    """The decode specs with their EC consumer addresses (``--ec-consumer-zmq-addrs``,
+    aligned with them, ``--ec-consumer-dp-size`` each), so every decode instance
+    carries its own, as a registered one does."""
+    addrs, dp = config.ec_consumer_zmq_addrs, config.ec_consumer_dp_size
+    if not addrs:
+        return list(config.decode)
+    return [dataclasses.replace(spec, ec_zmq_addrs=tuple(addrs[i * dp:(i + 1) * dp]), dp_size=dp)
+            for i, spec in enumerate(config.decode)]
+
+
+def log_requests(handler):
+    """``--log-requests`` (the reference's flag): one debug line per request. Off by
+    default: the success path logs nothing."""
+    async def logged(req: Request, writer: ResponseWriter) -> None:
+        t0 = time.perf_counter()
+        try:
+            await handler(req, writer)
+        finally:
+            log.debug("%s %s -> %s in %.1f ms (%s)", req.method, req.target.decode("latin-1"), writer.status or 499,
+                      (time.perf_counter() - t0) * 1000, (req.header(b"x-request-id") or b"-").decode("latin-1"))
+    return logged

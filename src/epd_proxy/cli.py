@@ -24,11 +24,12 @@ def _add_serve(sub) -> None:
                                    "kv_port=5600'.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--encode", action="append", metavar="URL",
+    p.add_argument("--encode", "--encode-servers-urls", dest="encode", action="append", metavar="URL",
                    help="encoder instance(s); repeatable and comma-separated; omit for P/D only")
-    p.add_argument("--prefill", action="append", metavar="URL",
-                   help="prefill instance(s); omit (or 'none') for E+PD")
-    p.add_argument("--decode", action="append", metavar="URL", help="decode (or PD) instance(s)")
+    p.add_argument("--prefill", "--prefill-servers-urls", dest="prefill", action="append", metavar="URL",
+                   help="prefill instance(s); omit (or 'none'/'disable') for E+PD")
+    p.add_argument("--decode", "--decode-servers-urls", dest="decode", action="append", metavar="URL",
+                   help="decode (or PD) instance(s)")
     p.add_argument("--kv-connector", default="nixl", help="nixl (pull, default), nixl-push or mooncake")
     p.add_argument("--decode-retries", type=int, default=1,
                    help="fresh attempts after a retryable failure before the response starts (default 1)")
@@ -110,9 +111,6 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-ejection-percent", type=int, default=c.max_ejection_percent,
                    help="most of a role that request failures may eject, rounded down (default "
                         f"{c.max_ejection_percent}); failed probes are not capped")
-    p.add_argument("--admin-api-key", default=os.environ.get("ADMIN_API_KEY") or c.admin_api_key,
-                   help="X-API-Key for roster changes, GET /instances, /status and profiling "
-                        "(default: $ADMIN_API_KEY; unset = roster changes off)")
     p.add_argument("--max-body-size", type=_size, default=c.max_body_size, metavar="BYTES",
                    help="largest request body; larger ones get 413 (K/M/G suffixes; default 64M)")
     p.add_argument("--max-buffered-bytes", type=_size, default=c.max_buffered_bytes, metavar="BYTES",
@@ -126,6 +124,21 @@ def _add_serve(sub) -> None:
                    help="seconds from a request's first byte to the end of its headers (408; default 10)")
     p.add_argument("--body-timeout", type=float, default=c.body_timeout,
                    help="seconds from the end of the headers to the end of the body (408; default 60)")
+    p.add_argument("--dynamic-registration", action="store_true",
+                   help="instances may register at run time (POST /instances); the proxy may start with "
+                        "none. Needs --admin-api-key or --registration-allow")
+    p.add_argument("--admin-api-key", default=os.environ.get("ADMIN_API_KEY") or c.admin_api_key,
+                   help="X-API-Key for roster changes, GET /instances, /status and profiling "
+                        "(default: $ADMIN_API_KEY; unset = roster changes off)")
+    p.add_argument("--registration-allow", action="append", default=[], metavar="CIDR",
+                   help="network allowed to register without a key (vLLM's registrar sends none); repeatable")
+    p.add_argument("--evicted-ttl", type=float, default=c.evicted_ttl,
+                   help="forget a registered instance out of rotation this long, in s "
+                        f"(default {c.evicted_ttl:g}; 0 = never)")
+    p.add_argument("--topology", default=c.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
+                   help="pin the topology (default: inferred from the instances present)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log every request's method, path, status and time (and set --log-level debug)")
     p.add_argument("--api-key", action="append", default=list(c.api_keys), metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
                         "default none: the API is open); /health, /ready and /metrics stay open")
@@ -199,7 +212,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         queue_timeout=args.queue_timeout,
         shutdown_grace=args.shutdown_grace,
         shutdown_timeout=args.shutdown_timeout,
+        dynamic_registration=args.dynamic_registration,
         admin_api_key=args.admin_api_key or None,
+        registration_allow=tuple(args.registration_allow),
+        evicted_ttl=args.evicted_ttl,
+        topology="P+D" if args.topology == "P/D" else args.topology,
+        log_requests=args.log_requests,
         api_keys=tuple(args.api_key),
         api_key_file=args.api_key_file or None,
         protect_metrics=args.protect_metrics,
@@ -252,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        if args.log_requests:
+            args.log_level = "debug"
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
             cfg = config_from_args(args)

@@ -11,10 +11,13 @@ it answers (push mode dispatches decode before prefill has said anything).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 ROLES = ("encode", "prefill", "decode")
+# What the roster may be: inferred from what registered ("auto"), or pinned.
+TOPOLOGIES = ("auto", "PD", "E+PD", "P+D", "E+P+D")
 
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
 _KNOWN_ATTRS = {"engine_id", "kv_host"} | _INT_ATTRS
@@ -33,6 +36,11 @@ class InstanceSpec:
     pp: int = 1
     bootstrap_port: int | None = None  # Mooncake bootstrap (VLLM_MOONCAKE_BOOTSTRAP_PORT)
     dp_size: int = 1
+    # Where an encoder pushes embeddings for this instance, one per DP replica (E+PD
+    # with a push EC connector): from its registration, or --ec-consumer-zmq-addrs.
+    ec_zmq_addrs: tuple[str, ...] = ()
+    # Registered as ``prefill_decode``: one instance doing both (it routes as decode).
+    pd: bool = False
 
     @property
     def host(self) -> str:
@@ -198,7 +206,13 @@ class ProxyConfig:
     allowed_media_schemes: tuple[str, ...] = ("http", "https", "data")
     # Hosts or networks media URLs may name even when they are loopback, private, link-local...
     allowed_media_hosts: tuple[str, ...] = ()
+    # Membership (docs/architecture.md, "Membership").
+    dynamic_registration: bool = False  # may start with no instance; they register at run time
     admin_api_key: str | None = None  # X-API-Key for roster changes, /instances, /status, profiling
+    registration_allow: tuple[str, ...] = ()  # CIDRs that may register without a key
+    evicted_ttl: float = 900.0  # an instance out of rotation this long is forgotten (0 = never)
+    topology: str = "auto"  # or pinned: PD, E+PD, P+D, E+P+D
+    log_requests: bool = False
     # Access and TLS (docs/architecture.md, "Access and TLS").
     api_keys: tuple[str, ...] = ()  # keys clients send as "Authorization: Bearer" for /v1/* (none = open)
     api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
@@ -207,8 +221,20 @@ class ProxyConfig:
     ssl_keyfile: str | None = None  # ... and this private key (PEM; default: in the certificate file)
 
     def validate(self) -> None:
-        if not self.decode:
-            raise ValueError("at least one --decode instance is required")
+        if not self.decode and not self.dynamic_registration:
+            raise ValueError("at least one --decode instance is required (or --dynamic-registration)")
+        if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
+            raise ValueError("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
+                             "--registration-allow CIDR: otherwise nothing may register")
+        if self.evicted_ttl < 0:
+            raise ValueError("--evicted-ttl must be >= 0 (0 = never forget)")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
+        for cidr in self.registration_allow:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"--registration-allow {cidr!r}: not a network (e.g. 10.0.0.0/8)") from None
         if self.decode_retries < 0:
             raise ValueError("--decode-retries must be >= 0")
         if self.encoder_max_batch_size < 0:

@@ -62,6 +62,7 @@ class ProxyMetrics:
         self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
         self.front_door = None  # http.server.HttpServer, read at scrape time
+        self.membership = None  # set by the app: roster size and changes
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -114,6 +115,8 @@ class ProxyMetrics:
         yield from _role_admission_families(self.role_admission)
         yield from _front_door_families(self.front_door)
         yield from _pool_families(self.pools)
+        if self.membership is not None:
+            yield from _membership_families(self.membership)
 
 
 def _histogram(name: str, doc: str, label: str, series: dict[str, Buckets]) -> HistogramMetricFamily:
@@ -204,3 +207,25 @@ def _pool_families(pools: dict):
     yield ejections
     yield panics
     yield local
+
+
+def _membership_families(m):
+    """The roster, read at scrape time (``membership.py``)."""
+    roster = GaugeMetricFamily("epd_proxy_roster_instances",
+                               "Instances in the roster, by registered role and state (healthy, ejected, "
+                               "half-open, draining; leaving = removed, requests still in flight).",
+                               labels=["role", "state"])
+    for (role, state), n in sorted(m.counts().items()):
+        roster.add_metric([role, state], float(n))
+    joins = CounterMetricFamily("epd_proxy_registrations", "Instances that joined the roster, by role.",
+                                labels=["role"])
+    for role, n in sorted(m.registrations.items()):
+        joins.add_metric([role], float(n))
+    leaves = CounterMetricFamily("epd_proxy_removals",
+                                 "Instances that left the roster, by role and why (unregistered, drained, "
+                                 "forgotten).", labels=["role", "reason"])
+    for (role, why), n in sorted(m.removals.items()):
+        leaves.add_metric([role, why], float(n))
+    yield roster
+    yield joins
+    yield leaves

@@ -21,7 +21,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     resource = None
 
-from .app import ProxyApp
+from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
@@ -127,8 +127,9 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     tls = tls_context(config)
     app = ProxyApp(config)
     await app.start()
+    handler = log_requests(app) if config.log_requests else app
     try:
-        server = await HttpServer(app, limits=server_limits(config), on_large_release=trim_heap).start(
+        server = await HttpServer(handler, limits=server_limits(config), on_large_release=trim_heap).start(
             host, port, backlog=backlog, reuse_port=reuse_port, ssl=tls)
     except OSError as exc:
         await app.close()
@@ -265,10 +266,16 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
 
 def _announce(proxy: RunningProxy, cluster) -> None:
     app = proxy.app
-    lines = [f"epd-proxy listening on {proxy.url} ({app.topology}"
-             + (f", kv-connector {app.config.kv_connector})" if "prefill" in app.pools else ")")]
+    topology = app.topology + (" pinned" if app.config.topology != "auto" else "")
+    if app.topology == "none":
+        topology = "no instances yet: waiting for registrations (POST /instances)"
+    lines = [f"epd-proxy listening on {proxy.url} ({topology}"
+             + (f", kv-connector {app.config.kv_connector})" if app.pools["prefill"] else ")")]
     for role, pool in app.pools.items():
-        lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+        if pool.instances:
+            lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+    if app.admin.access.registration_on:
+        lines.append("  registration: on (POST /instances)")
     if cluster is not None:
         lines.append("  (simulated vLLM instances in this process)")
         lines.append("")
