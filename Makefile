@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test e2e bench venv clean
+.PHONY: run test e2e bench venv clean system-packages
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -22,8 +22,12 @@ SIM ?= encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20
 run: $(STAMP)
 	$(PY) -m epd_proxy serve --port $(PORT) --simulate '$(SIM)'
 
+## Programs the tests run as real servers (dnsmasq), installed when missing and root.
+system-packages:
+	@bash scripts/ensure-system-packages.sh
+
 ## The test suite (simulator-backed, real sockets).
-test: $(STAMP)
+test: $(STAMP) system-packages
 	$(PY) -m pytest -q
 
 ## End-to-end against real vLLM instances (installs a cached vLLM CPU environment).

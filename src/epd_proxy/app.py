@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import msgspec
@@ -200,7 +201,7 @@ class ProxyApp:
             return
         body = {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
                 else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
-                "roster": self.membership.snapshot()}
+                "roster": self.membership.snapshot(), "pid": os.getpid()}  # pid: which --workers worker
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:

@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from .config import ProxyConfig, Timeouts, parse_instance, split_instances
+from .cluster_file import ClusterFileError, Option, read_cluster_path
+from .config import ROLES, ProxyConfig, Timeouts, split_discovered, split_instances
 
 _DEFAULTS = ProxyConfig()
 # Upstream credentials come only from explicit configuration: never from OPENAI_API_KEY,
@@ -154,6 +155,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="cluster file (TOML) holding any of these flags as keys and the instances with "
+                        "their attributes; flags given here override it; re-read on SIGHUP and when it "
+                        "changes (see 'epd-proxy check-config')")
+    p.add_argument("--dns-interval", type=float, default=c.dns_interval,
+                   help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
+                        f"shorter record TTL (at least 1 s) is honoured (default {c.dns_interval:g} s)")
+    p.add_argument("--dns-server", metavar="HOST:PORT", default=c.dns_server,
+                   help="DNS server for 'dns+http://' instances (default: the system's resolver)")
 
 
 def _role_caps(values: list[str]) -> dict[str, int]:
@@ -170,10 +180,14 @@ def _role_caps(values: list[str]) -> dict[str, int]:
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    static, discover = split_discovered({role: split_instances(getattr(args, role)) for role in ROLES})
     cfg = ProxyConfig(
-        encode=[parse_instance(u, "encode") for u in split_instances(args.encode)],
-        prefill=[parse_instance(u, "prefill") for u in split_instances(args.prefill)],
-        decode=[parse_instance(u, "decode") for u in split_instances(args.decode)],
+        encode=static["encode"],
+        prefill=static["prefill"],
+        decode=static["decode"],
+        discover=discover,
+        dns_interval=args.dns_interval,
+        dns_server=args.dns_server,
         kv_connector=args.kv_connector,
         decode_retries=args.decode_retries,
         encoder_max_batch_size=args.encoder_max_batch_size,
@@ -227,6 +241,121 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return cfg
 
 
+# Settings the cluster file may hold as a list although the flag takes one comma-separated string.
+_CSV_DESTS = {"ec_consumer_zmq_addrs", "allowed_media_schemes"}
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["serve"]
+    raise LookupError("serve")  # pragma: no cover
+
+
+def file_options(parser: argparse.ArgumentParser) -> dict[str, Option]:
+    """What the cluster file may set: every ``serve`` flag, typed as the flag is."""
+    out = {}
+    for action in _serve_parser(parser)._actions:
+        if action.dest in ("help", "config", *ROLES) or not action.option_strings:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            kind = "bool"
+        elif isinstance(action, argparse._AppendAction):
+            kind = "strlist"
+        elif action.type is int:
+            kind = "int"
+        elif action.type is float:
+            kind = "float"
+        elif action.type not in (None, str):
+            kind = "parsed"  # e.g. sizes: "64M"
+        else:
+            kind = "csv" if action.dest in _CSV_DESTS else "str"
+        out[action.dest] = Option(action.dest, kind, tuple(action.choices) if action.choices else None,
+                                  action.type if kind == "parsed" else None)
+    return out
+
+
+class ServeSettings:
+    """The ``serve`` settings: the cluster file (if any) under the flags given on the
+    command line. ``load()`` reads the file again, which is how a reload starts."""
+
+    def __init__(self, argv: list[str], args: argparse.Namespace) -> None:
+        self.argv = list(argv)
+        self.path: str | None = args.config
+        self._flags = args
+        self._explicit = _explicit_dests(argv) if self.path else set()
+        self.started: argparse.Namespace = args  # the settings the process started with
+
+    def load(self) -> argparse.Namespace:
+        """The merged settings; raises ValueError (ClusterFileError) with one line."""
+        args = argparse.Namespace(**vars(self._flags))
+        if self.path:
+            values = read_cluster_path(self.path, file_options(build_parser()))
+            for dest, value in values.items():
+                if dest not in self._explicit:
+                    setattr(args, dest, value)
+        return args
+
+    def config(self, args: argparse.Namespace | None = None) -> ProxyConfig:
+        args = args if args is not None else self.load()
+        cfg = config_from_args(args)
+        if not args.simulate:
+            from .app import validate_config
+
+            validate_config(cfg)
+        return cfg
+
+
+def _explicit_dests(argv: list[str]) -> set[str]:
+    """The ``serve`` settings given on the command line (these override the cluster file)."""
+    probe = build_parser()
+    for action in _serve_parser(probe)._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv))) - {"command"}
+
+
+def describe(cfg: ProxyConfig, args: argparse.Namespace) -> str:
+    """The resolved topology and settings, as ``check-config`` prints them."""
+    from .membership import infer_topology
+
+    roles = [r for r in ROLES if getattr(cfg, r) or any(s.role == r for s in cfg.discover)]
+    topology = infer_topology(roles, cfg.topology)
+    lines = [f"topology {topology}" + (f", kv-connector {cfg.kv_connector}" if "prefill" in roles else ""),
+             f"listen {args.host}:{args.port}, workers {args.workers}"]
+    for role in ROLES:
+        for spec in getattr(cfg, role):
+            lines.append(f"  {role:7s} {_spec_text(spec)}")
+        for spec in cfg.discover:
+            if spec.role == role:
+                lines.append(f"  {role:7s} {_spec_text(spec)} (every address of {spec.host}, re-resolved "
+                             f"at most every {cfg.dns_interval:g} s via "
+                             f"{cfg.dns_server or 'the system resolver'})")
+    return "\n".join(lines)
+
+
+def _spec_text(spec) -> str:
+    from .config import InstanceSpec
+
+    default = InstanceSpec(spec.url, spec.role)
+    attrs = [f"{f}={getattr(spec, f)}" for f in spec.__slots__
+             if f not in ("url", "role") and getattr(spec, f) != getattr(default, f)]
+    return ";".join([spec.url, *attrs])
+
+
+def _check_config(path: str) -> int:
+    settings = ServeSettings(["serve", "--config", path], build_parser().parse_args(["serve", "--config", path]))
+    try:
+        args = settings.load()
+        cfg = settings.config(args)
+    except ValueError as exc:
+        msg = str(exc)
+        print(f"epd-proxy check-config: {msg if msg.startswith(path) else f'{path}: {msg}'}", file=sys.stderr)
+        return 2
+    print(f"{path}: OK")
+    print(describe(cfg, args))
+    return 0
+
+
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -249,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"epd-proxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    check = sub.add_parser("check-config", help="validate a cluster file and print the resolved topology")
+    check.add_argument("file", metavar="FILE")
     sim = sub.add_parser("sim", help="run simulated vLLM instances")
     try:
         from .sim import cli as sim_cli
@@ -269,24 +400,32 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "check-config":
+        return _check_config(args.file)
     if args.command == "serve":
+        settings = ServeSettings(sys.argv[1:] if argv is None else argv, args)
+        try:
+            args = settings.started = settings.load()
+        except ClusterFileError as exc:  # one line, no usage text: the flags were fine
+            print(f"epd-proxy serve: {exc}", file=sys.stderr)
+            return 2
         if args.log_requests:
             args.log_level = "debug"
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
-            cfg = config_from_args(args)
-            if not args.simulate:
-                from .app import validate_config
-
-                validate_config(cfg)
+            cfg = settings.config(args)
             from .serve import tls_context
 
             tls_context(cfg)  # the certificate and key load
         except ValueError as exc:
+            if settings.path:
+                print(f"epd-proxy serve: {settings.path}: {exc}", file=sys.stderr)
+                return 2
             parser.error(str(exc))
         from .serve import serve
 
-        return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate)
+        return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate,
+                     settings=settings if settings.path else None)
     if args.command == "sim":
         import asyncio
 

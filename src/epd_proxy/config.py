@@ -84,6 +84,28 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
     return InstanceSpec(url=url.rstrip("/"), role=role, **attrs)  # type: ignore[arg-type]
 
 
+DNS_PREFIX = "dns+"  # ``dns+http://NAME:PORT``: every address NAME resolves to is an instance
+
+
+def split_discovered(texts: dict[str, list[str]]) -> tuple[dict[str, list[InstanceSpec]], list[InstanceSpec]]:
+    """Per role, the instances given by address, and the ``dns+`` ones (kept as templates
+    whose host is re-resolved: discovery.py). Raises ValueError like ``parse_instance``."""
+    static: dict[str, list[InstanceSpec]] = {}
+    discover: list[InstanceSpec] = []
+    for role, items in texts.items():
+        static[role] = []
+        for text in items:
+            if text.strip().lower().startswith(DNS_PREFIX):
+                spec = parse_instance(text.strip()[len(DNS_PREFIX):], role)
+                if spec.engine_id or spec.kv_host:
+                    raise ValueError(f"{role} instance {text!r}: engine_id and kv_host name one instance; "
+                                     f"a DNS name stands for several")
+                discover.append(spec)
+            else:
+                static[role].append(parse_instance(text, role))
+    return static, discover
+
+
 def split_instances(values: list[str] | None) -> list[str]:
     """Flags are repeatable and comma-separated; ``none``/``disable`` mean no instances."""
     out: list[str] = []
@@ -180,6 +202,10 @@ class ProxyConfig:
     ejection_time: float = 10.0  # base ejection time, times the number of ejections in a row
     max_ejection_time: float = 300.0
     max_ejection_percent: int = 50  # of a role, by passive signals (rounded down)
+    # DNS discovery (docs/architecture.md, "Discovery and reload"): templates whose host is a DNS name.
+    discover: list[InstanceSpec] = field(default_factory=list)
+    dns_interval: float = 10.0  # longest wait between re-resolutions (a shorter TTL is honoured)
+    dns_server: str | None = None  # HOST:PORT; None = the system's resolver
     # The front door (http/server.py): what one client may send and how slowly, and
     # how much all of them together may hold.
     max_body_size: int = 64 * 1024 * 1024  # one request body (413 beyond)
@@ -221,8 +247,16 @@ class ProxyConfig:
     ssl_keyfile: str | None = None  # ... and this private key (PEM; default: in the certificate file)
 
     def validate(self) -> None:
-        if not self.decode and not self.dynamic_registration:
-            raise ValueError("at least one --decode instance is required (or --dynamic-registration)")
+        if not self.decode and not self.dynamic_registration and not any(s.role == "decode"
+                                                                         for s in self.discover):
+            raise ValueError("at least one --decode instance is required (or --dynamic-registration, or a "
+                             "dns+http:// decode instance)")
+        if self.dns_interval <= 0:
+            raise ValueError("--dns-interval must be > 0")
+        if self.dns_server:
+            from .discovery import parse_server
+
+            parse_server(self.dns_server)
         if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
             raise ValueError("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
                              "--registration-allow CIDR: otherwise nothing may register")

@@ -61,8 +61,10 @@ class ProxyMetrics:
         self.admission = None  # admission.Admission, read at scrape time
         self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
-        self.front_door = None  # http.server.HttpServer, read at scrape time
         self.membership = None  # set by the app: roster size and changes
+        self.front_door = None  # http.server.HttpServer, read at scrape time
+        self.discovery = None  # discovery.DnsDiscovery (dns+ instances), read at scrape time
+        self.reloader = None  # reload.Reloader (SIGHUP, cluster file), read at scrape time
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -117,6 +119,7 @@ class ProxyMetrics:
         yield from _pool_families(self.pools)
         if self.membership is not None:
             yield from _membership_families(self.membership)
+        yield from _discovery_families(self.discovery, self.reloader)
 
 
 def _histogram(name: str, doc: str, label: str, series: dict[str, Buckets]) -> HistogramMetricFamily:
@@ -229,3 +232,19 @@ def _membership_families(m):
     yield roster
     yield joins
     yield leaves
+
+
+def _discovery_families(discovery, reloader):
+    """DNS lookups and reloads (``discovery.py``, ``reload.py``), read at scrape time."""
+    if discovery is not None:
+        lookups = CounterMetricFamily("epd_proxy_dns_lookups", "Re-resolutions of dns+ instance names, by "
+                                      "result (failed: the known instances were kept).", labels=["result"])
+        lookups.add_metric(["ok"], float(discovery.lookups))
+        lookups.add_metric(["failed"], float(discovery.failures))
+        yield lookups
+    if reloader is not None:
+        reloads = CounterMetricFamily("epd_proxy_reloads", "Reloads (SIGHUP or a changed cluster file), by "
+                                      "result (failed: the running configuration was kept).", labels=["result"])
+        reloads.add_metric(["ok"], float(reloader.reloads - reloader.failures))
+        reloads.add_metric(["failed"], float(reloader.failures))
+        yield reloads

@@ -2,7 +2,8 @@
 
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
-has its own pools, cursors and metrics (documented in docs/architecture.md).
+has its own pools, cursors and metrics; the roster is shared and the parent
+supervises (workers.py). SIGHUP reloads (reload.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ except ImportError:  # pragma: no cover - not POSIX
 
 from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
+from .discovery import DnsDiscovery
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
+from .reload import Reloader
+from .workers import PeerLink, SharedRoster, make_links, supervise
 
 log = logging.getLogger("epd_proxy")
 
@@ -40,15 +44,27 @@ def install_uvloop() -> None:
 class RunningProxy:
     """A started proxy (app + listening server), for tests and embedding."""
 
-    def __init__(self, app: ProxyApp, server: HttpServer) -> None:
+    def __init__(self, app: ProxyApp, server: HttpServer, discovery: DnsDiscovery | None = None) -> None:
         self.app = app
         self.server = server
+        self.discovery = discovery  # following the config's dns+ instances, if any
+        self.shared: SharedRoster | None = None  # --workers: the roster shared with the other workers
+        self.reloader: Reloader | None = None  # SIGHUP (serve's processes only)
+
+    def apply_roster(self, specs: list[InstanceSpec], source: str):
+        """``Membership.apply`` for changes every worker makes by itself (reload, DNS)."""
+        if self.shared is None:
+            return self.app.membership.apply(specs, source=source)
+        with self.shared.local():
+            return self.app.membership.apply(specs, source=source)
 
     @property
     def url(self) -> str:
         return listen_url(self.server.host, self.server.port, tls=self.server.tls)
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.server.close()
         await self.app.close()
 
@@ -141,7 +157,23 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         await app.close()
         raise
     app.metrics.front_door = server
-    return RunningProxy(app, server)
+    proxy = RunningProxy(app, server)
+    if config.discover:
+        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
+        proxy.discovery.set_targets(config.discover)
+        app.metrics.discovery = proxy.discovery
+    return proxy
+
+
+def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:
+    """A reloaded cluster file's instances into the roster, as one diff (requests in
+    flight on an instance that leaves finish), and its DNS names into discovery."""
+    proxy.apply_roster([*config.encode, *config.prefill, *config.decode], source="static")
+    if config.discover and proxy.discovery is None:
+        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
+        proxy.app.metrics.discovery = proxy.discovery
+    if proxy.discovery is not None:
+        proxy.discovery.set_targets(config.discover)
 
 
 # Descriptors kept for what is not a client or upstream connection: the listening
@@ -211,8 +243,9 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
-                         simulate: str | None, announce: bool, worker: bool = False) -> None:
-    """Serve until a signal, then shut down gracefully.
+                         simulate: str | None, announce: bool, worker: bool = False, settings=None,
+                         link: PeerLink | None = None, watch: bool = True) -> None:
+    """Serve until a signal, then shut down gracefully; SIGHUP reloads (reload.py).
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
     As a ``--workers`` worker, SIGTERM starts it (again and again: a service manager that
@@ -232,6 +265,18 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         if cluster is not None:
             await cluster.stop()
         raise
+    if link is not None:
+        proxy.shared = SharedRoster(proxy.app.membership, link)
+    reloader = Reloader(settings, lambda cfg: apply_config(proxy, cfg),
+                        args=settings.started if settings is not None else None, watch=watch)
+    reloader.start()
+    proxy.reloader = reloader  # other reloadable things: proxy.reloader.on_reload(hook)
+    if config.api_key_file:
+        reloader.on_reload(proxy.app.reload)  # the client key file (client_auth.py)
+    proxy.app.metrics.reloader = reloader
+    if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
+        _EARLY_SIGHUP.clear()
+        reloader.request()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -249,16 +294,15 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
             loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
-    try:  # SIGHUP reloads what can change without a restart (ProxyApp.reload: the client key file)
-        loop.add_signal_handler(signal.SIGHUP, proxy.app.reload)
-    except (NotImplementedError, RuntimeError, AttributeError):  # pragma: no cover
-        pass
     if announce:
         _announce(proxy, cluster)
     try:
         await stop.wait()
         await proxy.shutdown(config.shutdown_grace, config.shutdown_timeout)
     finally:
+        await reloader.close()
+        if link is not None:
+            link.close()
         await proxy.close()
         if cluster is not None:
             await cluster.stop()
@@ -268,12 +312,15 @@ def _announce(proxy: RunningProxy, cluster) -> None:
     app = proxy.app
     topology = app.topology + (" pinned" if app.config.topology != "auto" else "")
     if app.topology == "none":
-        topology = "no instances yet: waiting for registrations (POST /instances)"
+        topology = ("no instances yet: resolving DNS names" if app.config.discover
+                    else "no instances yet: waiting for registrations (POST /instances)")
     lines = [f"epd-proxy listening on {proxy.url} ({topology}"
              + (f", kv-connector {app.config.kv_connector})" if app.pools["prefill"] else ")")]
     for role, pool in app.pools.items():
         if pool.instances:
             lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+    for spec in app.config.discover:
+        lines.append(f"  {spec.role:7s} dns+{spec.url} (every address it resolves to)")
     if app.admin.access.registration_on:
         lines.append("  registration: on (POST /instances)")
     if cluster is not None:
@@ -297,20 +344,33 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None) -> int:
-    """Run until SIGINT/SIGTERM. Returns the exit status."""
+_EARLY_SIGHUP: list[int] = []
+
+
+def _early_sighup(signum, _frame) -> None:
+    _EARLY_SIGHUP.append(signum)
+
+
+def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None,
+          settings=None) -> int:
+    """Run until SIGINT/SIGTERM; SIGHUP reloads. ``settings`` (cli.ServeSettings) is
+    where a reload re-reads the cluster file. Returns the exit status."""
     tune_gc()
     raise_fd_limit()
     if workers <= 1:
+        signal.signal(signal.SIGHUP, _early_sighup)  # until the loop handles it (a reload)
         install_uvloop()
         try:
-            asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True))
+            asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
+                                       settings=settings))
         except ListenError as exc:
             print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
             return 1
         return 0
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
+    links = make_links(workers)
+    signal.signal(signal.SIGHUP, _early_sighup)  # a reload asked for before the parent supervises
     children: list[int] = []
     for index in range(workers):
         pid = os.fork()
@@ -318,11 +378,18 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
             # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, _early_sighup)  # until its loop handles it (a reload)
+            _EARLY_SIGHUP.clear()  # the parent's, if any, is the parent's to pass on
+            for n, (parent_end, worker_end) in enumerate(links):
+                parent_end.close()
+                if n != index:
+                    worker_end.close()
             install_uvloop()
             code = 1
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
-                                           announce=index == 0, worker=True))
+                                           announce=index == 0, worker=True, settings=settings,
+                                           link=PeerLink(links[index][1]), watch=False))
                 code = 0
             except ListenError as exc:
                 if index == 0:  # every worker fails alike: one line is enough
@@ -330,43 +397,11 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             finally:
                 os._exit(code)
         children.append(pid)
+    for _, worker_end in links:
+        worker_end.close()
     log.info("started %d workers: %s", workers, children)
-
-    received = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-        for child in children:
-            try:
-                os.kill(child, signal.SIGTERM if len(received) == 1 else signal.SIGQUIT)
-            except ProcessLookupError:
-                pass
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-
-    def forward_hup(signum, _frame):
-        for child in children:
-            try:
-                os.kill(child, signal.SIGHUP)
-            except ProcessLookupError:
-                pass
-
-    signal.signal(signal.SIGHUP, forward_hup)
-    status = 0
-    for child in children:
-        while True:
-            try:
-                _, code = os.waitpid(child, 0)
-                break
-            except InterruptedError:
-                continue
-            except ChildProcessError:
-                code = 0
-                break
-        if code:
-            status = 1
-    return status
+    return supervise(children, [parent_end for parent_end, _ in links],
+                     settings.path if settings is not None else None, reload_now=bool(_EARLY_SIGHUP))
 
 
 if __name__ == "__main__":  # pragma: no cover
