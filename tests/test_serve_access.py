@@ -251,3 +251,20 @@ def test_make_run_honours_port_and_sim(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"{tmp_path}/venv/bin/python -m epd_proxy serve --port 9123 --simulate 'prefill=1,decode=1'" \
         in out.stdout
+
+
+def test_a_port_in_use_with_workers_is_one_line_too():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve("--decode", "http://127.0.0.1:9", "--probe-interval", "0", "--port", str(port),
+                      "--workers", "2")
+        try:
+            _, err = proc.communicate(timeout=30)
+        finally:
+            _stop(proc)
+    assert proc.returncode != 0
+    text = err.decode()
+    assert "Traceback" not in text
+    assert text.count(f"epd-proxy: cannot listen on http://127.0.0.1:{port}: address already in use") == 1, text
