@@ -94,6 +94,7 @@ def test_the_key_file_is_read_again_on_sighup(tmp_path):
         os.kill(proc.pid, signal.SIGHUP)
         _wait_for(lambda: b"cannot read it" in _peek_stderr(proc), proc)
         assert _post(port, "key-after") == 200
+        assert b'epd_proxy_reloads_total{result="failed"} 1.0' in _get(port, "/metrics")
     finally:
         _stop(proc)
 
@@ -116,6 +117,15 @@ def test_sighup_reaches_every_worker(tmp_path):
         _wait_for(lambda: all(_post(port, "key-after") != 401 for _ in range(8)), proc)  # 502: no instance
     finally:
         _stop(proc)
+
+
+def _get(port: int, path: str) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().read()
+    finally:
+        conn.close()
 
 
 _stderr_seen = b""

@@ -95,7 +95,8 @@ class ProxyApp:
         self._metrics_key = config.admin_api_key.encode() if config.protect_metrics else None
 
     def reload(self) -> None:
-        """SIGHUP (serve.py): read what can change without a restart again (the client key file)."""
+        """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
+        read (the keys in force stay)."""
         if self.client_keys is not None:
             self.client_keys.reload()
 

@@ -5,8 +5,8 @@ OpenAI API. Keys are compared in constant time, all of them on every check, so
 neither a key's content nor its position in the list shows in the answer's timing.
 
 The key file holds one key per line (blank lines and ``#`` comments ignored) and is
-read again on SIGHUP (:meth:`ClientKeys.reload`): keys can be rotated without a
-restart. A file that cannot be read at reload keeps the keys in force (a failed
+read again on every reload (SIGHUP, reload.py; :meth:`ClientKeys.reload`): keys can be
+rotated without a restart. A file that cannot be read at reload keeps the keys in force (a failed
 rotation must not open the proxy to everyone, nor lock everyone out); a file that
 reads as empty means no key is valid (the operator revoked them all).
 Pure apart from reading the file: the HTTP layer passes the header in.
@@ -84,18 +84,18 @@ class ClientKeys:
             ok |= hmac.compare_digest(token, key)
         return ok
 
-    def reload(self) -> bool:
-        """Read the key file again (SIGHUP). False, keeping the keys in force, if it cannot be read."""
+    def reload(self) -> None:
+        """Read the key file again (a reload). If it cannot be read, the keys in force stay and
+        ValueError says why (the reload counts as failed)."""
         if not self._file:
-            return True
+            return
         try:
             file_keys = read_key_file(self._file)
         except (OSError, ValueError) as exc:
-            log.error("--api-key-file %s: cannot read it (%s); the keys in force stay", self._file, _reason(exc))
-            return False
+            raise ValueError(f"--api-key-file {self._file}: cannot read it ({_reason(exc)}); "
+                             f"the keys in force stay") from None
         self._keys = self._fixed + tuple(k.encode() for k in file_keys)
         log.info("--api-key-file %s reloaded: %d key(s) in force", self._file, len(self._keys))
-        return True
 
 
 def _reason(exc: Exception) -> str:
