@@ -92,8 +92,9 @@ async def test_the_proxy_follows_a_dns_record_change(dnsmasq):  # noqa: F811
             (one,), (two,) = first.instances("decode"), second.instances("decode")
             dnsmasq.set("decode.svc.test", ["127.0.0.2"])
             template = InstanceSpec(f"http://decode.svc.test:{port}", "decode")
+            # least-loaded: the same prompt each time, and the new address must get some of it
             config = ProxyConfig(probe_interval=0, discover=[template], dns_interval=0.05,
-                                 dns_server=dnsmasq.server)
+                                 dns_server=dnsmasq.server, routing="least-loaded")
             async with await start_proxy(config) as proxy:
                 client = Client(proxy.url)
                 try:

@@ -11,6 +11,7 @@ import msgspec
 
 from .access import READ, AccessPolicy
 from .admin import AdminApi
+from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKeys, admin_key_presented, unauthorized
 from .config import ROLES, ProxyConfig
 from .connectors import CONNECTORS
 from .errors import ProxyError
@@ -32,6 +33,7 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 def validate_config(config: ProxyConfig) -> None:
     """Everything checkable before serving: raises ValueError with an operator-facing message."""
     config.validate()
+    ClientKeys.from_config(config)  # the key file can be read
     connector = CONNECTORS.get(config.kv_connector)
     if connector is None:
         raise ValueError(f"unknown --kv-connector {config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
@@ -80,7 +82,9 @@ class ProxyApp:
             ("POST", COMPLETIONS): self._generate_completions,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
+            ("HEAD", "/health"): self._health,
             ("GET", "/ready"): self._ready,
+            ("HEAD", "/ready"): self._ready,
             ("GET", "/status"): self._status,
             ("GET", "/metrics"): self._metrics,
             ("POST", "/instances"): self.admin.register,
@@ -92,6 +96,16 @@ class ProxyApp:
         }
         self._paths = {path for _, path in self._routes}
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
+        # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
+        # (/metrics needs the admin key with --protect-metrics).
+        self.client_keys = ClientKeys.from_config(config)
+        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics else None
+
+    def reload(self) -> None:
+        """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
+        read (the keys in force stay)."""
+        if self.client_keys is not None:
+            self.client_keys.reload()
 
     @property
     def topology(self) -> str:
@@ -121,6 +135,14 @@ class ProxyApp:
     async def __call__(self, req: Request, writer: ResponseWriter) -> None:
         if self.draining:
             writer.keep_alive = False
+        keys = self.client_keys
+        if keys is not None and req.path.startswith("/v1/"):
+            authorization = req.headers.get(b"authorization")
+            if not keys.allows(authorization):
+                # Before the route: an unauthenticated caller learns nothing about the API's paths.
+                body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
+                writer.send(401, body, b"application/json", CHALLENGE)
+                return
         handler = self._routes.get((req.method, req.path))
         if handler is None:
             if req.path in self._paths:
@@ -196,6 +218,10 @@ class ProxyApp:
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
+        if self._metrics_key is not None and not admin_key_presented(req.headers, self._metrics_key):
+            err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
+            writer.send(401, err.body(), b"application/json", CHALLENGE)
+            return
         writer.send(200, self.metrics.render(), _METRICS_TYPE)
 
 

@@ -162,6 +162,17 @@ def _add_serve(sub) -> None:
                    help="pin the topology (default: inferred from the instances present)")
     p.add_argument("--log-requests", action="store_true",
                    help="log every request's method, path, status and time (and set --log-level debug)")
+    p.add_argument("--api-key", action="append", default=list(c.api_keys), metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
+                        "default none: the API is open); /health, /ready and /metrics stay open")
+    p.add_argument("--api-key-file", default=c.api_key_file, metavar="PATH",
+                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
+    p.add_argument("--protect-metrics", action="store_true", default=c.protect_metrics,
+                   help="/metrics needs the admin key (--admin-api-key) as X-API-Key or Bearer")
+    p.add_argument("--ssl-certfile", default=c.ssl_certfile, metavar="PATH",
+                   help="serve HTTPS with this certificate chain (PEM), as vllm serve's flag")
+    p.add_argument("--ssl-keyfile", default=c.ssl_keyfile, metavar="PATH",
+                   help="the certificate's private key (PEM; default: in --ssl-certfile)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
@@ -249,6 +260,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         evicted_ttl=args.evicted_ttl,
         topology="P+D" if args.topology == "P/D" else args.topology,
         log_requests=args.log_requests,
+        api_keys=tuple(args.api_key),
+        api_key_file=args.api_key_file or None,
+        protect_metrics=args.protect_metrics,
+        ssl_certfile=args.ssl_certfile or None,
+        ssl_keyfile=args.ssl_keyfile or None,
     )
     return cfg
 
@@ -383,8 +399,11 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="epd-proxy",
                                      description="A proxy for disaggregated (encode/prefill/decode) vLLM.")
+    parser.add_argument("--version", action="version", version=f"epd-proxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     check = sub.add_parser("check-config", help="validate a cluster file and print the resolved topology")
@@ -423,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
             cfg = settings.config(args)
+            from .serve import tls_context
+
+            tls_context(cfg)  # the certificate and key load
         except ValueError as exc:
             if settings.path:
                 print(f"epd-proxy serve: {settings.path}: {exc}", file=sys.stderr)

@@ -252,6 +252,12 @@ class ProxyConfig:
     evicted_ttl: float = 900.0  # an instance out of rotation this long is forgotten (0 = never)
     topology: str = "auto"  # or pinned: PD, E+PD, P+D, E+P+D
     log_requests: bool = False
+    # Access and TLS (docs/architecture.md, "Access and TLS").
+    api_keys: tuple[str, ...] = ()  # keys clients send as "Authorization: Bearer" for /v1/* (none = open)
+    api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
+    protect_metrics: bool = False  # /metrics needs the admin key
+    ssl_certfile: str | None = None  # the listener speaks TLS with this certificate (PEM) ...
+    ssl_keyfile: str | None = None  # ... and this private key (PEM; default: in the certificate file)
 
     def validate(self) -> None:
         if not self.decode and not self.dynamic_registration and not any(s.role == "decode"
@@ -318,6 +324,10 @@ class ProxyConfig:
             if role not in ("encode", "prefill") or n < 0:
                 raise ValueError(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
                                  f"(decode's cap is --max-inflight) and the cap >= 0")
+        if self.protect_metrics and not self.admin_api_key:
+            raise ValueError("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
         if self.shutdown_grace < 0 or self.shutdown_timeout < 0:
             raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
         if self.timeouts.first_byte < 0:

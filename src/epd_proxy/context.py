@@ -16,7 +16,7 @@ class RequestContext:
     (the least-loaded policy's signal) exact even when a request is cancelled.
     """
 
-    __slots__ = ("request_id", "path", "excluded", "timings", "view", "_base_headers", "_held")
+    __slots__ = ("request_id", "path", "excluded", "timings", "view", "_base_headers", "_held", "prefill_report")
 
     def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
@@ -26,6 +26,9 @@ class RequestContext:
         self.view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
         self._base_headers = base_headers
         self._held: list[Instance] = []
+        # The prefill's answer about the prompt (usage.py), for the client's usage; set by
+        # the prefill stage, cleared at each attempt's start.
+        self.prefill_report = None
 
     def upstream_headers(self, request_id: str | None = None, extra: list | None = None) -> list:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]

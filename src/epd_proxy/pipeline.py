@@ -33,6 +33,7 @@ from .multimodal import MediaItem, own_media
 from .pool import Instance, InstancePool
 from .relay import StreamRelay, relay_stream
 from .routing import request_view
+from .usage import rewrite_usage
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
 
 log = logging.getLogger("epd_proxy.pipeline")
@@ -210,11 +211,15 @@ class Pipeline:
             headers = id_header + _server_timing(ctx.timings)
             ok = False
             try:
+                report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
                 if leg.body is not None:
-                    writer.send(leg.resp.status, leg.body, leg.resp.content_type, headers)
+                    answer = leg.body if report is None else rewrite_usage(leg.body, report)
+                    writer.send(leg.resp.status, answer, leg.resp.content_type, headers)
                     ok = True
                 else:
-                    relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion)
+                    relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
+                                               ctx if (report is not None or leg.companion is not None)
+                                               and _wants_usage(body) else None)
                     ok = relay.error is None
                     if not ok:
                         self.metrics.stream_errors += 1
@@ -309,6 +314,7 @@ class Pipeline:
 
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """One attempt builds every handle anew from the untouched client body."""
+        ctx.prefill_report = None
         d = self.decode.choose(ctx.excluded, ctx.view)
         p = self.prefill.choose(ctx.excluded, ctx.view) if self.prefill or self._need_prefill else None
         dp_headers, consumer_zmq = self._ec_consumer(d)
@@ -384,6 +390,12 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
+
+
+def _wants_usage(body: dict) -> bool:
+    """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 async def _take_slot(role: str, cap: Admission) -> None:

@@ -106,6 +106,9 @@ class Reloader:
         for hook in self._hooks:
             try:
                 hook()
+            except ValueError as exc:  # a hook's own words for what it could not reload
+                ok = False
+                log.error("reload: %s", exc)
             except Exception:
                 ok = False
                 log.exception("reload hook failed")

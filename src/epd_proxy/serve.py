@@ -9,10 +9,12 @@ supervises (workers.py). SIGHUP reloads (reload.py).
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import signal
+import ssl
 import sys
 
 try:
@@ -58,7 +60,7 @@ class RunningProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.host}:{self.server.port}"
+        return listen_url(self.server.host, self.server.port, tls=self.server.tls)
 
     async def close(self) -> None:
         if self.discovery is not None:
@@ -110,13 +112,50 @@ class RunningProxy:
         await self.close()
 
 
+def listen_url(host: str, port: int, *, tls: bool = False) -> str:
+    """The URL of a listening address; an IPv6 address goes in brackets (RFC 3986)."""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+class ListenError(Exception):
+    """The listener could not be opened (the port is in use, the address is not local, ...): one
+    line for the operator, not a traceback."""
+
+
+def tls_context(config: ProxyConfig) -> ssl.SSLContext | None:
+    """The listener's TLS context (``--ssl-certfile``/``--ssl-keyfile``), built once; None for plain HTTP."""
+    if not config.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile}"
+                         f"{' / ' + config.ssl_keyfile if config.ssl_keyfile else ''}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    return ctx
+
+
 async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
                       backlog: int = 4096, reuse_port: bool = False) -> RunningProxy:
+    tls = tls_context(config)
     app = ProxyApp(config)
     await app.start()
     handler = log_requests(app) if config.log_requests else app
-    server = await HttpServer(handler, limits=server_limits(config), on_large_release=trim_heap).start(
-        host, port, backlog=backlog, reuse_port=reuse_port)
+    try:
+        server = await HttpServer(handler, limits=server_limits(config), on_large_release=trim_heap).start(
+            host, port, backlog=backlog, reuse_port=reuse_port, ssl=tls)
+    except OSError as exc:
+        await app.close()
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            reason += " (another process listens there; choose another --port)"
+        raise ListenError(f"cannot listen on {listen_url(host, port, tls=tls is not None)}: {reason}") from None
+    except BaseException:
+        await app.close()
+        raise
     app.metrics.front_door = server
     proxy = RunningProxy(app, server)
     if config.discover:
@@ -220,13 +259,20 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         cluster = SimCluster.from_spec(simulate)
         await cluster.start()
         config = config_for_cluster(cluster, config)
-    proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    try:
+        proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    except BaseException:
+        if cluster is not None:
+            await cluster.stop()
+        raise
     if link is not None:
         proxy.shared = SharedRoster(proxy.app.membership, link)
     reloader = Reloader(settings, lambda cfg: apply_config(proxy, cfg),
                         args=settings.started if settings is not None else None, watch=watch)
     reloader.start()
     proxy.reloader = reloader  # other reloadable things: proxy.reloader.on_reload(hook)
+    if config.api_key_file:
+        reloader.on_reload(proxy.app.reload)  # the client key file (client_auth.py)
     proxy.app.metrics.reloader = reloader
     if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
         _EARLY_SIGHUP.clear()
@@ -314,8 +360,12 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     if workers <= 1:
         signal.signal(signal.SIGHUP, _early_sighup)  # until the loop handles it (a reload)
         install_uvloop()
-        asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
-                                   settings=settings))
+        try:
+            asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
+                                       settings=settings))
+        except ListenError as exc:
+            print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
+            return 1
         return 0
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
@@ -341,6 +391,9 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                                            announce=index == 0, worker=True, settings=settings,
                                            link=PeerLink(links[index][1]), watch=False))
                 code = 0
+            except ListenError as exc:
+                if index == 0:  # every worker fails alike: one line is enough
+                    print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
             finally:
                 os._exit(code)
         children.append(pid)
