@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test e2e bench venv clean
+.PHONY: run test e2e bench venv clean system-packages
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -18,8 +18,12 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(PY) -m epd_proxy serve --simulate 'encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20'
 
+## Programs the tests run as real servers (dnsmasq) or checkers (promtool), installed when missing and root.
+system-packages:
+	@bash scripts/ensure-system-packages.sh
+
 ## The test suite (simulator-backed, real sockets).
-test: $(STAMP)
+test: $(STAMP) system-packages
 	$(PY) -m pytest -q
 
 ## End-to-end against real vLLM instances (installs a cached vLLM CPU environment).

@@ -59,6 +59,7 @@ class ProxyApp:
         }
         self._paths = {path for _, path in self._routes}
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
+        self.workers = None  # workers.WorkerChannel with --workers > 1: /metrics, /status, /ready ask siblings
 
     @property
     def topology(self) -> str:
@@ -120,7 +121,8 @@ class ProxyApp:
                     resp.close()
             except UpstreamError as exc:
                 pool.record_failure(inst, str(exc))
-                last = ProxyError(502, f"decode instance {inst.url} unreachable: {exc}")
+                log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
+                last = ProxyError(502, "decode instance unreachable")
                 continue
             writer.send(resp.status, data, resp.content_type)
             return
@@ -134,21 +136,82 @@ class ProxyApp:
         """Whether this proxy can take traffic, not whether its backends are healthy: 503 while
         draining, or while a role the topology needs has no instance at all; otherwise 200,
         even when a pool is failing (the proxy then answers those requests itself, which beats
-        a load balancer dropping every replica at once). Backend health is in /status."""
+        a load balancer dropping every replica at once). Backend health is in /status.
+        With --workers, 200 only when every worker that answers is ready."""
+        status, body = self._local_ready()
+        if status == 200 and self.workers is not None:
+            peers = await self.workers.ask("ready")
+            for peer_status, peer_body in peers:
+                if peer_status != 200:
+                    status, body = peer_status, peer_body
+                    break
+            body = dict(body, workers=1 + len(peers))
+        if status == 200:
+            writer.send(200, _READY if self.workers is None else msgspec.json.encode(body))
+        else:
+            writer.send(status, msgspec.json.encode(body), headers=[(b"retry-after", b"5")])
+
+    def _local_ready(self) -> tuple[int, dict]:
         if self.draining:
-            writer.send(503, b'{"status":"draining"}', headers=[(b"retry-after", b"5")])
-            return
+            return 503, {"status": "draining"}
         missing = [role for role, pool in self.pools.items() if not pool.instances]
         if missing:
-            body = msgspec.json.encode({"status": "unavailable", "no_instances": missing})
-            writer.send(503, body, headers=[(b"retry-after", b"5")])
-        else:
-            writer.send(200, b'{"status":"ready"}')
+            return 503, {"status": "unavailable", "no_instances": missing}
+        return 200, {"status": "ready"}
+
+    def _local_status(self) -> dict:
+        return {"topology": self.topology, "kv_connector": self.config.kv_connector if "prefill" in self.pools
+                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()}}
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
-        body = {"topology": self.topology, "kv_connector": self.config.kv_connector if "prefill" in self.pools
-                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()}}
+        body = self._local_status()
+        if self.workers is not None:
+            peers = await self.workers.ask("status")
+            body = dict(body, workers=1 + len(peers), pools=merge_pool_status([body["pools"]] +
+                                                                              [p["pools"] for p in peers]))
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
-        writer.send(200, self.metrics.render(), _METRICS_TYPE)
+        peers = await self.workers.ask("metrics") if self.workers is not None else None
+        writer.send(200, self.metrics.render(peers), _METRICS_TYPE)
+
+    async def answer_sibling(self, question: str):
+        """This worker's own view, for the worker a client asked (workers.py)."""
+        if question == "metrics":
+            return self.metrics.snapshot()
+        if question == "status":
+            return self._local_status()
+        if question == "ready":
+            return list(self._local_ready())
+        return None
+
+
+_READY = b'{"status":"ready"}'
+
+
+def merge_pool_status(views: list[dict]) -> dict:
+    """Per-worker ``/status`` pools as one: counts add up, an instance is ``healthy`` only if
+    every worker has it in rotation (``healthy_workers`` says in how many it is)."""
+    out: dict[str, dict] = {}
+    for pools in views:
+        for role, instances in pools.items():
+            merged = out.setdefault(role, {})
+            for inst in instances:
+                have = merged.get(inst["url"])
+                if have is None:
+                    have = merged[inst["url"]] = dict(inst, errors=dict(inst["errors"]), healthy_workers=0)
+                    have["healthy_workers"] = 1 if inst["healthy"] else 0
+                    continue
+                for key in ("inflight", "requests", "ejections"):
+                    have[key] += inst[key]
+                for kind, n in inst["errors"].items():
+                    have["errors"][kind] = have["errors"].get(kind, 0) + n
+                have["consecutive_failures"] = max(have["consecutive_failures"], inst["consecutive_failures"])
+                have["healthy"] = have["healthy"] and inst["healthy"]
+                have["healthy_workers"] += 1 if inst["healthy"] else 0
+                if have["state"] != inst["state"]:
+                    have["state"] = "mixed"
+                have["last_error"] = have["last_error"] or inst["last_error"]
+                if inst["ejected_until"] is not None:
+                    have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
+    return {role: list(merged.values()) for role, merged in out.items()}

@@ -174,9 +174,11 @@ class Pipeline:
         rid = request_id(req)
         id_header = [(b"x-request-id", rid.encode())]
         ctx = None
+        stream = False
         self.metrics.inflight += 1
         try:
             body = parse_body(req, path)
+            stream = body.get("stream") is True
             body, items = self._media(body) if path == CHAT else (body, [])
             ctx = RequestContext(rid, path, self._headers_for(req))
             if self.deadlines is not None:
@@ -199,6 +201,7 @@ class Pipeline:
             else:
                 leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
+            self.metrics.observe_commit(path, time.perf_counter() - t0, ctx.timings, leg.body is None)
             ok = False
             try:
                 if leg.body is not None:
@@ -207,6 +210,9 @@ class Pipeline:
                 else:
                     relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion)
                     ok = relay.error is None
+                    gap = relay.gap()
+                    if gap is not None:
+                        self.metrics.itl.observe(gap)
                     if not ok:
                         self.metrics.stream_errors += 1
                         log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
@@ -234,7 +240,7 @@ class Pipeline:
             if self.admission.limit:
                 self.admission.leave()
             # 499: the client went away before a status was sent (nginx's convention).
-            self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0)
+            self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0, stream)
 
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.

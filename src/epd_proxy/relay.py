@@ -10,6 +10,7 @@ being glued to half an event.
 from __future__ import annotations
 
 import asyncio
+from time import perf_counter
 
 from .errors import ProxyError
 from .http.client import Response
@@ -22,7 +23,7 @@ _MAX_HELD = 1 << 20
 class StreamRelay(FlowListener):
     """Upstream body sink + client flow listener for one committed stream."""
 
-    __slots__ = ("writer", "resp", "_tail", "error", "ended")
+    __slots__ = ("writer", "resp", "_tail", "error", "ended", "events", "first_at", "last_at")
 
     def __init__(self, writer: ResponseWriter, resp: Response) -> None:
         self.writer = writer
@@ -30,9 +31,18 @@ class StreamRelay(FlowListener):
         self._tail = b""
         self.error: Exception | None = None
         self.ended = False
+        # For the inter-token histogram: events relayed after the first, and when.
+        self.events = 0
+        self.first_at = self.last_at = 0.0
+
+    def gap(self) -> float | None:
+        """The mean time between the events after the first (None with fewer than two)."""
+        return (self.last_at - self.first_at) / self.events if self.events else None
 
     # -- BodySink ---------------------------------------------------------------------
     def on_data(self, data: bytes) -> None:
+        self.events += data.count(b"\n\n")
+        self.last_at = perf_counter()
         if self._tail:
             data = self._tail + data
             self._tail = b""
@@ -87,6 +97,7 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
         relay.pause()  # the client was already behind before the relay attached
     if first:
         relay.on_data(first)
+    relay.events, relay.first_at = 0, perf_counter()
     writer.flush()  # the head, if the first event was held back whole
     if companion is not None:
         def companion_done(task: asyncio.Future) -> None:

@@ -2,7 +2,8 @@
 
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
-has its own pools, cursors and metrics (documented in docs/architecture.md).
+has its own pools, cursors and metrics (documented in docs/architecture.md);
+``/metrics``, ``/status`` and ``/ready`` answer for all of them (``workers.py``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import asyncio
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 try:
     import resource
@@ -23,6 +26,7 @@ from .app import ProxyApp
 from .config import InstanceSpec, ProxyConfig
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
+from .workers import WorkerChannel
 
 log = logging.getLogger("epd_proxy")
 
@@ -171,7 +175,8 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
-                         simulate: str | None, announce: bool, worker: bool = False) -> None:
+                         simulate: str | None, announce: bool, worker: bool = False,
+                         siblings: WorkerChannel | None = None) -> None:
     """Serve until a signal, then shut down gracefully.
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
@@ -187,6 +192,10 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         await cluster.start()
         config = config_for_cluster(cluster, config)
     proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    if siblings is not None:
+        await siblings.start(proxy.app.answer_sibling)
+        proxy.app.workers = siblings
+        proxy.app.metrics.worker = siblings.index
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -210,6 +219,8 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         await stop.wait()
         await proxy.shutdown(config.shutdown_grace, config.shutdown_timeout)
     finally:
+        if siblings is not None:
+            await siblings.close()
         await proxy.close()
         if cluster is not None:
             await cluster.stop()
@@ -253,6 +264,8 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
     children: list[int] = []
+    # Where the workers' sockets for each other live (workers.py); removed when they are gone.
+    channel_dir = tempfile.mkdtemp(prefix="epd-proxy-workers-")
     for index in range(workers):
         pid = os.fork()
         if pid == 0:  # worker
@@ -263,7 +276,8 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             code = 1
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
-                                           announce=index == 0, worker=True))
+                                           announce=index == 0, worker=True,
+                                           siblings=WorkerChannel(channel_dir, index, workers)))
                 code = 0
             finally:
                 os._exit(code)
@@ -295,6 +309,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                 break
         if code:
             status = 1
+    shutil.rmtree(channel_dir, ignore_errors=True)
     return status
 
 
