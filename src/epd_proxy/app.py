@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
+from . import access_log
 from .config import ProxyConfig
 from .connectors import CONNECTORS
 from .errors import ProxyError
@@ -13,7 +15,7 @@ from .http.client import Timeouts, UpstreamError
 from .http.server import Request, ResponseWriter
 from .metrics import ProxyMetrics
 from .health import OutlierSettings
-from .pipeline import CHAT, COMPLETIONS, Pipeline
+from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
 from .pool import InstancePool
 
 log = logging.getLogger("epd_proxy.app")
@@ -48,6 +50,8 @@ class ProxyApp:
                                                 max_connections=config.max_upstream_connections)
         self.metrics = ProxyMetrics(self.pools)
         self.pipeline = Pipeline(config, self.pools, self.metrics)
+        if access_log.enabled(config):
+            self.pipeline.access_log = access_log.AccessLog(config.log_format)
         self._routes = {
             ("POST", CHAT): self._generate_chat,
             ("POST", COMPLETIONS): self._generate_completions,
@@ -58,6 +62,7 @@ class ProxyApp:
             ("GET", "/metrics"): self._metrics,
         }
         self._paths = {path for _, path in self._routes}
+        self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
         self.workers = None  # workers.WorkerChannel with --workers > 1: /metrics, /status, /ready ask siblings
 
@@ -83,14 +88,23 @@ class ProxyApp:
         if self.draining:
             writer.keep_alive = False
         handler = self._routes.get((req.method, req.path))
+        if handler in self._generation:
+            await handler(req, writer)  # the pipeline writes its own access-log line
+            return
+        t0 = time.perf_counter()
         if handler is None:
             if req.path in self._paths:
                 err = ProxyError(405, f"method {req.method} not allowed on {req.path}")
             else:
                 err = ProxyError(404, f"no route for {req.method} {req.path}")
             writer.send(err.status, err.body())
-            return
-        await handler(req, writer)
+        else:
+            await handler(req, writer)
+        access = self.pipeline.access_log
+        if access is not None:
+            rid = client_request_id(req)
+            access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
+                         writer.bytes_sent, time.perf_counter() - t0)
 
     async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
         await self.pipeline.handle(req, writer, CHAT)
@@ -145,7 +159,8 @@ class ProxyApp:
                 if peer_status != 200:
                     status, body = peer_status, peer_body
                     break
-            body = dict(body, workers=1 + len(peers))
+            else:
+                body = dict(body, workers=1 + len(peers))
         if status == 200:
             writer.send(200, _READY if self.workers is None else msgspec.json.encode(body))
         else:

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from .config import ProxyConfig, Timeouts, parse_instance, split_instances
+from .config import LOG_FORMATS, ProxyConfig, Timeouts, parse_instance, split_instances
 
 _DEFAULTS = ProxyConfig()
 # Upstream credentials come only from explicit configuration: never from OPENAI_API_KEY,
@@ -127,6 +127,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-access-log", action="store_false", dest="access_log", default=c.access_log,
+                   help="no access-log line per request (on by default, at INFO)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=c.log_format,
+                   help=f"log lines as readable text or one JSON object each (default {c.log_format})")
 
 
 def _role_caps(values: list[str]) -> dict[str, int]:
@@ -185,6 +189,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         queue_timeout=args.queue_timeout,
         shutdown_grace=args.shutdown_grace,
         shutdown_timeout=args.shutdown_timeout,
+        access_log=args.access_log,
+        log_format=args.log_format,
     )
     return cfg
 
@@ -225,11 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(level: str, fmt: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if fmt == "json":
+        from .access_log import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _configure_logging(args.log_level, args.log_format)
         try:
             cfg = config_from_args(args)
             if not args.simulate:

@@ -18,6 +18,7 @@ ROLES = ("encode", "prefill", "decode")
 
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
 _KNOWN_ATTRS = {"engine_id", "kv_host"} | _INT_ATTRS
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +199,9 @@ class ProxyConfig:
     allowed_media_schemes: tuple[str, ...] = ("http", "https", "data")
     # Hosts or networks media URLs may name even when they are loopback, private, link-local...
     allowed_media_hosts: tuple[str, ...] = ()
+    # Logs (access_log.py): a line per request at INFO, and the format of every line.
+    access_log: bool = True
+    log_format: str = "text"  # or "json"
 
     def validate(self) -> None:
         if not self.decode:
@@ -215,6 +219,8 @@ class ProxyConfig:
 
         MediaPolicy(max_items=self.max_media_items, schemes=self.allowed_media_schemes,
                     allowed_hosts=self.allowed_media_hosts)
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.ec_consumer_dp_size < 1:
             raise ValueError("--ec-consumer-dp-size must be >= 1")
         if self.ec_consumer_zmq_addrs:

@@ -15,7 +15,7 @@ class RequestContext:
     (the least-loaded policy's signal) exact even when a request is cancelled.
     """
 
-    __slots__ = ("request_id", "path", "excluded", "timings", "_base_headers", "_held")
+    __slots__ = ("request_id", "path", "excluded", "timings", "legs", "_base_headers", "_held")
 
     def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
@@ -24,6 +24,7 @@ class RequestContext:
         self.timings: dict[str, float] = {}
         self._base_headers = base_headers
         self._held: list[Instance] = []
+        self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
 
     def upstream_headers(self, request_id: str | None = None, extra: list | None = None) -> list:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
@@ -41,6 +42,7 @@ class RequestContext:
     def hold(self, inst: Instance) -> None:
         inst.inflight += 1
         self._held.append(inst)
+        self.legs.append(inst)
 
     def release(self, inst: Instance) -> None:
         try:

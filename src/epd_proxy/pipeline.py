@@ -17,6 +17,7 @@ import time
 
 import msgspec
 
+from .access_log import usage_of
 from .admission import ADMIT, SHED, Admission, shed_error
 from .blobs import decode_chat_body
 from .config import ProxyConfig
@@ -155,6 +156,7 @@ class Pipeline:
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.closing = False
         self.stopping = False
+        self.access_log = None  # access_log.AccessLog when on (set by the app)
         metrics.admission = self.admission
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
@@ -175,6 +177,8 @@ class Pipeline:
         id_header = [(b"x-request-id", rid.encode())]
         ctx = None
         stream = False
+        outcome = "error"  # ok, in_band_error, client_gone, shutdown, error
+        answer = None  # the bytes holding the usage object, for the access log
         self.metrics.inflight += 1
         try:
             body = parse_body(req, path)
@@ -207,9 +211,11 @@ class Pipeline:
                 if leg.body is not None:
                     writer.send(leg.resp.status, leg.body, leg.resp.content_type, headers)
                     ok = True
+                    outcome, answer = "ok", leg.body
                 else:
                     relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion)
                     ok = relay.error is None
+                    outcome, answer = "ok" if ok else "in_band_error", relay.final_bytes()
                     gap = relay.gap()
                     if gap is not None:
                         self.metrics.itl.observe(gap)
@@ -228,7 +234,9 @@ class Pipeline:
             if err.status >= 500:
                 log.warning("request %s failed: %s", rid, err.message)
         except asyncio.CancelledError:
+            outcome = "shutdown"
             if not (self.stopping and self._end_at_shutdown(writer, rid)):
+                outcome = "client_gone"
                 self.metrics.disconnects += 1
                 raise
         finally:
@@ -240,7 +248,12 @@ class Pipeline:
             if self.admission.limit:
                 self.admission.leave()
             # 499: the client went away before a status was sent (nginx's convention).
-            self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0, stream)
+            status, seconds = writer.status or 499, time.perf_counter() - t0
+            self.metrics.observe_request(path, status, seconds, stream)
+            if self.access_log is not None:
+                self.access_log.request(rid, req.method, path, status, stream, ctx.legs if ctx else (),
+                                        ctx.timings if ctx else {}, usage_of(answer), writer.bytes_sent, outcome,
+                                        seconds)
 
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
@@ -270,7 +283,11 @@ class Pipeline:
         if rid is not None:
             headers.append((b"x-request-id", rid))
         writer.send(status, body, b"application/json", headers)
-        self.metrics.observe_request(path, status, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.metrics.observe_request(path, status, seconds)
+        if self.access_log is not None:
+            self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
+                                  seconds)
         return False
 
     def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:

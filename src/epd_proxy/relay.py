@@ -23,7 +23,8 @@ _MAX_HELD = 1 << 20
 class StreamRelay(FlowListener):
     """Upstream body sink + client flow listener for one committed stream."""
 
-    __slots__ = ("writer", "resp", "_tail", "error", "ended", "events", "first_at", "last_at")
+    __slots__ = ("writer", "resp", "_tail", "error", "ended", "events", "first_at", "last_at", "prev",
+                 "last")
 
     def __init__(self, writer: ResponseWriter, resp: Response) -> None:
         self.writer = writer
@@ -34,6 +35,10 @@ class StreamRelay(FlowListener):
         # For the inter-token histogram: events relayed after the first, and when.
         self.events = 0
         self.first_at = self.last_at = 0.0
+        self.prev = self.last = b""  # the last two reads: where the final usage event is
+
+    def final_bytes(self) -> bytes:
+        return self.prev + self.last
 
     def gap(self) -> float | None:
         """The mean time between the events after the first (None with fewer than two)."""
@@ -42,7 +47,7 @@ class StreamRelay(FlowListener):
     # -- BodySink ---------------------------------------------------------------------
     def on_data(self, data: bytes) -> None:
         self.events += data.count(b"\n\n")
-        self.last_at = perf_counter()
+        self.prev, self.last = self.last, data
         if self._tail:
             data = self._tail + data
             self._tail = b""
@@ -116,6 +121,7 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
     except Exception:
         pass  # on_error has already ended the stream in-band
     finally:
+        relay.last_at = perf_counter()
         # Cancelled (client gone) or done: an unfinished upstream is aborted, so vLLM stops.
         resp.close()
         # The response holds the relay as its sink: without this link back the pair is no

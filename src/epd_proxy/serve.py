@@ -279,6 +279,8 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                                            announce=index == 0, worker=True,
                                            siblings=WorkerChannel(channel_dir, index, workers)))
                 code = 0
+            except BaseException:
+                log.exception("worker %d failed", index)  # said here: os._exit skips the interpreter's report
             finally:
                 os._exit(code)
         children.append(pid)
