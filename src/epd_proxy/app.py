@@ -7,7 +7,7 @@ import time
 
 import msgspec
 
-from . import access_log
+from . import access_log, tracing
 from .config import ProxyConfig
 from .connectors import CONNECTORS
 from .errors import ProxyError
@@ -52,6 +52,7 @@ class ProxyApp:
         self.pipeline = Pipeline(config, self.pools, self.metrics)
         if access_log.enabled(config):
             self.pipeline.access_log = access_log.AccessLog(config.log_format)
+        self.pipeline.tracing = tracing.from_environment()
         self._routes = {
             ("POST", CHAT): self._generate_chat,
             ("POST", COMPLETIONS): self._generate_completions,
@@ -81,6 +82,8 @@ class ProxyApp:
 
     async def close(self) -> None:
         await self.pipeline.close()
+        if self.pipeline.tracing is not None:
+            self.pipeline.tracing.close()
         for pool in self.pools.values():
             await pool.close()
 

@@ -15,7 +15,8 @@ class RequestContext:
     (the least-loaded policy's signal) exact even when a request is cancelled.
     """
 
-    __slots__ = ("request_id", "path", "excluded", "timings", "legs", "_base_headers", "_held")
+    __slots__ = ("request_id", "path", "excluded", "timings", "legs", "trace", "_base_headers",
+                 "_held")
 
     def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
@@ -25,6 +26,7 @@ class RequestContext:
         self._base_headers = base_headers
         self._held: list[Instance] = []
         self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
+        self.trace = None  # tracing.RequestTrace when tracing is on
 
     def upstream_headers(self, request_id: str | None = None, extra: list | None = None) -> list:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
@@ -50,6 +52,8 @@ class RequestContext:
         except ValueError:
             return
         inst.inflight -= 1
+        if self.trace is not None:
+            self.trace.end(inst)
 
     def release_all(self) -> None:
         for inst in self._held:

@@ -157,6 +157,7 @@ class Pipeline:
         self.closing = False
         self.stopping = False
         self.access_log = None  # access_log.AccessLog when on (set by the app)
+        self.tracing = None  # tracing.Tracing when OTEL_* turns it on (set by the app)
         metrics.admission = self.admission
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
@@ -185,6 +186,8 @@ class Pipeline:
             stream = body.get("stream") is True
             body, items = self._media(body) if path == CHAT else (body, [])
             ctx = RequestContext(rid, path, self._headers_for(req))
+            if self.tracing is not None:
+                ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
             if self.deadlines is not None:
                 task = asyncio.current_task()
                 self.deadlines.enter(task)
@@ -242,18 +245,21 @@ class Pipeline:
         finally:
             writer.flow = None  # the relay refers to the writer: no cycle left behind
             self.metrics.inflight -= 1
+            # 499: the client went away before a status was sent (nginx's convention).
+            status = writer.status or 499
+            tokens = usage_of(answer) if self.access_log is not None or self.tracing is not None else _NO_USAGE
             if ctx is not None:
+                if ctx.trace is not None:
+                    ctx.trace.finish(status, stream, tokens, outcome)
                 ctx.release_all()
                 self.metrics.observe_stages(ctx.timings)
             if self.admission.limit:
                 self.admission.leave()
-            # 499: the client went away before a status was sent (nginx's convention).
-            status, seconds = writer.status or 499, time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
             self.metrics.observe_request(path, status, seconds, stream)
             if self.access_log is not None:
                 self.access_log.request(rid, req.method, path, status, stream, ctx.legs if ctx else (),
-                                        ctx.timings if ctx else {}, usage_of(answer), writer.bytes_sent, outcome,
-                                        seconds)
+                                        ctx.timings if ctx else {}, tokens, writer.bytes_sent, outcome, seconds)
 
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
@@ -399,6 +405,7 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
+_NO_USAGE = (None, None)
 
 
 async def _take_slot(role: str, cap: Admission) -> None:

@@ -118,9 +118,17 @@ async def call(pool: InstancePool, inst: Instance, att: RequestContext, stage: s
     """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
     inst.requests += 1
     att.hold(inst)
+    trace = att.trace
+    if trace is not None:
+        headers = trace.leg(inst, stage, headers)
     try:
-        return await inst.http.request("POST", path, body=body, headers=headers, timeouts=timeouts)
+        resp = await inst.http.request("POST", path, body=body, headers=headers, timeouts=timeouts)
+        if trace is not None:
+            trace.status(inst, resp.status)
+        return resp
     except UpstreamError as exc:
+        if trace is not None:
+            trace.failed(inst, str(exc))
         att.release(inst)
         raise transport_error(pool, inst, att, stage, exc, "sending the request") from None
     except BaseException:
