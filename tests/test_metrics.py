@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_proxy.metrics import _STAGE_BUCKETS, Buckets, ProxyMetrics
+from epd_proxy.sim import SimConfig
 
 
 def samples(text: bytes) -> dict:
@@ -106,3 +107,22 @@ async def test_promtool_accepts_a_live_scrape():
     assert s[("epd_proxy_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "400")))] == 1
     assert any(k[0] == "process_cpu_seconds_total" for k in s)
     assert any(k[0] == "python_gc_collections_total" for k in s)
+
+
+async def test_each_encoder_sub_request_and_the_push_hand_off_are_stages():
+    async with stack(encode=2) as (cluster, proxy, client):
+        images = ["https://example.com/a.png", "https://example.com/b.png"]  # one per encoder
+        assert (await client.chat(chat_body(images=images))).status == 200
+        s = samples((await client.request("GET", "/metrics")).body)
+    assert s[("epd_proxy_stage_duration_seconds_count", (("stage", "encode_request"),))] == 2
+    assert s[("epd_proxy_stage_duration_seconds_count", (("stage", "encode"),))] == 1
+    # Push mode: both legs at once; when prefill answers first, decode's remaining wait is the hand-off.
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, kv_connector="nixl-push", push_registration_timeout=2.0,
+                    kv_abort_timeout=2.0, roles={"prefill": {"ttft_ms": 30.0}})
+    async with stack(sim=sim, kv_connector="nixl-push") as (cluster, proxy, client):
+        reply = await client.chat(chat_body(stream=True))
+        assert reply.status == 200
+        handed_off = b"kv_handoff;dur=" in reply.headers[b"server-timing"]
+        s = samples((await client.request("GET", "/metrics")).body)
+    assert s[("epd_proxy_overhead_seconds_count", ())] == 1
+    assert s.get(("epd_proxy_stage_duration_seconds_count", (("stage", "kv_handoff"),)), 0) == int(handed_off)

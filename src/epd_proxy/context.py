@@ -15,14 +15,15 @@ class RequestContext:
     (the least-loaded policy's signal) exact even when a request is cancelled.
     """
 
-    __slots__ = ("request_id", "path", "excluded", "timings", "legs", "trace", "_base_headers",
-                 "_held")
+    __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace",
+                 "_base_headers", "_held")
 
     def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
         self.path = path
         self.excluded: set[Instance] = set()
         self.timings: dict[str, float] = {}
+        self.upstream = 0.0  # wall time in the stage phases (the proxy's overhead is the rest)
         self._base_headers = base_headers
         self._held: list[Instance] = []
         self.legs: list[Instance] = []  # every instance called, in order (the access log's record)

@@ -65,11 +65,14 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                               "first event + the proxy).", ("endpoint",)),
     "epd_proxy_inter_token_seconds": ("histogram", "Streams: the mean gap between the events relayed to the "
                                       "client after the first, one observation per stream.", ()),
-    "epd_proxy_stage_duration_seconds": ("histogram", "Time spent in each stage: encode (all sub-requests of "
-                                         "an attempt), prefill, decode_first (decode until its first event), "
-                                         "decode (a whole non-streamed answer).", ("stage",)),
-    "epd_proxy_overhead_seconds": ("histogram", "Time in the proxy outside upstream waits, until the "
-                                   "response is committed (arrival to commit minus the stage durations).", ()),
+    "epd_proxy_stage_duration_seconds": ("histogram", "Time spent in each stage: encode (the fan-out of an "
+                                         "attempt, wall time), encode_request (each encoder sub-request), prefill, "
+                                         "kv_handoff (push connectors: decode's wait for its first event after "
+                                         "prefill answered), decode_first (decode until its first event), decode "
+                                         "(a whole non-streamed answer).", ("stage",)),
+    "epd_proxy_overhead_seconds": ("histogram", "Time in the proxy outside the stage phases, until the "
+                                   "response is committed: arrival to commit minus the wall time of the encode "
+                                   "fan-out and of prefill + decode until its first event.", ()),
     "epd_proxy_retries": ("counter", "Attempts retried before the response was committed.", ()),
     "epd_proxy_stream_errors": ("counter", "Committed streams ended with an in-band error event.", ()),
     "epd_proxy_client_disconnects": ("counter", "Requests whose client went away before the end.", ()),
@@ -149,6 +152,12 @@ class ProxyMetrics:
             d = self.durations[dkey] = Buckets()
         d.observe(seconds)
 
+    def observe_encoder_request(self, seconds: float) -> None:
+        b = self.stages.get("encode_request")
+        if b is None:
+            b = self.stages["encode_request"] = Buckets()
+        b.observe(seconds)
+
     def observe_stages(self, timings: dict) -> None:
         stages = self.stages
         for stage, seconds in timings.items():
@@ -157,10 +166,10 @@ class ProxyMetrics:
                 b = stages[stage] = Buckets()
             b.observe(seconds)
 
-    def observe_commit(self, endpoint: str, since_arrival: float, timings: dict, stream: bool) -> None:
-        """The response is about to be committed: the proxy's own share of the time so far,
-        and for a stream its time to first token."""
-        self.overhead.observe(max(0.0, since_arrival - sum(timings.values())))
+    def observe_commit(self, endpoint: str, since_arrival: float, upstream: float, stream: bool) -> None:
+        """The response is about to be committed: the proxy's own share of the time so far
+        (``upstream``: the wall time of the stage phases), and for a stream its time to first token."""
+        self.overhead.observe(max(0.0, since_arrival - upstream))
         if stream:
             b = self.ttft.get(endpoint)
             if b is None:

@@ -128,6 +128,8 @@ class Pipeline:
         self.fanout = EncoderFanout(self.encode, max_batch=config.encoder_max_batch_size,
                                     rewrite=config.rewrite, timeout=t.encode,
                                     connect_timeout=t.connect) if self.encode else None
+        if self.fanout is not None:
+            self.fanout.observe_sub_request = metrics.observe_encoder_request
         prefill_stage = PrefillStage(self.prefill, timeout=t.prefill,
                                      connect_timeout=t.connect) if self.prefill else None
         decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
@@ -208,7 +210,7 @@ class Pipeline:
             else:
                 leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
-            self.metrics.observe_commit(path, time.perf_counter() - t0, ctx.timings, leg.body is None)
+            self.metrics.observe_commit(path, time.perf_counter() - t0, ctx.upstream, leg.body is None)
             ok = False
             try:
                 if leg.body is not None:
@@ -335,23 +337,26 @@ class Pipeline:
         caps = self.role_caps
         if items and self.fanout is not None:
             cap = caps.get("encode") if caps else None
-            if cap is None:
-                body = await self.fanout.run(ctx, body, items, consumer_zmq)
-            else:
+            if cap is not None:
                 await _take_slot("encode", cap)
-                try:
-                    body = await self.fanout.run(ctx, body, items, consumer_zmq)
-                finally:
+            t = time.perf_counter()
+            try:
+                body = await self.fanout.run(ctx, body, items, consumer_zmq)
+            finally:
+                ctx.upstream += time.perf_counter() - t
+                if cap is not None:
                     cap.leave()
         cap = caps.get("prefill") if caps and p is not None else None
-        if cap is None:
-            return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
-        # Held until decode's first event: in push mode the prefill runs that long anyway.
-        await _take_slot("prefill", cap)
+        if cap is not None:
+            # Held until decode's first event: in push mode the prefill runs that long anyway.
+            await _take_slot("prefill", cap)
+        t = time.perf_counter()
         try:
             return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
         finally:
-            cap.leave()
+            ctx.upstream += time.perf_counter() - t
+            if cap is not None:
+                cap.leave()
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
         """A leg still running when the response is over: drained in the background

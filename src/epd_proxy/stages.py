@@ -179,6 +179,7 @@ class EncoderFanout:
         self.rewrite = rewrite
         self.cursor = RoundRobinCursor()
         self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
+        self.observe_sub_request = None  # metrics: each sub-request's duration (set by the pipeline)
 
     async def run(self, att: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
         encoders = self.pool.candidates(att.excluded)
@@ -217,8 +218,11 @@ class EncoderFanout:
         payload = encode_json(
             encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
         rid = encoder_request_id(att.request_id, sub.items[0].index, hex_id(24))
+        t0 = time.perf_counter()
         data = await exchange(self.pool, inst, att, "encode", "/v1/chat/completions", payload,
                               att.upstream_headers(rid), self.timeouts)
+        if self.observe_sub_request is not None:
+            self.observe_sub_request(time.perf_counter() - t0)
         try:
             ec_params = msgspec.json.decode(data, type=_EncoderReply).ec_transfer_params
         except (msgspec.DecodeError, msgspec.ValidationError):
