@@ -126,3 +126,18 @@ async def test_each_encoder_sub_request_and_the_push_hand_off_are_stages():
         s = samples((await client.request("GET", "/metrics")).body)
     assert s[("epd_proxy_overhead_seconds_count", ())] == 1
     assert s.get(("epd_proxy_stage_duration_seconds_count", (("stage", "kv_handoff"),)), 0) == int(handed_off)
+
+
+async def test_a_retry_is_counted_against_the_instance_that_failed_the_attempt():
+    async with stack(prefill=2, routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("prefill")[0].inject("status=503")  # once; the retry goes to the other
+        for _ in range(2):  # round-robin: one of the two reaches it first
+            assert (await client.chat(chat_body())).status == 200
+        s = samples((await client.request("GET", "/metrics")).body)
+        assert (await client.request("GET", "/nope")).status == 404
+        s404 = samples((await client.request("GET", "/metrics")).body)
+    failed = [i for i in proxy.app.pools["prefill"].instances if i.health.errors]
+    assert len(failed) == 1
+    assert s[("epd_proxy_instance_retries_total", (("role", "prefill"), ("url", failed[0].url)))] == 1
+    assert s[("epd_proxy_retries_total", ())] == 1
+    assert s404[("epd_proxy_requests_total", (("endpoint", "other"), ("status", "404")))] == 1

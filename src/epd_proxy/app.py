@@ -101,6 +101,7 @@ class ProxyApp:
             else:
                 err = ProxyError(404, f"no route for {req.method} {req.path}")
             writer.send(err.status, err.body())
+            self.metrics.observe_request("other", err.status, time.perf_counter() - t0)
         else:
             await handler(req, writer)
         access = self.pipeline.access_log

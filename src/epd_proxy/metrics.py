@@ -57,7 +57,8 @@ _STATUS_CLASS = {1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
 # buckets are _STAGE_BUCKETS. Snapshots carry values only; this is the schema.
 FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_requests": ("counter", "Client requests answered, by endpoint and status (499: the client went "
-                           "away before a status was sent).", ("endpoint", "status")),
+                           "away before a status was sent; endpoint \"other\": no such route, 404/405).",
+                           ("endpoint", "status")),
     "epd_proxy_request_duration_seconds": ("histogram", "Time from the request's arrival to the end of the "
                                            "response.", ("endpoint", "stream", "status_class")),
     "epd_proxy_time_to_first_token_seconds": ("histogram", "Streams: time from the request's arrival to the "
@@ -102,6 +103,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                     ("role", "url")),
     "epd_proxy_instance_failures": ("counter", "Failures seen on the instance, by kind (connect, timeout, "
                                     "http_503, in_band, ...).", ("role", "url", "kind")),
+    "epd_proxy_instance_retries": ("counter", "Attempts retried elsewhere after this instance failed them.",
+                                   ("role", "url")),
     "epd_proxy_instance_ejections": ("counter", "Times the instance was taken out of rotation (probes or "
                                      "outlier detection).", ("role", "url")),
     "epd_proxy_panic_routing": ("counter", "Requests routed over every instance of a role because none was "
@@ -132,6 +135,7 @@ class ProxyMetrics:
         self.itl = Buckets()  # per stream: mean gap between events
         self.overhead = Buckets()  # arrival to commit minus the stage durations
         self.retries = 0
+        self.instance_retries: dict[tuple[str, str], int] = {}  # (role, url) -> attempts it failed, retried
         self.stream_errors = 0
         self.disconnects = 0
         self.inflight = 0
@@ -194,6 +198,7 @@ class ProxyMetrics:
         f["epd_proxy_stage_duration_seconds"] = [[s, b.counts, b.sum] for s, b in self.stages.items()]
         f["epd_proxy_overhead_seconds"] = [[self.overhead.counts, self.overhead.sum]]
         f["epd_proxy_retries"] = [[self.retries]]
+        f["epd_proxy_instance_retries"] = [[r, u, n] for (r, u), n in self.instance_retries.items()]
         f["epd_proxy_stream_errors"] = [[self.stream_errors]]
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]
         f["epd_proxy_inflight_requests"] = [[self.inflight]]

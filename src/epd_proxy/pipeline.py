@@ -319,6 +319,7 @@ class Pipeline:
         """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
         attempt = 0
         while True:
+            first_leg = len(ctx.legs)
             try:
                 return await self._attempt(ctx, body, items)
             except ProxyError as err:
@@ -327,6 +328,11 @@ class Pipeline:
                 _drop_traceback(err)
                 attempt += 1
                 self.metrics.retries += 1
+                retried = self.metrics.instance_retries
+                for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
+                    if inst in ctx.excluded:
+                        key = (inst.role, inst.url)
+                        retried[key] = retried.get(key, 0) + 1
                 log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
 
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
