@@ -65,7 +65,7 @@ class ProxyApp:
         self._paths = {path for _, path in self._routes}
         self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
-        self.workers = None  # workers.WorkerChannel with --workers > 1: /metrics, /status, /ready ask siblings
+        self.siblings = None  # siblings.SiblingChannel with --workers > 1: /metrics, /status, /ready ask siblings
 
     @property
     def topology(self) -> str:
@@ -157,8 +157,8 @@ class ProxyApp:
         a load balancer dropping every replica at once). Backend health is in /status.
         With --workers, 200 only when every worker that answers is ready."""
         status, body = self._local_ready()
-        if status == 200 and self.workers is not None:
-            peers = await self.workers.ask("ready")
+        if status == 200 and self.siblings is not None:
+            peers = await self.siblings.ask("ready")
             for peer_status, peer_body in peers:
                 if peer_status != 200:
                     status, body = peer_status, peer_body
@@ -166,7 +166,7 @@ class ProxyApp:
             else:
                 body = dict(body, workers=1 + len(peers))
         if status == 200:
-            writer.send(200, _READY if self.workers is None else msgspec.json.encode(body))
+            writer.send(200, _READY if self.siblings is None else msgspec.json.encode(body))
         else:
             writer.send(status, msgspec.json.encode(body), headers=[(b"retry-after", b"5")])
 
@@ -184,18 +184,18 @@ class ProxyApp:
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
         body = self._local_status()
-        if self.workers is not None:
-            peers = await self.workers.ask("status")
+        if self.siblings is not None:
+            peers = await self.siblings.ask("status")
             body = dict(body, workers=1 + len(peers), pools=merge_pool_status([body["pools"]] +
                                                                               [p["pools"] for p in peers]))
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
-        peers = await self.workers.ask("metrics") if self.workers is not None else None
+        peers = await self.siblings.ask("metrics") if self.siblings is not None else None
         writer.send(200, self.metrics.render(peers), _METRICS_TYPE)
 
     async def answer_sibling(self, question: str):
-        """This worker's own view, for the worker a client asked (workers.py)."""
+        """This worker's own view, for the worker a client asked (siblings.py)."""
         if question == "metrics":
             return self.metrics.snapshot()
         if question == "status":

@@ -8,7 +8,7 @@ take a lock per increment: about a dozen per request).
 
 With ``--workers N`` the numbers stay per process; a scrape turns them into a
 :meth:`ProxyMetrics.snapshot` (plain data), the worker that was scraped gathers
-its siblings' snapshots (``workers.py``) and :func:`render` sums them, so every
+its siblings' snapshots (``siblings.py``) and :func:`render` sums them, so every
 scrape shows the whole proxy while a request still pays only its ``+= 1``.
 """
 

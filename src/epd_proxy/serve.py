@@ -3,7 +3,7 @@
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
 has its own pools, cursors and metrics (documented in docs/architecture.md);
-``/metrics``, ``/status`` and ``/ready`` answer for all of them (``workers.py``).
+``/metrics``, ``/status`` and ``/ready`` answer for all of them (``siblings.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .app import ProxyApp
 from .config import InstanceSpec, ProxyConfig
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
-from .workers import WorkerChannel
+from .siblings import SiblingChannel
 
 log = logging.getLogger("epd_proxy")
 
@@ -176,7 +176,7 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
                          simulate: str | None, announce: bool, worker: bool = False,
-                         siblings: WorkerChannel | None = None) -> None:
+                         siblings: SiblingChannel | None = None) -> None:
     """Serve until a signal, then shut down gracefully.
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
@@ -194,7 +194,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
     if siblings is not None:
         await siblings.start(proxy.app.answer_sibling)
-        proxy.app.workers = siblings
+        proxy.app.siblings = siblings
         proxy.app.metrics.worker = siblings.index
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -264,7 +264,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
     children: list[int] = []
-    # Where the workers' sockets for each other live (workers.py); removed when they are gone.
+    # Where the workers' sockets for each other live (siblings.py); removed when they are gone.
     channel_dir = tempfile.mkdtemp(prefix="epd-proxy-workers-")
     for index in range(workers):
         pid = os.fork()
@@ -277,7 +277,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
                                            announce=index == 0, worker=True,
-                                           siblings=WorkerChannel(channel_dir, index, workers)))
+                                           siblings=SiblingChannel(channel_dir, index, workers)))
                 code = 0
             except BaseException:
                 log.exception("worker %d failed", index)  # said here: os._exit skips the interpreter's report

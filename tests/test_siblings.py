@@ -1,4 +1,4 @@
-"""With --workers, /metrics, /status and /ready answer for the whole proxy (workers.py), over
+"""With --workers, /metrics, /status and /ready answer for the whole proxy (siblings.py), over
 real sockets to a real multi-process proxy."""
 
 import asyncio

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 
-log = logging.getLogger("epd_proxy.workers")
+log = logging.getLogger("epd_proxy.siblings")
 
 # A sibling that has not answered within this is left out of the answer (and the
 # ``epd_proxy_workers`` gauge shows one fewer): a stuck worker cannot stall a scrape.
@@ -33,7 +33,7 @@ def socket_path(directory: str, index: int) -> str:
     return os.path.join(directory, f"worker-{index}.sock")
 
 
-class WorkerChannel:
+class SiblingChannel:
     """This worker's socket for its siblings, and the questions it asks them."""
 
     def __init__(self, directory: str, index: int, count: int) -> None:
