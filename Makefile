@@ -14,9 +14,17 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-## Start the proxy on 127.0.0.1:8000 in front of an embedded simulated E+P+D cluster.
+# `make run PORT=9000 SIM='prefill=1,decode=1'` overrides either.
+PORT ?= 8000
+SIM ?= encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20
+
+## Start the proxy on 127.0.0.1:$(PORT) in front of an embedded simulated cluster ($(SIM)).
 run: $(STAMP)
-	$(PY) -m epd_proxy serve --simulate 'encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20'
+	$(PY) -m epd_proxy serve --port $(PORT) --simulate '$(SIM)'
+
+## Programs the tests run as real servers (dnsmasq), installed when missing and root.
+system-packages:
+	@bash scripts/ensure-system-packages.sh
 
 ## Programs the tests run as real servers (dnsmasq) or checkers (promtool), installed when missing and root.
 system-packages:

@@ -1,8 +1,9 @@
-"""The proxy's own endpoints: /ready is about the proxy, not its backends."""
+"""The proxy's own endpoints (/ready is about the proxy, not its backends) and switches."""
 
+import logging
 import socket
 
-from helpers import Client, stack
+from helpers import Client, chat_body, stack
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec
@@ -56,3 +57,40 @@ async def test_models_error_names_the_role_not_the_address():
     assert reply.status >= 500
     assert "decode instance" in reply.json()["error"]["message"]
     assert b"127.0.0.1" not in reply.body and dead.encode() not in reply.body
+
+
+async def test_log_requests_logs_one_line_per_request(caplog):
+    """--log-requests (the reference's flag): one debug line per request, with its status."""
+    caplog.set_level(logging.DEBUG, logger="epd_proxy.app")
+    async with stack(log_requests=True) as (cluster, proxy, client):
+        assert (await client.chat(chat_body(), headers=[(b"x-request-id", b"rid-1")])).status == 200
+        assert (await client.request("GET", "/nowhere")).status == 404
+    lines = [r.getMessage() for r in caplog.records if r.name == "epd_proxy.app"]
+    assert any(m.startswith("POST /v1/chat/completions -> 200") and "rid-1" in m for m in lines), lines
+    assert any(m.startswith("GET /nowhere -> 404") for m in lines), lines
+
+
+async def test_no_request_lines_by_default(caplog):
+    caplog.set_level(logging.DEBUG, logger="epd_proxy.app")
+    async with stack() as (cluster, proxy, client):
+        assert (await client.chat(chat_body())).status == 200
+    assert not [r for r in caplog.records if r.name == "epd_proxy.app" and "->" in r.getMessage()]
+
+
+async def test_models_with_no_decode_instance_is_503_with_retry_after():
+    from test_admin import empty_proxy
+
+    async with empty_proxy(decode=1, admin_api_key="K") as (cluster, proxy, client):
+        reply = await client.request("GET", "/v1/models")
+        assert reply.status == 503 and reply.headers[b"retry-after"] == b"5"
+        assert reply.json()["error"]["message"] == "no decode instance available"
+
+
+async def test_models_from_an_unreachable_decode_names_the_role_not_the_address():
+    async with stack(decode=2) as (cluster, proxy, client):
+        for inst in cluster.instances("decode"):
+            await inst.crash()
+        reply = await client.request("GET", "/v1/models")
+        assert reply.status == 502
+        message = reply.json()["error"]["message"]
+        assert message == "decode instance unreachable" and "127.0.0.1" not in message

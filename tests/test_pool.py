@@ -1,9 +1,12 @@
 from collections import Counter
 
+import pytest
+
 from helpers import wait_for
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.health import OutlierSettings
+from epd_proxy.errors import ProxyError
 from epd_proxy.pool import HALF_OPEN_SHARE, InstancePool, LeastLoaded, RoundRobin
 
 
@@ -134,4 +137,27 @@ async def test_a_draining_instance_gets_no_new_requests():
     pool._probe_failed(b, "timeout", "probe")
     assert b.state == "ejected"
     assert {pool.choose() for _ in range(4)} == {b}  # panic routing leaves draining ones out
+    await pool.close()
+
+
+async def test_added_instances_get_the_same_connection_cap_and_probes():
+    from epd_proxy.config import InstanceSpec
+
+    pool = InstancePool("decode", [InstanceSpec("http://127.0.0.1:9", "decode")], max_connections=7)
+    pool.start_probing(60.0, 0.1)
+    added = pool.add(InstanceSpec("http://127.0.0.1:10", "decode"))
+    assert added.http.max_connections == pool.instances[0].http.max_connections == 7
+    assert set(pool._probe_tasks) == set(pool.instances)
+    pool.remove(added)
+    assert added not in pool.instances and set(pool._probe_tasks) == set(pool.instances)
+    await pool.close()
+    await added.http.close()
+
+
+async def test_the_last_instance_draining_is_not_routed_to_in_panic():
+    pool = make_pool(1)
+    pool.drain(pool.instances[0])
+    with pytest.raises(ProxyError) as exc:
+        pool.choose()
+    assert exc.value.status == 503
     await pool.close()

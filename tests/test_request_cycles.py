@@ -24,7 +24,7 @@ from epd_proxy.config import InstanceSpec, Timeouts
 
 # The types of the request path (per request or per client connection).
 REQUEST_TYPES = {"Request", "ResponseWriter", "HttpServerProtocol", "RequestContext", "LegPlan", "DecodeLeg",
-                 "StreamRelay", "Response", "ProxyError", "UpstreamError", "Timeout"}
+                 "StreamRelay", "UsageRelay", "PrefillReport", "Response", "ProxyError", "UpstreamError", "Timeout"}
 
 
 def _alive() -> Counter:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 
 import msgspec
 
 from . import access_log, tracing
-from .config import ProxyConfig
+from .access import READ, AccessPolicy
+from .admin import AdminApi
+from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKeys, admin_key_presented, unauthorized
+from .config import ROLES, ProxyConfig
 from .connectors import CONNECTORS
 from .errors import ProxyError
 from .http.client import Timeouts, UpstreamError
@@ -16,6 +21,7 @@ from .http.server import Request, ResponseWriter
 from .metrics import ProxyMetrics
 from .health import OutlierSettings
 from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
+from .membership import Membership, check_registration
 from .pool import InstancePool
 
 log = logging.getLogger("epd_proxy.app")
@@ -26,11 +32,18 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 def validate_config(config: ProxyConfig) -> None:
     """Everything checkable before serving: raises ValueError with an operator-facing message."""
     config.validate()
+    ClientKeys.from_config(config)  # the key file can be read
     connector = CONNECTORS.get(config.kv_connector)
     if connector is None:
         raise ValueError(f"unknown --kv-connector {config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
     if config.prefill:
         connector.check_instances(config.prefill)
+    if config.topology != "auto":
+        for role in ROLES:
+            for spec in getattr(config, role):
+                reason = check_registration(spec, (), config.topology)
+                if reason is not None:
+                    raise ValueError(f"{spec.url}: {reason}")
 
 
 class ProxyApp:
@@ -39,17 +52,25 @@ class ProxyApp:
     def __init__(self, config: ProxyConfig) -> None:
         validate_config(config)
         self.config = config
+        # Every role has a pool, possibly empty: instances may register at run time.
         self.pools: dict[str, InstancePool] = {}
-        for role in ("encode", "prefill", "decode"):
-            specs = getattr(config, role)
-            if specs:
-                self.pools[role] = InstancePool(role, specs, policy=config.routing,
-                                                keep_alive=config.upstream_keep_alive,
-                                                fail_threshold=config.fail_threshold,
-                                                outlier=OutlierSettings.from_config(config),
-                                                max_connections=config.max_upstream_connections)
+        for role in ROLES:
+            specs = _with_ec_consumers(config) if role == "decode" else getattr(config, role)
+            self.pools[role] = InstancePool(role, specs, policy=config.routing,
+                                            keep_alive=config.upstream_keep_alive,
+                                            fail_threshold=config.fail_threshold,
+                                            outlier=OutlierSettings.from_config(config),
+                                            max_connections=config.max_upstream_connections)
+        connector = CONNECTORS[config.kv_connector]
+        self.membership = Membership(self.pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
+                                     check=lambda spec: connector.check_instances([spec])
+                                     if spec.role == "prefill" else None)
         self.metrics = ProxyMetrics(self.pools)
+        self.metrics.membership = self.membership
         self.pipeline = Pipeline(config, self.pools, self.metrics)
+        self.membership.subscribe(self._roster_changed)
+        self.admin = AdminApi(self.membership, AccessPolicy(config.admin_api_key, config.registration_allow),
+                              self.pipeline._base_headers)
         if access_log.enabled(config):
             self.pipeline.access_log = access_log.AccessLog(config.log_format)
         self.pipeline.tracing = tracing.from_environment()
@@ -58,29 +79,50 @@ class ProxyApp:
             ("POST", COMPLETIONS): self._generate_completions,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
+            ("HEAD", "/health"): self._health,
             ("GET", "/ready"): self._ready,
+            ("HEAD", "/ready"): self._ready,
             ("GET", "/status"): self._status,
             ("GET", "/metrics"): self._metrics,
+            ("POST", "/instances"): self.admin.register,
+            ("DELETE", "/instances"): self.admin.unregister,
+            ("GET", "/instances"): self.admin.roster,
+            ("POST", "/instances/drain"): self.admin.drain,
+            ("POST", "/start_profile"): self.admin.start_profile,
+            ("POST", "/stop_profile"): self.admin.stop_profile,
         }
         self._paths = {path for _, path in self._routes}
         self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
         self.siblings = None  # siblings.SiblingChannel with --workers > 1: /metrics, /status, /ready ask siblings
+        # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
+        # (/metrics needs the admin key with --protect-metrics).
+        self.client_keys = ClientKeys.from_config(config)
+        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics else None
+
+    def reload(self) -> None:
+        """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
+        read (the keys in force stay)."""
+        if self.client_keys is not None:
+            self.client_keys.reload()
 
     @property
     def topology(self) -> str:
-        roles = [r for r in ("encode", "prefill", "decode") if r in self.pools]
-        names = {"encode": "E", "prefill": "P", "decode": "D"}
-        if "prefill" not in self.pools:
-            return ("E+" if "encode" in self.pools else "") + "PD"
-        return "+".join(names[r] for r in roles)
+        """PD, E+PD, P+D or E+P+D: pinned, or what the roster holds (``none`` while empty)."""
+        return self.membership.topology
+
+    def _roster_changed(self, change) -> None:
+        if change.event in ("registered", "removed", "forgotten"):
+            self.pipeline.connector.forget(change.spec.url)
 
     async def start(self) -> None:
         await self.pipeline.connector.start()
         for pool in self.pools.values():
             pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
+        self.membership.start()
 
     async def close(self) -> None:
+        await self.membership.close()
         await self.pipeline.close()
         if self.pipeline.tracing is not None:
             self.pipeline.tracing.close()
@@ -90,6 +132,15 @@ class ProxyApp:
     async def __call__(self, req: Request, writer: ResponseWriter) -> None:
         if self.draining:
             writer.keep_alive = False
+        keys = self.client_keys
+        if keys is not None and req.path.startswith("/v1/"):
+            authorization = req.headers.get(b"authorization")
+            if not keys.allows(authorization):
+                # Before the route: an unauthenticated caller learns nothing about the API's paths.
+                body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
+                writer.send(401, body, b"application/json", CHALLENGE)
+                self._served(req, writer, time.perf_counter())
+                return
         handler = self._routes.get((req.method, req.path))
         if handler in self._generation:
             await handler(req, writer)  # the pipeline writes its own access-log line
@@ -104,6 +155,10 @@ class ProxyApp:
             self.metrics.observe_request("other", err.status, time.perf_counter() - t0)
         else:
             await handler(req, writer)
+        self._served(req, writer, t0)
+
+    def _served(self, req: Request, writer: ResponseWriter, t0: float) -> None:
+        """The access-log line of a request the pipeline did not run."""
         access = self.pipeline.access_log
         if access is not None:
             rid = client_request_id(req)
@@ -122,7 +177,7 @@ class ProxyApp:
         t = self.config.timeouts
         timeouts = Timeouts(connect=t.connect, headers=10.0, idle=10.0)
         tried = set()
-        last: ProxyError = ProxyError(503, "no healthy decode instance available")
+        last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:
                 inst = pool.choose(tried)
@@ -140,11 +195,11 @@ class ProxyApp:
             except UpstreamError as exc:
                 pool.record_failure(inst, str(exc))
                 log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
-                last = ProxyError(502, "decode instance unreachable")
+                last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
             writer.send(resp.status, data, resp.content_type)
             return
-        writer.send(last.status, last.body())
+        writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
 
     async def _health(self, req: Request, writer: ResponseWriter) -> None:
         """Liveness of the proxy itself: never waits on a backend."""
@@ -173,16 +228,19 @@ class ProxyApp:
     def _local_ready(self) -> tuple[int, dict]:
         if self.draining:
             return 503, {"status": "draining"}
-        missing = [role for role, pool in self.pools.items() if not pool.instances]
+        missing = [role for role in self.membership.required_roles() if not self.pools[role].instances]
         if missing:
             return 503, {"status": "unavailable", "no_instances": missing}
         return 200, {"status": "ready"}
 
     def _local_status(self) -> dict:
-        return {"topology": self.topology, "kv_connector": self.config.kv_connector if "prefill" in self.pools
-                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()}}
+        return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
+                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
+                "roster": self.membership.snapshot(), "pid": os.getpid()}  # pid: which --workers worker
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
+        if not self.admin.allowed(req, writer, READ):  # internal addresses: the admin key's, if one is set
+            return
         body = self._local_status()
         if self.siblings is not None:
             peers = await self.siblings.ask("status")
@@ -191,6 +249,10 @@ class ProxyApp:
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
+        if self._metrics_key is not None and not admin_key_presented(req.headers, self._metrics_key):
+            err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
+            writer.send(401, err.body(), b"application/json", CHALLENGE)
+            return
         peers = await self.siblings.ask("metrics") if self.siblings is not None else None
         writer.send(200, self.metrics.render(peers), _METRICS_TYPE)
 
@@ -234,3 +296,27 @@ def merge_pool_status(views: list[dict]) -> dict:
                 if inst["ejected_until"] is not None:
                     have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
     return {role: list(merged.values()) for role, merged in out.items()}
+
+
+def _with_ec_consumers(config: ProxyConfig) -> list:
+    """The decode specs with their EC consumer addresses (``--ec-consumer-zmq-addrs``,
+    aligned with them, ``--ec-consumer-dp-size`` each), so every decode instance
+    carries its own, as a registered one does."""
+    addrs, dp = config.ec_consumer_zmq_addrs, config.ec_consumer_dp_size
+    if not addrs:
+        return list(config.decode)
+    return [dataclasses.replace(spec, ec_zmq_addrs=tuple(addrs[i * dp:(i + 1) * dp]), dp_size=dp)
+            for i, spec in enumerate(config.decode)]
+
+
+def log_requests(handler):
+    """``--log-requests`` (the reference's flag): one debug line per request. Off by
+    default: the success path logs nothing."""
+    async def logged(req: Request, writer: ResponseWriter) -> None:
+        t0 = time.perf_counter()
+        try:
+            await handler(req, writer)
+        finally:
+            log.debug("%s %s -> %s in %.1f ms (%s)", req.method, req.target.decode("latin-1"), writer.status or 499,
+                      (time.perf_counter() - t0) * 1000, (req.header(b"x-request-id") or b"-").decode("latin-1"))
+    return logged

@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from .config import LOG_FORMATS, ProxyConfig, Timeouts, parse_instance, split_instances
+from .cluster_file import ClusterFileError, Option, read_cluster_path
+from .config import LOG_FORMATS, ROLES, ProxyConfig, Timeouts, split_discovered, split_instances
 
 _DEFAULTS = ProxyConfig()
 # Upstream credentials come only from explicit configuration: never from OPENAI_API_KEY,
@@ -24,11 +25,12 @@ def _add_serve(sub) -> None:
                                    "kv_port=5600'.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--encode", action="append", metavar="URL",
+    p.add_argument("--encode", "--encode-servers-urls", dest="encode", action="append", metavar="URL",
                    help="encoder instance(s); repeatable and comma-separated; omit for P/D only")
-    p.add_argument("--prefill", action="append", metavar="URL",
-                   help="prefill instance(s); omit (or 'none') for E+PD")
-    p.add_argument("--decode", action="append", metavar="URL", help="decode (or PD) instance(s)")
+    p.add_argument("--prefill", "--prefill-servers-urls", dest="prefill", action="append", metavar="URL",
+                   help="prefill instance(s); omit (or 'none'/'disable') for E+PD")
+    p.add_argument("--decode", "--decode-servers-urls", dest="decode", action="append", metavar="URL",
+                   help="decode (or PD) instance(s)")
     p.add_argument("--kv-connector", default="nixl", help="nixl (pull, default), nixl-push or mooncake")
     p.add_argument("--decode-retries", type=int, default=1,
                    help="fresh attempts after a retryable failure before the response starts (default 1)")
@@ -123,10 +125,45 @@ def _add_serve(sub) -> None:
                    help="seconds from a request's first byte to the end of its headers (408; default 10)")
     p.add_argument("--body-timeout", type=float, default=c.body_timeout,
                    help="seconds from the end of the headers to the end of the body (408; default 60)")
+    p.add_argument("--dynamic-registration", action="store_true",
+                   help="instances may register at run time (POST /instances); the proxy may start with "
+                        "none. Needs --admin-api-key or --registration-allow")
+    p.add_argument("--admin-api-key", default=os.environ.get("ADMIN_API_KEY") or c.admin_api_key,
+                   help="X-API-Key for roster changes, GET /instances, /status and profiling "
+                        "(default: $ADMIN_API_KEY; unset = roster changes off)")
+    p.add_argument("--registration-allow", action="append", default=[], metavar="CIDR",
+                   help="network allowed to register without a key (vLLM's registrar sends none); repeatable")
+    p.add_argument("--evicted-ttl", type=float, default=c.evicted_ttl,
+                   help="forget a registered instance out of rotation this long, in s "
+                        f"(default {c.evicted_ttl:g}; 0 = never)")
+    p.add_argument("--topology", default=c.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
+                   help="pin the topology (default: inferred from the instances present)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log every request's method, path, status and time (and set --log-level debug)")
+    p.add_argument("--api-key", action="append", default=list(c.api_keys), metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
+                        "default none: the API is open); /health, /ready and /metrics stay open")
+    p.add_argument("--api-key-file", default=c.api_key_file, metavar="PATH",
+                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
+    p.add_argument("--protect-metrics", action="store_true", default=c.protect_metrics,
+                   help="/metrics needs the admin key (--admin-api-key) as X-API-Key or Bearer")
+    p.add_argument("--ssl-certfile", default=c.ssl_certfile, metavar="PATH",
+                   help="serve HTTPS with this certificate chain (PEM), as vllm serve's flag")
+    p.add_argument("--ssl-keyfile", default=c.ssl_keyfile, metavar="PATH",
+                   help="the certificate's private key (PEM; default: in --ssl-certfile)")
     p.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
                    help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="cluster file (TOML) holding any of these flags as keys and the instances with "
+                        "their attributes; flags given here override it; re-read on SIGHUP and when it "
+                        "changes (see 'epd-proxy check-config')")
+    p.add_argument("--dns-interval", type=float, default=c.dns_interval,
+                   help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
+                        f"shorter record TTL (at least 1 s) is honoured (default {c.dns_interval:g} s)")
+    p.add_argument("--dns-server", metavar="HOST:PORT", default=c.dns_server,
+                   help="DNS server for 'dns+http://' instances (default: the system's resolver)")
     p.add_argument("--no-access-log", action="store_false", dest="access_log", default=c.access_log,
                    help="no access-log line per request (on by default, at INFO)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=c.log_format,
@@ -147,10 +184,14 @@ def _role_caps(values: list[str]) -> dict[str, int]:
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    static, discover = split_discovered({role: split_instances(getattr(args, role)) for role in ROLES})
     cfg = ProxyConfig(
-        encode=[parse_instance(u, "encode") for u in split_instances(args.encode)],
-        prefill=[parse_instance(u, "prefill") for u in split_instances(args.prefill)],
-        decode=[parse_instance(u, "decode") for u in split_instances(args.decode)],
+        encode=static["encode"],
+        prefill=static["prefill"],
+        decode=static["decode"],
+        discover=discover,
+        dns_interval=args.dns_interval,
+        dns_server=args.dns_server,
         kv_connector=args.kv_connector,
         decode_retries=args.decode_retries,
         encoder_max_batch_size=args.encoder_max_batch_size,
@@ -189,10 +230,136 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         queue_timeout=args.queue_timeout,
         shutdown_grace=args.shutdown_grace,
         shutdown_timeout=args.shutdown_timeout,
+        dynamic_registration=args.dynamic_registration,
+        admin_api_key=args.admin_api_key or None,
+        registration_allow=tuple(args.registration_allow),
+        evicted_ttl=args.evicted_ttl,
+        topology="P+D" if args.topology == "P/D" else args.topology,
+        log_requests=args.log_requests,
+        api_keys=tuple(args.api_key),
+        api_key_file=args.api_key_file or None,
+        protect_metrics=args.protect_metrics,
+        ssl_certfile=args.ssl_certfile or None,
+        ssl_keyfile=args.ssl_keyfile or None,
         access_log=args.access_log,
         log_format=args.log_format,
     )
     return cfg
+
+
+# Settings the cluster file may hold as a list although the flag takes one comma-separated string.
+_CSV_DESTS = {"ec_consumer_zmq_addrs", "allowed_media_schemes"}
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["serve"]
+    raise LookupError("serve")  # pragma: no cover
+
+
+def file_options(parser: argparse.ArgumentParser) -> dict[str, Option]:
+    """What the cluster file may set: every ``serve`` flag, typed as the flag is."""
+    out = {}
+    for action in _serve_parser(parser)._actions:
+        if action.dest in ("help", "config", *ROLES) or not action.option_strings:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            kind = "bool"
+        elif isinstance(action, argparse._AppendAction):
+            kind = "strlist"
+        elif action.type is int:
+            kind = "int"
+        elif action.type is float:
+            kind = "float"
+        elif action.type not in (None, str):
+            kind = "parsed"  # e.g. sizes: "64M"
+        else:
+            kind = "csv" if action.dest in _CSV_DESTS else "str"
+        out[action.dest] = Option(action.dest, kind, tuple(action.choices) if action.choices else None,
+                                  action.type if kind == "parsed" else None)
+    return out
+
+
+class ServeSettings:
+    """The ``serve`` settings: the cluster file (if any) under the flags given on the
+    command line. ``load()`` reads the file again, which is how a reload starts."""
+
+    def __init__(self, argv: list[str], args: argparse.Namespace) -> None:
+        self.argv = list(argv)
+        self.path: str | None = args.config
+        self._flags = args
+        self._explicit = _explicit_dests(argv) if self.path else set()
+        self.started: argparse.Namespace = args  # the settings the process started with
+
+    def load(self) -> argparse.Namespace:
+        """The merged settings; raises ValueError (ClusterFileError) with one line."""
+        args = argparse.Namespace(**vars(self._flags))
+        if self.path:
+            values = read_cluster_path(self.path, file_options(build_parser()))
+            for dest, value in values.items():
+                if dest not in self._explicit:
+                    setattr(args, dest, value)
+        return args
+
+    def config(self, args: argparse.Namespace | None = None) -> ProxyConfig:
+        args = args if args is not None else self.load()
+        cfg = config_from_args(args)
+        if not args.simulate:
+            from .app import validate_config
+
+            validate_config(cfg)
+        return cfg
+
+
+def _explicit_dests(argv: list[str]) -> set[str]:
+    """The ``serve`` settings given on the command line (these override the cluster file)."""
+    probe = build_parser()
+    for action in _serve_parser(probe)._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv))) - {"command"}
+
+
+def describe(cfg: ProxyConfig, args: argparse.Namespace) -> str:
+    """The resolved topology and settings, as ``check-config`` prints them."""
+    from .membership import infer_topology
+
+    roles = [r for r in ROLES if getattr(cfg, r) or any(s.role == r for s in cfg.discover)]
+    topology = infer_topology(roles, cfg.topology)
+    lines = [f"topology {topology}" + (f", kv-connector {cfg.kv_connector}" if "prefill" in roles else ""),
+             f"listen {args.host}:{args.port}, workers {args.workers}"]
+    for role in ROLES:
+        for spec in getattr(cfg, role):
+            lines.append(f"  {role:7s} {_spec_text(spec)}")
+        for spec in cfg.discover:
+            if spec.role == role:
+                lines.append(f"  {role:7s} {_spec_text(spec)} (every address of {spec.host}, re-resolved "
+                             f"at most every {cfg.dns_interval:g} s via "
+                             f"{cfg.dns_server or 'the system resolver'})")
+    return "\n".join(lines)
+
+
+def _spec_text(spec) -> str:
+    from .config import InstanceSpec
+
+    default = InstanceSpec(spec.url, spec.role)
+    attrs = [f"{f}={getattr(spec, f)}" for f in spec.__slots__
+             if f not in ("url", "role") and getattr(spec, f) != getattr(default, f)]
+    return ";".join([spec.url, *attrs])
+
+
+def _check_config(path: str) -> int:
+    settings = ServeSettings(["serve", "--config", path], build_parser().parse_args(["serve", "--config", path]))
+    try:
+        args = settings.load()
+        cfg = settings.config(args)
+    except ValueError as exc:
+        msg = str(exc)
+        print(f"epd-proxy check-config: {msg if msg.startswith(path) else f'{path}: {msg}'}", file=sys.stderr)
+        return 2
+    print(f"{path}: OK")
+    print(describe(cfg, args))
+    return 0
 
 
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -210,10 +377,15 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="epd-proxy",
                                      description="A proxy for disaggregated (encode/prefill/decode) vLLM.")
+    parser.add_argument("--version", action="version", version=f"epd-proxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    check = sub.add_parser("check-config", help="validate a cluster file and print the resolved topology")
+    check.add_argument("file", metavar="FILE")
     sim = sub.add_parser("sim", help="run simulated vLLM instances")
     try:
         from .sim import cli as sim_cli
@@ -243,19 +415,32 @@ def _configure_logging(level: str, fmt: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "check-config":
+        return _check_config(args.file)
     if args.command == "serve":
+        settings = ServeSettings(sys.argv[1:] if argv is None else argv, args)
+        try:
+            args = settings.started = settings.load()
+        except ClusterFileError as exc:  # one line, no usage text: the flags were fine
+            print(f"epd-proxy serve: {exc}", file=sys.stderr)
+            return 2
+        if args.log_requests:
+            args.log_level = "debug"
         _configure_logging(args.log_level, args.log_format)
         try:
-            cfg = config_from_args(args)
-            if not args.simulate:
-                from .app import validate_config
+            cfg = settings.config(args)
+            from .serve import tls_context
 
-                validate_config(cfg)
+            tls_context(cfg)  # the certificate and key load
         except ValueError as exc:
+            if settings.path:
+                print(f"epd-proxy serve: {settings.path}: {exc}", file=sys.stderr)
+                return 2
             parser.error(str(exc))
         from .serve import serve
 
-        return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate)
+        return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate,
+                     settings=settings if settings.path else None)
     if args.command == "sim":
         import asyncio
 

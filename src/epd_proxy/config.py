@@ -11,10 +11,13 @@ it answers (push mode dispatches decode before prefill has said anything).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 ROLES = ("encode", "prefill", "decode")
+# What the roster may be: inferred from what registered ("auto"), or pinned.
+TOPOLOGIES = ("auto", "PD", "E+PD", "P+D", "E+P+D")
 
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
 _KNOWN_ATTRS = {"engine_id", "kv_host"} | _INT_ATTRS
@@ -34,6 +37,11 @@ class InstanceSpec:
     pp: int = 1
     bootstrap_port: int | None = None  # Mooncake bootstrap (VLLM_MOONCAKE_BOOTSTRAP_PORT)
     dp_size: int = 1
+    # Where an encoder pushes embeddings for this instance, one per DP replica (E+PD
+    # with a push EC connector): from its registration, or --ec-consumer-zmq-addrs.
+    ec_zmq_addrs: tuple[str, ...] = ()
+    # Registered as ``prefill_decode``: one instance doing both (it routes as decode).
+    pd: bool = False
 
     @property
     def host(self) -> str:
@@ -75,6 +83,28 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
         else:
             attrs[key] = value
     return InstanceSpec(url=url.rstrip("/"), role=role, **attrs)  # type: ignore[arg-type]
+
+
+DNS_PREFIX = "dns+"  # ``dns+http://NAME:PORT``: every address NAME resolves to is an instance
+
+
+def split_discovered(texts: dict[str, list[str]]) -> tuple[dict[str, list[InstanceSpec]], list[InstanceSpec]]:
+    """Per role, the instances given by address, and the ``dns+`` ones (kept as templates
+    whose host is re-resolved: discovery.py). Raises ValueError like ``parse_instance``."""
+    static: dict[str, list[InstanceSpec]] = {}
+    discover: list[InstanceSpec] = []
+    for role, items in texts.items():
+        static[role] = []
+        for text in items:
+            if text.strip().lower().startswith(DNS_PREFIX):
+                spec = parse_instance(text.strip()[len(DNS_PREFIX):], role)
+                if spec.engine_id or spec.kv_host:
+                    raise ValueError(f"{role} instance {text!r}: engine_id and kv_host name one instance; "
+                                     f"a DNS name stands for several")
+                discover.append(spec)
+            else:
+                static[role].append(parse_instance(text, role))
+    return static, discover
 
 
 def split_instances(values: list[str] | None) -> list[str]:
@@ -173,6 +203,10 @@ class ProxyConfig:
     ejection_time: float = 10.0  # base ejection time, times the number of ejections in a row
     max_ejection_time: float = 300.0
     max_ejection_percent: int = 50  # of a role, by passive signals (rounded down)
+    # DNS discovery (docs/architecture.md, "Discovery and reload"): templates whose host is a DNS name.
+    discover: list[InstanceSpec] = field(default_factory=list)
+    dns_interval: float = 10.0  # longest wait between re-resolutions (a shorter TTL is honoured)
+    dns_server: str | None = None  # HOST:PORT; None = the system's resolver
     # The front door (http/server.py): what one client may send and how slowly, and
     # how much all of them together may hold.
     max_body_size: int = 64 * 1024 * 1024  # one request body (413 beyond)
@@ -199,13 +233,46 @@ class ProxyConfig:
     allowed_media_schemes: tuple[str, ...] = ("http", "https", "data")
     # Hosts or networks media URLs may name even when they are loopback, private, link-local...
     allowed_media_hosts: tuple[str, ...] = ()
+    # Membership (docs/architecture.md, "Membership").
+    dynamic_registration: bool = False  # may start with no instance; they register at run time
+    admin_api_key: str | None = None  # X-API-Key for roster changes, /instances, /status, profiling
+    registration_allow: tuple[str, ...] = ()  # CIDRs that may register without a key
+    evicted_ttl: float = 900.0  # an instance out of rotation this long is forgotten (0 = never)
+    topology: str = "auto"  # or pinned: PD, E+PD, P+D, E+P+D
+    log_requests: bool = False
+    # Access and TLS (docs/architecture.md, "Access and TLS").
+    api_keys: tuple[str, ...] = ()  # keys clients send as "Authorization: Bearer" for /v1/* (none = open)
+    api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
+    protect_metrics: bool = False  # /metrics needs the admin key
+    ssl_certfile: str | None = None  # the listener speaks TLS with this certificate (PEM) ...
+    ssl_keyfile: str | None = None  # ... and this private key (PEM; default: in the certificate file)
     # Logs (access_log.py): a line per request at INFO, and the format of every line.
     access_log: bool = True
     log_format: str = "text"  # or "json"
 
     def validate(self) -> None:
-        if not self.decode:
-            raise ValueError("at least one --decode instance is required")
+        if not self.decode and not self.dynamic_registration and not any(s.role == "decode"
+                                                                         for s in self.discover):
+            raise ValueError("at least one --decode instance is required (or --dynamic-registration, or a "
+                             "dns+http:// decode instance)")
+        if self.dns_interval <= 0:
+            raise ValueError("--dns-interval must be > 0")
+        if self.dns_server:
+            from .discovery import parse_server
+
+            parse_server(self.dns_server)
+        if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
+            raise ValueError("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
+                             "--registration-allow CIDR: otherwise nothing may register")
+        if self.evicted_ttl < 0:
+            raise ValueError("--evicted-ttl must be >= 0 (0 = never forget)")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
+        for cidr in self.registration_allow:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"--registration-allow {cidr!r}: not a network (e.g. 10.0.0.0/8)") from None
         if self.decode_retries < 0:
             raise ValueError("--decode-retries must be >= 0")
         if self.encoder_max_batch_size < 0:
@@ -250,6 +317,10 @@ class ProxyConfig:
             if role not in ("encode", "prefill") or n < 0:
                 raise ValueError(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
                                  f"(decode's cap is --max-inflight) and the cap >= 0")
+        if self.protect_metrics and not self.admin_api_key:
+            raise ValueError("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
         if self.shutdown_grace < 0 or self.shutdown_timeout < 0:
             raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
         if self.timeouts.first_byte < 0:

@@ -50,6 +50,10 @@ class KVConnector:
     async def start(self) -> None:
         """Learn what the connector needs from the instances before serving (optional)."""
 
+    def forget(self, url: str) -> None:
+        """The instance at ``url`` joined or left the roster: drop what was learnt about it
+        (a restarted instance on the same address is a new engine)."""
+
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         raise NotImplementedError
 
@@ -196,6 +200,10 @@ class Mooncake(NixlPush):
     async def start(self) -> None:
         await asyncio.gather(*(self._query(inst) for inst in self.prefill.pool.instances),
                              return_exceptions=True)
+
+    def forget(self, url: str) -> None:
+        self._engines.pop(url, None)
+        self._rank_cursor.pop(url, None)
 
     async def _query(self, inst: Instance) -> list[str]:
         known = self._engines.get(inst.url)

@@ -16,7 +16,7 @@ class RequestContext:
     """
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace",
-                 "_base_headers", "_held")
+                 "_base_headers", "_held", "prefill_report")
 
     def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
@@ -28,6 +28,9 @@ class RequestContext:
         self._held: list[Instance] = []
         self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
         self.trace = None  # tracing.RequestTrace when tracing is on
+        # The prefill's answer about the prompt (usage.py), for the client's usage; set by
+        # the prefill stage, cleared at each attempt's start.
+        self.prefill_report = None
 
     def upstream_headers(self, request_id: str | None = None, extra: list | None = None) -> list:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]

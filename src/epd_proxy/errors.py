@@ -11,9 +11,11 @@ import msgspec
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
+    409: "ConflictError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",

@@ -32,7 +32,7 @@ from typing import NamedTuple
 HEALTHY = "healthy"
 EJECTED = "ejected"
 HALF_OPEN = "half-open"  # an ejection ran out: a share of live traffic decides
-DRAINING = "draining"  # an operator asked it to leave (set by the membership work)
+DRAINING = "draining"  # an operator asked it to leave (set by membership.py; it gets no new requests)
 
 # Why an instance was ejected: it decides what may end the ejection early.
 BY_PROBE = "probe"  # probes failed (or kept failing): a probe or request success ends it

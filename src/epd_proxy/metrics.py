@@ -111,8 +111,22 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                 "in rotation.", ("role",)),
     "epd_proxy_local_errors": ("counter", "Upstream connects that failed for lack of the proxy's own "
                                "resources (EMFILE, ENOBUFS, memory); never blamed on an instance.", ("role",)),
+    "epd_proxy_roster_instances": ("gauge", "Instances in the roster, by registered role and state (healthy, "
+                                   "ejected, half-open, draining; leaving = removed, requests still in flight).",
+                                   ("role", "state")),
+    "epd_proxy_registrations": ("counter", "Instances that joined the roster, by role.", ("role",)),
+    "epd_proxy_removals": ("counter", "Instances that left the roster, by role and why (unregistered, drained, "
+                           "forgotten).", ("role", "reason")),
+    "epd_proxy_dns_lookups": ("counter", "Re-resolutions of dns+ instance names, by result (failed: the known "
+                              "instances were kept).", ("result",)),
+    "epd_proxy_reloads": ("counter", "Reloads (SIGHUP or a changed cluster file), by result (failed: the running "
+                          "configuration was kept).", ("result",)),
     "epd_proxy_workers": ("gauge", "Worker processes whose numbers this scrape includes.", ()),
 }
+# The roster is shared by the workers (each applies every change) and a reload reaches each
+# of them: across workers these take the largest value, not the sum.
+_MAX_ACROSS_WORKERS = {"epd_proxy_roster_instances", "epd_proxy_registrations", "epd_proxy_removals",
+                       "epd_proxy_reloads"}
 
 # The process_* and python_* families (prometheus_client's own collectors), per process.
 _RUNTIME = CollectorRegistry(auto_describe=False)
@@ -144,7 +158,10 @@ class ProxyMetrics:
         self.admission = None  # admission.Admission, read at scrape time
         self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
+        self.membership = None  # set by the app: roster size and changes
         self.front_door = None  # http.server.HttpServer, read at scrape time
+        self.discovery = None  # discovery.DnsDiscovery (dns+ instances), read at scrape time
+        self.reloader = None  # reload.Reloader (SIGHUP, cluster file), read at scrape time
 
     # -- recording (hot path) -------------------------------------------------------------
     def observe_request(self, endpoint: str, status: int, seconds: float, stream: bool = False) -> None:
@@ -231,6 +248,16 @@ class ProxyMetrics:
                 f["epd_proxy_instance_ejections"].append([role, url, inst.health.ejections])
             f["epd_proxy_panic_routing"].append([role, pool.panics])
             f["epd_proxy_local_errors"].append([role, pool.local_errors])
+        m = self.membership
+        if m is not None:
+            f["epd_proxy_roster_instances"] = [[r, st, n] for (r, st), n in m.counts().items()]
+            f["epd_proxy_registrations"] = [[r, n] for r, n in m.registrations.items()]
+            f["epd_proxy_removals"] = [[r, why, n] for (r, why), n in m.removals.items()]
+        if self.discovery is not None:
+            f["epd_proxy_dns_lookups"] = [["ok", self.discovery.lookups], ["failed", self.discovery.failures]]
+        if self.reloader is not None:
+            r = self.reloader
+            f["epd_proxy_reloads"] = [["ok", r.reloads - r.failures], ["failed", r.failures]]
         runtime = []
         for fam in _RUNTIME.collect():
             runtime.append([fam.name, fam.type, fam.documentation, [[s.name, s.labels, s.value] for s in fam.samples]])
@@ -285,6 +312,10 @@ def merge(snapshots: list[dict]) -> dict[str, dict[tuple, object]]:
                         series[key] = (list(counts), total)
                     else:
                         series[key] = ([a + b for a, b in zip(have[0], counts)], have[1] + total)
+            elif name in _MAX_ACROSS_WORKERS:
+                for row in rows:
+                    key = tuple(row[:-1])
+                    series[key] = max(series.get(key, 0), row[-1])
             else:
                 for row in rows:
                     key = tuple(row[:-1])

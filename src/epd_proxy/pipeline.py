@@ -29,9 +29,11 @@ from .http.server import Request, ResponseWriter
 from .ids import hex_id
 from .metrics import ProxyMetrics
 from .media_policy import MediaPolicy
+from .membership import TOPOLOGY_ROLES
 from .multimodal import MediaItem, own_media
 from .pool import Instance, InstancePool
 from .relay import StreamRelay, relay_stream
+from .usage import rewrite_usage
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
 
 log = logging.getLogger("epd_proxy.pipeline")
@@ -122,22 +124,24 @@ class Pipeline:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
-        self.encode = pools.get("encode")
-        self.prefill = pools.get("prefill")
+        # Every role's pool exists, possibly empty (instances register at run time).
+        self.encode = pools["encode"] if "encode" in pools else InstancePool("encode", ())
+        self.prefill = pools["prefill"] if "prefill" in pools else InstancePool("prefill", ())
         self.decode = pools["decode"]
+        # A stage is needed (its empty pool answers 503) when the topology is pinned to
+        # it or the flags gave it instances; otherwise it runs while it has instances.
+        needed = set(TOPOLOGY_ROLES.get(config.topology, ()))
+        needed.update(r for r in ("encode", "prefill") if getattr(config, r))
+        self._need_encode = "encode" in needed
+        self._need_prefill = "prefill" in needed
         self.fanout = EncoderFanout(self.encode, max_batch=config.encoder_max_batch_size,
-                                    rewrite=config.rewrite, timeout=t.encode,
-                                    connect_timeout=t.connect) if self.encode else None
-        if self.fanout is not None:
-            self.fanout.observe_sub_request = metrics.observe_encoder_request
-        prefill_stage = PrefillStage(self.prefill, timeout=t.prefill,
-                                     connect_timeout=t.connect) if self.prefill else None
+                                    rewrite=config.rewrite, timeout=t.encode, connect_timeout=t.connect)
+        prefill_stage = PrefillStage(self.prefill, timeout=t.prefill, connect_timeout=t.connect)
+        self.fanout.observe_sub_request = metrics.observe_encoder_request
         decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                                    connect_timeout=t.connect)
-        if self.prefill:
-            self.connector: KVConnector = CONNECTORS[config.kv_connector](prefill_stage, decode_stage)
-        else:
-            self.connector = DecodeOnly(None, decode_stage)
+        self.connector: KVConnector = CONNECTORS[config.kv_connector](prefill_stage, decode_stage)
+        self.decode_only = DecodeOnly(None, decode_stage)  # no prefill instances (E+PD, PD)
         self.retries = config.decode_retries
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._dp_counter = itertools.count()
@@ -150,7 +154,7 @@ class Pipeline:
         self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
         self.role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
-                          for role, n in config.max_inflight_per_role.items() if n > 0 and pools.get(role)}
+                          for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}
         metrics.role_admission = self.role_caps
         self.first_byte = t.first_byte
         self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
@@ -213,12 +217,16 @@ class Pipeline:
             self.metrics.observe_commit(path, time.perf_counter() - t0, ctx.upstream, leg.body is None)
             ok = False
             try:
+                report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
                 if leg.body is not None:
-                    writer.send(leg.resp.status, leg.body, leg.resp.content_type, headers)
+                    answer = leg.body if report is None else rewrite_usage(leg.body, report)
+                    writer.send(leg.resp.status, answer, leg.resp.content_type, headers)
                     ok = True
-                    outcome, answer = "ok", leg.body
+                    outcome = "ok"
                 else:
-                    relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion)
+                    relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
+                                               ctx if (report is not None or leg.companion is not None)
+                                               and _wants_usage(body) else None)
                     ok = relay.error is None
                     outcome, answer = "ok" if ok else "in_band_error", relay.final_bytes()
                     gap = relay.gap()
@@ -337,11 +345,12 @@ class Pipeline:
 
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """One attempt builds every handle anew from the untouched client body."""
+        ctx.prefill_report = None
         d = self.decode.choose(ctx.excluded)
-        p = self.prefill.choose(ctx.excluded) if self.prefill else None
+        p = self.prefill.choose(ctx.excluded) if self.prefill or self._need_prefill else None
         dp_headers, consumer_zmq = self._ec_consumer(d)
         caps = self.role_caps
-        if items and self.fanout is not None:
+        if items and (self.encode or self._need_encode):
             cap = caps.get("encode") if caps else None
             if cap is not None:
                 await _take_slot("encode", cap)
@@ -352,13 +361,14 @@ class Pipeline:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:
                     cap.leave()
+        connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:
             # Held until decode's first event: in push mode the prefill runs that long anyway.
             await _take_slot("prefill", cap)
         t = time.perf_counter()
         try:
-            return await self.connector.open(ctx, LegPlan(body, p, d, dp_headers))
+            return await connector.open(ctx, LegPlan(body, p, d, dp_headers))
         finally:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
@@ -404,19 +414,23 @@ class Pipeline:
 
     def _ec_consumer(self, d: Instance) -> tuple[list | None, str | None]:
         """E+PD with a push EC connector: the decode replica that receives the embeddings."""
-        cfg = self.config
-        dp = cfg.ec_consumer_dp_size
+        spec = d.spec  # its addresses: from its registration or --ec-consumer-zmq-addrs
+        dp = spec.dp_size if spec.dp_size > 1 else self.config.ec_consumer_dp_size
         rank = next(self._dp_counter) % dp if dp > 1 else None
         headers = [(b"x-data-parallel-rank", str(rank).encode())] if rank is not None else None
-        zmq = None
-        if cfg.ec_consumer_zmq_addrs:
-            index = self.decode.instances.index(d)
-            zmq = cfg.ec_consumer_zmq_addrs[index * dp + (rank or 0)]
+        addrs = spec.ec_zmq_addrs
+        zmq = addrs[(rank or 0) % len(addrs)] if addrs else None
         return headers, zmq
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
 _NO_USAGE = (None, None)
+
+
+def _wants_usage(body: dict) -> bool:
+    """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 async def _take_slot(role: str, cap: Admission) -> None:

@@ -117,11 +117,11 @@ class InstancePool:
                  outlier: OutlierSettings | None = None, max_connections: int | None = None) -> None:
         self.role = role
         # Retire pooled sockets at half the server's keep-alive, before it closes them.
-        idle = keep_alive / 2 if keep_alive > 0 else 0.0
+        self._idle = keep_alive / 2 if keep_alive > 0 else 0.0
+        self._default_headers = default_headers
         # ``max_connections``: the per-instance cap on concurrent upstream connections (None: none).
-        self.instances = [Instance(s, ConnectionPool(s.url, idle_timeout=idle, default_headers=default_headers,
-                                                     max_connections=max_connections))
-                          for s in specs]
+        self._max_connections = max_connections
+        self.instances = [self._new_instance(s) for s in specs]
         self.policy: RoutingPolicy = POLICIES[policy]()
         # ``outlier`` carries every knob; ``fail_threshold`` alone is the short form.
         settings = outlier or OutlierSettings(fail_threshold=max(1, fail_threshold))
@@ -131,7 +131,8 @@ class InstancePool:
         self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
         self._last_panic_log = -PANIC_LOG_INTERVAL
         self._picks = 0
-        self._probe_tasks: list[asyncio.Task] = []
+        self._probe_tasks: dict[Instance, asyncio.Task] = {}
+        self._probing: tuple[float, float] | None = None  # (interval, timeout) once started
         # Routing lists, rebuilt on every state change (never per request).
         self._healthy: list[Instance] = []
         self._half_open: list[Instance] = []
@@ -186,7 +187,7 @@ class InstancePool:
         return None
 
     def _panic(self, exclude) -> list[Instance]:
-        if not self.instances:
+        if not self._panic_set:  # none at all, or every one draining
             raise ProxyError(503, f"no {self.role} instance available", retryable=False)
         self.panics += 1
         now = time.monotonic()
@@ -202,7 +203,38 @@ class InstancePool:
         self._healthy = [i for i in insts if i.health.state is HEALTHY]
         self._half_open = [i for i in insts if i.health.state is HALF_OPEN]
         self._out = sum(1 for i in insts if i.health.out)
-        self._panic_set = [i for i in insts if i.health.state is not DRAINING] or list(insts)
+        # Draining instances get no new requests, not even in panic: otherwise one that
+        # is the last of its role would never become idle and leave.
+        self._panic_set = [i for i in insts if i.health.state is not DRAINING]
+
+    # -- membership (membership.py decides; this keeps the routing lists in step) ------------
+    def _new_instance(self, spec: InstanceSpec) -> Instance:
+        return Instance(spec, ConnectionPool(spec.url, idle_timeout=self._idle,
+                                             default_headers=self._default_headers,
+                                             max_connections=self._max_connections))
+
+    def add(self, spec: InstanceSpec) -> Instance:
+        """A new instance, in rotation at once (and probed, if probing is on). The
+        policy's cursor is left alone: a join never restarts the rotation."""
+        inst = self._new_instance(spec)
+        self.instances.append(inst)
+        self._refresh()
+        if self._probing is not None:
+            self._start_probe(inst, *self._probing)
+        return inst
+
+    def remove(self, inst: Instance) -> None:
+        """Out of the roster now: no new request picks it. Requests holding it carry on;
+        the caller closes its connections (``inst.http``) once it is idle."""
+        try:
+            self.instances.remove(inst)
+        except ValueError:
+            return
+        task = self._probe_tasks.pop(inst, None)
+        if task is not None:
+            task.cancel()
+        self._cancel_expiry(inst)
+        self._refresh()
 
     def find(self, url: str) -> Instance | None:
         for inst in self.instances:
@@ -339,10 +371,15 @@ class InstancePool:
             self._ejected(inst, verdict, reason)
 
     def start_probing(self, interval: float, timeout: float) -> None:
-        if interval > 0 and self.instances and not self._probe_tasks:
-            loop = asyncio.get_running_loop()
-            self._probe_tasks = [loop.create_task(self._probe_loop(i, interval, timeout))
-                                 for i in self.instances]
+        """Probe every instance, and every one added later."""
+        if interval > 0 and self._probing is None:
+            self._probing = (interval, timeout)
+            for inst in self.instances:
+                self._start_probe(inst, interval, timeout)
+
+    def _start_probe(self, inst: Instance, interval: float, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._probe_tasks[inst] = loop.create_task(self._probe_loop(inst, interval, timeout))
 
     async def _probe_loop(self, inst: Instance, interval: float, timeout: float) -> None:
         """One instance's probes: at ``interval`` while it is steady, at the fast
@@ -361,7 +398,8 @@ class InstancePool:
             await asyncio.sleep(max(0.0, started + (interval if steady else fast) - loop.time()))
 
     async def close(self) -> None:
-        tasks, self._probe_tasks = self._probe_tasks, []
+        tasks, self._probe_tasks = list(self._probe_tasks.values()), {}
+        self._probing = None
         for task in tasks:
             task.cancel()
         if tasks:

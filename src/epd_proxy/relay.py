@@ -15,6 +15,7 @@ from time import perf_counter
 from .errors import ProxyError
 from .http.client import Response
 from .http.server import FlowListener, ResponseWriter
+from .usage import rewrite_final_usage_events
 
 # A "partial event" larger than this is not SSE framing we understand: pass it on.
 _MAX_HELD = 1 << 20
@@ -91,12 +92,43 @@ class StreamRelay(FlowListener):
             self.resp.resume_reading()
 
 
+class UsageRelay(StreamRelay):
+    """A relay that rewrites the usage of decode's final usage event (usage.py), for a P/D
+    stream whose client asked for usage; every other byte goes out as received."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, writer: ResponseWriter, resp: Response, ctx) -> None:
+        super().__init__(writer, resp)
+        self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
+
+    def on_data(self, data: bytes) -> None:
+        self.events += data.count(b"\n\n")
+        if self._tail:
+            data = self._tail + data
+            self._tail = b""
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_HELD:
+                self.writer.write(data)
+            else:
+                self._tail = data
+            return
+        events, self._tail = data[: cut + 2], data[cut + 2:]
+        report = self.ctx.prefill_report
+        if report is not None and b'"usage"' in events:
+            events = rewrite_final_usage_events(events, report)
+        self.prev, self.last = self.last, events  # what the client got: its usage for the access log
+        self.writer.write(events)
+
+
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: list,
-                       companion: asyncio.Future | None = None) -> StreamRelay:
-    """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed)."""
+                       companion: asyncio.Future | None = None, usage_ctx=None) -> StreamRelay:
+    """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
+    With ``usage_ctx`` (a RequestContext) the final usage event is rewritten (UsageRelay)."""
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
-    relay = StreamRelay(writer, resp)
+    relay = StreamRelay(writer, resp) if usage_ctx is None else UsageRelay(writer, resp, usage_ctx)
     writer.flow = relay
     if writer.writing_paused:
         relay.pause()  # the client was already behind before the relay attached

@@ -2,18 +2,21 @@
 
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
-has its own pools, cursors and metrics (documented in docs/architecture.md);
-``/metrics``, ``/status`` and ``/ready`` answer for all of them (``siblings.py``).
+has its own pools, cursors and metrics; the roster is shared and the parent
+supervises (workers.py). SIGHUP reloads (reload.py). ``/metrics``, ``/status`` and
+``/ready`` answer for all the workers (siblings.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 
@@ -22,11 +25,14 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     resource = None
 
-from .app import ProxyApp
+from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
+from .discovery import DnsDiscovery
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
+from .reload import Reloader
 from .siblings import SiblingChannel
+from .workers import PeerLink, SharedRoster, make_links, supervise
 
 log = logging.getLogger("epd_proxy")
 
@@ -42,15 +48,27 @@ def install_uvloop() -> None:
 class RunningProxy:
     """A started proxy (app + listening server), for tests and embedding."""
 
-    def __init__(self, app: ProxyApp, server: HttpServer) -> None:
+    def __init__(self, app: ProxyApp, server: HttpServer, discovery: DnsDiscovery | None = None) -> None:
         self.app = app
         self.server = server
+        self.discovery = discovery  # following the config's dns+ instances, if any
+        self.shared: SharedRoster | None = None  # --workers: the roster shared with the other workers
+        self.reloader: Reloader | None = None  # SIGHUP (serve's processes only)
+
+    def apply_roster(self, specs: list[InstanceSpec], source: str):
+        """``Membership.apply`` for changes every worker makes by itself (reload, DNS)."""
+        if self.shared is None:
+            return self.app.membership.apply(specs, source=source)
+        with self.shared.local():
+            return self.app.membership.apply(specs, source=source)
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.host}:{self.server.port}"
+        return listen_url(self.server.host, self.server.port, tls=self.server.tls)
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.server.close()
         await self.app.close()
 
@@ -98,14 +116,68 @@ class RunningProxy:
         await self.close()
 
 
+def listen_url(host: str, port: int, *, tls: bool = False) -> str:
+    """The URL of a listening address; an IPv6 address goes in brackets (RFC 3986)."""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+class ListenError(Exception):
+    """The listener could not be opened (the port is in use, the address is not local, ...): one
+    line for the operator, not a traceback."""
+
+
+def tls_context(config: ProxyConfig) -> ssl.SSLContext | None:
+    """The listener's TLS context (``--ssl-certfile``/``--ssl-keyfile``), built once; None for plain HTTP."""
+    if not config.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile}"
+                         f"{' / ' + config.ssl_keyfile if config.ssl_keyfile else ''}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    return ctx
+
+
 async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
                       backlog: int = 4096, reuse_port: bool = False) -> RunningProxy:
+    tls = tls_context(config)
     app = ProxyApp(config)
     await app.start()
-    server = await HttpServer(app, limits=server_limits(config), on_large_release=trim_heap).start(
-        host, port, backlog=backlog, reuse_port=reuse_port)
+    handler = log_requests(app) if config.log_requests else app
+    try:
+        server = await HttpServer(handler, limits=server_limits(config), on_large_release=trim_heap).start(
+            host, port, backlog=backlog, reuse_port=reuse_port, ssl=tls)
+    except OSError as exc:
+        await app.close()
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            reason += " (another process listens there; choose another --port)"
+        raise ListenError(f"cannot listen on {listen_url(host, port, tls=tls is not None)}: {reason}") from None
+    except BaseException:
+        await app.close()
+        raise
     app.metrics.front_door = server
-    return RunningProxy(app, server)
+    proxy = RunningProxy(app, server)
+    if config.discover:
+        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
+        proxy.discovery.set_targets(config.discover)
+        app.metrics.discovery = proxy.discovery
+    return proxy
+
+
+def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:
+    """A reloaded cluster file's instances into the roster, as one diff (requests in
+    flight on an instance that leaves finish), and its DNS names into discovery."""
+    proxy.apply_roster([*config.encode, *config.prefill, *config.decode], source="static")
+    if config.discover and proxy.discovery is None:
+        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
+        proxy.app.metrics.discovery = proxy.discovery
+    if proxy.discovery is not None:
+        proxy.discovery.set_targets(config.discover)
 
 
 # Descriptors kept for what is not a client or upstream connection: the listening
@@ -175,9 +247,10 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
-                         simulate: str | None, announce: bool, worker: bool = False,
+                         simulate: str | None, announce: bool, worker: bool = False, settings=None,
+                         link: PeerLink | None = None, watch: bool = True,
                          siblings: SiblingChannel | None = None) -> None:
-    """Serve until a signal, then shut down gracefully.
+    """Serve until a signal, then shut down gracefully; SIGHUP reloads (reload.py).
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
     As a ``--workers`` worker, SIGTERM starts it (again and again: a service manager that
@@ -191,7 +264,24 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         cluster = SimCluster.from_spec(simulate)
         await cluster.start()
         config = config_for_cluster(cluster, config)
-    proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    try:
+        proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+    except BaseException:
+        if cluster is not None:
+            await cluster.stop()
+        raise
+    if link is not None:
+        proxy.shared = SharedRoster(proxy.app.membership, link)
+    reloader = Reloader(settings, lambda cfg: apply_config(proxy, cfg),
+                        args=settings.started if settings is not None else None, watch=watch)
+    reloader.start()
+    proxy.reloader = reloader  # other reloadable things: proxy.reloader.on_reload(hook)
+    if config.api_key_file:
+        reloader.on_reload(proxy.app.reload)  # the client key file (client_auth.py)
+    proxy.app.metrics.reloader = reloader
+    if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
+        _EARLY_SIGHUP.clear()
+        reloader.request()
     if siblings is not None:
         await siblings.start(proxy.app.answer_sibling)
         proxy.app.siblings = siblings
@@ -221,6 +311,9 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     finally:
         if siblings is not None:
             await siblings.close()
+        await reloader.close()
+        if link is not None:
+            link.close()
         await proxy.close()
         if cluster is not None:
             await cluster.stop()
@@ -228,10 +321,19 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
 
 def _announce(proxy: RunningProxy, cluster) -> None:
     app = proxy.app
-    lines = [f"epd-proxy listening on {proxy.url} ({app.topology}"
-             + (f", kv-connector {app.config.kv_connector})" if "prefill" in app.pools else ")")]
+    topology = app.topology + (" pinned" if app.config.topology != "auto" else "")
+    if app.topology == "none":
+        topology = ("no instances yet: resolving DNS names" if app.config.discover
+                    else "no instances yet: waiting for registrations (POST /instances)")
+    lines = [f"epd-proxy listening on {proxy.url} ({topology}"
+             + (f", kv-connector {app.config.kv_connector})" if app.pools["prefill"] else ")")]
     for role, pool in app.pools.items():
-        lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+        if pool.instances:
+            lines.append(f"  {role:7s} " + ", ".join(i.url for i in pool.instances))
+    for spec in app.config.discover:
+        lines.append(f"  {spec.role:7s} dns+{spec.url} (every address it resolves to)")
+    if app.admin.access.registration_on:
+        lines.append("  registration: on (POST /instances)")
     if cluster is not None:
         lines.append("  (simulated vLLM instances in this process)")
         lines.append("")
@@ -253,16 +355,33 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None) -> int:
-    """Run until SIGINT/SIGTERM. Returns the exit status."""
+_EARLY_SIGHUP: list[int] = []
+
+
+def _early_sighup(signum, _frame) -> None:
+    _EARLY_SIGHUP.append(signum)
+
+
+def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None,
+          settings=None) -> int:
+    """Run until SIGINT/SIGTERM; SIGHUP reloads. ``settings`` (cli.ServeSettings) is
+    where a reload re-reads the cluster file. Returns the exit status."""
     tune_gc()
     raise_fd_limit()
     if workers <= 1:
+        signal.signal(signal.SIGHUP, _early_sighup)  # until the loop handles it (a reload)
         install_uvloop()
-        asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True))
+        try:
+            asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
+                                       settings=settings))
+        except ListenError as exc:
+            print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
+            return 1
         return 0
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
+    links = make_links(workers)
+    signal.signal(signal.SIGHUP, _early_sighup)  # a reload asked for before the parent supervises
     children: list[int] = []
     # Where the workers' sockets for each other live (siblings.py); removed when they are gone.
     channel_dir = tempfile.mkdtemp(prefix="epd-proxy-workers-")
@@ -272,47 +391,36 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
             # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, _early_sighup)  # until its loop handles it (a reload)
+            _EARLY_SIGHUP.clear()  # the parent's, if any, is the parent's to pass on
+            for n, (parent_end, worker_end) in enumerate(links):
+                parent_end.close()
+                if n != index:
+                    worker_end.close()
             install_uvloop()
             code = 1
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
-                                           announce=index == 0, worker=True,
+                                           announce=index == 0, worker=True, settings=settings,
+                                           link=PeerLink(links[index][1]), watch=False,
                                            siblings=SiblingChannel(channel_dir, index, workers)))
                 code = 0
+            except ListenError as exc:
+                if index == 0:  # every worker fails alike: one line is enough
+                    print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
             except BaseException:
                 log.exception("worker %d failed", index)  # said here: os._exit skips the interpreter's report
             finally:
                 os._exit(code)
         children.append(pid)
+    for _, worker_end in links:
+        worker_end.close()
     log.info("started %d workers: %s", workers, children)
-
-    received = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-        for child in children:
-            try:
-                os.kill(child, signal.SIGTERM if len(received) == 1 else signal.SIGQUIT)
-            except ProcessLookupError:
-                pass
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    status = 0
-    for child in children:
-        while True:
-            try:
-                _, code = os.waitpid(child, 0)
-                break
-            except InterruptedError:
-                continue
-            except ChildProcessError:
-                code = 0
-                break
-        if code:
-            status = 1
-    shutil.rmtree(channel_dir, ignore_errors=True)
-    return status
+    try:
+        return supervise(children, [parent_end for parent_end, _ in links],
+                         settings.path if settings is not None else None, reload_now=bool(_EARLY_SIGHUP))
+    finally:
+        shutil.rmtree(channel_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,6 +28,7 @@ from .ids import hex_id
 from .http.client import Response, Timeouts, UpstreamError, UpstreamTimeout
 from .multimodal import MediaItem, rewrite_media
 from .pool import Instance, InstancePool
+from .usage import PrefillReport
 
 log = logging.getLogger("epd_proxy.stages")
 
@@ -249,6 +250,7 @@ def _flatten(group: BaseExceptionGroup):
 
 class _PrefillReply(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+    usage: msgspec.Raw = msgspec.Raw(b"null")  # kept for the client's usage (usage.py)
 
 
 class PrefillStage:
@@ -266,11 +268,13 @@ class PrefillStage:
                               att.upstream_headers(request_id, extra_headers), self.timeouts)
         att.timing("prefill", time.perf_counter() - t0)
         try:
-            raw = msgspec.json.decode(data, type=_PrefillReply).kv_transfer_params
+            reply = msgspec.json.decode(data, type=_PrefillReply)
+            raw = reply.kv_transfer_params
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("request %s: prefill instance %s returned an unreadable answer", att.request_id,
                         inst.url)
             raise ProxyError(502, "prefill instance returned an unreadable answer", retryable=True) from None
+        att.prefill_report = PrefillReport(bytes(reply.usage), bytes(raw))
         return None if bytes(raw) == b"null" else raw
 
 

@@ -313,11 +313,14 @@ class Cluster:
 def pd_cluster(log_dir: str) -> Cluster:
     """1 prefill + 1 decode, tiny Llama, KV over NIXL (pull)."""
     # max-model-len 2048: room for a long decode in the client-disconnect test.
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (test_pd_usage.py);
+    # it adds that field to usage when it is not 0, nothing else.
+    details = ["--enable-prompt-tokens-details"]
     return Cluster("pd", {
         "prefill": Vllm("pd-prefill", "tiny-model", 0, max_model_len=2048,
-                        args=["--kv-transfer-config", nixl_config("kv_producer")]),
+                        args=["--kv-transfer-config", nixl_config("kv_producer"), *details]),
         "decode": Vllm("pd-decode", "tiny-model", 1, max_model_len=2048,
-                       args=["--kv-transfer-config", nixl_config("kv_consumer")]),
+                       args=["--kv-transfer-config", nixl_config("kv_consumer"), *details]),
     }, log_dir)
 
 

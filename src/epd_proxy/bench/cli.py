@@ -19,8 +19,12 @@ import platform
 import subprocess
 import sys
 
-SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "overload", "soak")
+SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "overload", "soak",
+             "cluster")
 DEFAULT_TARGETS = ("direct", "direct-pd", "epd-proxy", "vllm-router", "nginx")
+# The cluster scenario's policies (bench/cluster.py); add the proxy's own with --policy-def.
+DEFAULT_CLUSTER_POLICIES = ("round-robin", "least-loaded", "load-aware", "power-of-two", "cache-aware", "oracle",
+                            "vllm-router:cache_aware", "vllm-router:power_of_two", "vllm-router:consistent_hash")
 
 
 def _csv(text: str) -> list[str]:
@@ -139,6 +143,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     x.add_argument("--soak-duration", type=float, default=600.0, help="soak: seconds of mixed load (>= 10 min "
                    "for the published figure)")
     x.add_argument("--soak-concurrency", type=int, default=64)
+    c = parser.add_argument_group("cluster scenario (routing policies on a simulated cluster with caches)")
+    c.add_argument("--policies", type=_csv, default=list(DEFAULT_CLUSTER_POLICIES),
+                   help="cluster: policies to compare: the proxy's round-robin, least-loaded, load-aware, "
+                        "power-of-two, cache-aware; oracle (each conversation pinned to one instance per role, no "
+                        "proxy); vllm-router:POLICY (text workloads only); or a name given with --policy-def")
+    c.add_argument("--policy-def", action="append", default=[], metavar="NAME=ARGS",
+                   help="cluster: a proxy policy: NAME runs epd-proxy serve with ARGS added (e.g. "
+                        "prefix='--prefill-policy prefix'); repeatable")
+    c.add_argument("--cluster-candidate", default=None, metavar="NAME",
+                   help="cluster: the proxy policy the targets are checked for (default: the last proxy policy "
+                        "listed that is not round-robin or least-loaded, else least-loaded)")
+    c.add_argument("--cluster-workloads", type=_csv, default=["chat", "text", "unique"],
+                   help="cluster: chat (multi-turn, shared system prompts, repeated images: E+P+D), text (the same "
+                        "without images: P/D, where vllm-router runs), unique (one turn, no shared prefix: spread)")
+    c.add_argument("--cluster-rates", type=_floats, default=[10.0, 25.0, 50.0],
+                   help="cluster: offered load levels, requests per second (conversations start as Poisson "
+                        "arrivals at rate / turns)")
+    c.add_argument("--cluster-unique-rate", type=float, default=None,
+                   help="cluster: load of the unique workload (default: the middle of --cluster-rates)")
+    c.add_argument("--cluster-encoders", type=int, default=2)
+    c.add_argument("--cluster-prefills", type=int, default=3)
+    c.add_argument("--cluster-decoders", type=int, default=4)
+    c.add_argument("--cluster-cache-ratio", type=float, default=0.15,
+                   help="cluster: each prefill's prefix-cache capacity as a share of the workload's working set "
+                        "(distinct blocks)")
+    c.add_argument("--cluster-encoder-cache-ratio", type=float, default=None,
+                   help="cluster: each encoder's cache as a share of the distinct images' tokens (default: "
+                        "--cluster-cache-ratio)")
+    c.add_argument("--cluster-block-size", type=int, default=16)
+    c.add_argument("--cluster-ttft-per-token-ms", type=float, default=0.1,
+                   help="cluster: prefill time per prompt token not in the prefix cache (plus --ttft-ms)")
+    c.add_argument("--cluster-encode-ms-per-mm-token", type=float, default=0.05,
+                   help="cluster: encoder time per placeholder token of an item missing from its cache")
+    c.add_argument("--cluster-prefill-seqs", type=int, default=1,
+                   help="cluster: prefills one instance computes at once (max_num_seqs): the rest queue, so "
+                        "computed tokens cost time under load")
+    c.add_argument("--cluster-conversations", type=int, default=120)
+    c.add_argument("--cluster-turns", type=int, default=4)
+    c.add_argument("--cluster-system-prompts", type=int, default=3, help="cluster: shared system prompts")
+    c.add_argument("--cluster-system-words", type=int, default=300)
+    c.add_argument("--cluster-user-words", type=int, default=40)
+    c.add_argument("--cluster-max-tokens", type=int, default=48)
+    c.add_argument("--cluster-image-share", type=float, default=0.25, help="cluster: share of turns with an image")
+    c.add_argument("--cluster-image-pool", type=int, default=24, help="cluster: distinct images (they repeat)")
+    c.add_argument("--cluster-image-kb", type=float, default=32.0)
+    c.add_argument("--cluster-think-s", type=float, default=1.0,
+                   help="cluster: mean think time between an answer and the conversation's next turn")
+    c.add_argument("--cluster-replicas", action=argparse.BooleanOptionalAction, default=True,
+                   help="cluster: also run the candidate policy as two proxies, turns alternating between them, "
+                        "one restarted mid-run")
 
 
 def _scenarios(args) -> list[str]:

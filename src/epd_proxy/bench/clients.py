@@ -56,7 +56,8 @@ async def _post_json(pool: ConnectionPool, path: str, body: dict, timeouts: Time
     return msgspec.json.decode(data)
 
 
-async def run_stages(pools: dict, prep: Prepared, timeouts: Timeouts, *, verify: bool = True) -> tuple[dict, Outcome]:
+async def run_stages(pools: dict, prep: Prepared, timeouts: Timeouts, *, verify: bool = True,
+                     keep_text: bool = False) -> tuple[dict, Outcome]:
     """E (if the body has media and there is an encoder), P, then D. Returns the stage
     times (seconds; ``decode_ttft`` from D's send) and D's outcome."""
     from epd_proxy.ec_match import consumer_ec_params, match_encoder_output
@@ -95,10 +96,29 @@ async def run_stages(pools: dict, prep: Prepared, timeouts: Timeouts, *, verify:
         kv = reply.get("kv_transfer_params")
         consumer = decode_body(consumer, kv=kv)
     d = Prepared(prep.kind, prep.path, msgspec.json.encode(consumer), prep.stream, prep.expected, {})
-    o = await send(pools["decode"], d, timeouts, verify=verify)
+    o = await send(pools["decode"], d, timeouts, verify=verify, keep_text=keep_text)
     if o.ttft is not None:
         times["decode_ttft"] = o.ttft
     return times, o
+
+
+async def send_stages(pools: dict, prep: Prepared, timeouts: Timeouts, *, verify: bool = True,
+                      keep_text: bool = False) -> Outcome:
+    """:func:`run_stages` as one request: its outcome timed from the first stage's send;
+    never raises except on cancellation."""
+    t0 = perf()
+    try:
+        _, o = await run_stages(pools, prep, timeouts, verify=verify, keep_text=keep_text)
+    except (StageError, UpstreamError, msgspec.DecodeError) as exc:
+        o = Outcome(prep.kind, t0)
+        o.t_end = perf()
+        o.error = f"stage: {exc}"[:200]
+        return o
+    # The whole flow is the request: time from the first stage's send.
+    if o.ttft is not None:
+        o.ttft += o.t_send - t0
+    o.t_send = t0
+    return o
 
 
 class StagesClient:
@@ -114,19 +134,7 @@ class StagesClient:
                       for k, u in self.urls.items()}
 
     async def send(self, prep: Prepared, timeouts: Timeouts, verify: bool = True) -> Outcome:
-        t0 = perf()
-        try:
-            _, o = await run_stages(self.pools, prep, timeouts, verify=verify)
-        except (StageError, UpstreamError, msgspec.DecodeError) as exc:
-            o = Outcome(prep.kind, t0)
-            o.t_end = perf()
-            o.error = f"stage: {exc}"[:200]
-            return o
-        # The whole flow is the request: time from the first stage's send.
-        if o.ttft is not None:
-            o.ttft += o.t_send - t0
-        o.t_send = t0
-        return o
+        return await send_stages(self.pools, prep, timeouts, verify=verify)
 
     async def close(self) -> None:
         for p in self.pools.values():

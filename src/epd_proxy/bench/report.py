@@ -151,6 +151,9 @@ def checks(result: dict) -> list[dict]:
         out.append(_check("media_linear", media["fit"]["r2"], "media",
                           f"{fmt(media['ms_per_mb'])} ms per MiB of image "
                           f"(+{fmt(media['fit']['intercept'])} ms fixed)"))
+    cl = sc.get("cluster")
+    if isinstance(cl, dict):
+        out.extend(c for c in cl.get("targets") or [] if isinstance(c, dict))
     verify = 0
     for name, r in sc.items():
         verify += _count_verify(r)
@@ -467,9 +470,85 @@ def _url_section(r: dict, plots: dict) -> list[str]:
     return out
 
 
+def _spread_text(x) -> str:
+    if x is None:
+        return "–"
+    return "∞" if isinstance(x, float) and math.isinf(x) else fmt(x)
+
+
+def _cluster_section(r: dict, plots: dict) -> list[str]:
+    """One table per workload: a row per policy and load level."""
+    cnt = r.get("counts", {})
+    out = ["## Routing on a simulated cluster", ""]
+    out.append(f"{cnt.get('encode')} encoders, {cnt.get('prefill')} prefills, {cnt.get('decode')} decodes; a fresh "
+               "cluster and proxy for every policy and load level (no policy inherits warm caches). "
+               f"Targets checked for **{r.get('candidate')}**.")
+    out.append("")
+    for wl, w in r.get("workloads", {}).items():
+        ws, sp, sim = w.get("working_set", {}), w.get("spec", {}), w.get("sim", {})
+        out.append(f"### {wl}")
+        out.append("")
+        line = (f"{sp.get('conversations')} conversations × {sp.get('turns')} turns, {sp.get('system_prompts')} "
+                f"shared system prompts, {ws.get('requests')} requests, {ws.get('prompt_tokens')} prompt tokens; "
+                f"working set **{ws.get('blocks')} blocks** of {ws.get('block_size')} tokens, prefix cache "
+                f"**{w.get('prefix_cache_blocks_per_instance')} blocks per prefill instance** (ratio "
+                f"{fmt(w.get('cache_ratio'), 3)})")
+        if ws.get("distinct_images"):
+            line += (f"; {ws['distinct_images']} distinct images ({ws['image_tokens']} encoder tokens), encoder cache "
+                     f"{w.get('encoder_cache_tokens_per_instance')} tokens per encoder")
+        out += [line + ".", ""]
+        rows = []
+        for pol, pd in w.get("policies", {}).items():
+            for rate, c in pd.get("rates", {}).items():
+                if c.get("error") or c.get("available") is False:
+                    rows.append([pol, rate, c.get("error") or c.get("note", "not available")] + [""] * 12)
+                    continue
+                k = c["counters"]
+                sp_ = k["spread"]
+                rows.append([pol, rate, f"{fmt(c['req_s'], 1)} ({c.get('max_live_conversations', '–')})",
+                             f"{fmt(c['ttft_ms']['p50'], 1)} / {fmt(c['ttft_ms']['p99'], 1)}",
+                             f"{fmt(c['e2e_ms']['p50'], 0)} / {fmt(c['e2e_ms']['p99'], 0)}",
+                             f"{k['prefill_tokens_computed']:,}", fmt(100 * k["prefix_hit_rate"], 1),
+                             fmt(100 * k["encoder_hit_rate"], 1),
+                             f"{_spread_text(sp_.get('prefill'))} {k['requests'].get('prefill')}",
+                             f"{_spread_text(sp_.get('decode'))} {k['requests'].get('decode')}",
+                             _spread_text(sp_.get("encode")),
+                             fmt(c.get("proxy_cpu_ms_per_req"), 3),
+                             f"{fmt(c.get('sim_cpu_util', math.nan))} + {fmt(c.get('loadgen_cpu_util', math.nan))}"
+                             f" / {fmt(c.get('foreign_cpu_util', math.nan))}",
+                             str(c["errors"]) + (f" (+{c['unsent_turns']} unsent)" if c.get("unsent_turns") else ""),
+                             str(c["verify_errors"])])
+        out += [_table(["policy", "req/s offered", "req/s (most live conversations)", "TTFT p50 / p99 ms",
+                        "E2E p50 / p99 ms",
+                        "prefill tokens computed", "prefix hit %", "encoder hit %", "prefill spread (requests)",
+                        "decode spread (requests)", "encoder spread", "proxy CPU ms/req",
+                        "cores: sim + loadgen / others", "errors", "mismatches"],
+                       rows), ""]
+    rep = r.get("replicas")
+    if isinstance(rep, dict):
+        out += [f"### Two replicas ({rep.get('policy')} at {rep.get('rate')} req/s, chat workload)", ""]
+        rows = []
+        for label, c in (("one proxy", rep.get("single")), ("two proxies, turns alternating, one restarted",
+                                                          rep.get("replicas"))):
+            if not isinstance(c, dict) or c.get("error"):
+                rows.append([label, (c or {}).get("error", "–"), "", "", "", ""])
+                continue
+            down = ", ".join(f"{x['down_s']:.2f} s" for x in c.get("restarts", [])) or "–"
+            per = "/".join(str(x) for x in c.get("requests_per_proxy", [])) or str(c.get("requests", "–"))
+            rows.append([label, fmt(100 * c["prefix_hit_rate"], 1),
+                         f"{fmt(c['ttft_ms']['p50'], 1)} / {fmt(c['ttft_ms']['p99'], 1)}", per, down,
+                         str(c["errors"])])
+        out += [_table(["", "prefix hit %", "TTFT p50 / p99 ms", "requests (per proxy)", "restart (out of rotation)",
+                        "errors"], rows), ""]
+    if "cluster_ttft" in plots:
+        out += [f"![TTFT against load]({plots['cluster_ttft']})", ""]
+    return out
+
+
 _SECTIONS = {"compare": _compare_section, "throughput": _throughput_section, "latency": _latency_section,
              "scale": _scale_section, "workers": _workers_section, "media": _media_section, "push": _push_section,
-             "overload": _overload_section, "soak": _soak_section, "url": _url_section}
+             "overload": _overload_section, "soak": _soak_section, "url": _url_section,
+             "cluster": _cluster_section}
 
 
 # -- plots ------------------------------------------------------------------------------------------
@@ -581,6 +660,30 @@ def make_plots(result: dict, outdir: str) -> dict[str, str]:
         fig.savefig(os.path.join(outdir, "scale_rss.png"), dpi=110)
         plt.close(fig)
         out["scale"] = "scale_rss.png"
+    cl = sc.get("cluster")
+    if isinstance(cl, dict) and cl.get("workloads"):
+        wls = [(n, w) for n, w in cl["workloads"].items() if len(w.get("rates", [])) > 1]
+        if wls:
+            fig, axes = plt.subplots(1, len(wls), figsize=(6 * len(wls), 4.5), squeeze=False)
+            for ax, (name, w) in zip(axes[0], wls):
+                for pol, pd in w.get("policies", {}).items():
+                    pts = sorted((float(rate), c["ttft_ms"]["p50"], c["ttft_ms"]["p99"])
+                                 for rate, c in pd.get("rates", {}).items() if "ttft_ms" in c)
+                    if not pts:
+                        continue
+                    line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{pol} p50")
+                    ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=line.get_color(), alpha=0.6,
+                            label=f"{pol} p99")
+                ax.set_xlabel("offered load, requests/s")
+                ax.set_ylabel("TTFT ms")
+                ax.set_yscale("log")
+                ax.set_title(f"cluster, {name} workload: TTFT against load")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+            fig.tight_layout()
+            fig.savefig(os.path.join(outdir, "cluster_ttft.png"), dpi=110)
+            plt.close(fig)
+            out["cluster_ttft"] = "cluster_ttft.png"
     media = sc.get("media")
     if isinstance(media, dict) and media.get("points"):
         pts = media["points"]

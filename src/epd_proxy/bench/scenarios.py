@@ -10,6 +10,7 @@ media       big images through the encoder stage: CPU against image size
 push        TTFT in NIXL push mode against pull mode
 overload    a burst of slow streams past the admission limit, slowloris and normal traffic alongside
 soak        a mixed workload for a long time: RSS growth, errors, mismatches
+cluster     routing policies on a simulated cluster with caches (bench/cluster.py)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
 from epd_proxy.serve import tune_gc
 
 from . import targets as T
+from .cluster import run_cluster  # noqa: F401  (the cluster scenario: ``run_<name>`` is looked up here)
 from .compare import ForeignMeter, Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
 from .loadgen import send
 from .procs import (cross_core_rtt, nofile_limits, pin, self_cpu_seconds, steal_ticks, tree_cpu_seconds, tree_pids,

@@ -122,24 +122,25 @@ def find_vllm_router() -> str | None:
     return cand if os.access(cand, os.X_OK) else None
 
 
-def vllm_router_target(sim: SimInfo, *, cpus=None, log_dir: str) -> Target:
+def vllm_router_target(sim: SimInfo, *, cpus=None, log_dir: str, policy: str = "round_robin",
+                       name: str = "vllm-router") -> Target:
     exe = find_vllm_router()
     if exe is None or not sim.prefill:
         why = "not installed (pip install vllm-router)" if exe is None else "needs a prefill instance"
-        return Target("vllm-router", "", None, TEXT_KINDS, note=why, available=False)
+        return Target(name, "", None, TEXT_KINDS, note=why, available=False)
     port = free_port()
     argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--kv-connector", "nixl"]
     for p in sim.prefill:
         argv += ["--prefill", p]
     for d in sim.decode:
         argv += ["--decode", d]
-    argv += ["--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    argv += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
              "--worker-startup-check-interval", "1", "--log-level", "warning",
              "--max-concurrent-requests", "65536"]
     url = f"http://127.0.0.1:{port}"
-    svc = Service("vllm-router", argv, cpus=cpus, log_path=os.path.join(log_dir, "vllm-router.log"), url=url)
-    return Target("vllm-router", url, svc, TEXT_KINDS,
-                  note="vllm-router --vllm-pd-disaggregation (nixl); no encoder stage")
+    svc = Service(name, argv, cpus=cpus, log_path=os.path.join(log_dir, f"{name}.log"), url=url)
+    return Target(name, url, svc, TEXT_KINDS,
+                  note=f"vllm-router --vllm-pd-disaggregation (nixl) --policy {policy}; no encoder stage")
 
 
 def find_nginx() -> str | None:

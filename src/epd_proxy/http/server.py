@@ -914,16 +914,20 @@ class HttpServer:
         self.rejections: dict[int, int] = {}  # status -> requests refused while parsing
         self._server: asyncio.base_events.Server | None = None
         self._scan_after = 0.0
+        self.tls = False
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, backlog: int = 4096,
-                    reuse_port: bool = False, sock=None) -> "HttpServer":
+                    reuse_port: bool = False, sock=None, ssl=None) -> "HttpServer":
+        """Listen; with ``ssl`` (an ``ssl.SSLContext``) connections speak TLS (the event loop's
+        own TLS layer sits under the protocol, which sees plain bytes either way)."""
         loop = asyncio.get_running_loop()
         factory = lambda: HttpServerProtocol(self.handler, self.limits, self.connections, self)  # noqa: E731
+        self.tls = ssl is not None
         if sock is not None:
-            self._server = await loop.create_server(factory, sock=sock, backlog=backlog)
+            self._server = await loop.create_server(factory, sock=sock, backlog=backlog, ssl=ssl)
         else:
             self._server = await loop.create_server(factory, host, port, backlog=backlog,
-                                                    reuse_port=reuse_port or None)
+                                                    reuse_port=reuse_port or None, ssl=ssl)
         return self
 
     def _schedule_trim(self) -> None:

@@ -1,0 +1,151 @@
+"""The usage a client sees for a disaggregated request, as a single vLLM instance would report it.
+
+With prefill and decode on different instances, decode's ``usage`` describes decode's
+share: its ``prompt_tokens_details.cached_tokens`` counts the prompt tokens whose KV it
+received from the prefill (vLLM 0.30 and other builds that do not carry the prefill's
+count), not prefix-cache hits. A user of one instance reads ``cached_tokens`` as the
+latter, so the proxy writes decode's final usage object again (docs/protocol.md §2.6.1):
+
+* ``prompt_tokens`` is the prefill's (the instance that computed the prompt; it is
+  decode's too when both tokenised the same prompt), ``completion_tokens`` decode's
+  (the prefill's one token is discarded), ``total_tokens`` their sum;
+* ``prompt_tokens_details.cached_tokens`` is the prefill's prefix-cache hits: from the
+  prefill's own usage (vLLM reports it with ``--enable-prompt-tokens-details``), else
+  ``remote_prefill_cached_tokens`` in its ``kv_transfer_params``, else 0; present, as
+  vLLM has it, only when some instance reports details and the count is not 0.
+
+This is the one exception to "bytes stay bytes": only the usage object is replaced,
+every other byte of the answer or event is relayed as received, and an answer whose
+usage is already right is not touched. Pure: the pipeline and the relay call it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_NULL = b"null"
+
+
+class _UsageOf(msgspec.Struct):
+    usage: msgspec.Raw = msgspec.Raw(_NULL)
+
+
+class _Kv(msgspec.Struct):
+    remote_prefill_cached_tokens: object = None
+
+
+class PrefillReport:
+    """What the prefill's answer says about the prompt (kept raw until a rewrite needs it)."""
+
+    __slots__ = ("usage", "kv")
+
+    def __init__(self, usage: bytes, kv: bytes) -> None:
+        self.usage = usage  # the prefill answer's usage object, raw
+        self.kv = kv  # its kv_transfer_params, raw
+
+    def parsed(self) -> tuple[dict | None, int | None]:
+        """The prefill's usage (None if unreadable) and its ``remote_prefill_cached_tokens``."""
+        try:
+            usage = msgspec.json.decode(self.usage) if self.usage else None
+        except msgspec.DecodeError:
+            usage = None
+        remote = None
+        if self.kv and self.kv != _NULL:
+            try:
+                remote = msgspec.json.decode(self.kv, type=_Kv).remote_prefill_cached_tokens
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                remote = None
+        return (usage if isinstance(usage, dict) else None), (remote if _is_count(remote) else None)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def merged_usage(decode: dict, prefill: dict | None, remote_cached: int | None) -> dict | None:
+    """The usage the client should see, or None when decode's is right as it is."""
+    out = dict(decode)
+    prompt = prefill.get("prompt_tokens") if prefill else None
+    if _is_count(prompt):
+        out["prompt_tokens"] = prompt
+    completion = out.get("completion_tokens")
+    if _is_count(out.get("prompt_tokens")) and _is_count(completion):
+        out["total_tokens"] = out["prompt_tokens"] + completion
+    p_details = prefill.get("prompt_tokens_details") if prefill else None
+    d_details = decode.get("prompt_tokens_details")
+    p_cached = p_details.get("cached_tokens") if isinstance(p_details, dict) else None
+    if _is_count(p_cached):
+        cached = p_cached
+    elif remote_cached is not None:
+        cached = remote_cached
+    else:
+        cached = 0  # not known: better none than the transferred tokens
+    reported = isinstance(p_details, dict) or isinstance(d_details, dict)
+    if reported and cached:
+        details = dict(d_details) if isinstance(d_details, dict) else dict(p_details or {})
+        details["cached_tokens"] = cached
+        out["prompt_tokens_details"] = details
+    elif "prompt_tokens_details" in out:
+        out["prompt_tokens_details"] = None
+    return None if out == decode else out
+
+
+def rewrite_usage(doc: bytes, report: PrefillReport) -> bytes:
+    """``doc`` (one JSON object: decode's answer, or the payload of its final usage event)
+    with its top-level ``usage`` replaced by :func:`merged_usage`; ``doc`` itself when that
+    changes nothing or it cannot be read."""
+    try:
+        raw = bytes(msgspec.json.decode(doc, type=_UsageOf).usage)
+        if raw == _NULL:
+            return doc
+        decode = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return doc
+    if not isinstance(decode, dict):
+        return doc
+    prefill, remote = report.parsed()
+    new = merged_usage(decode, prefill, remote)
+    if new is None:
+        return doc
+    at = _usage_value_at(doc, raw)
+    if at < 0:
+        return doc
+    return doc[:at] + msgspec.json.encode(new) + doc[at + len(raw):]
+
+
+def _usage_value_at(doc: bytes, raw: bytes) -> int:
+    """Where the top-level ``"usage"`` key's value starts. A JSON string cannot hold an
+    unescaped quote, so ``"usage"`` followed by a colon is a key; the one whose value is
+    ``raw`` is the top-level one (vLLM's answers have no other)."""
+    start = 0
+    while True:
+        key = doc.find(b'"usage"', start)
+        if key < 0:
+            return -1
+        pos = key + 7
+        while pos < len(doc) and doc[pos] in b" \t\r\n":
+            pos += 1
+        if pos < len(doc) and doc[pos] == 0x3A:  # ':'
+            pos += 1
+            while pos < len(doc) and doc[pos] in b" \t\r\n":
+                pos += 1
+            if doc.startswith(raw, pos):
+                return pos
+        start = key + 1
+
+
+def rewrite_final_usage_events(data: bytes, report: PrefillReport) -> bytes:
+    """Complete SSE events with the final usage event's usage rewritten. That event is the one
+    with ``"choices":[]`` (vLLM's usage chunk); per-chunk usage (``continuous_usage_stats``)
+    is left as received."""
+    out = []
+    changed = False
+    for event in data.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"usage"' in event and b'"choices":[]' in event:
+            payload = event[6:]
+            new = rewrite_usage(payload, report)
+            if new is not payload:
+                event = b"data: " + new
+                changed = True
+        out.append(event)
+    return b"\n\n".join(out) if changed else data
