@@ -46,6 +46,8 @@ async def test_every_scrape_counts_every_request_of_every_worker():
                 # Health is each worker's own view: one series per worker.
                 assert {dict(k[1])["worker"] for k in s if k[0] == "epd_proxy_instance_healthy"} == {"0", "1"}
                 assert s[("process_start_time_seconds", ())] > 0
+                # The roster is the same in every worker: not counted twice.
+                assert s[("epd_proxy_roster_instances", (("role", "decode"), ("state", "healthy")))] == 1
 
                 status = (await fresh_request(url, "GET", "/status")).json()
                 assert status["workers"] == 2
