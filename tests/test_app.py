@@ -1,8 +1,12 @@
 """The proxy's own endpoints (/ready is about the proxy, not its backends) and switches."""
 
 import logging
+import socket
 
-from helpers import chat_body, stack
+from helpers import Client, chat_body, stack
+
+from epd_proxy import ProxyConfig, start_proxy
+from epd_proxy.config import InstanceSpec
 
 
 async def test_ready_stays_200_when_every_backend_is_failing():
@@ -36,6 +40,23 @@ async def test_ready_is_503_while_draining_and_responses_close_their_connection(
         assert reply.headers[b"connection"] == b"close"
         reply = await client.request("GET", "/health")
         assert reply.status == 200 and reply.headers[b"connection"] == b"close"
+
+
+async def test_models_error_names_the_role_not_the_address():
+    """The body used to say 'decode instance http://127.0.0.1:PORT unreachable'."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        config = ProxyConfig(decode=[InstanceSpec(dead, "decode")], probe_interval=0)
+        async with await start_proxy(config) as proxy:
+            client = Client(proxy.url)
+            try:
+                reply = await client.request("GET", "/v1/models")
+            finally:
+                await client.close()
+    assert reply.status >= 500
+    assert "decode instance" in reply.json()["error"]["message"]
+    assert b"127.0.0.1" not in reply.body and dead.encode() not in reply.body
 
 
 async def test_log_requests_logs_one_line_per_request(caplog):

@@ -9,6 +9,7 @@ import time
 
 import msgspec
 
+from . import access_log, tracing
 from .access import READ, AccessPolicy
 from .admin import AdminApi
 from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKeys, admin_key_presented, unauthorized
@@ -19,7 +20,7 @@ from .http.client import Timeouts, UpstreamError
 from .http.server import Request, ResponseWriter
 from .metrics import ProxyMetrics
 from .health import OutlierSettings
-from .pipeline import CHAT, COMPLETIONS, Pipeline
+from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
 from .load_signals import LoadScraper
 from .membership import Membership, check_registration
 from .pool import InstancePool
@@ -77,6 +78,9 @@ class ProxyApp:
         self.membership.subscribe(self._roster_changed)
         self.admin = AdminApi(self.membership, AccessPolicy(config.admin_api_key, config.registration_allow),
                               self.pipeline._base_headers)
+        if access_log.enabled(config):
+            self.pipeline.access_log = access_log.AccessLog(config.log_format)
+        self.pipeline.tracing = tracing.from_environment()
         self._routes = {
             ("POST", CHAT): self._generate_chat,
             ("POST", COMPLETIONS): self._generate_completions,
@@ -95,7 +99,9 @@ class ProxyApp:
             ("POST", "/stop_profile"): self.admin.stop_profile,
         }
         self._paths = {path for _, path in self._routes}
+        self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
+        self.siblings = None  # siblings.SiblingChannel with --workers > 1: /metrics, /status, /ready ask siblings
         # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
         # (/metrics needs the admin key with --protect-metrics).
         self.client_keys = ClientKeys.from_config(config)
@@ -129,6 +135,8 @@ class ProxyApp:
             await scraper.close()
         await self.membership.close()
         await self.pipeline.close()
+        if self.pipeline.tracing is not None:
+            self.pipeline.tracing.close()
         for pool in self.pools.values():
             await pool.close()
 
@@ -142,16 +150,31 @@ class ProxyApp:
                 # Before the route: an unauthenticated caller learns nothing about the API's paths.
                 body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
                 writer.send(401, body, b"application/json", CHALLENGE)
+                self._served(req, writer, time.perf_counter())
                 return
         handler = self._routes.get((req.method, req.path))
+        if handler in self._generation:
+            await handler(req, writer)  # the pipeline writes its own access-log line
+            return
+        t0 = time.perf_counter()
         if handler is None:
             if req.path in self._paths:
                 err = ProxyError(405, f"method {req.method} not allowed on {req.path}")
             else:
                 err = ProxyError(404, f"no route for {req.method} {req.path}")
             writer.send(err.status, err.body())
-            return
-        await handler(req, writer)
+            self.metrics.observe_request("other", err.status, time.perf_counter() - t0)
+        else:
+            await handler(req, writer)
+        self._served(req, writer, t0)
+
+    def _served(self, req: Request, writer: ResponseWriter, t0: float) -> None:
+        """The access-log line of a request the pipeline did not run."""
+        access = self.pipeline.access_log
+        if access is not None:
+            rid = client_request_id(req)
+            access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
+                         writer.bytes_sent, time.perf_counter() - t0)
 
     async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
         await self.pipeline.handle(req, writer, CHAT)
@@ -197,24 +220,44 @@ class ProxyApp:
         """Whether this proxy can take traffic, not whether its backends are healthy: 503 while
         draining, or while a role the topology needs has no instance at all; otherwise 200,
         even when a pool is failing (the proxy then answers those requests itself, which beats
-        a load balancer dropping every replica at once). Backend health is in /status."""
+        a load balancer dropping every replica at once). Backend health is in /status.
+        With --workers, 200 only when every worker that answers is ready."""
+        status, body = self._local_ready()
+        if status == 200 and self.siblings is not None:
+            peers = await self.siblings.ask("ready")
+            for peer_status, peer_body in peers:
+                if peer_status != 200:
+                    status, body = peer_status, peer_body
+                    break
+            else:
+                body = dict(body, workers=1 + len(peers))
+        if status == 200:
+            writer.send(200, _READY if self.siblings is None else msgspec.json.encode(body))
+        else:
+            writer.send(status, msgspec.json.encode(body), headers=[(b"retry-after", b"5")])
+
+    def _local_ready(self) -> tuple[int, dict]:
         if self.draining:
-            writer.send(503, b'{"status":"draining"}', headers=[(b"retry-after", b"5")])
-            return
+            return 503, {"status": "draining"}
         missing = [role for role in self.membership.required_roles() if not self.pools[role].instances]
         if missing:
-            body = msgspec.json.encode({"status": "unavailable", "no_instances": missing})
-            writer.send(503, body, headers=[(b"retry-after", b"5")])
-        else:
-            writer.send(200, b'{"status":"ready"}')
+            return 503, {"status": "unavailable", "no_instances": missing}
+        return 200, {"status": "ready"}
+
+    def _local_status(self) -> dict:
+        return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
+                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
+                "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
+                "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
         if not self.admin.allowed(req, writer, READ):  # internal addresses: the admin key's, if one is set
             return
-        body = {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
-                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
-                "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
-                "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
+        body = self._local_status()
+        if self.siblings is not None:
+            peers = await self.siblings.ask("status")
+            body = dict(body, workers=1 + len(peers), pools=merge_pool_status([body["pools"]] +
+                                                                              [p["pools"] for p in peers]))
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
@@ -222,7 +265,49 @@ class ProxyApp:
             err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
             writer.send(401, err.body(), b"application/json", CHALLENGE)
             return
-        writer.send(200, self.metrics.render(), _METRICS_TYPE)
+        peers = await self.siblings.ask("metrics") if self.siblings is not None else None
+        writer.send(200, self.metrics.render(peers), _METRICS_TYPE)
+
+    async def answer_sibling(self, question: str):
+        """This worker's own view, for the worker a client asked (siblings.py)."""
+        if question == "metrics":
+            return self.metrics.snapshot()
+        if question == "status":
+            return self._local_status()
+        if question == "ready":
+            return list(self._local_ready())
+        return None
+
+
+_READY = b'{"status":"ready"}'
+
+
+def merge_pool_status(views: list[dict]) -> dict:
+    """Per-worker ``/status`` pools as one: counts add up, an instance is ``healthy`` only if
+    every worker has it in rotation (``healthy_workers`` says in how many it is)."""
+    out: dict[str, dict] = {}
+    for pools in views:
+        for role, instances in pools.items():
+            merged = out.setdefault(role, {})
+            for inst in instances:
+                have = merged.get(inst["url"])
+                if have is None:
+                    have = merged[inst["url"]] = dict(inst, errors=dict(inst["errors"]), healthy_workers=0)
+                    have["healthy_workers"] = 1 if inst["healthy"] else 0
+                    continue
+                for key in ("inflight", "requests", "ejections"):
+                    have[key] += inst[key]
+                for kind, n in inst["errors"].items():
+                    have["errors"][kind] = have["errors"].get(kind, 0) + n
+                have["consecutive_failures"] = max(have["consecutive_failures"], inst["consecutive_failures"])
+                have["healthy"] = have["healthy"] and inst["healthy"]
+                have["healthy_workers"] += 1 if inst["healthy"] else 0
+                if have["state"] != inst["state"]:
+                    have["state"] = "mixed"
+                have["last_error"] = have["last_error"] or inst["last_error"]
+                if inst["ejected_until"] is not None:
+                    have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
+    return {role: list(merged.values()) for role, merged in out.items()}
 
 
 def _with_ec_consumers(config: ProxyConfig) -> list:

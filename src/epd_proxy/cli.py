@@ -8,7 +8,7 @@ import os
 import sys
 
 from .cluster_file import ClusterFileError, Option, read_cluster_path
-from .config import ROLE_POLICY_DEFAULTS, ROLES, ProxyConfig, Timeouts, split_discovered, split_instances
+from .config import LOG_FORMATS, ROLE_POLICY_DEFAULTS, ROLES, ProxyConfig, Timeouts, split_discovered, split_instances
 from .routing import POLICIES
 
 
@@ -186,6 +186,10 @@ def _add_serve(sub) -> None:
                         f"shorter record TTL (at least 1 s) is honoured (default {c.dns_interval:g} s)")
     p.add_argument("--dns-server", metavar="HOST:PORT", default=c.dns_server,
                    help="DNS server for 'dns+http://' instances (default: the system's resolver)")
+    p.add_argument("--no-access-log", action="store_false", dest="access_log", default=c.access_log,
+                   help="no access-log line per request (on by default, at INFO)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=c.log_format,
+                   help=f"log lines as readable text or one JSON object each (default {c.log_format})")
 
 
 def _role_caps(values: list[str]) -> dict[str, int]:
@@ -265,6 +269,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         protect_metrics=args.protect_metrics,
         ssl_certfile=args.ssl_certfile or None,
         ssl_keyfile=args.ssl_keyfile or None,
+        access_log=args.access_log,
+        log_format=args.log_format,
     )
     return cfg
 
@@ -425,6 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(level: str, fmt: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if fmt == "json":
+        from .access_log import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -439,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.log_requests:
             args.log_level = "debug"
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _configure_logging(args.log_level, args.log_format)
         try:
             cfg = settings.config(args)
             from .serve import tls_context

@@ -26,6 +26,7 @@ ROLE_POLICY_DEFAULTS = {"encode": "cache-aware", "prefill": "cache-aware", "deco
 
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
 _KNOWN_ATTRS = {"engine_id", "kv_host"} | _INT_ATTRS
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +259,9 @@ class ProxyConfig:
     protect_metrics: bool = False  # /metrics needs the admin key
     ssl_certfile: str | None = None  # the listener speaks TLS with this certificate (PEM) ...
     ssl_keyfile: str | None = None  # ... and this private key (PEM; default: in the certificate file)
+    # Logs (access_log.py): a line per request at INFO, and the format of every line.
+    access_log: bool = True
+    log_format: str = "text"  # or "json"
 
     def validate(self) -> None:
         if not self.decode and not self.dynamic_registration and not any(s.role == "decode"
@@ -295,6 +299,8 @@ class ProxyConfig:
 
         MediaPolicy(max_items=self.max_media_items, schemes=self.allowed_media_schemes,
                     allowed_hosts=self.allowed_media_hosts)
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.ec_consumer_dp_size < 1:
             raise ValueError("--ec-consumer-dp-size must be >= 1")
         if self.ec_consumer_zmq_addrs:

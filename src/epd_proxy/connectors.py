@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -145,7 +146,9 @@ class NixlPush(KVConnector):
             if prefill.done() and not decode.done():
                 if prefill.exception() is not None:
                     raise prefill.exception()
+                t = time.perf_counter()
                 await asyncio.wait((decode,))  # prefill is done: only decode's answer is left
+                ctx.timing("kv_handoff", time.perf_counter() - t)
             leg = decode.result()  # raises decode's failure
         except BaseException:
             await _cancel(decode)

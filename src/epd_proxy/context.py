@@ -16,16 +16,20 @@ class RequestContext:
     (the least-loaded policy's signal) exact even when a request is cancelled.
     """
 
-    __slots__ = ("request_id", "path", "excluded", "timings", "view", "_base_headers", "_held", "prefill_report")
+    __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
+                 "_base_headers", "_held", "prefill_report")
 
     def __init__(self, request_id: str, path: str, base_headers: list) -> None:
         self.request_id = request_id
         self.path = path
         self.excluded: set[Instance] = set()
         self.timings: dict[str, float] = {}
+        self.upstream = 0.0  # wall time in the stage phases (the proxy's overhead is the rest)
         self.view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
         self._base_headers = base_headers
         self._held: list[Instance] = []
+        self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
+        self.trace = None  # tracing.RequestTrace when tracing is on
         # The prefill's answer about the prompt (usage.py), for the client's usage; set by
         # the prefill stage, cleared at each attempt's start.
         self.prefill_report = None
@@ -46,6 +50,7 @@ class RequestContext:
     def hold(self, inst: Instance) -> None:
         inst.inflight += 1
         self._held.append(inst)
+        self.legs.append(inst)
 
     def release(self, inst: Instance) -> None:
         try:
@@ -53,6 +58,8 @@ class RequestContext:
         except ValueError:
             return
         inst.inflight -= 1
+        if self.trace is not None:
+            self.trace.end(inst)
 
     def release_all(self) -> None:
         for inst in self._held:

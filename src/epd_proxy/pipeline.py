@@ -17,6 +17,7 @@ import time
 
 import msgspec
 
+from .access_log import usage_of
 from .admission import ADMIT, SHED, Admission, shed_error
 from .blobs import decode_chat_body
 from .config import ProxyConfig
@@ -137,6 +138,7 @@ class Pipeline:
         self.fanout = EncoderFanout(self.encode, max_batch=config.encoder_max_batch_size,
                                     rewrite=config.rewrite, timeout=t.encode, connect_timeout=t.connect)
         prefill_stage = PrefillStage(self.prefill, timeout=t.prefill, connect_timeout=t.connect)
+        self.fanout.observe_sub_request = metrics.observe_encoder_request
         decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                                    connect_timeout=t.connect)
         self.connector: KVConnector = CONNECTORS[config.kv_connector](prefill_stage, decode_stage)
@@ -163,6 +165,8 @@ class Pipeline:
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.closing = False
         self.stopping = False
+        self.access_log = None  # access_log.AccessLog when on (set by the app)
+        self.tracing = None  # tracing.Tracing when OTEL_* turns it on (set by the app)
         metrics.admission = self.admission
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
@@ -182,13 +186,19 @@ class Pipeline:
         rid = request_id(req)
         id_header = [(b"x-request-id", rid.encode())]
         ctx = None
+        stream = False
+        outcome = "error"  # ok, in_band_error, client_gone, shutdown, error
+        answer = None  # the bytes holding the usage object, for the access log
         self.metrics.inflight += 1
         try:
             body = parse_body(req, path)
+            stream = body.get("stream") is True
             body, items = self._media(body) if path == CHAT else (body, [])
             ctx = RequestContext(rid, path, self._headers_for(req))
             if self._keyed:
                 ctx.view = request_view(body, items, path == CHAT)
+            if self.tracing is not None:
+                ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
             if self.deadlines is not None:
                 task = asyncio.current_task()
                 self.deadlines.enter(task)
@@ -209,6 +219,7 @@ class Pipeline:
             else:
                 leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
+            self.metrics.observe_commit(path, time.perf_counter() - t0, ctx.upstream, leg.body is None)
             ok = False
             try:
                 report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
@@ -216,11 +227,16 @@ class Pipeline:
                     answer = leg.body if report is None else rewrite_usage(leg.body, report)
                     writer.send(leg.resp.status, answer, leg.resp.content_type, headers)
                     ok = True
+                    outcome = "ok"
                 else:
                     relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
                                                ctx if (report is not None or leg.companion is not None)
                                                and _wants_usage(body) else None)
                     ok = relay.error is None
+                    outcome, answer = "ok" if ok else "in_band_error", relay.final_bytes()
+                    gap = relay.gap()
+                    if gap is not None:
+                        self.metrics.itl.observe(gap)
                     if not ok:
                         self.metrics.stream_errors += 1
                         log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
@@ -236,19 +252,29 @@ class Pipeline:
             if err.status >= 500:
                 log.warning("request %s failed: %s", rid, err.message)
         except asyncio.CancelledError:
+            outcome = "shutdown"
             if not (self.stopping and self._end_at_shutdown(writer, rid)):
+                outcome = "client_gone"
                 self.metrics.disconnects += 1
                 raise
         finally:
             writer.flow = None  # the relay refers to the writer: no cycle left behind
             self.metrics.inflight -= 1
+            # 499: the client went away before a status was sent (nginx's convention).
+            status = writer.status or 499
+            tokens = usage_of(answer) if self.access_log is not None or self.tracing is not None else _NO_USAGE
             if ctx is not None:
+                if ctx.trace is not None:
+                    ctx.trace.finish(status, stream, tokens, outcome)
                 ctx.release_all()
                 self.metrics.observe_stages(ctx.timings)
             if self.admission.limit:
                 self.admission.leave()
-            # 499: the client went away before a status was sent (nginx's convention).
-            self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.metrics.observe_request(path, status, seconds, stream)
+            if self.access_log is not None:
+                self.access_log.request(rid, req.method, path, status, stream, ctx.legs if ctx else (),
+                                        ctx.timings if ctx else {}, tokens, writer.bytes_sent, outcome, seconds)
 
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
@@ -278,7 +304,11 @@ class Pipeline:
         if rid is not None:
             headers.append((b"x-request-id", rid))
         writer.send(status, body, b"application/json", headers)
-        self.metrics.observe_request(path, status, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.metrics.observe_request(path, status, seconds)
+        if self.access_log is not None:
+            self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
+                                  seconds)
         return False
 
     def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
@@ -302,6 +332,7 @@ class Pipeline:
         """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
         attempt = 0
         while True:
+            first_leg = len(ctx.legs)
             try:
                 return await self._attempt(ctx, body, items)
             except ProxyError as err:
@@ -310,6 +341,11 @@ class Pipeline:
                 _drop_traceback(err)
                 attempt += 1
                 self.metrics.retries += 1
+                retried = self.metrics.instance_retries
+                for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
+                    if inst in ctx.excluded:
+                        key = (inst.role, inst.url)
+                        retried[key] = retried.get(key, 0) + 1
                 log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
 
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
@@ -321,24 +357,27 @@ class Pipeline:
         caps = self.role_caps
         if items and (self.encode or self._need_encode):
             cap = caps.get("encode") if caps else None
-            if cap is None:
-                body = await self.fanout.run(ctx, body, items, consumer_zmq)
-            else:
+            if cap is not None:
                 await _take_slot("encode", cap)
-                try:
-                    body = await self.fanout.run(ctx, body, items, consumer_zmq)
-                finally:
+            t = time.perf_counter()
+            try:
+                body = await self.fanout.run(ctx, body, items, consumer_zmq)
+            finally:
+                ctx.upstream += time.perf_counter() - t
+                if cap is not None:
                     cap.leave()
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
-        if cap is None:
-            return await connector.open(ctx, LegPlan(body, p, d, dp_headers))
-        # Held until decode's first event: in push mode the prefill runs that long anyway.
-        await _take_slot("prefill", cap)
+        if cap is not None:
+            # Held until decode's first event: in push mode the prefill runs that long anyway.
+            await _take_slot("prefill", cap)
+        t = time.perf_counter()
         try:
             return await connector.open(ctx, LegPlan(body, p, d, dp_headers))
         finally:
-            cap.leave()
+            ctx.upstream += time.perf_counter() - t
+            if cap is not None:
+                cap.leave()
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
         """A leg still running when the response is over: drained in the background
@@ -390,6 +429,7 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
+_NO_USAGE = (None, None)
 
 
 def _wants_usage(body: dict) -> bool:

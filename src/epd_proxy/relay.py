@@ -10,6 +10,7 @@ being glued to half an event.
 from __future__ import annotations
 
 import asyncio
+from time import perf_counter
 
 from .errors import ProxyError
 from .http.client import Response
@@ -23,7 +24,8 @@ _MAX_HELD = 1 << 20
 class StreamRelay(FlowListener):
     """Upstream body sink + client flow listener for one committed stream."""
 
-    __slots__ = ("writer", "resp", "_tail", "error", "ended")
+    __slots__ = ("writer", "resp", "_tail", "error", "ended", "events", "first_at", "last_at", "prev",
+                 "last")
 
     def __init__(self, writer: ResponseWriter, resp: Response) -> None:
         self.writer = writer
@@ -31,9 +33,22 @@ class StreamRelay(FlowListener):
         self._tail = b""
         self.error: Exception | None = None
         self.ended = False
+        # For the inter-token histogram: events relayed after the first, and when.
+        self.events = 0
+        self.first_at = self.last_at = 0.0
+        self.prev = self.last = b""  # the last two reads: where the final usage event is
+
+    def final_bytes(self) -> bytes:
+        return self.prev + self.last
+
+    def gap(self) -> float | None:
+        """The mean time between the events after the first (None with fewer than two)."""
+        return (self.last_at - self.first_at) / self.events if self.events else None
 
     # -- BodySink ---------------------------------------------------------------------
     def on_data(self, data: bytes) -> None:
+        self.events += data.count(b"\n\n")
+        self.prev, self.last = self.last, data
         if self._tail:
             data = self._tail + data
             self._tail = b""
@@ -88,6 +103,7 @@ class UsageRelay(StreamRelay):
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
 
     def on_data(self, data: bytes) -> None:
+        self.events += data.count(b"\n\n")
         if self._tail:
             data = self._tail + data
             self._tail = b""
@@ -102,6 +118,7 @@ class UsageRelay(StreamRelay):
         report = self.ctx.prefill_report
         if report is not None and b'"usage"' in events:
             events = rewrite_final_usage_events(events, report)
+        self.prev, self.last = self.last, events  # what the client got: its usage for the access log
         self.writer.write(events)
 
 
@@ -117,6 +134,7 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
         relay.pause()  # the client was already behind before the relay attached
     if first:
         relay.on_data(first)
+    relay.events, relay.first_at = 0, perf_counter()
     writer.flush()  # the head, if the first event was held back whole
     if companion is not None:
         def companion_done(task: asyncio.Future) -> None:
@@ -135,6 +153,7 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
     except Exception:
         pass  # on_error has already ended the stream in-band
     finally:
+        relay.last_at = perf_counter()
         # Cancelled (client gone) or done: an unfinished upstream is aborted, so vLLM stops.
         resp.close()
         # The response holds the relay as its sink: without this link back the pair is no

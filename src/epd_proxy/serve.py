@@ -3,7 +3,8 @@
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
 has its own pools, cursors and metrics; the roster is shared and the parent
-supervises (workers.py). SIGHUP reloads (reload.py).
+supervises (workers.py). SIGHUP reloads (reload.py). ``/metrics``, ``/status`` and
+``/ready`` answer for all the workers (siblings.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import errno
 import gc
 import logging
 import os
+import shutil
 import signal
 import ssl
 import sys
+import tempfile
 
 try:
     import resource
@@ -28,6 +31,7 @@ from .discovery import DnsDiscovery
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
 from .reload import Reloader
+from .siblings import SiblingChannel
 from .workers import PeerLink, SharedRoster, make_links, supervise
 
 log = logging.getLogger("epd_proxy")
@@ -244,7 +248,8 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
                          simulate: str | None, announce: bool, worker: bool = False, settings=None,
-                         link: PeerLink | None = None, watch: bool = True) -> None:
+                         link: PeerLink | None = None, watch: bool = True,
+                         siblings: SiblingChannel | None = None) -> None:
     """Serve until a signal, then shut down gracefully; SIGHUP reloads (reload.py).
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
@@ -277,6 +282,10 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
     if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
         _EARLY_SIGHUP.clear()
         reloader.request()
+    if siblings is not None:
+        await siblings.start(proxy.app.answer_sibling)
+        proxy.app.siblings = siblings
+        proxy.app.metrics.worker = siblings.index
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -300,6 +309,8 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         await stop.wait()
         await proxy.shutdown(config.shutdown_grace, config.shutdown_timeout)
     finally:
+        if siblings is not None:
+            await siblings.close()
         await reloader.close()
         if link is not None:
             link.close()
@@ -372,6 +383,8 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     links = make_links(workers)
     signal.signal(signal.SIGHUP, _early_sighup)  # a reload asked for before the parent supervises
     children: list[int] = []
+    # Where the workers' sockets for each other live (siblings.py); removed when they are gone.
+    channel_dir = tempfile.mkdtemp(prefix="epd-proxy-workers-")
     for index in range(workers):
         pid = os.fork()
         if pid == 0:  # worker
@@ -389,19 +402,25 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             try:
                 asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
                                            announce=index == 0, worker=True, settings=settings,
-                                           link=PeerLink(links[index][1]), watch=False))
+                                           link=PeerLink(links[index][1]), watch=False,
+                                           siblings=SiblingChannel(channel_dir, index, workers)))
                 code = 0
             except ListenError as exc:
                 if index == 0:  # every worker fails alike: one line is enough
                     print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
+            except BaseException:
+                log.exception("worker %d failed", index)  # said here: os._exit skips the interpreter's report
             finally:
                 os._exit(code)
         children.append(pid)
     for _, worker_end in links:
         worker_end.close()
     log.info("started %d workers: %s", workers, children)
-    return supervise(children, [parent_end for parent_end, _ in links],
-                     settings.path if settings is not None else None, reload_now=bool(_EARLY_SIGHUP))
+    try:
+        return supervise(children, [parent_end for parent_end, _ in links],
+                         settings.path if settings is not None else None, reload_now=bool(_EARLY_SIGHUP))
+    finally:
+        shutil.rmtree(channel_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -118,9 +118,17 @@ async def call(pool: InstancePool, inst: Instance, att: RequestContext, stage: s
     """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
     inst.requests += 1
     att.hold(inst)
+    trace = att.trace
+    if trace is not None:
+        headers = trace.leg(inst, stage, headers)
     try:
-        return await inst.http.request("POST", path, body=body, headers=headers, timeouts=timeouts)
+        resp = await inst.http.request("POST", path, body=body, headers=headers, timeouts=timeouts)
+        if trace is not None:
+            trace.status(inst, resp.status)
+        return resp
     except UpstreamError as exc:
+        if trace is not None:
+            trace.failed(inst, str(exc))
         att.release(inst)
         raise transport_error(pool, inst, att, stage, exc, "sending the request") from None
     except BaseException:
@@ -170,6 +178,7 @@ class EncoderFanout:
         self.max_batch = max_batch
         self.rewrite = rewrite
         self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
+        self.observe_sub_request = None  # metrics: each sub-request's duration (set by the pipeline)
 
     async def run(self, att: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
         subs = plan_sub_requests(items, self.pool.assign(items, att.excluded), self.max_batch)
@@ -206,8 +215,11 @@ class EncoderFanout:
         payload = encode_json(
             encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
         rid = encoder_request_id(att.request_id, sub.items[0].index, hex_id(24))
+        t0 = time.perf_counter()
         data = await exchange(self.pool, inst, att, "encode", "/v1/chat/completions", payload,
                               att.upstream_headers(rid), self.timeouts)
+        if self.observe_sub_request is not None:
+            self.observe_sub_request(time.perf_counter() - t0)
         try:
             ec_params = msgspec.json.decode(data, type=_EncoderReply).ec_transfer_params
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -104,9 +104,11 @@ def same_length_prompts(inst: E.Vllm) -> tuple[str, str]:
         assert r.status == 200, E.describe(r)
         return r.json()["count"]
 
+    # Random prompts vary in length by a few tokens; a match usually comes within tens of
+    # tries, but 100 was seen to miss once, so look longer (each try is one /tokenize call).
     a = E.unique_prompt() + ". The end."
     n = count(a)
-    for _ in range(100):
+    for _ in range(1000):
         b = E.unique_prompt() + ". The end."
         if count(b) == n:
             return a, b

@@ -1,0 +1,125 @@
+"""The access log: one line per request, written whole in one call.
+
+It runs on every request, so it bypasses the logging framework (no LogRecord,
+no handler lock, no %-formatting): the line is built with one f-string (or one
+msgspec encode for ``--log-format json``) and written to stderr, where the
+other log lines go. The timestamp text is rebuilt once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import msgspec
+
+ACCESS_LOGGER = "epd_proxy.access"  # its level decides whether the access log is on (INFO)
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+
+
+def usage_of(data: bytes | None) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of a whole answer or of the SSE event holding
+    the final usage object in ``data`` (the last bytes of a stream); ``None`` when absent."""
+    if not data:
+        return None, None
+    at = data.rfind(b'"usage":{')
+    if at < 0:
+        return None, None
+    if data.startswith(b"{"):  # a whole JSON answer
+        doc = data
+    else:  # an SSE event: its ``data: `` line
+        start = data.rfind(b"data: ", 0, at)
+        end = data.find(b"\n", at)
+        doc = data[start + 6: end if end >= 0 else len(data)]
+    try:
+        usage = _usage_decoder.decode(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, None
+    return (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (None, None)
+
+
+def enabled(config) -> bool:
+    """On unless --no-access-log, and only where INFO lines are written (--log-level)."""
+    return config.access_log and logging.getLogger(ACCESS_LOGGER).isEnabledFor(logging.INFO)
+
+
+def _address(url: str) -> str:
+    return url.split("://", 1)[-1]
+
+
+class AccessLog:
+    """Formats and writes access-log lines (``fmt``: ``text`` or ``json``)."""
+
+    def __init__(self, fmt: str = "text", stream=None) -> None:
+        self.json = fmt == "json"
+        self._stream = stream
+        self._second = -1
+        self._stamp = ""
+
+    def _write(self, line: str) -> None:
+        (self._stream or sys.stderr).write(line)
+
+    def _now(self) -> tuple[float, str]:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+        return now, f"{self._stamp},{int((now - second) * 1000):03d}"
+
+    def request(self, rid: str, method: str, path: str, status: int, stream: bool, legs, timings: dict,
+                tokens: tuple, nbytes: int, outcome: str, seconds: float) -> None:
+        """A generation request. ``legs``: the instances it used, in order (a retry adds some)."""
+        now, stamp = self._now()
+        if self.json:
+            instances: dict[str, list[str]] = {}
+            for inst in legs:
+                instances.setdefault(inst.role, []).append(_address(inst.url))
+            self._write(msgspec.json.encode({
+                "ts": round(now, 3), "level": "INFO", "logger": ACCESS_LOGGER, "request_id": rid, "method": method,
+                "path": path, "status": status, "stream": stream, "instances": instances,
+                "stages_ms": {k: round(v * 1000, 2) for k, v in timings.items()},
+                "duration_ms": round(seconds * 1000, 2), "prompt_tokens": tokens[0],
+                "completion_tokens": tokens[1], "bytes": nbytes, "outcome": outcome}).decode() + "\n")
+            return
+        chosen = " ".join(f"{inst.role[0]}={_address(inst.url)}" for inst in legs)
+        stages = " ".join(f"{k}={v * 1000:.1f}ms" for k, v in timings.items())
+        p, c = tokens
+        self._write(f"{stamp} INFO {ACCESS_LOGGER}: {rid} {method} {path} {status} "
+                    f"{'stream' if stream else 'whole'} {chosen or '-'} {stages or '-'} total={seconds * 1000:.1f}ms "
+                    f"tokens={'-' if p is None else p}/{'-' if c is None else c} bytes={nbytes} {outcome}\n")
+
+    def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float) -> None:
+        """A request the pipeline did not run (/metrics, /health, a 404, a 429 at admission...)."""
+        now, stamp = self._now()
+        if self.json:
+            self._write(msgspec.json.encode({
+                "ts": round(now, 3), "level": "INFO", "logger": ACCESS_LOGGER, "request_id": rid, "method": method,
+                "path": path, "status": status, "duration_ms": round(seconds * 1000, 2), "bytes": nbytes,
+                "outcome": "ok" if status < 400 else "error"}).decode() + "\n")
+            return
+        self._write(f"{stamp} INFO {ACCESS_LOGGER}: {rid} {method} {path} {status} total={seconds * 1000:.1f}ms "
+                    f"bytes={nbytes} {'ok' if status < 400 else 'error'}\n")
+
+
+class JsonFormatter(logging.Formatter):
+    """The other log lines in the access log's JSON shape (``--log-format json``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return msgspec.json.encode(doc).decode()
