@@ -5,28 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
-import socket
 import sys
 import tempfile
 
 from helpers import Client
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (one bind(0) handed out could be
-    taken meanwhile, and SO_REUSEPORT, which --workers uses, would even share it)."""
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
+from procs import free_port
 
 
 class ProxyProcess:

@@ -2,13 +2,12 @@
 
 import asyncio
 import os
-import random
 import signal
-import socket
 import sys
 
 import pytest
 from helpers import Client, chat_body, stack, wait_for
+from procs import free_port
 
 from epd_proxy.sim import SimCluster, SimConfig, expected_text
 
@@ -58,24 +57,8 @@ async def test_once_the_listener_closed_queued_and_new_requests_get_503():
 
 # -- a real child process --------------------------------------------------------------------------
 
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range: a port bind(0) handed out could be taken
-    by another process between this check and the proxy's bind (and SO_REUSEPORT, which
-    --workers uses, would even let both listen on it)."""
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
-
-
 async def _start_proxy(cluster, *extra: str):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.join(os.path.dirname(__file__), "..", "src"),
                                                     env.get("PYTHONPATH", "")] if p)
