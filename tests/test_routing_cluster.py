@@ -190,7 +190,7 @@ async def test_the_workers_of_one_proxy_agree():
     import signal
     import sys
 
-    from test_serve_shutdown import _free_port
+    from procs import free_port as _free_port
 
     sim = SimConfig(itl_ms=0, ttft_ms=0.5)
     async with SimCluster(prefill=3, decode=1, config=sim) as cluster:
