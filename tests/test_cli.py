@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from epd_proxy.cli import build_parser, config_from_args
 from epd_proxy.sim import SimCluster, SimConfig
 
 from helpers import Client, chat_body
+from procs import free_port
 
 
 def parse(*argv: str):
@@ -62,12 +62,6 @@ def test_unusable_command_lines(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_serve_starts_empty_and_fills_by_registration():
     """`epd-proxy serve --dynamic-registration` with no URLs: it starts, says it waits
     for registrations, is not ready, and serves once instances have registered."""
@@ -75,7 +69,7 @@ async def test_serve_starts_empty_and_fills_by_registration():
         src = str(Path(epd_proxy.__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
         env.pop("ADMIN_API_KEY", None)
-        port = _free_port()
+        port = free_port()
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "epd_proxy", "serve", "--port", str(port), "--dynamic-registration",
             "--admin-api-key", "K", "--log-level", "warning", stdout=asyncio.subprocess.PIPE, env=env)

@@ -14,6 +14,7 @@ import pytest
 
 from epd_proxy.serve import connection_cap, server_limits
 from helpers import chat_body, stack
+from procs import free_port
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -66,12 +67,6 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 20.0) ->
     raise AssertionError("proxy did not start")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _soft_nofile(pid: int) -> int:
     for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
         if line.startswith("Max open files"):
@@ -100,7 +95,7 @@ def test_start_up_raises_the_descriptor_limit_and_idle_clients_cannot_exhaust_it
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 256:
         pytest.skip("hard descriptor limit below 256")
-    port = _free_port()
+    port = free_port()
     proc = _spawn(["--port", str(port), "--simulate", "prefill=1,decode=1", "--log-level", "error"],
                   soft=128, hard=256)
     idle: list[socket.socket] = []
@@ -138,8 +133,8 @@ def test_memory_of_large_bodies_is_returned_after_they_are_answered():
     now the heap is trimmed once large bodies are released."""
     import threading
 
-    port = _free_port()
-    proc = _spawn(["--port", str(port), "--decode", f"http://127.0.0.1:{_free_port()}", "--probe-interval", "0",
+    port = free_port()
+    proc = _spawn(["--port", str(port), "--decode", f"http://127.0.0.1:{free_port()}", "--probe-interval", "0",
                    "--log-level", "error"], soft=1024, hard=resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     try:
         _wait_listening(port, proc)

@@ -103,6 +103,8 @@ class UsageRelay(StreamRelay):
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
 
     def on_data(self, data: bytes) -> None:
+        # The event split mirrors StreamRelay.on_data, which keeps it inline (no hook call per
+        # chunk on the common path); only this relay needs whole events before writing.
         self.events += data.count(b"\n\n")
         if self._tail:
             data = self._tail + data
