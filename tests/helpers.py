@@ -8,8 +8,8 @@ import contextlib
 import msgspec
 
 from epd_proxy import ProxyConfig, start_proxy
-from epd_proxy.config import Timeouts
-from epd_proxy.http.client import ConnectionPool, Timeouts as ClientTimeouts
+from epd_proxy.config import StageTimeouts
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts
 from epd_proxy.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 
@@ -72,7 +72,7 @@ class Client:
 
     async def request(self, method: str, path: str, body: bytes = b"", headers=None,
                       timeout: float = 10.0) -> Reply:
-        t = ClientTimeouts(connect=timeout, headers=timeout, idle=timeout)
+        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         resp = await self.pool.request(method, path, body=body, headers=headers, timeouts=t)
         try:
             data = await resp.read()
@@ -111,4 +111,4 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> N
         await asyncio.sleep(interval)
 
 
-__all__ = ["stack", "Client", "Reply", "chat_body", "wait_for", "Timeouts"]
+__all__ = ["stack", "Client", "Reply", "chat_body", "wait_for", "StageTimeouts"]

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from helpers import chat_body, stack, wait_for
 
-from epd_proxy.config import Timeouts
+from epd_proxy.config import StageTimeouts
 from epd_proxy.connectors import NixlPush
 from epd_proxy.sim import SimConfig, expected_text
 
@@ -123,7 +123,7 @@ async def test_push_prefill_failure_after_first_token_ends_in_band():
 
 async def test_push_decode_done_while_prefill_hangs_ends_the_response_now():
     sim = push_sim()
-    async with stack(sim=sim, kv_connector="nixl-push", timeouts=Timeouts(prefill=1.0)) as (
+    async with stack(sim=sim, kv_connector="nixl-push", timeouts=StageTimeouts(prefill=1.0)) as (
             cluster, proxy, client):
         # Prefill pushes (so decode can finish) but never answers its HTTP request.
         cluster.instances("prefill")[0].inject("stall-after=0:30")

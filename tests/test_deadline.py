@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from helpers import chat_body, stack, wait_for
 
-from epd_proxy.config import Timeouts
+from epd_proxy.config import StageTimeouts
 from epd_proxy.deadline import Deadlines
 from epd_proxy.sim import SimConfig
 
@@ -42,7 +42,7 @@ def _assert_504(reply):
 @pytest.mark.parametrize("kv", ["nixl", "nixl-push"])
 async def test_hung_prefill_gets_504_and_every_leg_is_closed(kv, stream):
     sim = SimConfig(itl_ms=0, ttft_ms=0.5, kv_connector=kv)
-    async with stack(sim=sim, timeouts=Timeouts(first_byte=0.3)) as (cluster, proxy, client):
+    async with stack(sim=sim, timeouts=StageTimeouts(first_byte=0.3)) as (cluster, proxy, client):
         cluster.instances("prefill")[0].inject("hang")
         reply = await client.chat(chat_body(stream=stream))
         _assert_504(reply)
@@ -62,7 +62,7 @@ async def test_hung_encoder_gets_504_and_every_encoder_call_is_closed():
     # round-robin: the two images go to both encoders, one of which hangs (by uuid affinity
     # both could land on the other one).
     async with stack(encode=2, encode_policy="round-robin",
-                     timeouts=Timeouts(first_byte=0.3)) as (cluster, proxy, client):
+                     timeouts=StageTimeouts(first_byte=0.3)) as (cluster, proxy, client):
         cluster.instances("encode")[0].inject("hang")
         reply = await client.chat(chat_body(images=["https://x/a.png", "https://x/b.png"]))
         _assert_504(reply)
@@ -75,7 +75,7 @@ async def test_the_deadline_spans_retries():
     # Each attempt's stage timeout alone would let the retry run past the deadline.
     sim = SimConfig(itl_ms=0, ttft_ms=0.5)
     async with stack(prefill=2, sim=sim, decode_retries=3,
-                     timeouts=Timeouts(prefill=0.2, first_byte=0.5)) as (cluster, proxy, client):
+                     timeouts=StageTimeouts(prefill=0.2, first_byte=0.5)) as (cluster, proxy, client):
         for inst in cluster.instances("prefill"):
             inst.inject("hang", times=10)
         reply = await client.chat(chat_body())
@@ -86,7 +86,7 @@ async def test_the_deadline_spans_retries():
 async def test_a_stream_longer_than_the_deadline_is_not_cut():
     # The deadline ends at the commit point: decode's stream may run on.
     sim = SimConfig(itl_ms=0, ttft_ms=0.5, roles={"decode": {"itl_ms": 20}})
-    async with stack(sim=sim, timeouts=Timeouts(first_byte=0.2)) as (cluster, proxy, client):
+    async with stack(sim=sim, timeouts=StageTimeouts(first_byte=0.2)) as (cluster, proxy, client):
         reply = await client.chat(chat_body(stream=True, max_tokens=20))
         assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
         assert b'"error"' not in reply.body

@@ -17,7 +17,7 @@ import pytest_asyncio
 from helpers import Client, chat_body
 
 from epd_proxy import ProxyConfig, start_proxy
-from epd_proxy.config import Timeouts
+from epd_proxy.config import StageTimeouts
 from epd_proxy.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 
@@ -58,7 +58,7 @@ async def deployment(request):
     size = request.param
     sim = SimConfig(itl_ms=0, ttft_ms=0.5)
     async with SimCluster(encode=size, prefill=size, decode=size, config=sim) as cluster:
-        t = Timeouts(connect=1.0, encode=STAGE_TIMEOUT, prefill=STAGE_TIMEOUT, decode_first=STAGE_TIMEOUT,
+        t = StageTimeouts(connect=1.0, encode=STAGE_TIMEOUT, prefill=STAGE_TIMEOUT, decode_first=STAGE_TIMEOUT,
                      stream_idle=STAGE_TIMEOUT)
         # fail_threshold=2: counting every attempt of one request (or its 500s) would eject.
         # least-loaded: every request here has the same prompt, so affinity would send all first

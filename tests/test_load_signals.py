@@ -6,7 +6,7 @@ import msgspec
 from helpers import Client, chat_body, stack, wait_for
 
 from epd_proxy.http.client import ConnectionPool
-from epd_proxy.http.client import Timeouts as ClientTimeouts
+from epd_proxy.http.client import TransportTimeouts
 from epd_proxy.load_signals import gauge_samples, parse_load
 from epd_proxy.sim import SimConfig
 
@@ -47,7 +47,7 @@ async def test_the_scrape_reads_each_instances_own_queue():
         pools = proxy.app.pools["decode"]
         inst_busy = pools.find(busy.url)
         direct = ConnectionPool(busy.url)
-        t = ClientTimeouts(connect=5, headers=5, idle=5)
+        t = TransportTimeouts(connect=5, headers=5, idle=5)
 
         async def occupy():
             resp = await direct.request("POST", "/v1/chat/completions", body=msgspec.json.encode(

@@ -327,8 +327,8 @@ async def test_prefill_without_kv_params_is_a_502_not_a_silent_full_prefill():
 
 
 async def test_stage_timeout_is_504():
-    from epd_proxy.config import Timeouts
-    async with stack(decode_retries=0, timeouts=Timeouts(prefill=0.3)) as (cluster, proxy, client):
+    from epd_proxy.config import StageTimeouts
+    async with stack(decode_retries=0, timeouts=StageTimeouts(prefill=0.3)) as (cluster, proxy, client):
         cluster.instances("prefill")[0].inject("hang")
         reply = await client.chat(chat_body())
         assert reply.status == 504

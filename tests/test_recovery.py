@@ -13,7 +13,7 @@ from helpers import Client, chat_body, wait_for
 
 import epd_proxy
 from epd_proxy import ProxyConfig, start_proxy
-from epd_proxy.config import InstanceSpec, Timeouts
+from epd_proxy.config import InstanceSpec, StageTimeouts
 from epd_proxy.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 from epd_proxy.sim.instance import SimInstance
@@ -177,7 +177,7 @@ async def test_a_wedged_instance_is_ejected_and_its_pending_requests_fail_over()
     async with SimCluster(pd=1, config=SIM) as cluster:
         cfg = ProxyConfig(decode=[InstanceSpec(cluster.urls("pd")[0], "decode"), InstanceSpec(stuck_url, "decode")],
                           probe_interval=0.2, probe_timeout=0.5, fail_threshold=2, routing="round-robin",
-                          timeouts=Timeouts(decode_first=60.0, stream_idle=60.0))
+                          timeouts=StageTimeouts(decode_first=60.0, stream_idle=60.0))
         async with await start_proxy(cfg) as proxy:
             clients = [Client(proxy.url) for _ in range(6)]
             try:

@@ -20,7 +20,7 @@ import pytest
 from helpers import chat_body, wait_for
 
 from epd_proxy import ProxyConfig, start_proxy
-from epd_proxy.config import InstanceSpec, Timeouts
+from epd_proxy.config import InstanceSpec, StageTimeouts
 
 # The types of the request path (per request or per client connection).
 REQUEST_TYPES = {"Request", "ResponseWriter", "HttpServerProtocol", "RequestContext", "LegPlan", "DecodeLeg",
@@ -79,7 +79,7 @@ async def test_no_request_object_outlives_its_request_without_the_collector(kv):
                            kv_port=int(ident["kv_port"]), tp=1, pp=1)
     config = ProxyConfig(encode=[InstanceSpec(urls["encode"], "encode")], prefill=[prefill],
                          decode=[InstanceSpec(urls["decode"], "decode")], kv_connector=kv, probe_interval=0,
-                         timeouts=Timeouts(first_byte=0.4))
+                         timeouts=StageTimeouts(first_byte=0.4))
     kinds = [
         (chat_body(stream=True), 0, b"200 OK"),
         (chat_body(), 0, b"200 OK"),

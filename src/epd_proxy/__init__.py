@@ -6,7 +6,7 @@ event loop with :func:`start_proxy` (tests, embedding).
 """
 
 from .app import ProxyApp
-from .config import InstanceSpec, ProxyConfig, Timeouts, parse_instance
+from .config import InstanceSpec, ProxyConfig, StageTimeouts, parse_instance
 from .connectors import CONNECTORS, KVConnector
 from .errors import ProxyError
 from .pipeline import Pipeline
@@ -17,6 +17,6 @@ from .stages import DecodeStage, EncoderFanout, PrefillStage
 __all__ = [
     "CONNECTORS", "DecodeStage", "EncoderFanout", "Instance", "InstancePool", "InstanceSpec",
     "KVConnector", "Pipeline", "PrefillStage", "ProxyApp", "ProxyConfig", "ProxyError", "RunningProxy",
-    "Timeouts", "parse_instance", "serve", "start_proxy",
+    "StageTimeouts", "parse_instance", "serve", "start_proxy",
 ]
 __version__ = "0.1.0"

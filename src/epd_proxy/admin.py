@@ -18,7 +18,7 @@ import msgspec
 
 from .access import ADMIN, READ, REGISTER, AccessPolicy, peer_ip
 from .errors import ProxyError
-from .http.client import Timeouts, UpstreamError
+from .http.client import TransportTimeouts, UpstreamError
 from .http.server import Request, ResponseWriter
 from .membership import (Membership, MembershipConflict, RegistrationError, normalise_url, parse_registration,
                          parse_url_param)
@@ -113,7 +113,7 @@ class AdminApi:
         writer.send(200, msgspec.json.encode(out))
 
     async def _post(self, inst, path: str, body: bytes) -> tuple[int | None, str | None]:
-        t = Timeouts(connect=5.0, headers=_PROFILE_TIMEOUT, idle=_PROFILE_TIMEOUT)
+        t = TransportTimeouts(connect=5.0, headers=_PROFILE_TIMEOUT, idle=_PROFILE_TIMEOUT)
         headers = [(b"content-type", b"application/json"), *self._headers]
         try:
             resp = await inst.http.request("POST", path, body=body, headers=headers, timeouts=t)

@@ -16,7 +16,7 @@ from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKe
 from .config import ROLES, ProxyConfig
 from .connectors import CONNECTORS
 from .errors import ProxyError
-from .http.client import Timeouts, UpstreamError
+from .http.client import TransportTimeouts, UpstreamError
 from .http.server import Request, ResponseWriter
 from .metrics import ProxyMetrics
 from .health import OutlierSettings
@@ -186,7 +186,7 @@ class ProxyApp:
         """The model list of a live decode instance, relayed as received."""
         pool = self.pools["decode"]
         t = self.config.timeouts
-        timeouts = Timeouts(connect=t.connect, headers=10.0, idle=10.0)
+        timeouts = TransportTimeouts(connect=t.connect, headers=10.0, idle=10.0)
         tried = set()
         last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):

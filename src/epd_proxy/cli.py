@@ -8,7 +8,7 @@ import os
 import sys
 
 from .cluster_file import ClusterFileError, Option, read_cluster_path
-from .config import LOG_FORMATS, ROLE_POLICY_DEFAULTS, ROLES, ProxyConfig, Timeouts, split_discovered, split_instances
+from .config import LOG_FORMATS, ROLE_POLICY_DEFAULTS, ROLES, ProxyConfig, StageTimeouts, split_discovered, split_instances
 from .routing import POLICIES
 
 
@@ -88,7 +88,7 @@ def _add_serve(sub) -> None:
                    default=float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
                    help="the backends' keep-alive timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); idle pooled "
                         "connections are retired at half of it")
-    t, c = Timeouts(), ProxyConfig()
+    t, c = StageTimeouts(), ProxyConfig()
     p.add_argument("--connect-timeout", type=float, default=t.connect)
     p.add_argument("--encode-timeout", type=float, default=t.encode, help=f"(default {t.encode:g} s)")
     p.add_argument("--prefill-timeout", type=float, default=t.prefill, help=f"(default {t.prefill:g} s)")
@@ -235,7 +235,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         balance_rel=args.balance_rel,
         scrape_interval=args.scrape_interval,
         upstream_keep_alive=args.upstream_keep_alive,
-        timeouts=Timeouts(connect=args.connect_timeout, encode=args.encode_timeout,
+        timeouts=StageTimeouts(connect=args.connect_timeout, encode=args.encode_timeout,
                           prefill=args.prefill_timeout, decode_first=args.decode_timeout,
                           stream_idle=args.stream_idle_timeout, first_byte=args.first_byte_timeout),
         probe_interval=args.probe_interval,

@@ -124,7 +124,7 @@ def split_instances(values: list[str] | None) -> list[str]:
 
 
 @dataclass(slots=True)
-class Timeouts:
+class StageTimeouts:
     """Bounds on every wait, in seconds (stage waits end in a 504).
 
     Stage defaults follow what each call does on vLLM (docs/architecture.md,
@@ -196,7 +196,7 @@ class ProxyConfig:
     # vLLM closes idle keep-alive connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     # (5 s); the pool retires them well before.
     upstream_keep_alive: float = 5.0
-    timeouts: Timeouts = field(default_factory=Timeouts)
+    timeouts: StageTimeouts = field(default_factory=StageTimeouts)
     probe_interval: float = 5.0
     probe_timeout: float = 2.0
     fail_threshold: int = 3

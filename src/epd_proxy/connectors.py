@@ -18,7 +18,7 @@ from .context import RequestContext
 from .errors import ProxyError
 from .ids import hex_id, uuid4_str
 from .http.client import ConnectionPool, UpstreamError
-from .http.client import Timeouts as ClientTimeouts
+from .http.client import TransportTimeouts
 from .pool import Instance
 from .stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from .stages import DecodeLeg, DecodeStage, PrefillStage
@@ -212,7 +212,7 @@ class Mooncake(NixlPush):
         url = self.bootstrap_addr(inst.spec)
         pool = ConnectionPool(url, idle_timeout=0)
         try:
-            t = ClientTimeouts(connect=2.0, headers=5.0, idle=5.0)
+            t = TransportTimeouts(connect=2.0, headers=5.0, idle=5.0)
             resp = await pool.request("GET", "/query", timeouts=t)
             try:
                 data = await resp.read()

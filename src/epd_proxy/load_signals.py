@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from .http.client import Timeouts, UpstreamError
+from .http.client import TransportTimeouts, UpstreamError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pool import Instance, InstancePool
@@ -108,7 +108,7 @@ class LoadScraper:
     def __init__(self, pool: InstancePool, interval: float, timeout: float) -> None:
         self.pool = pool
         self.interval = interval
-        self.timeouts = Timeouts(connect=timeout, headers=timeout, idle=timeout)
+        self.timeouts = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         self.timeout = timeout
         self.scrapes = 0
         self.failures = 0

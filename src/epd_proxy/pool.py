@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 from .config import InstanceSpec
 from .errors import ProxyError
 from .health import DRAINING, HALF_OPEN, HEALTHY, Ejection, Health, OutlierRules, OutlierSettings
-from .http.client import ConnectionPool, Timeouts, UpstreamError
+from .http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from .load_signals import LoadSignals
 from .routing import EMPTY_VIEW, RequestView, RoutingPolicy, make_policy
 from .routing import POLICIES, LeastLoaded, RoundRobin  # noqa: F401  (re-exported: they lived here)
@@ -305,7 +305,7 @@ class InstancePool:
         await asyncio.gather(*(self._probe(i, timeout) for i in self.instances))
 
     async def _probe(self, inst: Instance, timeout: float) -> None:
-        t = Timeouts(connect=timeout, headers=timeout, idle=timeout)
+        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         try:
             async with asyncio.timeout(timeout):
                 # A probe never queues behind the connection cap: a busy instance is not a dead one.

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 
-T = Timeouts(connect=2.0, headers=5.0, idle=5.0)
+T = TransportTimeouts(connect=2.0, headers=5.0, idle=5.0)
 
 
 class Gate:
@@ -51,7 +51,7 @@ async def gated(http_server):
         await pool.close()
 
 
-async def fetch(pool: ConnectionPool, path: str, timeouts: Timeouts = T) -> bytes:
+async def fetch(pool: ConnectionPool, path: str, timeouts: TransportTimeouts = T) -> bytes:
     resp = await pool.request("GET", path, timeouts=timeouts)
     try:
         return await resp.read()
@@ -142,7 +142,7 @@ async def test_the_wait_is_bounded_by_the_header_timeout(gated):
     first = asyncio.ensure_future(fetch(pool, "/hold/a"))
     await until(lambda: len(gate.arrived) == 1)
     with pytest.raises(UpstreamError, match="--max-upstream-connections") as exc:
-        await fetch(pool, "/late", Timeouts(connect=1.0, headers=0.05, idle=1.0))
+        await fetch(pool, "/late", TransportTimeouts(connect=1.0, headers=0.05, idle=1.0))
     assert exc.value.kind == "local" and "127.0.0.1" not in str(exc.value)
     assert pool.waiting == 0
     gate.open_gates.set()

@@ -9,11 +9,11 @@ import socket
 
 import pytest
 
-from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError, UpstreamTimeout
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError, UpstreamTimeout
 from httpkit import (Recorder, all_requests, chunked, connect, read_to_eof, send_fin_now,
                      set_rst_on_close)
 
-FAST = Timeouts(connect=1.0, headers=1.0, idle=1.0)
+FAST = TransportTimeouts(connect=1.0, headers=1.0, idle=1.0)
 
 
 def ok(body: bytes, *headers: bytes) -> bytes:
@@ -528,7 +528,7 @@ async def test_head_request_has_no_body(http_server, pools):
 
     srv = await http_server(handler)
     pool = pools(f"http://127.0.0.1:{srv.port}")
-    resp = await pool.request("HEAD", "/", timeouts=Timeouts(connect=1, headers=1, idle=0.5))
+    resp = await pool.request("HEAD", "/", timeouts=TransportTimeouts(connect=1, headers=1, idle=0.5))
     assert resp.headers[b"content-length"] == b"10"
     assert await asyncio.wait_for(resp.read(), 1) == b""
     resp2 = await pool.request("GET", "/", timeouts=FAST)
@@ -567,7 +567,7 @@ async def test_unsolicited_response_on_idle_connection_is_not_reused(raw_server,
     assert await (await pool.request("GET", "/1", timeouts=FAST)).read() == b"/1"
     await asyncio.sleep(0.08)
     assert pool.idle_connections == 0 and pool.open_connections == 0  # dropped, not re-pooled
-    t = Timeouts(connect=1, headers=0.5, idle=0.5)
+    t = TransportTimeouts(connect=1, headers=0.5, idle=0.5)
     r = await asyncio.gather(*(pool.request("GET", f"/{i}", timeouts=t) for i in (2, 3)))
     assert [await x.read() for x in r] == [b"/2", b"/3"]
 
@@ -647,7 +647,7 @@ async def test_connect_timeout():
     t0 = loop.time()
     try:
         with pytest.raises(UpstreamError) as ei:
-            await pool.request("GET", "/", timeouts=Timeouts(connect=0.2, headers=1, idle=1))
+            await pool.request("GET", "/", timeouts=TransportTimeouts(connect=0.2, headers=1, idle=1))
         elapsed = loop.time() - t0
         assert ei.value.kind == "connect"
         assert 0.15 <= elapsed < 1.0
@@ -668,7 +668,7 @@ async def test_header_timeout(raw_server, pools):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(UpstreamTimeout) as ei:
-        await pool.request("GET", "/", timeouts=Timeouts(connect=1, headers=0.2, idle=5))
+        await pool.request("GET", "/", timeouts=TransportTimeouts(connect=1, headers=0.2, idle=5))
     elapsed = loop.time() - t0
     assert 0.18 <= elapsed < 0.8
     assert ei.value.kind == "timeout" and not ei.value.response_started
@@ -687,7 +687,7 @@ async def test_header_timeout_on_reused_connection_is_not_retried(raw_server, po
     pool = pools(srv.url)
     assert await (await pool.request("GET", "/1", timeouts=FAST)).read() == b"/1"
     with pytest.raises(UpstreamTimeout):
-        await pool.request("GET", "/2", timeouts=Timeouts(connect=1, headers=0.15, idle=5))
+        await pool.request("GET", "/2", timeouts=TransportTimeouts(connect=1, headers=0.15, idle=5))
     assert len(srv.conns) == 1
 
 
@@ -723,7 +723,7 @@ async def test_header_timeout_not_lost_when_connection_reused_immediately(raw_se
     async def b():
         b_waiting.set()
         await side_reader.readexactly(1)
-        return await pool.request("GET", "/b", timeouts=Timeouts(connect=1, headers=0.2, idle=1))
+        return await pool.request("GET", "/b", timeouts=TransportTimeouts(connect=1, headers=0.2, idle=1))
 
     task_b = asyncio.create_task(b())
     resp_a = await asyncio.wait_for(task_a, 1)
@@ -790,7 +790,7 @@ async def test_idle_body_timeout(raw_server, pools):
     srv = await raw_server(handler)
     pool = pools(srv.url)
     loop = asyncio.get_running_loop()
-    resp = await pool.request("GET", "/", timeouts=Timeouts(connect=1, headers=1, idle=0.2))
+    resp = await pool.request("GET", "/", timeouts=TransportTimeouts(connect=1, headers=1, idle=0.2))
     t0 = loop.time()
     assert await resp.read_chunk() == b"abc"
     with pytest.raises(UpstreamTimeout) as ei:
@@ -813,7 +813,7 @@ async def test_idle_timer_restarts_with_each_piece(raw_server, pools):
 
     srv = await raw_server(handler)
     pool = pools(srv.url)
-    resp = await pool.request("GET", "/", timeouts=Timeouts(connect=1, headers=1, idle=0.2))
+    resp = await pool.request("GET", "/", timeouts=TransportTimeouts(connect=1, headers=1, idle=0.2))
     assert await resp.read() == b"012345"
 
 
@@ -828,7 +828,7 @@ async def test_paused_silence_is_not_an_idle_timeout(raw_server, pools):
 
     srv = await raw_server(handler)
     pool = pools(srv.url)
-    resp = await pool.request("GET", "/", timeouts=Timeouts(connect=1, headers=1, idle=0.15))
+    resp = await pool.request("GET", "/", timeouts=TransportTimeouts(connect=1, headers=1, idle=0.15))
     resp.pause_reading()
     await asyncio.sleep(0.45)  # paused for longer than the idle timeout
     resp.resume_reading()
@@ -846,7 +846,7 @@ async def test_read_resumes_a_paused_response(raw_server, pools):
 
     srv = await raw_server(handler)
     pool = pools(srv.url)
-    resp = await pool.request("GET", "/", timeouts=Timeouts(connect=1, headers=1, idle=5))
+    resp = await pool.request("GET", "/", timeouts=TransportTimeouts(connect=1, headers=1, idle=5))
     resp.pause_reading()
     assert await asyncio.wait_for(resp.read(), 1) == b"abcdef"
 
@@ -862,7 +862,7 @@ async def test_flow_control_after_release_does_not_touch_the_pooled_connection(h
     resp = await pool.request("GET", "/1", timeouts=FAST)
     assert await resp.read() == b"/1"
     resp.pause_reading()  # e.g. the client socket filled up while the body was replayed
-    resp2 = await pool.request("GET", "/2", timeouts=Timeouts(connect=1, headers=0.5, idle=0.5))
+    resp2 = await pool.request("GET", "/2", timeouts=TransportTimeouts(connect=1, headers=0.5, idle=0.5))
     assert await resp2.read() == b"/2"
     resp.resume_reading()
     assert len(srv.connections) == 1
@@ -942,7 +942,7 @@ async def test_large_request_body_arrives_intact(http_server, pools):
     pool = pools(f"http://127.0.0.1:{srv.port}")
     body = os.urandom(4 * 1024 * 1024)
     for _ in range(2):  # twice on one connection
-        resp = await pool.request("POST", "/", body=body, timeouts=Timeouts(connect=1, headers=5, idle=5))
+        resp = await pool.request("POST", "/", body=body, timeouts=TransportTimeouts(connect=1, headers=5, idle=5))
         assert await resp.read() == b"%d %s" % (len(body), hashlib.sha256(body).hexdigest().encode())
     assert len(srv.connections) == 1
 
@@ -991,7 +991,7 @@ async def test_early_header_timer_gives_way_to_the_idle_timeout(raw_server, pool
     srv = await raw_server(handler)
     pool = pools(srv.url)
     loop = asyncio.get_running_loop()
-    resp = await pool.request("GET", "/", timeouts=Timeouts(connect=1, headers=0.1, idle=0.3))
+    resp = await pool.request("GET", "/", timeouts=TransportTimeouts(connect=1, headers=0.1, idle=0.3))
     got = b""
     for _ in range(4):
         got += await resp.read_chunk()
@@ -1017,7 +1017,7 @@ async def test_reused_connection_keeps_its_own_header_deadline(raw_server, pools
 
     srv = await raw_server(handler)
     pool = pools(srv.url)
-    t = Timeouts(connect=1, headers=0.6, idle=0.1)
+    t = TransportTimeouts(connect=1, headers=0.6, idle=0.1)
     assert await (await pool.request("GET", "/1", timeouts=t)).read() == b"/1"
     assert await (await pool.request("GET", "/2", timeouts=t)).read() == b"/2"
     assert len(srv.conns) == 1

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from epd_proxy.http.server import FlowListener
 from httpkit import Incomplete, connect, read_body, read_head, read_response, request_bytes
 
@@ -63,9 +63,9 @@ class RelaySink(FlowListener):
 
 
 class Proxy:
-    def __init__(self, upstream_port: int, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, upstream_port: int, timeouts: TransportTimeouts | None = None) -> None:
         self.pool = ConnectionPool(f"http://127.0.0.1:{upstream_port}")
-        self.timeouts = timeouts or Timeouts(connect=1, headers=2, idle=2)
+        self.timeouts = timeouts or TransportTimeouts(connect=1, headers=2, idle=2)
         self.sinks: list[RelaySink] = []
         self.writers = []
         self.outcomes: list[str] = []
@@ -178,7 +178,7 @@ async def test_back_pressure_propagates_to_the_upstream(proxy_pair):
 
     for _ in range(total_chunks):
         h.update(chunk)
-    up, proxy, front = await proxy_pair(upstream, timeouts=Timeouts(connect=1, headers=2, idle=0.2))
+    up, proxy, front = await proxy_pair(upstream, timeouts=TransportTimeouts(connect=1, headers=2, idle=0.2))
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     sock.connect(("127.0.0.1", front.port))
@@ -242,7 +242,7 @@ async def test_upstream_failure_mid_stream_aborts_the_client(proxy_pair, failure
         else:
             await asyncio.sleep(10)
 
-    up, proxy, front = await proxy_pair(upstream, timeouts=Timeouts(connect=1, headers=1, idle=0.2))
+    up, proxy, front = await proxy_pair(upstream, timeouts=TransportTimeouts(connect=1, headers=1, idle=0.2))
     r, w = await connect(front.port)
     w.write(request_bytes("POST", "/", body=b"{}"))
     with pytest.raises(Incomplete) as ei:
@@ -273,7 +273,7 @@ async def test_relay_of_an_already_complete_response_to_a_slow_client(http_serve
     sinks = []
 
     async def proxy(req, w):
-        resp = await pool.request("GET", req.path, timeouts=Timeouts(connect=1, headers=0.5, idle=0.5))
+        resp = await pool.request("GET", req.path, timeouts=TransportTimeouts(connect=1, headers=0.5, idle=0.5))
         try:
             for _ in range(500):  # wait until the whole body is in (and the connection pooled)
                 if resp.complete:

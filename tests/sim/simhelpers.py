@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, Timeouts
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts
 from epd_proxy.sim import SimConfig
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -69,7 +69,7 @@ class Http:
         return p
 
     async def request(self, method: str, url: str, path: str, body=None, *, headers=None,
-                      timeouts: Timeouts | None = None, raw: bytes | None = None) -> Reply:
+                      timeouts: TransportTimeouts | None = None, raw: bytes | None = None) -> Reply:
         hdrs = list(headers or [])
         data = raw if raw is not None else (msgspec.json.encode(body) if body is not None else b"")
         if body is not None and not any(h[0] == b"content-type" for h in hdrs):

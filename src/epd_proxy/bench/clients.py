@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 
 from .loadgen import Outcome, send
 from .workloads import Prepared
@@ -33,7 +33,7 @@ class UrlClient:
     async def start(self) -> None:
         self.pool = ConnectionPool(self.url, idle_timeout=2.0, max_idle=self.max_idle)
 
-    async def send(self, prep: Prepared, timeouts: Timeouts, verify: bool = True) -> Outcome:
+    async def send(self, prep: Prepared, timeouts: TransportTimeouts, verify: bool = True) -> Outcome:
         return await send(self.pool, prep, timeouts, verify=verify)
 
     async def close(self) -> None:
@@ -45,7 +45,7 @@ class StageError(Exception):
     pass
 
 
-async def _post_json(pool: ConnectionPool, path: str, body: dict, timeouts: Timeouts) -> dict:
+async def _post_json(pool: ConnectionPool, path: str, body: dict, timeouts: TransportTimeouts) -> dict:
     resp = await pool.request("POST", path, body=msgspec.json.encode(body), headers=_HEADERS, timeouts=timeouts)
     try:
         data = await resp.read()
@@ -56,7 +56,7 @@ async def _post_json(pool: ConnectionPool, path: str, body: dict, timeouts: Time
     return msgspec.json.decode(data)
 
 
-async def run_stages(pools: dict, prep: Prepared, timeouts: Timeouts, *, verify: bool = True,
+async def run_stages(pools: dict, prep: Prepared, timeouts: TransportTimeouts, *, verify: bool = True,
                      keep_text: bool = False) -> tuple[dict, Outcome]:
     """E (if the body has media and there is an encoder), P, then D. Returns the stage
     times (seconds; ``decode_ttft`` from D's send) and D's outcome."""
@@ -102,7 +102,7 @@ async def run_stages(pools: dict, prep: Prepared, timeouts: Timeouts, *, verify:
     return times, o
 
 
-async def send_stages(pools: dict, prep: Prepared, timeouts: Timeouts, *, verify: bool = True,
+async def send_stages(pools: dict, prep: Prepared, timeouts: TransportTimeouts, *, verify: bool = True,
                       keep_text: bool = False) -> Outcome:
     """:func:`run_stages` as one request: its outcome timed from the first stage's send;
     never raises except on cancellation."""
@@ -133,7 +133,7 @@ class StagesClient:
         self.pools = {k: ConnectionPool(u, idle_timeout=2.0, max_idle=self.max_idle) if u else None
                       for k, u in self.urls.items()}
 
-    async def send(self, prep: Prepared, timeouts: Timeouts, verify: bool = True) -> Outcome:
+    async def send(self, prep: Prepared, timeouts: TransportTimeouts, verify: bool = True) -> Outcome:
         return await send_stages(self.pools, prep, timeouts, verify=verify)
 
     async def close(self) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, Timeouts
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts
 
 from . import targets as T
 from .clients import send_stages
@@ -281,7 +281,7 @@ class ProxyClient:
         old, self.pools[i] = self.pools[i], ConnectionPool(self.urls[i], idle_timeout=2.0, max_idle=self.max_idle)
         await old.close()
 
-    async def send(self, conv: Conversation, turn: int, prep: Prepared, timeouts: Timeouts) -> Outcome:
+    async def send(self, conv: Conversation, turn: int, prep: Prepared, timeouts: TransportTimeouts) -> Outcome:
         n = len(self.pools)
         i = turn % n
         for _ in range(n):
@@ -319,7 +319,7 @@ class OracleClient:
         i = conv.index
         return {role: (ps[i % len(ps)] if ps else None) for role, ps in self.pools.items()}
 
-    async def send(self, conv: Conversation, turn: int, prep: Prepared, timeouts: Timeouts) -> Outcome:
+    async def send(self, conv: Conversation, turn: int, prep: Prepared, timeouts: TransportTimeouts) -> Outcome:
         return await send_stages(self.pinned(conv), prep, timeouts, verify=prep.expected is not None, keep_text=True)
 
     async def close(self) -> None:
@@ -373,13 +373,13 @@ class Tally:
 
 
 async def drive(spec: ChatSpec, convs: list[Conversation], images: list[str], rate: float, client, *,
-                seed: int = 0, verify: bool = True, timeouts: Timeouts | None = None, tally: Tally | None = None,
+                seed: int = 0, verify: bool = True, timeouts: TransportTimeouts | None = None, tally: Tally | None = None,
                 on_start=None) -> Tally:
     """Open loop: conversations start as Poisson arrivals (``rate / turns`` per second, so
     requests arrive at about ``rate`` per second once turns overlap); each sends its turns
     one after another, every prompt carrying the answers received so far, after each
     turn's think time. ``on_start(i)`` is called as conversation ``i`` starts."""
-    timeouts = timeouts or Timeouts(connect=10.0, headers=300.0, idle=300.0)
+    timeouts = timeouts or TransportTimeouts(connect=10.0, headers=300.0, idle=300.0)
     tally = tally or Tally()
     expected = simulator_expected() if verify else None
     rng = random.Random(f"{seed}:arrivals:{rate}")
@@ -430,7 +430,7 @@ async def instance_states(sim: T.SimInfo) -> dict[str, list[dict]]:
     """``GET /sim/state`` of every instance, per role (the counters behind ``/metrics``:
     ``vllm:prefix_cache_queries/hits_total``, ``sim:encoder_cache_queries/hits_total``)."""
     out: dict[str, list[dict]] = {}
-    timeouts = Timeouts(connect=5.0, headers=10.0, idle=10.0)
+    timeouts = TransportTimeouts(connect=5.0, headers=10.0, idle=10.0)
     for role, urls in (("encode", sim.encode), ("prefill", sim.prefill), ("decode", sim.decode)):
         out[role] = []
         for u in urls:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 
 from .procs import self_cpu_seconds
 from .workloads import Prepared
@@ -165,7 +165,7 @@ class _Sink:
         pass
 
 
-async def send(pool: ConnectionPool, prep: Prepared, timeouts: Timeouts, *, verify: bool = True,
+async def send(pool: ConnectionPool, prep: Prepared, timeouts: TransportTimeouts, *, verify: bool = True,
                keep_text: bool = False, headers: list | None = None) -> Outcome:
     """One request; never raises except on cancellation."""
     out = Outcome(prep.kind, perf())
@@ -393,7 +393,7 @@ class Phase:
         self.max_requests = max_requests
         self.seed = seed
         self.verify = verify
-        self.timeouts = Timeouts(connect=10.0, headers=timeout, idle=timeout)
+        self.timeouts = TransportTimeouts(connect=10.0, headers=timeout, idle=timeout)
         self.drain_timeout = drain_timeout
         self.stats = PhaseStats()
         self.progress = Progress(label or url, max_requests, duration, enabled=progress)

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from epd_proxy.serve import tune_gc
 
 from . import targets as T
@@ -107,7 +107,7 @@ def _copy_args(args, **changes):
 
 
 # -- latency ---------------------------------------------------------------------------------------
-async def _stage_calls(pools: dict, prep: Prepared, timeouts: Timeouts) -> dict:
+async def _stage_calls(pools: dict, prep: Prepared, timeouts: TransportTimeouts) -> dict:
     """The stages the proxy would run, called directly, one after the other: each
     stage's time and decode's TTFT (seconds), or ``error``."""
     from .clients import StageError, run_stages
@@ -225,7 +225,7 @@ async def run_latency(args) -> dict:
         proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
         if not proxy.available:
             raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
-        timeouts = Timeouts(connect=10, headers=60, idle=60)
+        timeouts = TransportTimeouts(connect=10, headers=60, idle=60)
         pools = {"encode": ConnectionPool(sim.encode[0]) if sim.encode else None,
                  "prefill": ConnectionPool(sim.prefill[0]), "decode": ConnectionPool(sim.decode[0]),
                  "proxy": ConnectionPool(proxy.url)}
@@ -310,7 +310,7 @@ async def run_push(args) -> dict:
             if not proxy.available:
                 raise RuntimeError(f"epd-proxy ({mode}) did not start: {proxy.note}")
             pool = ConnectionPool(proxy.url)
-            timeouts = Timeouts(connect=10, headers=60, idle=60)
+            timeouts = TransportTimeouts(connect=10, headers=60, idle=60)
             try:
                 for td in args.push_td_ms:
                     w = make_workload("stream", max_tokens=4, prompt_bytes=args.prompt_bytes, model=args.model)[0]
@@ -390,7 +390,7 @@ async def _scale_once(args, workers: int, n: int, nofile: int) -> dict:
         await asyncio.sleep(1.0)
         reqs = workload_requests(args, "stream", max_tokens=tokens)
         pool = ConnectionPool(proxy.url, idle_timeout=30.0, max_idle=n + 100)
-        timeouts = Timeouts(connect=30, headers=120, idle=120)
+        timeouts = TransportTimeouts(connect=30, headers=120, idle=120)
         state = {"active": 0, "ok": 0, "errors": 0, "verify_errors": 0, "examples": [], "ttft": [], "itl": []}
         stop = asyncio.Event()
         rss0 = svc.rss_bytes()
@@ -704,7 +704,7 @@ async def run_overload(args) -> dict:
         normal = workload_requests(args, "nonstream", max_tokens=4)
         burst_pool = ConnectionPool(url, idle_timeout=30.0, max_idle=n + 100)
         normal_pool = ConnectionPool(url, idle_timeout=30.0)
-        timeouts = Timeouts(connect=30, headers=120, idle=120)
+        timeouts = TransportTimeouts(connect=30, headers=120, idle=120)
         loop = asyncio.get_running_loop()
         t_start = perf()
         # Normal traffic alone first: the latency to recover to.

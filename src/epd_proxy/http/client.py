@@ -65,8 +65,11 @@ class BodySink(Protocol):
     def on_error(self, exc: Exception) -> None: ...
 
 
-class Timeouts:
-    """How long to wait for each phase of an upstream exchange (seconds; None = forever)."""
+class TransportTimeouts:
+    """How long to wait for each phase of one upstream exchange (seconds; None = forever).
+
+    The transport's bounds; the operator's per-stage ones are ``config.StageTimeouts``,
+    from which the stages build these."""
 
     __slots__ = ("connect", "headers", "idle")
 
@@ -223,7 +226,7 @@ class _Connection(asyncio.Protocol):
         self._response: Response | None = None
         self._got_bytes = False
         self._body_has_length = False
-        self._timeouts: Timeouts | None = None
+        self._timeouts: TransportTimeouts | None = None
         self._last_activity = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._armed = False  # a timeout applies (the timer may be pending either way)
@@ -334,7 +337,7 @@ class _Connection(asyncio.Protocol):
             resp._finish(None)
 
     # -- request lifecycle ----------------------------------------------------------------
-    def send(self, head: bytes, body: bytes, timeouts: Timeouts) -> asyncio.Future:
+    def send(self, head: bytes, body: bytes, timeouts: TransportTimeouts) -> asyncio.Future:
         self.requests += 1
         self._got_bytes = False
         self._response = None
@@ -549,7 +552,7 @@ class ConnectionPool:
         self._all.add(conn)  # the connection owns the slot until it is forgotten
         return conn
 
-    async def _fresh(self, timeouts: Timeouts, queue: bool = True) -> tuple[_Connection, bool]:
+    async def _fresh(self, timeouts: TransportTimeouts, queue: bool = True) -> tuple[_Connection, bool]:
         """A connection for a request that found none idle: a new one if a slot is free
         (or the request may not queue), else whatever the line gives (a handed-back
         connection, or a slot). Returns the connection and whether it was reused."""
@@ -650,7 +653,7 @@ class ConnectionPool:
             pass
 
     async def request(self, method: str, path: str, *, body: bytes = b"", headers: Headers | None = None,
-                      timeouts: Timeouts | None = None, queue: bool = True) -> Response:
+                      timeouts: TransportTimeouts | None = None, queue: bool = True) -> Response:
         """Send a request; return once the status and headers have arrived.
 
         ``queue=False`` never waits in line at the connection cap (a health probe must
@@ -673,7 +676,7 @@ class ConnectionPool:
         conn, _ = await self._fresh(timeouts, queue)
         return await self._exchange(conn, head, body, timeouts)
 
-    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: Timeouts) -> Response:
+    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: TransportTimeouts) -> Response:
         fut = conn.send(head, body, timeouts)
         try:
             resp = await fut
@@ -719,6 +722,7 @@ class ConnectionPool:
                 fut.set_exception(UpstreamError("connection pool is closed", kind="connect"))
 
 
-_DEFAULT_TIMEOUTS = Timeouts()
+_DEFAULT_TIMEOUTS = TransportTimeouts()
+Timeouts = TransportTimeouts  # the former name, still imported by stages.py
 # Connect failures that are this process's own shortage, not the upstream's.
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, Timeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from epd_proxy.sim.responses import JSON
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -279,7 +279,7 @@ class KvSideChannel:
             pool = self._pools[base_url] = ConnectionPool(base_url)
         resp = await pool.request("POST", path, body=_encode(payload),
                                   headers=[(b"content-type", JSON)],
-                                  timeouts=Timeouts(connect=min(timeout, 2.0), headers=timeout, idle=timeout))
+                                  timeouts=TransportTimeouts(connect=min(timeout, 2.0), headers=timeout, idle=timeout))
         try:
             data = await resp.read()
         finally:
