@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from .timers import aim
+from .timers import ConnectionTimer
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -228,8 +228,7 @@ class _Connection(asyncio.Protocol):
         self._body_has_length = False
         self._timeouts: TransportTimeouts | None = None
         self._last_activity = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._armed = False  # a timeout applies (the timer may be pending either way)
+        self._timer = ConnectionTimer(self.loop, self._on_timeout)
         self._sent_at = 0.0
         self._paused = False
         self._ignore_message = False
@@ -261,7 +260,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.pool._forget(self)
-        self._drop_timer()
+        self._timer.close()
         resp = self._response
         if exc is None and resp is not None and not resp.complete and not self._body_has_length \
                 and resp._error is None and self._head_future is None:
@@ -310,7 +309,7 @@ class _Connection(asyncio.Protocol):
         # Switch the timer from the header wait to the idle-body wait here, not when the
         # requesting task resumes: by then the body may be complete and this connection
         # back in the pool, carrying someone else's request (and header timer).
-        self._disarm_timer()
+        self._timer.disarm()
         self._last_activity = self.loop.time()
         self._arm_timer()
         if fut is not None and not fut.done():
@@ -319,7 +318,7 @@ class _Connection(asyncio.Protocol):
             # No body follows, whatever the headers say; httptools cannot be told so,
             # so the parser would wait for one: do not reuse this connection.
             self.reusable = False
-            self._disarm_timer()
+            self._timer.disarm()
             resp._finish(None)
 
     def on_body(self, body: bytes) -> None:
@@ -333,7 +332,7 @@ class _Connection(asyncio.Protocol):
             return
         resp = self._response
         if resp is not None:
-            self._disarm_timer()
+            self._timer.disarm()
             resp._finish(None)
 
     # -- request lifecycle ----------------------------------------------------------------
@@ -355,20 +354,19 @@ class _Connection(asyncio.Protocol):
         self._arm_timer()
         return self._head_future
 
-    # One timer, moved lazily (``timers``): disarming leaves it to fire into nothing;
-    # ``_check_timeout`` re-aims one that fires early.
+    # One timer, moved lazily (``timers``): disarming leaves it to fire into nothing.
+    # Body bytes move the idle deadline without touching it: ``_on_timeout`` looks at
+    # the last activity and re-arms when the connection was not silent that long.
     def _arm_timer(self) -> None:
         t = self._timeouts
         delay = t.headers if self._head_future is not None else t.idle
         if delay is None:
-            self._armed = False
-            return
-        self._armed = True
-        self._timer = aim(self.loop, self._timer, self._last_activity + delay, self._check_timeout)
+            self._timer.disarm()
+        else:
+            self._timer.arm_at(self._last_activity + delay)
 
-    def _check_timeout(self) -> None:
-        self._timer = None
-        if self.closed or not self._armed:
+    def _on_timeout(self) -> None:
+        if self.closed:
             return
         t = self._timeouts
         waiting_head = self._head_future is not None
@@ -380,7 +378,7 @@ class _Connection(asyncio.Protocol):
             # The header wait runs from when the request was sent, not from the last byte.
             due = self._sent_at + delay
             if now < due:
-                self._timer = self.loop.call_at(due, self._check_timeout)
+                self._timer.arm_at(due)
                 return
             self._fail(UpstreamTimeout(f"no response headers within {delay:g} s",
                                        response_started=self._got_bytes))
@@ -388,23 +386,14 @@ class _Connection(asyncio.Protocol):
             return
         if self._paused:
             # Silence because we are throttling for a slow client is not the upstream's fault.
-            self._timer = self.loop.call_at(now + delay, self._check_timeout)
+            self._timer.arm_at(now + delay)
             return
         elapsed = now - self._last_activity
         if elapsed >= delay:
             self._fail(UpstreamTimeout(f"upstream sent nothing for {delay:g} s", response_started=True))
             self.transport.abort()
         else:
-            self._timer = self.loop.call_at(self._last_activity + delay, self._check_timeout)
-
-    def _disarm_timer(self) -> None:
-        self._armed = False
-
-    def _drop_timer(self) -> None:
-        self._armed = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+            self._timer.arm_at(self._last_activity + delay)
 
     def _fail(self, exc: UpstreamError) -> None:
         self.reusable = False
@@ -420,7 +409,7 @@ class _Connection(asyncio.Protocol):
         if resp is not self._response:
             return
         self._response = None
-        self._disarm_timer()
+        self._timer.disarm()
         if self._paused:
             self.resume_reading()
         if self.reusable and not self.closed:

@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 import httptools
 
 from ..errors import ProxyError
-from .timers import aim
+from .timers import ConnectionTimer
 
 log = logging.getLogger("epd_proxy.http")
 
@@ -355,8 +355,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self._queue: list[Request] = []
         self._task: asyncio.Task | None = None
         self._writer: ResponseWriter | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._due: float | None = None  # when the armed timeout expires (loop time)
+        self._timer = ConnectionTimer(self._loop, self._on_timeout)
         self._reading_paused = False
         self._held_input: bytes | None = None  # input not parsed yet: too many requests wait
         # Bytes of a request head (or trailer section) still in progress: httptools
@@ -396,12 +395,12 @@ class HttpServerProtocol(asyncio.Protocol):
         self._peer = transport.get_extra_info("peername")
         self._connections.add(self)
         limits = self._limits
-        self._arm_timer(min(limits.keep_alive_timeout, limits.header_timeout or limits.keep_alive_timeout))
+        self._timer.arm(min(limits.keep_alive_timeout, limits.header_timeout or limits.keep_alive_timeout))
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         self._connections.discard(self)
-        self._drop_timer()
+        self._timer.close()
         self._held_input = None
         if self._charged:
             self._release(self._charged)
@@ -546,7 +545,7 @@ class HttpServerProtocol(asyncio.Protocol):
         if not self._body_timed:
             self._body_timed = True
             if self._task is None:
-                self._arm_timer(self._limits.body_timeout)
+                self._timer.arm(self._limits.body_timeout)
         if self._chunk_mark == self._body_len:
             # No body byte since the last chunk header: after the last chunk these are
             # trailer bytes, which httptools holds until their line ends.
@@ -586,33 +585,11 @@ class HttpServerProtocol(asyncio.Protocol):
 
     # -- timers -------------------------------------------------------------------
     # One timer, moved lazily (``timers``): disarming clears the deadline and leaves
-    # the timer to fire into nothing or to re-aim; a keep-alive request costs no timer
-    # operations at all.
-    def _arm_timer(self, delay: float) -> None:
-        if not delay or delay <= 0:
-            self._due = None
-            return
-        self._due = due = self._loop.time() + delay
-        self._timer = aim(self._loop, self._timer, due, self._on_timeout)
-
-    def _disarm_timer(self) -> None:
-        self._due = None
-
-    def _drop_timer(self) -> None:
-        self._due = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
+    # the loop timer to fire into nothing or to re-aim; a keep-alive request costs no
+    # loop-timer operations at all.
     def _on_timeout(self) -> None:
-        self._timer = None
-        due = self._due
-        if due is None or (self.closed and not self._lingering):
+        if self.closed and not self._lingering:
             return
-        if self._loop.time() < due:
-            self._timer = self._loop.call_at(due, self._on_timeout)
-            return
-        self._due = None
         if self._lingering:
             self.transport.close()
             return
@@ -640,7 +617,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self._chunk_mark = -1
         self._body_timed = False
         if self._task is None:
-            self._arm_timer(self._limits.header_timeout)
+            self._timer.arm(self._limits.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -764,7 +741,7 @@ class HttpServerProtocol(asyncio.Protocol):
 
     # -- running handlers ---------------------------------------------------------
     def _start(self, request: Request) -> None:
-        self._disarm_timer()
+        self._timer.disarm()
         self._active_size = len(request.body)
         writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
                                 chunked=request.http_version != "1.0")
@@ -852,9 +829,9 @@ class HttpServerProtocol(asyncio.Protocol):
         rest of one that began while the previous was answered)."""
         limits = self._limits
         if not self._parsing:
-            self._arm_timer(limits.keep_alive_timeout)
+            self._timer.arm(limits.keep_alive_timeout)
         else:
-            self._arm_timer(limits.header_timeout if self._in_head else limits.body_timeout)
+            self._timer.arm(limits.header_timeout if self._in_head else limits.body_timeout)
 
     def _reject(self, status: int, message: str) -> None:
         """A request we cannot parse (or take): answer it and close the connection."""
@@ -893,7 +870,7 @@ class HttpServerProtocol(asyncio.Protocol):
             # that closing on unread data causes.
             self._lingering = True
             self.transport.write_eof()
-            self._arm_timer(_LINGER)
+            self._timer.arm(_LINGER)
         else:
             self.transport.close()
 

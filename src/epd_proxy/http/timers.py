@@ -3,8 +3,9 @@
 A connection arms a timeout for every request it carries and disarms it when
 the response is done. Creating and cancelling a loop timer for each of those
 costs more than the request's own bookkeeping, so a connection keeps a single
-timer: arming only replaces it when it would fire too late, and a timer that
-fires early looks at what is due now and aims itself again.
+:class:`ConnectionTimer`: arming only replaces the loop timer when it would fire
+too late, disarming only forgets the deadline, and a loop timer that fires early
+aims itself again at the deadline now in force.
 """
 
 from __future__ import annotations
@@ -13,12 +14,55 @@ import asyncio
 from typing import Callable
 
 
-def aim(loop: asyncio.AbstractEventLoop, timer: asyncio.TimerHandle | None, due: float,
-        callback: Callable[[], None]) -> asyncio.TimerHandle:
-    """A timer that fires no later than ``due`` (loop time): ``timer`` itself when it
-    already fires by then (its callback re-aims), else a new one in its place."""
-    if timer is not None:
-        if timer.when() <= due:
-            return timer
-        timer.cancel()
-    return loop.call_at(due, callback)
+class ConnectionTimer:
+    """A connection's one timeout: ``arm_at(due)``, ``disarm()``; ``on_expiry`` is called once
+    the loop's clock has passed the armed deadline (the deadline is cleared first, so it may
+    arm again). ``close()`` when the connection is gone: it lets go of the callback, which
+    refers back to the connection."""
+
+    __slots__ = ("_loop", "_on_expiry", "_handle", "due")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
+        self._loop = loop
+        self._on_expiry: Callable[[], None] | None = on_expiry
+        self._handle: asyncio.TimerHandle | None = None
+        self.due: float | None = None  # the armed deadline (loop time); None = disarmed
+
+    def arm_at(self, due: float) -> None:
+        """Expire at ``due`` (loop time), replacing any earlier deadline."""
+        self.due = due
+        handle = self._handle
+        if handle is not None:
+            if handle.when() <= due:
+                return  # fires in time; it re-aims then
+            handle.cancel()
+        self._handle = self._loop.call_at(due, self._fire)
+
+    def arm(self, delay: float) -> None:
+        """Expire ``delay`` seconds from now; a delay of 0 (or less) disarms."""
+        if delay > 0:
+            self.arm_at(self._loop.time() + delay)
+        else:
+            self.due = None
+
+    def disarm(self) -> None:
+        """No deadline; the loop timer, if any, is left to fire into nothing or to re-aim."""
+        self.due = None
+
+    def close(self) -> None:
+        self.due = None
+        self._on_expiry = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        due = self.due
+        if due is None or self._on_expiry is None:
+            return
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._fire)
+            return
+        self.due = None
+        self._on_expiry()
