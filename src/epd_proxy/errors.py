@@ -94,5 +94,10 @@ class ProxyError(Exception):
         return f"ProxyError({self.status}, {self.message!r})"
 
 
+def error_body(status: int, message: str) -> bytes:
+    """The envelope of an error the HTTP server answers by itself (its ``error_body``)."""
+    return ProxyError(status, message).body()
+
+
 def bad_request(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, param=param)

@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - not POSIX
 from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
 from .discovery import DnsDiscovery
+from .errors import error_body
 from .http.heap import trim_heap
 from .http.server import HttpServer, ServerLimits
 from .reload import Reloader
@@ -149,8 +150,9 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     await app.start()
     handler = log_requests(app) if config.log_requests else app
     try:
-        server = await HttpServer(handler, limits=server_limits(config), on_large_release=trim_heap).start(
-            host, port, backlog=backlog, reuse_port=reuse_port, ssl=tls)
+        server = await HttpServer(handler, error_body=error_body, limits=server_limits(config),
+                                  on_large_release=trim_heap).start(host, port, backlog=backlog,
+                                                                    reuse_port=reuse_port, ssl=tls)
     except OSError as exc:
         await app.close()
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)

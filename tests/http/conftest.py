@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from httpkit import RawServer  # noqa: E402
 
+from epd_proxy.errors import error_body  # noqa: E402
 from epd_proxy.http.server import HttpServer, ServerLimits  # noqa: E402
 
 
@@ -63,7 +64,7 @@ async def http_server():
     servers: list[HttpServer] = []
 
     async def start(handler, **limits) -> HttpServer:
-        srv = HttpServer(handler, limits=ServerLimits(**limits) if limits else None)
+        srv = HttpServer(handler, error_body=error_body, limits=ServerLimits(**limits) if limits else None)
         await srv.start("127.0.0.1", 0)
         servers.append(srv)
         return srv

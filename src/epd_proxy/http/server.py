@@ -6,6 +6,11 @@ docs/architecture.md for the measurements). Here a response chunk is one
 ``transport.write`` from whatever callback produced it, and back-pressure is
 the transport's own pause/resume signal.
 
+The server says nothing of its own in any particular error format: whoever builds
+it passes ``error_body(status, message) -> bytes`` (the proxy its OpenAI envelope,
+the simulator vLLM's), used for the errors it answers itself (unparsable or
+oversized requests, timeouts, a handler that fails).
+
 One handler task runs per request. If the client goes away, that task is
 cancelled, so every ``finally`` in the request's path closes its upstream
 connections: that is how an abort reaches vLLM.
@@ -21,13 +26,13 @@ from typing import Awaitable, Callable
 
 import httptools
 
-from ..errors import ProxyError
 from .timers import ConnectionTimer
 
 log = logging.getLogger("epd_proxy.http")
 
 Headers = list[tuple[bytes, bytes]]
 Handler = Callable[["Request", "ResponseWriter"], Awaitable[None]]
+ErrorBody = Callable[[int, str], bytes]  # (status, message) -> a JSON body
 
 _REASONS = {
     100: b"Continue", 200: b"OK", 201: b"Created", 202: b"Accepted", 204: b"No Content",
@@ -307,14 +312,11 @@ _SLICE = 8 * 1024
 _LINGER = 5.0
 
 
-def _refusal() -> bytes:
+def _refusal(error_body: ErrorBody) -> bytes:
     """The whole answer to a connection beyond the cap, written once without reading."""
-    body = ProxyError(503, "the proxy has too many client connections; retry shortly").body()
+    body = error_body(503, "the proxy has too many client connections; retry shortly")
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-
-
-_REFUSED = _refusal()
 
 
 class _ParseError(Exception):
@@ -326,9 +328,10 @@ class _ParseError(Exception):
 class HttpServerProtocol(asyncio.Protocol):
     """One client connection: parse requests, run the handler, write responses in order."""
 
-    def __init__(self, handler: Handler, limits: ServerLimits, connections: set,
+    def __init__(self, handler: Handler, limits: ServerLimits, connections: set, error_body: ErrorBody,
                  server: "HttpServer | None" = None) -> None:
         self._handler = handler
+        self._error_body = error_body
         self._limits = limits
         self._connections = connections
         self._server = server
@@ -388,7 +391,7 @@ class HttpServerProtocol(asyncio.Protocol):
         if server is not None and server.at_capacity() and not server.make_room():
             # Refused without reading: a canned answer and the descriptor back at once.
             self.closed = self._done_reading = True
-            transport.write(_REFUSED)
+            transport.write(server.refused_answer)
             transport.close()
             server.refused += 1
             return
@@ -760,14 +763,12 @@ class HttpServerProtocol(asyncio.Protocol):
             log.exception("unhandled error in request handler for %s %s", request.method, request.path)
             if not writer.started:
                 writer.keep_alive = False
-                writer.send(500, b'{"error":{"message":"internal proxy error","type":"InternalServerError",'
-                                 b'"param":null,"code":500}}')
+                writer.send(500, self._error_body(500, "internal proxy error"))
             elif not writer.finished:
                 writer.abort()
         else:
             if not writer.started:
-                writer.send(500, b'{"error":{"message":"no response produced","type":"InternalServerError",'
-                                 b'"param":null,"code":500}}')
+                writer.send(500, self._error_body(500, "no response produced"))
             elif not writer.finished:
                 writer.abort()
 
@@ -855,7 +856,7 @@ class HttpServerProtocol(asyncio.Protocol):
 
     def _answer_error(self, status: int, message: str) -> None:
         """Write the error with the envelope and close (no handler is running)."""
-        body = ProxyError(status, message).body()
+        body = self._error_body(status, message)
         extra = b"retry-after: 1\r\n" if status == 503 else b""
         self.transport.write(status_line(status) + _date.get() + extra +
                              b"content-type: application/json\r\ncontent-length: %d\r\n"
@@ -878,9 +879,11 @@ class HttpServerProtocol(asyncio.Protocol):
 class HttpServer:
     """Owns the listening socket and the live connections."""
 
-    def __init__(self, handler: Handler, *, limits: ServerLimits | None = None,
+    def __init__(self, handler: Handler, *, error_body: ErrorBody, limits: ServerLimits | None = None,
                  on_large_release: Callable[[], None] | None = None) -> None:
         self.handler = handler
+        self.error_body = error_body
+        self.refused_answer = _refusal(error_body)  # built once: refusing must cost next to nothing
         self.limits = limits or ServerLimits()
         self.connections: set[HttpServerProtocol] = set()
         self._trim = on_large_release
@@ -898,7 +901,8 @@ class HttpServer:
         """Listen; with ``ssl`` (an ``ssl.SSLContext``) connections speak TLS (the event loop's
         own TLS layer sits under the protocol, which sees plain bytes either way)."""
         loop = asyncio.get_running_loop()
-        factory = lambda: HttpServerProtocol(self.handler, self.limits, self.connections, self)  # noqa: E731
+        factory = lambda: HttpServerProtocol(self.handler, self.limits, self.connections,
+                                                self.error_body, self)  # noqa: E731
         self.tls = ssl is not None
         if sock is not None:
             self._server = await loop.create_server(factory, sock=sock, backlog=backlog, ssl=ssl)

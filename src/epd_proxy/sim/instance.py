@@ -31,7 +31,7 @@ from epd_proxy.sim.generation import GenerationHandler
 from epd_proxy.sim.kv_channel import KvSideChannel
 from epd_proxy.sim.prefix_cache import PrefixCache
 from epd_proxy.sim.records import SimRecord, Stats
-from epd_proxy.sim.responses import JSON, api_error_body, system_fingerprint
+from epd_proxy.sim.responses import JSON, api_error_body, server_error_body, system_fingerprint
 from epd_proxy.sim.validation import ApiError
 
 _encode = msgspec.json.encode
@@ -179,10 +179,11 @@ class SimInstance:
         if self.engine is None:
             self.engine = Engine(self.config.itl_ms, self.config.max_num_seqs)
         limits = ServerLimits(keep_alive_timeout=self.config.keep_alive_timeout)
-        self.server = await HttpServer(self._handle, limits=limits).start(self.host, self.port)
+        self.server = await HttpServer(self._handle, error_body=server_error_body, limits=limits).start(
+            self.host, self.port)
         self.port = self.server.port
         if self.role == "prefill" and self.config.kv_connector == "mooncake":
-            self.bootstrap_server = await HttpServer(self._handle, limits=limits).start(
+            self.bootstrap_server = await HttpServer(self._handle, error_body=server_error_body, limits=limits).start(
                 self.host, self.bootstrap_port)
             self.bootstrap_port = self.bootstrap_server.port
         self.crashed = False

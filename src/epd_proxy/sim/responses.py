@@ -48,6 +48,11 @@ def api_error_body(exc: ApiError) -> bytes:
                               "code": exc.status}})
 
 
+def server_error_body(status: int, message: str) -> bytes:
+    """What vLLM's server answers to a request it cannot take (the HTTP server's ``error_body``)."""
+    return api_error_body(refusal(status, message))
+
+
 def system_fingerprint(mode: str, key: tuple, tp_size: int, pp_size: int) -> str | None:
     """vLLM's default ``system_fingerprint``: ``vllm-<version>[-tpN][-ppN]-<8 hex>``, the hex
     from its config hash. Here the hash covers ``key`` (what differs between the simulated
