@@ -78,7 +78,7 @@ import asyncio, os, resource, sys
 import epd_proxy
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec
-from epd_proxy.serve import install_uvloop
+from epd_proxy.event_loop import run
 
 async def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -105,8 +105,7 @@ async def main():
             print("freed", flush=True)
     await proxy.close()
 
-install_uvloop()
-asyncio.run(main())
+run(main())
 """
 
 

@@ -470,18 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate,
                      settings=settings if settings.path else None)
     if args.command == "sim":
-        import asyncio
-
-        from .serve import install_uvloop
         from .sim import cli as sim_cli
 
-        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        install_uvloop()
-        try:
-            asyncio.run(sim_cli.run(args))
-        except KeyboardInterrupt:
-            pass
-        return 0
+        return sim_cli.run(args)
     if args.command == "bench":
         from .bench import cli as bench_cli
 

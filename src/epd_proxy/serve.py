@@ -1,4 +1,4 @@
-"""Running the proxy: one event loop per process, optionally several processes.
+"""Running the proxy: one event loop per process (event_loop.py), optionally several processes.
 
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
@@ -25,6 +25,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     resource = None
 
+from . import event_loop
 from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig
 from .discovery import DnsDiscovery
@@ -36,14 +37,6 @@ from .siblings import SiblingChannel
 from .workers import PeerLink, SharedRoster, make_links, supervise
 
 log = logging.getLogger("epd_proxy")
-
-
-def install_uvloop() -> None:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 class RunningProxy:
@@ -372,9 +365,8 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
     raise_fd_limit()
     if workers <= 1:
         signal.signal(signal.SIGHUP, _early_sighup)  # until the loop handles it (a reload)
-        install_uvloop()
         try:
-            asyncio.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
+            event_loop.run(_serve_forever(config, host, port, reuse_port=False, simulate=simulate, announce=True,
                                        settings=settings))
         except ListenError as exc:
             print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
@@ -399,10 +391,9 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                 parent_end.close()
                 if n != index:
                     worker_end.close()
-            install_uvloop()
             code = 1
             try:
-                asyncio.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
+                event_loop.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
                                            announce=index == 0, worker=True, settings=settings,
                                            link=PeerLink(links[index][1]), watch=False,
                                            siblings=SiblingChannel(channel_dir, index, workers)))

@@ -162,7 +162,7 @@ async def test_cli_runs_until_cancelled(capsys):
     sim_cli.add_arguments(parser)
     args = parser.parse_args(["--encode", "1", "--prefill", "1", "--decode", "2", "--kv-connector", "nixl-push",
                               "--itl-ms", "0", "--fault-rate", "0", "--set", "decode.max_num_seqs=4"])
-    task = asyncio.create_task(sim_cli.run(args))
+    task = asyncio.create_task(sim_cli.run_cluster(args))
     await asyncio.sleep(0.2)
     out = capsys.readouterr().out
     assert "decode" in out and "engine_id=sim-prefill-0" in out

@@ -11,13 +11,14 @@ See docs/benchmarks.md for the recorded results and the exact commands.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as _dt
 import math
 import os
 import platform
 import subprocess
 import sys
+
+from epd_proxy import event_loop
 
 SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "overload", "soak",
              "cluster")
@@ -282,12 +283,6 @@ def main(args: argparse.Namespace) -> int:
     args.log_dir = os.path.join(outdir, "logs")
     os.makedirs(args.log_dir, exist_ok=True)
     raise_nofile(1 << 20)
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
     result: dict = {"meta": {"command": "epd-proxy bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else []),
                              "argv": sys.argv, "started": _dt.datetime.now().isoformat(timespec="seconds"),
                              "machine": machine_info(), "nofile": list(nofile_limits()), "scenarios": names},
@@ -308,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
             fn = getattr(scenarios, f"run_{name}")
             args.partial = {}
             try:
-                result["scenarios"][name] = runner(fn(args))
+                result["scenarios"][name] = event_loop.run(fn(args))
             except KeyboardInterrupt:
                 _keep_partial(result, name, args.partial)
                 raise

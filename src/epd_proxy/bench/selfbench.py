@@ -25,6 +25,8 @@ import time
 
 import msgspec
 
+from epd_proxy import event_loop
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -132,12 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         proc.stdout.readline()  # the URL line: the cluster is up
         os.sched_setaffinity(0, {client_core})
-        try:
-            import uvloop  # type: ignore
-
-            runner = uvloop.run
-        except ImportError:  # pragma: no cover
-            runner = asyncio.run
 
         async def go() -> tuple[dict, float]:
             drive = asyncio.create_task(_drive(port, args.concurrency, args.tokens, args.duration, args.warmup))
@@ -151,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             client = (time.process_time() - p0) / dt
             return await drive, cpu, client
 
-        counts, cpu, client_cpu = runner(go())
+        counts, cpu, client_cpu = event_loop.run(go())
     finally:
         proc.terminate()
         proc.wait(10)

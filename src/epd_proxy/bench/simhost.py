@@ -13,6 +13,8 @@ import json
 import signal
 import sys
 
+from epd_proxy import event_loop
+
 
 def cluster_config(spec: dict):
     from epd_proxy.sim import SimConfig
@@ -61,12 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         from .procs import raise_nofile
 
         raise_nofile(want)
-    try:
-        import uvloop
-
-        uvloop.run(_main(spec))
-    except ImportError:  # pragma: no cover
-        asyncio.run(_main(spec))
+    event_loop.run(_main(spec))
     return 0
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import sys
 
+from epd_proxy import event_loop
 from epd_proxy.sim.cluster import SimCluster
 from epd_proxy.sim.config import EC_CONNECTORS, KV_CONNECTORS, SimConfig
 
@@ -96,7 +98,17 @@ def cluster_from_args(args: argparse.Namespace) -> SimCluster:
                                 base_port=args.base_port)
 
 
-async def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
+    """``epd-proxy sim``: run the cluster until interrupted."""
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        event_loop.run(run_cluster(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def run_cluster(args: argparse.Namespace) -> None:
     """Start the cluster, print its URLs and prefill identities, run until cancelled."""
     cluster = cluster_from_args(args)
     async with cluster:
@@ -111,15 +123,4 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epd_proxy.sim", description="Simulated vLLM cluster")
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        import uvloop  # type: ignore
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    try:
-        runner(run(args))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run(parser.parse_args(argv))
