@@ -206,3 +206,15 @@ async def test_mooncake_prefill_without_bootstrap_answer_is_skipped():
             assert reply.status == 200, reply.body
         served = {r.instance for r in cluster.records("prefill") if r.path != "/query"}
         assert served == {"prefill-1"}
+
+
+def test_the_connector_check_names_the_known_connectors_and_asks_the_connector_about_its_instances():
+    from epd_proxy.config import ProxyConfig, parse_instance
+    from epd_proxy.connectors import check_connector_config
+    decode = [parse_instance("http://d:2", "decode")]
+    with pytest.raises(ValueError, match="unknown --kv-connector 'tcp' \\(known: nixl, nixl-push, mooncake\\)"):
+        check_connector_config(ProxyConfig(decode=decode, kv_connector="tcp"))
+    bare = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")], decode=decode, kv_connector="nixl-push")
+    with pytest.raises(ValueError, match="engine_id"):
+        check_connector_config(bare)
+    check_connector_config(bare.replace(kv_connector="nixl"))  # pull mode learns what it needs per request

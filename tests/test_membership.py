@@ -329,3 +329,13 @@ async def test_registrar_refresh_does_not_wipe_a_launchers_attributes():
     assert m.register(InstanceSpec("http://p:1", "prefill")) is False
     assert m.find("http://p:1").spec == full
     await m.close()
+
+
+def test_a_pinned_topology_refuses_configured_instances_it_has_no_place_for():
+    from epd_proxy.config import ProxyConfig, parse_instance
+    from epd_proxy.membership import check_pinned_topology
+    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")], decode=[parse_instance("http://d:2", "decode")])
+    check_pinned_topology(cfg)  # auto: anything goes
+    check_pinned_topology(cfg.replace(topology="P+D"))
+    with pytest.raises(ValueError, match="http://p:1: the topology is pinned to E\\+PD: it has no prefill instances"):
+        check_pinned_topology(cfg.replace(topology="E+PD"))

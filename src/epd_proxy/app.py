@@ -14,7 +14,7 @@ from .access import READ, AccessPolicy
 from .admin import AdminApi
 from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKeys, admin_key_presented, unauthorized
 from .config import ROLES, ProxyConfig
-from .connectors import CONNECTORS
+from .connectors import CONNECTORS, check_connector_config
 from .errors import ProxyError
 from .http.client import TransportTimeouts, UpstreamError
 from .http.server import Request, ResponseWriter
@@ -22,7 +22,7 @@ from .metrics import ProxyMetrics
 from .health import OutlierSettings
 from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
 from .load_signals import LoadScraper
-from .membership import Membership, check_registration
+from .membership import Membership, check_pinned_topology
 from .pool import InstancePool
 from .routing import make_policy
 
@@ -32,20 +32,14 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 def validate_config(config: ProxyConfig) -> None:
-    """Everything checkable before serving: raises ValueError with an operator-facing message."""
+    """Everything checkable before serving: raises ValueError with an operator-facing message.
+    Each check lives beside what it protects: the knobs in config.py, the key file in
+    client_auth.py, the KV connector and its instances in connectors.py, a pinned topology
+    in membership.py."""
     config.validate()
     ClientKeys.from_config(config)  # the key file can be read
-    connector = CONNECTORS.get(config.kv_connector)
-    if connector is None:
-        raise ValueError(f"unknown --kv-connector {config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
-    if config.prefill:
-        connector.check_instances(config.prefill)
-    if config.topology != "auto":
-        for role in ROLES:
-            for spec in getattr(config, role):
-                reason = check_registration(spec, (), config.topology)
-                if reason is not None:
-                    raise ValueError(f"{spec.url}: {reason}")
+    check_connector_config(config)
+    check_pinned_topology(config)
 
 
 class ProxyApp:

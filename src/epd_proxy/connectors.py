@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from .config import ProxyConfig
 from .context import RequestContext
 from .errors import ProxyError
 from .ids import hex_id, uuid4_str
-from .http.client import ConnectionPool, UpstreamError
-from .http.client import TransportTimeouts
+from .http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from .pool import Instance
 from .stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from .stages import DecodeLeg, DecodeStage, PrefillStage
@@ -253,3 +253,14 @@ class Mooncake(NixlPush):
 
 
 CONNECTORS: dict[str, type[KVConnector]] = {"nixl": NixlPull, "nixl-push": NixlPush, "mooncake": Mooncake}
+
+
+def check_connector_config(config: ProxyConfig) -> None:
+    """Raise ValueError when ``--kv-connector`` names no connector here, or a configured
+    prefill instance lacks what that connector needs (part of ``app.validate_config``;
+    a registered prefill is checked by the same ``check_instances``)."""
+    connector = CONNECTORS.get(config.kv_connector)
+    if connector is None:
+        raise ValueError(f"unknown --kv-connector {config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
+    if config.prefill:
+        connector.check_instances(config.prefill)

@@ -31,7 +31,7 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from .config import ROLES, InstanceSpec, parse_instance
+from .config import ROLES, InstanceSpec, ProxyConfig, parse_instance
 from .pool import Instance, InstancePool
 
 log = logging.getLogger("epd_proxy.membership")
@@ -164,6 +164,18 @@ def check_registration(spec: InstanceSpec, roster: Iterable[InstanceSpec], topol
         if spec.role not in needed or (spec.pd and "prefill" in needed):
             return f"the topology is pinned to {topology}: it has no {role} instances"
     return None
+
+
+def check_pinned_topology(config: ProxyConfig) -> None:
+    """Raise ValueError when a configured instance has no place in a pinned ``--topology``
+    (part of ``app.validate_config``; registrations meet the same rule in ``check_registration``)."""
+    if config.topology == "auto":
+        return
+    for role in ROLES:
+        for spec in getattr(config, role):
+            reason = check_registration(spec, (), config.topology)
+            if reason is not None:
+                raise ValueError(f"{spec.url}: {reason}")
 
 
 _DEFAULTS = InstanceSpec("", "")
