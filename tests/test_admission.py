@@ -191,7 +191,8 @@ async def test_a_hung_encoder_pool_holds_image_requests_only():
 
 
 def test_role_caps_on_the_command_line():
-    from epd_proxy.cli import build_parser, config_from_args
+    from epd_proxy.cli import build_parser
+    from epd_proxy.serve_command import config_from_args
 
     args = build_parser().parse_args(["serve", "--decode", "http://d:1", "--prefill", "http://p:1",
                                       "--max-inflight-per-role", "prefill=64,encode=8"])

@@ -5,10 +5,11 @@ import sys
 
 import pytest
 
-from epd_proxy.cli import ServeSettings, build_parser, file_options, main
+from epd_proxy.cli import build_parser, main
+from epd_proxy.serve_command import ServeSettings, file_options
 from epd_proxy.cluster_file import ClusterFileError, read_cluster_file
 
-OPTIONS = file_options(build_parser())
+OPTIONS = file_options()
 
 CLUSTER = """
 port = 9100

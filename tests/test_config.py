@@ -1,7 +1,8 @@
 import pytest
 
 from epd_proxy.app import validate_config
-from epd_proxy.cli import build_parser, config_from_args
+from epd_proxy.cli import build_parser
+from epd_proxy.serve_command import config_from_args
 from epd_proxy.config import ProxyConfig, parse_instance, split_instances
 
 

@@ -16,7 +16,8 @@ import re
 
 import pytest
 
-from epd_proxy.cli import ServeSettings, build_parser, file_options
+from epd_proxy.cli import build_parser
+from epd_proxy.serve_command import ServeSettings, file_options
 from epd_proxy.cluster_file import read_cluster_file
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "docs" / "deploy"
@@ -226,7 +227,7 @@ def test_every_proxy_pod_takes_its_arguments_ready_probe_and_termination_time():
 def test_the_dns_cluster_file_passes_check_config(tmp_path):
     (config_map,) = [doc for name, doc in _docs() if doc["kind"] == "ConfigMap"]
     text = config_map["data"]["cluster.toml"]
-    values = read_cluster_file(text, file_options(build_parser()))
+    values = read_cluster_file(text, file_options())
     assert all(v.startswith("dns+http://") for role in ("encode", "prefill", "decode") for v in values[role])
     path = tmp_path / "cluster.toml"
     path.write_text(text)

@@ -131,7 +131,8 @@ def test_draining_is_left_alone_by_signals():
 
 
 def test_settings_come_from_the_command_line_with_the_dataclass_defaults():
-    from epd_proxy.cli import build_parser, config_from_args
+    from epd_proxy.cli import build_parser
+    from epd_proxy.serve_command import config_from_args
     from epd_proxy.config import ProxyConfig
 
     defaults = OutlierSettings.from_config(config_from_args(build_parser().parse_args(

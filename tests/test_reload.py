@@ -11,7 +11,8 @@ from helpers import Client, chat_body, wait_for
 from proxy_process import ProxyProcess
 
 from epd_proxy import start_proxy
-from epd_proxy.cli import ServeSettings, build_parser
+from epd_proxy.cli import build_parser
+from epd_proxy.serve_command import ServeSettings
 from epd_proxy.reload import FileWatch, Reloader, restart_needed
 from epd_proxy.serve import apply_config
 from epd_proxy.sim import SimCluster, SimConfig

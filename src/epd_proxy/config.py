@@ -27,6 +27,9 @@ ROLE_POLICY_DEFAULTS = {"encode": "cache-aware", "prefill": "cache-aware", "deco
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
 _KNOWN_ATTRS = {"engine_id", "kv_host"} | _INT_ATTRS
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Client headers every stage gets (trace context), whatever --forward-header adds.
+ALWAYS_FORWARDED = ("traceparent", "tracestate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,17 @@ class StageTimeouts:
     first_byte: float = 180.0  # from the request's admission to its status line
 
 
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How a ``serve`` process runs, beside what it proxies (``ProxyConfig``): where it
+    listens, how many processes share the port, how much it logs. The flags' defaults."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1  # processes sharing the port (SO_REUSEPORT)
+    log_level: str = "info"  # one of LOG_LEVELS
+
+
 # Headers --forward-header may not copy from a client to the backends: hop-by-hop headers
 # (RFC 9110 §7.6.1) and framing, which describe one connection, not the request; and the
 # headers the proxy writes itself, which would reach a backend twice.
@@ -192,7 +206,7 @@ class ProxyConfig:
     ec_consumer_zmq_addrs: list[str] = field(default_factory=list)
     ec_consumer_dp_size: int = 1
     upstream_api_key: str | None = None
-    forward_headers: tuple[str, ...] = ("traceparent", "tracestate")
+    forward_headers: tuple[str, ...] = ALWAYS_FORWARDED  # and those --forward-header names
     # vLLM closes idle keep-alive connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     # (5 s); the pool retires them well before.
     upstream_keep_alive: float = 5.0

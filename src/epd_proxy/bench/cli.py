@@ -268,7 +268,8 @@ def _background_load(seconds: float = 1.0) -> float:
     return max(0.0, ((b1 - b0) - (s1 - s0)) / (t1 - t0))
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """``epd-proxy bench``."""
     from . import report, scenarios
     from .procs import nofile_limits, raise_nofile
 

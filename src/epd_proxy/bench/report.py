@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 # The targets: (key, description, limit, unit, direction).
 LIMITS = {
@@ -559,7 +560,9 @@ def make_plots(result: dict, outdir: str) -> dict[str, str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except ImportError:  # the optional 'bench' extra
+        print("bench: no plots: matplotlib is not installed (pip install 'epd-proxy[bench]', or --no-plots)",
+              file=sys.stderr)
         return {}
     out: dict[str, str] = {}
     sc = result.get("scenarios", {})
