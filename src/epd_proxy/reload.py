@@ -64,7 +64,7 @@ class Reloader:
 
     def __init__(self, settings, apply: Callable[[ProxyConfig], None], *, args: argparse.Namespace,
                  watch: bool = True) -> None:
-        self.settings = settings  # cli.ServeSettings (None: no cluster file, only the hooks)
+        self.settings = settings  # serve_command.ServeSettings (None: no cluster file, only the hooks)
         self._apply = apply  # the new config's instances into the roster
         self.args = args  # the settings in force
         self.watch = watch and settings is not None and settings.path is not None

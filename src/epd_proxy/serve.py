@@ -359,7 +359,7 @@ def _early_sighup(signum, _frame) -> None:
 
 def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simulate: str | None = None,
           settings=None) -> int:
-    """Run until SIGINT/SIGTERM; SIGHUP reloads. ``settings`` (cli.ServeSettings) is
+    """Run until SIGINT/SIGTERM; SIGHUP reloads. ``settings`` (serve_command.ServeSettings) is
     where a reload re-reads the cluster file. Returns the exit status."""
     tune_gc()
     raise_fd_limit()
