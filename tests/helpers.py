@@ -9,7 +9,8 @@ import msgspec
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import Timeouts
-from epd_proxy.http.client import ConnectionPool, Timeouts as ClientTimeouts
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.client import Timeouts as ClientTimeouts
 from epd_proxy.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 

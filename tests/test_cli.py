@@ -8,13 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import Client, chat_body
+from procs import free_port
 
 import epd_proxy
 from epd_proxy.cli import build_parser, config_from_args
 from epd_proxy.sim import SimCluster, SimConfig
-
-from helpers import Client, chat_body
-from procs import free_port
 
 
 def parse(*argv: str):

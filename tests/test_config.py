@@ -46,8 +46,8 @@ def test_cli_builds_the_operators_config():
 
 
 def test_push_needs_each_prefills_identity():
-    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")], decode=[parse_instance("http://d:2", "decode")],
-                      kv_connector="nixl-push")
+    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")],
+                      decode=[parse_instance("http://d:2", "decode")], kv_connector="nixl-push")
     with pytest.raises(ValueError, match="engine_id"):
         validate_config(cfg)
     ok = cfg.replace(prefill=[parse_instance("http://p:1;engine_id=p0;kv_port=5600", "prefill")])

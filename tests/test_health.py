@@ -1,7 +1,6 @@
 """The health rules alone: plain data and a clock passed in."""
 
-from epd_proxy.health import (BY_PROBE, BY_RATE, EJECTED, HALF_OPEN, HEALTHY, Health, OutlierRules,
-                              OutlierSettings)
+from epd_proxy.health import BY_PROBE, BY_RATE, EJECTED, HALF_OPEN, HEALTHY, Health, OutlierRules, OutlierSettings
 
 
 def rules(**kw):

@@ -6,9 +6,18 @@ import msgspec
 import pytest
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.membership import (Membership, MembershipConflict, RegistrationError, check_registration,
-                                  infer_topology, parse_registration, parse_url_param, registered_role,
-                                  required_roles, roster_diff)
+from epd_proxy.membership import (
+    Membership,
+    MembershipConflict,
+    RegistrationError,
+    check_registration,
+    infer_topology,
+    parse_registration,
+    parse_url_param,
+    registered_role,
+    required_roles,
+    roster_diff,
+)
 from epd_proxy.pool import InstancePool
 
 

@@ -1,13 +1,13 @@
 from collections import Counter
 
 import pytest
-
 from helpers import wait_for
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.health import OutlierSettings
 from epd_proxy.errors import ProxyError
-from epd_proxy.pool import HALF_OPEN_SHARE, InstancePool, LeastLoaded, RoundRobin
+from epd_proxy.health import OutlierSettings
+from epd_proxy.pool import HALF_OPEN_SHARE, InstancePool
+from epd_proxy.routing import LeastLoaded, RoundRobin
 
 
 def make_pool(n, policy="least-loaded", threshold=3, **outlier):
@@ -117,10 +117,10 @@ async def test_snapshot_shows_state_and_errors_by_kind():
 
 
 def test_policies_are_deterministic_units():
-    class I:
+    class Inst:
         def __init__(self, n):
             self.inflight = n
-    xs = [I(0), I(0)]
+    xs = [Inst(0), Inst(0)]
     rr, ll = RoundRobin(), LeastLoaded()
     assert [rr.choose(xs) for _ in range(3)] == [xs[0], xs[1], xs[0]]
     assert [ll.choose(xs) for _ in range(2)] == [xs[0], xs[1]]

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import chat_body, stack
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epd_proxy.sim import SimConfig, expected_text, prompt_tokens
 from epd_proxy.usage import PrefillReport, merged_usage, rewrite_final_usage_events, rewrite_usage
-from helpers import chat_body, stack
 
 
 def report(usage: dict | None, kv: dict | None = None) -> PrefillReport:

@@ -20,8 +20,14 @@ from .access import ADMIN, READ, REGISTER, AccessPolicy, peer_ip
 from .errors import ProxyError
 from .http.client import Timeouts, UpstreamError
 from .http.server import Request, ResponseWriter
-from .membership import (Membership, MembershipConflict, RegistrationError, normalise_url, parse_registration,
-                         parse_url_param)
+from .membership import (
+    Membership,
+    MembershipConflict,
+    RegistrationError,
+    normalise_url,
+    parse_registration,
+    parse_url_param,
+)
 
 log = logging.getLogger("epd_proxy.admin")
 

@@ -16,13 +16,13 @@ from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKe
 from .config import ROLES, ProxyConfig
 from .connectors import CONNECTORS
 from .errors import ProxyError
+from .health import OutlierSettings
 from .http.client import Timeouts, UpstreamError
 from .http.server import Request, ResponseWriter
-from .metrics import ProxyMetrics
-from .health import OutlierSettings
-from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
 from .load_signals import LoadScraper
 from .membership import Membership, check_registration
+from .metrics import ProxyMetrics
+from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
 from .pool import InstancePool
 from .routing import make_policy
 

@@ -65,7 +65,7 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"{role} instance {text!r}: expected http://host:port")
     try:
-        u.port
+        u.port  # noqa: B018  (reading it checks the port)
     except ValueError:
         raise ValueError(f"{role} instance {text!r}: invalid port") from None
     attrs: dict[str, object] = {}

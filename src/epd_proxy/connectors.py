@@ -16,9 +16,9 @@ import msgspec
 
 from .context import RequestContext
 from .errors import ProxyError
-from .ids import hex_id, uuid4_str
 from .http.client import ConnectionPool, UpstreamError
 from .http.client import Timeouts as ClientTimeouts
+from .ids import hex_id, uuid4_str
 from .pool import Instance
 from .stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from .stages import DecodeLeg, DecodeStage, PrefillStage

@@ -133,7 +133,7 @@ def consumer_ec_params(
     if len(items) != len(results):
         raise ValueError("items and results must have the same length")
     ec_items = []
-    for item, result in zip(items, results):
+    for _item, result in zip(items, results):
         if result is None:
             continue
         entry = {"mm_hash": result.ec_mm_hash}

@@ -262,7 +262,7 @@ class Membership:
         self._wake: asyncio.Future | None = None  # the idle sweeper's: something is leaving or draining
         self.registrations: dict[str, int] = {}  # by role: new instances
         self.removals: dict[tuple[str, str], int] = {}  # (role, why) -> instances that left
-        for role, pool in pools.items():  # instances the pools were built with are static
+        for pool in pools.values():  # instances the pools were built with are static
             for inst in pool.instances:
                 self._source[inst] = "static"
 

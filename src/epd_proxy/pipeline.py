@@ -27,15 +27,15 @@ from .deadline import Deadlines
 from .errors import ProxyError, bad_request
 from .http.server import Request, ResponseWriter
 from .ids import hex_id
-from .metrics import ProxyMetrics
 from .media_policy import MediaPolicy
 from .membership import TOPOLOGY_ROLES
+from .metrics import ProxyMetrics
 from .multimodal import MediaItem, own_media
 from .pool import Instance, InstancePool
 from .relay import StreamRelay, relay_stream
 from .routing import request_view
-from .usage import rewrite_usage
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
+from .usage import rewrite_usage
 
 log = logging.getLogger("epd_proxy.pipeline")
 

@@ -23,7 +23,6 @@ from .health import DRAINING, HALF_OPEN, HEALTHY, Ejection, Health, OutlierRules
 from .http.client import ConnectionPool, Timeouts, UpstreamError
 from .load_signals import LoadSignals
 from .routing import EMPTY_VIEW, RequestView, RoutingPolicy, make_policy
-from .routing import POLICIES, LeastLoaded, RoundRobin  # noqa: F401  (re-exported: they lived here)
 
 log = logging.getLogger("epd_proxy.pool")
 

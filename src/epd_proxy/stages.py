@@ -23,8 +23,8 @@ from .context import RequestContext
 from .ec_match import consumer_ec_params, match_encoder_output
 from .encoder_plan import encoder_body, encoder_request_id, new_transfer_id, plan_sub_requests
 from .errors import ProxyError
-from .ids import hex_id
 from .http.client import Response, Timeouts, UpstreamError, UpstreamTimeout
+from .ids import hex_id
 from .multimodal import MediaItem, rewrite_media
 from .pool import Instance, InstancePool
 from .usage import PrefillReport

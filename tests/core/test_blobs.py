@@ -76,8 +76,8 @@ def test_same_as_a_plain_decode(name):
 
 def test_large_media_strings_are_lifted_and_hashed_in_place():
     url = data_url(seed=11)
-    body = decode_chat_body(msgspec.json.encode(chat(img(url), {"type": "input_audio",
-                                                                  "input_audio": {"data": b64(2000), "format": "mp3"}})))
+    audio = {"type": "input_audio", "input_audio": {"data": b64(2000), "format": "mp3"}}
+    body = decode_chat_body(msgspec.json.encode(chat(img(url), audio)))
     blobs = blobs_in(body)
     assert len(blobs) == 2 and all(len(b) > MIN_BLOB for b in blobs)
     image = body["messages"][1]["content"][0]["image_url"]["url"]

@@ -6,12 +6,21 @@ import asyncio
 import time
 
 import pytest
+from simhelpers import (
+    GENERIC_EVENT,
+    chat_body,
+    failure,
+    fast_config,
+    prefill_body,
+    push_decode_params,
+    sse_events,
+    stream_pieces,
+    stream_text,
+)
 
 from epd_proxy.http.client import Timeouts, UpstreamError, UpstreamTimeout
 from epd_proxy.sim import SimCluster, SimConfig, expected_text, parse_faults
 from epd_proxy.sim.faults import FaultSource, FaultSyntaxError
-from simhelpers import (GENERIC_EVENT, chat_body, failure, fast_config, prefill_body, push_decode_params, sse_events,
-                        stream_pieces, stream_text)
 
 
 def test_fault_syntax():

@@ -20,8 +20,16 @@ from dataclasses import dataclass, field
 
 from . import targets as T
 from .loadgen import Phase
-from .procs import (Service, available_cpus, machine_busy_seconds, raise_nofile, set_sched_idle, set_sched_normal,
-                    voluntary_switches, wake_write_cost)
+from .procs import (
+    Service,
+    available_cpus,
+    machine_busy_seconds,
+    raise_nofile,
+    set_sched_idle,
+    set_sched_normal,
+    voluntary_switches,
+    wake_write_cost,
+)
 from .stats import median_range, ratio
 from .workloads import Prepared, make_workload, prepare, simulator_expected
 
@@ -393,7 +401,7 @@ async def run_compare(args, progress: bool = True) -> dict:
                                           seed=args.seed + rep, start_offset=rep * 7)
                     res["repeat"] = rep
                     result["workloads"][name]["runs"].setdefault(t.name, []).append(res)
-        for name, w in result["workloads"].items():
+        for w in result["workloads"].values():
             w["summary"] = summarize_runs(w["runs"])
         if getattr(args, "profile", False):
             result["profiles"] = {}

@@ -51,8 +51,9 @@ def parse_collapsed(text: str) -> list[tuple[list[str], int]]:
 
 
 # Frames every stack of a running server shares: left out of the inclusive ranking.
-_GENERIC = re.compile(r'^(process \d+:.*|<frozen runpy>:.*|__main__.py:<module>|runners.py:run|cli.py:main|serve.py:serve|'
-                      r'serve.py:_serve_forever|base_events.py:run_until_complete|<module>|thread \(.*)$')
+_GENERIC = re.compile(r'^(process \d+:.*|<frozen runpy>:.*|__main__.py:<module>|runners.py:run|cli.py:main|'
+                      r'serve.py:serve|serve.py:_serve_forever|base_events.py:run_until_complete|<module>|'
+                      r'thread \(.*)$')
 EVENT_LOOP = "event loop C code (uvloop: epoll, socket reads/writes, callbacks)"
 
 

@@ -29,10 +29,19 @@ from epd_proxy.serve import tune_gc
 
 from . import targets as T
 from .cluster import run_cluster  # noqa: F401  (the cluster scenario: ``run_<name>`` is looked up here)
-from .compare import ForeignMeter, Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
+from .compare import ForeignMeter, Lab, lab_settings, summarize_runs, workload_requests
+from .compare import run_compare as _run_compare
 from .loadgen import send
-from .procs import (cross_core_rtt, nofile_limits, pin, self_cpu_seconds, steal_ticks, tree_cpu_seconds, tree_pids,
-                    tree_rss_bytes)
+from .procs import (
+    cross_core_rtt,
+    nofile_limits,
+    pin,
+    self_cpu_seconds,
+    steal_ticks,
+    tree_cpu_seconds,
+    tree_pids,
+    tree_rss_bytes,
+)
 from .stats import linear_fit, median_range, summarize
 from .workloads import Prepared, chat_body, make_workload, simulator_expected
 

@@ -518,7 +518,7 @@ class HttpServerProtocol(asyncio.Protocol):
             if isinstance(inner, _ParseError):
                 self._reject(inner.status, str(inner))
             elif inner is not None and not isinstance(inner, Exception):
-                raise inner
+                raise inner from None
             else:
                 self._reject(400, f"malformed HTTP request: {exc}")
         except httptools.HttpParserError as exc:
