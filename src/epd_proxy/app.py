@@ -23,8 +23,9 @@ from .load_signals import LoadScraper
 from .membership import Membership, check_registration
 from .metrics import ProxyMetrics
 from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
-from .pool import InstancePool
+from .pool import Instance, InstancePool
 from .routing import make_policy
+from .siblings import SiblingChannel
 
 log = logging.getLogger("epd_proxy.app")
 
@@ -101,11 +102,11 @@ class ProxyApp:
         self._paths = {path for _, path in self._routes}
         self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
         self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
-        self.siblings = None  # siblings.SiblingChannel with --workers > 1: /metrics, /status, /ready ask siblings
+        self.siblings: SiblingChannel | None = None  # --workers > 1: /metrics, /status, /ready ask siblings
         # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
         # (/metrics needs the admin key with --protect-metrics).
         self.client_keys = ClientKeys.from_config(config)
-        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics else None
+        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics and config.admin_api_key else None
 
     def reload(self) -> None:
         """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
@@ -187,7 +188,7 @@ class ProxyApp:
         pool = self.pools["decode"]
         t = self.config.timeouts
         timeouts = Timeouts(connect=t.connect, headers=10.0, idle=10.0)
-        tried = set()
+        tried: set[Instance] = set()
         last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:

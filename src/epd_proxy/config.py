@@ -338,9 +338,9 @@ class ProxyConfig:
             raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
         if self.timeouts.first_byte < 0:
             raise ValueError("--first-byte-timeout must be >= 0")
-        for name in (self.routing, self.prefill_policy, self.decode_policy, self.encode_policy):
-            if name is not None and name not in POLICIES:
-                raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")
+        for policy in (self.routing, self.prefill_policy, self.decode_policy, self.encode_policy):
+            if policy is not None and policy not in POLICIES:
+                raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
         if self.balance_abs < 0 or self.balance_rel < 1:
             raise ValueError("--balance-abs must be >= 0 and --balance-rel >= 1")
         if self.scrape_interval < 0:

@@ -72,8 +72,10 @@ class NixlPull(KVConnector):
     verbatim, and decode READs the blocks from the prefill instance."""
 
     name = "nixl"
+    prefill: PrefillStage  # the pipeline uses a connector with a prefill leg only with a prefill pool
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
+        assert plan.prefill is not None
         kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params()))
         if kv is None:
             # Without them decode would silently prefill the whole prompt itself.
@@ -96,6 +98,7 @@ class NixlPush(KVConnector):
     """
 
     name = "nixl-push"
+    prefill: PrefillStage  # as in NixlPull
 
     @classmethod
     def check_instances(cls, prefill: list) -> None:
@@ -124,6 +127,7 @@ class NixlPush(KVConnector):
     async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
                    ) -> tuple[dict, dict, list | None]:
         """The prefill's and decode's ``kv_transfer_params``, and extra prefill headers."""
+        assert plan.prefill is not None
         return (nixl_prefill_request_params(transfer_id),
                 self.decode_params(plan.prefill.spec, leg_id, transfer_id), None)
 
@@ -134,6 +138,7 @@ class NixlPush(KVConnector):
         # One transfer id as well, for connectors that do pair by it.
         leg_id = f"{ctx.request_id}-{hex_id(48)}"
         transfer_id = f"xfer-{uuid4_str()}"
+        assert plan.prefill is not None
         p_kv, d_kv, p_headers = await self.legs(ctx, plan, leg_id, transfer_id)
         p_body = prefill_body(plan.body, p_kv)
         d_body = decode_body(plan.body, kv=d_kv)
@@ -144,8 +149,9 @@ class NixlPush(KVConnector):
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode.done():
-                if prefill.exception() is not None:
-                    raise prefill.exception()
+                failure = prefill.exception()
+                if failure is not None:
+                    raise failure
                 t = time.perf_counter()
                 await asyncio.wait((decode,))  # prefill is done: only decode's answer is left
                 ctx.timing("kv_handoff", time.perf_counter() - t)
@@ -236,6 +242,7 @@ class Mooncake(NixlPush):
 
     async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
                    ) -> tuple[dict, dict, list | None]:
+        assert plan.prefill is not None
         try:
             engines = await self._query(plan.prefill)
         except ProxyError:

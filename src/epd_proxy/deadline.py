@@ -45,6 +45,7 @@ class Deadlines:
 
     async def _sweep(self) -> None:
         loop = self._loop
+        assert loop is not None  # set by the enter that started the sweep
         while True:
             await asyncio.sleep(self.tick)
             if not self._due:

@@ -12,7 +12,7 @@ Images that land on the same encoder then travel together, up to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 from epd_proxy.blobs import is_text
 from epd_proxy.ids import hex_id
@@ -72,7 +72,7 @@ class SubRequest:
     """One encoder call: an encoder (an index, or the instance itself) and the items it
     encodes, in order."""
 
-    encoder: Hashable
+    encoder: Any  # an index, or the instance itself
     items: list[MediaItem] = field(default_factory=list)
 
 

@@ -402,7 +402,7 @@ class Membership:
 
     def _describe(self, inst: Instance, role: str, leaving: bool) -> dict:
         s = inst.spec
-        d = {"url": inst.url, "role": role, "source": self._source.get(inst), "state": inst.state,
+        d: dict[str, object] = {"url": inst.url, "role": role, "source": self._source.get(inst), "state": inst.state,
              "draining": inst.state == "draining", "leaving": leaving, "inflight": inst.inflight,
              "dp_size": s.dp_size}
         if s.ec_zmq_addrs:

@@ -306,7 +306,7 @@ def rewrite_media(
         raise ValueError("items and results must have the same length")
     replacements: dict[int, dict[int, dict]] = {}
     for item, result in zip(items, results):
-        if _usable(item, result):
+        if result is not None and _usable(item, result):
             new_part = embeds_part(item, result.metadata)
         elif item.uuid and item.part.get("uuid") != item.uuid:
             new_part = {**item.part, "uuid": item.uuid}

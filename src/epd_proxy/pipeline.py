@@ -14,10 +14,11 @@ import itertools
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from .access_log import usage_of
+from .access_log import AccessLog, usage_of
 from .admission import ADMIT, SHED, Admission, shed_error
 from .blobs import decode_chat_body
 from .config import ProxyConfig
@@ -36,6 +37,9 @@ from .relay import StreamRelay, relay_stream
 from .routing import request_view
 from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
 from .usage import rewrite_usage
+
+if TYPE_CHECKING:
+    from .tracing import Tracing
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -165,8 +169,8 @@ class Pipeline:
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.closing = False
         self.stopping = False
-        self.access_log = None  # access_log.AccessLog when on (set by the app)
-        self.tracing = None  # tracing.Tracing when OTEL_* turns it on (set by the app)
+        self.access_log: AccessLog | None = None  # when on (set by the app)
+        self.tracing: Tracing | None = None  # when OTEL_* turns it on (set by the app)
         metrics.admission = self.admission
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
@@ -200,7 +204,7 @@ class Pipeline:
             if self.tracing is not None:
                 ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
             if self.deadlines is not None:
-                task = asyncio.current_task()
+                task: asyncio.Task = asyncio.current_task()  # type: ignore[assignment]  # the request's
                 self.deadlines.enter(task)
                 try:
                     leg = await self._open(ctx, body, items)
@@ -215,7 +219,7 @@ class Pipeline:
                     self.deadlines.leave(task)
                     # Kept in this frame, the task would close a reference cycle through the
                     # traceback of a later failure (the task holds its exception).
-                    task = None
+                    task = None  # type: ignore[assignment]
             else:
                 leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
@@ -237,7 +241,7 @@ class Pipeline:
                     gap = relay.gap()
                     if gap is not None:
                         self.metrics.itl.observe(gap)
-                    if not ok:
+                    if relay.error is not None:  # not ok
                         self.metrics.stream_errors += 1
                         log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
             finally:

@@ -29,9 +29,9 @@ class StreamRelay(FlowListener):
 
     def __init__(self, writer: ResponseWriter, resp: Response) -> None:
         self.writer = writer
-        self.resp = resp
+        self.resp: Response | None = resp
         self._tail = b""
-        self.error: Exception | None = None
+        self.error: ProxyError | None = None
         self.ended = False
         # For the inter-token histogram: events relayed after the first, and when.
         self.events = 0

@@ -107,6 +107,7 @@ class RequestView:
         anchor = self._anchor
         if anchor is None:
             body = self._body
+            assert body is not None  # no anchor given: there is a body to compute it from
             try:
                 anchor = (_chat_anchor(body.get("messages"), self.items) if self._chat
                           else _prompt_anchor(body.get("prompt")))
@@ -482,7 +483,7 @@ def rendezvous_order(urls: Sequence[str], key: int) -> list[str]:
     return sorted(urls, key=lambda u: mix64(key ^ instance_seed(u)), reverse=True)
 
 
-POLICIES = {
+POLICIES: dict[str, type[RoutingPolicy]] = {
     "round-robin": RoundRobin,
     "least-loaded": LeastLoaded,
     "load-aware": LoadAware,

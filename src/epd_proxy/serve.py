@@ -23,7 +23,7 @@ import tempfile
 try:
     import resource
 except ImportError:  # pragma: no cover - not POSIX
-    resource = None
+    resource = None  # type: ignore[assignment]
 
 from .app import ProxyApp, log_requests
 from .config import InstanceSpec, ProxyConfig

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import msgspec
 
@@ -178,7 +179,8 @@ class EncoderFanout:
         self.max_batch = max_batch
         self.rewrite = rewrite
         self.timeouts = Timeouts(connect=connect_timeout, headers=timeout, idle=timeout)
-        self.observe_sub_request = None  # metrics: each sub-request's duration (set by the pipeline)
+        # metrics: each sub-request's duration (set by the pipeline)
+        self.observe_sub_request: Callable[[float], None] | None = None
 
     async def run(self, att: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
         subs = plan_sub_requests(items, self.pool.assign(items, att.excluded), self.max_batch)

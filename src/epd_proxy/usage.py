@@ -21,6 +21,8 @@ usage is already right is not touched. Pure: the pipeline and the relay call it.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import msgspec
 
 _NULL = b"null"
@@ -49,7 +51,7 @@ class PrefillReport:
             usage = msgspec.json.decode(self.usage) if self.usage else None
         except msgspec.DecodeError:
             usage = None
-        remote = None
+        remote: object = None
         if self.kv and self.kv != _NULL:
             try:
                 remote = msgspec.json.decode(self.kv, type=_Kv).remote_prefill_cached_tokens
@@ -58,7 +60,7 @@ class PrefillReport:
         return (usage if isinstance(usage, dict) else None), (remote if _is_count(remote) else None)
 
 
-def _is_count(value) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

@@ -212,7 +212,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: "ConnectionPool") -> None:
         self.pool = pool
         self.loop = pool.loop
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # until connection_made
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reusable = True
@@ -223,7 +223,7 @@ class _Connection(asyncio.Protocol):
         self._response: Response | None = None
         self._got_bytes = False
         self._body_has_length = False
-        self._timeouts: Timeouts | None = None
+        self._timeouts: Timeouts = None  # type: ignore[assignment]  # each request's, set before the timer
         self._last_activity = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._armed = False  # a timeout applies (the timer may be pending either way)
@@ -271,7 +271,7 @@ class _Connection(asyncio.Protocol):
         # The parser holds this connection's callbacks and the response refers back to it:
         # let go of both, so a closed connection is freed without the cyclic collector.
         self._response = None
-        self.parser = None
+        self.parser = None  # type: ignore[assignment]  # closed: never fed again
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:

@@ -335,7 +335,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self._budget = server.budget if server is not None else BodyBudget(limits.max_buffered_bytes)
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # until connection_made
         self.closed = False
         self.writing_paused = False
         self._drain_waiters: list[asyncio.Future] = []
@@ -420,7 +420,7 @@ class HttpServerProtocol(asyncio.Protocol):
         # frames its handler's): let go of them so the connection is freed without the
         # cyclic collector, which the frozen-GC settings make rare.
         self._task = None
-        self._parser = None
+        self._parser = None  # type: ignore[assignment]  # closed: never fed again
 
     @property
     def idle(self) -> bool:
@@ -459,7 +459,7 @@ class HttpServerProtocol(asyncio.Protocol):
         # cancelled, which closes its upstreams.
         return False
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data) -> None:
         if self._done_reading:
             return
         if self._held_input is not None:
@@ -902,7 +902,7 @@ class HttpServer:
     """Owns the listening socket and the live connections."""
 
     def __init__(self, handler: Handler, *, limits: ServerLimits | None = None,
-                 on_large_release: Callable[[], None] | None = None) -> None:
+                 on_large_release: Callable[[], object] | None = None) -> None:
         self.handler = handler
         self.limits = limits or ServerLimits()
         self.connections: set[HttpServerProtocol] = set()
@@ -937,7 +937,8 @@ class HttpServer:
 
     def _run_trim(self) -> None:
         self._trim_pending = False
-        self._trim()
+        if self._trim is not None:  # scheduled only when set
+            self._trim()
 
     def at_capacity(self) -> bool:
         cap = self.limits.max_connections
@@ -966,10 +967,12 @@ class HttpServer:
 
     @property
     def port(self) -> int:
+        assert self._server is not None, "not started"
         return self._server.sockets[0].getsockname()[1]
 
     @property
     def host(self) -> str:
+        assert self._server is not None, "not started"
         return self._server.sockets[0].getsockname()[0]
 
     # -- graceful shutdown (serve.py drives these) ----------------------------------------
