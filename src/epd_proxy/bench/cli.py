@@ -287,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
 
         runner = uvloop.run
     except ImportError:  # pragma: no cover
-        runner = asyncio.run
+        runner = asyncio.run  # type: ignore[assignment]
     result: dict = {"meta": {"command": "epd-proxy bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else []),
                              "argv": sys.argv, "started": _dt.datetime.now().isoformat(timespec="seconds"),
                              "machine": machine_info(), "nofile": list(nofile_limits()), "scenarios": names},

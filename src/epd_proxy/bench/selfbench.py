@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         proc.stdout.readline()  # the URL line: the cluster is up
         os.sched_setaffinity(0, {client_core})
         try:
-            import uvloop  # type: ignore
+            import uvloop
 
             runner = uvloop.run
         except ImportError:  # pragma: no cover
-            runner = asyncio.run
+            runner = asyncio.run  # type: ignore[assignment]
 
         async def go() -> tuple[dict, float]:
             drive = asyncio.create_task(_drive(port, args.concurrency, args.tokens, args.duration, args.warmup))

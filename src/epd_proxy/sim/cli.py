@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        import uvloop  # type: ignore
+        import uvloop
 
         runner = uvloop.run
     except ImportError:  # pragma: no cover
-        runner = asyncio.run
+        runner = asyncio.run  # type: ignore[assignment]
     try:
         runner(run(args))
     except KeyboardInterrupt:
