@@ -34,6 +34,7 @@ class UrlClient:
         self.pool = ConnectionPool(self.url, idle_timeout=2.0, max_idle=self.max_idle)
 
     async def send(self, prep: Prepared, timeouts: Timeouts, verify: bool = True) -> Outcome:
+        assert self.pool is not None, "not started"
         return await send(self.pool, prep, timeouts, verify=verify)
 
     async def close(self) -> None:

@@ -65,7 +65,7 @@ def default_pinning(pin: bool, proxy_cpus: str | None, load_cpus: str | None) ->
     """(proxy cpus, load cpus): explicit lists win; with ``pin`` and 2+ cores, the
     first core for the proxy and the others for the load."""
     def parse(text):
-        out = []
+        out: list[int] = []
         for part in text.split(","):
             part = part.strip()
             if "-" in part:
@@ -97,7 +97,7 @@ class Lab:
         self.sim_service: Service | None = None
         self.sim: T.SimInfo | None = None
         self.targets: list[T.Target] = []
-        self._old_affinity = None
+        self._old_affinity: set[int] | None = None
         self._idle = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -296,6 +296,7 @@ def _pid_cpu(pid: int) -> float:
 
 def _read_line(svc: Service, timeout: float) -> str:
     deadline = time.monotonic() + timeout
+    assert svc.proc is not None and svc.proc.stdout is not None  # started with pipe_stdout
     out = svc.proc.stdout
     buf = b""
     while b"\n" not in buf:
@@ -315,6 +316,7 @@ def _read_line(svc: Service, timeout: float) -> str:
 # -- the comparison ------------------------------------------------------------------------------
 def make_targets(lab: Lab, names: list[str], others: list[str]) -> list[T.Target]:
     sim = lab.sim
+    assert sim is not None, "start_sim first"
     cpus = lab.s.proxy_cpus
     log_dir = lab.s.log_dir
     out = []
