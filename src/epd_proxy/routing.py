@@ -32,11 +32,11 @@ import zlib
 from array import array
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from .encoder_plan import assign_round_robin
-from .multimodal import EMBEDS_TYPES
+from .encode.encoder_plan import assign_round_robin
+from .encode.multimodal import EMBEDS_TYPES
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; pool.py imports this module
-    from .multimodal import MediaItem
+    from .encode.multimodal import MediaItem
     from .pool import Instance
 
 _M64 = (1 << 64) - 1
