@@ -133,6 +133,8 @@ async def call(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: s
 
 
 async def read_body(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, resp: Response) -> bytes:
+    """The whole answer; a transport failure on the way becomes a ProxyError and counts
+    against the instance."""
     try:
         return await resp.read()
     except UpstreamError as exc:
