@@ -15,6 +15,7 @@ from epd_proxy.upstream import status_error, transport_error, upstream_message
 
 
 def setup(n=2):
+    """A pool of two prefills (its connection pools need the running loop), and a request."""
     pool = InstancePool("prefill", [InstanceSpec(f"http://10.0.0.{i}:8100", "prefill") for i in range(n)],
                         outlier=OutlierSettings(fail_threshold=3))
     return pool, pool.instances[0], RequestContext("r1", "/v1/chat/completions", [])
@@ -31,7 +32,7 @@ def test_upstream_message_takes_the_human_part(body, message):
     assert upstream_message(body) == message
 
 
-def test_a_4xx_is_relayed_as_received_and_blames_nobody():
+async def test_a_4xx_is_relayed_as_received_and_blames_nobody():
     pool, inst, ctx = setup()
     body = b'{"error": {"message": "too long", "type": "BadRequestError", "param": null, "code": 400}}'
     err = status_error(pool, inst, ctx, "prefill", 400, body, None)
@@ -40,7 +41,7 @@ def test_a_4xx_is_relayed_as_received_and_blames_nobody():
 
 
 @pytest.mark.parametrize("status, kind", [(503, "http_503"), (500, "http_500")])
-def test_a_5xx_is_a_retryable_502_naming_the_role_and_excludes_the_instance(status, kind):
+async def test_a_5xx_is_a_retryable_502_naming_the_role_and_excludes_the_instance(status, kind):
     pool, inst, ctx = setup()
     err = status_error(pool, inst, ctx, "prefill", status, b'{"error": {"message": "boom"}}', None)
     assert (err.status, err.retryable) == (502, True)
@@ -56,14 +57,14 @@ def test_a_5xx_is_a_retryable_502_naming_the_role_and_excludes_the_instance(stat
     (UpstreamError("stalled", kind="ejected"), 502,
      "prefill instance stopped answering and was taken out of rotation"),
 ])
-def test_transport_failures_name_the_role_never_the_address(exc, status, message):
+async def test_transport_failures_name_the_role_never_the_address(exc, status, message):
     pool, inst, ctx = setup()
     err = transport_error(pool, inst, ctx, "prefill", exc, "reading its answer")
     assert (err.status, err.retryable, err.message) == (status, True, message)
     assert "10.0.0." not in err.message and inst in ctx.excluded
 
 
-def test_a_refused_connection_is_a_503_once_no_instance_in_rotation_is_left():
+async def test_a_refused_connection_is_a_503_once_no_instance_in_rotation_is_left():
     pool, inst, ctx = setup()
     refused = UpstreamError("connect to 10.0.0.0:8100: Connection refused", kind="connect")
     err = transport_error(pool, inst, ctx, "prefill", refused, "sending the request")
@@ -74,7 +75,7 @@ def test_a_refused_connection_is_a_503_once_no_instance_in_rotation_is_left():
     assert err.message == "no prefill instance available: none accepts connections"
 
 
-def test_the_proxys_own_shortage_is_a_503_and_not_the_instances_fault():
+async def test_the_proxys_own_shortage_is_a_503_and_not_the_instances_fault():
     pool, inst, ctx = setup()
     err = transport_error(pool, inst, ctx, "prefill",
                           UpstreamError("connect to 10.0.0.0:8100: Too many open files", kind="local"),
