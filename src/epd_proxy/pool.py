@@ -73,8 +73,8 @@ class InstancePool:
     """All instances of one role."""
 
     def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str | RoutingPolicy = "least-loaded",
-                 keep_alive: float = 5.0, fail_threshold: int = 3,
-                 outlier: OutlierSettings | None = None, max_connections: int | None = None) -> None:
+                 keep_alive: float = 5.0, outlier: OutlierSettings | None = None,
+                 max_connections: int | None = None) -> None:
         self.role = role
         # Retire pooled sockets at half the server's keep-alive, before it closes them.
         self._idle = keep_alive / 2 if keep_alive > 0 else 0.0
@@ -82,9 +82,7 @@ class InstancePool:
         self._max_connections = max_connections
         self.instances = [self._new_instance(s) for s in specs]
         self.policy: RoutingPolicy = make_policy(policy) if isinstance(policy, str) else policy
-        # ``outlier`` carries every knob; ``fail_threshold`` alone is the short form.
-        settings = outlier or OutlierSettings(fail_threshold=max(1, fail_threshold))
-        self.rules = OutlierRules(settings)
+        self.rules = OutlierRules(outlier or OutlierSettings())  # every ejection knob
         self.panics = 0  # requests routed with no instance in rotation
         self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
         self._last_panic_log = -PANIC_LOG_INTERVAL
