@@ -4,7 +4,6 @@ import hashlib
 import msgspec
 import pytest
 
-from epd_proxy.errors import ProxyError
 from epd_proxy.encode.multimodal import (
     EMBEDS_TYPES,
     MEDIA_TYPES,
@@ -13,6 +12,7 @@ from epd_proxy.encode.multimodal import (
     content_uuid,
     own_media,
 )
+from epd_proxy.errors import ProxyError
 
 
 def sha(s: str) -> str:

@@ -13,7 +13,8 @@ Pure functions over plain dicts; the client's body is never mutated.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace as _replace
+from dataclasses import dataclass
+from dataclasses import replace as _replace
 from typing import TYPE_CHECKING
 
 from epd_proxy.blobs import URL_MEDIA_TYPES, encode_json_sorted, is_text, text_bytes
