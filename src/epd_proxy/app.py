@@ -199,7 +199,7 @@ class ProxyApp:
             tried.add(inst)
             try:
                 resp = await inst.connections.request("GET", "/v1/models", headers=self.pipeline._base_headers,
-                                               timeouts=timeouts)
+                                                      timeouts=timeouts)
                 try:
                     data = await resp.read()
                 finally:
