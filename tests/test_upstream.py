@@ -51,14 +51,23 @@ async def test_a_5xx_is_a_retryable_502_naming_the_role_and_excludes_the_instanc
     assert inst.failures == (1 if status == 503 else 0)
 
 
-@pytest.mark.parametrize("exc, status, message", [
-    (UpstreamTimeout("no answer within 5 s"), 504, "prefill instance timed out: no answer within 5 s"),
-    (UpstreamError("reset by peer"), 502, "prefill instance broke off the connection while reading its answer"),
-    (UpstreamError("stalled", kind="ejected"), 502,
-     "prefill instance stopped answering and was taken out of rotation"),
+# The failures are built in the test, not at collection: an exception object held by the
+# parametrisation would live all session long (test_request_cycles counts the live ones).
+FAILURES = {
+    "timeout": lambda: UpstreamTimeout("no answer within 5 s"),
+    "reset": lambda: UpstreamError("reset by peer"),
+    "ejected": lambda: UpstreamError("stalled", kind="ejected"),
+}
+
+
+@pytest.mark.parametrize("failure, status, message", [
+    ("timeout", 504, "prefill instance timed out: no answer within 5 s"),
+    ("reset", 502, "prefill instance broke off the connection while reading its answer"),
+    ("ejected", 502, "prefill instance stopped answering and was taken out of rotation"),
 ])
-async def test_transport_failures_name_the_role_never_the_address(exc, status, message):
+async def test_transport_failures_name_the_role_never_the_address(failure, status, message):
     pool, inst, ctx = setup()
+    exc = FAILURES[failure]()
     err = transport_error(pool, inst, ctx, "prefill", exc, "reading its answer")
     assert (err.status, err.retryable, err.message) == (status, True, message)
     assert "10.0.0." not in err.message and inst in ctx.excluded
