@@ -35,7 +35,7 @@ async def test_ready_is_503_for_a_role_without_any_instance():
 
 async def test_ready_is_503_while_draining_and_responses_close_their_connection():
     async with stack() as (cluster, proxy, client):
-        proxy.app.draining = True
+        proxy.app.shutting_down = True
         reply = await client.request("GET", "/ready")
         assert reply.status == 503 and reply.json() == {"status": "draining"}
         assert reply.headers[b"connection"] == b"close"

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from epd_proxy.blobs import MIN_BLOB, Blob, decode_chat_body, encode_json, is_text, text_bytes
-from epd_proxy.encoder_plan import encoder_body, plan_sub_requests
-from epd_proxy.multimodal import collect_media, content_uuid
+from epd_proxy.encode.encoder_plan import encoder_body, plan_sub_requests
+from epd_proxy.encode.multimodal import collect_media, content_uuid
 
 
 def b64(n: int, seed: int = 0) -> str:

@@ -146,7 +146,7 @@ async def test_the_connection_cap_reaches_every_instance_pool():
 
     app = ProxyApp(_cfg(max_upstream_connections=7, encode=[parse_instance("http://e:1", "encode")]))
     try:
-        assert {i.http.max_connections for p in app.pools.values() for i in p.instances} == {7}
+        assert {i.connections.max_connections for p in app.pools.values() for i in p.instances} == {7}
     finally:
         await app.close()
 

@@ -458,8 +458,8 @@ async def test_pooled_upstream_connections_retire_before_vllms_keep_alive():
     async with stack(upstream_keep_alive=5.0) as (cluster, proxy, client):
         for pool in proxy.app.pools.values():
             for inst in pool.instances:
-                assert isinstance(inst.http, ConnectionPool)
-                assert 0 < inst.http.idle_timeout < 5.0
+                assert isinstance(inst.connections, ConnectionPool)
+                assert 0 < inst.connections.idle_timeout < 5.0
 
 
 async def test_upstream_api_key_is_sent_as_bearer():

@@ -146,12 +146,12 @@ async def test_added_instances_get_the_same_connection_cap_and_probes():
     pool = InstancePool("decode", [InstanceSpec("http://127.0.0.1:9", "decode")], max_connections=7)
     pool.start_probing(60.0, 0.1)
     added = pool.add(InstanceSpec("http://127.0.0.1:10", "decode"))
-    assert added.http.max_connections == pool.instances[0].http.max_connections == 7
+    assert added.connections.max_connections == pool.instances[0].connections.max_connections == 7
     assert set(pool._probe_tasks) == set(pool.instances)
     pool.remove(added)
     assert added not in pool.instances and set(pool._probe_tasks) == set(pool.instances)
     await pool.close()
-    await added.http.close()
+    await added.connections.close()
 
 
 async def test_the_last_instance_draining_is_not_routed_to_in_panic():

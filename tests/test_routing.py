@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 import epd_proxy
 from epd_proxy.blobs import Blob, decode_chat_body
+from epd_proxy.encode.multimodal import collect_media
 from epd_proxy.errors import ProxyError
 from epd_proxy.load_signals import LoadSignals
-from epd_proxy.multimodal import collect_media
 from epd_proxy.routing import (
     EMPTY_VIEW,
     CacheAware,

@@ -63,7 +63,6 @@ class ProxyApp:
                                  balance_rel=config.balance_rel)
             self.pools[role] = InstancePool(role, specs, policy=policy,
                                             keep_alive=config.upstream_keep_alive,
-                                            fail_threshold=config.fail_threshold,
                                             outlier=OutlierSettings.from_config(config),
                                             max_connections=config.max_upstream_connections)
         connector = CONNECTORS[config.kv_connector]
@@ -101,7 +100,9 @@ class ProxyApp:
         }
         self._paths = {path for _, path in self._routes}
         self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
-        self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
+        # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
+        # instance's drain (an operator taking one instance out: membership.py).
+        self.shutting_down = False
         self.siblings: SiblingChannel | None = None  # --workers > 1: /metrics, /status, /ready ask siblings
         # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
         # (/metrics needs the admin key with --protect-metrics).
@@ -142,7 +143,7 @@ class ProxyApp:
             await pool.close()
 
     async def __call__(self, req: Request, writer: ResponseWriter) -> None:
-        if self.draining:
+        if self.shutting_down:
             writer.keep_alive = False
         keys = self.client_keys
         if keys is not None and req.path.startswith("/v1/"):
@@ -198,8 +199,8 @@ class ProxyApp:
                 break
             tried.add(inst)
             try:
-                resp = await inst.http.request("GET", "/v1/models", headers=self.pipeline._base_headers,
-                                               timeouts=timeouts)
+                resp = await inst.connections.request("GET", "/v1/models", headers=self.pipeline._base_headers,
+                                                      timeouts=timeouts)
                 try:
                     data = await resp.read()
                 finally:
@@ -219,7 +220,7 @@ class ProxyApp:
 
     async def _ready(self, req: Request, writer: ResponseWriter) -> None:
         """Whether this proxy can take traffic, not whether its backends are healthy: 503 while
-        draining, or while a role the topology needs has no instance at all; otherwise 200,
+        shutting down, or while a role the topology needs has no instance at all; otherwise 200,
         even when a pool is failing (the proxy then answers those requests itself, which beats
         a load balancer dropping every replica at once). Backend health is in /status.
         With --workers, 200 only when every worker that answers is ready."""
@@ -238,8 +239,8 @@ class ProxyApp:
             writer.send(status, msgspec.json.encode(body), headers=[(b"retry-after", b"5")])
 
     def _local_ready(self) -> tuple[int, dict]:
-        if self.draining:
-            return 503, {"status": "draining"}
+        if self.shutting_down:
+            return 503, {"status": "draining"}  # the word load balancers have seen since the start
         missing = [role for role in self.membership.required_roles() if not self.pools[role].instances]
         if missing:
             return 503, {"status": "unavailable", "no_instances": missing}

@@ -295,7 +295,7 @@ class ProxyConfig:
         if self.max_upstream_connections < 1:
             raise ValueError("--max-upstream-connections must be >= 1")
         check_forward_headers(self.forward_headers, self.upstream_api_key)
-        from .media_policy import MediaPolicy  # the policy parses the host list
+        from .encode.media_policy import MediaPolicy  # the policy parses the host list
 
         MediaPolicy(max_items=self.max_media_items, schemes=self.allowed_media_schemes,
                     allowed_hosts=self.allowed_media_hosts)

@@ -16,6 +16,7 @@ import msgspec
 
 from .context import RequestContext
 from .errors import ProxyError
+from .http import Headers
 from .http.client import ConnectionPool, UpstreamError
 from .http.client import Timeouts as ClientTimeouts
 from .ids import hex_id, uuid4_str
@@ -33,7 +34,7 @@ class LegPlan:
     body: dict  # the consumer body: the client's, with media rewritten to embeddings
     prefill: Instance | None
     decode: Instance
-    decode_headers: list | None = None  # e.g. X-data-parallel-rank for an EC consumer replica
+    decode_headers: Headers | None = None  # e.g. X-data-parallel-rank for an EC consumer replica
 
 
 class KVConnector:
@@ -94,7 +95,7 @@ class NixlPush(KVConnector):
     cancels decode (closing its connection so vLLM aborts it) and becomes the
     answer. After that the prefill leg rides along as ``companion``: the relay
     turns its failure into an in-band error, and if decode finishes first the
-    prefill is drained in the background, bounded by the prefill timeout.
+    prefill is left to finish in the background, bounded by the prefill timeout.
     """
 
     name = "nixl-push"
@@ -125,7 +126,7 @@ class NixlPush(KVConnector):
         }
 
     async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
-                   ) -> tuple[dict, dict, list | None]:
+                   ) -> tuple[dict, dict, Headers | None]:
         """The prefill's and decode's ``kv_transfer_params``, and extra prefill headers."""
         assert plan.prefill is not None
         return (nixl_prefill_request_params(transfer_id),
@@ -216,10 +217,10 @@ class Mooncake(NixlPush):
         if known:
             return known
         url = self.bootstrap_addr(inst.spec)
-        pool = ConnectionPool(url, idle_timeout=0)
+        connections = ConnectionPool(url, idle_timeout=0)
         try:
             t = ClientTimeouts(connect=2.0, headers=5.0, idle=5.0)
-            resp = await pool.request("GET", "/query", timeouts=t)
+            resp = await connections.request("GET", "/query", timeouts=t)
             try:
                 data = await resp.read()
             finally:
@@ -232,7 +233,7 @@ class Mooncake(NixlPush):
             raise ProxyError(503, "prefill instance's Mooncake bootstrap server did not answer", retryable=True
                              ) from None
         finally:
-            await pool.close()
+            await connections.close()
         if not engines:
             log.warning("prefill %s: its Mooncake bootstrap server %s reported no engine ids", inst.url, url)
             raise ProxyError(503, "prefill instance's Mooncake bootstrap server reported no engine ids",
@@ -241,7 +242,7 @@ class Mooncake(NixlPush):
         return engines
 
     async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
-                   ) -> tuple[dict, dict, list | None]:
+                   ) -> tuple[dict, dict, Headers | None]:
         assert plan.prefill is not None
         try:
             engines = await self._query(plan.prefill)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .http import Headers
 from .pool import Instance
 from .routing import EMPTY_VIEW, RequestView
 
@@ -25,7 +26,7 @@ class RequestContext:
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
                  "_base_headers", "_held", "prefill_report")
 
-    def __init__(self, request_id: str, path: str, base_headers: list) -> None:
+    def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
         self.path = path
         self.excluded: set[Instance] = set()
@@ -40,7 +41,7 @@ class RequestContext:
         # the prefill stage, cleared at each attempt's start.
         self.prefill_report: PrefillReport | None = None
 
-    def upstream_headers(self, request_id: str | None = None, extra: list | None = None) -> list:
+    def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
         headers += self._base_headers
         if extra:

@@ -142,7 +142,7 @@ class LoadScraper:
         try:
             async with asyncio.timeout(self.timeout):
                 # Past the connection cap, like a probe: the load is read when it is highest.
-                resp = await inst.http.request("GET", "/metrics", timeouts=self.timeouts, queue=False)
+                resp = await inst.connections.request("GET", "/metrics", timeouts=self.timeouts, queue=False)
                 try:
                     data = await resp.read()
                 finally:

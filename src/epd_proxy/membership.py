@@ -435,7 +435,7 @@ class Membership:
             await asyncio.gather(task, return_exceptions=True)
         leaving, self._leaving = self._leaving, []
         for inst in leaving:
-            await inst.http.close()
+            await inst.connections.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
@@ -486,7 +486,7 @@ class Membership:
                 if inst.inflight > 0:
                     still.append(inst)
                     continue
-                task = asyncio.get_running_loop().create_task(inst.http.close())
+                task = asyncio.get_running_loop().create_task(inst.connections.close())
                 self._closing.add(task)  # a strong reference until it is done
                 task.add_done_callback(self._closing.discard)
                 self._emit("left", inst.spec, self._source.pop(inst, "api"))

@@ -25,17 +25,19 @@ from .config import ProxyConfig
 from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
 from .context import RequestContext
 from .deadline import Deadlines
+from .encode.fanout import EncoderFanout
+from .encode.media_policy import MediaPolicy
+from .encode.multimodal import MediaItem, own_media
 from .errors import ProxyError, bad_request
+from .http import Headers
 from .http.server import Request, ResponseWriter
 from .ids import hex_id
-from .media_policy import MediaPolicy
 from .membership import TOPOLOGY_ROLES
 from .metrics import ProxyMetrics
-from .multimodal import MediaItem, own_media
 from .pool import Instance, InstancePool
 from .relay import StreamRelay, relay_stream
 from .routing import request_view
-from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
+from .stages import DecodeLeg, DecodeStage, PrefillStage
 from .usage import rewrite_usage
 
 if TYPE_CHECKING:
@@ -152,7 +154,7 @@ class Pipeline:
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._dp_counter = itertools.count()
-        self._base_headers: list = []
+        self._base_headers: Headers = []
         if config.upstream_api_key:
             self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
@@ -384,7 +386,7 @@ class Pipeline:
                 cap.leave()
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
-        """A leg still running when the response is over: drained in the background
+        """A leg still running when the response is over: left to finish in the background
         (bounded by its own stage timeout) after success, cancelled otherwise."""
         if companion.done():
             if not companion.cancelled():
@@ -417,11 +419,11 @@ class Pipeline:
             self.media_policy.check(items)
         return body, items
 
-    def _headers_for(self, req: Request) -> list:
+    def _headers_for(self, req: Request) -> Headers:
         extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
         return self._base_headers + extra if extra else self._base_headers
 
-    def _ec_consumer(self, d: Instance) -> tuple[list | None, str | None]:
+    def _ec_consumer(self, d: Instance) -> tuple[Headers | None, str | None]:
         """E+PD with a push EC connector: the decode replica that receives the embeddings."""
         spec = d.spec  # its addresses: from its registration or --ec-consumer-zmq-addrs
         dp = spec.dp_size if spec.dp_size > 1 else self.config.ec_consumer_dp_size
@@ -459,7 +461,7 @@ def _drop_traceback(err: BaseException) -> None:
     err.__cause__ = None
 
 
-def _server_timing(timings: dict) -> list:
+def _server_timing(timings: dict) -> Headers:
     if not timings:
         return []
     value = ", ".join(f"{k};dur={v * 1000:.1f}" for k, v in timings.items())

@@ -13,6 +13,7 @@ import asyncio
 from time import perf_counter
 
 from .errors import ProxyError
+from .http import Headers
 from .http.client import Response
 from .http.server import FlowListener, ResponseWriter
 from .usage import rewrite_final_usage_events
@@ -124,7 +125,7 @@ class UsageRelay(StreamRelay):
         self.writer.write(events)
 
 
-async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: list,
+async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
                        companion: asyncio.Future | None = None, usage_ctx=None) -> StreamRelay:
     """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
     With ``usage_ctx`` (a RequestContext) the final usage event is rewritten (UsageRelay)."""

@@ -32,11 +32,11 @@ import zlib
 from array import array
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from .encoder_plan import assign_round_robin
-from .multimodal import EMBEDS_TYPES
+from .encode.encoder_plan import assign_round_robin
+from .encode.multimodal import EMBEDS_TYPES
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; pool.py imports this module
-    from .multimodal import MediaItem
+    from .encode.multimodal import MediaItem
     from .pool import Instance
 
 _M64 = (1 << 64) - 1
@@ -258,12 +258,8 @@ def _block_hashes(pieces: list[str]) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------
-# Load
-
-def load_of(inst: Instance) -> float:
-    """Requests on the instance: this proxy's, plus others' as last scraped."""
-    return inst.inflight + inst.signals.others
-
+# Load: the requests on an instance are this proxy's (``inflight``) plus others' as last
+# scraped (``signals.others``); the policies add them up inline, per candidate.
 
 # A full KV cache weighs as much as this many queued requests in the load-aware score.
 KV_USAGE_WEIGHT = 8.0

@@ -33,9 +33,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from . import Headers
 from .timers import aim
-
-Headers = list[tuple[bytes, bytes]]
 
 
 class UpstreamError(Exception):

@@ -22,11 +22,11 @@ from typing import Awaitable, Callable
 import httptools
 
 from ..errors import ProxyError
+from . import Headers
 from .timers import aim
 
 log = logging.getLogger("epd_proxy.http")
 
-Headers = list[tuple[bytes, bytes]]
 Handler = Callable[["Request", "ResponseWriter"], Awaitable[None]]
 
 _REASONS = {

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 from epd_proxy.blobs import is_text
+from epd_proxy.encode.multimodal import MediaItem, media_url
 from epd_proxy.ids import hex_id
-from epd_proxy.multimodal import MediaItem, media_url
 
 # Client fields an encoder needs to process media exactly as the consumer
 # will (docs/protocol.md §3.1). Everything else, including all text, is dropped.
