@@ -202,8 +202,7 @@ class Pipeline:
             if self.tracing is not None:
                 ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
             if self.deadlines is not None:
-                task = asyncio.current_task()
-                self.deadlines.enter(task)
+                task = self.deadlines.enter()
                 try:
                     leg = await self._open(ctx, body, items)
                 except asyncio.CancelledError:
