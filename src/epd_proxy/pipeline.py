@@ -206,8 +206,7 @@ class Pipeline:
             if self.tracing is not None:
                 ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
             if self.deadlines is not None:
-                task: asyncio.Task = asyncio.current_task()  # type: ignore[assignment]  # the request's
-                self.deadlines.enter(task)
+                task = self.deadlines.enter()
                 try:
                     leg = await self._open(ctx, body, items)
                 except asyncio.CancelledError:

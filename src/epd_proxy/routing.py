@@ -329,6 +329,8 @@ class _Scored:
 
     def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
         n = len(candidates)
+        if n == 1:
+            return candidates[0]
         start = self._cursor % n
         self._cursor += 1
         score = self.score
