@@ -37,7 +37,7 @@ class LoadSignals:
     """What an instance's ``/metrics`` said last, as this proxy can use it.
 
     ``others``: requests on the instance that are not this proxy's (its running +
-    waiting at the scrape, minus this proxy's in-flight then; 0 when unknown or stale).
+    waiting at the scrape, minus this proxy's in-flight during it; 0 when unknown or stale).
     ``kv_usage``: ``vllm:kv_cache_usage_perc`` (0..1).
     """
 
@@ -139,6 +139,11 @@ class LoadScraper:
 
     async def _scrape(self, inst: Instance) -> None:
         loop = asyncio.get_running_loop()
+        # The instance counts its requests at some moment between sending and answering;
+        # this proxy's own share then was at least its in-flight count at either end. The
+        # larger of the two keeps requests that ended meanwhile from showing up as "others"
+        # (which would steer new requests away from the instance until the next scrape).
+        own_before = inst.inflight
         try:
             async with asyncio.timeout(self.timeout):
                 # Past the connection cap, like a probe: the load is read when it is highest.
@@ -155,7 +160,7 @@ class LoadScraper:
             self._failed(inst, f"HTTP {resp.status}" if resp.status != 200 else "no vLLM queue gauges")
             return
         self.scrapes += 1
-        inst.signals.update(*load, own_inflight=inst.inflight, now=loop.time())
+        inst.signals.update(*load, own_inflight=max(own_before, inst.inflight), now=loop.time())
 
     def _failed(self, inst: Instance, why: str) -> None:
         self.failures += 1
