@@ -41,18 +41,20 @@ class LoadSignals:
     ``kv_usage``: ``vllm:kv_cache_usage_perc`` (0..1).
     """
 
-    __slots__ = ("others", "kv_usage", "waiting", "scraped_at")
+    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at")
 
     def __init__(self) -> None:
         self.others = 0.0
         self.kv_usage = 0.0
         self.waiting = 0.0
+        self.load = 0.0  # what the load-aware score adds to the in-flight count (routing.py)
         self.scraped_at: float | None = None
 
     def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
         self.others = max(0.0, running + waiting - own_inflight)
         self.waiting = waiting
         self.kv_usage = kv_usage
+        self.load = self.others + kv_penalty(kv_usage)
         self.scraped_at = now
 
     def forget(self) -> None:
@@ -60,7 +62,21 @@ class LoadSignals:
         self.others = 0.0
         self.kv_usage = 0.0
         self.waiting = 0.0
+        self.load = 0.0
         self.scraped_at = None
+
+
+# The KV cache weighs in only as it nears full: from KV_FULL_FROM to full it counts as up to
+# KV_USAGE_WEIGHT queued requests (a decode near its limit would preempt the next long
+# stream). Below that, usage says little about the next request, and weighing it would send
+# every tie between idle instances to whichever looked emptiest at the last scrape, for a
+# whole scrape interval.
+KV_FULL_FROM = 0.75
+KV_USAGE_WEIGHT = 8.0
+
+
+def kv_penalty(kv_usage: float) -> float:
+    return KV_USAGE_WEIGHT * (kv_usage - KV_FULL_FROM) / (1.0 - KV_FULL_FROM) if kv_usage > KV_FULL_FROM else 0.0
 
 
 def gauge_samples(text: bytes, name: bytes) -> list[float]:

@@ -1,5 +1,5 @@
-"""Cache-aware routing against real vLLM: two plain (PD) instances behind the proxy, conversations
-whose turns share a long prefix. Each conversation's turns must land on one instance, where vLLM's
+"""Cache-aware routing against real vLLM: two plain (PD) instances behind the proxy, two-turn
+conversations whose second turn carries the first (a long opening message and its answer). Each conversation's turns must land on one instance, where vLLM's
 own ``vllm:prefix_cache_hits_total`` grows by the shared prefix's blocks, and the answers must be
 the ones a single instance gives for the same request.
 
@@ -48,11 +48,10 @@ def test_each_conversation_stays_where_its_prefix_is_cached(pd, proxy, endpoint)
     path = E.endpoint_path(endpoint)
     placed = []
     for n in range(CONVERSATIONS):
-        prefix = E.unique_prompt(words=400)  # several 128-token blocks, shared by no earlier request
-        turns = [E.text_body(endpoint, prefix + f" Question {k} of conversation {n}.", max_tokens=8)
-                 for k in range(2)]
+        opening = E.unique_prompt(words=400)  # several 128-token blocks, shared by no earlier request
+        body = E.text_body(endpoint, opening + f" First question of conversation {n}.", max_tokens=8)
         served = []
-        for k, body in enumerate(turns):
+        for k in range(2):
             before_requests = _requests_by_url(proxy)
             before = {url: inst.metrics() for url, inst in instances.items()}
             r = E.post(proxy.url, path, body)
@@ -72,7 +71,15 @@ def test_each_conversation_stays_where_its_prefix_is_cached(pd, proxy, endpoint)
             # The answer is the one the serving instance gives for the request on its own.
             direct = E.post(url, path, body)
             E.assert_ok(direct, False)
-            assert _text(r, endpoint) == _text(direct, endpoint)
+            answer = _text(r, endpoint)
+            assert answer == _text(direct, endpoint)
+            # The next turn carries the conversation so far, as a chat client sends it.
+            question = f" Second question of conversation {n}."
+            if endpoint == "completions":
+                body = dict(body, prompt=body["prompt"] + answer + question)
+            else:
+                body = dict(body, messages=body["messages"] + [{"role": "assistant", "content": answer},
+                                                               {"role": "user", "content": question}])
         assert served[0] == served[1], f"conversation {n}: turns went to {served}"
         placed.append(served[0])
     # Affinity is per conversation, not one instance for everything: with four unrelated
