@@ -261,15 +261,10 @@ def _block_hashes(pieces: list[str]) -> list[int]:
 # Load: the requests on an instance are this proxy's (``inflight``) plus others' as last
 # scraped (``signals.others``); the policies add them up inline, per candidate.
 
-# A full KV cache weighs as much as this many queued requests in the load-aware score.
-KV_USAGE_WEIGHT = 8.0
-
-
 def score_of(inst: Instance) -> float:
-    """The load-aware score (lower is better): load, plus a penalty for a full KV cache
-    (a decode near its limit would preempt the next long stream)."""
-    s = inst.signals
-    return inst.inflight + s.others + KV_USAGE_WEIGHT * s.kv_usage
+    """The load-aware score (lower is better): this proxy's in-flight requests, the others'
+    (scraped), and a penalty for a nearly full KV cache (``load_signals.kv_penalty``)."""
+    return inst.inflight + inst.signals.load
 
 
 # --------------------------------------------------------------------------------------
