@@ -1,5 +1,6 @@
 """Cache-aware routing against real vLLM: two plain (PD) instances behind the proxy, two-turn
-conversations whose second turn carries the first (a long opening message and its answer). Each conversation's turns must land on one instance, where vLLM's
+conversations whose second turn carries the first (a long opening message and its answer).
+Each conversation's turns must land on one instance, where vLLM's
 own ``vllm:prefix_cache_hits_total`` grows by the shared prefix's blocks, and the answers must be
 the ones a single instance gives for the same request.
 
@@ -12,7 +13,6 @@ same test with ``--routing round-robin`` sends every second turn to the other in
 from __future__ import annotations
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "pd"
