@@ -1,15 +1,15 @@
-# The two commands a user needs: `make run` and `make test`.
+# The two commands a user needs: `make run` and `make test` (`make lint` before a commit).
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test e2e bench venv clean system-packages
+.PHONY: run test lint e2e bench venv clean system-packages
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[test,bench,otel]'
+	$(PY) -m pip install -q -e '.[test,bench,otel,lint]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,6 +29,11 @@ system-packages:
 ## The test suite (simulator-backed, real sockets).
 test: $(STAMP) system-packages
 	$(PY) -m pytest -q
+
+## Lint (ruff: pyflakes, pycodestyle, import order, bugbear) and type check (mypy on src/); config in pyproject.toml.
+lint: $(STAMP)
+	$(PY) -m ruff check src tests
+	$(PY) -m mypy
 
 ## End-to-end against real vLLM instances (installs a cached vLLM CPU environment).
 e2e: $(STAMP)

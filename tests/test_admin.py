@@ -10,12 +10,11 @@ import socket
 
 import msgspec
 import pytest
+from helpers import JSON, Client, chat_body, wait_for
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
-
-from helpers import JSON, Client, chat_body, wait_for
 
 KEY = [(b"x-api-key", b"K")]
 IMAGE = "https://example.com/cat.png"

@@ -7,7 +7,6 @@ from helpers import chat_body, stack, wait_for
 
 from epd_proxy.admission import ADMIT, QUEUE, SHED, Admission, decide
 
-
 # -- the policy ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("active, waiting, limit, queue, want", [

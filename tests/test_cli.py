@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import Client, chat_body
+from procs import free_port
 
 import epd_proxy
 from epd_proxy.cli import COMMANDS, build_parser
-from epd_proxy.config import ProxyConfig, ServeOptions
-from epd_proxy.serve_command import config_from_args, serve_parser
+from epd_proxy.serve_command import config_from_args
 from epd_proxy.sim import SimCluster, SimConfig
-
-from helpers import Client, chat_body
-from procs import free_port
 
 
 def parse(*argv: str):
@@ -98,37 +94,6 @@ async def test_serve_starts_empty_and_fills_by_registration():
             except TimeoutError:
                 child.kill()
                 await child.wait()
-
-
-_ENV_DEFAULTS = ("ENCODER_MAX_BATCH_SIZE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "EPD_PROXY_UPSTREAM_API_KEY", "ADMIN_API_KEY")
-
-
-def test_every_serve_default_is_the_config_dataclasses_default(monkeypatch):
-    """No flag holds a default of its own: `serve` with no flags is ProxyConfig() (with its
-    StageTimeouts) and ServeOptions(), and every flag reaches one of them."""
-    for name in _ENV_DEFAULTS:
-        monkeypatch.delenv(name, raising=False)
-    args = build_parser().parse_args(["serve"])
-    read = set()
-
-    class Reading(argparse.Namespace):
-        def __getattribute__(self, name):
-            read.add(name)
-            return super().__getattribute__(name)
-
-    assert config_from_args(Reading(**vars(args))) == ProxyConfig()
-    process = dataclasses.asdict(ServeOptions())
-    assert {name: getattr(args, name) for name in process} == process
-    dests = {action.dest for action in serve_parser()._actions}
-    assert dests - read - set(process) == {"help", "config", "simulate"}
-
-
-def test_environment_variables_set_some_defaults(monkeypatch):
-    monkeypatch.setenv("ENCODER_MAX_BATCH_SIZE", "4")
-    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "7")
-    cfg = parse("--decode", "d:1")
-    assert (cfg.encoder_max_batch_size, cfg.upstream_keep_alive) == (4, 7.0)
-    assert parse("--decode", "d:1", "--encoder-max-batch-size", "2").encoder_max_batch_size == 2
 
 
 def test_every_command_module_offers_add_arguments_and_run():

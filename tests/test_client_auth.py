@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from helpers import chat_body, stack
 
 from epd_proxy.client_auth import ClientKeys, admin_key_presented, bearer_token, read_key_file
 from epd_proxy.config import InstanceSpec, ProxyConfig
-from helpers import chat_body, stack
 
 
 def test_bearer_token_takes_the_scheme_in_any_case():

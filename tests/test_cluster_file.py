@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from epd_proxy.cli import build_parser, main
-from epd_proxy.serve_command import ServeSettings, file_options
 from epd_proxy.cluster_file import ClusterFileError, read_cluster_file
+from epd_proxy.serve_command import ServeSettings, file_options
 
 OPTIONS = file_options()
 

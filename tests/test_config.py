@@ -2,8 +2,8 @@ import pytest
 
 from epd_proxy.app import validate_config
 from epd_proxy.cli import build_parser
-from epd_proxy.serve_command import config_from_args
 from epd_proxy.config import ProxyConfig, parse_instance, split_instances
+from epd_proxy.serve_command import config_from_args
 
 
 def test_instance_attributes_parse():
@@ -47,8 +47,8 @@ def test_cli_builds_the_operators_config():
 
 
 def test_push_needs_each_prefills_identity():
-    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")], decode=[parse_instance("http://d:2", "decode")],
-                      kv_connector="nixl-push")
+    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")],
+                      decode=[parse_instance("http://d:2", "decode")], kv_connector="nixl-push")
     with pytest.raises(ValueError, match="engine_id"):
         validate_config(cfg)
     ok = cfg.replace(prefill=[parse_instance("http://p:1;engine_id=p0;kv_port=5600", "prefill")])
@@ -147,7 +147,7 @@ async def test_the_connection_cap_reaches_every_instance_pool():
 
     app = ProxyApp(_cfg(max_upstream_connections=7, encode=[parse_instance("http://e:1", "encode")]))
     try:
-        assert {i.http.max_connections for p in app.pools.values() for i in p.instances} == {7}
+        assert {i.connections.max_connections for p in app.pools.values() for i in p.instances} == {7}
     finally:
         await app.close()
 

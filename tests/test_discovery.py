@@ -3,15 +3,13 @@
 import asyncio
 
 import pytest
+from dnsmasq import dnsmasq  # noqa: F401  (fixture)
+from helpers import Client, chat_body, wait_for
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec
-from epd_proxy.discovery import (MIN_INTERVAL, DnsDiscovery, Resolver, instances_for, next_delay, parse_server,
-                                 source_of)
+from epd_proxy.discovery import MIN_INTERVAL, DnsDiscovery, Resolver, instances_for, next_delay, parse_server, source_of
 from epd_proxy.sim import SimCluster, SimConfig
-
-from dnsmasq import dnsmasq  # noqa: F401  (fixture)
-from helpers import Client, chat_body, wait_for
 
 TEMPLATE = InstanceSpec("http://decode.svc.test:8200", "decode", tp=2)
 

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.blobs import MIN_BLOB, decode_chat_body, encode_json
+from epd_proxy.encode.multimodal import collect_media, own_media
 from epd_proxy.errors import ProxyError
-from epd_proxy.multimodal import collect_media, own_media
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

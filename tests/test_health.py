@@ -1,7 +1,6 @@
 """The health rules alone: plain data and a clock passed in."""
 
-from epd_proxy.health import (BY_PROBE, BY_RATE, EJECTED, HALF_OPEN, HEALTHY, Health, OutlierRules,
-                              OutlierSettings)
+from epd_proxy.health import BY_PROBE, BY_RATE, EJECTED, HALF_OPEN, HEALTHY, Health, OutlierRules, OutlierSettings
 
 
 def rules(**kw):
@@ -132,8 +131,8 @@ def test_draining_is_left_alone_by_signals():
 
 def test_settings_come_from_the_command_line_with_the_dataclass_defaults():
     from epd_proxy.cli import build_parser
-    from epd_proxy.serve_command import config_from_args
     from epd_proxy.config import ProxyConfig
+    from epd_proxy.serve_command import config_from_args
 
     defaults = OutlierSettings.from_config(config_from_args(build_parser().parse_args(
         ["serve", "--decode", "http://d:1"])))

@@ -5,8 +5,7 @@ import asyncio
 import msgspec
 from helpers import Client, chat_body, stack, wait_for
 
-from epd_proxy.http.client import ConnectionPool
-from epd_proxy.http.client import TransportTimeouts
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts
 from epd_proxy.load_signals import gauge_samples, parse_load
 from epd_proxy.sim import SimConfig
 
@@ -107,3 +106,43 @@ async def test_the_scrape_is_not_held_up_by_the_connection_cap():
             stream.cancel()
             await asyncio.gather(stream, return_exceptions=True)
             await other.close()
+
+
+async def test_requests_that_end_during_a_scrape_are_not_counted_as_others():
+    """The instance counts its requests somewhere between the scrape's request and its answer.
+    Two requests of this proxy that end meanwhile are still in that count: they must not come
+    back as two requests of someone else (which would steer traffic away for a whole interval)."""
+    from epd_proxy.config import InstanceSpec
+    from epd_proxy.load_signals import LoadScraper
+    from epd_proxy.pool import InstancePool
+
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def metrics(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        asked.set()
+        await answer.wait()
+        body = b"vllm:num_requests_running 2.0\nvllm:num_requests_waiting 0.0\nvllm:kv_cache_usage_perc 0.1\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(metrics, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = InstancePool("decode", [InstanceSpec(f"http://127.0.0.1:{port}", "decode")])
+    inst = pool.instances[0]
+    try:
+        inst.inflight = 2  # this proxy's two requests, running on the instance
+        scrape = asyncio.create_task(LoadScraper(pool, interval=1, timeout=5).scrape_once())
+        await asyncio.wait_for(asked.wait(), 5)
+        inst.inflight = 0  # both end before the instance's answer arrives
+        answer.set()
+        await asyncio.wait_for(scrape, 5)
+        assert inst.signals.scraped_at is not None
+        assert inst.signals.others == 0
+        assert inst.signals.kv_usage == 0.1
+    finally:
+        inst.inflight = 0
+        await pool.close()
+        server.close()
+        await server.wait_closed()

@@ -6,9 +6,18 @@ import msgspec
 import pytest
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.membership import (Membership, MembershipConflict, RegistrationError, check_registration,
-                                  infer_topology, parse_registration, parse_url_param, registered_role,
-                                  required_roles, roster_diff)
+from epd_proxy.membership import (
+    Membership,
+    MembershipConflict,
+    RegistrationError,
+    check_registration,
+    infer_topology,
+    parse_registration,
+    parse_url_param,
+    registered_role,
+    required_roles,
+    roster_diff,
+)
 from epd_proxy.pool import InstancePool
 
 
@@ -334,7 +343,8 @@ async def test_registrar_refresh_does_not_wipe_a_launchers_attributes():
 def test_a_pinned_topology_refuses_configured_instances_it_has_no_place_for():
     from epd_proxy.config import ProxyConfig, parse_instance
     from epd_proxy.membership import check_pinned_topology
-    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")], decode=[parse_instance("http://d:2", "decode")])
+    cfg = ProxyConfig(prefill=[parse_instance("http://p:1", "prefill")],
+                      decode=[parse_instance("http://d:2", "decode")])
     check_pinned_topology(cfg)  # auto: anything goes
     check_pinned_topology(cfg.replace(topology="P+D"))
     with pytest.raises(ValueError, match="http://p:1: the topology is pinned to E\\+PD: it has no prefill instances"):

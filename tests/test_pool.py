@@ -1,13 +1,13 @@
 from collections import Counter
 
 import pytest
-
 from helpers import wait_for
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.health import OutlierSettings
 from epd_proxy.errors import ProxyError
-from epd_proxy.pool import HALF_OPEN_SHARE, InstancePool, LeastLoaded, RoundRobin
+from epd_proxy.health import OutlierSettings
+from epd_proxy.pool import HALF_OPEN_SHARE, InstancePool
+from epd_proxy.routing import LeastLoaded, RoundRobin
 
 
 def make_pool(n, policy="least-loaded", threshold=3, **outlier):
@@ -117,10 +117,10 @@ async def test_snapshot_shows_state_and_errors_by_kind():
 
 
 def test_policies_are_deterministic_units():
-    class I:
+    class Inst:
         def __init__(self, n):
             self.inflight = n
-    xs = [I(0), I(0)]
+    xs = [Inst(0), Inst(0)]
     rr, ll = RoundRobin(), LeastLoaded()
     assert [rr.choose(xs) for _ in range(3)] == [xs[0], xs[1], xs[0]]
     assert [ll.choose(xs) for _ in range(2)] == [xs[0], xs[1]]
@@ -146,12 +146,12 @@ async def test_added_instances_get_the_same_connection_cap_and_probes():
     pool = InstancePool("decode", [InstanceSpec("http://127.0.0.1:9", "decode")], max_connections=7)
     pool.start_probing(60.0, 0.1)
     added = pool.add(InstanceSpec("http://127.0.0.1:10", "decode"))
-    assert added.http.max_connections == pool.instances[0].http.max_connections == 7
+    assert added.connections.max_connections == pool.instances[0].connections.max_connections == 7
     assert set(pool._probe_tasks) == set(pool.instances)
     pool.remove(added)
     assert added not in pool.instances and set(pool._probe_tasks) == set(pool.instances)
     await pool.close()
-    await added.http.close()
+    await added.connections.close()
 
 
 async def test_the_last_instance_draining_is_not_routed_to_in_panic():

@@ -12,9 +12,9 @@ from proxy_process import ProxyProcess
 
 from epd_proxy import start_proxy
 from epd_proxy.cli import build_parser
-from epd_proxy.serve_command import ServeSettings
 from epd_proxy.reload import FileWatch, Reloader, restart_needed
 from epd_proxy.serve import apply_config
+from epd_proxy.serve_command import ServeSettings
 from epd_proxy.sim import SimCluster, SimConfig
 
 

@@ -12,11 +12,21 @@ from hypothesis import strategies as st
 
 import epd_proxy
 from epd_proxy.blobs import Blob, decode_chat_body
+from epd_proxy.encode.multimodal import collect_media
 from epd_proxy.errors import ProxyError
 from epd_proxy.load_signals import LoadSignals
-from epd_proxy.multimodal import collect_media
-from epd_proxy.routing import (EMPTY_VIEW, CacheAware, LeastLoaded, LoadAware, PowerOfTwo, RoundRobin,
-                               key_of, make_policy, rendezvous_order, request_view)
+from epd_proxy.routing import (
+    EMPTY_VIEW,
+    CacheAware,
+    LeastLoaded,
+    LoadAware,
+    PowerOfTwo,
+    RoundRobin,
+    key_of,
+    make_policy,
+    rendezvous_order,
+    request_view,
+)
 
 
 class Inst:
@@ -199,8 +209,20 @@ def test_load_aware_reads_the_scraped_queue_and_kv_usage():
     pool[0].signals.update(running=4, waiting=2, kv_usage=0.1, own_inflight=0, now=0.0)
     pool[1].signals.update(running=0, waiting=0, kv_usage=0.95, own_inflight=0, now=0.0)
     assert {policy.choose(pool) for _ in range(3)} == {pool[2]}
-    pool[2].inflight = 7  # scores: 4 + 2 + 0.1 x 8 = 6.8; 0.95 x 8 = 7.6; 7
+    pool[2].inflight = 7  # scores: 4 + 2 = 6 (0.1 is far from full); 8 x 0.2 / 0.25 = 6.4; 7
     assert policy.choose(pool) is pool[0]
+
+
+def test_kv_usage_far_from_full_does_not_break_ties():
+    """Idle instances tie however full their KV caches were at the last scrape, as long as
+    none is nearly full: requests rotate over them instead of all going to the emptiest."""
+    pool = insts(3)
+    for inst, kv in zip(pool, (0.05, 0.3, 0.6)):
+        inst.signals.update(running=0, waiting=0, kv_usage=kv, own_inflight=0, now=0.0)
+    policy = LoadAware()
+    assert {policy.choose(pool) for _ in range(3)} == set(pool)
+    pool[2].signals.update(running=0, waiting=0, kv_usage=0.9, own_inflight=0, now=1.0)
+    assert pool[2] not in {policy.choose(pool) for _ in range(4)}
 
 
 def test_the_scraped_queue_excludes_this_proxys_own_requests():

@@ -209,7 +209,7 @@ async def test_the_workers_of_one_proxy_agree():
             loop = asyncio.get_running_loop()
             end = loop.time() + 20
             convs = [Conversation(c) for c in range(40, 48)]
-            for turn in range(3):
+            for _turn in range(3):
                 for conv in convs:
                     client = Client(url)  # a new connection per turn: any worker may take it
                     try:

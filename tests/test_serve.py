@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from epd_proxy.serve import connection_cap, server_limits
 from helpers import chat_body, stack
 from procs import free_port
+
+from epd_proxy.serve import connection_cap, server_limits
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

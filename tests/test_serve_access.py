@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from epd_proxy.serve import listen_url, start_proxy
-from epd_proxy.config import ProxyConfig
 from helpers import chat_body, stack
+
+from epd_proxy.config import ProxyConfig
+from epd_proxy.serve import listen_url, start_proxy
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))

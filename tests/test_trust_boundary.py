@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from helpers import Client, chat_body, stack, wait_for
 
-from epd_proxy.multimodal import client_key
+from epd_proxy.encode.multimodal import client_key
 from epd_proxy.sim import SimConfig, expected_text
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import chat_body, stack
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epd_proxy.sim import SimConfig, expected_text, prompt_tokens
 from epd_proxy.usage import PrefillReport, merged_usage, rewrite_final_usage_events, rewrite_usage
-from helpers import chat_body, stack
 
 
 def report(usage: dict | None, kv: dict | None = None) -> PrefillReport:
@@ -119,6 +120,21 @@ def test_the_rewrite_keeps_every_other_byte_and_a_consistent_usage(decode, prefi
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     details = usage.get("prompt_tokens_details")
     assert details is None or details["cached_tokens"] > 0
+    # The shape vLLM writes is read without decoding the whole answer; any other shape (here a
+    # space after the key) is read whole. Both give the same usage.
+    spaced = body.replace(b'"usage":', b'"usage": ')
+    slow = rewrite_usage(spaced, report(prefill, {"remote_prefill_cached_tokens": remote}))
+    assert msgspec.json.decode(slow)["usage"] == usage
+
+
+def test_a_usage_key_inside_the_text_is_not_the_usage():
+    text = 'see "usage":{"prompt_tokens":1} and }{'
+    body = (b'{"id":"x","choices":[{"message":{"content":' + msgspec.json.encode(text) + b'}}],'
+            b'"usage":{"prompt_tokens":40,"total_tokens":48,"completion_tokens":8,"prompt_tokens_details":null}}')
+    out = rewrite_usage(body, report({"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 16}}))
+    doc = msgspec.json.decode(out)
+    assert doc["choices"][0]["message"]["content"] == text
+    assert doc["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
 
 
 # -- through the proxy ------------------------------------------------------------------------

@@ -18,10 +18,17 @@ import msgspec
 
 from .access import ADMIN, READ, REGISTER, AccessPolicy, peer_ip
 from .errors import ProxyError
+from .http import Headers
 from .http.client import TransportTimeouts, UpstreamError
 from .http.server import Request, ResponseWriter
-from .membership import (Membership, MembershipConflict, RegistrationError, normalise_url, parse_registration,
-                         parse_url_param)
+from .membership import (
+    Membership,
+    MembershipConflict,
+    RegistrationError,
+    normalise_url,
+    parse_registration,
+    parse_url_param,
+)
 
 log = logging.getLogger("epd_proxy.admin")
 
@@ -29,7 +36,7 @@ _PROFILE_TIMEOUT = 30.0
 
 
 class AdminApi:
-    def __init__(self, membership: Membership, access: AccessPolicy, upstream_headers: list) -> None:
+    def __init__(self, membership: Membership, access: AccessPolicy, upstream_headers: Headers) -> None:
         self.membership = membership
         self.access = access
         self._headers = upstream_headers
@@ -116,7 +123,7 @@ class AdminApi:
         t = TransportTimeouts(connect=5.0, headers=_PROFILE_TIMEOUT, idle=_PROFILE_TIMEOUT)
         headers = [(b"content-type", b"application/json"), *self._headers]
         try:
-            resp = await inst.http.request("POST", path, body=body, headers=headers, timeouts=t)
+            resp = await inst.connections.request("POST", path, body=body, headers=headers, timeouts=t)
             try:
                 data = await resp.read()
             finally:

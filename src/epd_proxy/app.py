@@ -16,15 +16,16 @@ from .client_auth import CHALLENGE, INVALID_KEY_BODY, MISSING_KEY_BODY, ClientKe
 from .config import ROLES, ProxyConfig
 from .connectors import CONNECTORS, check_connector_config
 from .errors import ProxyError
+from .health import OutlierSettings
 from .http.client import TransportTimeouts, UpstreamError
 from .http.server import Request, ResponseWriter
-from .metrics import ProxyMetrics
-from .health import OutlierSettings
-from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
 from .load_signals import LoadScraper
 from .membership import Membership, check_pinned_topology
-from .pool import InstancePool
+from .metrics import ProxyMetrics
+from .pipeline import CHAT, COMPLETIONS, Pipeline, client_request_id
+from .pool import Instance, InstancePool
 from .routing import make_policy
+from .siblings import SiblingChannel
 
 log = logging.getLogger("epd_proxy.app")
 
@@ -56,7 +57,6 @@ class ProxyApp:
                                  balance_rel=config.balance_rel)
             self.pools[role] = InstancePool(role, specs, policy=policy,
                                             keep_alive=config.upstream_keep_alive,
-                                            fail_threshold=config.fail_threshold,
                                             outlier=OutlierSettings.from_config(config),
                                             max_connections=config.max_upstream_connections)
         connector = CONNECTORS[config.kv_connector]
@@ -94,12 +94,14 @@ class ProxyApp:
         }
         self._paths = {path for _, path in self._routes}
         self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
-        self.draining = False  # set on SIGTERM (serve.py): /ready 503, every response closes its connection
-        self.siblings = None  # siblings.SiblingChannel with --workers > 1: /metrics, /status, /ready ask siblings
+        # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
+        # instance's drain (an operator taking one instance out: membership.py).
+        self.shutting_down = False
+        self.siblings: SiblingChannel | None = None  # --workers > 1: /metrics, /status, /ready ask siblings
         # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
         # (/metrics needs the admin key with --protect-metrics).
         self.client_keys = ClientKeys.from_config(config)
-        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics else None
+        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics and config.admin_api_key else None
 
     def reload(self) -> None:
         """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
@@ -135,7 +137,7 @@ class ProxyApp:
             await pool.close()
 
     async def __call__(self, req: Request, writer: ResponseWriter) -> None:
-        if self.draining:
+        if self.shutting_down:
             writer.keep_alive = False
         keys = self.client_keys
         if keys is not None and req.path.startswith("/v1/"):
@@ -181,7 +183,7 @@ class ProxyApp:
         pool = self.pools["decode"]
         t = self.config.timeouts
         timeouts = TransportTimeouts(connect=t.connect, headers=10.0, idle=10.0)
-        tried = set()
+        tried: set[Instance] = set()
         last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:
@@ -191,8 +193,8 @@ class ProxyApp:
                 break
             tried.add(inst)
             try:
-                resp = await inst.http.request("GET", "/v1/models", headers=self.pipeline._base_headers,
-                                               timeouts=timeouts)
+                resp = await inst.connections.request("GET", "/v1/models", headers=self.pipeline._base_headers,
+                                                      timeouts=timeouts)
                 try:
                     data = await resp.read()
                 finally:
@@ -212,7 +214,7 @@ class ProxyApp:
 
     async def _ready(self, req: Request, writer: ResponseWriter) -> None:
         """Whether this proxy can take traffic, not whether its backends are healthy: 503 while
-        draining, or while a role the topology needs has no instance at all; otherwise 200,
+        shutting down, or while a role the topology needs has no instance at all; otherwise 200,
         even when a pool is failing (the proxy then answers those requests itself, which beats
         a load balancer dropping every replica at once). Backend health is in /status.
         With --workers, 200 only when every worker that answers is ready."""
@@ -231,8 +233,8 @@ class ProxyApp:
             writer.send(status, msgspec.json.encode(body), headers=[(b"retry-after", b"5")])
 
     def _local_ready(self) -> tuple[int, dict]:
-        if self.draining:
-            return 503, {"status": "draining"}
+        if self.shutting_down:
+            return 503, {"status": "draining"}  # the word load balancers have seen since the start
         missing = [role for role in self.membership.required_roles() if not self.pools[role].instances]
         if missing:
             return 503, {"status": "unavailable", "no_instances": missing}

@@ -99,6 +99,7 @@ def _value(key: str, value: object, option: Option, source: str) -> object:
             raise ClusterFileError(f"{where} must be one of {', '.join(option.choices)}, got {value!r}")
         return value
     if kind == "parsed":
+        assert option.parse is not None  # every "parsed" option has its parser
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise ClusterFileError(f"{where} must be a string or a number, got {value!r}")
         try:

@@ -68,7 +68,7 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"{role} instance {text!r}: expected http://host:port")
     try:
-        u.port
+        u.port  # noqa: B018  (reading it checks the port)
     except ValueError:
         raise ValueError(f"{role} instance {text!r}: invalid port") from None
     attrs: dict[str, object] = {}
@@ -309,7 +309,7 @@ class ProxyConfig:
         if self.max_upstream_connections < 1:
             raise ValueError("--max-upstream-connections must be >= 1")
         check_forward_headers(self.forward_headers, self.upstream_api_key)
-        from .media_policy import MediaPolicy  # the policy parses the host list
+        from .encode.media_policy import MediaPolicy  # the policy parses the host list
 
         MediaPolicy(max_items=self.max_media_items, schemes=self.allowed_media_schemes,
                     allowed_hosts=self.allowed_media_hosts)
@@ -352,9 +352,9 @@ class ProxyConfig:
             raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
         if self.timeouts.first_byte < 0:
             raise ValueError("--first-byte-timeout must be >= 0")
-        for name in (self.routing, self.prefill_policy, self.decode_policy, self.encode_policy):
-            if name is not None and name not in POLICIES:
-                raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")
+        for policy in (self.routing, self.prefill_policy, self.decode_policy, self.encode_policy):
+            if policy is not None and policy not in POLICIES:
+                raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
         if self.balance_abs < 0 or self.balance_rel < 1:
             raise ValueError("--balance-abs must be >= 0 and --balance-rel >= 1")
         if self.scrape_interval < 0:

@@ -17,8 +17,9 @@ import msgspec
 from .config import ProxyConfig
 from .context import RequestContext
 from .errors import ProxyError
-from .ids import hex_id, uuid4_str
+from .http import Headers
 from .http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from .ids import hex_id, uuid4_str
 from .pool import Instance
 from .stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from .stages import DecodeLeg, DecodeStage, PrefillStage
@@ -33,7 +34,7 @@ class LegPlan:
     body: dict  # the consumer body: the client's, with media rewritten to embeddings
     prefill: Instance | None
     decode: Instance
-    decode_headers: list | None = None  # e.g. X-data-parallel-rank for an EC consumer replica
+    decode_headers: Headers | None = None  # e.g. X-data-parallel-rank for an EC consumer replica
 
 
 class KVConnector:
@@ -72,8 +73,10 @@ class NixlPull(KVConnector):
     verbatim, and decode READs the blocks from the prefill instance."""
 
     name = "nixl"
+    prefill: PrefillStage  # the pipeline uses a connector with a prefill leg only with a prefill pool
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
+        assert plan.prefill is not None
         kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params()))
         if kv is None:
             # Without them decode would silently prefill the whole prompt itself.
@@ -92,10 +95,11 @@ class NixlPush(KVConnector):
     cancels decode (closing its connection so vLLM aborts it) and becomes the
     answer. After that the prefill leg rides along as ``companion``: the relay
     turns its failure into an in-band error, and if decode finishes first the
-    prefill is drained in the background, bounded by the prefill timeout.
+    prefill is left to finish in the background, bounded by the prefill timeout.
     """
 
     name = "nixl-push"
+    prefill: PrefillStage  # as in NixlPull
 
     @classmethod
     def check_instances(cls, prefill: list) -> None:
@@ -122,8 +126,9 @@ class NixlPush(KVConnector):
         }
 
     async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
-                   ) -> tuple[dict, dict, list | None]:
+                   ) -> tuple[dict, dict, Headers | None]:
         """The prefill's and decode's ``kv_transfer_params``, and extra prefill headers."""
+        assert plan.prefill is not None
         return (nixl_prefill_request_params(transfer_id),
                 self.decode_params(plan.prefill.spec, leg_id, transfer_id), None)
 
@@ -134,6 +139,7 @@ class NixlPush(KVConnector):
         # One transfer id as well, for connectors that do pair by it.
         leg_id = f"{ctx.request_id}-{hex_id(48)}"
         transfer_id = f"xfer-{uuid4_str()}"
+        assert plan.prefill is not None
         p_kv, d_kv, p_headers = await self.legs(ctx, plan, leg_id, transfer_id)
         p_body = prefill_body(plan.body, p_kv)
         d_body = decode_body(plan.body, kv=d_kv)
@@ -144,8 +150,9 @@ class NixlPush(KVConnector):
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not decode.done():
-                if prefill.exception() is not None:
-                    raise prefill.exception()
+                failure = prefill.exception()
+                if failure is not None:
+                    raise failure
                 t = time.perf_counter()
                 await asyncio.wait((decode,))  # prefill is done: only decode's answer is left
                 ctx.timing("kv_handoff", time.perf_counter() - t)
@@ -210,10 +217,10 @@ class Mooncake(NixlPush):
         if known:
             return known
         url = self.bootstrap_addr(inst.spec)
-        pool = ConnectionPool(url, idle_timeout=0)
+        connections = ConnectionPool(url, idle_timeout=0)
         try:
             t = TransportTimeouts(connect=2.0, headers=5.0, idle=5.0)
-            resp = await pool.request("GET", "/query", timeouts=t)
+            resp = await connections.request("GET", "/query", timeouts=t)
             try:
                 data = await resp.read()
             finally:
@@ -226,7 +233,7 @@ class Mooncake(NixlPush):
             raise ProxyError(503, "prefill instance's Mooncake bootstrap server did not answer", retryable=True
                              ) from None
         finally:
-            await pool.close()
+            await connections.close()
         if not engines:
             log.warning("prefill %s: its Mooncake bootstrap server %s reported no engine ids", inst.url, url)
             raise ProxyError(503, "prefill instance's Mooncake bootstrap server reported no engine ids",
@@ -235,7 +242,8 @@ class Mooncake(NixlPush):
         return engines
 
     async def legs(self, ctx: RequestContext, plan: LegPlan, leg_id: str, transfer_id: str
-                   ) -> tuple[dict, dict, list | None]:
+                   ) -> tuple[dict, dict, Headers | None]:
+        assert plan.prefill is not None
         try:
             engines = await self._query(plan.prefill)
         except ProxyError:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from .http import Headers
 from .pool import Instance
 from .routing import EMPTY_VIEW, RequestView
+
+if TYPE_CHECKING:
+    from .tracing import RequestTrace
+    from .usage import PrefillReport
 
 _JSON_HEADER = (b"content-type", b"application/json")
 
@@ -19,7 +26,7 @@ class RequestContext:
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
                  "_base_headers", "_held", "prefill_report")
 
-    def __init__(self, request_id: str, path: str, base_headers: list) -> None:
+    def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
         self.path = path
         self.excluded: set[Instance] = set()
@@ -29,12 +36,12 @@ class RequestContext:
         self._base_headers = base_headers
         self._held: list[Instance] = []
         self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
-        self.trace = None  # tracing.RequestTrace when tracing is on
+        self.trace: RequestTrace | None = None  # when tracing is on
         # The prefill's answer about the prompt (usage.py), for the client's usage; set by
         # the prefill stage, cleared at each attempt's start.
-        self.prefill_report = None
+        self.prefill_report: PrefillReport | None = None
 
-    def upstream_headers(self, request_id: str | None = None, extra: list | None = None) -> list:
+    def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
         headers += self._base_headers
         if extra:

@@ -26,13 +26,20 @@ class Deadlines:
         self._sweeper: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def enter(self, task: asyncio.Task) -> None:
+    def enter(self, task: asyncio.Task | None = None) -> asyncio.Task:
+        """Start ``task``'s clock (default: the running task) and return the task."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        if task is None:
+            # With the loop given, no get_running_loop(): in CPython 3.11 that is a getpid()
+            # system call, once per request on this path.
+            task = asyncio.current_task(loop)
         if self._sweeper is None:
             self._sweeper = loop.create_task(self._sweep())
-        self._due[task] = loop.time() + self.seconds
+        # current_task() inside a task is never None (no check on this path).
+        self._due[task] = loop.time() + self.seconds  # type: ignore[index]
+        return task  # type: ignore[return-value]
 
     def leave(self, task: asyncio.Task) -> None:
         self._due.pop(task, None)
@@ -45,6 +52,7 @@ class Deadlines:
 
     async def _sweep(self) -> None:
         loop = self._loop
+        assert loop is not None  # set by the enter that started the sweep
         while True:
             await asyncio.sleep(self.tick)
             if not self._due:

@@ -10,17 +10,20 @@ task; the loop's async generators and executor are shut down at the end).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, TypeVar
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - not Linux or macOS
-    uvloop = None
+from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 
-# None: asyncio's default loop.
-LOOP_FACTORY = uvloop.new_event_loop if uvloop is not None else None
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - not Linux or macOS
+        return None  # asyncio's default loop
+    return uvloop.new_event_loop
+
+
+LOOP_FACTORY = _uvloop_factory()
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

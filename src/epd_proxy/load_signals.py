@@ -37,22 +37,24 @@ class LoadSignals:
     """What an instance's ``/metrics`` said last, as this proxy can use it.
 
     ``others``: requests on the instance that are not this proxy's (its running +
-    waiting at the scrape, minus this proxy's in-flight then; 0 when unknown or stale).
+    waiting at the scrape, minus this proxy's in-flight during it; 0 when unknown or stale).
     ``kv_usage``: ``vllm:kv_cache_usage_perc`` (0..1).
     """
 
-    __slots__ = ("others", "kv_usage", "waiting", "scraped_at")
+    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at")
 
     def __init__(self) -> None:
         self.others = 0.0
         self.kv_usage = 0.0
         self.waiting = 0.0
+        self.load = 0.0  # what the load-aware score adds to the in-flight count (routing.py)
         self.scraped_at: float | None = None
 
     def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
         self.others = max(0.0, running + waiting - own_inflight)
         self.waiting = waiting
         self.kv_usage = kv_usage
+        self.load = self.others + kv_penalty(kv_usage)
         self.scraped_at = now
 
     def forget(self) -> None:
@@ -60,7 +62,21 @@ class LoadSignals:
         self.others = 0.0
         self.kv_usage = 0.0
         self.waiting = 0.0
+        self.load = 0.0
         self.scraped_at = None
+
+
+# The KV cache weighs in only as it nears full: from KV_FULL_FROM to full it counts as up to
+# KV_USAGE_WEIGHT queued requests (a decode near its limit would preempt the next long
+# stream). Below that, usage says little about the next request, and weighing it would send
+# every tie between idle instances to whichever looked emptiest at the last scrape, for a
+# whole scrape interval.
+KV_FULL_FROM = 0.75
+KV_USAGE_WEIGHT = 8.0
+
+
+def kv_penalty(kv_usage: float) -> float:
+    return KV_USAGE_WEIGHT * (kv_usage - KV_FULL_FROM) / (1.0 - KV_FULL_FROM) if kv_usage > KV_FULL_FROM else 0.0
 
 
 def gauge_samples(text: bytes, name: bytes) -> list[float]:
@@ -139,10 +155,15 @@ class LoadScraper:
 
     async def _scrape(self, inst: Instance) -> None:
         loop = asyncio.get_running_loop()
+        # The instance counts its requests at some moment between sending and answering;
+        # this proxy's own share then was at least its in-flight count at either end. The
+        # larger of the two keeps requests that ended meanwhile from showing up as "others"
+        # (which would steer new requests away from the instance until the next scrape).
+        own_before = inst.inflight
         try:
             async with asyncio.timeout(self.timeout):
                 # Past the connection cap, like a probe: the load is read when it is highest.
-                resp = await inst.http.request("GET", "/metrics", timeouts=self.timeouts, queue=False)
+                resp = await inst.connections.request("GET", "/metrics", timeouts=self.timeouts, queue=False)
                 try:
                     data = await resp.read()
                 finally:
@@ -155,7 +176,7 @@ class LoadScraper:
             self._failed(inst, f"HTTP {resp.status}" if resp.status != 200 else "no vLLM queue gauges")
             return
         self.scrapes += 1
-        inst.signals.update(*load, own_inflight=inst.inflight, now=loop.time())
+        inst.signals.update(*load, own_inflight=max(own_before, inst.inflight), now=loop.time())
 
     def _failed(self, inst: Instance, why: str) -> None:
         self.failures += 1

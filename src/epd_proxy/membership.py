@@ -274,7 +274,7 @@ class Membership:
         self._wake: asyncio.Future | None = None  # the idle sweeper's: something is leaving or draining
         self.registrations: dict[str, int] = {}  # by role: new instances
         self.removals: dict[tuple[str, str], int] = {}  # (role, why) -> instances that left
-        for role, pool in pools.items():  # instances the pools were built with are static
+        for pool in pools.values():  # instances the pools were built with are static
             for inst in pool.instances:
                 self._source[inst] = "static"
 
@@ -414,7 +414,7 @@ class Membership:
 
     def _describe(self, inst: Instance, role: str, leaving: bool) -> dict:
         s = inst.spec
-        d = {"url": inst.url, "role": role, "source": self._source.get(inst), "state": inst.state,
+        d: dict[str, object] = {"url": inst.url, "role": role, "source": self._source.get(inst), "state": inst.state,
              "draining": inst.state == "draining", "leaving": leaving, "inflight": inst.inflight,
              "dp_size": s.dp_size}
         if s.ec_zmq_addrs:
@@ -447,7 +447,7 @@ class Membership:
             await asyncio.gather(task, return_exceptions=True)
         leaving, self._leaving = self._leaving, []
         for inst in leaving:
-            await inst.http.close()
+            await inst.connections.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
@@ -498,7 +498,7 @@ class Membership:
                 if inst.inflight > 0:
                     still.append(inst)
                     continue
-                task = asyncio.get_running_loop().create_task(inst.http.close())
+                task = asyncio.get_running_loop().create_task(inst.connections.close())
                 self._closing.add(task)  # a strong reference until it is done
                 task.add_done_callback(self._closing.discard)
                 self._emit("left", inst.spec, self._source.pop(inst, "api"))

@@ -15,9 +15,17 @@ scrape shows the whole proxy while a request still pays only its ``+= 1``.
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from .admission import Admission
+    from .discovery import DnsDiscovery
+    from .http.server import HttpServer
+    from .membership import Membership
+    from .reload import Reloader
 
 _STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -160,13 +168,13 @@ class ProxyMetrics:
         self.inflight = 0
         self.pools = pools or {}
         self.worker = worker  # this process's index with --workers (the instance_healthy label)
-        self.admission = None  # admission.Admission, read at scrape time
+        self.admission: Admission | None = None  # read at scrape time
         self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
-        self.membership = None  # set by the app: roster size and changes
-        self.front_door = None  # http.server.HttpServer, read at scrape time
-        self.discovery = None  # discovery.DnsDiscovery (dns+ instances), read at scrape time
-        self.reloader = None  # reload.Reloader (SIGHUP, cluster file), read at scrape time
+        self.membership: Membership | None = None  # set by the app: roster size and changes
+        self.front_door: HttpServer | None = None  # read at scrape time
+        self.discovery: DnsDiscovery | None = None  # dns+ instances, read at scrape time
+        self.reloader: Reloader | None = None  # SIGHUP, cluster file, read at scrape time
 
     # -- recording (hot path) -------------------------------------------------------------
     def observe_request(self, endpoint: str, status: int, seconds: float, stream: bool = False) -> None:
@@ -302,9 +310,9 @@ class _Merged:
         yield from _merge_runtime([s.get("runtime", []) for s in self.snapshots])
 
 
-def merge(snapshots: list[dict]) -> dict[str, dict[tuple, object]]:
+def merge(snapshots: list[dict]) -> dict[str, dict[tuple, Any]]:
     """Sum per family and label set: counters and gauges add up, histograms add bucket by bucket."""
-    out: dict[str, dict[tuple, object]] = {}
+    out: dict[str, dict[tuple, Any]] = {}
     for snap in snapshots:
         for name, rows in snap.items():
             spec = FAMILIES.get(name)

@@ -14,28 +14,34 @@ import itertools
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from .access_log import usage_of
+from .access_log import AccessLog, usage_of
 from .admission import ADMIT, SHED, Admission, shed_error
 from .blobs import decode_chat_body
 from .config import ProxyConfig
 from .connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
 from .context import RequestContext
 from .deadline import Deadlines
+from .encode.fanout import EncoderFanout
+from .encode.media_policy import MediaPolicy
+from .encode.multimodal import MediaItem, own_media
 from .errors import ProxyError, bad_request
+from .http import Headers
 from .http.server import Request, ResponseWriter
 from .ids import hex_id
-from .metrics import ProxyMetrics
-from .media_policy import MediaPolicy
 from .membership import TOPOLOGY_ROLES
-from .multimodal import MediaItem, own_media
+from .metrics import ProxyMetrics
 from .pool import Instance, InstancePool
 from .relay import StreamRelay, relay_stream
 from .routing import request_view
+from .stages import DecodeLeg, DecodeStage, PrefillStage
 from .usage import rewrite_usage
-from .stages import DecodeLeg, DecodeStage, EncoderFanout, PrefillStage
+
+if TYPE_CHECKING:
+    from .tracing import Tracing
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -148,7 +154,7 @@ class Pipeline:
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._dp_counter = itertools.count()
-        self._base_headers: list = []
+        self._base_headers: Headers = []
         if config.upstream_api_key:
             self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
@@ -165,8 +171,8 @@ class Pipeline:
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.closing = False
         self.stopping = False
-        self.access_log = None  # access_log.AccessLog when on (set by the app)
-        self.tracing = None  # tracing.Tracing when OTEL_* turns it on (set by the app)
+        self.access_log: AccessLog | None = None  # when on (set by the app)
+        self.tracing: Tracing | None = None  # when OTEL_* turns it on (set by the app)
         metrics.admission = self.admission
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
@@ -200,8 +206,7 @@ class Pipeline:
             if self.tracing is not None:
                 ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
             if self.deadlines is not None:
-                task = asyncio.current_task()
-                self.deadlines.enter(task)
+                task = self.deadlines.enter()
                 try:
                     leg = await self._open(ctx, body, items)
                 except asyncio.CancelledError:
@@ -215,7 +220,7 @@ class Pipeline:
                     self.deadlines.leave(task)
                     # Kept in this frame, the task would close a reference cycle through the
                     # traceback of a later failure (the task holds its exception).
-                    task = None
+                    task = None  # type: ignore[assignment]
             else:
                 leg = await self._open(ctx, body, items)
             headers = id_header + _server_timing(ctx.timings)
@@ -237,7 +242,7 @@ class Pipeline:
                     gap = relay.gap()
                     if gap is not None:
                         self.metrics.itl.observe(gap)
-                    if not ok:
+                    if relay.error is not None:  # not ok
                         self.metrics.stream_errors += 1
                         log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
             finally:
@@ -380,7 +385,7 @@ class Pipeline:
                 cap.leave()
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
-        """A leg still running when the response is over: drained in the background
+        """A leg still running when the response is over: left to finish in the background
         (bounded by its own stage timeout) after success, cancelled otherwise."""
         if companion.done():
             if not companion.cancelled():
@@ -413,11 +418,11 @@ class Pipeline:
             self.media_policy.check(items)
         return body, items
 
-    def _headers_for(self, req: Request) -> list:
+    def _headers_for(self, req: Request) -> Headers:
         extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
         return self._base_headers + extra if extra else self._base_headers
 
-    def _ec_consumer(self, d: Instance) -> tuple[list | None, str | None]:
+    def _ec_consumer(self, d: Instance) -> tuple[Headers | None, str | None]:
         """E+PD with a push EC connector: the decode replica that receives the embeddings."""
         spec = d.spec  # its addresses: from its registration or --ec-consumer-zmq-addrs
         dp = spec.dp_size if spec.dp_size > 1 else self.config.ec_consumer_dp_size
@@ -455,7 +460,7 @@ def _drop_traceback(err: BaseException) -> None:
     err.__cause__ = None
 
 
-def _server_timing(timings: dict) -> list:
+def _server_timing(timings: dict) -> Headers:
     if not timings:
         return []
     value = ", ".join(f"{k};dur={v * 1000:.1f}" for k, v in timings.items())

@@ -23,7 +23,6 @@ from .health import DRAINING, HALF_OPEN, HEALTHY, Ejection, Health, OutlierRules
 from .http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from .load_signals import LoadSignals
 from .routing import EMPTY_VIEW, RequestView, RoutingPolicy, make_policy
-from .routing import POLICIES, LeastLoaded, RoundRobin  # noqa: F401  (re-exported: they lived here)
 
 log = logging.getLogger("epd_proxy.pool")
 
@@ -36,15 +35,16 @@ PANIC_LOG_INTERVAL = 10.0
 
 
 class Instance:
-    """One upstream vLLM instance: its connection pool and what we know of its state."""
+    """One upstream vLLM instance: its connections and what we know of its state."""
 
-    __slots__ = ("spec", "url", "role", "http", "inflight", "health", "requests", "errors", "expiry", "signals")
+    __slots__ = ("spec", "url", "role", "connections", "inflight", "health", "requests", "errors", "expiry",
+                 "signals")
 
-    def __init__(self, spec: InstanceSpec, http: ConnectionPool) -> None:
+    def __init__(self, spec: InstanceSpec, connections: ConnectionPool) -> None:
         self.spec = spec
         self.url = spec.url
         self.role = spec.role
-        self.http = http
+        self.connections = connections  # its keep-alive connections (http/client.py)
         self.inflight = 0
         self.health = Health()
         self.requests = 0
@@ -65,10 +65,6 @@ class Instance:
     def failures(self) -> int:
         return self.health.failures
 
-    @property
-    def last_error(self) -> str | None:
-        return self.health.last_error
-
     def __repr__(self) -> str:
         return f"<Instance {self.role} {self.url} inflight={self.inflight} {self.health.state}>"
 
@@ -77,20 +73,16 @@ class InstancePool:
     """All instances of one role."""
 
     def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str | RoutingPolicy = "least-loaded",
-                 keep_alive: float = 5.0, default_headers=None, fail_threshold: int = 3,
-                 outlier: OutlierSettings | None = None, max_connections: int | None = None) -> None:
+                 keep_alive: float = 5.0, outlier: OutlierSettings | None = None,
+                 max_connections: int | None = None) -> None:
         self.role = role
         # Retire pooled sockets at half the server's keep-alive, before it closes them.
         self._idle = keep_alive / 2 if keep_alive > 0 else 0.0
-        self._default_headers = default_headers
         # ``max_connections``: the per-instance cap on concurrent upstream connections (None: none).
         self._max_connections = max_connections
         self.instances = [self._new_instance(s) for s in specs]
         self.policy: RoutingPolicy = make_policy(policy) if isinstance(policy, str) else policy
-        # ``outlier`` carries every knob; ``fail_threshold`` alone is the short form.
-        settings = outlier or OutlierSettings(fail_threshold=max(1, fail_threshold))
-        self.rules = OutlierRules(settings)
-        self.fail_threshold = settings.fail_threshold
+        self.rules = OutlierRules(outlier or OutlierSettings())  # every ejection knob
         self.panics = 0  # requests routed with no instance in rotation
         self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
         self._last_panic_log = -PANIC_LOG_INTERVAL
@@ -179,7 +171,6 @@ class InstancePool:
     # -- membership (membership.py decides; this keeps the routing lists in step) ------------
     def _new_instance(self, spec: InstanceSpec) -> Instance:
         return Instance(spec, ConnectionPool(spec.url, idle_timeout=self._idle,
-                                             default_headers=self._default_headers,
                                              max_connections=self._max_connections))
 
     def add(self, spec: InstanceSpec) -> Instance:
@@ -194,7 +185,7 @@ class InstancePool:
 
     def remove(self, inst: Instance) -> None:
         """Out of the roster now: no new request picks it. Requests holding it carry on;
-        the caller closes its connections (``inst.http``) once it is idle."""
+        the caller closes its connections (``inst.connections``) once it is idle."""
         try:
             self.instances.remove(inst)
         except ValueError:
@@ -278,7 +269,7 @@ class InstancePool:
         if verdict.stalled:
             # It stopped answering: what it has not answered yet will not be answered
             # either. Fail it now, so those requests are retried elsewhere.
-            n = inst.http.fail_pending(lambda: UpstreamError(
+            n = inst.connections.fail_pending(lambda: UpstreamError(
                 "instance taken out of rotation: it stopped answering", kind="ejected"))
             if n:
                 log.warning("%s instance %s: failed over %d pending request(s)", self.role, inst.url, n)
@@ -309,7 +300,7 @@ class InstancePool:
         try:
             async with asyncio.timeout(timeout):
                 # A probe never queues behind the connection cap: a busy instance is not a dead one.
-                resp = await inst.http.request("GET", "/health", timeouts=t, queue=False)
+                resp = await inst.connections.request("GET", "/health", timeouts=t, queue=False)
                 try:
                     await resp.read()
                 finally:
@@ -375,7 +366,7 @@ class InstancePool:
             await asyncio.gather(*tasks, return_exceptions=True)
         for inst in self.instances:
             self._cancel_expiry(inst)
-            await inst.http.close()
+            await inst.connections.close()
 
     def snapshot(self) -> list[dict]:
         """Per instance, for ``/status``."""

@@ -62,7 +62,7 @@ class FileWatch:
 class Reloader:
     """Runs reloads in one process: on SIGHUP, and (``watch``) when the file changes."""
 
-    def __init__(self, settings, apply: Callable[[ProxyConfig], None], *, args: argparse.Namespace,
+    def __init__(self, settings, apply: Callable[[ProxyConfig], None], *, args: argparse.Namespace | None,
                  watch: bool = True) -> None:
         self.settings = settings  # serve_command.ServeSettings (None: no cluster file, only the hooks)
         self._apply = apply  # the new config's instances into the roster
@@ -118,6 +118,7 @@ class Reloader:
         return ok
 
     def _reload_file(self) -> bool:
+        assert self.args is not None  # a cluster file comes with the settings it started with
         path = self.settings.path
         try:
             args = self.settings.load()

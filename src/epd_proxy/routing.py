@@ -32,11 +32,11 @@ import zlib
 from array import array
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from .encoder_plan import assign_round_robin
-from .multimodal import EMBEDS_TYPES
+from .encode.encoder_plan import assign_round_robin
+from .encode.multimodal import EMBEDS_TYPES
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; pool.py imports this module
-    from .multimodal import MediaItem
+    from .encode.multimodal import MediaItem
     from .pool import Instance
 
 _M64 = (1 << 64) - 1
@@ -107,6 +107,7 @@ class RequestView:
         anchor = self._anchor
         if anchor is None:
             body = self._body
+            assert body is not None  # no anchor given: there is a body to compute it from
             try:
                 anchor = (_chat_anchor(body.get("messages"), self.items) if self._chat
                           else _prompt_anchor(body.get("prompt")))
@@ -257,22 +258,13 @@ def _block_hashes(pieces: list[str]) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------
-# Load
-
-def load_of(inst: Instance) -> float:
-    """Requests on the instance: this proxy's, plus others' as last scraped."""
-    return inst.inflight + inst.signals.others
-
-
-# A full KV cache weighs as much as this many queued requests in the load-aware score.
-KV_USAGE_WEIGHT = 8.0
-
+# Load: the requests on an instance are this proxy's (``inflight``) plus others' as last
+# scraped (``signals.others``); the policies add them up inline, per candidate.
 
 def score_of(inst: Instance) -> float:
-    """The load-aware score (lower is better): load, plus a penalty for a full KV cache
-    (a decode near its limit would preempt the next long stream)."""
-    s = inst.signals
-    return inst.inflight + s.others + KV_USAGE_WEIGHT * s.kv_usage
+    """The load-aware score (lower is better): this proxy's in-flight requests, the others'
+    (scraped), and a penalty for a nearly full KV cache (``load_signals.kv_penalty``)."""
+    return inst.inflight + inst.signals.load
 
 
 # --------------------------------------------------------------------------------------
@@ -332,6 +324,8 @@ class _Scored:
 
     def choose(self, candidates: list[Instance], view: RequestView = EMPTY_VIEW) -> Instance:
         n = len(candidates)
+        if n == 1:
+            return candidates[0]
         start = self._cursor % n
         self._cursor += 1
         score = self.score
@@ -482,7 +476,7 @@ def rendezvous_order(urls: Sequence[str], key: int) -> list[str]:
     return sorted(urls, key=lambda u: mix64(key ^ instance_seed(u)), reverse=True)
 
 
-POLICIES = {
+POLICIES: dict[str, type[RoutingPolicy]] = {
     "round-robin": RoundRobin,
     "least-loaded": LeastLoaded,
     "load-aware": LoadAware,

@@ -23,7 +23,7 @@ import tempfile
 try:
     import resource
 except ImportError:  # pragma: no cover - not POSIX
-    resource = None
+    resource = None  # type: ignore[assignment]
 
 from . import event_loop
 from .app import ProxyApp, log_requests
@@ -79,7 +79,7 @@ class RunningProxy:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         app, server = self.app, self.server
-        app.draining = True
+        app.shutting_down = True
         server.drain()
         log.info("draining: /ready is 503; new connections accepted for %.1f s", grace)
         await asyncio.sleep(max(0.0, min(grace, timeout)))

@@ -363,7 +363,7 @@ def file_options() -> dict[str, Option]:
         else:
             kind = "csv" if action.dest in _CSV_DESTS else "str"
         out[action.dest] = Option(action.dest, kind, tuple(action.choices) if action.choices else None,
-                                  action.type if kind == "parsed" else None)
+                                  action.type if kind == "parsed" else None)  # type: ignore[arg-type]
     return out
 
 

@@ -59,6 +59,7 @@ class SiblingChannel:
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._answer is not None  # set before the server starts
         try:
             question = (await asyncio.wait_for(reader.readline(), PEER_TIMEOUT)).decode("ascii").strip()
             writer.write(msgspec.json.encode(await self._answer(question)))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import msgspec
+
 # What the proxy sends P so that it prefills for a remote decoder and keeps
 # the blocks (docs/protocol.md §2.4: NIXL pull, NIXL push and E+P+D).
 NIXL_PREFILL_PARAMS = MappingProxyType(
@@ -29,7 +31,7 @@ _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 def nixl_prefill_request_params(transfer_id: str | None = None) -> dict:
     """A fresh copy of the "send to P" object (docs/protocol.md §2.4), plus ``transfer_id`` if given."""
-    out = dict(NIXL_PREFILL_PARAMS)
+    out: dict[str, object] = dict(NIXL_PREFILL_PARAMS)
     if transfer_id is not None:
         out["transfer_id"] = transfer_id
     return out
@@ -72,7 +74,7 @@ class _Keep:
 _KEEP = _Keep()
 
 
-def decode_body(body: dict, *, kv: dict | None = _KEEP, ec: dict | None = _KEEP) -> dict:  # type: ignore[assignment]
+def decode_body(body: dict, *, kv: dict | msgspec.Raw | None | _Keep = _KEEP, ec: dict | None | _Keep = _KEEP) -> dict:
     """The decode leg: the client's body with the transfer params the proxy owns.
 
     For each of ``kv`` (``kv_transfer_params``) and ``ec``

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 
+from .http import Headers
+
 log = logging.getLogger("epd_proxy.tracing")
 
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
@@ -95,7 +97,7 @@ class RequestTrace:
         self.span = span
         self._legs: list = []  # [instance, span]
 
-    def leg(self, inst, stage: str, headers: list) -> list:
+    def leg(self, inst, stage: str, headers: Headers) -> Headers:
         """Start the leg's span; ``headers`` with its ``traceparent`` instead of the client's."""
         t = self.tracing
         span = t.tracer.start_span(stage, context=t._trace.set_span_in_context(self.span),

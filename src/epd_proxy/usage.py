@@ -21,6 +21,8 @@ usage is already right is not touched. Pure: the pipeline and the relay call it.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import msgspec
 
 _NULL = b"null"
@@ -45,20 +47,28 @@ class PrefillReport:
 
     def parsed(self) -> tuple[dict | None, int | None]:
         """The prefill's usage (None if unreadable) and its ``remote_prefill_cached_tokens``."""
+        return self.prompt_usage(), self.remote_cached()
+
+    def prompt_usage(self) -> dict | None:
+        """The prefill's usage object (None if absent or unreadable)."""
         try:
             usage = msgspec.json.decode(self.usage) if self.usage else None
         except msgspec.DecodeError:
-            usage = None
-        remote = None
-        if self.kv and self.kv != _NULL:
-            try:
-                remote = msgspec.json.decode(self.kv, type=_Kv).remote_prefill_cached_tokens
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                remote = None
-        return (usage if isinstance(usage, dict) else None), (remote if _is_count(remote) else None)
+            return None
+        return usage if isinstance(usage, dict) else None
+
+    def remote_cached(self) -> int | None:
+        """``remote_prefill_cached_tokens`` from its kv_transfer_params (None if not a count)."""
+        if not self.kv or self.kv == _NULL or b"remote_prefill_cached_tokens" not in self.kv:
+            return None
+        try:
+            remote = msgspec.json.decode(self.kv, type=_Kv).remote_prefill_cached_tokens
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return remote if _is_count(remote) else None
 
 
-def _is_count(value) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -94,23 +104,76 @@ def rewrite_usage(doc: bytes, report: PrefillReport) -> bytes:
     """``doc`` (one JSON object: decode's answer, or the payload of its final usage event)
     with its top-level ``usage`` replaced by :func:`merged_usage`; ``doc`` itself when that
     changes nothing or it cannot be read."""
-    try:
-        raw = bytes(msgspec.json.decode(doc, type=_UsageOf).usage)
-        if raw == _NULL:
+    span = _usage_span(doc)
+    if span is not None:  # vLLM's shape: only the usage object is decoded
+        at, end, decode = span
+        raw_len = end - at
+    else:  # any other shape: read the whole document to find the top-level usage
+        try:
+            raw = bytes(msgspec.json.decode(doc, type=_UsageOf).usage)
+            if raw == _NULL:
+                return doc
+            decode = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return doc
-        decode = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        if not isinstance(decode, dict):
+            return doc
+        at = _usage_value_at(doc, raw)
+        if at < 0:
+            return doc
+        raw_len = len(raw)
+    if _already_right(decode, report.usage):
         return doc
-    if not isinstance(decode, dict):
-        return doc
-    prefill, remote = report.parsed()
-    new = merged_usage(decode, prefill, remote)
+    prefill = report.prompt_usage()
+    details = prefill.get("prompt_tokens_details") if prefill else None
+    # The kv params' count is read only when the prefill's own usage has none.
+    has_count = isinstance(details, dict) and _is_count(details.get("cached_tokens"))
+    new = merged_usage(decode, prefill, None if has_count else report.remote_cached())
     if new is None:
         return doc
-    at = _usage_value_at(doc, raw)
-    if at < 0:
-        return doc
-    return doc[:at] + msgspec.json.encode(new) + doc[at + len(raw):]
+    return doc[:at] + msgspec.json.encode(new) + doc[at + raw_len:]
+
+
+def _already_right(decode: dict, prefill: bytes) -> bool:
+    """What :func:`merged_usage` decides in the common case, read from the prefill's raw usage
+    without decoding it: neither instance reports details, both counted the same prompt and
+    decode's total adds up. (vLLM without ``--enable-prompt-tokens-details``: most answers.)"""
+    prompt = decode.get("prompt_tokens")
+    completion = decode.get("completion_tokens")
+    return (type(prompt) is int and type(completion) is int and decode.get("total_tokens") == prompt + completion
+            and decode.get("prompt_tokens_details") is None
+            and (b'"prompt_tokens_details"' not in prefill or b'"prompt_tokens_details":null' in prefill)
+            and prefill.startswith(b'{"prompt_tokens":%d,' % prompt))
+
+
+def _usage_span(doc: bytes) -> tuple[int, int, dict] | None:
+    """Where the top-level ``"usage":{...}`` object is, found without decoding the document,
+    with the object decoded; None when the document is not shaped as vLLM writes it.
+
+    vLLM writes compact JSON with ``usage`` after ``choices`` and no other ``usage`` key
+    (the answer's text is inside strings, where a quote is escaped, so ``"usage":`` cannot
+    occur there), and its usage object holds numbers and at most one nested object: the
+    last ``"usage":{`` is the key, and its object ends at the brace that closes it. Any
+    other shape (whitespace, deeper nesting, a slice that does not decode to an object)
+    returns None and the caller reads the whole document."""
+    key = doc.rfind(b'"usage":{')
+    if key < 0:
+        return None
+    at = key + 8
+    close = doc.find(b"}", at)
+    inner = doc.find(b"{", at + 1, close)
+    if inner >= 0:  # one nested object (prompt_tokens_details): the next brace closes ours
+        if doc.find(b"{", inner + 1, close) >= 0:
+            return None
+        close = doc.find(b"}", close + 1)
+    if close < 0:
+        return None
+    end = close + 1
+    try:  # a slice that decodes is exactly the object: parsing from its start ends there
+        decode = msgspec.json.decode(doc[at:end])
+    except msgspec.DecodeError:
+        return None
+    return (at, end, decode) if isinstance(decode, dict) else None
 
 
 def _usage_value_at(doc: bytes, raw: bytes) -> int:

@@ -2,8 +2,14 @@
 
 import pytest
 
-from epd_proxy.bench.conversations import (ChatSpec, conversation_bodies, image_pool, make_conversations, turn_body,
-                                           working_set)
+from epd_proxy.bench.conversations import (
+    ChatSpec,
+    conversation_bodies,
+    image_pool,
+    make_conversations,
+    turn_body,
+    working_set,
+)
 from epd_proxy.sim import expected_text, prompt_tokens
 
 

@@ -1,7 +1,17 @@
 import os
 
-from epd_proxy.bench.procs import (CLK_TCK, all_stats, cross_core_rtt, machine_busy_seconds, parse_proc_stat, read_stat,
-                                   rss_bytes, tree_cpu_seconds, tree_pids, wake_write_cost)
+from epd_proxy.bench.procs import (
+    CLK_TCK,
+    all_stats,
+    cross_core_rtt,
+    machine_busy_seconds,
+    parse_proc_stat,
+    read_stat,
+    rss_bytes,
+    tree_cpu_seconds,
+    tree_pids,
+    wake_write_cost,
+)
 
 # A real line, with a command name that contains a space and a parenthesis.
 LINE = ("4242 (my (odd) name) S 1 4242 4242 0 -1 4194560 2156 0 0 0 1234 567 8 9 20 0 3 0 11770 "

@@ -2,8 +2,7 @@ import math
 
 import pytest
 
-from epd_proxy.bench.stats import (cdf_points, linear_fit, median_range, percentile, poisson_schedule, ratio,
-                                   summarize)
+from epd_proxy.bench.stats import cdf_points, linear_fit, median_range, percentile, poisson_schedule, ratio, summarize
 
 
 def test_percentile_interpolates_like_numpy_default():

@@ -3,8 +3,15 @@ import base64
 import msgspec
 import pytest
 
-from epd_proxy.bench.workloads import (CHAT_PATH, chat_body, image_data_url, make_workload, prepare, prompt_text,
-                                       simulator_expected)
+from epd_proxy.bench.workloads import (
+    CHAT_PATH,
+    chat_body,
+    image_data_url,
+    make_workload,
+    prepare,
+    prompt_text,
+    simulator_expected,
+)
 
 
 def test_prompt_text_size():

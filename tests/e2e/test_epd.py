@@ -25,7 +25,6 @@ import os
 import random
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "epd"

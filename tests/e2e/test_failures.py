@@ -20,7 +20,6 @@ import urllib.parse
 import uuid
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "pd"

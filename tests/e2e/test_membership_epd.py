@@ -11,7 +11,6 @@ equals the single-instance answer. Runs last on the EPD cluster (ORDER 90).
 from __future__ import annotations
 
 import pytest
-
 import vllm_e2e as E
 from test_epd import assert_consumer_loaded, ec_entries, ec_lookups_missed, new_entry, single_instance
 

@@ -9,7 +9,6 @@ would. Runs last on the P/D cluster (ORDER 90).
 from __future__ import annotations
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "pd"

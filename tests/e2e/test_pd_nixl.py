@@ -15,7 +15,6 @@ import concurrent.futures
 import time
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "pd"
@@ -139,7 +138,7 @@ def test_pd_32_concurrent_requests(pd, proxy):
     failures = [(job[0], job[1], E.describe(r)) for job, r in zip(jobs, results)
                 if r.status != 200 or not E.text_of(r, job[0])]
     assert not failures, f"{len(failures)}/{n} failed: {failures[:3]}"
-    for (endpoint, stream, _), r in zip(jobs, results):
+    for (_, stream, _), r in zip(jobs, results):
         E.assert_ok(r, stream)
         if not stream:
             assert r.json()["usage"]["completion_tokens"] == 8

@@ -27,7 +27,6 @@ import time
 import uuid
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "push"
@@ -191,7 +190,7 @@ def test_push_16_concurrent_requests(push, proxy):
     failures = [(job[0], job[1], E.describe(r)) for job, r in zip(jobs, results)
                 if r.status != 200 or not E.text_of(r, job[0])]
     assert not failures, f"{len(failures)}/{n} failed: {failures[:3]}"
-    for (endpoint, stream, _), r in zip(jobs, results):
+    for (_, stream, _), r in zip(jobs, results):
         E.assert_ok(r, stream)
         if not stream:
             assert r.json()["usage"]["completion_tokens"] == 8

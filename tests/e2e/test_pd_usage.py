@@ -10,7 +10,6 @@ prefix cache on the second request; the prefill's own count is read from its
 from __future__ import annotations
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "pd"

@@ -9,7 +9,6 @@ yet loading a model when the proxy starts; the later P/D modules reuse it.
 from __future__ import annotations
 
 import pytest
-
 import vllm_e2e as E
 
 CLUSTER = "pd"

@@ -85,7 +85,7 @@ async def test_the_line_is_first_in_first_out(gated):
     rest = []
     for i in range(5):
         rest.append(asyncio.ensure_future(fetch(pool, f"/n/{i}")))
-        await until(lambda: pool.waiting == i + 1)
+        await until(lambda n=i + 1: pool.waiting == n)
     gate.open_gates.set()
     await asyncio.gather(first, *rest)
     assert gate.arrived == ["/hold/first"] + [f"/n/{i}" for i in range(5)]

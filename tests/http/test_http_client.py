@@ -8,10 +8,9 @@ import os
 import socket
 
 import pytest
+from httpkit import Recorder, all_requests, chunked, connect, read_to_eof, send_fin_now, set_rst_on_close
 
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError, UpstreamTimeout
-from httpkit import (Recorder, all_requests, chunked, connect, read_to_eof, send_fin_now,
-                     set_rst_on_close)
 
 FAST = TransportTimeouts(connect=1.0, headers=1.0, idle=1.0)
 

@@ -8,10 +8,10 @@ import hashlib
 import socket
 
 import pytest
+from httpkit import Incomplete, connect, read_body, read_head, read_response, request_bytes
 
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from epd_proxy.http.server import FlowListener
-from httpkit import Incomplete, connect, read_body, read_head, read_response, request_bytes
 
 SSE_TEXT = "".join(
     f'data: {{"id":{i},"delta":"{t}"}}\n\n'

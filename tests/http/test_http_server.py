@@ -7,10 +7,9 @@ import json
 import socket
 
 import pytest
+from httpkit import Incomplete, chunked, connect, read_head, read_response, read_to_eof, request_bytes, wait_disconnect
 
 from epd_proxy.http.server import FlowListener
-from httpkit import (Incomplete, chunked, connect, read_head, read_response, read_to_eof, request_bytes,
-                     wait_disconnect)
 
 
 async def echo(req, w):

@@ -9,7 +9,6 @@ import logging
 import socket
 
 import pytest
-
 from httpkit import connect, read_response, read_to_eof, request_bytes, wait_disconnect
 
 
@@ -36,7 +35,8 @@ async def wait_until(predicate, timeout: float = 2.0) -> None:
 
 
 # -- pipelined Upgrade requests ----------------------------------------------------------
-UPGRADE = [("Connection", "Upgrade, HTTP2-Settings"), ("Upgrade", "h2c"), ("HTTP2-Settings", "AAMAAABkAARAAAAAAAIAAAAA")]
+UPGRADE = [("Connection", "Upgrade, HTTP2-Settings"), ("Upgrade", "h2c"),
+           ("HTTP2-Settings", "AAMAAABkAARAAAAAAAIAAAAA")]
 
 
 async def test_many_pipelined_upgrade_requests_are_all_answered(http_server):

@@ -1,4 +1,5 @@
-"""Helpers for the simulator's own tests (imported as ``simhelpers``): real loopback sockets, the project's HTTP client."""
+"""Helpers for the simulator's own tests (imported as ``simhelpers``): real loopback sockets,
+the project's HTTP client."""
 
 from __future__ import annotations
 

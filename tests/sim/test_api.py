@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-
-from epd_proxy.sim import SimCluster, VOCAB, expected_text, prompt_tokens
 from simhelpers import chat_body, fast_config, metric, sse_events, stream_pieces, stream_text
+
+from epd_proxy.sim import VOCAB, SimCluster, expected_text, prompt_tokens
 
 
 async def test_chat_stream_format(http):

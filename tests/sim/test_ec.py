@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
-from epd_proxy.sim import SimCluster, expected_text, media_metadata
 from simhelpers import GENERIC_EVENT, failure, fast_config, metric, prefill_body, stream_text
+
+from epd_proxy.sim import SimCluster, expected_text, media_metadata
 
 URL_A = "https://example.com/a.jpg"
 URL_B = "https://example.com/b.jpg"

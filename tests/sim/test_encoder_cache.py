@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
+from simhelpers import fast_config, metric
+from test_ec import URL_A, URL_B, encode, image
+
 from epd_proxy.sim import SimCluster, media_metadata
 from epd_proxy.sim.encoder_cache import EncoderCache
 from epd_proxy.sim.tokens import media_tokens
-from simhelpers import fast_config, metric
-from test_ec import URL_A, URL_B, encode, image
 
 
 def test_lru_by_tokens_and_items_larger_than_the_cache_are_not_kept():

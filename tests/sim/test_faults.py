@@ -6,12 +6,21 @@ import asyncio
 import time
 
 import pytest
+from simhelpers import (
+    GENERIC_EVENT,
+    chat_body,
+    failure,
+    fast_config,
+    prefill_body,
+    push_decode_params,
+    sse_events,
+    stream_pieces,
+    stream_text,
+)
 
 from epd_proxy.http.client import TransportTimeouts, UpstreamError, UpstreamTimeout
 from epd_proxy.sim import SimCluster, SimConfig, expected_text, parse_faults
 from epd_proxy.sim.faults import FaultSource, FaultSyntaxError
-from simhelpers import (GENERIC_EVENT, chat_body, failure, fast_config, prefill_body, push_decode_params, sse_events,
-                        stream_pieces, stream_text)
 
 
 def test_fault_syntax():
@@ -93,7 +102,8 @@ async def test_hang_never_sends_headers(http):
         d = c.urls("decode")[0]
         t0 = time.monotonic()
         with pytest.raises(UpstreamTimeout):
-            await http.chat(d, chat_body(stream=True), fault="hang", timeouts=TransportTimeouts(connect=1, headers=0.1, idle=1))
+            await http.chat(d, chat_body(stream=True), fault="hang",
+                            timeouts=TransportTimeouts(connect=1, headers=0.1, idle=1))
         assert time.monotonic() - t0 < 1
         await asyncio.sleep(0.02)
         rec = c.instances("decode")[0].records[-1]

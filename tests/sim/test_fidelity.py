@@ -6,8 +6,9 @@ import asyncio
 import re
 import time
 
-from epd_proxy.sim import SimCluster, SimConfig, expected_text
 from simhelpers import chat_body, failure, fast_config, metric, prefill_body, push_decode_params
+
+from epd_proxy.sim import SimCluster, SimConfig, expected_text
 
 
 async def test_chat_response_shape(http):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from epd_proxy.sim import SimCluster, expected_text
-
 from simhelpers import GENERIC_EVENT, chat_body, failure, fast_config, metric, prefill_body, stream_text
+
+from epd_proxy.sim import SimCluster, expected_text
 
 REAL_032_FIELDS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
                    "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",

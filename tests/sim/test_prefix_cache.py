@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from epd_proxy.sim import SimCluster, SimConfig, prompt_tokens
-from epd_proxy.sim.prefix_cache import PrefixCache, block_hashes
 from simhelpers import chat_body, fast_config, metric, prefill_body
 
+from epd_proxy.sim import SimCluster, SimConfig, prompt_tokens
+from epd_proxy.sim.prefix_cache import PrefixCache, block_hashes
 
 # -- the pure cache ----------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from epd_proxy.sim import SimCluster, expected_text
 from simhelpers import chat_body, failure, fast_config, metric, prefill_body, push_decode_params, stream_text
+
+from epd_proxy.sim import SimCluster, expected_text
 
 
 async def test_push_concurrent_legs_overlap(http):
@@ -160,9 +161,9 @@ async def test_mooncake_query_and_handoff(http):
 
 async def test_client_abort_while_decode_waits_for_push(http):
     import msgspec
+    from simhelpers import JSON_HEADERS
 
     from epd_proxy.http.client import ConnectionPool
-    from simhelpers import JSON_HEADERS
 
     async with SimCluster(prefill=1, decode=1, config=fast_config(kv_connector="nixl-push")) as c:
         d, p = c.instances("decode")[0], c.instances("prefill")[0]

@@ -8,11 +8,11 @@ import time
 
 import msgspec
 import pytest
+from simhelpers import JSON_HEADERS, chat_body, fast_config, metric, prefill_body
 
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.sim import SimCluster, SimConfig, expected_text
 from epd_proxy.sim import cli as sim_cli
-from simhelpers import JSON_HEADERS, chat_body, fast_config, metric, prefill_body
 
 
 async def test_records_are_accurate(http):
@@ -133,7 +133,7 @@ async def test_base_port_and_identities(http):
     import random
 
     # Consecutive fixed ports: try a few bases below the ephemeral range until one is free.
-    for attempt in range(20):
+    for _attempt in range(20):
         base = random.randrange(20000, 30000)
         cluster = SimCluster(encode=1, prefill=2, decode=1, base_port=base,
                              config=fast_config(kv_connector="mooncake", engine_id_format="my-{role}-{index}"))

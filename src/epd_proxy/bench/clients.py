@@ -34,6 +34,7 @@ class UrlClient:
         self.pool = ConnectionPool(self.url, idle_timeout=2.0, max_idle=self.max_idle)
 
     async def send(self, prep: Prepared, timeouts: TransportTimeouts, verify: bool = True) -> Outcome:
+        assert self.pool is not None, "not started"
         return await send(self.pool, prep, timeouts, verify=verify)
 
     async def close(self) -> None:
@@ -60,9 +61,9 @@ async def run_stages(pools: dict, prep: Prepared, timeouts: TransportTimeouts, *
                      keep_text: bool = False) -> tuple[dict, Outcome]:
     """E (if the body has media and there is an encoder), P, then D. Returns the stage
     times (seconds; ``decode_ttft`` from D's send) and D's outcome."""
-    from epd_proxy.ec_match import consumer_ec_params, match_encoder_output
-    from epd_proxy.encoder_plan import encoder_body, new_transfer_id, plan_sub_requests
-    from epd_proxy.multimodal import collect_media, rewrite_media
+    from epd_proxy.encode.ec_match import consumer_ec_params, match_encoder_output, rewrite_media
+    from epd_proxy.encode.encoder_plan import encoder_body, new_transfer_id, plan_sub_requests
+    from epd_proxy.encode.multimodal import collect_media
     from epd_proxy.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 
     body = prep.obj

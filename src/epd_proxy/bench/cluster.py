@@ -41,6 +41,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import TypeGuard
 
 import msgspec
 
@@ -183,7 +184,8 @@ def evaluate_targets(result: dict, candidate: str | None) -> list[dict]:
     out: list[dict] = []
     if not candidate:
         return out
-    ok = lambda c: c and c.get("available", True) and not c.get("error")  # noqa: E731
+    def ok(c: dict | None) -> TypeGuard[dict]:
+        return c is not None and bool(c) and bool(c.get("available", True)) and not c.get("error")
     # 1. prefix-cache hit rate >= 90 % of the oracle's, every workload and load level with both.
     worst, where = math.inf, ""
     for wl in ("chat", "text"):
@@ -373,8 +375,8 @@ class Tally:
 
 
 async def drive(spec: ChatSpec, convs: list[Conversation], images: list[str], rate: float, client, *,
-                seed: int = 0, verify: bool = True, timeouts: TransportTimeouts | None = None, tally: Tally | None = None,
-                on_start=None) -> Tally:
+                seed: int = 0, verify: bool = True, timeouts: TransportTimeouts | None = None,
+                tally: Tally | None = None, on_start=None) -> Tally:
     """Open loop: conversations start as Poisson arrivals (``rate / turns`` per second, so
     requests arrive at about ``rate`` per second once turns overlap); each sends its turns
     one after another, every prompt carrying the answers received so far, after each
@@ -528,6 +530,7 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, images, ws: dict,
             before = await instance_states(sim)
             meter = ForeignMeter(lab).start()
             cpu0 = sum(s.cpu_seconds() for s in services)
+            assert lab.sim_service is not None  # started with the lab
             sim0, lg0 = lab.sim_service.cpu_seconds(), self_cpu_seconds()
             tasks: list[asyncio.Task] = []
 

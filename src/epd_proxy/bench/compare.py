@@ -20,8 +20,16 @@ from dataclasses import dataclass, field
 
 from . import targets as T
 from .loadgen import Phase
-from .procs import (Service, available_cpus, machine_busy_seconds, raise_nofile, set_sched_idle, set_sched_normal,
-                    voluntary_switches, wake_write_cost)
+from .procs import (
+    Service,
+    available_cpus,
+    machine_busy_seconds,
+    raise_nofile,
+    set_sched_idle,
+    set_sched_normal,
+    voluntary_switches,
+    wake_write_cost,
+)
 from .stats import median_range, ratio
 from .workloads import Prepared, make_workload, prepare, simulator_expected
 
@@ -57,7 +65,7 @@ def default_pinning(pin: bool, proxy_cpus: str | None, load_cpus: str | None) ->
     """(proxy cpus, load cpus): explicit lists win; with ``pin`` and 2+ cores, the
     first core for the proxy and the others for the load."""
     def parse(text):
-        out = []
+        out: list[int] = []
         for part in text.split(","):
             part = part.strip()
             if "-" in part:
@@ -89,7 +97,7 @@ class Lab:
         self.sim_service: Service | None = None
         self.sim: T.SimInfo | None = None
         self.targets: list[T.Target] = []
-        self._old_affinity = None
+        self._old_affinity: set[int] | None = None
         self._idle = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -288,6 +296,7 @@ def _pid_cpu(pid: int) -> float:
 
 def _read_line(svc: Service, timeout: float) -> str:
     deadline = time.monotonic() + timeout
+    assert svc.proc is not None and svc.proc.stdout is not None  # started with pipe_stdout
     out = svc.proc.stdout
     buf = b""
     while b"\n" not in buf:
@@ -307,6 +316,7 @@ def _read_line(svc: Service, timeout: float) -> str:
 # -- the comparison ------------------------------------------------------------------------------
 def make_targets(lab: Lab, names: list[str], others: list[str]) -> list[T.Target]:
     sim = lab.sim
+    assert sim is not None, "start_sim first"
     cpus = lab.s.proxy_cpus
     log_dir = lab.s.log_dir
     out = []
@@ -393,7 +403,7 @@ async def run_compare(args, progress: bool = True) -> dict:
                                           seed=args.seed + rep, start_offset=rep * 7)
                     res["repeat"] = rep
                     result["workloads"][name]["runs"].setdefault(t.name, []).append(res)
-        for name, w in result["workloads"].items():
+        for w in result["workloads"].values():
             w["summary"] = summarize_runs(w["runs"])
         if getattr(args, "profile", False):
             result["profiles"] = {}

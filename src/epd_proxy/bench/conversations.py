@@ -92,8 +92,9 @@ def make_conversations(spec: ChatSpec) -> list[Conversation]:
     for c in range(spec.conversations):
         rng = random.Random(f"{spec.seed}:conversation:{c}")
         cid = f"conv-{spec.seed}-{c}"
+        s: int | None
         if shared:
-            s: int | None = rng.randrange(len(shared))
+            s = rng.randrange(len(shared))
             text = shared[s]
         else:
             s = None

@@ -402,7 +402,7 @@ class Phase:
         self.max_outstanding = max_outstanding or max(10_000, self.concurrency)
         self._next = start_offset
         self._state = "warmup"
-        self._stop = None
+        self._stop = asyncio.Event()  # a fresh one for each run
         self._window_timer: asyncio.TimerHandle | None = None
         self.t_window_start = math.nan
         self.t_window_end = math.nan
@@ -485,6 +485,7 @@ class Phase:
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
         t_next = perf()
+        assert self.rate is not None  # the open loop runs with a rate
         while not self._stop.is_set():
             t_next += rng.expovariate(self.rate)
             if await self._stopped_within(t_next - perf()):
@@ -527,8 +528,9 @@ class Phase:
                 if pending:
                     await asyncio.wait(pending, timeout=5)
                 for t in done:
-                    if not t.cancelled() and t.exception() is not None:
-                        raise t.exception()
+                    failure = None if t.cancelled() else t.exception()
+                    if failure is not None:
+                        raise failure
         finally:
             self.progress.close()
             await self.client.close()

@@ -16,7 +16,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -216,7 +216,7 @@ def http_get_status(url: str, path: str = "/health", timeout: float = 1.0) -> in
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)  # type: ignore[arg-type]  # has a host
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -245,7 +245,7 @@ class Service:
         self.cwd = cwd
         self.sched_idle = sched_idle
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     @property
     def pid(self) -> int:
@@ -280,6 +280,7 @@ class Service:
         path = path or self.ready_path
         while True:
             if not self.alive():
+                assert self.proc is not None  # started
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}; "
                                    f"see {self.log_path or 'its output'}: {self.tail_log()}")
             if self.url and http_get_status(self.url, path, timeout=1.0) == 200:

@@ -51,9 +51,9 @@ def parse_collapsed(text: str) -> list[tuple[list[str], int]]:
 
 
 # Frames every stack of a running server shares: left out of the inclusive ranking.
-_GENERIC = re.compile(r'^(process \d+:.*|<frozen runpy>:.*|__main__.py:<module>|runners.py:run|cli.py:main|serve_command.py:run|'
-                      r'serve.py:serve|event_loop.py:run|'
-                      r'serve.py:_serve_forever|base_events.py:run_until_complete|<module>|thread \(.*)$')
+_GENERIC = re.compile(r'^(process \d+:.*|<frozen runpy>:.*|__main__.py:<module>|runners.py:run|cli.py:main|'
+                      r'serve_command.py:run|serve.py:serve|event_loop.py:run|serve.py:_serve_forever|'
+                      r'base_events.py:run_until_complete|<module>|thread \(.*)$')
 EVENT_LOOP = "event loop C code (uvloop: epoll, socket reads/writes, callbacks)"
 
 

@@ -156,7 +156,7 @@ def checks(result: dict) -> list[dict]:
     if isinstance(cl, dict):
         out.extend(c for c in cl.get("targets") or [] if isinstance(c, dict))
     verify = 0
-    for name, r in sc.items():
+    for r in sc.values():
         verify += _count_verify(r)
     out.append({"key": "verify", "target": "Byte-exact verification of every response", "limit": "0 mismatches",
                 "measured": verify, "unit": "", "met": verify == 0, "source": "all", "note": "",
@@ -286,7 +286,8 @@ def _compare_section(r: dict, plots: dict, title: str = "Side by side") -> list[
             continue
         rows = []
         for a, b in zip(prof["self"][:15], prof["inclusive"][:15]):
-            rows.append([f"`{a['function']}`", fmt(100 * a["share"], 1), f"`{b['function']}`", fmt(100 * b["share"], 1)])
+            rows.append([f"`{a['function']}`", fmt(100 * a["share"], 1),
+                         f"`{b['function']}`", fmt(100 * b["share"], 1)])
         out += [_table(["self", "%", "inclusive", "%"], rows), "", f"raw stacks: `{pr.get('file')}`", ""]
     if "cpu_bars" in plots and title == "Side by side":
         out += [f"![proxy CPU per request]({plots['cpu_bars']})", ""]
@@ -330,14 +331,16 @@ def _latency_section(r: dict, plots: dict) -> list[str]:
         rows.append([("P/D text" if wl == "stream" else "E+P+D image"),
                      f"{fmt(w['proxy_ttft_ms']['p50'])} / {fmt(w['proxy_ttft_ms']['p99'])}",
                      f"{fmt(w['stage_sum_ms']['p50'])} / {fmt(w['stage_sum_ms']['p99'])}",
-                     f"{fmt(w['added_ms']['p50'], 3)} / {fmt(w['added_ms']['p90'], 3)} / {fmt(w['added_ms']['p99'], 3)}",
+                     f"{fmt(w['added_ms']['p50'], 3)} / {fmt(w['added_ms']['p90'], 3)} / "
+                     f"{fmt(w['added_ms']['p99'], 3)}",
                      (f"{fmt(clean['p50'], 3)} / {fmt(clean['p90'], 3)} / {fmt(clean['p99'], 3)} "
                       f"({w.get('samples_with_steal', 0)} left out)" if clean else "–"),
                      (f"{fmt(far['p50'], 3)} / {fmt(far['p90'], 3)} / {fmt(far['p99'], 3)}" if far else "–"),
                      fmt(w.get("proxy_cpu_ms_per_req"), 3), f"{w['ok']} / {w['errors']}",
                      f"`{w.get('server_timing_example') or ''}`"])
     out += [_table(["workload", "proxy TTFT p50/p99 ms", "stage sum p50/p99 ms", "added p50/p90/p99 ms",
-                    "added, samples without steal", "added vs stages from the load core p50/p90/p99 ms", "proxy CPU ms/req", "ok / errors",
+                    "added, samples without steal", "added vs stages from the load core p50/p90/p99 ms",
+                    "proxy CPU ms/req", "ok / errors",
                     "Server-Timing (last)"], rows), ""]
     return out
 
@@ -486,7 +489,7 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
                f"Targets checked for **{r.get('candidate')}**.")
     out.append("")
     for wl, w in r.get("workloads", {}).items():
-        ws, sp, sim = w.get("working_set", {}), w.get("spec", {}), w.get("sim", {})
+        ws, sp = w.get("working_set", {}), w.get("spec", {})
         out.append(f"### {wl}")
         out.append("")
         line = (f"{sp.get('conversations')} conversations × {sp.get('turns')} turns, {sp.get('system_prompts')} "

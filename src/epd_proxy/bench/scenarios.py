@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 
@@ -29,10 +30,19 @@ from epd_proxy.serve import tune_gc
 
 from . import targets as T
 from .cluster import run_cluster  # noqa: F401  (the cluster scenario: ``run_<name>`` is looked up here)
-from .compare import ForeignMeter, Lab, lab_settings, run_compare as _run_compare, summarize_runs, workload_requests
+from .compare import ForeignMeter, Lab, lab_settings, summarize_runs, workload_requests
+from .compare import run_compare as _run_compare
 from .loadgen import send
-from .procs import (cross_core_rtt, nofile_limits, pin, self_cpu_seconds, steal_ticks, tree_cpu_seconds, tree_pids,
-                    tree_rss_bytes)
+from .procs import (
+    cross_core_rtt,
+    nofile_limits,
+    pin,
+    self_cpu_seconds,
+    steal_ticks,
+    tree_cpu_seconds,
+    tree_pids,
+    tree_rss_bytes,
+)
 from .stats import linear_fit, median_range, summarize
 from .workloads import Prepared, chat_body, make_workload, simulator_expected
 
@@ -136,9 +146,10 @@ class _Seat:
 
     async def stages(self, pools, prep, timeouts, on_proxy_core: bool) -> dict:
         home = os.sched_getaffinity(0)
-        move = on_proxy_core and self.proxy is not None and self.proxy != home
-        if move:
-            os.sched_setaffinity(0, self.proxy)
+        proxy = self.proxy
+        move = on_proxy_core and proxy is not None and proxy != home
+        if move and proxy is not None:
+            os.sched_setaffinity(0, proxy)
         try:
             return await _stage_calls(pools, prep, timeouts)
         finally:
@@ -226,7 +237,7 @@ async def run_latency(args) -> dict:
         if not proxy.available:
             raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
         timeouts = TransportTimeouts(connect=10, headers=60, idle=60)
-        pools = {"encode": ConnectionPool(sim.encode[0]) if sim.encode else None,
+        pools: dict[str, Any] = {"encode": ConnectionPool(sim.encode[0]) if sim.encode else None,
                  "prefill": ConnectionPool(sim.prefill[0]), "decode": ConnectionPool(sim.decode[0]),
                  "proxy": ConnectionPool(proxy.url)}
         try:
@@ -387,11 +398,13 @@ async def _scale_once(args, workers: int, n: int, nofile: int) -> dict:
         if not proxy.available:
             raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
         svc = proxy.service
+        assert svc is not None  # epd-proxy runs as a process of its own
         await asyncio.sleep(1.0)
         reqs = workload_requests(args, "stream", max_tokens=tokens)
         pool = ConnectionPool(proxy.url, idle_timeout=30.0, max_idle=n + 100)
         timeouts = TransportTimeouts(connect=30, headers=120, idle=120)
-        state = {"active": 0, "ok": 0, "errors": 0, "verify_errors": 0, "examples": [], "ttft": [], "itl": []}
+        state: dict[str, Any] = {"active": 0, "ok": 0, "errors": 0, "verify_errors": 0, "examples": [], "ttft": [],
+                                 "itl": []}
         stop = asyncio.Event()
         rss0 = svc.rss_bytes()
         cpu_idle0 = svc.cpu_seconds()
@@ -451,6 +464,7 @@ async def _scale_once(args, workers: int, n: int, nofile: int) -> dict:
         h0 = sample("hold-start")
         meter = ForeignMeter(lab).start()
         lg0 = self_cpu_seconds()
+        assert lab.sim_service is not None  # started with the lab
         sim0 = lab.sim_service.cpu_seconds()
         await asyncio.sleep(hold)
         h1 = sample("hold-end")
@@ -700,6 +714,7 @@ async def run_overload(args) -> dict:
         if not proxy.available:
             raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
         svc, url = proxy.service, proxy.url
+        assert svc is not None  # epd-proxy runs as a process of its own
         slow = workload_requests(args, "stream", max_tokens=tokens)
         normal = workload_requests(args, "nonstream", max_tokens=4)
         burst_pool = ConnectionPool(url, idle_timeout=30.0, max_idle=n + 100)
@@ -738,7 +753,7 @@ async def run_overload(args) -> dict:
                 peaks["fds"] = max(peaks["fds"], s["fds"])
                 await asyncio.sleep(args.overload_sample)
 
-        helpers = [loop.create_task(sampler()),
+        helpers: list[asyncio.Task] = [loop.create_task(sampler()),
                    loop.create_task(_slowloris(url, args.overload_slowloris, args.overload_slowloris_interval,
                                                stop, state))]
         helpers += [loop.create_task(normal_loop(i)) for i in range(args.overload_normal_concurrency)]
@@ -810,6 +825,7 @@ async def run_soak(args) -> dict:
         if not proxy.available:
             raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
         svc = proxy.service
+        assert svc is not None  # epd-proxy runs as a process of its own
         reqs = workload_requests(args, "mixed")
         from .loadgen import Phase
 

@@ -54,7 +54,7 @@ class _LoadConnection(asyncio.Protocol):
         self.state = state
         self.tail = b""
         self.nbytes = 0
-        self.transport = None
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # until connection_made
         self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport) -> None:
@@ -89,7 +89,7 @@ async def _drive(port: int, concurrency: int, tokens: int, duration: float, warm
                                 "messages": [{"role": "user", "content": "benchmark the simulator please"}]})
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
-    counts = {"ok": 0, "bad": 0, "bytes": 0}
+    counts: dict[str, float] = {"ok": 0, "bad": 0, "bytes": 0}
     state = {"measuring": False, "stop": False}
     loop = asyncio.get_running_loop()
     conns = []
@@ -132,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             preexec_fn=lambda: os.sched_setaffinity(0, {sim_core}))
     try:
+        assert proc.stdout is not None
         proc.stdout.readline()  # the URL line: the cluster is up
         os.sched_setaffinity(0, {client_core})
 
-        async def go() -> tuple[dict, float]:
+        async def go() -> tuple[dict, float, float]:
             drive = asyncio.create_task(_drive(port, args.concurrency, args.tokens, args.duration, args.warmup))
             await asyncio.sleep(args.warmup)
             c0 = _cpu_seconds(proc.pid)

@@ -40,7 +40,7 @@ async def _main(spec: dict) -> None:
     from epd_proxy.sim import SimCluster
 
     counts = {k: int(v) for k, v in (spec.get("counts") or {}).items()}
-    cluster = SimCluster(**counts, config=cluster_config(spec))
+    cluster = SimCluster(**counts, config=cluster_config(spec))  # type: ignore[arg-type]  # role -> int
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -31,7 +31,7 @@ def summarize(values: Iterable[float], scale: float = 1.0) -> dict:
     (e.g. 1000 for seconds -> milliseconds). Empty input gives count 0 and NaNs."""
     data = sorted(v * scale for v in values)
     n = len(data)
-    out = {"count": n}
+    out: dict[str, float] = {"count": n}
     if n == 0:
         out.update(mean=math.nan, min=math.nan, max=math.nan, **{f"p{q}": math.nan for q in QUANTILES})
         return out

@@ -125,8 +125,9 @@ def chat_body(w: Workload, index: int, seed: int = 0) -> dict:
     """Variant ``index`` of workload ``w`` as a chat-completions body."""
     rng = random.Random(f"{seed}:{w.name}:{w.images}:{w.image_kb}:{index}")
     text = f"[{index}] " + prompt_text(max(8, w.prompt_bytes - 8), rng)
+    content: list | str
     if w.images:
-        content: object = [{"type": "text", "text": text}]
+        content = [{"type": "text", "text": text}]
         for _ in range(w.images):
             content.append({"type": "image_url", "image_url": {"url": image_data_url(w.image_kb, rng)}})
     else:
@@ -159,10 +160,10 @@ def prepare(workloads: list[Workload], *, seed: int = 0,
 def simulator_expected() -> Callable[[dict], str] | None:
     """``epd_proxy.sim.expected_text`` when the simulator is importable."""
     try:
-        from epd_proxy.sim import expected_text  # type: ignore[attr-defined]
+        from epd_proxy.sim import expected_text
     except ImportError:
         try:
-            from epd_proxy.sim.tokens import expected_text  # type: ignore[no-redef]
+            from epd_proxy.sim.tokens import expected_text
         except ImportError:
             return None
     return expected_text

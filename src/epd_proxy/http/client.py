@@ -33,9 +33,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from . import Headers
 from .timers import ConnectionTimer
-
-Headers = list[tuple[bytes, bytes]]
 
 
 class UpstreamError(Exception):
@@ -215,7 +214,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: "ConnectionPool") -> None:
         self.pool = pool
         self.loop = pool.loop
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # until connection_made
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.reusable = True
@@ -226,7 +225,7 @@ class _Connection(asyncio.Protocol):
         self._response: Response | None = None
         self._got_bytes = False
         self._body_has_length = False
-        self._timeouts: TransportTimeouts | None = None
+        self._timeouts: TransportTimeouts = None  # type: ignore[assignment]  # each request's, set before the timer
         self._last_activity = 0.0
         self._timer = ConnectionTimer(self.loop, self._on_timeout)
         self._sent_at = 0.0
@@ -273,7 +272,7 @@ class _Connection(asyncio.Protocol):
         # The parser holds this connection's callbacks and the response refers back to it:
         # let go of both, so a closed connection is freed without the cyclic collector.
         self._response = None
-        self.parser = None
+        self.parser = None  # type: ignore[assignment]  # closed: never fed again
 
     # -- httptools callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -712,6 +711,5 @@ class ConnectionPool:
 
 
 _DEFAULT_TIMEOUTS = TransportTimeouts()
-Timeouts = TransportTimeouts  # the former name, still imported by stages.py
 # Connect failures that are this process's own shortage, not the upstream's.
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

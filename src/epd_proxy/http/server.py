@@ -26,11 +26,11 @@ from typing import Awaitable, Callable
 
 import httptools
 
+from . import Headers
 from .timers import ConnectionTimer
 
 log = logging.getLogger("epd_proxy.http")
 
-Headers = list[tuple[bytes, bytes]]
 Handler = Callable[["Request", "ResponseWriter"], Awaitable[None]]
 ErrorBody = Callable[[int, str], bytes]  # (status, message) -> a JSON body
 
@@ -338,7 +338,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self._budget = server.budget if server is not None else BodyBudget(limits.max_buffered_bytes)
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # until connection_made
         self.closed = False
         self.writing_paused = False
         self._drain_waiters: list[asyncio.Future] = []
@@ -422,7 +422,7 @@ class HttpServerProtocol(asyncio.Protocol):
         # frames its handler's): let go of them so the connection is freed without the
         # cyclic collector, which the frozen-GC settings make rare.
         self._task = None
-        self._parser = None
+        self._parser = None  # type: ignore[assignment]  # closed: never fed again
 
     @property
     def idle(self) -> bool:
@@ -461,7 +461,7 @@ class HttpServerProtocol(asyncio.Protocol):
         # cancelled, which closes its upstreams.
         return False
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data) -> None:
         if self._done_reading:
             return
         if self._held_input is not None:
@@ -520,7 +520,7 @@ class HttpServerProtocol(asyncio.Protocol):
             if isinstance(inner, _ParseError):
                 self._reject(inner.status, str(inner))
             elif inner is not None and not isinstance(inner, Exception):
-                raise inner
+                raise inner from None
             else:
                 self._reject(400, f"malformed HTTP request: {exc}")
         except httptools.HttpParserError as exc:
@@ -880,7 +880,7 @@ class HttpServer:
     """Owns the listening socket and the live connections."""
 
     def __init__(self, handler: Handler, *, error_body: ErrorBody, limits: ServerLimits | None = None,
-                 on_large_release: Callable[[], None] | None = None) -> None:
+                 on_large_release: Callable[[], object] | None = None) -> None:
         self.handler = handler
         self.error_body = error_body
         self.refused_answer = _refusal(error_body)  # built once: refusing must cost next to nothing
@@ -901,8 +901,8 @@ class HttpServer:
         """Listen; with ``ssl`` (an ``ssl.SSLContext``) connections speak TLS (the event loop's
         own TLS layer sits under the protocol, which sees plain bytes either way)."""
         loop = asyncio.get_running_loop()
-        factory = lambda: HttpServerProtocol(self.handler, self.limits, self.connections,
-                                                self.error_body, self)  # noqa: E731
+        factory = lambda: HttpServerProtocol(  # noqa: E731
+            self.handler, self.limits, self.connections, self.error_body, self)
         self.tls = ssl is not None
         if sock is not None:
             self._server = await loop.create_server(factory, sock=sock, backlog=backlog, ssl=ssl)
@@ -918,7 +918,8 @@ class HttpServer:
 
     def _run_trim(self) -> None:
         self._trim_pending = False
-        self._trim()
+        if self._trim is not None:  # scheduled only when set
+            self._trim()
 
     def at_capacity(self) -> bool:
         cap = self.limits.max_connections
@@ -947,10 +948,12 @@ class HttpServer:
 
     @property
     def port(self) -> int:
+        assert self._server is not None, "not started"
         return self._server.sockets[0].getsockname()[1]
 
     @property
     def host(self) -> str:
+        assert self._server is not None, "not started"
         return self._server.sockets[0].getsockname()[0]
 
     # -- graceful shutdown (serve.py drives these) ----------------------------------------

@@ -12,9 +12,9 @@ instances, fault injection and request records. See README.md in this package.
 
 from epd_proxy.sim.cluster import SimCluster
 from epd_proxy.sim.config import SimConfig
+from epd_proxy.sim.ec_store import EcStore
 from epd_proxy.sim.faults import FaultSyntaxError
 from epd_proxy.sim.faults import parse as parse_faults
-from epd_proxy.sim.ec_store import EcStore
 from epd_proxy.sim.instance import SimInstance
 from epd_proxy.sim.records import SimRecord, Stats
 from epd_proxy.sim.tokens import (

@@ -110,7 +110,7 @@ class SimCluster:
                 roles.setdefault(role, {}).update({k: getattr(typed, k) for k in vals})
             config = dataclasses.replace(config, roles=roles)
         options.update(kwargs)
-        return cls(**counts, config=config, **options)
+        return cls(**counts, config=config, **options)  # type: ignore[arg-type]  # counts: role -> int
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> "SimCluster":

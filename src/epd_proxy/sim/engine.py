@@ -113,11 +113,11 @@ class Sequence:
                                b'"prompt_token_ids":null,"token_ids":null}]')
                 self.final_suffix = (b',"logprobs":null,"finish_reason":"' + fin + b'","stop_reason":null,'
                                      b'"prompt_token_ids":null,"token_ids":null}]' + fp)
-                self.role_events = None
+                self.role_events = None  # type: ignore[assignment]  # completions: no role events
         else:
-            self.prefixes = None
+            self.prefixes = None  # type: ignore[assignment]  # non-stream: no events to prefix
             self.suffix = self.final_suffix = b""
-            self.role_events = None
+            self.role_events = None  # type: ignore[assignment]
 
     def set_faults(self, error_after, reset_after, stall_after, stall_seconds, slow_body) -> None:
         self.error_after = error_after
@@ -237,7 +237,7 @@ class Sequence:
         elif self.fast and i == 0 and self.n > 1:
             # Nobody sees the tokens of a non-stream answer: skip to the last one.
             self.emitted = self.n - 1
-            self.next_at = now + (self.n - 1) * self.engine.itl
+            self.next_at = now + (self.n - 1) * self.engine.itl  # type: ignore[union-attr]  # submitted
             return False
         self.emitted = i + 1
         if self.emitted >= self.n:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from epd_proxy.sim.config import ROLES
 
@@ -123,25 +124,26 @@ class FaultPlan:
     def add(self, f: Fault) -> None:
         self.texts.append(f.text)
         n = f.name
+        arg: Any = f.arg  # parse_faults gave every fault below its argument
         if n == "status":
-            self.status = int(f.arg)
+            self.status = int(arg)
         elif n == "error-after":
-            self.error_after = int(f.arg)
+            self.error_after = int(arg)
         elif n == "reset-after":
-            self.reset_after = int(f.arg)
+            self.reset_after = int(arg)
         elif n == "hang":
             self.hang = True
         elif n == "delay":
-            self.delay = float(f.arg)
+            self.delay = float(arg)
         elif n == "stall-after":
-            self.stall_after = int(f.arg)
+            self.stall_after = int(arg)
             self.stall_seconds = float(f.arg2 or 0.0)
         elif n == "slow-body":
-            self.slow_body = float(f.arg)
+            self.slow_body = float(arg)
         elif n == "drop-kv":
             self.drop_kv = True
         elif n == "unhealthy":
-            self.unhealthy = float(f.arg)
+            self.unhealthy = float(arg)
         elif n == "crash":
             self.crash = True
             self.crash_restart = f.arg

@@ -68,7 +68,8 @@ class TeeWriter:
 
     def __init__(self, writer, rec: SimRecord) -> None:
         self._w = writer
-        rec.response_chunks = self._parts = []
+        self._parts: list[bytes] = []
+        rec.response_chunks = self._parts
 
     @property
     def started(self) -> bool:
@@ -117,6 +118,11 @@ class GenerationRequest:
     __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
                  "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
                  "cached_tokens")
+    # Set once the request is validated.
+    model: str
+    prompt: Prompt
+    n_choices: int
+    body: dict
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
@@ -157,7 +163,7 @@ class GenerationHandler:
             # The client went away (or the instance crashed) before the end.
             seq = g.seq
             if seq is None or seq.state != DONE:
-                if seq is not None:
+                if seq is not None and inst.engine is not None:  # a sequence was submitted to it
                     inst.engine.retire(seq)
                 if rec is not None:
                     rec.t_end = time.monotonic()
@@ -279,7 +285,7 @@ class GenerationHandler:
         role = inst.role
         if role not in ("prefill", "decode"):
             return None
-        produce = bool(kv) and kv.get("do_remote_decode") is True
+        produce = kv is not None and kv.get("do_remote_decode") is True
         if cfg.strict_roles:
             if role == "prefill" and not produce:
                 raise refusal(
@@ -293,6 +299,7 @@ class GenerationHandler:
                     "kv_transfer_params.do_remote_decode=true (a prefill request sent to a decoder; "
                     "SimConfig.strict_roles)", "kv_transfer_params")
         if produce:
+            assert kv is not None
             if cfg.kv_connector != "nixl":
                 tid = kv.get("transfer_id")
                 if not isinstance(tid, str) or not tid:
@@ -409,10 +416,11 @@ class GenerationHandler:
         cfg = self.config
         st = self.stats
         engine = inst.engine
+        assert engine is not None  # started with the instance
         loop = asyncio.get_running_loop()
         if remote_kv is None:
             engine.submit(seq)
-            await seq.done
+            await seq.done  # type: ignore[misc]  # set by _submit's caller
             return
         seq.needs_load = True
         seq.admitted = loop.create_future()
@@ -440,7 +448,7 @@ class GenerationHandler:
         if cfg.prompt_tokens_details:
             seq.cached_tokens = _reported_cached_tokens(remote_kv, ntok)
         engine.ready(seq, loop.time() + cfg.kv_load_ms / 1000.0)
-        await seq.done
+        await seq.done  # type: ignore[misc]  # set by _submit's caller
 
     # -- engine callbacks ----------------------------------------------------------------
     def on_complete(self, seq: Sequence) -> None:

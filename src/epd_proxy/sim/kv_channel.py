@@ -146,6 +146,7 @@ class KvSideChannel:
                     "remote_blocks_expiry_time": None, "transfer_mode": "pull",
                     "remote_prefill_cached_tokens": cached_tokens}
         tid = transfer_id
+        assert tid is not None  # push connectors: generation checked the request's transfer_id
         waiter = self._push_waiters.pop(tid, None)
         if waiter is not None and not waiter[0].done():
             self._deliver_push(held, waiter)
@@ -229,7 +230,7 @@ class KvSideChannel:
             self.stats.kv_push_failures += 1
             ev["error"] = "block ids"
             return 409, {"error": f"block ids {want} do not match the blocks held for {rid!r}"}
-        self._release(self._held, rid)
+        self._release(self._held, rid)  # type: ignore[arg-type]  # held: rid is a str
         if data.get("prompt_hash") != held.prompt_hash:
             self.stats.kv_push_failures += 1
             ev["error"] = "prompt mismatch"

@@ -331,7 +331,7 @@ def prompt_token_ids(body: dict, chat: bool, prompt: Prompt) -> list[int]:
             p = p[0]
         if isinstance(p, list):
             return list(p)
-        return _word_ids(p) or [0]
+        return _word_ids(p) or [0]  # type: ignore[arg-type]  # validated: a string here
     ids: list[int] = []
     media = iter(prompt.media)
     for msg in body["messages"]:

@@ -1,4 +1,8 @@
-"""Matching an encoder's ``ec_transfer_params`` to the items it was sent.
+"""Matching an encoder's ``ec_transfer_params`` to the items it was sent, and what
+the consumer gets from the matched results: its body with media rewritten to
+``*_embeds`` references (:func:`rewrite_media`) and its ``ec_transfer_params``
+(:func:`consumer_ec_params`). The results (:class:`ItemResult`) are made and read here, so
+media discovery (``multimodal.py``) needs nothing from this module.
 
 The encoder keys its reply by the *engine's* mm hash, which may differ from
 the uuid the proxy sent (processing options make the engine rehash), so
@@ -10,11 +14,11 @@ one image's grid on another image.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-from epd_proxy.encoder_plan import SubRequest
+from epd_proxy.encode.encoder_plan import SubRequest
+from epd_proxy.encode.multimodal import EMBEDS_TYPES, MediaItem
 from epd_proxy.errors import ProxyError
-from epd_proxy.multimodal import MediaItem
 
 
 @dataclass(slots=True)
@@ -133,7 +137,7 @@ def consumer_ec_params(
     if len(items) != len(results):
         raise ValueError("items and results must have the same length")
     ec_items = []
-    for item, result in zip(items, results):
+    for _item, result in zip(items, results):
         if result is None:
             continue
         entry = {"mm_hash": result.ec_mm_hash}
@@ -149,3 +153,80 @@ def consumer_ec_params(
         if key != "ec_items":
             out[key] = value
     return out
+
+
+def flatten_metadata(metadata: dict) -> dict:
+    """Each value flattened one level.
+
+    The encoder reports per-item grids batched, e.g. ``[[1, 36, 52]]``; the
+    decoder's ``*_embeds`` part wants ``[1, 36, 52]``. Within a list, nested
+    lists are spliced in and scalars stay in place; a scalar value or an
+    already flat list is returned as is.
+    """
+    out = {}
+    for key, value in metadata.items():
+        if isinstance(value, list) and any(isinstance(v, list) for v in value):
+            flat: list[Any] = []
+            for v in value:
+                if isinstance(v, list):
+                    flat.extend(v)
+                else:
+                    flat.append(v)
+            value = flat
+        out[key] = value
+    return out
+
+
+def embeds_part(item: MediaItem, metadata: dict) -> dict:
+    """The metadata-only reference that replaces a media part on the consumer."""
+    kind = EMBEDS_TYPES[item.type]
+    return {"type": kind, kind: flatten_metadata(metadata), "uuid": item.uuid}
+
+
+def _usable(item: MediaItem, result: ItemResult | None) -> bool:
+    if result is None or not item.uuid:
+        return False
+    metadata = result.metadata
+    return isinstance(metadata, dict) and bool(metadata)
+
+
+def rewrite_media(
+    body: dict,
+    items: Sequence[MediaItem],
+    results: Sequence[ItemResult | None],
+) -> dict:
+    """A new body with each encoded item replaced by its ``*_embeds`` reference.
+
+    ``results`` is aligned with ``items``. Items without usable metadata keep
+    the client's raw part, but carry the ``uuid`` the encoder was given: the
+    consumer then hashes the item exactly as the encoder did and finds the
+    encoder's cache entry (ECExampleConnector reports empty metadata, so this
+    is its normal path), instead of hashing the content and encoding again.
+    Only messages and content lists that change are copied; everything else is
+    shared with ``body``, which is never mutated.
+    """
+    if len(items) != len(results):
+        raise ValueError("items and results must have the same length")
+    replacements: dict[int, dict[int, dict]] = {}
+    for item, result in zip(items, results):
+        if result is not None and _usable(item, result):
+            new_part = embeds_part(item, result.metadata)
+        elif item.uuid and item.part.get("uuid") != item.uuid:
+            new_part = {**item.part, "uuid": item.uuid}
+        else:
+            continue
+        replacements.setdefault(item.message_index, {})[item.part_index] = new_part
+
+    new_body = dict(body)
+    if not replacements:
+        return new_body
+    messages = list(body["messages"])
+    for mi, parts in replacements.items():
+        message = dict(messages[mi])
+        content = list(message["content"])
+        for pi, new_part in parts.items():
+            content[pi] = new_part
+        message["content"] = content
+        messages[mi] = message
+    new_body["messages"] = messages
+    return new_body

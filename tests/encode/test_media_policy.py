@@ -3,9 +3,9 @@ import ipaddress
 import pytest
 
 from epd_proxy.blobs import decode_chat_body
+from epd_proxy.encode.media_policy import MediaPolicy, is_internal, literal_address
+from epd_proxy.encode.multimodal import collect_media
 from epd_proxy.errors import ProxyError
-from epd_proxy.media_policy import MediaPolicy, is_internal, literal_address
-from epd_proxy.multimodal import collect_media
 
 DEFAULT = MediaPolicy(max_items=999, schemes=("http", "https", "data"))
 

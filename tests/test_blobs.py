@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from epd_proxy.blobs import MIN_BLOB, Blob, decode_chat_body, encode_json, is_text, text_bytes
-from epd_proxy.encoder_plan import encoder_body, plan_sub_requests
-from epd_proxy.multimodal import collect_media, content_uuid
+from epd_proxy.encode.encoder_plan import encoder_body, plan_sub_requests
+from epd_proxy.encode.multimodal import collect_media, content_uuid
 
 
 def b64(n: int, seed: int = 0) -> str:
@@ -76,8 +76,8 @@ def test_same_as_a_plain_decode(name):
 
 def test_large_media_strings_are_lifted_and_hashed_in_place():
     url = data_url(seed=11)
-    body = decode_chat_body(msgspec.json.encode(chat(img(url), {"type": "input_audio",
-                                                                  "input_audio": {"data": b64(2000), "format": "mp3"}})))
+    audio = {"type": "input_audio", "input_audio": {"data": b64(2000), "format": "mp3"}}
+    body = decode_chat_body(msgspec.json.encode(chat(img(url), audio)))
     blobs = blobs_in(body)
     assert len(blobs) == 2 and all(len(b) > MIN_BLOB for b in blobs)
     image = body["messages"][1]["content"][0]["image_url"]["url"]

@@ -3,16 +3,22 @@ import hashlib
 
 import pytest
 
-from epd_proxy.ec_match import ItemResult, consumer_ec_params, match_encoder_output
-from epd_proxy.encoder_plan import (
+from epd_proxy.encode.ec_match import (
+    ItemResult,
+    consumer_ec_params,
+    flatten_metadata,
+    match_encoder_output,
+    rewrite_media,
+)
+from epd_proxy.encode.encoder_plan import (
     SubRequest,
     assign_round_robin,
     encoder_body,
     new_transfer_id,
     plan_sub_requests,
 )
+from epd_proxy.encode.multimodal import client_key, collect_media, content_uuid
 from epd_proxy.errors import ProxyError
-from epd_proxy.multimodal import collect_media, content_uuid, rewrite_media
 
 
 def img(url, **extra):
@@ -275,3 +281,103 @@ def test_image_batches_preserve_item_identity(rewrite, max_batch, sizes):
                 "uuid": content_uuid(item.part),
             }
     assert body == before
+
+
+def sha(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def body_with(*parts, system="You are helpful."):
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": list(parts)},
+        ],
+        "max_tokens": 8,
+    }
+
+
+# ---------------------------------------------------------------- flatten
+
+
+def test_flatten_metadata_one_level():
+    assert flatten_metadata({"image_grid_thw": [[1, 36, 52]]}) == {"image_grid_thw": [1, 36, 52]}
+    assert flatten_metadata({"g": [[1, 2], [3, 4]]}) == {"g": [1, 2, 3, 4]}
+    assert flatten_metadata({"g": [[1, 2], 3]}) == {"g": [1, 2, 3]}
+    assert flatten_metadata({"g": [[[1, 2]]]}) == {"g": [[1, 2]]}
+    assert flatten_metadata({"g": [1, 2, 3], "s": 5, "t": "x"}) == {
+        "g": [1, 2, 3],
+        "s": 5,
+        "t": "x",
+    }
+
+
+# ---------------------------------------------------------------- rewrite
+
+
+def res(metadata, h="engine", t="tid"):
+    return ItemResult(metadata=metadata, mm_hash="p", ec_mm_hash=h, transfer_id=t)
+
+
+def test_rewrite_media_replaces_items_and_keeps_the_rest():
+    text = {"type": "text", "text": "What is this?"}
+    audio = {"type": "input_audio", "input_audio": {"data": "QQ==", "format": "wav"}}
+    body = body_with(img("https://x/a.jpg"), text, audio, img("https://x/b.jpg"))
+    body["messages"].append({"role": "user", "content": [{"type": "text", "text": "more"}]})
+    before = copy.deepcopy(body)
+    items = collect_media(body)
+    results = [
+        res({"image_grid_thw": [[1, 36, 52]]}),
+        res({"audio_len": [[7]]}),
+        None,
+    ]
+    out = rewrite_media(body, items, results)
+
+    assert body == before
+    content = out["messages"][1]["content"]
+    assert content[0] == {
+        "type": "image_embeds",
+        "image_embeds": {"image_grid_thw": [1, 36, 52]},
+        "uuid": sha("https://x/a.jpg"),
+    }
+    assert content[1] is text
+    assert content[2] == {
+        "type": "audio_embeds",
+        "audio_embeds": {"audio_len": [7]},
+        "uuid": content_uuid(audio),
+    }
+    # No result: the raw part is kept, with the uuid the encoder was given.
+    assert content[3] == {**body["messages"][1]["content"][3], "uuid": sha("https://x/b.jpg")}
+    # Untouched messages are shared; changed ones are new objects.
+    assert out["messages"][0] is body["messages"][0]
+    assert out["messages"][2] is body["messages"][2]
+    assert out["messages"][1] is not body["messages"][1]
+    assert out["messages"] is not body["messages"]
+    assert out["max_tokens"] == 8 and out["model"] == "m"
+
+
+def test_rewrite_media_empty_metadata_keeps_raw_part():
+    body = body_with(img("https://x/a.jpg"))
+    items = collect_media(body)
+    out = rewrite_media(body, items, [res({})])
+    # Raw, but with the encoder's uuid, so the consumer hashes it as the encoder did.
+    assert out["messages"][1]["content"][0] == {**img("https://x/a.jpg"), "uuid": sha("https://x/a.jpg")}
+    assert body["messages"][1]["content"][0] == img("https://x/a.jpg")
+
+
+def test_rewrite_media_uses_client_uuid_and_video_type():
+    body = body_with({"type": "video_url", "video_url": {"url": "v"}, "uuid": "mine"})
+    items = collect_media(body)
+    out = rewrite_media(body, items, [res({"video_grid_thw": [[2, 4, 4]]})])
+    assert out["messages"][1]["content"][0] == {
+        "type": "video_embeds",
+        "video_embeds": {"video_grid_thw": [2, 4, 4]},
+        "uuid": client_key("mine"),
+    }
+
+
+def test_rewrite_media_length_mismatch():
+    body = body_with(img("a"))
+    with pytest.raises(ValueError):
+        rewrite_media(body, collect_media(body), [])

@@ -1,6 +1,7 @@
-"""Finding the media items in a chat body and rewriting them to embeds.
+"""Finding the media items in a chat body, and the keys they are cached under.
 
-The encoder fan-out, the matching of encoder output and the rewrite all
+The encoder fan-out, the matching of encoder output and the rewrite to
+``*_embeds`` (``ec_match.py``) all
 address items by one global order: messages in order, then each list-typed
 ``content`` in order (docs/protocol.md §4.1). :func:`collect_media` defines that order
 once and everything downstream indexes into its result, so the three stages
@@ -12,15 +13,15 @@ Pure functions over plain dicts; the client's body is never mutated.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace as _replace
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from dataclasses import replace as _replace
+from typing import TYPE_CHECKING
 
 from epd_proxy.blobs import URL_MEDIA_TYPES, encode_json_sorted, is_text, text_bytes
 from epd_proxy.errors import bad_request
 
-if TYPE_CHECKING:  # pragma: no cover - typing only; avoids an import cycle
+if TYPE_CHECKING:  # pragma: no cover - typing only
     from epd_proxy.blobs import Blob
-    from epd_proxy.ec_match import ItemResult
 
 MEDIA_TYPES = ("image_url", "audio_url", "input_audio", "video_url")
 
@@ -249,80 +250,3 @@ def own_media(body: dict, *, ignore_client_uuids: bool = False) -> tuple[dict, l
         for item in items
     ]
     return {**body, "messages": messages}, items
-
-
-def flatten_metadata(metadata: dict) -> dict:
-    """Each value flattened one level.
-
-    The encoder reports per-item grids batched, e.g. ``[[1, 36, 52]]``; the
-    decoder's ``*_embeds`` part wants ``[1, 36, 52]``. Within a list, nested
-    lists are spliced in and scalars stay in place; a scalar value or an
-    already flat list is returned as is.
-    """
-    out = {}
-    for key, value in metadata.items():
-        if isinstance(value, list) and any(isinstance(v, list) for v in value):
-            flat: list[Any] = []
-            for v in value:
-                if isinstance(v, list):
-                    flat.extend(v)
-                else:
-                    flat.append(v)
-            value = flat
-        out[key] = value
-    return out
-
-
-def embeds_part(item: MediaItem, metadata: dict) -> dict:
-    """The metadata-only reference that replaces a media part on the consumer."""
-    kind = EMBEDS_TYPES[item.type]
-    return {"type": kind, kind: flatten_metadata(metadata), "uuid": item.uuid}
-
-
-def _usable(item: MediaItem, result: ItemResult | None) -> bool:
-    if result is None or not item.uuid:
-        return False
-    metadata = result.metadata
-    return isinstance(metadata, dict) and bool(metadata)
-
-
-def rewrite_media(
-    body: dict,
-    items: Sequence[MediaItem],
-    results: Sequence[ItemResult | None],
-) -> dict:
-    """A new body with each encoded item replaced by its ``*_embeds`` reference.
-
-    ``results`` is aligned with ``items``. Items without usable metadata keep
-    the client's raw part, but carry the ``uuid`` the encoder was given: the
-    consumer then hashes the item exactly as the encoder did and finds the
-    encoder's cache entry (ECExampleConnector reports empty metadata, so this
-    is its normal path), instead of hashing the content and encoding again.
-    Only messages and content lists that change are copied; everything else is
-    shared with ``body``, which is never mutated.
-    """
-    if len(items) != len(results):
-        raise ValueError("items and results must have the same length")
-    replacements: dict[int, dict[int, dict]] = {}
-    for item, result in zip(items, results):
-        if _usable(item, result):
-            new_part = embeds_part(item, result.metadata)
-        elif item.uuid and item.part.get("uuid") != item.uuid:
-            new_part = {**item.part, "uuid": item.uuid}
-        else:
-            continue
-        replacements.setdefault(item.message_index, {})[item.part_index] = new_part
-
-    new_body = dict(body)
-    if not replacements:
-        return new_body
-    messages = list(body["messages"])
-    for mi, parts in replacements.items():
-        message = dict(messages[mi])
-        content = list(message["content"])
-        for pi, new_part in parts.items():
-            content[pi] = new_part
-        message["content"] = content
-        messages[mi] = message
-    new_body["messages"] = messages
-    return new_body

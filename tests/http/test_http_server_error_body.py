@@ -7,9 +7,10 @@ import ast
 import asyncio
 from pathlib import Path
 
+from httpkit import connect, read_response, read_to_eof, request_bytes
+
 import epd_proxy.http
 from epd_proxy.http.server import HttpServer, ServerLimits
-from httpkit import connect, read_response, read_to_eof, request_bytes
 
 
 def tagged(status: int, message: str) -> bytes:

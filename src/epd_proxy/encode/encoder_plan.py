@@ -12,11 +12,11 @@ Images that land on the same encoder then travel together, up to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 from epd_proxy.blobs import is_text
+from epd_proxy.encode.multimodal import MediaItem, media_url
 from epd_proxy.ids import hex_id
-from epd_proxy.multimodal import MediaItem, media_url
 
 # Client fields an encoder needs to process media exactly as the consumer
 # will (docs/protocol.md §3.1). Everything else, including all text, is dropped.
@@ -72,7 +72,7 @@ class SubRequest:
     """One encoder call: an encoder (an index, or the instance itself) and the items it
     encodes, in order."""
 
-    encoder: Hashable
+    encoder: Any  # an index, or the instance itself
     items: list[MediaItem] = field(default_factory=list)
 
 

@@ -23,8 +23,8 @@ import unicodedata
 from typing import Iterable, Sequence
 from urllib.parse import unquote, urlsplit
 
-from .blobs import Blob
-from .errors import bad_request
+from ..blobs import Blob
+from ..errors import bad_request
 from .multimodal import MediaItem, media_url
 
 _IPV4_CHARS = frozenset("0123456789abcdefx.")

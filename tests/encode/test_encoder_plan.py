@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from epd_proxy.encoder_plan import (
+from epd_proxy.encode.encoder_plan import (
     RoundRobinCursor,
     SubRequest,
     assign_round_robin,
@@ -12,7 +12,7 @@ from epd_proxy.encoder_plan import (
     new_transfer_id,
     plan_sub_requests,
 )
-from epd_proxy.multimodal import client_key, collect_media, content_uuid, own_media
+from epd_proxy.encode.multimodal import client_key, collect_media, content_uuid, own_media
 
 
 def img(url, **extra):
