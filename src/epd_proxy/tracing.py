@@ -36,11 +36,12 @@ def from_environment():
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
     except ImportError:
         log.error("OTEL_* asks for traces but the OpenTelemetry SDK is not installed "
                   "(pip install 'epd-proxy[otel]'); tracing is off")
         return None
+    span_exporter: SpanExporter
     if exporter == "console":
         span_exporter = ConsoleSpanExporter()
     else:
