@@ -120,6 +120,7 @@ def test_policies_are_deterministic_units():
     class Inst:
         def __init__(self, n):
             self.inflight = n
+            self.requests = 0
     xs = [Inst(0), Inst(0)]
     rr, ll = RoundRobin(), LeastLoaded()
     assert [rr.choose(xs) for _ in range(3)] == [xs[0], xs[1], xs[0]]

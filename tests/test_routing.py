@@ -35,6 +35,7 @@ class Inst:
     def __init__(self, url, inflight=0):
         self.url = url
         self.inflight = inflight
+        self.requests = 0  # served so far: load-aware ties go to the fewest
         self.signals = LoadSignals()
 
     def __repr__(self):
@@ -355,3 +356,19 @@ def test_the_keys_of_any_accepted_body_never_raise(messages, prompt):
         assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)
     view = request_view({"prompt": prompt}, [], False)
     assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)
+
+
+def test_load_aware_ties_go_to_the_instance_that_served_fewest():
+    """Under light load every instance is often idle: ties then level the request counts
+    (an instance that served more, e.g. longer requests of the same rate, gets the next ones
+    only when the others caught up)."""
+    pool = insts(3)
+    pool[0].requests, pool[1].requests, pool[2].requests = 5, 3, 4
+    policy = LoadAware()
+    picks = []
+    for _ in range(6):
+        inst = policy.choose(pool)
+        inst.requests += 1
+        picks.append(inst)
+    assert picks[:3] == [pool[1], pool[1], pool[2]]
+    assert sorted(i.requests for i in pool) == [6, 6, 6]

@@ -309,8 +309,10 @@ class RoundRobin:
 
 
 class _Scored:
-    """Lowest score wins; ties rotate, so an idle cluster still spreads requests evenly
-    instead of piling on the first. Items of one request count against each other."""
+    """Lowest score wins; a tie goes to the instance that has served the fewest requests,
+    so an idle cluster spreads requests evenly instead of piling on the first, and counts
+    stay level when load is light (the search starts at a rotating position, so equal
+    counts rotate too). Items of one request count against each other."""
 
     uses_view = False
     uses_signals = False
@@ -334,7 +336,7 @@ class _Scored:
         for i in range(1, n):
             c = candidates[(start + i) % n]
             s = score(c)
-            if s < low:
+            if s < low or (s == low and c.requests < best.requests):
                 best, low = c, s
         return best
 
@@ -348,7 +350,8 @@ class _Scored:
             best = start
             for i in range(1, n):
                 j = (start + i) % n
-                if scores[j] < scores[best]:
+                if scores[j] < scores[best] or (scores[j] == scores[best]
+                                                and candidates[j].requests < candidates[best].requests):
                     best = j
             scores[best] += 1
             out.append(candidates[best])
