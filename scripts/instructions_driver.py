@@ -1,0 +1,42 @@
+"""Send N chat requests over C keep-alive connections to a proxy and check each answer is 200.
+
+Used by instructions.sh: a plain asyncio client, so that what is counted is the proxy's work,
+not the client's."""
+
+import asyncio
+import json
+import sys
+
+
+async def worker(port: int, k: int, count: int, stream: bool) -> None:
+    words = ("the quick brown fox jumps over lazy dog while cluster serves prefill decode " * 8).split()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for i in range(count):
+        body = json.dumps({"model": "sim-model", "max_tokens": 64, "stream": stream,
+                           "messages": [{"role": "user", "content": " ".join(words[(k + i) % 7:][:90])}]}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise SystemExit(f"unexpected answer: {status!r}")
+        headers = {}
+        while (line := await reader.readline()) != b"\r\n":
+            name, value = line.split(b":", 1)
+            headers[name.strip().lower()] = value.strip()
+        if b"content-length" in headers:
+            await reader.readexactly(int(headers[b"content-length"]))
+        else:
+            while (size := int((await reader.readline()).strip(), 16)) != 0:
+                await reader.readexactly(size + 2)
+            await reader.readline()
+    writer.close()
+
+
+async def main() -> None:
+    port, n, conc, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    await asyncio.gather(*(worker(port, k, n // conc, mode == "stream") for k in range(conc)))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
