@@ -19,7 +19,7 @@ if hasattr(os, "register_at_fork"):
 
 def hex_id(bits: int = 128) -> str:
     """``bits // 4`` random hex digits."""
-    return f"{_rng.getrandbits(bits):0{bits // 4}x}"
+    return "%0*x" % (bits // 4, _rng.getrandbits(bits))
 
 
 def uuid4_str() -> str:

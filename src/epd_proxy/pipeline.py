@@ -36,7 +36,7 @@ from .membership import TOPOLOGY_ROLES
 from .metrics import ProxyMetrics
 from .pool import Instance, InstancePool
 from .relay import StreamRelay, relay_stream
-from .routing import request_view
+from .routing import RequestView
 from .stages import DecodeLeg, DecodeStage, PrefillStage
 from .usage import rewrite_usage
 
@@ -202,7 +202,7 @@ class Pipeline:
             body, items = self._media(body) if path == CHAT else (body, [])
             ctx = RequestContext(rid, path, self._headers_for(req))
             if self._keyed:
-                ctx.view = request_view(body, items, path == CHAT)
+                ctx.view = RequestView(body, items, path == CHAT)
             if self.tracing is not None:
                 ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
             if self.deadlines is not None:
@@ -463,5 +463,7 @@ def _drop_traceback(err: BaseException) -> None:
 def _server_timing(timings: dict) -> Headers:
     if not timings:
         return []
-    value = ", ".join(f"{k};dur={v * 1000:.1f}" for k, v in timings.items())
-    return [(b"server-timing", value.encode())]
+    # %-formatting of bytes: this runs once per request, and an f-string per stage, joined
+    # and encoded, cost twice as much.
+    value = b", ".join([b"%s;dur=%.1f" % (k.encode(), v * 1000) for k, v in timings.items()])
+    return [(b"server-timing", value)]
