@@ -121,7 +121,7 @@ class UsageRelay(StreamRelay):
             return
         events, self._tail = data[: cut + 2], data[cut + 2:]
         report = self.ctx.prefill_report
-        if report is not None and b'"usage"' in events:
+        if report is not None and events.find(b'"usage"') >= 0:
             events = rewrite_final_usage_events(events, report)
         self.prev, self.last = self.last, events  # what the client got: its usage for the access log
         self.writer.write(events)

@@ -59,7 +59,7 @@ class PrefillReport:
 
     def remote_cached(self) -> int | None:
         """``remote_prefill_cached_tokens`` from its kv_transfer_params (None if not a count)."""
-        if not self.kv or self.kv == _NULL or b"remote_prefill_cached_tokens" not in self.kv:
+        if not self.kv or self.kv == _NULL or self.kv.find(b"remote_prefill_cached_tokens") < 0:
             return None
         try:
             remote = msgspec.json.decode(self.kv, type=_Kv).remote_prefill_cached_tokens
@@ -142,7 +142,7 @@ def _already_right(decode: dict, prefill: bytes) -> bool:
     completion = decode.get("completion_tokens")
     return (type(prompt) is int and type(completion) is int and decode.get("total_tokens") == prompt + completion
             and decode.get("prompt_tokens_details") is None
-            and (b'"prompt_tokens_details"' not in prefill or b'"prompt_tokens_details":null' in prefill)
+            and (prefill.find(b'"prompt_tokens_details"') < 0 or prefill.find(b'"prompt_tokens_details":null') >= 0)
             and prefill.startswith(b'{"prompt_tokens":%d,' % prompt))
 
 
@@ -204,7 +204,7 @@ def rewrite_final_usage_events(data: bytes, report: PrefillReport) -> bytes:
     out = []
     changed = False
     for event in data.split(b"\n\n"):
-        if event.startswith(b"data: {") and b'"usage"' in event and b'"choices":[]' in event:
+        if event.startswith(b"data: {") and event.find(b'"usage"') >= 0 and event.find(b'"choices":[]') >= 0:
             payload = event[6:]
             new = rewrite_usage(payload, report)
             if new is not payload:

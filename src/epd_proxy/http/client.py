@@ -299,7 +299,7 @@ class _Connection(asyncio.Protocol):
         if not self.parser.should_keep_alive():
             self.reusable = False
         te = self._headers.get(b"transfer-encoding", b"")
-        self._body_has_length = b"content-length" in self._headers or b"chunked" in te.lower() \
+        self._body_has_length = b"content-length" in self._headers or te.lower().find(b"chunked") >= 0 \
             or status in (204, 304)
         resp = Response(self, status, self._headers)
         self._response = resp
