@@ -80,8 +80,8 @@ class RunningProxy:
         end = loop.time() + timeout
         app, server = self.app, self.server
         app.shutting_down = True
-        server.drain()
-        log.info("draining: /ready is 503; new connections accepted for %.1f s", grace)
+        server.end_keep_alive()
+        log.info("shutting down: /ready is 503; new connections accepted for %.1f s", grace)
         await asyncio.sleep(max(0.0, min(grace, timeout)))
         server.stop_accepting()
         server.close_idle()
@@ -90,11 +90,11 @@ class RunningProxy:
         log.info("listener closed; %d request(s) in flight, up to %.1f s to finish", len(busy),
                  max(0.0, end - loop.time()))
 
-        def drained() -> bool:
+        def finished() -> bool:
             server.close_idle()  # e.g. a connection whose request was answered in the meantime
             return not server.busy()
 
-        await _wait_until(drained, end)
+        await _wait_until(finished, end)
         busy = server.busy()
         if busy:
             log.warning("shutdown timeout: ending %d request(s) still in flight", len(busy))

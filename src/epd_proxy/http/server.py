@@ -957,7 +957,7 @@ class HttpServer:
         return self._server.sockets[0].getsockname()[0]
 
     # -- graceful shutdown (serve.py drives these) ----------------------------------------
-    def drain(self) -> None:
+    def end_keep_alive(self) -> None:
         """Every response in progress closes its connection when it ends (the handler makes
         later ones do so too)."""
         for conn in self.connections:
