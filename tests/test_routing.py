@@ -21,11 +21,11 @@ from epd_proxy.routing import (
     LeastLoaded,
     LoadAware,
     PowerOfTwo,
+    RequestView,
     RoundRobin,
     key_of,
     make_policy,
     rendezvous_order,
-    request_view,
 )
 
 
@@ -66,7 +66,7 @@ def chat(*turns, system="You are a helpful assistant who answers briefly."):
 
 def view_of(body, chat_path=True):
     items = collect_media(body) if chat_path else []
-    return request_view(body, items, chat_path)
+    return RequestView(body, items, chat_path)
 
 
 # -- rendezvous: stability and agreement ----------------------------------------------------------
@@ -112,8 +112,8 @@ def test_separate_processes_agree_whatever_their_hash_seed():
     """Replicas and --workers share nothing: the pick is a function of the URLs and the body."""
     body = chat("Tell me about the moon.", "It is far.", "How far?")
     urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
-    code = ("import sys, msgspec; from epd_proxy.routing import request_view, rendezvous_order;"
-            "b = msgspec.json.decode(sys.argv[1]); v = request_view(b, [], True);"
+    code = ("import sys, msgspec; from epd_proxy.routing import RequestView, rendezvous_order;"
+            "b = msgspec.json.decode(sys.argv[1]); v = RequestView(b, [], True);"
             "print(rendezvous_order(sys.argv[2:], v.anchor)[0], v.anchor)")
     src = str(Path(epd_proxy.__file__).resolve().parents[1])
     outs = set()
@@ -352,9 +352,9 @@ def test_the_keys_of_any_accepted_body_never_raise(messages, prompt):
     except ProxyError:
         items = None
     if items is not None:
-        view = request_view(body, items, True)
+        view = RequestView(body, items, True)
         assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)
-    view = request_view({"prompt": prompt}, [], False)
+    view = RequestView({"prompt": prompt}, [], False)
     assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)
 
 

@@ -80,7 +80,8 @@ def instance_seed(url: str) -> int:
 # The request's view
 
 class RequestView:
-    """What a policy may know of a request: its routing keys, nothing else.
+    """What a policy may know of a request: its routing keys, nothing else. Built by the
+    pipeline over the parsed body (chat: after ``collect_media`` validated it).
 
     Each key is computed on first use, once: a request that meets no policy reading it
     (one instance, or a key-blind policy) costs one small object.
@@ -139,12 +140,6 @@ class RequestView:
 
 
 EMPTY_VIEW = RequestView()
-
-
-def request_view(body: dict, items: Sequence[MediaItem], chat: bool) -> RequestView:
-    """The view of a parsed request (chat: after ``collect_media`` validated it); its keys
-    are computed when a policy first reads them."""
-    return RequestView(body, items, chat)
 
 
 def _chat_anchor(messages, uuids: list[str]) -> int:

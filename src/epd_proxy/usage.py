@@ -45,10 +45,6 @@ class PrefillReport:
         self.usage = usage  # the prefill answer's usage object, raw
         self.kv = kv  # its kv_transfer_params, raw
 
-    def parsed(self) -> tuple[dict | None, int | None]:
-        """The prefill's usage (None if unreadable) and its ``remote_prefill_cached_tokens``."""
-        return self.prompt_usage(), self.remote_cached()
-
     def prompt_usage(self) -> dict | None:
         """The prefill's usage object (None if absent or unreadable)."""
         try:

@@ -2,6 +2,7 @@ import copy
 import hashlib
 
 import pytest
+from chat_parts import body_with, img, sha
 
 from epd_proxy.encode.ec_match import (
     ItemResult,
@@ -19,10 +20,6 @@ from epd_proxy.encode.encoder_plan import (
 )
 from epd_proxy.encode.multimodal import client_key, collect_media, content_uuid
 from epd_proxy.errors import ProxyError
-
-
-def img(url, **extra):
-    return {"type": "image_url", "image_url": {"url": url}, **extra}
 
 
 def sub_of(*urls, encoder=0):
@@ -281,21 +278,6 @@ def test_image_batches_preserve_item_identity(rewrite, max_batch, sizes):
                 "uuid": content_uuid(item.part),
             }
     assert body == before
-
-
-def sha(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
-
-
-def body_with(*parts, system="You are helpful."):
-    return {
-        "model": "m",
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": list(parts)},
-        ],
-        "max_tokens": 8,
-    }
 
 
 # ---------------------------------------------------------------- flatten

@@ -4,6 +4,9 @@ import hashlib
 import msgspec
 import pytest
 
+# ---------------------------------------------------------------- constants
+from chat_parts import body_with, img, sha
+
 from epd_proxy.encode.multimodal import (
     EMBEDS_TYPES,
     MEDIA_TYPES,
@@ -13,28 +16,6 @@ from epd_proxy.encode.multimodal import (
     own_media,
 )
 from epd_proxy.errors import ProxyError
-
-
-def sha(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
-
-
-def img(url, **extra):
-    return {"type": "image_url", "image_url": {"url": url}, **extra}
-
-
-def body_with(*parts, system="You are helpful."):
-    return {
-        "model": "m",
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": list(parts)},
-        ],
-        "max_tokens": 8,
-    }
-
-
-# ---------------------------------------------------------------- constants
 
 
 def test_media_and_embeds_types():
