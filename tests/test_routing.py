@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -17,6 +18,10 @@ from epd_proxy.errors import ProxyError
 from epd_proxy.load_signals import LoadSignals
 from epd_proxy.routing import (
     EMPTY_VIEW,
+    MEDIA_CHARS,
+    OPEN_SLACK_MIN,
+    OPEN_SLACK_REL,
+    OPEN_WINDOW,
     CacheAware,
     LeastLoaded,
     LoadAware,
@@ -46,9 +51,9 @@ def insts(n):
     return [Inst(f"http://10.0.0.{i}:8000") for i in range(n)]
 
 
-class Keyed:
-    def __init__(self, anchor):
-        self.anchor = anchor
+def Keyed(anchor):
+    """A request known only by its anchor (all history: the full slack)."""
+    return RequestView(anchor=anchor)
 
 
 class Item:
@@ -162,6 +167,81 @@ def test_scraped_load_counts_in_the_bound():
     assert policy.choose(pool, Keyed(key)) is not first
     first.signals.forget()
     assert policy.choose(pool, Keyed(key)) is first
+
+
+def test_reuse_is_the_history_share_after_the_preamble():
+    assert view_of(chat("hello there")).reuse == 0.0  # an opening turn: nothing of its own cached yet
+    two = view_of(chat("a" * 30, "b" * 50, "c" * 20)).reuse
+    assert two == pytest.approx(80 / 100)  # 80 characters of history, 20 new: the system prompt not counted
+    four = view_of(chat("a" * 30, "b" * 50, "c" * 20, "d" * 50, "e" * 20)).reuse
+    assert four == pytest.approx(150 / 170) and four > two  # grows with the history
+    assert view_of(chat("hello", system="s" * 10_000)).reuse == 0.0  # however long the preamble
+    with_image = {"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "look"},
+                                     {"type": "image_url", "image_url": {"url": "https://x/a.png"}}]},
+        {"role": "assistant", "content": "a cat"},
+        {"role": "user", "content": "and now?"}]}
+    assert view_of(with_image).reuse == pytest.approx((4 + MEDIA_CHARS + 5) / (4 + MEDIA_CHARS + 5 + 8))
+    # Nothing to call the new turn, or a prompt: all of it may be cached (the slack as before).
+    assert view_of({"model": "m", "messages": [{"role": "system", "content": "x"}]}).reuse == 1.0
+    assert RequestView({"prompt": "p" * 100}, [], False).reuse == 1.0
+
+
+def test_an_opening_turn_goes_where_it_waits_least_and_a_long_history_stays():
+    """Moving an opening turn costs its next turn only the opening's text; moving a long
+    history costs all of it: the slack scales with the history share."""
+    pool = insts(3)
+    policy = CacheAware(balance_abs=4, balance_rel=1.5)
+    opening = view_of(chat("what is the capital of France?"))
+    later = view_of(chat("what is the capital of France?", "Paris. " * 40, "and of Spain?"))
+    assert later.anchor == opening.anchor
+    first = next(i for i in pool if i.url == rendezvous_order([p.url for p in pool], opening.anchor)[0])
+    assert policy.choose(pool, opening) is first  # all idle: the preferred instance
+    first.inflight = 1
+    opened = policy.choose(pool, opening)
+    assert opened is not first and opened.inflight == 0  # busy: the least loaded instead of waiting
+    assert policy.choose(pool, later) is first  # the history stays within the slack ...
+    first.inflight = 4
+    assert policy.choose(pool, later) is not first  # ... and no further
+    for i in pool:  # equally busy: nothing to gain by moving
+        i.inflight = 3
+    assert policy.choose(pool, opening) is first
+
+
+def test_openings_keep_the_instances_shares_level():
+    """Single prompts share nothing: rendezvous alone would scatter them like dice; the
+    openings' counts keep every instance within the slack of the fewest."""
+    pool = insts(3)
+    policy = CacheAware()
+    for k in range(300):
+        policy.choose(pool, view_of(chat(f"prompt {k}", system=f"own system prompt {k}")))
+    counts = sorted(policy._openings.values())
+    assert sum(counts) == 300 and counts[-1] - counts[0] <= max(OPEN_SLACK_MIN, OPEN_SLACK_REL * counts[-1]) + 1
+    # whereas their preferred instances alone are lumpy (this is what the counts even out)
+    firsts = Counter(rendezvous_order([i.url for i in pool], view_of(chat(f"prompt {k}",
+                     system=f"own system prompt {k}")).anchor)[0] for k in range(300))
+    assert max(firsts.values()) - min(firsts.values()) > counts[-1] - counts[0]
+
+
+def test_an_instance_new_to_the_openings_takes_a_level_share_not_a_flood():
+    pool = insts(3)
+    policy = CacheAware()
+    for k in range(300):
+        policy.choose(pool, view_of(chat(f"prompt {k}")))
+    new = Inst("http://10.0.0.9:8000")
+    got = Counter(policy.choose(pool + [new], view_of(chat(f"later {k}"))).url for k in range(40))
+    slack = OPEN_SLACK_REL * 110  # the counts are about 100 each
+    assert got[new.url] <= 40 // 4 + slack + 1  # its catch-up is at most one slack ...
+    assert got[new.url] >= 40 // 4  # ... and its share at least level
+
+
+def test_the_openings_window_forgets_instances_that_left():
+    pool = insts(3)
+    policy = CacheAware()
+    for k in range(OPEN_WINDOW * 3):
+        policy.choose(pool if k < OPEN_WINDOW else pool[:2], view_of(chat(f"prompt {k}")))
+    assert set(policy._openings) == {pool[0].url, pool[1].url}
+    assert max(policy._openings.values()) < OPEN_WINDOW
 
 
 def test_no_anchor_falls_back_to_load():
@@ -318,7 +398,8 @@ async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_the
 
     pool = InstancePool("prefill", [InstanceSpec(f"http://10.0.0.{i}:8000", "prefill") for i in range(4)],
                         policy=CacheAware(), outlier=OutlierSettings(fail_threshold=1))
-    views = [view_of(chat(f"Conversation number {k}")) for k in range(400)]
+    # Later turns (an opening has nothing to keep and is placed by load and counts).
+    views = [view_of(chat(f"Conversation number {k}", "an answer", "next")) for k in range(400)]
     before = [pool.choose(view=v) for v in views]
     victim = pool.instances[1]
     pool._probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
@@ -354,8 +435,10 @@ def test_the_keys_of_any_accepted_body_never_raise(messages, prompt):
     if items is not None:
         view = RequestView(body, items, True)
         assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)
+        assert 0.0 <= view.reuse <= 1.0
     view = RequestView({"prompt": prompt}, [], False)
     assert isinstance(view.anchor, int) and view.size >= 0 and isinstance(view.blocks(), list)
+    assert view.reuse == 1.0
 
 
 def test_load_aware_ties_go_to_the_instance_that_served_fewest():

@@ -54,6 +54,12 @@ MAX_BLOCKS = 64
 
 # Media part types whose item uuid stands for the part (the parts collect_media finds).
 _MEDIA = frozenset(EMBEDS_TYPES)
+# What a media part weighs in a chat's history share (``RequestView.reuse``), in characters:
+# an image is hundreds to thousands of tokens, its uuid a few dozen characters.
+MEDIA_CHARS = 1024
+# Leading messages of these roles are the preamble: often shared by many conversations, so
+# likely cached on every instance, and no reason to prefer one (``RequestView.reuse``).
+_PREAMBLE = frozenset(("system", "developer"))
 
 
 def mix64(x: int) -> int:
@@ -89,9 +95,10 @@ class RequestView:
     ``anchor``: 0 when the request has none (then cache-aware falls back to load).
     ``items``: the media items' uuids, in the request's global order.
     ``size``: the prompt's size in characters; ``blocks()``: its chained block hashes.
+    ``reuse``: the share of the conversation that earlier turns left in a cache (0..1).
     """
 
-    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_size", "_blocks")
+    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_size", "_blocks", "_reuse")
 
     def __init__(self, body: dict | None = None, media: Sequence[MediaItem] = (), chat: bool = True, *,
                  anchor: int | None = None) -> None:
@@ -102,6 +109,7 @@ class RequestView:
         self._items: list[str] | None = None
         self._size: int | None = None
         self._blocks: list[int] | None = None
+        self._reuse: float | None = None if body is not None else 1.0
 
     @property
     def anchor(self) -> int:
@@ -129,6 +137,23 @@ class RequestView:
         if self._size is None:
             self._size = sum(len(p) for p in _pieces(self._body, self._chat)) if self._body else 0
         return self._size
+
+    @property
+    def reuse(self) -> float:
+        """What the anchor's instance may hold that another does not, as a share of the
+        conversation: for a chat, the messages between the preamble (leading system /
+        developer messages, likely cached everywhere) and the last user message, over
+        everything after the preamble. 0 for a conversation's opening turn, near 1 for a
+        long history and a short new message. A completions prompt has no turns to tell
+        apart: 1 (the whole prompt may be cached)."""
+        reuse = self._reuse
+        if reuse is None:
+            try:
+                reuse = _chat_reuse(self._body.get("messages")) if self._chat and self._body else 1.0
+            except Exception:  # an unforeseen shape counts as all history: routing as before
+                reuse = 1.0
+            self._reuse = reuse
+        return reuse
 
     def blocks(self) -> list[int]:
         """Chained hashes of the canonical prompt's ``BLOCK_CHARS``-character blocks (the last,
@@ -181,6 +206,49 @@ def _chat_anchor(messages, uuids: list[str]) -> int:
         if role == "user":
             break
     return mix64(crc | (1 << 32))
+
+
+def _chat_reuse(messages) -> float:
+    """``RequestView.reuse`` of a chat's messages (sizes in characters, media parts
+    ``MEDIA_CHARS`` each)."""
+    if not isinstance(messages, list):
+        return 1.0
+    start = 0
+    n = len(messages)
+    while start < n and isinstance(messages[start], dict) and messages[start].get("role") in _PREAMBLE:
+        start += 1
+    last_user = -1
+    for i in range(n - 1, start - 1, -1):
+        msg = messages[i]
+        if isinstance(msg, dict) and msg.get("role") == "user":
+            last_user = i
+            break
+    if last_user < 0:
+        return 1.0  # no user turn to call new: leave it to the anchor
+    history = 0
+    for i in range(start, last_user):
+        history += _message_chars(messages[i])
+    if not history:
+        return 0.0
+    new = 0
+    for i in range(last_user, n):
+        new += _message_chars(messages[i])
+    return history / (history + new)
+
+
+def _message_chars(msg) -> int:
+    if not isinstance(msg, dict):
+        return 0
+    content = msg.get("content")
+    if isinstance(content, str):
+        return len(content)
+    size = 0
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                text = part.get("text")
+                size += len(text) if isinstance(text, str) else MEDIA_CHARS
+    return size
 
 
 def _prompt_anchor(prompt) -> int:
@@ -403,6 +471,18 @@ class CacheAware:
     least-loaded candidate): a hot prefix spills to its second instance, and so on. The
     least-loaded candidate always qualifies, so a pick always exists. A request without an
     anchor goes to the load-aware choice.
+
+    The slack scales with what staying can gain: the request's ``reuse`` share (its
+    history, which only the preferred instance is likely to hold). A conversation's
+    opening turn has nothing there yet, so it goes to the least-loaded candidate (the
+    preferred one among equals) instead of queueing behind another's long prefill; its
+    next turn still finds the preferred instance, and loses at most the opening's own
+    text. A long history keeps the full slack.
+
+    Openings also keep the instances' shares level: among the least-loaded candidates only
+    those whose recent openings are within ``OPEN_SLACK_REL`` (at least ``OPEN_SLACK_MIN``)
+    of the fewest qualify. Rendezvous alone spreads n conversations over k instances with
+    a spread of about sqrt(n/k), which on traffic of single prompts is the whole load.
     """
 
     name = "cache-aware"
@@ -414,7 +494,8 @@ class CacheAware:
         self.balance_rel = balance_rel
         self._seeds: dict[str, int] = {}
         self._fallback = LoadAware()
-        self.spills = 0  # picks that passed over the preferred instance for its load
+        self._openings: dict[str, int] = {}  # recent opening turns per URL (halved as they grow)
+        self.spills = 0  # picks that passed over the preferred instance (for load, or an opening's count)
 
     def seed(self, url: str) -> int:
         seed = self._seeds.get(url)
@@ -428,7 +509,9 @@ class CacheAware:
         key = view.anchor
         if not key:
             return self._fallback.choose(candidates)
-        return candidates[self._pick(candidates, key, [c.inflight + c.signals.others for c in candidates])]
+        loads = [c.inflight + c.signals.others for c in candidates]
+        reuse = view.reuse
+        return candidates[self._pick(candidates, key, loads, reuse) if reuse else self._open(candidates, key, loads)]
 
     def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
         if len(candidates) == 1:
@@ -444,11 +527,11 @@ class CacheAware:
             out.append(candidates[i])
         return out
 
-    def _pick(self, candidates: list[Instance], key: int, loads: list[float]) -> int:
+    def _pick(self, candidates: list[Instance], key: int, loads: list[float], reuse: float = 1.0) -> int:
         """The index of the highest rendezvous score among the candidates within the bound
         (``mix64`` inlined: this runs per candidate per request)."""
         low = min(loads)
-        bound = max(low + self.balance_abs, low * self.balance_rel)
+        bound = low + reuse * max(self.balance_abs, low * (self.balance_rel - 1.0))
         seeds = self._seeds
         best = top = -1
         over = False
@@ -466,6 +549,45 @@ class CacheAware:
                         for i, c in enumerate(candidates) if loads[i] > bound):
             self.spills += 1  # the preferred instance was passed over for its load
         return best
+
+
+    def _open(self, candidates: list[Instance], key: int, loads: list[float]) -> int:
+        """The index for an opening turn: the preferred (rendezvous) candidate among the
+        least-loaded ones whose recent openings are within the slack of the fewest.
+
+        An instance new to the counts, or back after a while, is counted from twice the
+        slack below the most: it catches up by at most one slack of openings, no flood."""
+        counts = self._openings
+        cs = [counts.get(c.url, 0) for c in candidates]
+        top = max(cs)
+        slack = max(OPEN_SLACK_MIN, OPEN_SLACK_REL * top)
+        floor = top - 2 * slack
+        low = min(loads)
+        fewest = min(max(cs[i], floor) for i in range(len(candidates)) if loads[i] <= low)
+        seeds = self._seeds
+        best = -1
+        top_score = first_score = -1
+        for i, c in enumerate(candidates):
+            x = mix64(key ^ (seeds.get(c.url) or self.seed(c.url)))
+            if x > first_score:
+                first_score = x
+            if loads[i] <= low and max(cs[i], floor) <= fewest + slack and x > top_score:
+                best, top_score = i, x
+        if top_score < first_score:
+            self.spills += 1
+        url = candidates[best].url
+        n = counts[url] = max(cs[best], int(floor)) + 1
+        if n >= OPEN_WINDOW:  # keep the counts recent: halve them, and forget instances not here
+            self._openings = {c.url: counts.get(c.url, 0) // 2 for c in candidates}
+        return best
+
+
+# Opening turns (``CacheAware._open``): the counts an instance's share may run ahead of the
+# fewest, relative and at least; the counts are halved when one reaches the window, so they
+# cover the last few hundred openings.
+OPEN_SLACK_REL = 0.1
+OPEN_SLACK_MIN = 4
+OPEN_WINDOW = 512
 
 
 def rendezvous_order(urls: Sequence[str], key: int) -> list[str]:
