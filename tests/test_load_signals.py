@@ -6,7 +6,7 @@ import msgspec
 from helpers import Client, chat_body, stack, wait_for
 
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts
-from epd_proxy.load_signals import gauge_samples, parse_load
+from epd_proxy.load_signals import QUIET_STRETCH, gauge_samples, parse_load
 from epd_proxy.sim import SimConfig
 
 VLLM_TEXT = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -146,3 +146,42 @@ async def test_requests_that_end_during_a_scrape_are_not_counted_as_others():
         await pool.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_the_scrape_slows_while_only_this_proxys_load_shows_and_returns_at_others():
+    """A proxy alone in front of its cluster learns nothing from most scrapes: the wait
+    stretches to QUIET_STRETCH intervals, and the first round that shows another's requests
+    brings back the full rate."""
+    sim = SimConfig(itl_ms=20, ttft_ms=0.5)
+    async with stack(prefill=0, decode=0, pd=2, sim=sim, decode_policy="load-aware",
+                     scrape_interval=0.05) as (cluster, proxy, client):
+        scraper = next(s for s in proxy.app.scrapers if s.pool.role == "decode")
+        assert (await client.chat(chat_body("only mine"))).status == 200
+        await wait_for(lambda: scraper.wait == 0.05 * QUIET_STRETCH, timeout=3)
+        before = scraper.scrapes
+        await asyncio.sleep(0.6)
+        assert scraper.scrapes - before <= 2 * (0.6 / 0.2 + 1)  # 2 instances per round, every 0.2 s
+
+        busy = cluster.instances("pd")[0]
+        inst = proxy.app.pools["decode"].find(busy.url)
+        direct = ConnectionPool(busy.url)
+        t = TransportTimeouts(connect=5, headers=5, idle=5)
+
+        async def occupy():
+            resp = await direct.request("POST", "/v1/chat/completions", body=msgspec.json.encode(
+                chat_body(max_tokens=200, stream=True)), headers=[(b"content-type", b"application/json")],
+                timeouts=t)
+            try:
+                await resp.read()
+            finally:
+                resp.close()
+
+        task = asyncio.create_task(occupy())
+        try:
+            # Seen within one stretched wait, and the rate is back at once.
+            await wait_for(lambda: inst.signals.others >= 1 and scraper.wait == 0.05,
+                           timeout=0.05 * QUIET_STRETCH + 0.5)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await direct.close()

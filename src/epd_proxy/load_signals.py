@@ -117,13 +117,24 @@ def parse_load(text: bytes) -> tuple[float, float, float] | None:
     return sum(running), sum(waiting), (sum(kv) / len(kv)) if kv else 0.0
 
 
+# While every instance shows only this proxy's own requests and no KV cache near full, a scrape
+# adds nothing to what routing already knows: the wait doubles after each such round, up to
+# QUIET_STRETCH x the interval, and drops back to the interval at the first round that shows
+# anything else. (Envoy's health checks stretch the same way for a cluster without traffic,
+# ``no_traffic_interval``.) A single proxy in front of its own cluster then pays a quarter of
+# the scrapes; replicas that see each other's load keep the full rate.
+QUIET_STRETCH = 4
+
+
 class LoadScraper:
-    """The background loop of one pool: every ``interval`` seconds, each instance's
+    """The background loop of one pool: every ``interval`` seconds (up to ``QUIET_STRETCH``
+    times that while the cluster shows nothing but this proxy's load), each instance's
     ``/metrics`` (concurrently, each bounded by ``timeout``)."""
 
     def __init__(self, pool: InstancePool, interval: float, timeout: float) -> None:
         self.pool = pool
         self.interval = interval
+        self.wait = interval  # the current wait between rounds
         self.timeouts = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         self.timeout = timeout
         self.scrapes = 0
@@ -149,9 +160,17 @@ class LoadScraper:
             started = loop.time()
             try:
                 await self.scrape_once()
+                self.wait = (min(self.wait * 2, self.interval * QUIET_STRETCH) if self.quiet()
+                             else self.interval)
             except Exception:  # never let the loop die
                 log.exception("load scrape loop error (%s)", self.pool.role)
-            await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+                self.wait = self.interval
+            await asyncio.sleep(max(0.0, started + self.wait - loop.time()))
+
+    def quiet(self) -> bool:
+        """Whether the last round showed nothing routing would weigh: no instance with others'
+        requests or a KV cache in the penalty range (``LoadSignals.load`` 0 everywhere)."""
+        return not any(inst.signals.load for inst in self.pool.instances)
 
     async def _scrape(self, inst: Instance) -> None:
         loop = asyncio.get_running_loop()
