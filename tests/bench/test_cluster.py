@@ -96,6 +96,30 @@ def test_targets_missed_and_unmeasured():
     assert t["cluster_ttft"]["met"] is None and t["cluster_hit_rate"]["met"] is None
 
 
+def _run(p50, p99, hit_tokens, spread, cpu, queried=1000, requests=100):
+    return {"ttft_ms": {"count": requests, "p50": p50, "p99": p99}, "e2e_ms": {"count": requests, "p50": 2 * p50,
+            "p99": 2 * p99}, "requests": requests, "ok": requests, "errors": 0, "verify_errors": 0, "req_s": 10.0,
+            "proxy_cpu_s": cpu, "prefix_hit_rate": hit_tokens / queried,
+            "counters": {"requests": {"prefill": [spread, 1]}, "spread": {"prefill": float(spread), "decode": 1.0},
+                         "prefix_queried_tokens": queried, "prefix_hit_tokens": hit_tokens,
+                         "encoder_queries": 0, "encoder_hits": 0}}
+
+
+def test_repeats_merge_to_medians_pooled_rates_and_the_worst_spread():
+    cells = [_run(10, 40, 800, 1.1, 0.2), _run(12, 50, 700, 1.4, 0.3), _run(11, 44, 600, 1.2, 0.1),
+             {"policy": "x", "rate": 8, "error": "RuntimeError: boom"}]
+    m = C.merge_repeats(cells)
+    assert m["ttft_ms"]["p50"] == 11 and m["ttft_ms"]["p99"] == 44 and m["ttft_ms"]["count"] == 300
+    assert m["e2e_ms"]["p99"] == 88
+    assert m["prefix_hit_rate"] == pytest.approx(2100 / 3000) and m["prefill_tokens_computed"] == 300
+    assert m["counters"]["spread"]["prefill"] == 1.4 and m["counters"]["requests"]["prefill"] == [1.4, 1]
+    assert m["requests"] == 300 and m["proxy_cpu_s"] == pytest.approx(0.6)
+    assert m["proxy_cpu_ms_per_req"] == pytest.approx(2.0)
+    assert [r["ttft_p99"] for r in m["repeats"]] == [40, 50, 44] and m["failed_repeats"] == 1
+    one = _run(10, 40, 800, 1.1, 0.2)
+    assert C.merge_repeats([one]) is one
+
+
 # -- the driver, against a real simulator ------------------------------------------------------------
 async def test_each_turn_carries_the_answer_received_and_a_failure_ends_its_conversation():
     spec = ChatSpec(conversations=3, turns=3, system_prompts=1, system_words=20, user_words=5, max_tokens=6,

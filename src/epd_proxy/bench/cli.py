@@ -161,6 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--cluster-rates", type=_floats, default=[10.0, 25.0, 50.0],
                    help="cluster: offered load levels, requests per second (conversations start as Poisson "
                         "arrivals at rate / turns)")
+    c.add_argument("--cluster-repeat", type=int, default=1,
+                   help="cluster: run every cell this many times, each on a fresh cluster, and compare the "
+                        "median of its latency quantiles (hit rates pooled, the worst spread)")
     c.add_argument("--cluster-unique-rate", type=float, default=None,
                    help="cluster: load of the unique workload (default: the middle of --cluster-rates)")
     c.add_argument("--cluster-encoders", type=int, default=2)

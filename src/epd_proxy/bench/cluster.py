@@ -51,7 +51,7 @@ from . import targets as T
 from .clients import send_stages
 from .conversations import ChatSpec, Conversation, image_pool, make_conversations, turn_body, working_set
 from .loadgen import Outcome, send
-from .stats import summarize
+from .stats import percentile, summarize
 from .workloads import CHAT_PATH, Prepared, simulator_expected
 
 perf = time.perf_counter
@@ -165,6 +165,56 @@ def cluster_counters(before: dict[str, list[dict]], after: dict[str, list[dict]]
     out.update({"prefix_queried_tokens": pq, "prefix_hit_tokens": ph, "prefill_tokens_computed": pq - ph,
                 "prefix_hit_rate": ph / pq if pq else math.nan,
                 "encoder_queries": eq, "encoder_hits": eh, "encoder_hit_rate": eh / eq if eq else math.nan})
+    return out
+
+
+def merge_repeats(cells: list[dict]) -> dict:
+    """One cell from ``--cluster-repeat`` runs of it, each on a fresh cluster (whose ports, so
+    whose rendezvous draw, differ): latency quantiles are the median over the repeats, hit
+    rates pooled over their tokens, the spread the worst repeat's, CPU summed over all
+    requests. A p99 over one cell's 480 requests is its fifth-worst and moves by several ms
+    between identical runs; the median of repeats is what policies are compared on."""
+    ok = [c for c in cells if not c.get("error") and c.get("available", True)]
+    if len(cells) == 1 or not ok:
+        return cells[0]
+    out = dict(ok[0])
+    for key in ("ttft_ms", "e2e_ms"):
+        qs = {}
+        for q in ok[0][key]:
+            vals = sorted(c[key][q] for c in ok)
+            qs[q] = sum(vals) if q == "count" else percentile(vals, 50)
+        out[key] = qs
+    for key in ("requests", "ok", "errors", "verify_errors", "unsent_turns", "retries", "wall_s"):
+        if all(isinstance(c.get(key), (int, float)) for c in ok):
+            out[key] = sum(c[key] for c in ok)
+    for key in ("sim_cpu_util", "loadgen_cpu_util"):
+        out[key] = sum(c.get(key, math.nan) for c in ok) / len(ok)
+    out["foreign_cpu_util"] = max(c.get("foreign_cpu_util", 0.0) for c in ok)
+    out["req_s"] = sum(c["req_s"] for c in ok) / len(ok)
+    worst = max(ok, key=lambda c: max((x for x in c["counters"]["spread"].values() if x is not None), default=0.0))
+    counters = dict(worst["counters"])
+    pooled = {k: sum(c["counters"][k] for c in ok) for k in
+              ("prefix_queried_tokens", "prefix_hit_tokens", "encoder_queries", "encoder_hits")}
+    counters.update(pooled)
+    counters["prefill_tokens_computed"] = round(
+        (pooled["prefix_queried_tokens"] - pooled["prefix_hit_tokens"]) / len(ok))  # per repeat
+    counters["prefix_hit_rate"] = (pooled["prefix_hit_tokens"] / pooled["prefix_queried_tokens"]
+                                   if pooled["prefix_queried_tokens"] else math.nan)
+    counters["encoder_hit_rate"] = (pooled["encoder_hits"] / pooled["encoder_queries"]
+                                    if pooled["encoder_queries"] else math.nan)
+    counters["spread"] = {role: max((c["counters"]["spread"].get(role) for c in ok
+                                     if c["counters"]["spread"].get(role) is not None), default=None)
+                          for role in worst["counters"]["spread"]}
+    out["counters"] = counters
+    for key in ("prefix_hit_rate", "encoder_hit_rate", "prefill_tokens_computed"):
+        out[key] = counters[key]
+    if all(c.get("proxy_cpu_s") is not None for c in ok):
+        out["proxy_cpu_s"] = sum(c["proxy_cpu_s"] for c in ok)
+        out["proxy_cpu_ms_per_req"] = 1000.0 * out["proxy_cpu_s"] / out["requests"] if out["requests"] else math.nan
+    out["repeats"] = [{"ttft_p50": c["ttft_ms"]["p50"], "ttft_p99": c["ttft_ms"]["p99"],
+                       "prefix_hit_rate": c["prefix_hit_rate"], "spread": c["counters"]["spread"],
+                       "proxy_cpu_ms_per_req": c.get("proxy_cpu_ms_per_req"), "errors": c["errors"]} for c in ok]
+    out["failed_repeats"] = len(cells) - len(ok)
     return out
 
 
@@ -645,11 +695,17 @@ async def run_cluster(args) -> dict:
         print(f"bench: cluster {workload}: {spec.conversations} conversations x {spec.turns} turns, working set "
               f"{ws['blocks']} blocks, {simcfg['prefix_cache_blocks']} per prefill instance "
               f"({100 * w['cache_ratio']:.0f} %)", file=sys.stderr, flush=True)
+        repeat = max(1, getattr(args, "cluster_repeat", 1))
         for k, rate in enumerate(w_rates):
-            order = w_pols[k % len(w_pols):] + w_pols[:k % len(w_pols)] if w_pols else []
-            for policy in order:
-                cell = await _measured_cell(args, workload, spec, convs, images, ws, policy, rate)
-                w["policies"].setdefault(policy.name, {"rates": {}})["rates"][str(rate)] = cell
+            runs: dict[str, list[dict]] = {}
+            for r in range(repeat):  # each repeat in another order, so no policy always runs first
+                n = k + r
+                order = w_pols[n % len(w_pols):] + w_pols[:n % len(w_pols)] if w_pols else []
+                for policy in order:
+                    cell = await _measured_cell(args, workload, spec, convs, images, ws, policy, rate)
+                    runs.setdefault(policy.name, []).append(cell)
+            for name, cells in runs.items():
+                w["policies"].setdefault(name, {"rates": {}})["rates"][str(rate)] = merge_repeats(cells)
     if args.cluster_replicas and "chat" in args.cluster_workloads and cand is not None:
         rate = rates[len(rates) // 2]
         spec = chat_spec(args, "chat")

@@ -509,8 +509,11 @@ def _cluster_section(r: dict, plots: dict) -> list[str]:
                     continue
                 k = c["counters"]
                 sp_ = k["spread"]
+                reps = c.get("repeats") or []
+                p99s = sorted(x["ttft_p99"] for x in reps)
                 rows.append([pol, rate, f"{fmt(c['req_s'], 1)} ({c.get('max_live_conversations', '–')})",
-                             f"{fmt(c['ttft_ms']['p50'], 1)} / {fmt(c['ttft_ms']['p99'], 1)}",
+                             f"{fmt(c['ttft_ms']['p50'], 1)} / {fmt(c['ttft_ms']['p99'], 1)}"
+                             + (f" (p99 {fmt(p99s[0], 1)}–{fmt(p99s[-1], 1)} over {len(p99s)})" if p99s else ""),
                              f"{fmt(c['e2e_ms']['p50'], 0)} / {fmt(c['e2e_ms']['p99'], 0)}",
                              f"{k['prefill_tokens_computed']:,}", fmt(100 * k["prefix_hit_rate"], 1),
                              fmt(100 * k["encoder_hit_rate"], 1),
