@@ -210,44 +210,38 @@ def _chat_anchor(messages, uuids: list[str]) -> int:
 
 def _chat_reuse(messages) -> float:
     """``RequestView.reuse`` of a chat's messages (sizes in characters, media parts
-    ``MEDIA_CHARS`` each)."""
+    ``MEDIA_CHARS`` each), in one pass."""
     if not isinstance(messages, list):
         return 1.0
-    start = 0
-    n = len(messages)
-    while start < n and isinstance(messages[start], dict) and messages[start].get("role") in _PREAMBLE:
-        start += 1
-    last_user = -1
-    for i in range(n - 1, start - 1, -1):
-        msg = messages[i]
-        if isinstance(msg, dict) and msg.get("role") == "user":
-            last_user = i
-            break
-    if last_user < 0:
+    total = 0  # characters after the preamble
+    history = -1  # ... before the last user message (-1: no user message yet)
+    preamble = True
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        if preamble:
+            if role in _PREAMBLE:
+                continue
+            preamble = False
+        if role == "user":
+            history = total
+        content = msg.get("content")
+        if type(content) is str:
+            total += len(content)
+        elif isinstance(content, list):
+            total += _parts_chars(content)
+    if history < 0:
         return 1.0  # no user turn to call new: leave it to the anchor
-    history = 0
-    for i in range(start, last_user):
-        history += _message_chars(messages[i])
-    if not history:
-        return 0.0
-    new = 0
-    for i in range(last_user, n):
-        new += _message_chars(messages[i])
-    return history / (history + new)
+    return history / total if history else 0.0
 
 
-def _message_chars(msg) -> int:
-    if not isinstance(msg, dict):
-        return 0
-    content = msg.get("content")
-    if isinstance(content, str):
-        return len(content)
+def _parts_chars(parts: list) -> int:
     size = 0
-    if isinstance(content, list):
-        for part in content:
-            if isinstance(part, dict):
-                text = part.get("text")
-                size += len(text) if isinstance(text, str) else MEDIA_CHARS
+    for part in parts:
+        if isinstance(part, dict):
+            text = part.get("text")
+            size += len(text) if isinstance(text, str) else MEDIA_CHARS
     return size
 
 
@@ -568,7 +562,10 @@ class CacheAware:
         best = -1
         top_score = first_score = -1
         for i, c in enumerate(candidates):
-            x = mix64(key ^ (seeds.get(c.url) or self.seed(c.url)))
+            x = key ^ (seeds.get(c.url) or self.seed(c.url))  # mix64, inlined as in _pick
+            x = ((x ^ (x >> 33)) * 0xFF51AFD7ED558CCD) & _M64
+            x = ((x ^ (x >> 33)) * 0xC4CEB9FE1A85EC53) & _M64
+            x ^= x >> 33
             if x > first_score:
                 first_score = x
             if loads[i] <= low and max(cs[i], floor) <= fewest + slack and x > top_score:
