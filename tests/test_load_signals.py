@@ -36,6 +36,17 @@ def test_parse_ignores_comments_longer_names_and_bad_values():
     assert parse_load(b"") is None
 
 
+async def occupy(direct: ConnectionPool) -> None:
+    """A long stream sent straight to an instance: load that did not come through the proxy."""
+    t = TransportTimeouts(connect=5, headers=5, idle=5)
+    resp = await direct.request("POST", "/v1/chat/completions", body=msgspec.json.encode(
+        chat_body(max_tokens=200, stream=True)), headers=[(b"content-type", b"application/json")], timeouts=t)
+    try:
+        await resp.read()
+    finally:
+        resp.close()
+
+
 async def test_the_scrape_reads_each_instances_own_queue():
     """A decode busy with requests that did not come through this proxy is seen as busy, and
     load-aware routing sends this proxy's requests to the idle one."""
@@ -46,18 +57,8 @@ async def test_the_scrape_reads_each_instances_own_queue():
         pools = proxy.app.pools["decode"]
         inst_busy = pools.find(busy.url)
         direct = ConnectionPool(busy.url)
-        t = TransportTimeouts(connect=5, headers=5, idle=5)
 
-        async def occupy():
-            resp = await direct.request("POST", "/v1/chat/completions", body=msgspec.json.encode(
-                chat_body(max_tokens=200, stream=True)), headers=[(b"content-type", b"application/json")],
-                timeouts=t)
-            try:
-                await resp.read()
-            finally:
-                resp.close()
-
-        tasks = [asyncio.create_task(occupy()) for _ in range(3)]
+        tasks = [asyncio.create_task(occupy(direct)) for _ in range(3)]
         try:
             await wait_for(lambda: inst_busy.signals.others >= 3, timeout=3)
             before = len(idle.generation_records())
@@ -165,18 +166,8 @@ async def test_the_scrape_slows_while_only_this_proxys_load_shows_and_returns_at
         busy = cluster.instances("pd")[0]
         inst = proxy.app.pools["decode"].find(busy.url)
         direct = ConnectionPool(busy.url)
-        t = TransportTimeouts(connect=5, headers=5, idle=5)
 
-        async def occupy():
-            resp = await direct.request("POST", "/v1/chat/completions", body=msgspec.json.encode(
-                chat_body(max_tokens=200, stream=True)), headers=[(b"content-type", b"application/json")],
-                timeouts=t)
-            try:
-                await resp.read()
-            finally:
-                resp.close()
-
-        task = asyncio.create_task(occupy())
+        task = asyncio.create_task(occupy(direct))
         try:
             # Seen within one stretched wait, and the rate is back at once.
             await wait_for(lambda: inst.signals.others >= 1 and scraper.wait == 0.05,
