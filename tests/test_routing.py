@@ -200,12 +200,105 @@ def test_an_opening_turn_goes_where_it_waits_least_and_a_long_history_stays():
     first.inflight = 1
     opened = policy.choose(pool, opening)
     assert opened is not first and opened.inflight == 0  # busy: the least loaded instead of waiting
-    assert policy.choose(pool, later) is first  # the history stays within the slack ...
+    # A replica that did not route the opening sends the history to the preferred instance,
+    # within the slack ...
+    other = CacheAware(balance_abs=4, balance_rel=1.5)
+    assert other.choose(pool, later) is first
     first.inflight = 4
-    assert policy.choose(pool, later) is not first  # ... and no further
+    assert CacheAware(balance_abs=4, balance_rel=1.5).choose(pool, later) is not first  # ... and no further
     for i in pool:  # equally busy: nothing to gain by moving
         i.inflight = 3
     assert policy.choose(pool, opening) is first
+
+
+def test_the_views_marks_chain_a_conversations_turns():
+    one = view_of(chat("hi"))
+    two = view_of(chat("hi", "hello!", "how are you?"))
+    three = view_of(chat("hi", "hello!", "how are you?", "fine.", "good"))
+    assert one.previous == 0 and one.mark
+    assert two.previous == one.mark and three.previous == two.mark
+    assert len({one.mark, two.mark, three.mark}) == 3
+    assert view_of(chat("hi", "hello!", "how are you, then?")).previous == one.mark  # the new turn is free
+    assert view_of(chat("hi", "HELLO", "how are you?")).previous == one.mark  # so is the answer
+    assert view_of(chat("hey")).mark != one.mark  # another conversation's opening
+    # A tool call answers the messages before it: the turn after it continues the one before.
+    tool = {"model": "m", "messages": [*chat("weather?")["messages"],
+                                      {"role": "assistant", "tool_calls": [{"id": "c1"}]},
+                                      {"role": "tool", "content": "12 C"}]}
+    assert view_of(tool).previous == view_of(chat("weather?")).mark
+    final = {"model": "m", "messages": [*tool["messages"], {"role": "assistant", "content": "12 C."},
+                                       {"role": "user", "content": "thanks"}]}
+    assert view_of(final).previous == view_of(tool).mark
+    assert RequestView({"prompt": "p"}, [], False).mark == 0 == EMPTY_VIEW.mark == Keyed(5).mark
+
+
+def test_a_conversation_stays_where_this_proxy_sent_its_previous_turn():
+    """Openings are spread by load and counts; the turns after follow the opening wherever it
+    went, so the level shares hold for the conversations' lives."""
+    pool = insts(3)
+    policy = CacheAware()
+    turns = [chat(*[f"turn {k} of c{c}" for k in range(2 * t + 1)]) for t in range(5) for c in range(60)]
+    homes = {}
+    for body in turns:  # each round: one turn of each of 60 conversations
+        view = view_of(body)
+        inst = policy.choose(pool, view)
+        homes.setdefault(view.anchor, inst)
+        assert inst is homes[view.anchor]
+    per = Counter(i.url for i in homes.values())
+    assert max(per.values()) - min(per.values()) <= OPEN_SLACK_MIN  # the openings' level shares
+    # Some openings went elsewhere than their rendezvous-first instance, and their later turns
+    # followed them there.
+    assert sum(homes[a].url != rendezvous_order([i.url for i in pool], a)[0] for a in homes) >= 1
+
+
+def test_a_home_holds_within_the_bound_and_follows_a_spill():
+    pool = insts(3)
+    policy = CacheAware(balance_abs=4, balance_rel=1.5)
+    t1 = view_of(chat("q1"))
+    home = policy.choose(pool, t1)
+    home.inflight = 3  # within the slack: the history stays
+    t2 = view_of(chat("q1", "a1" * 50, "q2"))
+    assert policy.choose(pool, t2) is home
+    assert policy.choose(pool, t2) is home  # the same turn sent again (a retry) too
+    home.inflight = 9  # past it: the turn spills, and the conversation's home moves with it
+    t3 = view_of(chat("q1", "a1" * 50, "q2", "a2" * 50, "q3"))
+    moved = policy.choose(pool, t3)
+    assert moved is not home
+    home.inflight = 0
+    t4 = view_of(chat("q1", "a1" * 50, "q2", "a2" * 50, "q3", "a3" * 50, "q4"))
+    assert policy.choose(pool, t4) is moved  # where the whole history now is
+    # The home left the candidates: rendezvous among the rest, and the home is that now.
+    rest = [i for i in pool if i is not moved]
+    t5 = view_of(chat("q1", "a1" * 50, "q2", "a2" * 50, "q3", "a3" * 50, "q4", "a4", "q5"))
+    there = policy.choose(rest, t5)
+    assert there.url == rendezvous_order([i.url for i in rest], t5.anchor)[0]
+
+
+def test_a_turn_another_replica_served_hands_the_conversation_to_rendezvous():
+    """Two replicas, turns alternating: from the first turn a replica did not see, both send
+    the conversation to the instance they compute alike."""
+    pool = insts(3)
+    a, b = CacheAware(), CacheAware()
+    opening = view_of(chat("q1"))
+    preferred = next(i for i in pool if i.url == rendezvous_order([p.url for p in pool], opening.anchor)[0])
+    preferred.inflight = 1
+    assert a.choose(pool, opening) is not preferred  # the opening, moved for load
+    preferred.inflight = 0
+    history = ["q1"]
+    for turn in range(2, 8):
+        history += [f"a{turn - 1}" * 30, f"q{turn}"]
+        replica = b if turn % 2 == 0 else a
+        assert replica.choose(pool, view_of(chat(*history))) is preferred
+
+
+def test_the_homes_are_bounded(monkeypatch):
+    monkeypatch.setattr("epd_proxy.routing.HOMES", 50)
+    pool = insts(3)
+    policy = CacheAware()
+    for c in range(200):
+        policy.choose(pool, view_of(chat(f"c{c}")))
+    assert len(policy._homes) == 50
+    assert view_of(chat("c199")).anchor in policy._homes and view_of(chat("c0")).anchor not in policy._homes
 
 
 def test_openings_keep_the_instances_shares_level():
@@ -391,25 +484,34 @@ def test_block_hashes_share_exactly_the_common_prefix():
 
 async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_them_back():
     """Through the pool's health filter: ejection and re-admission move only the ejected
-    instance's keys."""
+    instance's keys. The turns this proxy moved stay where their history now is."""
     from epd_proxy.config import InstanceSpec
     from epd_proxy.health import OutlierSettings
     from epd_proxy.pool import InstancePool
 
     pool = InstancePool("prefill", [InstanceSpec(f"http://10.0.0.{i}:8000", "prefill") for i in range(4)],
                         policy=CacheAware(), outlier=OutlierSettings(fail_threshold=1))
-    # Later turns (an opening has nothing to keep and is placed by load and counts).
+    # Later turns (an opening has nothing to keep and is placed by load and counts), first as
+    # a replica that saw none of them sees them: by the anchor alone.
     views = [view_of(chat(f"Conversation number {k}", "an answer", "next")) for k in range(400)]
-    before = [pool.choose(view=v) for v in views]
+    keyed = [Keyed(v.anchor) for v in views]
+    before = [pool.choose(view=v) for v in keyed]
     victim = pool.instances[1]
     pool._probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
     assert victim.state == "ejected"
-    during = [pool.choose(view=v) for v in views]
+    during = [pool.choose(view=v) for v in keyed]
     assert all(d is b for b, d in zip(before, during) if b is not victim)
     assert victim not in during and sum(b is victim for b in before) > 50
     pool.record_success(victim)  # it answers again
     assert victim.healthy
+    assert [pool.choose(view=v) for v in keyed] == before
+    # The same turns with their shapes: this proxy remembers where it sent each. Those it
+    # moved off the ejected instance stay on the instance that now holds them.
     assert [pool.choose(view=v) for v in views] == before
+    pool._probe_failed(victim, "timeout", "probe")
+    during = [pool.choose(view=v) for v in views]
+    pool.record_success(victim)
+    assert [pool.choose(view=v) for v in views] == during
     await pool.close()
 
 

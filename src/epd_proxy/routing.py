@@ -17,11 +17,13 @@ anchor, or of an item's uuid for encoders: every proxy replica and every
 so they agree without a shared store, and an instance leaving moves only the
 keys that were its own. Load bounds it: an instance loaded past the balance
 thresholds relative to the least-loaded candidate is passed over, in
-rendezvous order.
+rendezvous order. A proxy also keeps each conversation where it sent the
+conversation's previous turn, as long as that turn was its own (see
+``CacheAware``), so conversations stay where their openings were spread.
 
 Pure: no I/O, no clock; the only state is rotation cursors, a random
-generator for ``power-of-two``, and ``cache-aware``'s seeds by URL and count
-of spills.
+generator for ``power-of-two``, and ``cache-aware``'s seeds by URL, counts of
+openings and spills, and bounded map of conversations' last instances.
 """
 
 from __future__ import annotations
@@ -96,9 +98,12 @@ class RequestView:
     ``items``: the media items' uuids, in the request's global order.
     ``size``: the prompt's size in characters; ``blocks()``: its chained block hashes.
     ``reuse``: the share of the conversation that earlier turns left in a cache (0..1).
+    ``mark`` / ``previous``: the prompt's shape, and that of the turn before it (see
+    :attr:`mark`).
     """
 
-    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_size", "_blocks", "_reuse")
+    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_size", "_blocks", "_reuse", "_mark",
+                 "_previous")
 
     def __init__(self, body: dict | None = None, media: Sequence[MediaItem] = (), chat: bool = True, *,
                  anchor: int | None = None) -> None:
@@ -110,6 +115,7 @@ class RequestView:
         self._size: int | None = None
         self._blocks: list[int] | None = None
         self._reuse: float | None = None if body is not None else 1.0
+        self._mark = self._previous = 0
 
     @property
     def anchor(self) -> int:
@@ -149,11 +155,31 @@ class RequestView:
         reuse = self._reuse
         if reuse is None:
             try:
-                reuse = _chat_reuse(self._body.get("messages")) if self._chat and self._body else 1.0
+                if self._chat and self._body:
+                    reuse, self._mark, self._previous = _chat_turns(self._body.get("messages"))
+                else:
+                    reuse = 1.0
             except Exception:  # an unforeseen shape counts as all history: routing as before
                 reuse = 1.0
             self._reuse = reuse
         return reuse
+
+    @property
+    def mark(self) -> int:
+        """A chat prompt's shape: its message count and size in characters, packed in one
+        int (0: none, e.g. a completions prompt). The next turn's :attr:`previous` equals
+        it, so a proxy can tell that the turn before a request was its own."""
+        if self._reuse is None:
+            self.reuse  # noqa: B018 - one pass computes the three
+        return self._mark
+
+    @property
+    def previous(self) -> int:
+        """The :attr:`mark` of the turn before this one: the messages before the last
+        assistant message, which answered them (0 if there is none)."""
+        if self._reuse is None:
+            self.reuse  # noqa: B018
+        return self._previous
 
     def blocks(self) -> list[int]:
         """Chained hashes of the canonical prompt's ``BLOCK_CHARS``-character blocks (the last,
@@ -208,32 +234,42 @@ def _chat_anchor(messages, uuids: list[str]) -> int:
     return mix64(crc | (1 << 32))
 
 
-def _chat_reuse(messages) -> float:
-    """``RequestView.reuse`` of a chat's messages (sizes in characters, media parts
-    ``MEDIA_CHARS`` each), in one pass."""
+def _chat_turns(messages) -> tuple[float, int, int]:
+    """``RequestView.reuse``, ``mark`` and ``previous`` of a chat's messages (sizes in
+    characters, media parts ``MEDIA_CHARS`` each), in one pass."""
     if not isinstance(messages, list):
-        return 1.0
+        return 1.0, 0, 0
     total = 0  # characters after the preamble
     history = -1  # ... before the last user message (-1: no user message yet)
+    chars = 0  # characters of every message so far
+    previous = 0
     preamble = True
-    for msg in messages:
+    for n, msg in enumerate(messages):
         if not isinstance(msg, dict):
             continue
         role = msg.get("role")
+        if role == "assistant":
+            previous = _MARK_BIT | (n << 40) | chars
+        content = msg.get("content")
+        size = (len(content) if type(content) is str
+                else _parts_chars(content) if isinstance(content, list) else 0)
+        chars += size
         if preamble:
             if role in _PREAMBLE:
                 continue
             preamble = False
         if role == "user":
             history = total
-        content = msg.get("content")
-        if type(content) is str:
-            total += len(content)
-        elif isinstance(content, list):
-            total += _parts_chars(content)
+        total += size
+    mark = _MARK_BIT | (len(messages) << 40) | chars
     if history < 0:
-        return 1.0  # no user turn to call new: leave it to the anchor
-    return history / total if history else 0.0
+        return 1.0, mark, previous  # no user turn to call new: leave it to the anchor
+    return (history / total if history else 0.0), mark, previous
+
+
+# ``RequestView.mark``: message count above bit 40, characters below, and a bit that makes
+# a mark of no messages non-zero.
+_MARK_BIT = 1 << 62
 
 
 def _parts_chars(parts: list) -> int:
@@ -477,6 +513,15 @@ class CacheAware:
     those whose recent openings are within ``OPEN_SLACK_REL`` (at least ``OPEN_SLACK_MIN``)
     of the fewest qualify. Rendezvous alone spreads n conversations over k instances with
     a spread of about sqrt(n/k), which on traffic of single prompts is the whole load.
+
+    A conversation stays where this proxy sent its previous turn (its *home*, within the
+    same load bound), so the level shares of openings stay level for the conversations'
+    lives. The home counts only when the turn before the request was this proxy's own
+    (``RequestView.previous`` equals the mark it kept): a turn another replica or
+    ``--workers`` process served, or a restart, hands the conversation back to the
+    rendezvous order that every replica computes alike, so replicas agree from the first
+    turn any of them could not see (the same turn sent again keeps its home too). The
+    homes are bounded (``HOMES``, oldest forgotten).
     """
 
     name = "cache-aware"
@@ -489,6 +534,7 @@ class CacheAware:
         self._seeds: dict[str, int] = {}
         self._fallback = LoadAware()
         self._openings: dict[str, int] = {}  # recent opening turns per URL (halved as they grow)
+        self._homes: dict[int, tuple[str, int]] = {}  # anchor -> (URL, mark) of the last turn routed
         self.spills = 0  # picks that passed over the preferred instance (for load, or an opening's count)
 
     def seed(self, url: str) -> int:
@@ -505,7 +551,21 @@ class CacheAware:
             return self._fallback.choose(candidates)
         loads = [c.inflight + c.signals.others for c in candidates]
         reuse = view.reuse
-        return candidates[self._pick(candidates, key, loads, reuse) if reuse else self._open(candidates, key, loads)]
+        mark = view.mark
+        if not reuse:
+            inst = candidates[self._open(candidates, key, loads)]
+        else:
+            home = self._homes.get(key) if mark else None
+            if home is not None and home[1] != view.previous and home[1] != mark:
+                home = None  # another turn came between (not this proxy's): rendezvous, as any replica
+            inst = candidates[self._pick(candidates, key, loads, reuse, home[0] if home is not None else None)]
+        if mark:
+            homes = self._homes
+            homes.pop(key, None)  # re-inserted last: the dict's order is the turns' recency
+            homes[key] = (inst.url, mark)
+            if len(homes) > HOMES:
+                del homes[next(iter(homes))]
+        return inst
 
     def assign(self, candidates: list[Instance], items: Sequence[MediaItem]) -> list[Instance]:
         if len(candidates) == 1:
@@ -521,9 +581,11 @@ class CacheAware:
             out.append(candidates[i])
         return out
 
-    def _pick(self, candidates: list[Instance], key: int, loads: list[float], reuse: float = 1.0) -> int:
-        """The index of the highest rendezvous score among the candidates within the bound
-        (``mix64`` inlined: this runs per candidate per request)."""
+    def _pick(self, candidates: list[Instance], key: int, loads: list[float], reuse: float = 1.0,
+              home: str | None = None) -> int:
+        """The index of ``home`` if it is a candidate within the bound, else of the highest
+        rendezvous score among those (``mix64`` inlined: this runs per candidate per
+        request)."""
         low = min(loads)
         bound = low + reuse * max(self.balance_abs, low * (self.balance_rel - 1.0))
         seeds = self._seeds
@@ -531,6 +593,8 @@ class CacheAware:
         over = False
         for i, c in enumerate(candidates):
             if loads[i] <= bound:
+                if c.url == home:
+                    return i
                 x = key ^ (seeds.get(c.url) or self.seed(c.url))
                 x = ((x ^ (x >> 33)) * 0xFF51AFD7ED558CCD) & _M64
                 x = ((x ^ (x >> 33)) * 0xC4CEB9FE1A85EC53) & _M64
@@ -585,6 +649,8 @@ class CacheAware:
 OPEN_SLACK_REL = 0.1
 OPEN_SLACK_MIN = 4
 OPEN_WINDOW = 512
+# Conversations whose last turn's instance ``CacheAware`` keeps (about 100 bytes each).
+HOMES = 65536
 
 
 def rendezvous_order(urls: Sequence[str], key: int) -> list[str]:
