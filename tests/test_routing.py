@@ -291,6 +291,24 @@ def test_a_turn_another_replica_served_hands_the_conversation_to_rendezvous():
         assert replica.choose(pool, view_of(chat(*history))) is preferred
 
 
+def test_a_new_instance_takes_openings_not_the_conversations_this_proxy_holds():
+    pool = insts(3)
+    policy = CacheAware()
+    convs = [[f"c{c}"] for c in range(90)]
+    homes = {c: policy.choose(pool, view_of(chat(*h))) for c, h in enumerate(convs)}
+    new = Inst("http://10.0.0.9:8000")
+    grown = pool + [new]
+    for c, h in enumerate(convs):  # their next turns stay where their histories are
+        h += [f"answer {c}" * 20, "more"]
+        assert policy.choose(grown, view_of(chat(*h))) is homes[c]
+    fresh = Counter(policy.choose(grown, view_of(chat(f"new {k}"))).url for k in range(40))
+    assert fresh[new.url] >= 10  # the new instance fills with openings
+    # A replica that routed none of those turns sends about a quarter of them to the new one.
+    other = CacheAware()
+    moved = sum(other.choose(grown, view_of(chat(*h))) is new for h in convs)
+    assert 10 <= moved <= 35
+
+
 def test_the_homes_are_bounded(monkeypatch):
     monkeypatch.setattr("epd_proxy.routing.HOMES", 50)
     pool = insts(3)
