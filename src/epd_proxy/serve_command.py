@@ -27,6 +27,7 @@ from .config import (
     split_discovered,
     split_instances,
 )
+from .load_signals import QUIET_STRETCH
 from .routing import POLICIES
 
 # Upstream credentials come only from explicit configuration: never from OPENAI_API_KEY,
@@ -130,8 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"... and more than this many times its load (default {defaults.balance_rel:g})")
     p.add_argument("--scrape-interval", type=float, default=defaults.scrape_interval,
                    help="seconds between background scrapes of each instance's /metrics for load signals "
-                        f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; up to 4x longer while "
-                        f"they show only this proxy's load; default {defaults.scrape_interval:g})")
+                        f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; up to "
+                        f"{QUIET_STRETCH}x longer while they show only this proxy's load; default "
+                        f"{defaults.scrape_interval:g})")
     p.add_argument("--upstream-keep-alive", type=float,
                    default=_env(KEEP_ALIVE_ENV, defaults.upstream_keep_alive, float),
                    help=f"the backends' keep-alive timeout ({KEEP_ALIVE_ENV}); idle pooled connections are "
