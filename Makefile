@@ -30,10 +30,12 @@ system-packages:
 test: $(STAMP) system-packages
 	$(PY) -m pytest -q
 
-## Lint (ruff: pyflakes, pycodestyle, import order, bugbear) and type check (mypy on src/); config in pyproject.toml.
+## Lint (ruff: pyflakes, pycodestyle, import order, bugbear, absolute imports), type check (mypy on src/)
+## and the layering rule (tests/test_layers.py: no upward import, no import cycle); config in pyproject.toml.
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 ## End-to-end against real vLLM instances (installs a cached vLLM CPU environment).
 e2e: $(STAMP)

@@ -10,8 +10,10 @@ a shared machine move by tens of percent.
 
 import timeit
 
-from epd_proxy.load_signals import LoadSignals
-from epd_proxy.routing import CacheAware, LoadAware, RequestView
+from epd_proxy.instances.load_signals import LoadSignals
+from epd_proxy.routing.cache_aware import CacheAware
+from epd_proxy.routing.policies import LoadAware
+from epd_proxy.routing.view import RequestView
 
 
 class Inst:

@@ -10,7 +10,7 @@ import msgspec
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import StageTimeouts
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts
-from epd_proxy.serve import config_for_cluster
+from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 
 JSON = [(b"content-type", b"application/json")]

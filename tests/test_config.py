@@ -1,9 +1,9 @@
 import pytest
 
-from epd_proxy.app import validate_config
+from epd_proxy.api.app import validate_config
 from epd_proxy.cli import build_parser
+from epd_proxy.cli.serve import config_from_args
 from epd_proxy.config import ProxyConfig, parse_instance, split_instances
-from epd_proxy.serve_command import config_from_args
 
 
 def test_instance_attributes_parse():
@@ -95,7 +95,7 @@ def test_the_cli_refuses_a_framing_header_at_start_up(capsys, monkeypatch):
     def serve(*args, **kwargs):
         raise AssertionError("the proxy would have started")
 
-    monkeypatch.setattr(importlib.import_module("epd_proxy.serve"), "serve", serve)
+    monkeypatch.setattr(importlib.import_module("epd_proxy.runtime.serve"), "serve", serve)
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--decode", "http://d:2", "--forward-header", "content-length"])
     assert exc.value.code == 2
@@ -143,7 +143,7 @@ def test_invalid_trust_settings_fail_before_serving(changes, fragment):
 
 
 async def test_the_connection_cap_reaches_every_instance_pool():
-    from epd_proxy.app import ProxyApp
+    from epd_proxy.api.app import ProxyApp
 
     app = ProxyApp(_cfg(max_upstream_connections=7, encode=[parse_instance("http://e:1", "encode")]))
     try:

@@ -17,8 +17,8 @@ import re
 import pytest
 
 from epd_proxy.cli import build_parser
-from epd_proxy.cluster_file import read_cluster_file
-from epd_proxy.serve_command import ServeSettings, file_options
+from epd_proxy.cli.cluster_file import read_cluster_file
+from epd_proxy.cli.serve import ServeSettings, file_options
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "docs" / "deploy"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))

@@ -18,7 +18,7 @@ from helpers import Client, chat_body
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import StageTimeouts
-from epd_proxy.serve import config_for_cluster
+from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

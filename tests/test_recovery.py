@@ -14,7 +14,7 @@ from helpers import Client, chat_body, wait_for
 import epd_proxy
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec, StageTimeouts
-from epd_proxy.serve import config_for_cluster
+from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 from epd_proxy.sim.instance import SimInstance
 
@@ -78,7 +78,7 @@ import asyncio, os, resource, sys
 import epd_proxy
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec
-from epd_proxy.event_loop import run
+from epd_proxy.http.event_loop import run
 
 async def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

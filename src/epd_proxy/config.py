@@ -15,8 +15,6 @@ import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .routing import POLICIES
-
 ROLES = ("encode", "prefill", "decode")
 # What the roster may be: inferred from what registered ("auto"), or pinned.
 TOPOLOGIES = ("auto", "PD", "E+PD", "P+D", "E+P+D")
@@ -284,10 +282,6 @@ class ProxyConfig:
                              "dns+http:// decode instance)")
         if self.dns_interval <= 0:
             raise ValueError("--dns-interval must be > 0")
-        if self.dns_server:
-            from .discovery import parse_server
-
-            parse_server(self.dns_server)
         if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
             raise ValueError("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
                              "--registration-allow CIDR: otherwise nothing may register")
@@ -309,10 +303,6 @@ class ProxyConfig:
         if self.max_upstream_connections < 1:
             raise ValueError("--max-upstream-connections must be >= 1")
         check_forward_headers(self.forward_headers, self.upstream_api_key)
-        from .encode.media_policy import MediaPolicy  # the policy parses the host list
-
-        MediaPolicy(max_items=self.max_media_items, schemes=self.allowed_media_schemes,
-                    allowed_hosts=self.allowed_media_hosts)
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.ec_consumer_dp_size < 1:
@@ -352,11 +342,6 @@ class ProxyConfig:
             raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
         if self.timeouts.first_byte < 0:
             raise ValueError("--first-byte-timeout must be >= 0")
-        for policy in (self.routing, self.prefill_policy, self.decode_policy, self.encode_policy):
-            if policy is not None and policy not in POLICIES:
-                raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
-        if self.balance_abs < 0 or self.balance_rel < 1:
-            raise ValueError("--balance-abs must be >= 0 and --balance-rel >= 1")
         if self.scrape_interval < 0:
             raise ValueError("--scrape-interval must be >= 0")
         for role in ROLES:

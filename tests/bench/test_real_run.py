@@ -7,7 +7,7 @@ from epd_proxy.bench import report
 from epd_proxy.bench.loadgen import Phase
 from epd_proxy.bench.workloads import make_workload, prepare, simulator_expected
 from epd_proxy.config import ProxyConfig, parse_instance
-from epd_proxy.serve import start_proxy
+from epd_proxy.runtime.serve import start_proxy
 from epd_proxy.sim import SimCluster, SimConfig
 
 

@@ -13,13 +13,13 @@ from epd_proxy.encode.ec_match import (
 )
 from epd_proxy.encode.encoder_plan import (
     SubRequest,
-    assign_round_robin,
     encoder_body,
     new_transfer_id,
     plan_sub_requests,
 )
 from epd_proxy.encode.multimodal import client_key, collect_media, content_uuid
-from epd_proxy.errors import ProxyError
+from epd_proxy.routing.policies import assign_round_robin
+from epd_proxy.wire.errors import ProxyError
 
 
 def sub_of(*urls, encoder=0):

@@ -2,10 +2,10 @@ import ipaddress
 
 import pytest
 
-from epd_proxy.blobs import decode_chat_body
 from epd_proxy.encode.media_policy import MediaPolicy, is_internal, literal_address
 from epd_proxy.encode.multimodal import collect_media
-from epd_proxy.errors import ProxyError
+from epd_proxy.wire.blobs import decode_chat_body
+from epd_proxy.wire.errors import ProxyError
 
 DEFAULT = MediaPolicy(max_items=999, schemes=("http", "https", "data"))
 

@@ -15,7 +15,7 @@ from epd_proxy.encode.multimodal import (
     content_uuid,
     own_media,
 )
-from epd_proxy.errors import ProxyError
+from epd_proxy.wire.errors import ProxyError
 
 
 def test_media_and_embeds_types():

@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 
-from epd_proxy import event_loop
+from epd_proxy.http import event_loop
 
 SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "overload", "soak",
              "cluster")
@@ -247,7 +247,7 @@ def machine_info() -> dict:
 
 def _keep_partial(result: dict, name: str, partial: dict) -> None:
     """An interrupted scenario: keep the phases it finished (compare-like ones)."""
-    from .compare import summarize_runs
+    from epd_proxy.bench.compare import summarize_runs
 
     r = partial.get("result")
     if not isinstance(r, dict):
@@ -263,7 +263,7 @@ def _background_load(seconds: float = 1.0) -> float:
     """Cores kept busy by other processes right now (before the benchmark starts anything)."""
     import time
 
-    from .procs import machine_busy_seconds, self_cpu_seconds
+    from epd_proxy.bench.procs import machine_busy_seconds, self_cpu_seconds
 
     b0, s0, t0 = machine_busy_seconds(), self_cpu_seconds(), time.monotonic()
     time.sleep(seconds)
@@ -273,8 +273,8 @@ def _background_load(seconds: float = 1.0) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """``epd-proxy bench``."""
-    from . import report, scenarios
-    from .procs import nofile_limits, raise_nofile
+    from epd_proxy.bench import report, scenarios
+    from epd_proxy.bench.procs import nofile_limits, raise_nofile
 
     if args.workloads is None:
         args.workloads = ["stream"] if args.url else ["stream", "nonstream", "mm"]

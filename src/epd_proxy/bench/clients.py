@@ -15,10 +15,9 @@ import time
 
 import msgspec
 
+from epd_proxy.bench.loadgen import Outcome, send
+from epd_proxy.bench.workloads import Prepared
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
-
-from .loadgen import Outcome, send
-from .workloads import Prepared
 
 perf = time.perf_counter
 _HEADERS = [(b"content-type", b"application/json")]
@@ -64,7 +63,7 @@ async def run_stages(pools: dict, prep: Prepared, timeouts: TransportTimeouts, *
     from epd_proxy.encode.ec_match import consumer_ec_params, match_encoder_output, rewrite_media
     from epd_proxy.encode.encoder_plan import encoder_body, new_transfer_id, plan_sub_requests
     from epd_proxy.encode.multimodal import collect_media
-    from epd_proxy.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
+    from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 
     body = prep.obj
     times = {"encode": 0.0, "prefill": 0.0, "decode_ttft": math.nan}

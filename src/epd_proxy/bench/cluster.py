@@ -45,14 +45,13 @@ from typing import TypeGuard
 
 import msgspec
 
+from epd_proxy.bench import targets as T
+from epd_proxy.bench.clients import send_stages
+from epd_proxy.bench.conversations import ChatSpec, Conversation, image_pool, make_conversations, turn_body, working_set
+from epd_proxy.bench.loadgen import Outcome, send
+from epd_proxy.bench.stats import percentile, summarize
+from epd_proxy.bench.workloads import CHAT_PATH, Prepared, simulator_expected
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts
-
-from . import targets as T
-from .clients import send_stages
-from .conversations import ChatSpec, Conversation, image_pool, make_conversations, turn_body, working_set
-from .loadgen import Outcome, send
-from .stats import percentile, summarize
-from .workloads import CHAT_PATH, Prepared, simulator_expected
 
 perf = time.perf_counter
 
@@ -557,8 +556,8 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, images, ws: dict,
     """One policy at one load level on a fresh cluster: latency, the instances' counters,
     proxy CPU per request. With ``replicas`` > 1 the turns alternate between proxies and,
     with ``restart``, the second is restarted once half the conversations have started."""
-    from .compare import ForeignMeter, Lab, lab_settings
-    from .procs import self_cpu_seconds
+    from epd_proxy.bench.compare import ForeignMeter, Lab, lab_settings
+    from epd_proxy.bench.procs import self_cpu_seconds
 
     counts, simcfg, roles = sim_settings(args, ws)
     settings = lab_settings(args, counts=counts, sim=simcfg, roles=roles)

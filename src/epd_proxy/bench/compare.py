@@ -18,9 +18,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from . import targets as T
-from .loadgen import Phase
-from .procs import (
+from epd_proxy.bench import targets as T
+from epd_proxy.bench.loadgen import Phase
+from epd_proxy.bench.procs import (
     Service,
     available_cpus,
     machine_busy_seconds,
@@ -30,8 +30,8 @@ from .procs import (
     voluntary_switches,
     wake_write_cost,
 )
-from .stats import median_range, ratio
-from .workloads import Prepared, make_workload, prepare, simulator_expected
+from epd_proxy.bench.stats import median_range, ratio
+from epd_proxy.bench.workloads import Prepared, make_workload, prepare, simulator_expected
 
 # Simulator settings that make it behave like vLLM for the benchmark: one SSE event
 # per token in one write, no request records kept (memory), roomy batches.
@@ -197,7 +197,7 @@ class Lab:
 
         spy = None
         if profile_to and svc is not None and duration:
-            from .profile import PySpy
+            from epd_proxy.bench.profile import PySpy
 
             spy = PySpy(svc.pid, profile_to, duration, native=native)
 
@@ -260,7 +260,7 @@ class ForeignMeter:
         self._t0 = self._b0 = self._o0 = 0.0
 
     def _ours(self) -> float:
-        from .procs import self_cpu_seconds
+        from epd_proxy.bench.procs import self_cpu_seconds
 
         total = self_cpu_seconds()
         for svc in [self.lab.sim_service] + [t.service for t in self.lab.targets]:
@@ -288,7 +288,7 @@ async def foreign_load(lab: "Lab", seconds: float) -> float:
 
 
 def _pid_cpu(pid: int) -> float:
-    from .procs import CLK_TCK, read_stat
+    from epd_proxy.bench.procs import CLK_TCK, read_stat
 
     st = read_stat(pid)
     return st.cpu_ticks / CLK_TCK if st else math.nan

@@ -27,7 +27,7 @@ import base64
 import random
 from dataclasses import dataclass, replace
 
-from .workloads import _PNG_MAGIC, _WORDS
+from epd_proxy.bench.workloads import _PNG_MAGIC, _WORDS
 
 __all__ = ["ChatSpec", "Conversation", "Turn", "conversation_bodies", "image_pool",
            "make_conversations", "turn_body", "working_set"]

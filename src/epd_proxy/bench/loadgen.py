@@ -31,10 +31,9 @@ from typing import Callable, Sequence
 
 import msgspec
 
+from epd_proxy.bench.procs import self_cpu_seconds
+from epd_proxy.bench.workloads import Prepared
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
-
-from .procs import self_cpu_seconds
-from .workloads import Prepared
 
 perf = time.perf_counter
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -505,7 +504,7 @@ class Phase:
         self._stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         if self.client is None:
-            from .clients import UrlClient
+            from epd_proxy.bench.clients import UrlClient
 
             self.client = UrlClient(self.url, max_idle=max(256, self.concurrency * 2))
         await self.client.start()
@@ -538,7 +537,7 @@ class Phase:
 
     # -- results ----------------------------------------------------------------------------
     def summary(self) -> dict:
-        from .stats import summarize
+        from epd_proxy.bench.stats import summarize
 
         s = self.stats
         window = self.window
@@ -571,7 +570,7 @@ class Phase:
 
 
 def _cdf_ms(values) -> list | None:
-    from .stats import cdf_points
+    from epd_proxy.bench.stats import cdf_points
 
     xs, ys = cdf_points(values, 200)
     if not xs:

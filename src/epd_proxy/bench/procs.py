@@ -380,7 +380,7 @@ def cross_core_rtt(a: int | None, b: int | None, n: int = 2000) -> dict:
     on the same core and across ``a``/``b``: the price of a wake-up on this machine."""
     import socket
 
-    from .stats import summarize
+    from epd_proxy.bench.stats import summarize
 
     def one(ca: int, cb: int) -> float:
         times = []
@@ -409,7 +409,7 @@ def wake_write_cost(a: int | None, b: int | None, n: int = 400) -> dict:
     busy (bursts)."""
     import socket
 
-    from .stats import summarize
+    from epd_proxy.bench.stats import summarize
 
     if a is None or b is None or a == b:
         return {}

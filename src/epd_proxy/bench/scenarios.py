@@ -25,15 +25,12 @@ from typing import Any
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
-from epd_proxy.serve import tune_gc
-
-from . import targets as T
-from .cluster import run_cluster  # noqa: F401  (the cluster scenario: ``run_<name>`` is looked up here)
-from .compare import ForeignMeter, Lab, lab_settings, summarize_runs, workload_requests
-from .compare import run_compare as _run_compare
-from .loadgen import send
-from .procs import (
+from epd_proxy.bench import targets as T
+from epd_proxy.bench.cluster import run_cluster  # noqa: F401  (the cluster scenario: ``run_<name>`` is looked up here)
+from epd_proxy.bench.compare import ForeignMeter, Lab, lab_settings, summarize_runs, workload_requests
+from epd_proxy.bench.compare import run_compare as _run_compare
+from epd_proxy.bench.loadgen import send
+from epd_proxy.bench.procs import (
     cross_core_rtt,
     nofile_limits,
     pin,
@@ -43,8 +40,10 @@ from .procs import (
     tree_pids,
     tree_rss_bytes,
 )
-from .stats import linear_fit, median_range, summarize
-from .workloads import Prepared, chat_body, make_workload, simulator_expected
+from epd_proxy.bench.stats import linear_fit, median_range, summarize
+from epd_proxy.bench.workloads import Prepared, chat_body, make_workload, simulator_expected
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.runtime.serve import tune_gc
 
 perf = time.perf_counter
 
@@ -120,7 +119,7 @@ def _copy_args(args, **changes):
 async def _stage_calls(pools: dict, prep: Prepared, timeouts: TransportTimeouts) -> dict:
     """The stages the proxy would run, called directly, one after the other: each
     stage's time and decode's TTFT (seconds), or ``error``."""
-    from .clients import StageError, run_stages
+    from epd_proxy.bench.clients import StageError, run_stages
 
     try:
         times, o = await run_stages(pools, prep, timeouts)
@@ -827,7 +826,7 @@ async def run_soak(args) -> dict:
         svc = proxy.service
         assert svc is not None  # epd-proxy runs as a process of its own
         reqs = workload_requests(args, "mixed")
-        from .loadgen import Phase
+        from epd_proxy.bench.loadgen import Phase
 
         ph = Phase(proxy.url, reqs, concurrency=conc, warmup=warm, duration=dur - warm, max_requests=None,
                    verify=True, label="soak", progress=args.progress, seed=args.seed)

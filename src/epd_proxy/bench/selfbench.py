@@ -25,7 +25,7 @@ import time
 
 import msgspec
 
-from epd_proxy import event_loop
+from epd_proxy.http import event_loop
 
 
 def _free_port() -> int:

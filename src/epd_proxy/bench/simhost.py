@@ -13,7 +13,7 @@ import json
 import signal
 import sys
 
-from epd_proxy import event_loop
+from epd_proxy.http import event_loop
 
 
 def cluster_config(spec: dict):
@@ -48,7 +48,7 @@ async def _main(spec: dict) -> None:
     async with cluster:
         # The simulator is the benchmark's instrument: keep the collector's pauses
         # out of the stage times it serves, as the proxy does (tune_gc).
-        from epd_proxy.serve import tune_gc
+        from epd_proxy.runtime.serve import tune_gc
 
         tune_gc()
         print(json.dumps(describe(cluster)), flush=True)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(argv[0]) if argv else {}
     want = int(spec.get("nofile") or 0)
     if want:
-        from .procs import raise_nofile
+        from epd_proxy.bench.procs import raise_nofile
 
         raise_nofile(want)
     event_loop.run(_main(spec))

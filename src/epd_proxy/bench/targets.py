@@ -16,7 +16,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from .procs import Service
+from epd_proxy.bench.procs import Service
 
 ALL_KINDS = frozenset(("stream", "nonstream", "mm"))
 TEXT_KINDS = frozenset(("stream", "nonstream"))
@@ -62,7 +62,7 @@ class Target:
     stages: dict | None = None  # client-side E→P→D: {"encode": url, "prefill": url, "decode": url}
 
     def make_client(self, concurrency: int):
-        from .clients import StagesClient, UrlClient
+        from epd_proxy.bench.clients import StagesClient, UrlClient
 
         n = max(256, 2 * concurrency)
         if self.stages is not None:
@@ -194,7 +194,7 @@ def nginx_target(sim: SimInfo, *, cpus=None, log_dir: str) -> Target:
     prefix = tempfile.mkdtemp(prefix="epd-bench-nginx-", dir=log_dir)
     conf = os.path.join(prefix, "nginx.conf")
     with open(conf, "w") as f:
-        from .procs import nofile_limits
+        from epd_proxy.bench.procs import nofile_limits
 
         f.write(nginx_conf(port, sim.decode, prefix, as_root=os.geteuid() == 0, nofile=min(nofile_limits()[1], 65536)))
     argv = [exe, "-p", prefix, "-c", conf, "-g", "daemon off;"]

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from epd_proxy.encode.encoder_plan import SubRequest
 from epd_proxy.encode.multimodal import EMBEDS_TYPES, MediaItem
-from epd_proxy.errors import ProxyError
+from epd_proxy.wire.errors import ProxyError
 
 
 @dataclass(slots=True)

@@ -1,10 +1,8 @@
 """Encoder sub-requests: batching the items per encoder, and their bodies.
 
 Which encoder gets which item is the encode pool's routing policy's choice
-(``routing.py``); its ``round-robin`` is the reference's spread, a cursor
-shared by all requests (docs/protocol.md §4.3: a per-request cursor would
-send every single-image request to E0, #52484), which
-:func:`assign_round_robin` and :class:`RoundRobinCursor` state on indices.
+(``routing/``); its ``round-robin`` is the reference's spread, a cursor
+shared by all requests (``routing.policies.assign_round_robin``).
 Images that land on the same encoder then travel together, up to
 ``max_batch`` per sub-request; audio and video travel alone.
 """
@@ -14,57 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
-from epd_proxy.blobs import is_text
 from epd_proxy.encode.multimodal import MediaItem, media_url
-from epd_proxy.ids import hex_id
+from epd_proxy.wire.blobs import is_text
+from epd_proxy.wire.ids import hex_id
 
 # Client fields an encoder needs to process media exactly as the consumer
 # will (docs/protocol.md §3.1). Everything else, including all text, is dropped.
 _COPIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
 
-
-def assign_round_robin(
-    cursor: int, n_encoders: int, count: int
-) -> tuple[list[int], int]:
-    """Encoder indices for ``count`` consecutive items from ``cursor``.
-
-    Returns the indices and the next cursor, kept modulo ``n_encoders``.
-    """
-    if n_encoders < 1:
-        raise ValueError("n_encoders must be >= 1")
-    if count < 0:
-        raise ValueError("count must be >= 0")
-    start = cursor % n_encoders
-    indices = [(start + i) % n_encoders for i in range(count)]
-    return indices, (start + count) % n_encoders
-
-
-class RoundRobinCursor:
-    """The encoder cursor shared by all requests.
-
-    No lock is needed: :meth:`take` reads and writes the cursor without an
-    ``await`` in between, and the proxy runs on one event loop, so no other
-    coroutine can interleave. (The reference proxy's ``asyncio.Lock`` is
-    harmless but unnecessary; a threaded caller would need its own lock.)
-    """
-
-    __slots__ = ("_cursor",)
-
-    def __init__(self, start: int = 0) -> None:
-        self._cursor = start
-
-    @property
-    def position(self) -> int:
-        return self._cursor
-
-    def take(self, count: int, n: int) -> list[int]:
-        """The encoders for the next ``count`` items among ``n`` encoders.
-
-        If the roster size changed since the last call the cursor is simply
-        taken modulo the new ``n``; the rotation shifts but never resets.
-        """
-        indices, self._cursor = assign_round_robin(self._cursor, n, count)
-        return indices
 
 
 @dataclass(slots=True)

@@ -23,9 +23,9 @@ import unicodedata
 from typing import Iterable, Sequence
 from urllib.parse import unquote, urlsplit
 
-from ..blobs import Blob
-from ..errors import bad_request
-from .multimodal import MediaItem, media_url
+from epd_proxy.encode.multimodal import MediaItem, media_url
+from epd_proxy.wire.blobs import Blob
+from epd_proxy.wire.errors import bad_request
 
 _IPV4_CHARS = frozenset("0123456789abcdefx.")
 _NO_HOST_SCHEMES = frozenset(("data", "file"))
@@ -72,6 +72,12 @@ def is_internal(addr: Address) -> bool:
         return True
     inner = _embedded_v4(addr)
     return inner is not None and is_internal(inner)
+
+
+def check_config(config) -> None:
+    """``--allowed-media-hosts`` and friends, beside the policy that parses them."""
+    MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
+                allowed_hosts=config.allowed_media_hosts)
 
 
 class MediaPolicy:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from dataclasses import replace as _replace
 from typing import TYPE_CHECKING
 
-from epd_proxy.blobs import URL_MEDIA_TYPES, encode_json_sorted, is_text, text_bytes
-from epd_proxy.errors import bad_request
+from epd_proxy.wire.blobs import URL_MEDIA_TYPES, encode_json_sorted, is_text, text_bytes
+from epd_proxy.wire.errors import bad_request
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from epd_proxy.blobs import Blob
+    from epd_proxy.wire.blobs import Blob
 
 MEDIA_TYPES = ("image_url", "audio_url", "input_audio", "video_url")
 

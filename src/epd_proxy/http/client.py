@@ -33,8 +33,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from . import Headers
-from .timers import ConnectionTimer
+from epd_proxy.http import Headers
+from epd_proxy.http.timers import ConnectionTimer
 
 
 class UpstreamError(Exception):

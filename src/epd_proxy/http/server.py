@@ -26,8 +26,8 @@ from typing import Awaitable, Callable
 
 import httptools
 
-from . import Headers
-from .timers import ConnectionTimer
+from epd_proxy.http import Headers
+from epd_proxy.http.timers import ConnectionTimer
 
 log = logging.getLogger("epd_proxy.http")
 

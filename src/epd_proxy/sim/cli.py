@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import sys
 
-from epd_proxy import event_loop
+from epd_proxy.http import event_loop
 from epd_proxy.sim.cluster import SimCluster
 from epd_proxy.sim.config import EC_CONNECTORS, KV_CONNECTORS, SimConfig
 

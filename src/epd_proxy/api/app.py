@@ -1,0 +1,347 @@
+"""The proxy's HTTP surface: routes, and the objects one server process owns."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import msgspec
+
+from epd_proxy import routing
+from epd_proxy.api.access import READ, AccessPolicy
+from epd_proxy.api.admin import AdminApi
+from epd_proxy.api.client_auth import (
+    CHALLENGE,
+    INVALID_KEY_BODY,
+    MISSING_KEY_BODY,
+    ClientKeys,
+    admin_key_presented,
+    unauthorized,
+)
+from epd_proxy.api.siblings import SiblingChannel
+from epd_proxy.config import ROLES, ProxyConfig
+from epd_proxy.encode import media_policy
+from epd_proxy.http.client import TransportTimeouts, UpstreamError
+from epd_proxy.http.server import Request, ResponseWriter
+from epd_proxy.instances import discovery
+from epd_proxy.instances.health import OutlierSettings
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.load_scraper import LoadScraper
+from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.instances.roster import check_pinned_topology
+from epd_proxy.observe import access_log, tracing
+from epd_proxy.observe.metrics import ProxyMetrics
+from epd_proxy.request.connectors import CONNECTORS, check_connector_config
+from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
+from epd_proxy.request.pipeline import Pipeline
+from epd_proxy.routing import make_policy
+from epd_proxy.wire.errors import ProxyError
+
+log = logging.getLogger("epd_proxy.app")
+
+_METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+def validate_config(config: ProxyConfig) -> None:
+    """Everything checkable before serving: raises ValueError with an operator-facing message.
+    Each check lives beside what it protects: the knobs in config.py, the key file in
+    client_auth.py, the KV connector and its instances in connectors.py, a pinned topology
+    in membership.py, the policy names in routing/, the DNS server in discovery.py, the
+    media hosts in media_policy.py."""
+    config.validate()
+    routing.check_config(config)
+    discovery.check_config(config)
+    media_policy.check_config(config)
+    ClientKeys.from_config(config)  # the key file can be read
+    check_connector_config(config)
+    check_pinned_topology(config)
+
+
+class ProxyApp:
+    """Routes requests; owns the pools, the pipeline and the metrics."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        validate_config(config)
+        self.config = config
+        # Every role has a pool, possibly empty: instances may register at run time.
+        self.pools: dict[str, InstancePool] = {}
+        for role in ROLES:
+            specs = _with_ec_consumers(config) if role == "decode" else getattr(config, role)
+            policy = make_policy(config.policy_for(role), balance_abs=config.balance_abs,
+                                 balance_rel=config.balance_rel)
+            self.pools[role] = InstancePool(role, specs, policy=policy,
+                                            keep_alive=config.upstream_keep_alive,
+                                            outlier=OutlierSettings.from_config(config),
+                                            max_connections=config.max_upstream_connections)
+        connector = CONNECTORS[config.kv_connector]
+        self.membership = Membership(self.pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
+                                     check=lambda spec: connector.check_instances([spec])
+                                     if spec.role == "prefill" else None)
+        self.metrics = ProxyMetrics(self.pools)
+        self.metrics.membership = self.membership
+        # Load signals are scraped only for the pools whose policy reads them.
+        self.scrapers = [LoadScraper(pool, config.scrape_interval, config.probe_timeout)
+                         for pool in self.pools.values() if pool.policy.uses_signals]
+        self.pipeline = Pipeline(config, self.pools, self.metrics)
+        self.membership.subscribe(self._roster_changed)
+        self.admin = AdminApi(self.membership, AccessPolicy(config.admin_api_key, config.registration_allow),
+                              self.pipeline._base_headers)
+        if access_log.enabled(config):
+            self.pipeline.access_log = access_log.AccessLog(config.log_format)
+        self.pipeline.tracing = tracing.from_environment()
+        self._routes = {
+            ("POST", CHAT): self._generate_chat,
+            ("POST", COMPLETIONS): self._generate_completions,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("HEAD", "/health"): self._health,
+            ("GET", "/ready"): self._ready,
+            ("HEAD", "/ready"): self._ready,
+            ("GET", "/status"): self._status,
+            ("GET", "/metrics"): self._metrics,
+            ("POST", "/instances"): self.admin.register,
+            ("DELETE", "/instances"): self.admin.unregister,
+            ("GET", "/instances"): self.admin.roster,
+            ("POST", "/instances/drain"): self.admin.drain,
+            ("POST", "/start_profile"): self.admin.start_profile,
+            ("POST", "/stop_profile"): self.admin.stop_profile,
+        }
+        self._paths = {path for _, path in self._routes}
+        self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
+        # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
+        # instance's drain (an operator taking one instance out: membership.py).
+        self.shutting_down = False
+        self.siblings: SiblingChannel | None = None  # --workers > 1: /metrics, /status, /ready ask siblings
+        # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
+        # (/metrics needs the admin key with --protect-metrics).
+        self.client_keys = ClientKeys.from_config(config)
+        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics and config.admin_api_key else None
+
+    def reload(self) -> None:
+        """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
+        read (the keys in force stay)."""
+        if self.client_keys is not None:
+            self.client_keys.reload()
+
+    @property
+    def topology(self) -> str:
+        """PD, E+PD, P+D or E+P+D: pinned, or what the roster holds (``none`` while empty)."""
+        return self.membership.topology
+
+    def _roster_changed(self, change) -> None:
+        if change.event in ("registered", "removed", "forgotten"):
+            self.pipeline.connector.forget(change.spec.url)
+
+    async def start(self) -> None:
+        await self.pipeline.connector.start()
+        for pool in self.pools.values():
+            pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
+        self.membership.start()
+        for scraper in self.scrapers:
+            scraper.start()
+
+    async def close(self) -> None:
+        for scraper in self.scrapers:
+            await scraper.close()
+        await self.membership.close()
+        await self.pipeline.close()
+        if self.pipeline.tracing is not None:
+            self.pipeline.tracing.close()
+        for pool in self.pools.values():
+            await pool.close()
+
+    async def __call__(self, req: Request, writer: ResponseWriter) -> None:
+        if self.shutting_down:
+            writer.keep_alive = False
+        keys = self.client_keys
+        if keys is not None and req.path.startswith("/v1/"):
+            authorization = req.headers.get(b"authorization")
+            if not keys.allows(authorization):
+                # Before the route: an unauthenticated caller learns nothing about the API's paths.
+                body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
+                writer.send(401, body, b"application/json", CHALLENGE)
+                self._served(req, writer, time.perf_counter())
+                return
+        handler = self._routes.get((req.method, req.path))
+        if handler in self._generation:
+            await handler(req, writer)  # the pipeline writes its own access-log line
+            return
+        t0 = time.perf_counter()
+        if handler is None:
+            if req.path in self._paths:
+                err = ProxyError(405, f"method {req.method} not allowed on {req.path}")
+            else:
+                err = ProxyError(404, f"no route for {req.method} {req.path}")
+            writer.send(err.status, err.body())
+            self.metrics.observe_request("other", err.status, time.perf_counter() - t0)
+        else:
+            await handler(req, writer)
+        self._served(req, writer, t0)
+
+    def _served(self, req: Request, writer: ResponseWriter, t0: float) -> None:
+        """The access-log line of a request the pipeline did not run."""
+        access = self.pipeline.access_log
+        if access is not None:
+            rid = client_request_id(req)
+            access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
+                         writer.bytes_sent, time.perf_counter() - t0)
+
+    async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
+        await self.pipeline.handle(req, writer, CHAT)
+
+    async def _generate_completions(self, req: Request, writer: ResponseWriter) -> None:
+        await self.pipeline.handle(req, writer, COMPLETIONS)
+
+    async def _models(self, req: Request, writer: ResponseWriter) -> None:
+        """The model list of a live decode instance, relayed as received."""
+        pool = self.pools["decode"]
+        t = self.config.timeouts
+        timeouts = TransportTimeouts(connect=t.connect, headers=10.0, idle=10.0)
+        tried: set[Instance] = set()
+        last: ProxyError = ProxyError(503, "no decode instance available")
+        for _ in range(min(2, len(pool))):
+            try:
+                inst = pool.choose(tried)
+            except ProxyError as err:
+                last = err
+                break
+            tried.add(inst)
+            try:
+                resp = await inst.connections.request("GET", "/v1/models", headers=self.pipeline._base_headers,
+                                                      timeouts=timeouts)
+                try:
+                    data = await resp.read()
+                finally:
+                    resp.close()
+            except UpstreamError as exc:
+                pool.record_failure(inst, str(exc))
+                log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
+                last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
+                continue
+            writer.send(resp.status, data, resp.content_type)
+            return
+        writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
+
+    async def _health(self, req: Request, writer: ResponseWriter) -> None:
+        """Liveness of the proxy itself: never waits on a backend."""
+        writer.send(200, b'{"status":"ok"}')
+
+    async def _ready(self, req: Request, writer: ResponseWriter) -> None:
+        """Whether this proxy can take traffic, not whether its backends are healthy: 503 while
+        shutting down, or while a role the topology needs has no instance at all; otherwise 200,
+        even when a pool is failing (the proxy then answers those requests itself, which beats
+        a load balancer dropping every replica at once). Backend health is in /status.
+        With --workers, 200 only when every worker that answers is ready."""
+        status, body = self._local_ready()
+        if status == 200 and self.siblings is not None:
+            peers = await self.siblings.ask("ready")
+            for peer_status, peer_body in peers:
+                if peer_status != 200:
+                    status, body = peer_status, peer_body
+                    break
+            else:
+                body = dict(body, workers=1 + len(peers))
+        if status == 200:
+            writer.send(200, _READY if self.siblings is None else msgspec.json.encode(body))
+        else:
+            writer.send(status, msgspec.json.encode(body), headers=[(b"retry-after", b"5")])
+
+    def _local_ready(self) -> tuple[int, dict]:
+        if self.shutting_down:
+            return 503, {"status": "draining"}  # the word load balancers have seen since the start
+        missing = [role for role in self.membership.required_roles() if not self.pools[role].instances]
+        if missing:
+            return 503, {"status": "unavailable", "no_instances": missing}
+        return 200, {"status": "ready"}
+
+    def _local_status(self) -> dict:
+        return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
+                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
+                "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
+                "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
+
+    async def _status(self, req: Request, writer: ResponseWriter) -> None:
+        if not self.admin.allowed(req, writer, READ):  # internal addresses: the admin key's, if one is set
+            return
+        body = self._local_status()
+        if self.siblings is not None:
+            peers = await self.siblings.ask("status")
+            body = dict(body, workers=1 + len(peers), pools=merge_pool_status([body["pools"]] +
+                                                                              [p["pools"] for p in peers]))
+        writer.send(200, msgspec.json.encode(body))
+
+    async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
+        if self._metrics_key is not None and not admin_key_presented(req.headers, self._metrics_key):
+            err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
+            writer.send(401, err.body(), b"application/json", CHALLENGE)
+            return
+        peers = await self.siblings.ask("metrics") if self.siblings is not None else None
+        writer.send(200, self.metrics.render(peers), _METRICS_TYPE)
+
+    async def answer_sibling(self, question: str):
+        """This worker's own view, for the worker a client asked (siblings.py)."""
+        if question == "metrics":
+            return self.metrics.snapshot()
+        if question == "status":
+            return self._local_status()
+        if question == "ready":
+            return list(self._local_ready())
+        return None
+
+
+_READY = b'{"status":"ready"}'
+
+
+def merge_pool_status(views: list[dict]) -> dict:
+    """Per-worker ``/status`` pools as one: counts add up, an instance is ``healthy`` only if
+    every worker has it in rotation (``healthy_workers`` says in how many it is)."""
+    out: dict[str, dict] = {}
+    for pools in views:
+        for role, instances in pools.items():
+            merged = out.setdefault(role, {})
+            for inst in instances:
+                have = merged.get(inst["url"])
+                if have is None:
+                    have = merged[inst["url"]] = dict(inst, errors=dict(inst["errors"]), healthy_workers=0)
+                    have["healthy_workers"] = 1 if inst["healthy"] else 0
+                    continue
+                for key in ("inflight", "requests", "ejections"):
+                    have[key] += inst[key]
+                for kind, n in inst["errors"].items():
+                    have["errors"][kind] = have["errors"].get(kind, 0) + n
+                have["consecutive_failures"] = max(have["consecutive_failures"], inst["consecutive_failures"])
+                have["healthy"] = have["healthy"] and inst["healthy"]
+                have["healthy_workers"] += 1 if inst["healthy"] else 0
+                if have["state"] != inst["state"]:
+                    have["state"] = "mixed"
+                have["last_error"] = have["last_error"] or inst["last_error"]
+                if inst["ejected_until"] is not None:
+                    have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
+    return {role: list(merged.values()) for role, merged in out.items()}
+
+
+def _with_ec_consumers(config: ProxyConfig) -> list:
+    """The decode specs with their EC consumer addresses (``--ec-consumer-zmq-addrs``,
+    aligned with them, ``--ec-consumer-dp-size`` each), so every decode instance
+    carries its own, as a registered one does."""
+    addrs, dp = config.ec_consumer_zmq_addrs, config.ec_consumer_dp_size
+    if not addrs:
+        return list(config.decode)
+    return [dataclasses.replace(spec, ec_zmq_addrs=tuple(addrs[i * dp:(i + 1) * dp]), dp_size=dp)
+            for i, spec in enumerate(config.decode)]
+
+
+def log_requests(handler):
+    """``--log-requests`` (the reference's flag): one debug line per request. Off by
+    default: the success path logs nothing."""
+    async def logged(req: Request, writer: ResponseWriter) -> None:
+        t0 = time.perf_counter()
+        try:
+            await handler(req, writer)
+        finally:
+            log.debug("%s %s -> %s in %.1f ms (%s)", req.method, req.target.decode("latin-1"), writer.status or 499,
+                      (time.perf_counter() - t0) * 1000, (req.header(b"x-request-id") or b"-").decode("latin-1"))
+    return logged

@@ -1,0 +1,123 @@
+"""Who may call the proxy's API: the client keys (``--api-key``, ``--api-key-file``).
+
+Clients send ``Authorization: Bearer KEY``, as with vLLM's ``--api-key`` and the
+OpenAI API. Keys are compared in constant time, all of them on every check, so
+neither a key's content nor its position in the list shows in the answer's timing.
+
+The key file holds one key per line (blank lines and ``#`` comments ignored) and is
+read again on every reload (SIGHUP, reload.py; :meth:`ClientKeys.reload`): keys can be
+rotated without a restart. A file that cannot be read at reload keeps the keys in force (a failed
+rotation must not open the proxy to everyone, nor lock everyone out); a file that
+reads as empty means no key is valid (the operator revoked them all).
+Pure apart from reading the file: the HTTP layer passes the header in.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from epd_proxy.wire.errors import ProxyError
+
+log = logging.getLogger("epd_proxy.auth")
+
+_BEARER = b"bearer "
+
+
+def read_key_file(path: str) -> list[str]:
+    """The keys in a key file; OSError/ValueError with the reason if it cannot be read."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    keys = []
+    for line in lines:
+        key = line.strip()
+        if key and not key.startswith("#"):
+            if any(c.isspace() for c in key):
+                raise ValueError(f"{path}: a key contains whitespace (one key per line)")
+            keys.append(key)
+    return keys
+
+
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header (scheme case-insensitive)."""
+    if not authorization or len(authorization) <= len(_BEARER):
+        return None
+    if authorization[: len(_BEARER)].lower() != _BEARER:
+        return None
+    return authorization[len(_BEARER):].strip()
+
+
+class ClientKeys:
+    """The keys clients may present; the flag's keys plus the key file's."""
+
+    __slots__ = ("_fixed", "_file", "_keys")
+
+    def __init__(self, keys: tuple[str, ...] | list[str] = (), key_file: str | None = None) -> None:
+        self._fixed = tuple(k.encode() for k in keys if k)
+        self._file = key_file
+        file_keys = read_key_file(key_file) if key_file else []
+        self._keys = self._fixed + tuple(k.encode() for k in file_keys)
+        if key_file and not file_keys:
+            log.warning("--api-key-file %s holds no key%s", key_file,
+                        "" if self._fixed else ": every API request gets 401 until it does")
+
+    @classmethod
+    def from_config(cls, config) -> "ClientKeys | None":
+        """None when no client key is configured (the API is open, as vLLM's is without --api-key)."""
+        if not config.api_keys and not config.api_key_file:
+            return None
+        try:
+            return cls(config.api_keys, config.api_key_file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--api-key-file: cannot read {config.api_key_file}: {_reason(exc)}") from None
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def allows(self, authorization: bytes | None) -> bool:
+        """Whether the header carries a valid key (every key is compared, in constant time)."""
+        token = bearer_token(authorization)
+        if token is None:
+            return False
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    def reload(self) -> None:
+        """Read the key file again (a reload). If it cannot be read, the keys in force stay and
+        ValueError says why (the reload counts as failed)."""
+        if not self._file:
+            return
+        try:
+            file_keys = read_key_file(self._file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--api-key-file {self._file}: cannot read it ({_reason(exc)}); "
+                             f"the keys in force stay") from None
+        self._keys = self._fixed + tuple(k.encode() for k in file_keys)
+        log.info("--api-key-file %s reloaded: %d key(s) in force", self._file, len(self._keys))
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc)
+
+
+def unauthorized(message: str) -> ProxyError:
+    """401 in the OpenAI envelope (``invalid_api_key``, as the OpenAI API answers)."""
+    return ProxyError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+# The two answers to a refused API call, encoded once.
+MISSING_KEY_BODY = unauthorized("missing API key: send 'Authorization: Bearer <key>'").body()
+INVALID_KEY_BODY = unauthorized("invalid API key").body()
+# A 401 names the scheme to use (RFC 9110 §11.6.1).
+CHALLENGE = [(b"www-authenticate", b'Bearer realm="epd-proxy"')]
+
+
+def admin_key_presented(headers: dict, admin_key: bytes) -> bool:
+    """Whether a request carries the admin key: ``X-API-Key`` (as the roster API takes it) or
+    ``Authorization: Bearer`` (what a Prometheus scrape config's ``authorization`` sends)."""
+    token = headers.get(b"x-api-key") or bearer_token(headers.get(b"authorization"))
+    return token is not None and hmac.compare_digest(token, admin_key)

@@ -1,0 +1,447 @@
+"""``epd-proxy serve``: its flags, and the settings they and the cluster file make.
+
+Every default is read from the config dataclasses (``ProxyConfig``, its
+``StageTimeouts``, ``ServeOptions``), never written here, so the flag, its
+``--help`` line and the cluster file agree with the code that uses the value. A
+few defaults come from an environment variable first, as vLLM's own do; each flag
+says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from epd_proxy.cli.cluster_file import ClusterFileError, Option, read_cluster_path
+from epd_proxy.config import (
+    ALWAYS_FORWARDED,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    ROLE_POLICY_DEFAULTS,
+    ROLES,
+    ProxyConfig,
+    ServeOptions,
+    StageTimeouts,
+    split_discovered,
+    split_instances,
+)
+from epd_proxy.instances.load_signals import QUIET_STRETCH
+from epd_proxy.routing import POLICIES
+
+# Upstream credentials come only from explicit configuration: never from OPENAI_API_KEY,
+# which may hold a key for another service entirely.
+UPSTREAM_API_KEY_ENV = "EPD_PROXY_UPSTREAM_API_KEY"
+ADMIN_API_KEY_ENV = "ADMIN_API_KEY"
+ENCODER_MAX_BATCH_SIZE_ENV = "ENCODER_MAX_BATCH_SIZE"  # as the reference proxy reads it
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # the backends' setting, when the proxy runs beside them
+
+
+def _env(name: str, default, kind=str):
+    """A default that the environment variable ``name`` overrides when set."""
+    value = os.environ.get(name)
+    return default if value is None else kind(value)
+
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``1048576``, ``64M``, ``512k``, ``1G`` (binary units)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _UNITS.get(t[-1:], 1)
+    try:
+        n = int(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 64M, 1G)") from None
+    return n * scale
+
+
+def size_text(n: int) -> str:
+    """``parse_size``'s inverse for the help text: 67108864 -> ``64M``."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults, process = ProxyConfig(), ServeOptions()
+    timeouts = defaults.timeouts
+    parser.description = ("Run the proxy in front of vLLM encode / prefill / decode instances. Instances are URLs, "
+                          "optionally with ;key=value attributes (engine_id, kv_host, kv_port, tp, pp, "
+                          "bootstrap_port) that push-mode connectors need, e.g. 'http://p1:8100;engine_id=prefill-0;"
+                          "kv_host=10.0.0.1;kv_port=5600'.")
+    p = parser
+    p.add_argument("--host", default=process.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=process.port, help="port to listen on (default %(default)s)")
+    p.add_argument("--encode", "--encode-servers-urls", dest="encode", action="append", metavar="URL",
+                   help="encoder instance(s); repeatable and comma-separated; omit for P/D only")
+    p.add_argument("--prefill", "--prefill-servers-urls", dest="prefill", action="append", metavar="URL",
+                   help="prefill instance(s); omit (or 'none'/'disable') for E+PD")
+    p.add_argument("--decode", "--decode-servers-urls", dest="decode", action="append", metavar="URL",
+                   help="decode (or PD) instance(s)")
+    p.add_argument("--kv-connector", default=defaults.kv_connector,
+                   help="nixl (pull), nixl-push or mooncake (default %(default)s)")
+    p.add_argument("--decode-retries", type=int, default=defaults.decode_retries,
+                   help="fresh attempts after a retryable failure before the response starts (default %(default)s)")
+    p.add_argument("--encoder-max-batch-size", type=int,
+                   default=_env(ENCODER_MAX_BATCH_SIZE_ENV, defaults.encoder_max_batch_size, int),
+                   help=f"images per encoder sub-request (0 = unlimited; default ${ENCODER_MAX_BATCH_SIZE_ENV}, "
+                        f"else {defaults.encoder_max_batch_size})")
+    p.add_argument("--no-rewrite", action="store_true", default=not defaults.rewrite,
+                   help="send raw media to the consumer (no *_embeds rewrite, no uuids to encoders)")
+    p.add_argument("--ec-consumer-zmq-addrs", default=",".join(defaults.ec_consumer_zmq_addrs),
+                   help="comma-separated EC consumer ZMQ addresses, aligned with --decode (E+PD only)")
+    p.add_argument("--ec-consumer-dp-size", type=int, default=defaults.ec_consumer_dp_size,
+                   help="data-parallel replicas per EC consumer (default %(default)s)")
+    p.add_argument("--upstream-api-key", default=_env(UPSTREAM_API_KEY_ENV, defaults.upstream_api_key),
+                   help=f"sent to backends as 'Authorization: Bearer' (default: ${UPSTREAM_API_KEY_ENV}; "
+                        "for the reference proxies' behaviour pass --upstream-api-key \"$OPENAI_API_KEY\")")
+    p.add_argument("--forward-header", action="append", default=[], metavar="NAME",
+                   help=f"client header to pass on to every stage ({'/'.join(ALWAYS_FORWARDED)} always are); "
+                        "hop-by-hop, framing and proxy-set headers are refused")
+    p.add_argument("--ignore-client-uuids", action="store_true", default=defaults.ignore_client_uuids,
+                   help="key media by their content even when the client sends a uuid (multi-tenant)")
+    p.add_argument("--max-media-items", type=int, default=defaults.max_media_items,
+                   help="media parts per request, all modalities (default %(default)s; 0 = no media accepted)")
+    p.add_argument("--max-upstream-connections", type=int, default=defaults.max_upstream_connections,
+                   help="concurrent connections to one instance; further requests wait in line "
+                        "(default %(default)s)")
+    p.add_argument("--allowed-media-schemes", default=",".join(defaults.allowed_media_schemes),
+                   help="comma-separated URL schemes media may use (default %(default)s)")
+    p.add_argument("--allowed-media-hosts", action="append", default=list(defaults.allowed_media_hosts),
+                   metavar="HOST|CIDR",
+                   help="hosts or networks media URLs may name although they are loopback, private, "
+                        "link-local, unspecified or multicast addresses; repeatable, comma-separated")
+    names = list(POLICIES)
+    p.add_argument("--routing", choices=names, default=defaults.routing,
+                   help="routing policy of every role without its own flag (default: each role's own, "
+                        + ", ".join(f"{role} {name}" for role, name in ROLE_POLICY_DEFAULTS.items()) + ")")
+    for role in ("prefill", "decode", "encode"):
+        p.add_argument(f"--{role}-policy", choices=names, default=getattr(defaults, f"{role}_policy"),
+                       help=f"routing policy of the {role} instances (default: --routing, else "
+                            f"{ROLE_POLICY_DEFAULTS[role]}" + ("; cache-aware for PD, i.e. without --prefill)"
+                                                               if role == "decode" else ")"))
+    p.add_argument("--balance-abs", type=float, default=defaults.balance_abs,
+                   help="cache-aware passes over its preferred instance when that one has more than this "
+                        f"many requests beyond the least-loaded one (default {defaults.balance_abs:g}) ...")
+    p.add_argument("--balance-rel", type=float, default=defaults.balance_rel,
+                   help=f"... and more than this many times its load (default {defaults.balance_rel:g})")
+    p.add_argument("--scrape-interval", type=float, default=defaults.scrape_interval,
+                   help="seconds between background scrapes of each instance's /metrics for load signals "
+                        f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; up to "
+                        f"{QUIET_STRETCH}x longer while they show only this proxy's load; default "
+                        f"{defaults.scrape_interval:g})")
+    p.add_argument("--upstream-keep-alive", type=float,
+                   default=_env(KEEP_ALIVE_ENV, defaults.upstream_keep_alive, float),
+                   help=f"the backends' keep-alive timeout ({KEEP_ALIVE_ENV}); idle pooled connections are "
+                        f"retired at half of it (default ${KEEP_ALIVE_ENV}, else {defaults.upstream_keep_alive:g} s)")
+    p.add_argument("--connect-timeout", type=float, default=timeouts.connect,
+                   help=f"to open a connection to an instance (default {timeouts.connect:g} s)")
+    p.add_argument("--encode-timeout", type=float, default=timeouts.encode,
+                   help=f"(default {timeouts.encode:g} s)")
+    p.add_argument("--prefill-timeout", type=float, default=timeouts.prefill,
+                   help=f"(default {timeouts.prefill:g} s)")
+    p.add_argument("--decode-timeout", type=float, default=timeouts.decode_first,
+                   help=f"until decode's first event (default {timeouts.decode_first:g} s)")
+    p.add_argument("--stream-idle-timeout", type=float, default=timeouts.stream_idle,
+                   help=f"longest silence inside decode's stream (default {timeouts.stream_idle:g} s)")
+    p.add_argument("--first-byte-timeout", type=float, default=timeouts.first_byte,
+                   help=f"from a request's admission to its response's status: past it the client gets 504 "
+                        f"and every upstream leg is closed (default {timeouts.first_byte:g} s, 0 = off)")
+    p.add_argument("--max-inflight", type=int, default=defaults.max_inflight,
+                   help=f"client requests this process works on at once (default {defaults.max_inflight}: "
+                        f"unlimited); more wait in the queue or get 429")
+    p.add_argument("--queue-size", type=int, default=defaults.queue_size,
+                   help=f"requests waiting for a slot beyond --max-inflight (default {defaults.queue_size})")
+    p.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout,
+                   help=f"longest wait in that queue before 429 (default {defaults.queue_timeout:g} s)")
+    p.add_argument("--max-inflight-per-role", action="append", default=[], metavar="ROLE=N",
+                   help="requests in the encode or prefill stage at once (repeatable, comma-separated; default "
+                        "none); more wait in the same kind of queue (--queue-size, --queue-timeout) or get 429")
+    p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace,
+                   help=f"after SIGTERM, /ready is 503 and new connections are still accepted for this "
+                        f"long (default {defaults.shutdown_grace:g} s)")
+    p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                   help=f"after SIGTERM, in-flight requests may finish until this long after the signal; "
+                        f"then the rest are ended (default {defaults.shutdown_timeout:g} s)")
+    p.add_argument("--probe-interval", type=float, default=defaults.probe_interval,
+                   help=f"health probe period (0 = off; default {defaults.probe_interval:g} s)")
+    p.add_argument("--probe-timeout", type=float, default=defaults.probe_timeout,
+                   help=f"(default {defaults.probe_timeout:g} s)")
+    p.add_argument("--fail-threshold", type=int, default=defaults.fail_threshold,
+                   help="consecutive probe or transport failures that eject an instance (default %(default)s)")
+    p.add_argument("--outlier-failure-percent", type=float, default=defaults.outlier_failure_percent,
+                   help="share of requests failing with HTTP 500 that ejects an instance "
+                        f"(default {defaults.outlier_failure_percent:g})")
+    p.add_argument("--outlier-min-requests", type=int, default=defaults.outlier_min_requests,
+                   help="requests an instance must have had before that share counts (default %(default)s)")
+    p.add_argument("--outlier-interval", type=float, default=defaults.outlier_interval,
+                   help=f"seconds over which the share is measured (default {defaults.outlier_interval:g})")
+    p.add_argument("--ejection-time", type=float, default=defaults.ejection_time,
+                   help="base ejection time, multiplied by the number of ejections in a row "
+                        f"(default {defaults.ejection_time:g} s)")
+    p.add_argument("--max-ejection-time", type=float, default=defaults.max_ejection_time,
+                   help=f"longest ejection (default {defaults.max_ejection_time:g} s)")
+    p.add_argument("--max-ejection-percent", type=int, default=defaults.max_ejection_percent,
+                   help="most of a role that request failures may eject, rounded down (default "
+                        "%(default)s); failed probes are not capped")
+    p.add_argument("--max-body-size", type=parse_size, default=defaults.max_body_size, metavar="BYTES",
+                   help="largest request body; larger ones get 413 (K/M/G suffixes; default "
+                        f"{size_text(defaults.max_body_size)})")
+    p.add_argument("--max-buffered-bytes", type=parse_size, default=defaults.max_buffered_bytes, metavar="BYTES",
+                   help="request bodies held at once across all connections; beyond it 503 with "
+                        f"Retry-After (0 = no limit; default {size_text(defaults.max_buffered_bytes)})")
+    p.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                   help="client connections per process; beyond it idle keep-alive connections are "
+                        "closed, then new ones refused with 503 (default %(default)s: a third of the descriptor "
+                        "limit, the rest kept for upstream connections)")
+    p.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
+                   help="seconds from a request's first byte to the end of its headers "
+                        f"(408; default {defaults.header_timeout:g})")
+    p.add_argument("--body-timeout", type=float, default=defaults.body_timeout,
+                   help="seconds from the end of the headers to the end of the body "
+                        f"(408; default {defaults.body_timeout:g})")
+    p.add_argument("--dynamic-registration", action="store_true", default=defaults.dynamic_registration,
+                   help="instances may register at run time (POST /instances); the proxy may start with "
+                        "none. Needs --admin-api-key or --registration-allow")
+    p.add_argument("--admin-api-key", default=_env(ADMIN_API_KEY_ENV, defaults.admin_api_key),
+                   help="X-API-Key for roster changes, GET /instances, /status and profiling "
+                        f"(default: ${ADMIN_API_KEY_ENV}; unset = roster changes off)")
+    p.add_argument("--registration-allow", action="append", default=list(defaults.registration_allow),
+                   metavar="CIDR",
+                   help="network allowed to register without a key (vLLM's registrar sends none); repeatable")
+    p.add_argument("--evicted-ttl", type=float, default=defaults.evicted_ttl,
+                   help="forget a registered instance out of rotation this long, in s "
+                        f"(default {defaults.evicted_ttl:g}; 0 = never)")
+    p.add_argument("--topology", default=defaults.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
+                   help="pin the topology (default: inferred from the instances present)")
+    p.add_argument("--log-requests", action="store_true", default=defaults.log_requests,
+                   help="log every request's method, path, status and time (and set --log-level debug)")
+    p.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
+                        "default none: the API is open); /health, /ready and /metrics stay open")
+    p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
+                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
+    p.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,
+                   help="/metrics needs the admin key (--admin-api-key) as X-API-Key or Bearer")
+    p.add_argument("--ssl-certfile", default=defaults.ssl_certfile, metavar="PATH",
+                   help="serve HTTPS with this certificate chain (PEM), as vllm serve's flag")
+    p.add_argument("--ssl-keyfile", default=defaults.ssl_keyfile, metavar="PATH",
+                   help="the certificate's private key (PEM; default: in --ssl-certfile)")
+    p.add_argument("--workers", type=int, default=process.workers,
+                   help="processes sharing the port (SO_REUSEPORT; default %(default)s)")
+    p.add_argument("--simulate", metavar="SPEC", default=None,
+                   help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
+    p.add_argument("--log-level", default=process.log_level, choices=LOG_LEVELS,
+                   help="(default %(default)s)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="cluster file (TOML) holding any of these flags as keys and the instances with "
+                        "their attributes; flags given here override it; re-read on SIGHUP and when it "
+                        "changes (see 'epd-proxy check-config')")
+    p.add_argument("--dns-interval", type=float, default=defaults.dns_interval,
+                   help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
+                        f"shorter record TTL (at least 1 s) is honoured (default {defaults.dns_interval:g} s)")
+    p.add_argument("--dns-server", metavar="HOST:PORT", default=defaults.dns_server,
+                   help="DNS server for 'dns+http://' instances (default: the system's resolver)")
+    p.add_argument("--no-access-log", action="store_false", dest="access_log", default=defaults.access_log,
+                   help="no access-log line per request (on by default, at INFO)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=defaults.log_format,
+                   help="log lines as readable text or one JSON object each (default %(default)s)")
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The ``serve`` flags alone (what the cluster file may set, and which flags were given)."""
+    parser = argparse.ArgumentParser(prog="epd-proxy serve")
+    add_arguments(parser)
+    return parser
+
+
+def _role_caps(values: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in split_instances(values):
+        role, sep, n = item.partition("=")
+        try:
+            out[role.strip()] = int(n)
+        except ValueError:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64") from None
+        if not sep:
+            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64")
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    static, discover = split_discovered({role: split_instances(getattr(args, role)) for role in ROLES})
+    cfg = ProxyConfig(
+        encode=static["encode"],
+        prefill=static["prefill"],
+        decode=static["decode"],
+        discover=discover,
+        dns_interval=args.dns_interval,
+        dns_server=args.dns_server,
+        kv_connector=args.kv_connector,
+        decode_retries=args.decode_retries,
+        encoder_max_batch_size=args.encoder_max_batch_size,
+        rewrite=not args.no_rewrite,
+        ec_consumer_zmq_addrs=split_instances([args.ec_consumer_zmq_addrs]),
+        ec_consumer_dp_size=args.ec_consumer_dp_size,
+        upstream_api_key=args.upstream_api_key or None,
+        forward_headers=(*ALWAYS_FORWARDED, *args.forward_header),
+        ignore_client_uuids=args.ignore_client_uuids,
+        max_media_items=args.max_media_items,
+        max_upstream_connections=args.max_upstream_connections,
+        allowed_media_schemes=tuple(split_instances([args.allowed_media_schemes])),
+        allowed_media_hosts=tuple(split_instances(args.allowed_media_hosts)),
+        routing=args.routing,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        encode_policy=args.encode_policy,
+        balance_abs=args.balance_abs,
+        balance_rel=args.balance_rel,
+        scrape_interval=args.scrape_interval,
+        upstream_keep_alive=args.upstream_keep_alive,
+        timeouts=StageTimeouts(connect=args.connect_timeout, encode=args.encode_timeout,
+                               prefill=args.prefill_timeout, decode_first=args.decode_timeout,
+                               stream_idle=args.stream_idle_timeout, first_byte=args.first_byte_timeout),
+        probe_interval=args.probe_interval,
+        probe_timeout=args.probe_timeout,
+        fail_threshold=args.fail_threshold,
+        outlier_failure_percent=args.outlier_failure_percent,
+        outlier_min_requests=args.outlier_min_requests,
+        outlier_interval=args.outlier_interval,
+        ejection_time=args.ejection_time,
+        max_ejection_time=args.max_ejection_time,
+        max_ejection_percent=args.max_ejection_percent,
+        max_body_size=args.max_body_size,
+        max_buffered_bytes=args.max_buffered_bytes,
+        max_connections=args.max_connections,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_inflight=args.max_inflight,
+        max_inflight_per_role=_role_caps(args.max_inflight_per_role),
+        queue_size=args.queue_size,
+        queue_timeout=args.queue_timeout,
+        shutdown_grace=args.shutdown_grace,
+        shutdown_timeout=args.shutdown_timeout,
+        dynamic_registration=args.dynamic_registration,
+        admin_api_key=args.admin_api_key or None,
+        registration_allow=tuple(args.registration_allow),
+        evicted_ttl=args.evicted_ttl,
+        topology="P+D" if args.topology == "P/D" else args.topology,
+        log_requests=args.log_requests,
+        api_keys=tuple(args.api_key),
+        api_key_file=args.api_key_file or None,
+        protect_metrics=args.protect_metrics,
+        ssl_certfile=args.ssl_certfile or None,
+        ssl_keyfile=args.ssl_keyfile or None,
+        access_log=args.access_log,
+        log_format=args.log_format,
+    )
+    return cfg
+
+
+# Settings the cluster file may hold as a list although the flag takes one comma-separated string.
+_CSV_DESTS = {"ec_consumer_zmq_addrs", "allowed_media_schemes"}
+
+
+def file_options() -> dict[str, Option]:
+    """What the cluster file may set: every ``serve`` flag, typed as the flag is."""
+    out = {}
+    for action in serve_parser()._actions:
+        if action.dest in ("help", "config", *ROLES) or not action.option_strings:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            kind = "bool"
+        elif isinstance(action, argparse._AppendAction):
+            kind = "strlist"
+        elif action.type is int:
+            kind = "int"
+        elif action.type is float:
+            kind = "float"
+        elif action.type not in (None, str):
+            kind = "parsed"  # e.g. sizes: "64M"
+        else:
+            kind = "csv" if action.dest in _CSV_DESTS else "str"
+        out[action.dest] = Option(action.dest, kind, tuple(action.choices) if action.choices else None,
+                                  action.type if kind == "parsed" else None)  # type: ignore[arg-type]
+    return out
+
+
+class ServeSettings:
+    """The ``serve`` settings: the cluster file (if any) under the flags given on the
+    command line. ``load()`` reads the file again, which is how a reload starts.
+
+    ``argv`` is the command line after the program's name (``serve --config ...``): it
+    tells the flags given apart from the defaults."""
+
+    def __init__(self, argv: list[str], args: argparse.Namespace) -> None:
+        self.argv = list(argv)
+        self.path: str | None = args.config
+        self._flags = args
+        self._explicit = _explicit_dests(argv) if self.path else set()
+        self.started: argparse.Namespace = args  # the settings the process started with
+
+    def load(self) -> argparse.Namespace:
+        """The merged settings; raises ValueError (ClusterFileError) with one line."""
+        args = argparse.Namespace(**vars(self._flags))
+        if self.path:
+            values = read_cluster_path(self.path, file_options())
+            for dest, value in values.items():
+                if dest not in self._explicit:
+                    setattr(args, dest, value)
+        return args
+
+    def config(self, args: argparse.Namespace | None = None) -> ProxyConfig:
+        args = args if args is not None else self.load()
+        cfg = config_from_args(args)
+        if not args.simulate:
+            from epd_proxy.api.app import validate_config
+
+            validate_config(cfg)
+        return cfg
+
+
+def _explicit_dests(argv: list[str]) -> set[str]:
+    """The ``serve`` settings given on the command line (these override the cluster file)."""
+    probe = serve_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)))
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if fmt == "json":
+        from epd_proxy.observe.access_log import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
+
+
+def run(args: argparse.Namespace) -> int:
+    """``epd-proxy serve``; ``args.argv`` is the command line (cli.main sets it)."""
+    settings = ServeSettings(args.argv, args)
+    try:
+        args = settings.started = settings.load()
+    except ClusterFileError as exc:  # one line, no usage text: the flags were fine
+        print(f"epd-proxy serve: {exc}", file=sys.stderr)
+        return 2
+    if args.log_requests:
+        args.log_level = "debug"
+    configure_logging(args.log_level, args.log_format)
+    try:
+        cfg = settings.config(args)
+        from epd_proxy.runtime.serve import tls_context
+
+        tls_context(cfg)  # the certificate and key load
+    except ValueError as exc:
+        if settings.path:
+            print(f"epd-proxy serve: {settings.path}: {exc}", file=sys.stderr)
+            return 2
+        serve_parser().error(str(exc))
+    from epd_proxy.runtime.serve import serve
+
+    return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate,
+                 settings=settings if settings.path else None)

@@ -1,0 +1,116 @@
+"""Each instance's own load, as read from its ``/metrics`` (pure; ``load_scraper.py`` reads it
+in the background).
+
+The proxy's in-flight counts see only its own requests; with several proxy
+replicas (or ``--workers``) each sees a share. vLLM exports the whole queue
+(``vllm:num_requests_running`` + ``vllm:num_requests_waiting``) and the KV
+cache's fill (``vllm:kv_cache_usage_perc``), so a loop per pool scrapes them
+every ``--scrape-interval`` and keeps, per instance, the part of that queue
+which is not this proxy's (:class:`LoadSignals`). Routing reads those numbers;
+no request ever waits on a scrape.
+
+A failed scrape is **not** a health signal: ``/metrics`` may be disabled,
+filtered by a sidecar or slow for reasons unrelated to serving, and the health
+probe already asks the instance whether it serves. It only makes the
+instance's signals unknown (``forget``): routing then counts this proxy's
+in-flight requests alone for it, never old numbers.
+"""
+
+from __future__ import annotations
+
+_RUNNING = b"vllm:num_requests_running"
+_WAITING = b"vllm:num_requests_waiting"
+_KV_USAGE = b"vllm:kv_cache_usage_perc"
+
+
+class LoadSignals:
+    """What an instance's ``/metrics`` said last, as this proxy can use it.
+
+    ``others``: requests on the instance that are not this proxy's (its running +
+    waiting at the scrape, minus this proxy's in-flight during it; 0 when unknown or stale).
+    ``kv_usage``: ``vllm:kv_cache_usage_perc`` (0..1).
+    """
+
+    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at")
+
+    def __init__(self) -> None:
+        self.others = 0.0
+        self.kv_usage = 0.0
+        self.waiting = 0.0
+        self.load = 0.0  # what the load-aware score adds to the in-flight count (routing.py)
+        self.scraped_at: float | None = None
+
+    def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
+        self.others = max(0.0, running + waiting - own_inflight)
+        self.waiting = waiting
+        self.kv_usage = kv_usage
+        self.load = self.others + kv_penalty(kv_usage)
+        self.scraped_at = now
+
+    def forget(self) -> None:
+        """No fresh scrape: route on this proxy's own counts only."""
+        self.others = 0.0
+        self.kv_usage = 0.0
+        self.waiting = 0.0
+        self.load = 0.0
+        self.scraped_at = None
+
+
+# The KV cache weighs in only as it nears full: from KV_FULL_FROM to full it counts as up to
+# KV_USAGE_WEIGHT queued requests (a decode near its limit would preempt the next long
+# stream). Below that, usage says little about the next request, and weighing it would send
+# every tie between idle instances to whichever looked emptiest at the last scrape, for a
+# whole scrape interval.
+KV_FULL_FROM = 0.75
+KV_USAGE_WEIGHT = 8.0
+
+
+def kv_penalty(kv_usage: float) -> float:
+    return KV_USAGE_WEIGHT * (kv_usage - KV_FULL_FROM) / (1.0 - KV_FULL_FROM) if kv_usage > KV_FULL_FROM else 0.0
+
+
+def gauge_samples(text: bytes, name: bytes) -> list[float]:
+    """The samples of a gauge in Prometheus text, one per label set (one per engine with
+    data parallelism); NaN samples are left out."""
+    out: list[float] = []
+    pos = 0
+    n = len(name)
+    size = len(text)
+    while True:
+        pos = text.find(name, pos)
+        if pos < 0:
+            return out
+        end = pos + n
+        # A sample line starts with the exact name: not a comment, not a longer name.
+        if (pos == 0 or text[pos - 1] == 10) and end < size and text[end] in b"{ ":
+            eol = text.find(b"\n", end)
+            line = text[end:eol if eol >= 0 else size]
+            if line[:1] == b"{":
+                line = line[line.rfind(b"}") + 1:]
+            try:
+                value = float(line.split()[0])
+            except (ValueError, IndexError):
+                value = float("nan")
+            if value == value:
+                out.append(value)
+        pos = end
+
+
+def parse_load(text: bytes) -> tuple[float, float, float] | None:
+    """(running, waiting, kv_usage) from vLLM's ``/metrics``: queues summed over engines, KV
+    usage their mean; None without the queue gauges."""
+    running = gauge_samples(text, _RUNNING)
+    waiting = gauge_samples(text, _WAITING)
+    if not running and not waiting:
+        return None
+    kv = gauge_samples(text, _KV_USAGE)
+    return sum(running), sum(waiting), (sum(kv) / len(kv)) if kv else 0.0
+
+
+# While every instance shows only this proxy's own requests and no KV cache near full, a scrape
+# adds nothing to what routing already knows: the wait doubles after each such round, up to
+# QUIET_STRETCH x the interval, and drops back to the interval at the first round that shows
+# anything else. (Envoy's health checks stretch the same way for a cluster without traffic,
+# ``no_traffic_interval``.) A single proxy in front of its own cluster then pays a quarter of
+# the scrapes; replicas that see each other's load keep the full rate.
+QUIET_STRETCH = 4

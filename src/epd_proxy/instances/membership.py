@@ -1,0 +1,352 @@
+"""One roster over the role pools: every way an instance joins or leaves lands here.
+
+Static flags, the registration API (``POST /instances``, vLLM's registrar),
+a config file and DNS discovery all call :class:`Membership`, which owns
+*which* instances exist and who put them there (their ``source``); the pools
+own *how* they are routed to and their health (``health.py``'s one state
+machine). vLLM's registry view maps onto that state machine: *live* is
+healthy (in full rotation), *evicted* is ejected or half-open (out, still
+probed; a probe success brings it back), and an instance that stays evicted
+for ``evicted_ttl`` seconds is forgotten.
+
+Leaving never cuts a request: an unregistered instance leaves the routing
+lists at once but keeps its connections until the requests holding it have
+finished; a drained one stays in the roster, gets no new requests, and leaves
+by itself when its in-flight count reaches 0.
+
+The decisions are pure functions over plain data in ``roster.py``
+(``parse_registration``, ``check_registration``, ``roster_diff``,
+``infer_topology``); the class is the thin shell that applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from epd_proxy.config import InstanceSpec
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.instances.roster import (
+    PINNED_SOURCES,
+    REGISTRATION_ROLES,
+    MembershipConflict,
+    RosterDiff,
+    check_registration,
+    infer_topology,
+    merge_announcement,
+    normalise_url,
+    registered_role,
+    required_roles,
+    roster_diff,
+)
+
+log = logging.getLogger("epd_proxy.membership")
+
+# How often leaving, draining and evicted instances are looked at.
+SWEEP_INTERVAL = 0.1
+IDLE_SWEEP_INTERVAL = 1.0
+
+
+# -- the shell -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One roster change, as subscribers see it. ``event`` is one of ``registered``,
+    ``refreshed``, ``updated``, ``draining``, ``removed`` (no new requests; its
+    in-flight ones finish), ``forgotten`` (out longer than the TTL), ``left``
+    (idle after removal or drain: its connections are closed)."""
+
+    event: str
+    spec: InstanceSpec
+    source: str
+
+
+class Membership:
+    """The roster over ``pools`` (one per role, all present, possibly empty)."""
+
+    def __init__(self, pools: dict[str, InstancePool], *, evicted_ttl: float = 900.0, topology: str = "auto",
+                 check: Callable[[InstanceSpec], None] | None = None) -> None:
+        self.pools = pools
+        self.evicted_ttl = evicted_ttl
+        self.pinned = topology
+        # The roles the flags gave instances for stay part of the topology when their
+        # instances leave: a P/D proxy whose prefills are gone is not ready, not PD.
+        self.configured = tuple(r for r, p in pools.items() if p.instances)
+        self._check = check  # connector-specific rules (raise ValueError): e.g. push needs engine_id
+        self._source: dict[Instance, str] = {}
+        self._out_since: dict[Instance, float] = {}
+        self._leaving: list[Instance] = []  # out of the roster, requests still in flight
+        self._closing: set[asyncio.Task] = set()  # closing the connections of those that left
+        self._subscribers: list[Callable[[Change], None]] = []
+        self._sweeper: asyncio.Task | None = None
+        self._wake: asyncio.Future | None = None  # the idle sweeper's: something is leaving or draining
+        self.registrations: dict[str, int] = {}  # by role: new instances
+        self.removals: dict[tuple[str, str], int] = {}  # (role, why) -> instances that left
+        for pool in pools.values():  # instances the pools were built with are static
+            for inst in pool.instances:
+                self._source[inst] = "static"
+
+    # -- queries ----------------------------------------------------------------------------
+    def instances(self) -> list[Instance]:
+        return [i for pool in self.pools.values() for i in pool.instances]
+
+    def find(self, url: str) -> Instance | None:
+        url = normalise_url(url)
+        for pool in self.pools.values():
+            inst = pool.find(url)
+            if inst is not None:
+                return inst
+        return None
+
+    def source_of(self, inst: Instance) -> str | None:
+        return self._source.get(inst)
+
+    @property
+    def topology(self) -> str:
+        return infer_topology((r for r, p in self.pools.items() if p.instances), self.pinned, self.configured)
+
+    def required_roles(self) -> tuple[str, ...]:
+        return required_roles(self.topology)
+
+    # -- changes ----------------------------------------------------------------------------
+    def register(self, spec: InstanceSpec, *, source: str = "api") -> bool:
+        """Add ``spec``, or refresh it if known; True if it is new. Raises
+        :class:`MembershipConflict` (role change, mixing PD with split P/D, outside
+        a pinned topology) or ValueError (the connector cannot use it)."""
+        inst = self.find(spec.url)
+        if inst is not None:
+            spec = merge_announcement(inst.spec, spec)
+        reason = check_registration(spec, (i.spec for i in self.instances()), self.pinned)
+        if reason is not None:
+            raise MembershipConflict(reason)
+        if self._check is not None:
+            self._check(spec)
+        if inst is not None:
+            # Known: a re-announcement. Health stays the probes' business; an evicted
+            # instance that still announces itself is not forgotten yet.
+            if inst in self._out_since:
+                self._out_since[inst] = _now()
+            if inst.spec != spec:
+                inst.spec = spec
+                log.info("%s instance %s: attributes updated (%s)", registered_role(spec), spec.url, source)
+                self._emit("updated", spec, self._source.get(inst, source))
+            else:
+                self._emit("refreshed", spec, self._source.get(inst, source))
+            return False
+        inst = self.pools[spec.role].add(spec)
+        self._source[inst] = source
+        role = registered_role(spec)
+        self.registrations[role] = self.registrations.get(role, 0) + 1
+        log.info("%s instance %s joined (%s)", registered_role(spec), spec.url, source)
+        self._emit("registered", spec, source)
+        return True
+
+    def unregister(self, url: str, *, source: str | None = None) -> bool:
+        """Out of the roster now (requests in flight on it finish); False if unknown,
+        or owned by another source than ``source``."""
+        inst = self.find(url)
+        if inst is None or (source is not None and self._source.get(inst) != source):
+            return False
+        self._remove(inst, "unregistered")
+        return True
+
+    def drain(self, url: str) -> bool:
+        """No new requests; it leaves by itself once idle. False if unknown."""
+        inst = self.find(url)
+        if inst is None:
+            return False
+        pool = self.pools[inst.spec.role]
+        if inst.state != "draining":
+            pool.drain(inst)
+            log.info("%s instance %s draining (%d in flight)", registered_role(inst.spec), inst.url, inst.inflight)
+            self._emit("draining", inst.spec, self._source.get(inst, "api"))
+        self._kick()
+        return True
+
+    def apply(self, desired: list[InstanceSpec], *, source: str) -> RosterDiff:
+        """Make the instances owned by ``source`` exactly ``desired``: new ones join,
+        missing ones are drained (they leave when idle), changed ones are updated (a
+        role change leaves and joins again). Other sources' instances are untouched."""
+        current = [i.spec for i, s in self._source.items() if s == source and i not in self._leaving
+                   and i.state != "draining"]
+        diff = roster_diff(current, desired)
+        for spec in diff.removed:
+            self.drain(spec.url)
+        for old, new in diff.changed:
+            try:
+                if registered_role(old) != registered_role(new):
+                    self.unregister(old.url, source=source)
+                self.register(new, source=source)
+            except ValueError as exc:
+                diff.rejected.append((new, str(exc)))
+        for spec in diff.added:
+            known = self.find(spec.url)
+            try:
+                if known is not None:
+                    owner = self._source.get(known)
+                    if owner != source:
+                        raise MembershipConflict(f"instance already belongs to source {owner!r}")
+                    # Ours, draining (an earlier apply dropped it): it comes back as a fresh
+                    # instance; the old one's requests finish.
+                    self._remove(known, "unregistered")
+                self.register(spec, source=source)
+            except ValueError as exc:
+                diff.rejected.append((spec, str(exc)))
+        for spec, reason in diff.rejected:
+            log.warning("%s instance %s not taken from %s: %s", registered_role(spec), spec.url, source, reason)
+        return diff
+
+    def subscribe(self, callback: Callable[[Change], None]) -> None:
+        """``callback(change)`` after each roster change (on the event loop's thread)."""
+        self._subscribers.append(callback)
+
+    # -- the view -----------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """vLLM's shape (``{role: {"live": [...], "evicted": [...]}}``, all four roles)
+        with this proxy's additions: ``draining`` per role, and under ``instances``
+        each one's source, state and in-flight count."""
+        out: dict = {role: {"live": [], "evicted": [], "draining": []} for role in REGISTRATION_ROLES}
+        details = []
+        for inst in self.instances():
+            role = registered_role(inst.spec)
+            h = inst.health
+            key = "draining" if h.state == "draining" else "evicted" if h.out else "live"
+            out[role][key].append(inst.url)
+            details.append(self._describe(inst, role, leaving=False))
+        for inst in self._leaving:
+            details.append(self._describe(inst, registered_role(inst.spec), leaving=True))
+        out["topology"] = self.topology
+        out["pinned"] = self.pinned != "auto"
+        out["instances"] = details
+        return out
+
+    def _describe(self, inst: Instance, role: str, leaving: bool) -> dict:
+        s = inst.spec
+        d: dict[str, object] = {"url": inst.url, "role": role, "source": self._source.get(inst), "state": inst.state,
+             "draining": inst.state == "draining", "leaving": leaving, "inflight": inst.inflight,
+             "dp_size": s.dp_size}
+        if s.ec_zmq_addrs:
+            d["ec_zmq_addrs"] = list(s.ec_zmq_addrs)
+        for name in ("engine_id", "kv_host", "kv_port", "bootstrap_port"):
+            if getattr(s, name) is not None:
+                d[name] = getattr(s, name)
+        return d
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Instances by (registered role, state): the roster gauge."""
+        out: dict[tuple[str, str], int] = {}
+        for inst in self.instances():
+            key = (registered_role(inst.spec), inst.state)
+            out[key] = out.get(key, 0) + 1
+        for inst in self._leaving:
+            key = (registered_role(inst.spec), "leaving")
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def close(self) -> None:
+        task, self._sweeper = self._sweeper, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        leaving, self._leaving = self._leaving, []
+        for inst in leaving:
+            await inst.connections.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                self.sweep(_now())
+            except Exception:  # never let the sweeper die
+                log.exception("membership sweep failed")
+            busy = self._leaving or any(i.state == "draining" for i in self.instances())
+            if busy:
+                await asyncio.sleep(SWEEP_INTERVAL)
+                continue
+            tick = IDLE_SWEEP_INTERVAL
+            if self.evicted_ttl > 0:
+                tick = max(SWEEP_INTERVAL / 2, min(tick, self.evicted_ttl / 4))
+            # Until the tick, or until a removal or drain wakes it. A plain future and a
+            # timer: no exception per tick (a timeout's would leave a cycle for the collector).
+            loop = asyncio.get_running_loop()
+            self._wake = loop.create_future()
+            timer = loop.call_later(tick, _wake_up, self._wake)
+            try:
+                await self._wake
+            finally:
+                timer.cancel()
+
+    def sweep(self, now: float) -> None:
+        """Drained instances that are idle leave; removed ones that are idle close their
+        connections; instances out of rotation longer than the TTL are forgotten."""
+        for inst in self.instances():
+            if inst.state == "draining":
+                if inst.inflight <= 0:
+                    self._remove(inst, "drained")
+                continue
+            if self.evicted_ttl <= 0 or self._source.get(inst) in PINNED_SOURCES:
+                continue
+            if inst.health.out:
+                since = self._out_since.setdefault(inst, now)
+                if now - since >= self.evicted_ttl:
+                    log.warning("%s instance %s stayed out of rotation for %.0f s: forgotten",
+                                registered_role(inst.spec), inst.url, now - since)
+                    self._remove(inst, "forgotten")
+            else:
+                self._out_since.pop(inst, None)
+        if self._leaving:
+            still = []
+            for inst in self._leaving:
+                if inst.inflight > 0:
+                    still.append(inst)
+                    continue
+                task = asyncio.get_running_loop().create_task(inst.connections.close())
+                self._closing.add(task)  # a strong reference until it is done
+                task.add_done_callback(self._closing.discard)
+                self._emit("left", inst.spec, self._source.pop(inst, "api"))
+            self._leaving = still
+
+    def _remove(self, inst: Instance, why: str) -> None:
+        pool = self.pools[inst.spec.role]
+        pool.remove(inst)
+        self._out_since.pop(inst, None)
+        self._leaving.append(inst)
+        key = (registered_role(inst.spec), why)
+        self.removals[key] = self.removals.get(key, 0) + 1
+        log.info("%s instance %s left the roster (%s; %d in flight finish)", registered_role(inst.spec),
+                 inst.url, why, inst.inflight)
+        self._emit("forgotten" if why == "forgotten" else "removed", inst.spec, self._source.get(inst, "api"))
+        self._kick()
+
+    def _kick(self) -> None:
+        _wake_up(self._wake)
+
+    def _emit(self, event: str, spec: InstanceSpec, source: str) -> None:
+        change = Change(event, spec, source)
+        for callback in self._subscribers:
+            try:
+                callback(change)
+            except Exception:
+                log.exception("membership subscriber failed on %s", event)
+
+
+def _wake_up(waiter: asyncio.Future | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+def _now() -> float:
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+

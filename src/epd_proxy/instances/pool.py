@@ -1,0 +1,358 @@
+"""The instances of one role, their health, and how one is chosen.
+
+Each instance has one health state machine (``health.py``: healthy, ejected,
+half-open, draining) fed by a background ``GET /health`` probe and by what
+requests observe. This module is its I/O shell: it keeps the routing lists in
+step with the states, probes failing and never-yet-healthy instances at the
+fast interval, re-admits an instance (half-open) when its ejection time is
+over, fails the pending requests of an instance ejected for not answering,
+and routes over every instance when none is in rotation ("panic" routing)
+rather than over nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Iterable, Sequence
+
+from epd_proxy.config import InstanceSpec
+from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, Ejection, OutlierRules, OutlierSettings
+from epd_proxy.instances.instance import Instance
+from epd_proxy.routing import make_policy
+from epd_proxy.routing.policy import RoutingPolicy
+from epd_proxy.routing.view import EMPTY_VIEW, RequestView
+from epd_proxy.wire.errors import ProxyError
+
+log = logging.getLogger("epd_proxy.pool")
+
+# Failing, ejected and never-yet-healthy instances are probed this often (at most).
+FAST_PROBE_INTERVAL = 1.0
+# A half-open instance gets one pick in this many while others are in rotation.
+HALF_OPEN_SHARE = 5
+# Panic routing is logged at most this often per role.
+PANIC_LOG_INTERVAL = 10.0
+
+
+class InstancePool:
+    """All instances of one role."""
+
+    def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str | RoutingPolicy = "least-loaded",
+                 keep_alive: float = 5.0, outlier: OutlierSettings | None = None,
+                 max_connections: int | None = None) -> None:
+        self.role = role
+        # Retire pooled sockets at half the server's keep-alive, before it closes them.
+        self._idle = keep_alive / 2 if keep_alive > 0 else 0.0
+        # ``max_connections``: the per-instance cap on concurrent upstream connections (None: none).
+        self._max_connections = max_connections
+        self.instances = [self._new_instance(s) for s in specs]
+        self.policy: RoutingPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        self.rules = OutlierRules(outlier or OutlierSettings())  # every ejection knob
+        self.panics = 0  # requests routed with no instance in rotation
+        self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
+        self._last_panic_log = -PANIC_LOG_INTERVAL
+        self._picks = 0
+        self._probe_tasks: dict[Instance, asyncio.Task] = {}
+        self._probing: tuple[float, float] | None = None  # (interval, timeout) once started
+        # Routing lists, rebuilt on every state change (never per request).
+        self._healthy: list[Instance] = []
+        self._half_open: list[Instance] = []
+        self._panic_set: list[Instance] = []
+        self._out = 0
+        self._refresh()
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    def __bool__(self) -> bool:
+        return bool(self.instances)
+
+    # -- routing --------------------------------------------------------------------------
+    def choose(self, exclude: Iterable[Instance] = (), view: RequestView = EMPTY_VIEW) -> Instance:
+        """An instance for one attempt, preferring ones not in ``exclude`` (those that
+        already failed this request). Never fails for a configured role: with no
+        instance in rotation it routes over all of them (panic routing). The policy
+        picks among the candidates, seeing the request's ``view`` (routing.py)."""
+        if self._half_open:
+            trial = self._trial(exclude)
+            if trial is not None:
+                return trial
+        return self.policy.choose(self.candidates(exclude), view)
+
+    def assign(self, items: Sequence, exclude: Iterable[Instance] = ()) -> list[Instance]:
+        """An instance per media item (encoders), chosen by the policy among the candidates."""
+        return self.policy.assign(self.candidates(exclude), items)
+
+    def candidates(self, exclude: Iterable[Instance] = ()) -> list[Instance]:
+        """The instances to route over: healthy ones not in ``exclude``; else a half-open
+        one that might answer; else the healthy ones; else all of them (panic)."""
+        healthy = self._healthy
+        if healthy:
+            if not exclude:
+                return healthy
+            preferred = [i for i in healthy if i not in exclude]
+            if preferred:
+                return preferred
+            others = [i for i in self._half_open if i not in exclude]
+            return others or healthy
+        return self._panic(exclude)
+
+    def reachable(self, exclude: Iterable[Instance] = ()) -> bool:
+        """Whether an instance in rotation has not yet failed this request."""
+        return any(i not in exclude for i in self._healthy)
+
+    def _trial(self, exclude) -> Instance | None:
+        """Every ``HALF_OPEN_SHARE``-th pick goes to a half-open instance: a limited share
+        of live traffic decides whether it comes back."""
+        self._picks += 1
+        if self._healthy and self._picks % HALF_OPEN_SHARE:
+            return None
+        for inst in self._half_open:
+            if inst not in exclude:
+                return inst
+        return None
+
+    def _panic(self, exclude) -> list[Instance]:
+        if not self._panic_set:  # none at all, or every one draining
+            raise ProxyError(503, f"no {self.role} instance available", retryable=False)
+        self.panics += 1
+        now = time.monotonic()
+        if now - self._last_panic_log >= PANIC_LOG_INTERVAL:
+            self._last_panic_log = now
+            log.warning("no %s instance in rotation: routing over all %d of them (panic routing; "
+                        "%d times so far)", self.role, len(self._panic_set), self.panics)
+        preferred = [i for i in self._panic_set if i not in exclude] if exclude else self._panic_set
+        return preferred or self._panic_set
+
+    def _refresh(self) -> None:
+        insts = self.instances
+        self._healthy = [i for i in insts if i.health.state is HEALTHY]
+        self._half_open = [i for i in insts if i.health.state is HALF_OPEN]
+        self._out = sum(1 for i in insts if i.health.out)
+        # Draining instances get no new requests, not even in panic: otherwise one that
+        # is the last of its role would never become idle and leave.
+        self._panic_set = [i for i in insts if i.health.state is not DRAINING]
+
+    # -- membership (membership.py decides; this keeps the routing lists in step) ------------
+    def _new_instance(self, spec: InstanceSpec) -> Instance:
+        return Instance(spec, ConnectionPool(spec.url, idle_timeout=self._idle,
+                                             max_connections=self._max_connections))
+
+    def add(self, spec: InstanceSpec) -> Instance:
+        """A new instance, in rotation at once (and probed, if probing is on). The
+        policy's cursor is left alone: a join never restarts the rotation."""
+        inst = self._new_instance(spec)
+        self.instances.append(inst)
+        self._refresh()
+        if self._probing is not None:
+            self._start_probe(inst, *self._probing)
+        return inst
+
+    def remove(self, inst: Instance) -> None:
+        """Out of the roster now: no new request picks it. Requests holding it carry on;
+        the caller closes its connections (``inst.connections``) once it is idle."""
+        try:
+            self.instances.remove(inst)
+        except ValueError:
+            return
+        task = self._probe_tasks.pop(inst, None)
+        if task is not None:
+            task.cancel()
+        self._cancel_expiry(inst)
+        self._refresh()
+
+    def find(self, url: str) -> Instance | None:
+        for inst in self.instances:
+            if inst.url == url:
+                return inst
+        return None
+
+    # -- what requests observe -----------------------------------------------------------
+    def record_success(self, inst: Instance) -> None:
+        """The instance answered (a 200, or a 4xx: the request's fault, not its)."""
+        h = inst.health
+        h.failures = 0
+        h.window_requests += 1
+        if h.state is not HEALTHY and self.rules.success(h, _now()):
+            self._changed(inst, "answered again")
+
+    def record_failure(self, inst: Instance, reason: str, kind: str = "connection", ctx=None) -> None:
+        """An instance signal (connection failure, timeout, gateway status). With ``ctx``
+        (the request's context) it counts once per client request."""
+        if self._note(inst, kind, reason, ctx):
+            return
+        h = inst.health
+        verdict = self.rules.instance_failure(h, _now(), kind=kind, size=len(self.instances), out=self._out)
+        if verdict is not None:
+            self._ejected(inst, verdict, reason)
+
+    def record_request_failure(self, inst: Instance, reason: str, kind: str = "http_500", ctx=None) -> None:
+        """A request signal (vLLM failed this one request): feeds the rate detector only."""
+        if self._note(inst, kind, reason, ctx):
+            return
+        verdict = self.rules.request_failure(inst.health, _now(), size=len(self.instances), out=self._out)
+        if verdict is not None:
+            self._ejected(inst, verdict, f"{inst.health.window_failures} of {inst.health.window_requests} "
+                                         f"requests failed; last: {reason}")
+
+    def record_local_error(self) -> None:
+        """The proxy itself ran out of something (descriptors, buffers, memory)."""
+        self.local_errors += 1
+
+    def _note(self, inst: Instance, kind: str, reason: str, ctx) -> bool:
+        """Count the error; True if this request already blamed the instance."""
+        inst.errors += 1
+        h = inst.health
+        h.errors[kind] = h.errors.get(kind, 0) + 1
+        h.last_error = reason
+        if ctx is None:
+            return False
+        if inst in ctx.excluded:
+            return True
+        ctx.failed(inst)
+        return False
+
+    def drain(self, inst: Instance) -> None:
+        """Take an instance out of rotation for good (an operator's decision)."""
+        self.rules.drain(inst.health)
+        self._cancel_expiry(inst)
+        self._refresh()
+
+    # -- transitions (the I/O side) -------------------------------------------------------
+    def _ejected(self, inst: Instance, verdict: Ejection, reason: str) -> None:
+        self._refresh()
+        h = inst.health
+        log.warning("%s instance %s ejected for %.1f s (ejection %d, %s): %s", self.role, inst.url,
+                    verdict.until - _now(), h.ejections, h.cause, reason)
+        self._cancel_expiry(inst)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (pure use): re-admission on the next signal
+            loop = None
+        if loop is not None:
+            inst.expiry = loop.call_at(verdict.until, self._expire, inst)
+        if verdict.stalled:
+            # It stopped answering: what it has not answered yet will not be answered
+            # either. Fail it now, so those requests are retried elsewhere.
+            n = inst.connections.fail_pending(lambda: UpstreamError(
+                "instance taken out of rotation: it stopped answering", kind="ejected"))
+            if n:
+                log.warning("%s instance %s: failed over %d pending request(s)", self.role, inst.url, n)
+
+    def _expire(self, inst: Instance) -> None:
+        inst.expiry = None
+        if self.rules.expire(inst.health, _now()):
+            log.info("%s instance %s half-open: trying it again", self.role, inst.url)
+            self._refresh()
+
+    def _changed(self, inst: Instance, why: str) -> None:
+        self._cancel_expiry(inst)
+        self._refresh()
+        log.info("%s instance %s is back in rotation (%s)", self.role, inst.url, why)
+
+    @staticmethod
+    def _cancel_expiry(inst: Instance) -> None:
+        if inst.expiry is not None:
+            inst.expiry.cancel()
+            inst.expiry = None
+
+    # -- probes ---------------------------------------------------------------------------
+    async def probe_once(self, timeout: float) -> None:
+        await asyncio.gather(*(self._probe(i, timeout) for i in self.instances))
+
+    async def _probe(self, inst: Instance, timeout: float) -> None:
+        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                # A probe never queues behind the connection cap: a busy instance is not a dead one.
+                resp = await inst.connections.request("GET", "/health", timeouts=t, queue=False)
+                try:
+                    await resp.read()
+                finally:
+                    resp.close()
+        except UpstreamError as exc:
+            if exc.kind == "local":
+                self.record_local_error()
+                return
+            self._probe_failed(inst, "timeout" if exc.kind == "timeout" else "connection", f"health probe: {exc}")
+            return
+        except TimeoutError:
+            self._probe_failed(inst, "timeout", f"health probe: no answer within {timeout:g} s")
+            return
+        except OSError as exc:
+            self._probe_failed(inst, "connection", f"health probe: {exc}")
+            return
+        if resp.status == 200:
+            if self.rules.success(inst.health, _now(), probe=True):
+                self._changed(inst, "health probe answered")
+        else:
+            self._probe_failed(inst, "probe_status", f"health probe: HTTP {resp.status}")
+
+    def _probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
+        self._note(inst, kind, reason, None)
+        verdict = self.rules.instance_failure(inst.health, _now(), kind=kind, size=len(self.instances),
+                                              out=self._out, probe=True)
+        if verdict is not None:
+            self._ejected(inst, verdict, reason)
+
+    def start_probing(self, interval: float, timeout: float) -> None:
+        """Probe every instance, and every one added later."""
+        if interval > 0 and self._probing is None:
+            self._probing = (interval, timeout)
+            for inst in self.instances:
+                self._start_probe(inst, interval, timeout)
+
+    def _start_probe(self, inst: Instance, interval: float, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._probe_tasks[inst] = loop.create_task(self._probe_loop(inst, interval, timeout))
+
+    async def _probe_loop(self, inst: Instance, interval: float, timeout: float) -> None:
+        """One instance's probes: at ``interval`` while it is steady, at the fast
+        interval while it is failing, out, or has never answered yet."""
+        fast = min(interval, FAST_PROBE_INTERVAL)
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self._probe(inst, timeout)
+            except Exception:  # never let the prober die
+                log.exception("health probe loop error (%s %s)", self.role, inst.url)
+            h = inst.health
+            steady = h.state is HEALTHY and h.failures == 0 and h.seen_healthy
+            # Periods run from each probe's start: a probe that timed out has waited already.
+            await asyncio.sleep(max(0.0, started + (interval if steady else fast) - loop.time()))
+
+    async def close(self) -> None:
+        tasks, self._probe_tasks = list(self._probe_tasks.values()), {}
+        self._probing = None
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for inst in self.instances:
+            self._cancel_expiry(inst)
+            await inst.connections.close()
+
+    def snapshot(self) -> list[dict]:
+        """Per instance, for ``/status``."""
+        now, wall = _now(), time.time()
+        out = []
+        for i in self.instances:
+            h = i.health
+            until = h.ejected_until if h.state is not HEALTHY and h.ejected_until > now else None
+            out.append({"url": i.url, "state": h.state, "healthy": h.state is HEALTHY,
+                        "consecutive_failures": h.failures, "ejections": h.ejections,
+                        "ejected_until": None if until is None else round(wall + until - now, 3),
+                        "inflight": i.inflight, "requests": i.requests, "errors": dict(h.errors),
+                        "last_error": h.last_error})
+        return out
+
+
+def _now() -> float:
+    """The pool's clock: the event loop's (its timers re-admit instances), else monotonic."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()

@@ -1,0 +1,360 @@
+"""The proxy's Prometheus metrics.
+
+Recording is plain arithmetic on the event loop's thread: an ``int += 1`` and,
+for a histogram, one ``bisect``. The Prometheus families are built from those
+numbers only when ``/metrics`` is scraped, so a request pays no locks, no label
+resolution and no per-sample objects (prometheus_client's own metric objects
+take a lock per increment: about a dozen per request).
+
+With ``--workers N`` the numbers stay per process; a scrape turns them into a
+:meth:`ProxyMetrics.snapshot` (plain data), the worker that was scraped gathers
+its siblings' snapshots (``siblings.py``) and :func:`render` sums them, so every
+scrape shows the whole proxy while a request still pays only its ``+= 1``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from epd_proxy.http.server import HttpServer
+    from epd_proxy.instances.discovery import DnsDiscovery
+    from epd_proxy.instances.membership import Membership
+    from epd_proxy.request.admission import Admission
+    from epd_proxy.runtime.reload import Reloader
+
+_STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Buckets:
+    """One histogram series: counts per bucket (upper bounds inclusive, as Prometheus'
+    ``le``), the last one for values above every bound."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple = _STAGE_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, count of values <= le)`` for each bound and ``+Inf``."""
+        out, total = [], 0
+        for bound, n in zip(self.bounds, self.counts):
+            total += n
+            out.append((_le(bound), total))
+        out.append(("+Inf", total + self.counts[-1]))
+        return out
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+_STATUS_CLASS = {1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
+
+# Every family the proxy exports: name -> (type, help, label names). A histogram's
+# buckets are _STAGE_BUCKETS. Snapshots carry values only; this is the schema.
+FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "epd_proxy_requests": ("counter", "Client requests answered, by endpoint and status (499: the client went "
+                           "away before a status was sent; endpoint \"other\": no such route, 404/405).",
+                           ("endpoint", "status")),
+    "epd_proxy_request_duration_seconds": ("histogram", "Time from the request's arrival to the end of the "
+                                           "response.", ("endpoint", "stream", "status_class")),
+    "epd_proxy_time_to_first_token_seconds": ("histogram", "Streams: time from the request's arrival to the "
+                                              "first event sent to the client (encode + prefill + decode's "
+                                              "first event + the proxy).", ("endpoint",)),
+    "epd_proxy_inter_token_seconds": ("histogram", "Streams: the mean gap between the events relayed to the "
+                                      "client after the first, one observation per stream.", ()),
+    "epd_proxy_stage_duration_seconds": ("histogram", "Time spent in each stage: encode (the fan-out of an "
+                                         "attempt, wall time), encode_request (each encoder sub-request), prefill, "
+                                         "kv_handoff (push connectors: decode's wait for its first event after "
+                                         "prefill answered), decode_first (decode until its first event), decode "
+                                         "(a whole non-streamed answer).", ("stage",)),
+    "epd_proxy_overhead_seconds": ("histogram", "Time in the proxy outside the stage phases, until the "
+                                   "response is committed: arrival to commit minus the wall time of the encode "
+                                   "fan-out and of prefill + decode until its first event.", ()),
+    "epd_proxy_retries": ("counter", "Attempts retried before the response was committed.", ()),
+    "epd_proxy_stream_errors": ("counter", "Committed streams ended with an in-band error event.", ()),
+    "epd_proxy_client_disconnects": ("counter", "Requests whose client went away before the end.", ()),
+    "epd_proxy_inflight_requests": ("gauge", "Client requests in progress.", ()),
+    "epd_proxy_shed_requests": ("counter", "Requests answered 429 by admission control (queue full or queue "
+                                "timeout).", ()),
+    "epd_proxy_queue_depth": ("gauge", "Requests waiting for an admission slot.", ()),
+    "epd_proxy_admitted_requests": ("gauge", "Admission slots in use (0 when unlimited).", ()),
+    "epd_proxy_queue_wait_seconds": ("histogram", "Time queued requests waited for a slot (until admitted or "
+                                     "shed).", ()),
+    "epd_proxy_stage_shed_requests": ("counter", "Requests answered 429 by a stage's concurrency cap "
+                                      "(--max-inflight-per-role).", ("role",)),
+    "epd_proxy_stage_queue_depth": ("gauge", "Requests waiting for a stage's slot.", ("role",)),
+    "epd_proxy_client_connections": ("gauge", "Open client connections.", ()),
+    "epd_proxy_client_connections_refused": ("counter", "Connections answered 503 at once because "
+                                             "--max-connections were open and none was idle.", ()),
+    "epd_proxy_client_connections_reclaimed": ("counter", "Idle keep-alive connections closed to make room "
+                                               "for new ones at --max-connections.", ()),
+    "epd_proxy_buffered_body_bytes": ("gauge", "Request-body bytes held (--max-buffered-bytes).", ()),
+    "epd_proxy_client_rejections": ("counter", "Requests refused by the HTTP server before any handler ran "
+                                    "(400 malformed, 408 too slow, 413/431 too large, 503 over the body "
+                                    "budget), by status.", ("status",)),
+    "epd_proxy_instance_healthy": ("gauge", "1 if the instance is in this worker's rotation (each worker "
+                                   "keeps its own view).", ("role", "url", "worker")),
+    "epd_proxy_instance_inflight": ("gauge", "Requests in flight to the instance.", ("role", "url")),
+    "epd_proxy_instance_requests": ("counter", "Requests sent to the instance (every stage leg).",
+                                    ("role", "url")),
+    "epd_proxy_instance_failures": ("counter", "Failures seen on the instance, by kind (connect, timeout, "
+                                    "http_503, in_band, ...).", ("role", "url", "kind")),
+    "epd_proxy_instance_retries": ("counter", "Attempts retried elsewhere after this instance failed them.",
+                                   ("role", "url")),
+    "epd_proxy_instance_ejections": ("counter", "Times the instance was taken out of rotation (probes or "
+                                     "outlier detection).", ("role", "url")),
+    "epd_proxy_panic_routing": ("counter", "Requests routed over every instance of a role because none was "
+                                "in rotation.", ("role",)),
+    "epd_proxy_local_errors": ("counter", "Upstream connects that failed for lack of the proxy's own "
+                               "resources (EMFILE, ENOBUFS, memory); never blamed on an instance.", ("role",)),
+    "epd_proxy_routing_spills": ("counter", "cache-aware picks that passed over the preferred instance for its "
+                                 "load.", ("role",)),
+    "epd_proxy_instance_other_requests": ("gauge", "Requests on the instance that are not this worker's, as "
+                                          "its last /metrics scrape said (0 when unknown; each worker's own "
+                                          "view).", ("role", "url", "worker")),
+    "epd_proxy_roster_instances": ("gauge", "Instances in the roster, by registered role and state (healthy, "
+                                   "ejected, half-open, draining; leaving = removed, requests still in flight).",
+                                   ("role", "state")),
+    "epd_proxy_registrations": ("counter", "Instances that joined the roster, by role.", ("role",)),
+    "epd_proxy_removals": ("counter", "Instances that left the roster, by role and why (unregistered, drained, "
+                           "forgotten).", ("role", "reason")),
+    "epd_proxy_dns_lookups": ("counter", "Re-resolutions of dns+ instance names, by result (failed: the known "
+                              "instances were kept).", ("result",)),
+    "epd_proxy_reloads": ("counter", "Reloads (SIGHUP or a changed cluster file), by result (failed: the running "
+                          "configuration was kept).", ("result",)),
+    "epd_proxy_workers": ("gauge", "Worker processes whose numbers this scrape includes.", ()),
+}
+# The roster is shared by the workers (each applies every change) and a reload reaches each
+# of them: across workers these take the largest value, not the sum.
+_MAX_ACROSS_WORKERS = {"epd_proxy_roster_instances", "epd_proxy_registrations", "epd_proxy_removals",
+                       "epd_proxy_reloads"}
+
+# The process_* and python_* families (prometheus_client's own collectors), per process.
+_RUNTIME = CollectorRegistry(auto_describe=False)
+ProcessCollector(registry=_RUNTIME)
+PlatformCollector(registry=_RUNTIME)
+GCCollector(registry=_RUNTIME)
+# Summed across workers except these (a start time, limits, the interpreter's description).
+_RUNTIME_MIN = {"process_start_time_seconds", "process_max_fds"}
+_RUNTIME_ANY = {"python_info"}
+
+
+class ProxyMetrics:
+    """Request, stage and failure counts of this process, and its pools' state."""
+
+    def __init__(self, pools: dict | None = None, worker: int = 0) -> None:
+        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> answered
+        self.durations: dict[tuple[str, bool, int], Buckets] = {}  # (endpoint, stream, status // 100)
+        self.stages: dict[str, Buckets] = {}  # stage -> time spent in it
+        self.ttft: dict[str, Buckets] = {}  # endpoint -> arrival to first event (streams)
+        self.itl = Buckets()  # per stream: mean gap between events
+        self.overhead = Buckets()  # arrival to commit minus the stage durations
+        self.retries = 0
+        self.instance_retries: dict[tuple[str, str], int] = {}  # (role, url) -> attempts it failed, retried
+        self.stream_errors = 0
+        self.disconnects = 0
+        self.inflight = 0
+        self.pools = pools or {}
+        self.worker = worker  # this process's index with --workers (the instance_healthy label)
+        self.admission: Admission | None = None  # read at scrape time
+        self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
+        self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
+        self.membership: Membership | None = None  # set by the app: roster size and changes
+        self.front_door: HttpServer | None = None  # read at scrape time
+        self.discovery: DnsDiscovery | None = None  # dns+ instances, read at scrape time
+        self.reloader: Reloader | None = None  # SIGHUP, cluster file, read at scrape time
+
+    # -- recording (hot path) -------------------------------------------------------------
+    def observe_request(self, endpoint: str, status: int, seconds: float, stream: bool = False) -> None:
+        key = (endpoint, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        dkey = (endpoint, stream, status // 100)
+        d = self.durations.get(dkey)
+        if d is None:
+            d = self.durations[dkey] = Buckets()
+        d.observe(seconds)
+
+    def observe_encoder_request(self, seconds: float) -> None:
+        b = self.stages.get("encode_request")
+        if b is None:
+            b = self.stages["encode_request"] = Buckets()
+        b.observe(seconds)
+
+    def observe_stages(self, timings: dict) -> None:
+        stages = self.stages
+        for stage, seconds in timings.items():
+            b = stages.get(stage)
+            if b is None:
+                b = stages[stage] = Buckets()
+            b.observe(seconds)
+
+    def observe_commit(self, endpoint: str, since_arrival: float, upstream: float, stream: bool) -> None:
+        """The response is about to be committed: the proxy's own share of the time so far
+        (``upstream``: the wall time of the stage phases), and for a stream its time to first token."""
+        self.overhead.observe(max(0.0, since_arrival - upstream))
+        if stream:
+            b = self.ttft.get(endpoint)
+            if b is None:
+                b = self.ttft[endpoint] = Buckets()
+            b.observe(since_arrival)
+
+    # -- exposition (scrape time) ----------------------------------------------------------
+    def render(self, peers: list | None = None) -> bytes:
+        """The exposition text of this process plus ``peers`` (other workers' snapshots)."""
+        return render([self.snapshot()] + (peers or []))
+
+    def snapshot(self) -> dict:
+        """This process's numbers as plain data (JSON-encodable): family -> [[labels..., value]],
+        a histogram's value being ``[counts per bucket, sum]``; runtime families apart."""
+        f: dict[str, list] = {name: [] for name in FAMILIES}
+        f["epd_proxy_requests"] = [[e, str(s), n] for (e, s), n in self.requests.items()]
+        f["epd_proxy_request_duration_seconds"] = [
+            [e, "true" if st else "false", _STATUS_CLASS.get(c, "other"), b.counts, b.sum]
+            for (e, st, c), b in self.durations.items()]
+        f["epd_proxy_time_to_first_token_seconds"] = [[e, b.counts, b.sum] for e, b in self.ttft.items()]
+        f["epd_proxy_inter_token_seconds"] = [[self.itl.counts, self.itl.sum]]
+        f["epd_proxy_stage_duration_seconds"] = [[s, b.counts, b.sum] for s, b in self.stages.items()]
+        f["epd_proxy_overhead_seconds"] = [[self.overhead.counts, self.overhead.sum]]
+        f["epd_proxy_retries"] = [[self.retries]]
+        f["epd_proxy_instance_retries"] = [[r, u, n] for (r, u), n in self.instance_retries.items()]
+        f["epd_proxy_stream_errors"] = [[self.stream_errors]]
+        f["epd_proxy_client_disconnects"] = [[self.disconnects]]
+        f["epd_proxy_inflight_requests"] = [[self.inflight]]
+        f["epd_proxy_workers"] = [[1]]
+        adm = self.admission
+        if adm is not None:
+            f["epd_proxy_shed_requests"] = [[adm.shed]]
+            f["epd_proxy_queue_depth"] = [[adm.waiting]]
+            f["epd_proxy_admitted_requests"] = [[adm.active]]
+            f["epd_proxy_queue_wait_seconds"] = [[self.queue_wait.counts, self.queue_wait.sum]]
+        for role, cap in self.role_admission.items():
+            f["epd_proxy_stage_shed_requests"].append([role, cap.shed])
+            f["epd_proxy_stage_queue_depth"].append([role, cap.waiting])
+        server = self.front_door
+        if server is not None:
+            f["epd_proxy_client_connections"] = [[len(server.connections)]]
+            f["epd_proxy_client_connections_refused"] = [[server.refused]]
+            f["epd_proxy_client_connections_reclaimed"] = [[server.reclaimed]]
+            f["epd_proxy_buffered_body_bytes"] = [[server.budget.used]]
+            f["epd_proxy_client_rejections"] = [[str(s), n] for s, n in server.rejections.items()]
+        worker = str(self.worker)
+        for role, pool in self.pools.items():
+            for inst in pool.instances:
+                url = inst.url
+                f["epd_proxy_instance_healthy"].append([role, url, worker, 1 if inst.healthy else 0])
+                f["epd_proxy_instance_inflight"].append([role, url, inst.inflight])
+                f["epd_proxy_instance_requests"].append([role, url, getattr(inst, "requests", 0)])
+                for kind, n in getattr(inst.health, "errors", {}).items():
+                    f["epd_proxy_instance_failures"].append([role, url, kind, n])
+                f["epd_proxy_instance_ejections"].append([role, url, inst.health.ejections])
+                f["epd_proxy_instance_other_requests"].append([role, url, worker, inst.signals.others])
+            f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
+            f["epd_proxy_panic_routing"].append([role, pool.panics])
+            f["epd_proxy_local_errors"].append([role, pool.local_errors])
+        m = self.membership
+        if m is not None:
+            f["epd_proxy_roster_instances"] = [[r, st, n] for (r, st), n in m.counts().items()]
+            f["epd_proxy_registrations"] = [[r, n] for r, n in m.registrations.items()]
+            f["epd_proxy_removals"] = [[r, why, n] for (r, why), n in m.removals.items()]
+        if self.discovery is not None:
+            f["epd_proxy_dns_lookups"] = [["ok", self.discovery.lookups], ["failed", self.discovery.failures]]
+        if self.reloader is not None:
+            r = self.reloader
+            f["epd_proxy_reloads"] = [["ok", r.reloads - r.failures], ["failed", r.failures]]
+        runtime = []
+        for fam in _RUNTIME.collect():
+            runtime.append([fam.name, fam.type, fam.documentation, [[s.name, s.labels, s.value] for s in fam.samples]])
+        return {"families": f, "runtime": runtime}
+
+
+def render(snapshots: list[dict]) -> bytes:
+    """Prometheus text for the sum of ``snapshots`` (one per worker)."""
+    return generate_latest(_Merged(snapshots))
+
+
+class _Merged:
+    """A one-shot collector over summed snapshots (what ``generate_latest`` iterates)."""
+
+    def __init__(self, snapshots: list[dict]) -> None:
+        self.snapshots = snapshots
+
+    def collect(self):
+        merged = merge([s["families"] for s in self.snapshots])
+        for name, (kind, doc, labels) in FAMILIES.items():
+            series = merged.get(name, {})
+            if kind == "histogram":
+                h = HistogramMetricFamily(name, doc, labels=list(labels))
+                for key, (counts, total) in sorted(series.items()):
+                    b = Buckets()
+                    b.counts, b.sum = counts, total
+                    h.add_metric(list(key), b.cumulative(), sum_value=total)
+                yield h
+            else:
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                fam = cls(name, doc, labels=list(labels))
+                for key, value in sorted(series.items()):
+                    fam.add_metric(list(key), float(value))
+                yield fam
+        yield from _merge_runtime([s.get("runtime", []) for s in self.snapshots])
+
+
+def merge(snapshots: list[dict]) -> dict[str, dict[tuple, Any]]:
+    """Sum per family and label set: counters and gauges add up, histograms add bucket by bucket."""
+    out: dict[str, dict[tuple, Any]] = {}
+    for snap in snapshots:
+        for name, rows in snap.items():
+            spec = FAMILIES.get(name)
+            if spec is None:
+                continue
+            series = out.setdefault(name, {})
+            if spec[0] == "histogram":
+                for row in rows:
+                    key, counts, total = tuple(row[:-2]), row[-2], row[-1]
+                    have = series.get(key)
+                    if have is None:
+                        series[key] = (list(counts), total)
+                    else:
+                        series[key] = ([a + b for a, b in zip(have[0], counts)], have[1] + total)
+            elif name in _MAX_ACROSS_WORKERS:
+                for row in rows:
+                    key = tuple(row[:-1])
+                    series[key] = max(series.get(key, 0), row[-1])
+            else:
+                for row in rows:
+                    key = tuple(row[:-1])
+                    series[key] = series.get(key, 0) + row[-1]
+    return out
+
+
+def _merge_runtime(per_worker: list[list]):
+    fams: dict[str, tuple] = {}
+    values: dict[str, dict] = {}
+    for runtime in per_worker:
+        for name, kind, doc, samples in runtime:
+            fams.setdefault(name, (kind, doc))
+            acc = values.setdefault(name, {})
+            for sname, labels, value in samples:
+                key = (sname, tuple(sorted(labels.items())))
+                if key not in acc or name in _RUNTIME_ANY:
+                    acc.setdefault(key, value)
+                elif name in _RUNTIME_MIN:
+                    acc[key] = min(acc[key], value)
+                else:
+                    acc[key] = acc[key] + value
+    for name, (kind, doc) in fams.items():
+        m = Metric(name, doc, kind)
+        for (sname, labels), value in values[name].items():
+            m.add_sample(sname, dict(labels), value)
+        yield m

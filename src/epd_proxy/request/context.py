@@ -1,0 +1,74 @@
+"""Per-request state that outlives a single attempt: the id, what failed, what is in flight."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from epd_proxy.http import Headers
+from epd_proxy.instances.instance import Instance
+from epd_proxy.routing.view import EMPTY_VIEW, RequestView
+
+if TYPE_CHECKING:
+    from epd_proxy.observe.tracing import RequestTrace
+    from epd_proxy.request.usage import PrefillReport
+
+_JSON_HEADER = (b"content-type", b"application/json")
+
+
+class RequestContext:
+    """What every stage of one client request shares.
+
+    ``excluded`` collects the instances that failed this request, so a retry
+    prefers others; ``hold``/``release`` keep each instance's in-flight count
+    (the least-loaded policy's signal) exact even when a request is cancelled.
+    """
+
+    __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
+                 "_base_headers", "_held", "prefill_report")
+
+    def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
+        self.request_id = request_id
+        self.path = path
+        self.excluded: set[Instance] = set()
+        self.timings: dict[str, float] = {}
+        self.upstream = 0.0  # wall time in the stage phases (the proxy's overhead is the rest)
+        self.view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
+        self._base_headers = base_headers
+        self._held: list[Instance] = []
+        self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
+        self.trace: RequestTrace | None = None  # when tracing is on
+        # The prefill's answer about the prompt (usage.py), for the client's usage; set by
+        # the prefill stage, cleared at each attempt's start.
+        self.prefill_report: PrefillReport | None = None
+
+    def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
+        headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
+        headers += self._base_headers
+        if extra:
+            headers += extra
+        return headers
+
+    def failed(self, inst: Instance) -> None:
+        self.excluded.add(inst)
+
+    def timing(self, stage: str, seconds: float) -> None:
+        self.timings[stage] = self.timings.get(stage, 0.0) + seconds
+
+    def hold(self, inst: Instance) -> None:
+        inst.inflight += 1
+        self._held.append(inst)
+        self.legs.append(inst)
+
+    def release(self, inst: Instance) -> None:
+        try:
+            self._held.remove(inst)
+        except ValueError:
+            return
+        inst.inflight -= 1
+        if self.trace is not None:
+            self.trace.end(inst)
+
+    def release_all(self) -> None:
+        for inst in self._held:
+            inst.inflight -= 1
+        self._held.clear()

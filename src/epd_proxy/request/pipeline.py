@@ -1,0 +1,387 @@
+"""One client request, top to bottom: parse → encode → prefill/decode → commit → relay.
+
+Nothing reaches the client until encode and prefill have succeeded and
+decode's first event has been checked (the *commit point*). Before it, any
+failure can still be retried (fresh handles, other instances) or answered
+with a real status; after it, a failure is an in-band SSE error event
+followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from epd_proxy.config import ProxyConfig
+from epd_proxy.encode.media_policy import MediaPolicy
+from epd_proxy.encode.multimodal import MediaItem, own_media
+from epd_proxy.http import Headers
+from epd_proxy.http.server import Request, ResponseWriter
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.instances.roster import TOPOLOGY_ROLES
+from epd_proxy.observe.access_log import AccessLog, usage_of
+from epd_proxy.observe.metrics import ProxyMetrics
+from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
+from epd_proxy.request.connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
+from epd_proxy.request.context import RequestContext
+from epd_proxy.request.deadline import Deadlines
+from epd_proxy.request.fanout import EncoderFanout
+from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
+from epd_proxy.request.relay import StreamRelay, relay_stream
+from epd_proxy.request.stages import DecodeLeg, DecodeStage, PrefillStage
+from epd_proxy.request.usage import rewrite_usage
+from epd_proxy.routing.view import RequestView
+from epd_proxy.wire.errors import ProxyError
+
+if TYPE_CHECKING:
+    from epd_proxy.observe.tracing import Tracing
+
+log = logging.getLogger("epd_proxy.pipeline")
+
+class Pipeline:
+    """Runs requests through the configured pools with one KV connector."""
+
+    def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics) -> None:
+        t = config.timeouts
+        self.config = config
+        self.metrics = metrics
+        # Every role's pool exists, possibly empty (instances register at run time).
+        self.encode = pools["encode"] if "encode" in pools else InstancePool("encode", ())
+        self.prefill = pools["prefill"] if "prefill" in pools else InstancePool("prefill", ())
+        self.decode = pools["decode"]
+        # A stage is needed (its empty pool answers 503) when the topology is pinned to
+        # it or the flags gave it instances; otherwise it runs while it has instances.
+        needed = set(TOPOLOGY_ROLES.get(config.topology, ()))
+        needed.update(r for r in ("encode", "prefill") if getattr(config, r))
+        self._need_encode = "encode" in needed
+        self._need_prefill = "prefill" in needed
+        self.fanout = EncoderFanout(self.encode, max_batch=config.encoder_max_batch_size,
+                                    rewrite=config.rewrite, timeout=t.encode, connect_timeout=t.connect)
+        prefill_stage = PrefillStage(self.prefill, timeout=t.prefill, connect_timeout=t.connect)
+        self.fanout.observe_sub_request = metrics.observe_encoder_request
+        decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
+                                   connect_timeout=t.connect)
+        self.connector: KVConnector = CONNECTORS[config.kv_connector](prefill_stage, decode_stage)
+        self.decode_only = DecodeOnly(None, decode_stage)  # no prefill instances (E+PD, PD)
+        self.retries = config.decode_retries
+        # The request's routing keys are computed only when a policy reads them.
+        self._keyed = any(p.policy.uses_view for p in pools.values())
+        self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
+        self._dp_counter = itertools.count()
+        self._base_headers: Headers = []
+        if config.upstream_api_key:
+            self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
+        self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+        self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
+                                        allowed_hosts=config.allowed_media_hosts)
+        self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
+        # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
+        self.role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
+                          for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}
+        metrics.role_admission = self.role_caps
+        self.first_byte = t.first_byte
+        self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
+        # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
+        # ``stopping`` ends the ones still running (see handle's CancelledError branch).
+        self.closing = False
+        self.stopping = False
+        self.access_log: AccessLog | None = None  # when on (set by the app)
+        self.tracing: Tracing | None = None  # when OTEL_* turns it on (set by the app)
+        metrics.admission = self.admission
+        self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
+        self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
+        self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
+
+    def close_admission(self) -> None:
+        """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
+        self.closing = True
+        self._gated = True
+        self.admission.close()
+
+    # -- the request path -------------------------------------------------------------------
+    async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
+        t0 = time.perf_counter()
+        if self._gated and not await self._admit(req, writer, path, t0):
+            return
+        rid = request_id(req)
+        id_header = [(b"x-request-id", rid.encode())]
+        ctx = None
+        stream = False
+        outcome = "error"  # ok, in_band_error, client_gone, shutdown, error
+        answer = None  # the bytes holding the usage object, for the access log
+        self.metrics.inflight += 1
+        try:
+            body = parse_body(req, path)
+            stream = body.get("stream") is True
+            body, items = self._media(body) if path == CHAT else (body, [])
+            ctx = RequestContext(rid, path, self._headers_for(req))
+            if self._keyed:
+                ctx.view = RequestView(body, items, path == CHAT)
+            if self.tracing is not None:
+                ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
+            if self.deadlines is not None:
+                task = self.deadlines.enter()
+                try:
+                    leg = await self._open(ctx, body, items)
+                except asyncio.CancelledError:
+                    if not self.deadlines.expired(task):
+                        raise
+                    # The cancellation closed every leg on its way out (their finally blocks).
+                    task.uncancel()
+                    raise ProxyError(504, f"no response within the first-byte timeout "
+                                          f"({self.first_byte:g} s); the request was abandoned") from None
+                finally:
+                    self.deadlines.leave(task)
+                    # Kept in this frame, the task would close a reference cycle through the
+                    # traceback of a later failure (the task holds its exception).
+                    task = None  # type: ignore[assignment]
+            else:
+                leg = await self._open(ctx, body, items)
+            headers = id_header + _server_timing(ctx.timings)
+            self.metrics.observe_commit(path, time.perf_counter() - t0, ctx.upstream, leg.body is None)
+            ok = False
+            try:
+                report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
+                if leg.body is not None:
+                    answer = leg.body if report is None else rewrite_usage(leg.body, report)
+                    writer.send(leg.resp.status, answer, leg.resp.content_type, headers)
+                    ok = True
+                    outcome = "ok"
+                else:
+                    relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
+                                               ctx if (report is not None or leg.companion is not None)
+                                               and _wants_usage(body) else None)
+                    ok = relay.error is None
+                    outcome, answer = "ok" if ok else "in_band_error", relay.final_bytes()
+                    gap = relay.gap()
+                    if gap is not None:
+                        self.metrics.itl.observe(gap)
+                    if relay.error is not None:  # not ok
+                        self.metrics.stream_errors += 1
+                        log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
+            finally:
+                if leg.companion is not None:
+                    self._settle(leg.companion, keep=ok)
+        except ProxyError as err:
+            _drop_traceback(err)
+            if not writer.started:
+                headers = id_header + [(b"retry-after", _RETRY_AFTER[err.status])] if err.status in _RETRY_AFTER \
+                    else id_header
+                writer.send(err.status, err.body(), err.content_type(), headers)
+            if err.status >= 500:
+                log.warning("request %s failed: %s", rid, err.message)
+        except asyncio.CancelledError:
+            outcome = "shutdown"
+            if not (self.stopping and self._end_at_shutdown(writer, rid)):
+                outcome = "client_gone"
+                self.metrics.disconnects += 1
+                raise
+        finally:
+            writer.flow = None  # the relay refers to the writer: no cycle left behind
+            self.metrics.inflight -= 1
+            # 499: the client went away before a status was sent (nginx's convention).
+            status = writer.status or 499
+            tokens = usage_of(answer) if self.access_log is not None or self.tracing is not None else _NO_USAGE
+            if ctx is not None:
+                if ctx.trace is not None:
+                    ctx.trace.finish(status, stream, tokens, outcome)
+                ctx.release_all()
+                self.metrics.observe_stages(ctx.timings)
+            if self.admission.limit:
+                self.admission.leave()
+            seconds = time.perf_counter() - t0
+            self.metrics.observe_request(path, status, seconds, stream)
+            if self.access_log is not None:
+                self.access_log.request(rid, req.method, path, status, stream, ctx.legs if ctx else (),
+                                        ctx.timings if ctx else {}, tokens, writer.bytes_sent, outcome, seconds)
+
+    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
+        """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
+        Runs before the body is parsed: a refused request costs a prebuilt response."""
+        if self.closing:
+            status, body, retry = 503, self._503_closing, b"1"
+        else:
+            admission = self.admission
+            verdict = admission.try_enter()
+            if verdict == ADMIT:
+                return True
+            if verdict != SHED:
+                admitted = await admission.wait()
+                self.metrics.queue_wait.observe(time.perf_counter() - t0)
+                if admitted and not self.closing:
+                    return True
+                if admitted:
+                    admission.leave()  # the proxy began shutting down meanwhile: the slot goes unused
+                if self.closing:
+                    status, body, retry = 503, self._503_closing, b"1"
+                else:
+                    status, body, retry = 429, self._429, b"1"
+            else:
+                status, body, retry = 429, self._429, b"1"
+        headers = [(b"retry-after", retry)]
+        rid = client_request_id(req)
+        if rid is not None:
+            headers.append((b"x-request-id", rid))
+        writer.send(status, body, b"application/json", headers)
+        seconds = time.perf_counter() - t0
+        self.metrics.observe_request(path, status, seconds)
+        if self.access_log is not None:
+            self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
+                                  seconds)
+        return False
+
+    def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
+        """The shutdown timeout cancelled this request (not its client): end it properly.
+        Before the commit: 503 with the envelope; a committed stream: the in-band error
+        event and ``[DONE]``. Returns False when nothing can be said any more."""
+        if writer.disconnected or writer.finished:
+            return False
+        err = ProxyError(503, "the proxy shut down before the response was complete")
+        if not writer.started:
+            writer.keep_alive = False
+            writer.send(503, err.body(), b"application/json", [(b"retry-after", b"1")])
+        elif isinstance(writer.flow, StreamRelay):
+            writer.flow.fail(err)
+        else:
+            return False
+        log.warning("request %s: ended by the shutdown timeout", rid)
+        return True
+
+    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+        """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
+        attempt = 0
+        while True:
+            first_leg = len(ctx.legs)
+            try:
+                return await self._attempt(ctx, body, items)
+            except ProxyError as err:
+                if not err.retryable or attempt >= self.retries:
+                    raise
+                _drop_traceback(err)
+                attempt += 1
+                self.metrics.retries += 1
+                retried = self.metrics.instance_retries
+                for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
+                    if inst in ctx.excluded:
+                        key = (inst.role, inst.url)
+                        retried[key] = retried.get(key, 0) + 1
+                log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
+
+    async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+        """One attempt builds every handle anew from the untouched client body."""
+        ctx.prefill_report = None
+        d = self.decode.choose(ctx.excluded, ctx.view)
+        p = self.prefill.choose(ctx.excluded, ctx.view) if self.prefill or self._need_prefill else None
+        dp_headers, consumer_zmq = self._ec_consumer(d)
+        caps = self.role_caps
+        if items and (self.encode or self._need_encode):
+            cap = caps.get("encode") if caps else None
+            if cap is not None:
+                await _take_slot("encode", cap)
+            t = time.perf_counter()
+            try:
+                body = await self.fanout.run(ctx, body, items, consumer_zmq)
+            finally:
+                ctx.upstream += time.perf_counter() - t
+                if cap is not None:
+                    cap.leave()
+        connector = self.connector if p is not None else self.decode_only
+        cap = caps.get("prefill") if caps and p is not None else None
+        if cap is not None:
+            # Held until decode's first event: in push mode the prefill runs that long anyway.
+            await _take_slot("prefill", cap)
+        t = time.perf_counter()
+        try:
+            return await connector.open(ctx, LegPlan(body, p, d, dp_headers))
+        finally:
+            ctx.upstream += time.perf_counter() - t
+            if cap is not None:
+                cap.leave()
+
+    def _settle(self, companion: asyncio.Task, keep: bool) -> None:
+        """A leg still running when the response is over: left to finish in the background
+        (bounded by its own stage timeout) after success, cancelled otherwise."""
+        if companion.done():
+            if not companion.cancelled():
+                companion.exception()  # retrieved: already reported in-band or irrelevant
+            return
+        if not keep:
+            companion.cancel()
+        self._background.add(companion)
+        companion.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background leg failed after its response ended: %s", task.exception())
+
+    async def close(self) -> None:
+        if self.deadlines is not None:
+            await self.deadlines.close()
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
+        """The media items, checked against the operator's rules, and the body with client
+        uuids namespaced (what every stage gets instead of the client's body)."""
+        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids)
+        if items:
+            self.media_policy.check(items)
+        return body, items
+
+    def _headers_for(self, req: Request) -> Headers:
+        extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
+        return self._base_headers + extra if extra else self._base_headers
+
+    def _ec_consumer(self, d: Instance) -> tuple[Headers | None, str | None]:
+        """E+PD with a push EC connector: the decode replica that receives the embeddings."""
+        spec = d.spec  # its addresses: from its registration or --ec-consumer-zmq-addrs
+        dp = spec.dp_size if spec.dp_size > 1 else self.config.ec_consumer_dp_size
+        rank = next(self._dp_counter) % dp if dp > 1 else None
+        headers = [(b"x-data-parallel-rank", str(rank).encode())] if rank is not None else None
+        addrs = spec.ec_zmq_addrs
+        zmq = addrs[(rank or 0) % len(addrs)] if addrs else None
+        return headers, zmq
+
+
+_RETRY_AFTER = {503: b"5", 429: b"1"}
+_NO_USAGE = (None, None)
+
+
+def _wants_usage(body: dict) -> bool:
+    """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+async def _take_slot(role: str, cap: Admission) -> None:
+    """A slot of a stage's cap, after waiting in its queue if need be; 429 past it."""
+    verdict = cap.try_enter()
+    if verdict == ADMIT or (verdict != SHED and await cap.wait()):
+        return
+    raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
+
+
+def _drop_traceback(err: BaseException) -> None:
+    """An answered error's traceback is of no further use, and its frames often hold the
+    error itself (``err = ...; raise err``) or a group containing it: a reference cycle
+    that would keep the request's objects alive until a full collection."""
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = None
+
+
+def _server_timing(timings: dict) -> Headers:
+    if not timings:
+        return []
+    # %-formatting of bytes: this runs once per request, and an f-string per stage, joined
+    # and encoded, cost twice as much.
+    value = b", ".join([b"%s;dur=%.1f" % (k.encode(), v * 1000) for k, v in timings.items()])
+    return [(b"server-timing", value)]

@@ -1,0 +1,167 @@
+"""Relaying decode's SSE stream to the client, from the upstream protocol callback.
+
+Bytes go out as they arrive, with one exception: a trailing partial event is
+held back until its end arrives (usually in the next TCP read). The byte
+stream is unchanged, but a failure can then always be reported as a clean,
+separate ``data: {"error": ...}`` event followed by ``data: [DONE]`` instead of
+being glued to half an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from time import perf_counter
+
+from epd_proxy.http import Headers
+from epd_proxy.http.client import Response
+from epd_proxy.http.server import FlowListener, ResponseWriter
+from epd_proxy.request.usage import rewrite_final_usage_events
+from epd_proxy.wire.errors import ProxyError
+
+# A "partial event" larger than this is not SSE framing we understand: pass it on.
+_MAX_HELD = 1 << 20
+
+
+class StreamRelay(FlowListener):
+    """Upstream body sink + client flow listener for one committed stream."""
+
+    __slots__ = ("writer", "resp", "_tail", "error", "ended", "events", "first_at", "last_at", "prev",
+                 "last")
+
+    def __init__(self, writer: ResponseWriter, resp: Response) -> None:
+        self.writer = writer
+        self.resp: Response | None = resp
+        self._tail = b""
+        self.error: ProxyError | None = None
+        self.ended = False
+        # For the inter-token histogram: reads relayed after the first, and when. Reads, not
+        # events: counting the events of each read costs a bytes.count() call per chunk, and
+        # events that arrive in one read reach the client together anyway.
+        self.events = 0
+        self.first_at = self.last_at = 0.0
+        self.prev = self.last = b""  # the last two reads: where the final usage event is
+
+    def final_bytes(self) -> bytes:
+        return self.prev + self.last
+
+    def gap(self) -> float | None:
+        """The mean time between the reads relayed after the first (None with fewer than two)."""
+        return (self.last_at - self.first_at) / self.events if self.events else None
+
+    # -- BodySink ---------------------------------------------------------------------
+    def on_data(self, data: bytes) -> None:
+        self.events += 1
+        self.prev, self.last = self.last, data
+        if self._tail:
+            data = self._tail + data
+            self._tail = b""
+        if data.endswith(b"\n\n"):
+            self.writer.write(data)
+            return
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_HELD:
+                self.writer.write(data)
+            else:
+                self._tail = data
+            return
+        self.writer.write(data[: cut + 2])
+        self._tail = data[cut + 2:]
+
+    def on_end(self) -> None:
+        self.ended = True
+        tail, self._tail = self._tail, b""
+        self.writer.end(tail)
+
+    def on_error(self, exc: Exception) -> None:
+        self.fail(ProxyError(502, f"decode stream broke off: {exc}"))
+
+    def fail(self, error: ProxyError) -> None:
+        """End a committed stream with an in-band error event (the partial event is dropped)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.error = error
+        self._tail = b""
+        self.writer.end(error.sse_event())
+
+    # -- FlowListener: a slow client throttles the upstream read ----------------------------
+    def pause(self) -> None:
+        if self.resp is not None:
+            self.resp.pause_reading()
+
+    def resume(self) -> None:
+        if self.resp is not None:
+            self.resp.resume_reading()
+
+
+class UsageRelay(StreamRelay):
+    """A relay that rewrites the usage of decode's final usage event (usage.py), for a P/D
+    stream whose client asked for usage; every other byte goes out as received."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, writer: ResponseWriter, resp: Response, ctx) -> None:
+        super().__init__(writer, resp)
+        self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
+
+    def on_data(self, data: bytes) -> None:
+        # The event split mirrors StreamRelay.on_data, which keeps it inline (no hook call per
+        # chunk on the common path); only this relay needs whole events before writing.
+        self.events += 1
+        if self._tail:
+            data = self._tail + data
+            self._tail = b""
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_HELD:
+                self.writer.write(data)
+            else:
+                self._tail = data
+            return
+        events, self._tail = data[: cut + 2], data[cut + 2:]
+        report = self.ctx.prefill_report
+        if report is not None and events.find(b'"usage"') >= 0:
+            events = rewrite_final_usage_events(events, report)
+        self.prev, self.last = self.last, events  # what the client got: its usage for the access log
+        self.writer.write(events)
+
+
+async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
+                       companion: asyncio.Future | None = None, usage_ctx=None) -> StreamRelay:
+    """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
+    With ``usage_ctx`` (a RequestContext) the final usage event is rewritten (UsageRelay)."""
+    # The head goes out with the first event, in one write (see ResponseWriter.start).
+    writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
+    relay = StreamRelay(writer, resp) if usage_ctx is None else UsageRelay(writer, resp, usage_ctx)
+    writer.flow = relay
+    if writer.writing_paused:
+        relay.pause()  # the client was already behind before the relay attached
+    if first:
+        relay.on_data(first)
+    relay.events, relay.first_at = 0, perf_counter()
+    writer.flush()  # the head, if the first event was held back whole
+    if companion is not None:
+        def companion_done(task: asyncio.Future) -> None:
+            if task.cancelled() or relay.ended:
+                return
+            exc = task.exception()
+            if exc is not None:
+                # The other leg failed mid-stream: say so in-band, and stop decode.
+                msg = exc.message if isinstance(exc, ProxyError) else str(exc)
+                relay.fail(ProxyError(502, f"prefill failed after the stream started: {msg}"))
+                resp.close()
+        companion.add_done_callback(companion_done)
+    try:
+        resp.relay(relay)
+        await resp.wait()
+    except Exception:
+        pass  # on_error has already ended the stream in-band
+    finally:
+        relay.last_at = perf_counter()
+        # Cancelled (client gone) or done: an unfinished upstream is aborted, so vLLM stops.
+        resp.close()
+        # The response holds the relay as its sink: without this link back the pair is no
+        # reference cycle, and is freed with the request instead of by the collector.
+        relay.resp = None
+    return relay

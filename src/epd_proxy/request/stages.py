@@ -1,0 +1,166 @@
+"""The prefill and decode stages, each one call to an instance of its pool.
+
+How their failures become the client's :class:`ProxyError` is ``upstream.py``'s
+business; the encode stage is ``encode/fanout.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+
+from epd_proxy.http import Headers
+from epd_proxy.http.client import Response, TransportTimeouts, UpstreamError
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.request.context import RequestContext
+from epd_proxy.request.upstream import call, exchange, read_body, status_error, transport_error, upstream_message
+from epd_proxy.request.usage import PrefillReport
+from epd_proxy.wire.blobs import encode_json
+from epd_proxy.wire.errors import ProxyError
+
+log = logging.getLogger("epd_proxy.stages")
+
+
+class _PrefillReply(msgspec.Struct):
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+    usage: msgspec.Raw = msgspec.Raw(b"null")  # kept for the client's usage (usage.py)
+
+
+class PrefillStage:
+    """One prefill call: the whole (1-token, non-streamed) answer, and its
+    ``kv_transfer_params`` kept as raw bytes so decode gets them verbatim."""
+
+    def __init__(self, pool: InstancePool, *, timeout: float, connect_timeout: float) -> None:
+        self.pool = pool
+        self.timeouts = TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout)
+
+    async def run(self, ctx: RequestContext, inst: Instance, body: dict, extra_headers: Headers | None = None,
+                  request_id: str | None = None) -> msgspec.Raw | None:
+        t0 = time.perf_counter()
+        data = await exchange(self.pool, inst, ctx, "prefill", ctx.path, encode_json(body),
+                              ctx.upstream_headers(request_id, extra_headers), self.timeouts)
+        ctx.timing("prefill", time.perf_counter() - t0)
+        try:
+            reply = msgspec.json.decode(data, type=_PrefillReply)
+            raw = reply.kv_transfer_params
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("request %s: prefill instance %s returned an unreadable answer", ctx.request_id,
+                        inst.url)
+            raise ProxyError(502, "prefill instance returned an unreadable answer", retryable=True) from None
+        ctx.prefill_report = PrefillReport(bytes(reply.usage), bytes(raw))
+        return None if bytes(raw) == b"null" else raw
+
+
+class DecodeLeg:
+    """An opened decode response: headers received, and for a stream the first
+    SSE event already read (``first``), so nothing has been committed yet."""
+
+    __slots__ = ("inst", "resp", "first", "body", "companion")
+
+    def __init__(self, inst: Instance, resp: Response, first: bytes = b"", body: bytes | None = None) -> None:
+        self.inst = inst
+        self.resp = resp
+        self.first = first
+        self.body = body  # the whole answer, non-stream
+        # A leg still running beside decode (push mode's prefill), watched by the relay.
+        self.companion: asyncio.Task | None = None
+
+
+class DecodeStage:
+    """Opens the decode call and checks it before anything reaches the client."""
+
+    def __init__(self, pool: InstancePool, *, first_timeout: float, idle_timeout: float,
+                 connect_timeout: float) -> None:
+        self.pool = pool
+        self.timeouts = TransportTimeouts(connect=connect_timeout, headers=first_timeout, idle=idle_timeout)
+
+    async def open(self, ctx: RequestContext, inst: Instance, body: dict, extra_headers: Headers | None = None,
+                   request_id: str | None = None) -> DecodeLeg:
+        t0 = time.perf_counter()
+        resp = await call(self.pool, inst, ctx, "decode", ctx.path, encode_json(body),
+                          ctx.upstream_headers(request_id, extra_headers), self.timeouts)
+        try:
+            if resp.status != 200:
+                data = await read_body(self.pool, inst, ctx, "decode", resp)
+                raise status_error(self.pool, inst, ctx, "decode", resp.status, data, resp.content_type)
+            ctype = resp.content_type or b""
+            if not ctype.startswith(b"text/event-stream"):
+                data = await read_body(self.pool, inst, ctx, "decode", resp)
+                self.pool.record_success(inst)
+                ctx.timing("decode", time.perf_counter() - t0)
+                return DecodeLeg(inst, resp, body=data)
+            first = await self._first_event(ctx, inst, resp)
+        except BaseException:
+            resp.close()
+            ctx.release(inst)
+            raise
+        self.pool.record_success(inst)
+        ctx.timing("decode_first", time.perf_counter() - t0)
+        return DecodeLeg(inst, resp, first=first)
+
+    async def _first_event(self, ctx: RequestContext, inst: Instance, resp: Response) -> bytes:
+        """Read until the first event that says something: an error there is still retryable.
+
+        vLLM's chat streams open with a content-free role chunk, sent even when the
+        request then fails (e.g. a KV load failure: role chunk, then the error event),
+        so role-only chunks are read past before deciding.
+        """
+        buf = b""
+        pos = 0  # start of the first event not yet examined
+        for _ in range(_MAX_LEADING_EVENTS):
+            end = buf.find(b"\n\n", pos)
+            while end < 0:
+                try:
+                    chunk = await resp.read_chunk()
+                except UpstreamError as exc:
+                    raise transport_error(self.pool, inst, ctx, "decode", exc,
+                                          "reading its stream before the first event") from None
+                if not chunk:
+                    return buf  # the stream ended: relay what there is
+                buf += chunk
+                end = buf.find(b"\n\n", pos)
+            event = buf[pos:end]
+            pos = end + 2
+            if not event.startswith(b"data: {"):
+                return buf
+            try:
+                parsed = msgspec.json.decode(event[6:], type=_StreamEvent)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return buf
+            if parsed.error is not None:
+                message = upstream_message(event[6:])
+                log.warning("request %s: decode instance %s failed in-band: %s", ctx.request_id, inst.url,
+                            message)
+                self.pool.record_request_failure(inst, f"in-band error: {message}", "in_band", ctx)
+                raise ProxyError(502, f"decode instance failed: {message}", retryable=True)
+            if not parsed.role_only():
+                return buf
+        return buf
+
+
+_MAX_LEADING_EVENTS = 8
+
+
+class _Choice(msgspec.Struct):
+    delta: dict | None = None
+    finish_reason: object = None
+
+
+class _StreamEvent(msgspec.Struct):
+    error: object = None
+    choices: list[_Choice] | None = None
+    usage: object = None
+
+    def role_only(self) -> bool:
+        """A chat chunk that only announces the assistant role (no content, no end)."""
+        if not self.choices or self.usage is not None:
+            return False
+        for c in self.choices:
+            d = c.delta
+            if c.finish_reason is not None or d is None or d.get("content") or set(d) - {"role", "content"}:
+                return False
+        return True

@@ -1,0 +1,158 @@
+"""Calls to one upstream instance, and what their failures say.
+
+Every stage talks to its instances through these few functions, so a failure
+is turned into the client's :class:`ProxyError` in one place: an upstream 4xx
+is relayed as received (it is the client's mistake, e.g. vLLM's validation
+400), a 5xx or a broken connection is a retryable 502, a stage timeout a 504,
+a refused connection with no other instance of the role in rotation a
+(retryable) 503, and the proxy's own shortage of descriptors or memory a 503.
+On the way, each failure tells the instance pool what it says about the
+instance (``health.py``): an instance signal, a request signal, or nothing;
+the pool's ``record_*`` call with the request's ``ctx`` also marks the
+instance failed for this request, so a retry prefers another.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from epd_proxy.http import Headers
+from epd_proxy.http.client import Response, TransportTimeouts, UpstreamError, UpstreamTimeout
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.request.context import RequestContext
+from epd_proxy.wire.errors import ProxyError
+
+# The stages' failures keep the logger name they have always had (log filters use it).
+log = logging.getLogger("epd_proxy.stages")
+
+_JSON = b"application/json"
+
+
+class _ErrorBody(msgspec.Struct):
+    error: dict | str | None = None
+    detail: object = None
+
+
+def upstream_message(body: bytes) -> str:
+    """The human part of an upstream error body (vLLM's envelope, FastAPI's detail, or text)."""
+    try:
+        parsed = msgspec.json.decode(body, type=_ErrorBody)
+        if isinstance(parsed.error, dict) and parsed.error.get("message"):
+            return str(parsed.error["message"])
+        if isinstance(parsed.error, str):
+            return parsed.error
+        if parsed.detail is not None:
+            return str(parsed.detail)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    text = body[:300].decode("utf-8", "replace").strip()
+    return text or "(empty body)"
+
+
+def status_error(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, status: int, body: bytes,
+                 content_type: bytes | None) -> ProxyError:
+    """An upstream answered with a non-200 status: what it says about the instance is
+    recorded, and the error the client should see is returned."""
+    if 400 <= status < 500:
+        # The request itself is wrong: the client gets the engine's own answer, and the
+        # instance, which answered properly, is not blamed.
+        pool.record_success(inst)
+        return ProxyError(status, upstream_message(body), upstream_body=body,
+                          upstream_content_type=content_type or _JSON)
+    message = upstream_message(body)
+    log.warning("request %s: %s instance %s answered HTTP %d: %s", ctx.request_id, stage, inst.url, status,
+                message)
+    if status in _GATEWAY_STATUSES:
+        # What gateways and an overloaded or dying vLLM answer: about the instance.
+        pool.record_failure(inst, f"HTTP {status}: {message}", f"http_{status}", ctx)
+    else:
+        # vLLM's 500: this request failed on it (e.g. one odd image), not the instance.
+        pool.record_request_failure(inst, f"HTTP {status}: {message}", f"http_{status}", ctx)
+    return ProxyError(502, f"{stage} instance failed with HTTP {status}: {message}", retryable=True)
+
+
+_GATEWAY_STATUSES = frozenset({502, 503, 504})
+
+
+def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, exc: UpstreamError,
+                    doing: str) -> ProxyError:
+    """A failure below HTTP talking to an instance, as the client should see it. The
+    address goes to the log line only: clients learn the role, never our topology."""
+    kind = exc.kind
+    if kind == "local":
+        # This process is short of descriptors, buffers or memory: nothing the instance did.
+        pool.record_local_error()
+        log.error("request %s: cannot reach %s instance %s for lack of local resources: %s",
+                  ctx.request_id, stage, inst.url, exc)
+        return ProxyError(503, f"the proxy is short of local resources ({_reason(exc)}); retry later",
+                          retryable=False)
+    log.warning("request %s: %s instance %s: %s %s", ctx.request_id, stage, inst.url, doing, exc)
+    pool.record_failure(inst, f"{doing}: {exc}", kind, ctx)
+    if kind == "connect" and not pool.reachable(ctx.excluded):
+        # Nothing in rotation that has not already refused this request: the role is
+        # unreachable now (a retry may still find another instance answering).
+        return ProxyError(503, f"no {stage} instance available: none accepts connections", retryable=True)
+    if isinstance(exc, UpstreamTimeout):
+        return ProxyError(504, f"{stage} instance timed out: {exc}", retryable=True)
+    if kind == "connect":
+        return ProxyError(502, f"{stage} instance unreachable", retryable=True)
+    if kind == "ejected":
+        return ProxyError(502, f"{stage} instance stopped answering and was taken out of rotation",
+                          retryable=True)
+    return ProxyError(502, f"{stage} instance broke off the connection while {doing}", retryable=True)
+
+
+def _reason(exc: UpstreamError) -> str:
+    """The OS's words from a connect failure, without the address before them."""
+    return str(exc).rsplit(": ", 1)[-1]
+
+
+async def call(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, path: str, body: bytes,
+               headers: Headers, timeouts: TransportTimeouts) -> Response:
+    """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
+    inst.requests += 1
+    ctx.hold(inst)
+    trace = ctx.trace
+    if trace is not None:
+        headers = trace.leg(inst, stage, headers)
+    try:
+        resp = await inst.connections.request("POST", path, body=body, headers=headers, timeouts=timeouts)
+        if trace is not None:
+            trace.status(inst, resp.status)
+        return resp
+    except UpstreamError as exc:
+        if trace is not None:
+            trace.failed(inst, str(exc))
+        ctx.release(inst)
+        raise transport_error(pool, inst, ctx, stage, exc, "sending the request") from None
+    except BaseException:
+        ctx.release(inst)
+        raise
+
+
+async def read_body(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, resp: Response) -> bytes:
+    """The whole answer; a transport failure on the way becomes a ProxyError and counts
+    against the instance."""
+    try:
+        return await resp.read()
+    except UpstreamError as exc:
+        raise transport_error(pool, inst, ctx, stage, exc, "reading its answer") from None
+
+
+async def exchange(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, path: str, body: bytes,
+                   headers: Headers, timeouts: TransportTimeouts) -> bytes:
+    """A whole request/response with one instance; a non-200 answer raises (and a
+    5xx is retryable elsewhere)."""
+    resp = await call(pool, inst, ctx, stage, path, body, headers, timeouts)
+    try:
+        data = await read_body(pool, inst, ctx, stage, resp)
+    finally:
+        resp.close()
+        ctx.release(inst)
+    if resp.status != 200:
+        raise status_error(pool, inst, ctx, stage, resp.status, data, resp.content_type)
+    pool.record_success(inst)
+    return data

@@ -1,0 +1,60 @@
+"""Routing policies: which instance of a role serves a request (or a media item).
+
+The pool filters the candidates by health (healthy, half-open, panic rules);
+a policy only picks among them, from two kinds of input:
+
+* a small, pure view of the request (:class:`RequestView`) over the
+  already-parsed body, each key computed once, on first use: the conversation
+  *anchor* (a hash of the prompt's beginning), the media items' uuids, the
+  prompt's size and its chained block hashes;
+* each candidate's load: this proxy's in-flight count, plus the instance's
+  own queue as last scraped from its ``/metrics`` (``LoadSignals``, kept
+  fresh by ``load_signals.py`` in the background).
+
+``cache-aware`` routes by rendezvous (highest-random-weight) hashing of the
+anchor, or of an item's uuid for encoders: every proxy replica and every
+``--workers`` process computes the same order from the instance URLs alone,
+so they agree without a shared store, and an instance leaving moves only the
+keys that were its own. Load bounds it: an instance loaded past the balance
+thresholds relative to the least-loaded candidate is passed over, in
+rendezvous order. A proxy also keeps each conversation where it sent the
+conversation's previous turn, as long as that turn was its own (see
+``CacheAware``), so conversations stay where their openings were spread.
+
+Pure: no I/O, no clock; the only state is rotation cursors, a random
+generator for ``power-of-two``, and ``cache-aware``'s seeds by URL, counts of
+openings and spills, and a bounded map of conversations' last instances.
+"""
+
+from __future__ import annotations
+
+from epd_proxy.routing.cache_aware import CacheAware
+from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
+from epd_proxy.routing.policy import RoutingPolicy
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    "round-robin": RoundRobin,
+    "least-loaded": LeastLoaded,
+    "load-aware": LoadAware,
+    "power-of-two": PowerOfTwo,
+    "cache-aware": CacheAware,
+}
+
+
+def make_policy(name: str, *, balance_abs: float = 4, balance_rel: float = 1.5) -> RoutingPolicy:
+    """A policy by its name (``POLICIES``); ValueError names the known ones."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICIES)})")
+    if cls is CacheAware:
+        return CacheAware(balance_abs, balance_rel)
+    return cls()
+
+
+def check_config(config) -> None:
+    """The routing flags of a :class:`~epd_proxy.config.ProxyConfig` (beside what they name)."""
+    for policy in (config.routing, config.prefill_policy, config.decode_policy, config.encode_policy):
+        if policy is not None and policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
+    if config.balance_abs < 0 or config.balance_rel < 1:
+        raise ValueError("--balance-abs must be >= 0 and --balance-rel >= 1")

@@ -1,0 +1,161 @@
+"""Reloading at run time: SIGHUP, and a change to the cluster file, re-read what may change.
+
+There is one reload path: SIGHUP. Under ``--workers`` the parent process
+handles it (and watches the cluster file) and passes it on to every worker;
+a single process does both itself. A reload re-reads the cluster file (the
+command line's flags still override it) and applies the instances as a
+roster diff (``Membership.apply(..., source="config")``: requests in flight
+finish on the instances that leave), then re-targets DNS discovery. Every
+other setting is read at start only: a changed one is logged as needing a
+restart. Other reloadable things add themselves with ``Reloader.on_reload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Callable
+
+from epd_proxy.config import ROLES, ProxyConfig
+
+log = logging.getLogger("epd_proxy.reload")
+
+# How often the cluster file's modification time and size are compared.
+WATCH_INTERVAL = 1.0
+
+
+def restart_needed(old: argparse.Namespace, new: argparse.Namespace) -> list[str]:
+    """The settings that changed but are only read at start (everything but the instances)."""
+    before, after = vars(old), vars(new)
+    return sorted(key for key in before.keys() | after.keys()
+                  if key not in ROLES and before.get(key) != after.get(key))
+
+
+def file_stamp(path: str) -> tuple[int, int, int] | None:
+    """What tells a changed file apart (also one replaced by a rename, as editors and
+    Kubernetes ConfigMap updates do); None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class FileWatch:
+    """Polls one file's stamp; ``changed()`` is true once per change."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp = file_stamp(path)
+
+    def changed(self) -> bool:
+        stamp = file_stamp(self.path)
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+
+class Reloader:
+    """Runs reloads in one process: on SIGHUP, and (``watch``) when the file changes."""
+
+    def __init__(self, settings, apply: Callable[[ProxyConfig], None], *, args: argparse.Namespace | None,
+                 watch: bool = True) -> None:
+        self.settings = settings  # serve_command.ServeSettings (None: no cluster file, only the hooks)
+        self._apply = apply  # the new config's instances into the roster
+        self.args = args  # the settings in force
+        self.watch = watch and settings is not None and settings.path is not None
+        self.reloads = 0  # reloads run (tests wait on it)
+        self.failures = 0  # of which failed (a bad file, a failed hook): the running configuration kept
+        self._hooks: list[Callable[[], None]] = []
+        self._task: asyncio.Task | None = None
+        self._pending = False
+
+    def on_reload(self, hook: Callable[[], None]) -> None:
+        self._hooks.append(hook)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGHUP, self.request)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (embedding)
+            pass
+        if self.watch:
+            self._task = loop.create_task(self._watch(FileWatch(self.settings.path)))
+
+    def request(self) -> None:
+        """Reload soon (signals coalesce: one reload for a burst)."""
+        if not self._pending:
+            self._pending = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        self._pending = False
+        self.reload()
+
+    def reload(self) -> bool:
+        """Re-read and apply; on a bad file, log one line and keep what runs."""
+        ok = True
+        if self.settings is not None and self.settings.path:
+            ok = self._reload_file()
+        elif not self._hooks:
+            log.info("reload: no cluster file to re-read (--config)")
+        for hook in self._hooks:
+            try:
+                hook()
+            except ValueError as exc:  # a hook's own words for what it could not reload
+                ok = False
+                log.error("reload: %s", exc)
+            except Exception:
+                ok = False
+                log.exception("reload hook failed")
+        self.reloads += 1
+        if not ok:
+            self.failures += 1
+        return ok
+
+    def _reload_file(self) -> bool:
+        assert self.args is not None  # a cluster file comes with the settings it started with
+        path = self.settings.path
+        try:
+            args = self.settings.load()
+            config = self.settings.config(args)
+        except ValueError as exc:
+            msg = str(exc)
+            log.error("reload: %s; keeping the running configuration", msg if msg.startswith(path)
+                      else f"{path}: {msg}")
+            return False
+        changed = restart_needed(self.args, args)
+        if changed:
+            log.warning("reload: %s changed %s: applied at the next restart only", path, ", ".join(changed))
+        self._apply(config)
+        log.info("reload: %s applied (%s)", path, ", ".join(
+            f"{len(getattr(config, r))} {r}" for r in ROLES)
+            + (f", {len(config.discover)} DNS name(s)" if config.discover else ""))
+        # What runs: the instances from this file; the rest as started.
+        for role in ROLES:
+            setattr(self.args, role, getattr(args, role))
+        return True
+
+    async def _watch(self, watch: FileWatch) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            try:
+                if watch.changed():
+                    log.info("reload: %s changed", watch.path)
+                    self.request()
+            except Exception:  # never let the watcher die
+                log.exception("watching %s", watch.path)
+
+    async def close(self) -> None:
+        try:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

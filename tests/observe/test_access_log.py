@@ -1,0 +1,112 @@
+"""The access log (access_log.py): one line per request with what an operator needs, in
+both formats, in process and from a real ``epd-proxy serve``."""
+
+import asyncio
+import io
+import os
+import signal
+
+import msgspec
+from helpers import JSON, chat_body, stack
+from procs import child_proxy, fresh_request
+
+from epd_proxy.observe.access_log import AccessLog, usage_of
+from epd_proxy.sim import SimCluster, SimConfig
+
+
+def test_usage_of_a_whole_answer_and_of_the_last_stream_events():
+    assert usage_of(b'{"id":"x","usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}') == (7, 3)
+    tail = (b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,'
+            b'"prompt_tokens_details":{"cached_tokens":0}}}\n\ndata: [DONE]\n\n')
+    assert usage_of(tail) == (5, 2)
+    assert usage_of(b'data: {"choices":[{"delta":{}}],"usage":null}\n\ndata: [DONE]\n\n') == (None, None)
+    assert usage_of(b"") == (None, None)
+    assert usage_of(b'data: {"usage":{"prompt_tok') == (None, None)  # cut: unknown, not an error
+
+
+async def test_one_line_per_request_with_the_fields_text_and_json():
+    for fmt in ("text", "json"):
+        out = io.StringIO()
+        async with stack(encode=1) as (cluster, proxy, client):
+            proxy.app.pipeline.access_log = AccessLog(fmt, stream=out)
+            image = ["https://example.com/cat.png"]
+            whole = await client.chat(chat_body(images=image), [(b"x-request-id", b"rid-whole")])
+            streamed = await client.chat(chat_body(stream=True, stream_options={"include_usage": True}),
+                                         [(b"x-request-id", b"rid-stream")])
+            bad = await client.post("/v1/chat/completions", b"{nope", [(b"x-request-id", b"rid-bad")])
+            health = await client.request("GET", "/health")
+            assert [r.status for r in (whole, streamed, bad, health)] == [200, 200, 400, 200]
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 4, lines
+        e, p, d = (cluster.urls(r)[0].split("://")[1] for r in ("encode", "prefill", "decode"))
+        usage = whole.json()["usage"]
+        if fmt == "json":
+            w, s, b, h = (msgspec.json.decode(line) for line in lines)
+            assert w["request_id"] == "rid-whole" and w["method"] == "POST" and w["status"] == 200
+            assert w["stream"] is False and w["outcome"] == "ok"
+            assert w["instances"] == {"encode": [e], "prefill": [p], "decode": [d]}
+            assert set(w["stages_ms"]) == {"encode", "prefill", "decode"}
+            assert (w["prompt_tokens"], w["completion_tokens"]) == (usage["prompt_tokens"],
+                                                                    usage["completion_tokens"])
+            assert w["bytes"] == len(whole.body)  # the body's bytes
+            assert s["request_id"] == "rid-stream" and s["stream"] is True and s["outcome"] == "ok"
+            assert s["completion_tokens"] == 8 and s["prompt_tokens"] > 0
+            assert set(s["stages_ms"]) == {"prefill", "decode_first"}
+            assert b["request_id"] == "rid-bad" and b["status"] == 400 and b["outcome"] == "error"
+            assert b["instances"] == {} and b["prompt_tokens"] is None
+            assert h["path"] == "/health" and h["status"] == 200
+        else:
+            w, s, b, h = lines
+            assert " INFO epd_proxy.access: rid-whole POST /v1/chat/completions 200 whole " in w
+            assert f" e={e} p={p} d={d} " in w and " encode=" in w and " prefill=" in w
+            assert f" tokens={usage['prompt_tokens']}/{usage['completion_tokens']} " in w and w.endswith(" ok")
+            assert " rid-stream POST /v1/chat/completions 200 stream " in s and " decode_first=" in s
+            assert "/8 " in s and s.endswith(" ok")
+            assert " rid-bad POST /v1/chat/completions 400 whole - - " in b and " tokens=-/- " in b
+            assert b.endswith(" error")
+            assert " - GET /health 200 " in h
+
+
+async def test_an_in_band_failure_and_a_client_gone_are_the_outcome():
+    out = io.StringIO()
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, roles={"decode": {"itl_ms": 20}})
+    async with stack(sim=sim) as (cluster, proxy, client):
+        proxy.app.pipeline.access_log = AccessLog("json", stream=out)
+        gone = asyncio.ensure_future(client.chat(chat_body(stream=True, max_tokens=2000), timeout=30))
+        await asyncio.sleep(0)
+        decode = cluster.instances("decode")[0]
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5
+        while decode._in_flight == 0:
+            assert loop.time() < end
+            await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        await client.close()
+        while not out.getvalue():
+            assert loop.time() < end
+            await asyncio.sleep(0.01)
+    line = msgspec.json.decode(out.getvalue().splitlines()[0])
+    assert line["outcome"] == "client_gone" and line["stream"] is True
+
+
+async def test_a_real_proxy_logs_json_lines_and_nothing_with_no_access_log():
+    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+        body = msgspec.json.encode(chat_body(max_tokens=2))
+        for extra, want in ((["--log-format", "json"], 3), (["--no-access-log"], 0)):
+            async with child_proxy(cluster, *extra, stderr=asyncio.subprocess.PIPE) as (proc, url):
+                for i in range(3):
+                    reply = await fresh_request(url, "POST", "/v1/chat/completions", body,
+                                                JSON + [(b"x-request-id", f"r{i}".encode())])
+                    assert reply.status == 200
+                os.killpg(proc.pid, signal.SIGTERM)
+                err = (await asyncio.wait_for(proc.stderr.read(), 10)).decode()
+                await proc.wait()
+            lines = [line for line in err.splitlines() if line.strip()]
+            access = [line for line in lines if "epd_proxy.access" in line and "/v1/chat" in line]
+            assert len(access) == want, err
+            if want:
+                # /health polls while starting are logged too; every line is one JSON object.
+                docs = [msgspec.json.decode(line) for line in lines]
+                assert [d["request_id"] for d in docs if d.get("path") == "/v1/chat/completions"] == ["r0", "r1", "r2"]
+                assert any(d["logger"] == "epd_proxy" and "shutting down" in d["message"] for d in docs)
