@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint e2e bench venv clean system-packages
+.PHONY: run test lint e2e container bench venv clean system-packages
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -37,9 +37,14 @@ lint: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
-## End-to-end against real vLLM instances (installs a cached vLLM CPU environment).
+## End-to-end: the container image built and run (podman), then real vLLM instances (installs a
+## cached vLLM CPU environment). Both run; the target fails if either does.
 e2e: $(STAMP)
-	bash e2e/run.sh
+	@status=0; bash e2e/container.sh || status=1; bash e2e/run.sh || status=1; exit $$status
+
+## The container image from the Dockerfile, built and run in front of a simulated cluster (podman).
+container: $(STAMP)
+	bash e2e/container.sh
 
 ## The benchmark; see docs/benchmarks.md.
 bench: $(STAMP)

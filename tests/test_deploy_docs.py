@@ -1,11 +1,9 @@
 """docs/deploy/*.yaml: the example Kubernetes manifests parse, and what they tell the proxy
 holds (its arguments and cluster file pass the proxy's own parser and checks).
 
-PyYAML is not a dependency, so the manifests are written in a strict subset of YAML
-(block mappings and sequences, plain and quoted scalars, JSON-style flow collections,
-``|`` literal blocks, comments, ``---``) that the small parser below reads; anything
-outside the subset is an error, so a manifest that passes is valid YAML that means
-what the test read.
+PyYAML is not a dependency, so the manifests are written in the strict subset of YAML
+that yaml_subset.py reads; anything outside the subset is an error, so a manifest that
+passes is valid YAML that means what the test read.
 """
 
 from __future__ import annotations
@@ -13,173 +11,19 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import tomllib
 
 import pytest
+from yaml_subset import YamlError, load_all
 
 from epd_proxy.cli import build_parser
 from epd_proxy.cli.cluster_file import read_cluster_file
 from epd_proxy.cli.serve import ServeSettings, file_options
 
-DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "docs" / "deploy"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "docs" / "deploy"
+ALERTS = REPO / "docs" / "monitoring" / "alerts.yaml"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-
-
-# -- a strict YAML subset ------------------------------------------------------------------
-class YamlError(ValueError):
-    pass
-
-
-def load_all(text: str) -> list:
-    docs, current = [], []
-    for line in text.split("\n"):
-        if line.rstrip() == "---":
-            docs.append(current)
-            current = []
-        else:
-            current.append(line)
-    docs.append(current)
-    out = []
-    for lines in docs:
-        parser = _Parser(lines)
-        if parser.lines:
-            out.append(parser.parse())
-    return out
-
-
-_KEY = re.compile(r"^([A-Za-z0-9_.\-/]+):(?: (.*))?$")
-
-
-class _Parser:
-    def __init__(self, raw: list[str]) -> None:
-        self.raw = raw
-        self.lines = []  # (indent, text, line number) of content lines
-        for n, line in enumerate(raw):
-            if "\t" in line:
-                raise YamlError(f"line {n + 1}: tab")
-            stripped = line.strip()
-            if not stripped or stripped.startswith("#"):
-                continue
-            self.lines.append((len(line) - len(line.lstrip(" ")), line.strip(), n))
-        self.i = 0
-
-    def parse(self):
-        value = self.block(self.lines[0][0])
-        if self.i != len(self.lines):
-            raise YamlError(f"line {self.lines[self.i][2] + 1}: unexpected indentation")
-        return value
-
-    def block(self, indent: int):
-        _, text, _ = self.lines[self.i]
-        return self.sequence(indent) if text.startswith("- ") or text == "-" else self.mapping(indent)
-
-    def mapping(self, indent: int) -> dict:
-        out: dict = {}
-        while self.i < len(self.lines):
-            ind, text, n = self.lines[self.i]
-            if ind < indent:
-                break
-            if ind > indent:
-                raise YamlError(f"line {n + 1}: unexpected indentation")
-            if text.startswith("- "):
-                break
-            m = _KEY.match(text)
-            if not m:
-                raise YamlError(f"line {n + 1}: expected 'key: value', got {text!r}")
-            key, rest = m.group(1), m.group(2)
-            if key in out:
-                raise YamlError(f"line {n + 1}: duplicate key {key!r}")
-            self.i += 1
-            out[key] = self.value_after(rest, ind, n)
-        return out
-
-    def value_after(self, rest, ind: int, n: int):
-        if rest is None or _strip_comment(rest) == "":
-            if self.i < len(self.lines):
-                nind, ntext, _ = self.lines[self.i]
-                if nind > ind or (nind == ind and ntext.startswith("- ")):
-                    return self.block(nind)
-            return None
-        if rest.strip() == "|":
-            return self.literal(ind, n)
-        return scalar(rest, n)
-
-    def literal(self, ind: int, n: int) -> str:
-        # Raw lines after the key's line that are indented more than the key (or blank).
-        start = n + 1
-        body, block_indent = [], None
-        j = start
-        while j < len(self.raw):
-            line = self.raw[j]
-            if line.strip():
-                lead = len(line) - len(line.lstrip(" "))
-                if lead <= ind:
-                    break
-                block_indent = lead if block_indent is None else block_indent
-                if lead < block_indent:
-                    raise YamlError(f"line {j + 1}: literal block dedented")
-                body.append(line[block_indent:])
-            else:
-                body.append("")
-            j += 1
-        while self.i < len(self.lines) and self.lines[self.i][2] < j:
-            self.i += 1
-        while body and body[-1] == "":
-            body.pop()
-        return "\n".join(body) + "\n"
-
-    def sequence(self, indent: int) -> list:
-        out = []
-        while self.i < len(self.lines):
-            ind, text, n = self.lines[self.i]
-            if ind < indent or not (text.startswith("- ") or text == "-"):
-                if ind > indent:
-                    raise YamlError(f"line {n + 1}: unexpected indentation")
-                break
-            if ind > indent:
-                raise YamlError(f"line {n + 1}: unexpected indentation")
-            item = text[2:] if text != "-" else ""
-            if item and _KEY.match(item) and not item.startswith(("'", '"', "[", "{")):
-                # "- key: value": a mapping whose keys sit at the item's column.
-                col = ind + 2
-                self.lines[self.i] = (col, item, n)
-                out.append(self.mapping(col))
-            else:
-                self.i += 1
-                out.append(self.value_after(item or None, ind, n))
-        return out
-
-
-def _strip_comment(text: str) -> str:
-    if text.lstrip().startswith(("'", '"')):
-        return text.strip()
-    return re.split(r"\s+#", text, maxsplit=1)[0].strip()
-
-
-def scalar(text: str, n: int):
-    text = _strip_comment(text)
-    if text.startswith('"') or text.startswith("[") or text.startswith("{"):
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise YamlError(f"line {n + 1}: {exc}") from None
-    if text.startswith("'"):
-        if not text.endswith("'") or len(text) < 2:
-            raise YamlError(f"line {n + 1}: unterminated quote")
-        inner = text[1:-1]
-        if re.search(r"(?<!')'(?!')", inner):
-            raise YamlError(f"line {n + 1}: stray quote")
-        return inner.replace("''", "'")
-    if text in ("true", "false"):
-        return text == "true"
-    if text in ("null", "~"):
-        return None
-    if re.fullmatch(r"-?\d+", text):
-        return int(text)
-    if re.fullmatch(r"-?\d+\.\d+", text):
-        return float(text)
-    if ": " in text or text.endswith(":") or " #" in text or text[0] in "-?:,[]{}#&*!|>'\"%@`":
-        raise YamlError(f"line {n + 1}: quote this scalar: {text!r}")
-    return text
 
 
 # -- the parser itself ----------------------------------------------------------------------
@@ -197,7 +41,8 @@ def _docs():
 
 
 def test_there_are_manifests():
-    assert {p.name for p in MANIFESTS} >= {"instances.yaml", "proxy-dns.yaml", "proxy-registration.yaml"}
+    assert {p.name for p in MANIFESTS} >= {"instances.yaml", "proxy-dns.yaml", "proxy-registration.yaml",
+                                           "monitoring.yaml"}
 
 
 @pytest.mark.parametrize("name, doc", _docs(), ids=lambda v: v if isinstance(v, str) else "")
@@ -244,3 +89,144 @@ def test_the_proxy_finds_the_headless_services_the_manifests_define():
     for name, port in names:
         spec = services[name]["spec"]
         assert spec["clusterIP"] == "None" and int(port) in [p["port"] for p in spec["ports"]]
+
+
+def test_the_proxy_image_is_the_one_the_dockerfile_builds_at_this_version():
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(r'^ENTRYPOINT \["epd-proxy"\]$', dockerfile, re.M)
+    for name, _, container in _proxy_containers():
+        assert container["image"] == f"epd-proxy:{version}", name
+        assert "command" not in container, f"{name}: the image's ENTRYPOINT is epd-proxy"
+        assert container["securityContext"]["runAsNonRoot"] is True
+
+
+# -- the vLLM instances -------------------------------------------------------------------
+def _instances() -> dict[str, dict]:
+    """role -> the pod template of its Deployment."""
+    out = {}
+    for name, doc in _docs():
+        if name == "instances.yaml" and doc["kind"] == "Deployment":
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert doc["spec"]["selector"]["matchLabels"] == labels
+            out[labels["role"]] = doc["spec"]["template"]["spec"]
+    return out
+
+
+def _flag(args: list[str], flag: str):
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_every_role_has_a_deployment_its_headless_service_selects():
+    services = {doc["metadata"]["name"]: doc["spec"] for name, doc in _docs()
+                if name == "instances.yaml" and doc["kind"] == "Service"}
+    pods = _instances()
+    assert set(pods) == {"encode", "prefill", "decode"}
+    for role, pod in pods.items():
+        spec = services[f"vllm-{role}"]
+        assert spec["clusterIP"] == "None" and spec["selector"] == {"app": "vllm", "role": role}
+        port = spec["ports"][0]["port"]
+        assert port in [p["containerPort"] for p in pod["containers"][0]["ports"]]
+        assert _flag(pod["containers"][0]["args"], "--port") == str(port)
+
+
+def test_each_role_gets_its_connector_roles():
+    pods = _instances()
+    args = {role: pod["containers"][0]["args"] for role, pod in pods.items()}
+    kv = {role: json.loads(_flag(a, "--kv-transfer-config") or "null") for role, a in args.items()}
+    ec = {role: json.loads(_flag(a, "--ec-transfer-config") or "null") for role, a in args.items()}
+    # E+P+D: encode writes encoder outputs, prefill reads them and produces the KV, decode consumes it.
+    assert kv["encode"] is None
+    assert (kv["prefill"]["kv_connector"], kv["prefill"]["kv_role"]) == ("NixlConnector", "kv_producer")
+    assert (kv["decode"]["kv_connector"], kv["decode"]["kv_role"]) == ("NixlConnector", "kv_consumer")
+    assert (ec["encode"]["ec_connector"], ec["encode"]["ec_role"]) == ("ECExampleConnector", "ec_producer")
+    assert (ec["prefill"]["ec_connector"], ec["prefill"]["ec_role"]) == ("ECExampleConnector", "ec_consumer")
+    assert ec["decode"] is None
+    assert "--no-enable-prefix-caching" in args["encode"]  # as vLLM's EPD examples run encoders
+    # One model everywhere (the positional argument).
+    assert len({a[0] for a in args.values()}) == 1 and not args["encode"][0].startswith("-")
+
+
+def test_encoders_and_their_consumers_share_the_ec_storage_on_a_read_write_many_volume():
+    (claim,) = [doc for name, doc in _docs() if doc["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for role in ("encode", "prefill"):
+        pod = _instances()[role]
+        container = pod["containers"][0]
+        path = json.loads(_flag(container["args"], "--ec-transfer-config"))["ec_connector_extra_config"][
+            "shared_storage_path"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"], role
+
+
+def test_prefill_and_decode_advertise_their_pod_ip_for_the_nixl_side_channel():
+    for role in ("prefill", "decode"):
+        container = _instances()[role]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        host = env["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+        assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", role
+        port = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
+        assert port in [p["containerPort"] for p in container["ports"]], role
+
+
+def test_every_vllm_container_is_probed_on_health():
+    for role, pod in _instances().items():
+        container = pod["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            get = container[probe]["httpGet"]
+            assert get["path"] == "/health" and ports.get(get["port"], get["port"]) == 8000, (role, probe)
+        # The startup probe covers loading the model; liveness does not kill a loading engine.
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, role
+        assert container["resources"]["limits"], role
+
+
+# -- disruption budget and monitoring ------------------------------------------------------
+def _by_file(kind: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for name, doc in _docs():
+        if doc["kind"] == kind:
+            out.setdefault(name, []).append(doc)
+    return out
+
+
+def _selects(selector: dict, labels: dict | None) -> bool:
+    return bool(selector) and all((labels or {}).get(k) == v for k, v in selector.items())
+
+
+def test_each_proxy_variant_has_a_disruption_budget_that_selects_its_pods():
+    budgets = _by_file("PodDisruptionBudget")
+    for name, doc in _docs():
+        if doc["kind"] in ("Deployment", "StatefulSet") and doc["metadata"]["name"] == "epd-proxy":
+            (pdb,) = budgets[name]
+            assert _selects(doc["spec"]["selector"]["matchLabels"], doc["spec"]["template"]["metadata"]["labels"])
+            assert _selects(pdb["spec"]["selector"]["matchLabels"], doc["spec"]["template"]["metadata"]["labels"])
+            assert pdb["spec"]["maxUnavailable"] < doc["spec"]["replicas"], name
+
+
+def test_the_service_monitor_scrapes_the_proxy_service_once_per_pod():
+    (monitor,) = _by_file("ServiceMonitor")["monitoring.yaml"]
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == ["llm"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert "jobLabel" not in monitor["spec"]  # the job is the Service's name: what the alerts select
+    for name, services in _by_file("Service").items():
+        if name not in ("proxy-dns.yaml", "proxy-registration.yaml"):
+            continue
+        # Exactly one Service per variant: a second (epd-proxy-peers) would scrape every pod twice.
+        (service,) = [s for s in services if _selects(monitor["spec"]["selector"]["matchLabels"],
+                                                      s["metadata"].get("labels"))]
+        assert service["metadata"]["name"] == "epd-proxy"
+        assert f'job="{service["metadata"]["name"]}"' in ALERTS.read_text()
+        assert endpoint["port"] in [p["name"] for p in service["spec"]["ports"]]
+        assert service["spec"]["selector"] == {"app": "epd-proxy"}
+
+
+def test_the_prometheus_rule_carries_the_alert_rules_file_unchanged():
+    (rule,) = _by_file("PrometheusRule")["monitoring.yaml"]
+    (plain,) = load_all(ALERTS.read_text())
+    assert set(plain) == {"groups"}
+    assert rule["spec"] == {"groups": plain["groups"]}
+    assert len(plain["groups"][0]["rules"]) >= 8
