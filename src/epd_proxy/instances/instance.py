@@ -4,14 +4,16 @@ whether it is leaving.
 
 The life of an instance::
 
+                   ┌────────────────(4)─────────────────┐
+                   │  ┌──────(3)──────┐                 │
+                   ▼  ▼               │                 │
     registered ──▶ HEALTHY ──(1)──▶ EJECTED ──(2)──▶ HALF_OPEN
-                   ▲  ▲               │                 │  │
-                   │  └─────(3)───────┘                 │  │
-                   └──────────────(4)───────────────────┘  │
-                                      ▲──────(5)───────────┘
+                                      ▲                 │
+                                      └───────(5)───────┘
+
     HEALTHY, EJECTED, HALF_OPEN ──(6)──▶ DRAINING ──(7)──▶ LEAVING ──(10)──▶ gone
-    HEALTHY, EJECTED, HALF_OPEN ──(8)─────────────────────▶ LEAVING
-    EJECTED, HALF_OPEN (out) ─────(9)─────────────────────▶ LEAVING
+    any of the four above ────────(8)────────────────────▶ LEAVING
+    EJECTED, HALF_OPEN (out) ─────(9)────────────────────▶ LEAVING
 
 Who moves each edge:
 
@@ -38,8 +40,9 @@ Who moves each edge:
   ``Membership.apply`` on a role change or when a source adds back one it was draining.
 - (9) out since ``out_since`` for ``--evicted-ttl`` (sources in ``PINNED_SOURCES``
   never): ``Membership.sweep`` (reason ``forgotten``). A re-announcement restarts the clock.
-- (7), (8), (9) take it out of the routing lists and the pool (``InstancePool.remove``);
-  ``Membership`` sets ``leaving`` and keeps it until (10).
+- (7), (8), (9) take it out of the pool and its routing lists (``InstancePool.remove``,
+  which stops its probes and its ejection timer); ``Membership`` sets ``leaving`` and
+  keeps it until (10). Requests holding it carry on.
 - (10) in flight reaches 0: ``Membership.sweep`` closes its connections and tells the
   subscribers ``left``.
 
