@@ -6,6 +6,8 @@ import msgspec
 import pytest
 
 from epd_proxy.config import InstanceSpec
+from epd_proxy.instances.health import EJECTED, HEALTHY
+from epd_proxy.instances.instance import LEAVING
 from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import (
@@ -260,6 +262,27 @@ async def test_ttl_zero_never_forgets():
     m.sweep(0.0)
     m.sweep(1e9)
     assert m.find(D.url) is not None
+    await m.close()
+
+
+async def test_the_roster_state_is_on_the_instance():
+    """Source, out-of-rotation clock and leaving are the instance's own fields."""
+    m = membership(ttl=10.0, static=[InstanceSpec("http://static:1", "decode")])
+    m.register(D, source="dns:decode:x")
+    inst, static = m.find(D.url), m.find("http://static:1")
+    assert (inst.source, static.source) == ("dns:decode:x", "static")
+    assert (inst.out_since, inst.leaving) == (None, False)
+    inst.health.state = EJECTED
+    m.sweep(100.0)
+    assert inst.out_since == 100.0
+    assert static.out_since is None  # never forgotten: no clock
+    inst.health.state = HEALTHY
+    m.sweep(101.0)
+    assert inst.out_since is None
+    inst.inflight = 1
+    m.unregister(D.url)
+    assert inst.leaving is True
+    assert m.counts()[("decode", LEAVING)] == 1
     await m.close()
 
 

@@ -1,46 +1,74 @@
 """One upstream vLLM instance, with all its state: its spec, connections, health, load
-signals, where it came from, since when it is out, and whether it is leaving.
+signals, where it came from (``source``), since when it is out (``out_since``), and
+whether it is leaving.
 
-The life of an instance, and who moves each edge::
+The life of an instance::
 
-    registered ──(membership: flag, API, cluster file, DNS, another worker)──▶ in the pool
-        │  never yet healthy: probed at the fast interval (pool.py)
-        ▼
-    healthy ◀──(probe success / trial request succeeds: pool.py via health.py)── half-open
-        │                                                                         ▲
-        │ failures past the rules (health.py's outlier rules, fed by upstream.py) │ ejection time over
-        ▼                                                                         │ (pool.py's timer)
-    ejected ──────────────────────────────────────────────────────────────────────┘
-        │ out longer than --evicted-ttl (membership.py's sweeper): forgotten
-        ▼
-    draining (membership.drain: admin API, a source that dropped it) ── no new requests
-        │ in flight reaches 0
-        ▼
-    leaving (membership.unregister / forgotten: out of the routing lists, requests finish)
-        │ in flight reaches 0 (membership.py's sweeper)
-        ▼
-    gone (connections closed; subscribers told ``left``)
+                   ┌────────────────(4)─────────────────┐
+                   │  ┌──────(3)──────┐                 │
+                   ▼  ▼               │                 │
+    registered ──▶ HEALTHY ──(1)──▶ EJECTED ──(2)──▶ HALF_OPEN
+                                      ▲                 │
+                                      └───────(5)───────┘
 
-States are ``health.py``'s named constants (``HEALTHY``, ``EJECTED``, ``HALF_OPEN``,
-``DRAINING``); ``source``, ``out_since`` and ``leaving`` are membership's, kept here so
-that one object says everything about one instance.
+    HEALTHY, EJECTED, HALF_OPEN ──(6)──▶ DRAINING ──(7)──▶ LEAVING ──(10)──▶ gone
+    any of the four above ────────(8)────────────────────▶ LEAVING
+    EJECTED, HALF_OPEN (out) ─────(9)────────────────────▶ LEAVING
+
+Who moves each edge:
+
+- registered: ``InstancePool(specs)`` for the flags (``Membership`` sets their ``source``
+  to ``static``), else ``Membership.register`` → ``InstancePool.add`` (the API, through
+  ``api/admin.py``; a reloaded cluster file and DNS, through ``Membership.apply``; another
+  worker, through ``shared.py``). It starts ``HEALTHY`` but not ``seen_healthy``: ``pool.py``
+  probes it at the fast interval until a probe answers.
+- (1) failures past ``health.py``'s outlier rules (``instance_failure``,
+  ``request_failure``), fed by ``pool.py``'s probes and its ``record_*`` (called from
+  ``request/upstream.py``); ``pool.py`` arms the re-admission timer (``expiry``).
+- (2) the ejection time is over: ``pool.py``'s timer (``OutlierRules.expire``).
+- (3) a probe or request success, when probes caused or confirmed the ejection
+  (``OutlierRules.success``, through ``pool.py``).
+- (4) the first success: a request (``pool.py`` gives it one pick in ``HALF_OPEN_SHARE``)
+  or a probe, but only a request when request failures caused the ejection
+  (``OutlierRules.success``, through ``pool.py``).
+- (5) the first failure: out again, for longer (the outlier rules, through ``pool.py``).
+- (6) ``Membership.drain`` → ``InstancePool.drain`` (``OutlierRules.drain``): the admin
+  API, a source whose set no longer has it (``Membership.apply``), another worker. No
+  rule moves it out of ``DRAINING``; it gets no new requests, not even in panic routing.
+- (7) in flight reaches 0: ``Membership.sweep`` (removal reason ``drained``).
+- (8) ``Membership.unregister`` (reason ``unregistered``): the admin API, another worker,
+  ``Membership.apply`` on a role change or when a source adds back one it was draining.
+- (9) out since ``out_since`` for ``--evicted-ttl`` (sources in ``PINNED_SOURCES``
+  never): ``Membership.sweep`` (reason ``forgotten``). A re-announcement restarts the clock.
+- (7), (8), (9) take it out of the pool and its routing lists (``InstancePool.remove``,
+  which stops its probes and its ejection timer); ``Membership`` sets ``leaving`` and
+  keeps it until (10). Requests holding it carry on.
+- (10) in flight reaches 0: ``Membership.sweep`` closes its connections and tells the
+  subscribers ``left``.
+
+``HEALTHY``, ``EJECTED``, ``HALF_OPEN`` and ``DRAINING`` are ``health.py``'s states (the
+``state`` below); ``LEAVING`` is the roster's, after them, and ``leaving`` says it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.instances.health import HEALTHY, Health
 from epd_proxy.instances.load_signals import LoadSignals
 
+# Out of the pool, its requests in flight finishing; the roster's state after health's four.
+LEAVING = "leaving"
+
 
 class Instance:
     """One upstream vLLM instance: its connections and what we know of its state."""
 
     __slots__ = ("spec", "url", "role", "connections", "inflight", "health", "requests", "errors", "expiry",
-                 "signals")
+                 "signals", "source", "out_since", "leaving")
 
     def __init__(self, spec: InstanceSpec, connections: ConnectionPool) -> None:
         self.spec = spec
@@ -53,6 +81,11 @@ class Instance:
         self.errors = 0  # every failure seen (by kind in health.errors)
         self.expiry: asyncio.TimerHandle | None = None  # the end of an ejection
         self.signals = LoadSignals()  # its own load, from its /metrics (load_signals.py)
+        # The roster's (membership.py): who put it there, since when it is out of rotation
+        # (the evicted-TTL clock; None while in), and whether it has left the pool.
+        self.source: str | None = None
+        self.out_since: float | None = None
+        self.leaving = False
 
     @property
     def healthy(self) -> bool:
@@ -69,3 +102,12 @@ class Instance:
 
     def __repr__(self) -> str:
         return f"<Instance {self.role} {self.url} inflight={self.inflight} {self.health.state}>"
+
+
+def now() -> float:
+    """The clock of everything timed on an instance (``ejected_until``, ``out_since``): the
+    event loop's, whose timers re-admit instances; monotonic without a running loop."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()

@@ -1,13 +1,15 @@
 """One roster over the role pools: every way an instance joins or leaves lands here.
 
 Static flags, the registration API (``POST /instances``, vLLM's registrar),
-a config file and DNS discovery all call :class:`Membership`, which owns
-*which* instances exist and who put them there (their ``source``); the pools
-own *how* they are routed to and their health (``health.py``'s one state
-machine). vLLM's registry view maps onto that state machine: *live* is
-healthy (in full rotation), *evicted* is ejected or half-open (out, still
-probed; a probe success brings it back), and an instance that stays evicted
-for ``evicted_ttl`` seconds is forgotten.
+a config file and DNS discovery all call :class:`Membership`, which decides
+*which* instances exist and writes the roster's part of each ``Instance``
+(``source``, ``out_since``, ``leaving``); the pools own *how* they are routed
+to and their health (``health.py``'s one state machine). vLLM's registry
+view maps onto that state machine: *live* is healthy (in full rotation),
+*evicted* is ejected or half-open (out, still probed; a probe success brings
+it back), and an instance that stays evicted for ``evicted_ttl`` seconds is
+forgotten. The whole life of an instance, and who moves each edge, is drawn
+once, in ``instance.py``.
 
 Leaving never cuts a request: an unregistered instance leaves the routing
 lists at once but keeps its connections until the requests holding it have
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.health import DRAINING
+from epd_proxy.instances.instance import LEAVING, Instance
+from epd_proxy.instances.instance import now as _now
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import (
     PINNED_SOURCES,
@@ -76,9 +79,8 @@ class Membership:
         # instances leave: a P/D proxy whose prefills are gone is not ready, not PD.
         self.configured = tuple(r for r, p in pools.items() if p.instances)
         self._check = check  # connector-specific rules (raise ValueError): e.g. push needs engine_id
-        self._source: dict[Instance, str] = {}
-        self._out_since: dict[Instance, float] = {}
-        self._leaving: list[Instance] = []  # out of the roster, requests still in flight
+        # Out of the pools, requests still in flight: each ``leaving``, kept here until idle.
+        self._leaving: list[Instance] = []
         self._closing: set[asyncio.Task] = set()  # closing the connections of those that left
         self._subscribers: list[Callable[[Change], None]] = []
         self._sweeper: asyncio.Task | None = None
@@ -87,7 +89,7 @@ class Membership:
         self.removals: dict[tuple[str, str], int] = {}  # (role, why) -> instances that left
         for pool in pools.values():  # instances the pools were built with are static
             for inst in pool.instances:
-                self._source[inst] = "static"
+                inst.source = "static"
 
     # -- queries ----------------------------------------------------------------------------
     def instances(self) -> list[Instance]:
@@ -101,8 +103,9 @@ class Membership:
                 return inst
         return None
 
-    def source_of(self, inst: Instance) -> str | None:
-        return self._source.get(inst)
+    @staticmethod
+    def source_of(inst: Instance) -> str | None:
+        return inst.source
 
     @property
     def topology(self) -> str:
@@ -127,17 +130,17 @@ class Membership:
         if inst is not None:
             # Known: a re-announcement. Health stays the probes' business; an evicted
             # instance that still announces itself is not forgotten yet.
-            if inst in self._out_since:
-                self._out_since[inst] = _now()
+            if inst.out_since is not None:
+                inst.out_since = _now()
             if inst.spec != spec:
                 inst.spec = spec
                 log.info("%s instance %s: attributes updated (%s)", registered_role(spec), spec.url, source)
-                self._emit("updated", spec, self._source.get(inst, source))
+                self._emit("updated", spec, _source(inst, source))
             else:
-                self._emit("refreshed", spec, self._source.get(inst, source))
+                self._emit("refreshed", spec, _source(inst, source))
             return False
         inst = self.pools[spec.role].add(spec)
-        self._source[inst] = source
+        inst.source = source
         role = registered_role(spec)
         self.registrations[role] = self.registrations.get(role, 0) + 1
         log.info("%s instance %s joined (%s)", registered_role(spec), spec.url, source)
@@ -148,7 +151,7 @@ class Membership:
         """Out of the roster now (requests in flight on it finish); False if unknown,
         or owned by another source than ``source``."""
         inst = self.find(url)
-        if inst is None or (source is not None and self._source.get(inst) != source):
+        if inst is None or (source is not None and inst.source != source):
             return False
         self._remove(inst, "unregistered")
         return True
@@ -159,10 +162,10 @@ class Membership:
         if inst is None:
             return False
         pool = self.pools[inst.spec.role]
-        if inst.state != "draining":
+        if inst.state is not DRAINING:
             pool.drain(inst)
             log.info("%s instance %s draining (%d in flight)", registered_role(inst.spec), inst.url, inst.inflight)
-            self._emit("draining", inst.spec, self._source.get(inst, "api"))
+            self._emit("draining", inst.spec, _source(inst, "api"))
         self._kick()
         return True
 
@@ -170,8 +173,7 @@ class Membership:
         """Make the instances owned by ``source`` exactly ``desired``: new ones join,
         missing ones are drained (they leave when idle), changed ones are updated (a
         role change leaves and joins again). Other sources' instances are untouched."""
-        current = [i.spec for i, s in self._source.items() if s == source and i not in self._leaving
-                   and i.state != "draining"]
+        current = [i.spec for i in self.instances() if i.source == source and i.state is not DRAINING]
         diff = roster_diff(current, desired)
         for spec in diff.removed:
             self.drain(spec.url)
@@ -186,7 +188,7 @@ class Membership:
             known = self.find(spec.url)
             try:
                 if known is not None:
-                    owner = self._source.get(known)
+                    owner = known.source
                     if owner != source:
                         raise MembershipConflict(f"instance already belongs to source {owner!r}")
                     # Ours, draining (an earlier apply dropped it): it comes back as a fresh
@@ -213,20 +215,21 @@ class Membership:
         for inst in self.instances():
             role = registered_role(inst.spec)
             h = inst.health
-            key = "draining" if h.state == "draining" else "evicted" if h.out else "live"
+            key = "draining" if h.state is DRAINING else "evicted" if h.out else "live"
             out[role][key].append(inst.url)
-            details.append(self._describe(inst, role, leaving=False))
+            details.append(self._describe(inst, role))
         for inst in self._leaving:
-            details.append(self._describe(inst, registered_role(inst.spec), leaving=True))
+            details.append(self._describe(inst, registered_role(inst.spec)))
         out["topology"] = self.topology
         out["pinned"] = self.pinned != "auto"
         out["instances"] = details
         return out
 
-    def _describe(self, inst: Instance, role: str, leaving: bool) -> dict:
+    @staticmethod
+    def _describe(inst: Instance, role: str) -> dict:
         s = inst.spec
-        d: dict[str, object] = {"url": inst.url, "role": role, "source": self._source.get(inst), "state": inst.state,
-             "draining": inst.state == "draining", "leaving": leaving, "inflight": inst.inflight,
+        d: dict[str, object] = {"url": inst.url, "role": role, "source": inst.source, "state": inst.state,
+             "draining": inst.state is DRAINING, "leaving": inst.leaving, "inflight": inst.inflight,
              "dp_size": s.dp_size}
         if s.ec_zmq_addrs:
             d["ec_zmq_addrs"] = list(s.ec_zmq_addrs)
@@ -242,7 +245,7 @@ class Membership:
             key = (registered_role(inst.spec), inst.state)
             out[key] = out.get(key, 0) + 1
         for inst in self._leaving:
-            key = (registered_role(inst.spec), "leaving")
+            key = (registered_role(inst.spec), LEAVING)
             out[key] = out.get(key, 0) + 1
         return out
 
@@ -268,7 +271,7 @@ class Membership:
                 self.sweep(_now())
             except Exception:  # never let the sweeper die
                 log.exception("membership sweep failed")
-            busy = self._leaving or any(i.state == "draining" for i in self.instances())
+            busy = self._leaving or any(i.state is DRAINING for i in self.instances())
             if busy:
                 await asyncio.sleep(SWEEP_INTERVAL)
                 continue
@@ -289,20 +292,21 @@ class Membership:
         """Drained instances that are idle leave; removed ones that are idle close their
         connections; instances out of rotation longer than the TTL are forgotten."""
         for inst in self.instances():
-            if inst.state == "draining":
+            if inst.state is DRAINING:
                 if inst.inflight <= 0:
                     self._remove(inst, "drained")
                 continue
-            if self.evicted_ttl <= 0 or self._source.get(inst) in PINNED_SOURCES:
+            if self.evicted_ttl <= 0 or inst.source in PINNED_SOURCES:
                 continue
             if inst.health.out:
-                since = self._out_since.setdefault(inst, now)
-                if now - since >= self.evicted_ttl:
+                if inst.out_since is None:
+                    inst.out_since = now
+                if now - inst.out_since >= self.evicted_ttl:
                     log.warning("%s instance %s stayed out of rotation for %.0f s: forgotten",
-                                registered_role(inst.spec), inst.url, now - since)
+                                registered_role(inst.spec), inst.url, now - inst.out_since)
                     self._remove(inst, "forgotten")
             else:
-                self._out_since.pop(inst, None)
+                inst.out_since = None
         if self._leaving:
             still = []
             for inst in self._leaving:
@@ -312,19 +316,20 @@ class Membership:
                 task = asyncio.get_running_loop().create_task(inst.connections.close())
                 self._closing.add(task)  # a strong reference until it is done
                 task.add_done_callback(self._closing.discard)
-                self._emit("left", inst.spec, self._source.pop(inst, "api"))
+                self._emit("left", inst.spec, _source(inst, "api"))
             self._leaving = still
 
     def _remove(self, inst: Instance, why: str) -> None:
         pool = self.pools[inst.spec.role]
         pool.remove(inst)
-        self._out_since.pop(inst, None)
+        inst.out_since = None
+        inst.leaving = True
         self._leaving.append(inst)
         key = (registered_role(inst.spec), why)
         self.removals[key] = self.removals.get(key, 0) + 1
         log.info("%s instance %s left the roster (%s; %d in flight finish)", registered_role(inst.spec),
                  inst.url, why, inst.inflight)
-        self._emit("forgotten" if why == "forgotten" else "removed", inst.spec, self._source.get(inst, "api"))
+        self._emit("forgotten" if why == "forgotten" else "removed", inst.spec, _source(inst, "api"))
         self._kick()
 
     def _kick(self) -> None:
@@ -344,9 +349,7 @@ def _wake_up(waiter: asyncio.Future | None) -> None:
         waiter.set_result(None)
 
 
-def _now() -> float:
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:
-        return time.monotonic()
+def _source(inst: Instance, default: str) -> str:
+    """Who put ``inst`` in the roster; ``default`` for one added to a pool directly."""
+    return inst.source if inst.source is not None else default
 

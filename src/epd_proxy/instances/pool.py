@@ -21,6 +21,7 @@ from epd_proxy.config import InstanceSpec
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, Ejection, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.policy import RoutingPolicy
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
@@ -348,11 +349,3 @@ class InstancePool:
                         "inflight": i.inflight, "requests": i.requests, "errors": dict(h.errors),
                         "last_error": h.last_error})
         return out
-
-
-def _now() -> float:
-    """The pool's clock: the event loop's (its timers re-admit instances), else monotonic."""
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:
-        return time.monotonic()
