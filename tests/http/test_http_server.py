@@ -9,7 +9,7 @@ import socket
 import pytest
 from httpkit import Incomplete, chunked, connect, read_head, read_response, read_to_eof, request_bytes, wait_disconnect
 
-from epd_proxy.http.server import FlowListener
+from epd_proxy.http.response import FlowListener
 
 
 async def echo(req, w):
