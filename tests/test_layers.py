@@ -88,10 +88,6 @@ KNOWN = {
     "epd_proxy.observe.metrics -> epd_proxy.instances.membership",
     "epd_proxy.observe.metrics -> epd_proxy.request.admission",
     "epd_proxy.observe.metrics -> epd_proxy.runtime.reload",
-    # the simulator's collaborators type the instance that holds them (to become a Protocol)
-    "epd_proxy.sim.generation -> epd_proxy.sim.instance",
-    "epd_proxy.sim.kv_channel -> epd_proxy.sim.instance",
-    "epd_proxy.sim.observability -> epd_proxy.sim.instance",
     # the load generator's default client (to be passed in by the caller)
     "epd_proxy.bench.loadgen -> epd_proxy.bench.clients",
 }

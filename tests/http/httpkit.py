@@ -165,6 +165,14 @@ async def connect(port: int, **kw):
     return await asyncio.open_connection("127.0.0.1", port, **kw)
 
 
+async def exchange(port: int, data: bytes, *, n: int = 1, head: bool = False):
+    """Send ``data`` on a fresh connection and read ``n`` responses."""
+    r, w = await connect(port)
+    w.write(data)
+    out = [await asyncio.wait_for(read_response(r, head=head), 2) for _ in range(n)]
+    return out, r, w
+
+
 def send_fin_now(writer: asyncio.StreamWriter) -> None:
     """Half-close the socket synchronously (``write_eof`` may defer the FIN a loop round)."""
     fd = writer.get_extra_info("socket").fileno()

@@ -11,7 +11,7 @@ import pytest
 from httpkit import Incomplete, connect, read_body, read_head, read_response, request_bytes
 
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
-from epd_proxy.http.server import FlowListener
+from epd_proxy.http.response import FlowListener
 
 SSE_TEXT = "".join(
     f'data: {{"id":{i},"delta":"{t}"}}\n\n'

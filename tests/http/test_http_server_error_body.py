@@ -10,7 +10,8 @@ from pathlib import Path
 from httpkit import connect, read_response, read_to_eof, request_bytes
 
 import epd_proxy.http
-from epd_proxy.http.server import HttpServer, ServerLimits
+from epd_proxy.http.limits import ServerLimits
+from epd_proxy.http.server import HttpServer
 
 
 def tagged(status: int, message: str) -> bytes:

@@ -19,7 +19,7 @@ import msgspec
 from epd_proxy.api.access import ADMIN, READ, REGISTER, AccessPolicy, peer_ip
 from epd_proxy.http import Headers
 from epd_proxy.http.client import TransportTimeouts, UpstreamError
-from epd_proxy.http.server import Request, ResponseWriter
+from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.roster import (
     MembershipConflict,

@@ -24,7 +24,7 @@ from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.encode import media_policy
 from epd_proxy.http.client import TransportTimeouts, UpstreamError
-from epd_proxy.http.server import Request, ResponseWriter
+from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances import discovery
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.instance import Instance

@@ -7,7 +7,7 @@ import sys
 
 import msgspec
 
-from epd_proxy.http.server import Request
+from epd_proxy.http.response import Request
 from epd_proxy.wire.blobs import decode_chat_body
 from epd_proxy.wire.errors import ProxyError, bad_request
 from epd_proxy.wire.ids import hex_id

@@ -19,7 +19,7 @@ from epd_proxy.config import ProxyConfig
 from epd_proxy.encode.media_policy import MediaPolicy
 from epd_proxy.encode.multimodal import MediaItem, own_media
 from epd_proxy.http import Headers
-from epd_proxy.http.server import Request, ResponseWriter
+from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import TOPOLOGY_ROLES

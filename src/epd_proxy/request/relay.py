@@ -14,7 +14,7 @@ from time import perf_counter
 
 from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
-from epd_proxy.http.server import FlowListener, ResponseWriter
+from epd_proxy.http.response import FlowListener, ResponseWriter
 from epd_proxy.request.usage import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
 

@@ -30,7 +30,8 @@ from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import InstanceSpec, ProxyConfig
 from epd_proxy.http import event_loop
 from epd_proxy.http.heap import trim_heap
-from epd_proxy.http.server import HttpServer, ServerLimits
+from epd_proxy.http.limits import ServerLimits
+from epd_proxy.http.server import HttpServer
 from epd_proxy.instances.discovery import DnsDiscovery
 from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.runtime.reload import Reloader

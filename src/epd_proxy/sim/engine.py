@@ -28,7 +28,7 @@ import msgspec
 from epd_proxy.sim.tokens import VOCAB, VOCAB_JSON, VOCAB_SPLIT
 
 if TYPE_CHECKING:  # pragma: no cover
-    from epd_proxy.http.server import ResponseWriter
+    from epd_proxy.http.response import ResponseWriter
     from epd_proxy.sim.records import SimRecord
 
 _INF = float("inf")

@@ -23,7 +23,6 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -31,6 +30,7 @@ from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import responses
 from epd_proxy.sim.ec_store import empty_embeds_refusal, encode_groups, load_for_consumer, store_outputs
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
+from epd_proxy.sim.host import SimHost
 from epd_proxy.sim.prefix_cache import block_hashes
 from epd_proxy.sim.records import SimRecord
 from epd_proxy.sim.responses import JSON, SSE, refusal
@@ -52,9 +52,6 @@ from epd_proxy.sim.validation import (
     json_error,
     schema_error,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from epd_proxy.sim.instance import SimInstance
 
 log = logging.getLogger("epd_proxy.sim")
 _encode = msgspec.json.encode
@@ -142,7 +139,7 @@ class GenerationRequest:
 class GenerationHandler:
     """Serves the generation routes of one instance."""
 
-    def __init__(self, inst: "SimInstance") -> None:
+    def __init__(self, inst: SimHost) -> None:
         self.inst = inst
         self.config = inst.config
         self.stats = inst.stats

@@ -29,15 +29,14 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.sim.config import SimConfig
+from epd_proxy.sim.records import Stats
 from epd_proxy.sim.responses import JSON
-
-if TYPE_CHECKING:  # pragma: no cover
-    from epd_proxy.sim.instance import SimInstance
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
@@ -76,11 +75,31 @@ class HeldKV:
     timer: asyncio.TimerHandle | None = None
 
 
+class KvOwner(Protocol):
+    """What the side channel reads of the instance it belongs to (``SimInstance``): its
+    identity and advertised addresses, its config and counters. Named here, not in
+    ``host.py``, which imports this module to type the instance's ``kv``."""
+
+    name: str
+    engine_id: str
+    config: SimConfig
+    stats: Stats
+
+    @property
+    def kv_host(self) -> str: ...
+
+    @property
+    def kv_port(self) -> int: ...
+
+    @property
+    def bootstrap_addr(self) -> str | None: ...
+
+
 class KvSideChannel:
     """Both ends of one instance's KV hand-off: what it holds as a producer (held blocks,
     push offers, decoders waiting for a push) and its connections as a consumer."""
 
-    def __init__(self, inst: "SimInstance") -> None:
+    def __init__(self, inst: KvOwner) -> None:
         # The instance gives the identity (engine id, advertised address) and the counters.
         self.inst = inst
         self.config = inst.config

@@ -6,17 +6,14 @@ Read-only views of an instance; they change nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
-if TYPE_CHECKING:  # pragma: no cover
-    from epd_proxy.sim.instance import SimInstance
+from epd_proxy.sim.host import SimHost
 
 _encode = msgspec.json.encode
 
 
-def state(inst: "SimInstance") -> dict:
+def state(inst: SimHost) -> dict:
     """``GET /sim/state``: held KV, queue lengths and counters."""
     eng = inst.engine
     kv = inst.kv
@@ -36,7 +33,7 @@ def state(inst: "SimInstance") -> dict:
     }
 
 
-def models_body(inst: "SimInstance") -> bytes:
+def models_body(inst: SimHost) -> bytes:
     """``GET /v1/models``, vLLM's shape with ``max_model_len``."""
     m = inst.config.model
     created = inst.created
@@ -50,7 +47,7 @@ def models_body(inst: "SimInstance") -> bytes:
                         "is_blocking": False}]}]})
 
 
-def metrics_text(inst: "SimInstance") -> str:
+def metrics_text(inst: SimHost) -> str:
     """Prometheus text: vLLM's load signals and counters, plus ``sim:`` extras."""
     eng = inst.engine
     st = inst.stats
