@@ -316,6 +316,7 @@ class _Supervisor:
                 slot.end = None
             lived = time.monotonic() - slot.started
             how = describe_exit(code)
+            slot.old_pid = pid
             slot.pid, slot.last_exit = None, how
             was_up, slot.up = slot.up, False
             if self.stopping:
@@ -331,22 +332,33 @@ class _Supervisor:
             delay = backoff(slot.streak)
             slot.restarts += 1
             slot.generation += 1
-            if delay == 0:
-                self.spawn(slot)
+            if delay == 0 and self.respawn(slot):
                 log.error("worker %d (pid %d) %s; started pid %d", slot.index, pid, how, slot.pid)
+            elif delay == 0:
+                log.error("worker %d (pid %d) %s; not restarted yet", slot.index, pid, how)
             else:
                 slot.restart_at = time.monotonic() + delay
                 slot.backoff_until = time.time() + delay
                 log.error("worker %d (pid %d) %s after %.1f s; restarting in %.0f s (restart %d)",
                           slot.index, pid, how, lived, delay, slot.restarts)
-                slot.old_pid = pid
 
     def restart_due(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
             if slot.restart_at is not None and slot.restart_at <= now and not self.stopping:
-                self.spawn(slot)
-                log.error("worker %d (pid %s) replaced: started pid %d", slot.index, slot.old_pid, slot.pid)
+                if self.respawn(slot):
+                    log.error("worker %d (pid %s) replaced: started pid %d", slot.index, slot.old_pid, slot.pid)
+
+    def respawn(self, slot: _Slot) -> bool:
+        """``spawn``, or try again in ``BACKOFF_CAP`` seconds if the system cannot fork now."""
+        try:
+            self.spawn(slot)
+            return True
+        except OSError as exc:
+            slot.restart_at = time.monotonic() + BACKOFF_CAP
+            slot.backoff_until = time.time() + BACKOFF_CAP
+            log.error("worker %d: cannot start a process (%s); trying again in %.0f s", slot.index, exc, BACKOFF_CAP)
+            return False
 
     # -- messages ----------------------------------------------------------------------
     def drain(self, slot: _Slot) -> list[tuple[_Slot, bytes]]:
