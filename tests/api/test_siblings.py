@@ -55,4 +55,5 @@ async def test_every_scrape_counts_every_request_of_every_worker():
                 assert status["pools"]["decode"][0]["healthy_workers"] == 2
 
                 ready = await fresh_request(url, "GET", "/ready")
-                assert ready.status == 200 and ready.json() == {"status": "ready", "workers": 2}
+                assert ready.status == 200
+                assert ready.json() == {"status": "ready", "workers": 2, "workers_configured": 2}

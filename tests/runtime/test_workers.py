@@ -3,7 +3,10 @@ A real proxy process with two workers; the kernel picks the worker per connectio
 each check is repeated over new connections until both workers have answered."""
 
 import asyncio
+import os
+import signal
 import socket
+import time
 
 import msgspec
 from helpers import JSON, Client, chat_body, wait_for
@@ -123,3 +126,150 @@ async def test_what_each_worker_does_by_itself_is_not_shared():
         b.link.close()
         await ma.close()
         await mb.close()
+
+
+# -- supervision: a worker that dies is replaced ----------------------------------------------
+
+CHAT_200 = 'epd_proxy_requests_total{endpoint="/v1/chat/completions",status="200"}'
+
+
+async def _get(proxy: ProxyProcess, path: str):
+    """GET over a new connection; again if a just-killed worker had accepted it (reset)."""
+    for attempt in range(20):
+        try:
+            return await proxy.fresh_get(path, headers=KEY)
+        except Exception:
+            if attempt == 19:
+                raise
+            await asyncio.sleep(0.02)
+
+
+async def _supervisor(proxy: ProxyProcess) -> list[dict]:
+    return (await _get(proxy, "/status")).json()["supervisor"]
+
+
+async def _serving(proxy: ProxyProcess, index: int, not_pid: int | None = None, timeout: float = 20.0) -> dict:
+    """Worker ``index``'s supervisor entry once a worker other than ``not_pid`` serves there
+    and every worker answers."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        status = (await _get(proxy, "/status")).json()
+        slot = status["supervisor"][index]
+        if slot["serving"] and slot["pid"] != not_pid and status["workers"] == 2:
+            return slot
+        assert loop.time() < end, f"worker {index} not back: {status['supervisor']}\n{proxy.log()}"
+        await asyncio.sleep(0.05)
+
+
+async def _scrape(proxy: ProxyProcess) -> float:
+    text = (await _get(proxy, "/metrics")).body.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(CHAT_200))
+
+
+async def _chat(proxy: ProxyProcess, n: int) -> int:
+    """``n`` requests over new connections (either worker); how many were answered 200."""
+    ok = 0
+    for i in range(n):
+        client = Client(proxy.url)
+        try:
+            ok += (await client.chat(chat_body(f"request {i}", max_tokens=2))).status == 200
+        except Exception:  # a connection the killed worker had accepted
+            pass
+        finally:
+            await client.close()
+    return ok
+
+
+async def test_a_killed_worker_is_replaced_and_no_scrape_counts_less():
+    """The issue: after kill -9 one worker was gone for good, /ready said workers 1 and the
+    request counter fell from 20 to 15 (a counter reset to Prometheus)."""
+    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+        async with ProxyProcess(["--workers", "2", "--prefill", cluster.urls("prefill")[0],
+                                 "--decode", cluster.urls("decode")[0], "--probe-interval", "0",
+                                 "--admin-api-key", "k3y"]) as proxy:
+            old = await _serving(proxy, 1)
+            sent = await _chat(proxy, 20)
+            last = 0.0
+            for _ in range(4):  # either worker may take the scrape
+                now = await _scrape(proxy)
+                assert now >= last
+                last = now
+            assert last == sent == 20
+            os.kill(old["pid"], signal.SIGKILL)
+            # Every scrape from the kill on: never less than the one before, while requests go on.
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20
+            while True:
+                now = await _scrape(proxy)
+                assert now >= last, f"the counter went back from {last} to {now}"
+                last = now
+                sent += await _chat(proxy, 2)
+                ready = (await _get(proxy, "/ready")).json()
+                if ready["workers"] == 2 and "started pid" in proxy.log():
+                    break
+                assert ready == {"status": "ready", "workers": 1, "workers_configured": 2}
+                assert loop.time() < end, proxy.log()
+            new = await _serving(proxy, 1, not_pid=old["pid"])
+            assert f"worker 1 (pid {old['pid']}) killed by SIGKILL; started pid {new['pid']}" in proxy.log()
+            assert (new["restarts"], new["last_exit"], new["backing_off_until"]) == (1, "killed by SIGKILL", None)
+            status = (await _get(proxy, "/status")).json()
+            assert (status["workers"], status["workers_configured"]) == (2, 2)
+            sent += await _chat(proxy, 10)
+            for _ in range(4):
+                now = await _scrape(proxy)
+                assert now >= last
+                last = now
+            # Nothing was lost: every request was scraped before the kill or counted after it.
+            assert last == sent
+
+
+async def test_a_crash_loop_backs_off_and_shows_in_status():
+    """A worker that keeps dying young is restarted after 1 s, then 2 s, ...; /status says so."""
+    async with SimCluster(decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+        async with ProxyProcess(["--workers", "2", "--decode", cluster.urls("decode")[0], "--probe-interval", "0",
+                                 "--admin-api-key", "k3y"]) as proxy:
+            slot = await _serving(proxy, 1)
+            loop = asyncio.get_running_loop()
+            waited = []
+            for kill in range(3):
+                pid = slot["pid"]
+                os.kill(pid, signal.SIGKILL)
+                killed = loop.time()
+                if kill:  # backing off: the slot is empty and /status says until when
+                    wait = 2.0 ** (kill - 1)
+                    await proxy.wait_log(f"worker 1 (pid {pid}) killed by SIGKILL after")
+                    assert f"restarting in {wait:.0f} s (restart {kill + 1})" in proxy.log()
+                    entry = (await _supervisor(proxy))[1]
+                    assert not entry["alive"] and entry["backing_off_until"] > time.time()
+                    assert entry["last_exit"] == "killed by SIGKILL"
+                slot = await _serving(proxy, 1, not_pid=pid)
+                waited.append(loop.time() - killed)
+                assert slot["restarts"] == kill + 1
+            assert waited[1] >= 1.0 and waited[2] >= 2.0, waited
+            assert slot["backing_off_until"] is None
+            assert "replaced: started pid" in proxy.log()
+
+
+async def test_a_runtime_registration_survives_a_worker_replacement():
+    async with SimCluster(decode=2, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+        a, b = cluster.instances("decode")
+        async with ProxyProcess(["--workers", "2", "--decode", a.url, "--probe-interval", "0",
+                                 "--admin-api-key", "k3y"]) as proxy:
+            old = await _serving(proxy, 1)
+            reply = await _once(proxy, "POST", "/instances", {"role": "decode", "url": b.url})
+            assert (reply.status, reply.json()) == (200, {"registered": True})
+            await _every_worker(proxy, lambda s: b.url in _decode(s))
+            os.kill(old["pid"], signal.SIGKILL)
+            new = await _serving(proxy, 1, not_pid=old["pid"])
+            # The replacement has it too (the kernel picks the worker: ask until it answered).
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 10
+            while True:
+                status = (await _get(proxy, "/status")).json()
+                if status["pid"] == new["pid"]:
+                    assert sorted(_decode(status)) == sorted([a.url, b.url])
+                    assert sorted(status["roster"]["decode"]["live"]) == sorted([a.url, b.url])
+                    break
+                assert loop.time() < end, "the replacement never answered"
+                await asyncio.sleep(0.01)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -33,7 +34,7 @@ from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe import access_log, tracing
-from epd_proxy.observe.metrics import ProxyMetrics
+from epd_proxy.observe.metrics import ProxyMetrics, render
 from epd_proxy.request.connectors import CONNECTORS, check_connector_config
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
 from epd_proxy.request.pipeline import Pipeline
@@ -243,7 +244,8 @@ class ProxyApp:
                     status, body = peer_status, peer_body
                     break
             else:
-                body = dict(body, workers=1 + len(peers))
+                # Live workers (one being replaced does not answer), and how many there should be.
+                body = dict(body, workers=1 + len(peers), workers_configured=self.siblings.count)
         if status == 200:
             writer.send(200, _READY if self.siblings is None else msgspec.json.encode(body))
         else:
@@ -268,9 +270,10 @@ class ProxyApp:
             return
         body = self._local_status()
         if self.siblings is not None:
-            peers = await self.siblings.ask("status")
-            body = dict(body, workers=1 + len(peers), pools=merge_pool_status([body["pools"]] +
-                                                                              [p["pools"] for p in peers]))
+            peers, supervisor = await asyncio.gather(self.siblings.ask("status"), self.siblings.supervisor())
+            body = dict(body, workers=1 + len(peers), workers_configured=self.siblings.count,
+                        supervisor=supervisor,  # per worker: pid, restarts, last exit, back-off
+                        pools=merge_pool_status([body["pools"]] + [p["pools"] for p in peers]))
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
@@ -278,13 +281,17 @@ class ProxyApp:
             err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
             writer.send(401, err.body(), b"application/json", CHALLENGE)
             return
-        peers = await self.siblings.ask("metrics") if self.siblings is not None else None
-        writer.send(200, self.metrics.render(peers), _METRICS_TYPE)
+        if self.siblings is None:
+            writer.send(200, self.metrics.render(), _METRICS_TYPE)
+            return
+        own = self.siblings.own(self.metrics.snapshot())  # kept by the parent before it is shown
+        writer.send(200, render([own] + await self.siblings.metrics()), _METRICS_TYPE)
 
     async def answer_sibling(self, question: str):
         """This worker's own view, for the worker a client asked (siblings.py)."""
         if question == "metrics":
-            return self.metrics.snapshot()
+            snapshot = self.metrics.snapshot()
+            return self.siblings.own(snapshot) if self.siblings is not None else snapshot
         if question == "status":
             return self._local_status()
         if question == "ready":

@@ -338,6 +338,24 @@ def merge(snapshots: list[dict]) -> dict[str, dict[tuple, Any]]:
     return out
 
 
+def carried(families: dict) -> dict:
+    """The families that only grow (counters and histograms): what a worker's replacement
+    goes on from. Gauges are each process's present, never carried over."""
+    return {name: rows for name, rows in families.items() if FAMILIES.get(name, ("gauge",))[0] != "gauge"}
+
+
+def combine(base: dict, families: dict) -> dict:
+    """``families`` counted on from ``base`` (both in snapshot form), as :func:`merge` would sum
+    them for a scrape; roster-wide families take the larger value."""
+    out: dict[str, list] = {}
+    for name, series in merge([base, families]).items():
+        if FAMILIES[name][0] == "histogram":
+            out[name] = [[*key, counts, total] for key, (counts, total) in series.items()]
+        else:
+            out[name] = [[*key, value] for key, value in series.items()]
+    return out
+
+
 def _merge_runtime(per_worker: list[list]):
     fams: dict[str, tuple] = {}
     values: dict[str, dict] = {}

@@ -35,7 +35,7 @@ from epd_proxy.http.server import HttpServer
 from epd_proxy.instances.discovery import DnsDiscovery
 from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.runtime.reload import Reloader
-from epd_proxy.runtime.workers import PeerLink, make_links, supervise
+from epd_proxy.runtime.workers import Carry, PeerLink, supervise
 from epd_proxy.wire.errors import error_body
 
 log = logging.getLogger("epd_proxy")
@@ -280,9 +280,12 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         _EARLY_SIGHUP.clear()
         reloader.request()
     if siblings is not None:
+        siblings.parent = link  # counters kept, the supervisor's view (workers.py)
         await siblings.start(proxy.app.answer_sibling)
         proxy.app.siblings = siblings
         proxy.app.metrics.worker = siblings.index
+        if link is not None:
+            link.serving()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -376,44 +379,38 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
         return 0
     if simulate:
         raise ValueError("--workers > 1 cannot be combined with --simulate")
-    links = make_links(workers)
     signal.signal(signal.SIGHUP, _early_sighup)  # a reload asked for before the parent supervises
-    children: list[int] = []
     # Where the workers' sockets for each other live (siblings.py); removed when they are gone.
     channel_dir = tempfile.mkdtemp(prefix="epd-proxy-workers-")
-    for index in range(workers):
-        pid = os.fork()
-        if pid == 0:  # worker
-            # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
-            # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGHUP, _early_sighup)  # until its loop handles it (a reload)
-            _EARLY_SIGHUP.clear()  # the parent's, if any, is the parent's to pass on
-            for n, (parent_end, worker_end) in enumerate(links):
-                parent_end.close()
-                if n != index:
-                    worker_end.close()
-            code = 1
-            try:
-                event_loop.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
-                                           announce=index == 0, worker=True, settings=settings,
-                                           link=PeerLink(links[index][1]), watch=False,
-                                           siblings=SiblingChannel(channel_dir, index, workers)))
-                code = 0
-            except ListenError as exc:
-                if index == 0:  # every worker fails alike: one line is enough
-                    print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
-            except BaseException:
-                log.exception("worker %d failed", index)  # said here: os._exit skips the interpreter's report
-            finally:
-                os._exit(code)
-        children.append(pid)
-    for _, worker_end in links:
-        worker_end.close()
-    log.info("started %d workers: %s", workers, children)
+
+    def run_worker(index: int, channel, carry: Carry) -> None:
+        """A worker process's life (forked by ``supervise``): never returns."""
+        # The parent turns SIGINT and SIGTERM into a SIGTERM for each worker, and a second
+        # one into SIGQUIT (a Ctrl-C reaches the whole process group: ignored here).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, _early_sighup)  # until its loop handles it (a reload)
+        _EARLY_SIGHUP.clear()  # the parent's, if any, is the parent's to pass on
+        if carry.replacement and settings is not None:
+            _EARLY_SIGHUP.append(signal.SIGHUP)  # the cluster file as it is now, not as it was at start
+        code = 1
+        try:
+            event_loop.run(_serve_forever(config, host, port, reuse_port=True, simulate=None,
+                                          announce=index == 0 and not carry.replacement, worker=True,
+                                          settings=settings, link=PeerLink(channel, carry.roster), watch=False,
+                                          siblings=SiblingChannel(channel_dir, index, workers,
+                                                                  carried=carry.counters)))
+            code = 0
+        except ListenError as exc:
+            if index == 0:  # every worker fails alike: one line is enough
+                print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
+        except BaseException:
+            log.exception("worker %d failed", index)  # said here: os._exit skips the interpreter's report
+        finally:
+            os._exit(code)
+
     try:
-        return supervise(children, [parent_end for parent_end, _ in links],
-                         settings.path if settings is not None else None, reload_now=bool(_EARLY_SIGHUP))
+        return supervise(workers, run_worker, settings.path if settings is not None else None,
+                         reload_now=bool(_EARLY_SIGHUP))
     finally:
         shutil.rmtree(channel_dir, ignore_errors=True)
 
