@@ -21,7 +21,7 @@ from epd_proxy.api.client_auth import (
     unauthorized,
 )
 from epd_proxy.api.siblings import SiblingChannel
-from epd_proxy.config import ROLES, ProxyConfig
+from epd_proxy.config import ROLES, ProxyConfig, gather
 from epd_proxy.encode import media_policy
 from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.server import Request, ResponseWriter
@@ -46,18 +46,20 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 def validate_config(config: ProxyConfig) -> None:
-    """Everything checkable before serving: raises ValueError with an operator-facing message.
-    Each check lives beside what it protects: the knobs in config.py, the key file in
-    client_auth.py, the KV connector and its instances in connectors.py, a pinned topology
-    in membership.py, the policy names in routing/, the DNS server in discovery.py, the
-    media hosts in media_policy.py."""
-    config.validate()
-    routing.check_config(config)
-    discovery.check_config(config)
-    media_policy.check_config(config)
-    ClientKeys.from_config(config)  # the key file can be read
-    check_connector_config(config)
-    check_pinned_topology(config)
+    """Everything checkable before serving: raises ConfigErrors (a ValueError) listing every
+    mistake found, each an operator-facing line. Each check lives beside what it protects: the
+    knobs in config.py, the key file in client_auth.py, the KV connector and its instances in
+    connectors.py, a pinned topology in membership.py, the policy names in routing/, the DNS
+    server in discovery.py, the media hosts in media_policy.py."""
+    gather((
+        config.validate,
+        lambda: routing.check_config(config),
+        lambda: discovery.check_config(config),
+        lambda: media_policy.check_config(config),
+        lambda: ClientKeys.from_config(config),  # the key file can be read
+        lambda: check_connector_config(config),
+        lambda: check_pinned_topology(config),
+    ))
 
 
 class ProxyApp:
