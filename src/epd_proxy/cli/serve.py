@@ -210,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="instances may register at run time (POST /instances); the proxy may start with "
                         "none. Needs --admin-api-key or --registration-allow")
     p.add_argument("--admin-api-key", default=_env(ADMIN_API_KEY_ENV, defaults.admin_api_key),
-                   help="X-API-Key for roster changes, GET /instances, /status and profiling "
+                   help="the operator's key, as X-API-Key or 'Authorization: Bearer', for roster changes, "
+                        "GET /instances, /status, /metrics and profiling "
                         f"(default: ${ADMIN_API_KEY_ENV}; unset = roster changes off)")
     p.add_argument("--registration-allow", action="append", default=list(defaults.registration_allow),
                    metavar="CIDR",
@@ -224,11 +225,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="log every request's method, path, status and time (and set --log-level debug)")
     p.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
-                        "default none: the API is open); /health, /ready and /metrics stay open")
+                        "default none: the API is open); /health and /ready stay open, /instances, /status "
+                        "and /metrics then need --admin-api-key")
     p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
                    help="more client keys, one per line ('#' comments), read again on SIGHUP")
     p.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,
-                   help="/metrics needs the admin key (--admin-api-key) as X-API-Key or Bearer")
+                   help="insist on an admin key: /metrics needs it (as X-API-Key or Bearer) whenever "
+                        "--admin-api-key is set anyway")
     p.add_argument("--ssl-certfile", default=defaults.ssl_certfile, metavar="PATH",
                    help="serve HTTPS with this certificate chain (PEM), as vllm serve's flag")
     p.add_argument("--ssl-keyfile", default=defaults.ssl_keyfile, metavar="PATH",
