@@ -199,3 +199,26 @@ def test_invalid_routing_settings_fail_before_serving(changes, fragment):
     cfg = ProxyConfig(decode=[parse_instance("http://d:1", "decode")], **changes)
     with pytest.raises(ValueError, match=fragment):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("text", ["http://d:1/v1", "http://d:1/v1/", "http://d:1?x=1", "http://d:1/#f"])
+def test_an_instance_url_with_a_path_is_refused(text):
+    with pytest.raises(ValueError, match="without a path"):
+        parse_instance(text, "decode")
+    assert parse_instance("http://d:1/", "decode").url == "http://d:1"
+
+
+def test_every_mistake_of_a_config_is_named_at_once():
+    from epd_proxy.config import ConfigErrors
+
+    cfg = _cfg(prefill=[parse_instance("http://d:2", "prefill")], fail_threshold=0, probe_timeout=float("nan"),
+               kv_connector="nixl-push")
+    with pytest.raises(ConfigErrors) as info:
+        validate_config(cfg)
+    assert info.value.errors == [
+        "--probe-timeout must be a finite number, not nan",
+        "--fail-threshold must be >= 1, not 0",
+        "http://d:2 is given as both prefill and decode instance: an instance has one role (one that prefills "
+        "and decodes is given as --decode only)",
+        info.value.errors[3],
+    ] and "--kv-connector nixl-push needs" in info.value.errors[3]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
 ROLES = ("encode", "prefill", "decode")
@@ -28,6 +30,45 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Client headers every stage gets (trace context), whatever --forward-header adds.
 ALWAYS_FORWARDED = ("traceparent", "tracestate")
+
+
+NO_DECODE = ("at least one --decode instance is required (or --dynamic-registration, or a dns+http:// "
+             "decode instance)")
+
+
+class ConfigErrors(ValueError):
+    """Every mistake found in a configuration, not only the first: an operator fixes a
+    file in one pass. ``errors`` holds one line each; the text joins them."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = list(errors)
+
+
+def gather(checks: Iterable[Callable[[], object]]) -> None:
+    """Run every check, then raise one ``ConfigErrors`` with what they all raised."""
+    errors: list[str] = []
+    for check in checks:
+        try:
+            check()
+        except ConfigErrors as exc:
+            errors.extend(exc.errors)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise ConfigErrors(errors)
+
+
+def check_range(errors: list[str], flag: str, value: float, low: float | None = None, high: float | None = None,
+                *, above: bool = False) -> None:
+    """Append why ``value`` of ``flag`` is out of range: ``low`` (exclusive when ``above``) to
+    ``high``, and finite (a NaN passes every comparison, so it is named here)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        errors.append(f"{flag} must be a finite number, not {value}")
+    elif low is not None and high is not None and not low <= value <= high:
+        errors.append(f"{flag} must be in {low}..{high}, not {value}")
+    elif low is not None and high is None and (value <= low if above else value < low):
+        errors.append(f"{flag} must be {'>' if above else '>='} {low:g}, not {value:g}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +110,11 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
         u.port  # noqa: B018  (reading it checks the port)
     except ValueError:
         raise ValueError(f"{role} instance {text!r}: invalid port") from None
+    if u.path not in ("", "/") or u.query or u.fragment:
+        # Requests go to URL + /v1/...: a path would make every one of them vLLM's 404 while the
+        # instance's probes still pass.
+        raise ValueError(f"{role} instance {text!r}: give the instance's root, {u.scheme}://{u.netloc}, "
+                         f"without a path (the proxy adds /v1/...)")
     attrs: dict[str, object] = {}
     for item in parts[1:]:
         key, sep, value = item.partition("=")
@@ -86,6 +132,9 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
                 attrs[key] = int(value)
             except ValueError:
                 raise ValueError(f"{role} instance {text!r}: {key} must be an integer") from None
+            low, high = (1, 65535) if key.endswith("port") else (1, 1 << 16)
+            if not low <= attrs[key] <= high:  # type: ignore[operator]
+                raise ValueError(f"{role} instance {text!r}: {key} must be in {low}..{high}, not {value}")
         else:
             attrs[key] = value
     return InstanceSpec(url=url.rstrip("/"), role=role, **attrs)  # type: ignore[arg-type]
@@ -94,22 +143,33 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
 DNS_PREFIX = "dns+"  # ``dns+http://NAME:PORT``: every address NAME resolves to is an instance
 
 
-def split_discovered(texts: dict[str, list[str]]) -> tuple[dict[str, list[InstanceSpec]], list[InstanceSpec]]:
+def split_discovered(texts: dict[str, list[str]], errors: list[str] | None = None
+                     ) -> tuple[dict[str, list[InstanceSpec]], list[InstanceSpec]]:
     """Per role, the instances given by address, and the ``dns+`` ones (kept as templates
-    whose host is re-resolved: discovery.py). Raises ValueError like ``parse_instance``."""
+    whose host is re-resolved: discovery.py). An instance ``parse_instance`` refuses is left
+    out and its message appended to ``errors``; without that list, ``ConfigErrors`` names
+    every one of them."""
     static: dict[str, list[InstanceSpec]] = {}
     discover: list[InstanceSpec] = []
+    found: list[str] = []
     for role, items in texts.items():
         static[role] = []
         for text in items:
-            if text.strip().lower().startswith(DNS_PREFIX):
-                spec = parse_instance(text.strip()[len(DNS_PREFIX):], role)
-                if spec.engine_id or spec.kv_host:
-                    raise ValueError(f"{role} instance {text!r}: engine_id and kv_host name one instance; "
-                                     f"a DNS name stands for several")
-                discover.append(spec)
-            else:
-                static[role].append(parse_instance(text, role))
+            try:
+                if text.strip().lower().startswith(DNS_PREFIX):
+                    spec = parse_instance(text.strip()[len(DNS_PREFIX):], role)
+                    if spec.engine_id or spec.kv_host:
+                        raise ValueError(f"{role} instance {text!r}: engine_id and kv_host name one instance; "
+                                         f"a DNS name stands for several")
+                    discover.append(spec)
+                else:
+                    static[role].append(parse_instance(text, role))
+            except ValueError as exc:
+                found.append(str(exc))
+    if errors is not None:
+        errors.extend(found)
+    elif found:
+        raise ConfigErrors(found)
     return static, discover
 
 
@@ -152,6 +212,14 @@ class ServeOptions:
     port: int = 8000
     workers: int = 1  # processes sharing the port (SO_REUSEPORT)
     log_level: str = "info"  # one of LOG_LEVELS
+
+    def problems(self) -> list[str]:
+        """What cannot work, one line each (empty: fine). A port beyond 65535 would be taken
+        modulo 65536 by the socket layer and a negative one fail obscurely, so both are refused."""
+        errors: list[str] = []
+        check_range(errors, "--port", self.port, 1, 65535)
+        check_range(errors, "--workers", self.workers, 1)
+        return errors
 
 
 # Headers --forward-header may not copy from a client to the backends: hop-by-hop headers
@@ -276,79 +344,111 @@ class ProxyConfig:
     log_format: str = "text"  # or "json"
 
     def validate(self) -> None:
+        """Raise ``ConfigErrors`` naming every knob of this config that cannot work (the
+        checks of what other modules own run beside them: ``api.app.validate_config``)."""
+        errors = self.problems()
+        if errors:
+            raise ConfigErrors(errors)
+
+    def problems(self) -> list[str]:
+        """Every mistake in this config's own knobs, one line each, naming the flag."""
+        errors: list[str] = []
+        add = errors.append
         if not self.decode and not self.dynamic_registration and not any(s.role == "decode"
                                                                          for s in self.discover):
-            raise ValueError("at least one --decode instance is required (or --dynamic-registration, or a "
-                             "dns+http:// decode instance)")
-        if self.dns_interval <= 0:
-            raise ValueError("--dns-interval must be > 0")
+            add(NO_DECODE)
         if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
-            raise ValueError("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
-                             "--registration-allow CIDR: otherwise nothing may register")
-        if self.evicted_ttl < 0:
-            raise ValueError("--evicted-ttl must be >= 0 (0 = never forget)")
+            add("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
+                "--registration-allow CIDR: otherwise nothing may register")
         if self.topology not in TOPOLOGIES:
-            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
+            add(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
         for cidr in self.registration_allow:
             try:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
-                raise ValueError(f"--registration-allow {cidr!r}: not a network (e.g. 10.0.0.0/8)") from None
-        if self.decode_retries < 0:
-            raise ValueError("--decode-retries must be >= 0")
-        if self.encoder_max_batch_size < 0:
-            raise ValueError("--encoder-max-batch-size must be >= 0")
-        if self.max_media_items < 0:
-            raise ValueError("--max-media-items must be >= 0")
-        if self.max_upstream_connections < 1:
-            raise ValueError("--max-upstream-connections must be >= 1")
-        check_forward_headers(self.forward_headers, self.upstream_api_key)
+                add(f"--registration-allow {cidr!r}: not a network (e.g. 10.0.0.0/8)")
+        t = self.timeouts
+        # (flag, value, lowest, exclusive): every number a flag sets.
+        for flag, value, low, above in (
+            ("--decode-retries", self.decode_retries, 0, False),
+            ("--encoder-max-batch-size", self.encoder_max_batch_size, 0, False),
+            ("--ec-consumer-dp-size", self.ec_consumer_dp_size, 1, False),
+            ("--max-media-items", self.max_media_items, 0, False),
+            ("--max-upstream-connections", self.max_upstream_connections, 1, False),
+            ("--upstream-keep-alive", self.upstream_keep_alive, 0, False),
+            ("--connect-timeout", t.connect, 0, True),
+            ("--encode-timeout", t.encode, 0, True),
+            ("--prefill-timeout", t.prefill, 0, True),
+            ("--decode-timeout", t.decode_first, 0, True),
+            ("--stream-idle-timeout", t.stream_idle, 0, True),
+            ("--first-byte-timeout", t.first_byte, 0, False),
+            ("--probe-interval", self.probe_interval, 0, False),
+            ("--probe-timeout", self.probe_timeout, 0, True),
+            ("--fail-threshold", self.fail_threshold, 1, False),
+            ("--outlier-min-requests", self.outlier_min_requests, 1, False),
+            ("--outlier-interval", self.outlier_interval, 0, True),
+            ("--ejection-time", self.ejection_time, 0, True),
+            ("--scrape-interval", self.scrape_interval, 0, False),
+            ("--dns-interval", self.dns_interval, 0, True),
+            ("--evicted-ttl", self.evicted_ttl, 0, False),
+            ("--max-body-size", self.max_body_size, 0, False),
+            ("--max-buffered-bytes", self.max_buffered_bytes, 0, False),
+            ("--max-connections", self.max_connections, 0, False),
+            ("--header-timeout", self.header_timeout, 0, False),
+            ("--body-timeout", self.body_timeout, 0, False),
+            ("--max-inflight", self.max_inflight, 0, False),
+            ("--queue-size", self.queue_size, 0, False),
+            ("--queue-timeout", self.queue_timeout, 0, False),
+            ("--shutdown-grace", self.shutdown_grace, 0, False),
+            ("--shutdown-timeout", self.shutdown_timeout, 0, False),
+        ):
+            check_range(errors, flag, value, low, above=above)
+        check_range(errors, "--outlier-failure-percent", self.outlier_failure_percent, 0, above=True)
+        if self.outlier_failure_percent > 100:
+            add(f"--outlier-failure-percent must be in (0, 100], not {self.outlier_failure_percent:g}")
+        check_range(errors, "--max-ejection-percent", self.max_ejection_percent, 0, 100)
+        check_range(errors, "--max-ejection-time", self.max_ejection_time)
+        if self.ejection_time > 0 and self.max_ejection_time < self.ejection_time:
+            add(f"--max-ejection-time must be >= --ejection-time ({self.ejection_time:g}), "
+                f"not {self.max_ejection_time:g}")
+        for name in self.forward_headers:
+            try:
+                check_forward_headers([name], self.upstream_api_key)
+            except ValueError as exc:
+                add(str(exc))
         if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
-        if self.ec_consumer_dp_size < 1:
-            raise ValueError("--ec-consumer-dp-size must be >= 1")
+            add(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.ec_consumer_zmq_addrs:
             if self.prefill:
-                raise ValueError("--ec-consumer-zmq-addrs supports E+PD only (the consumer is decode)")
+                add("--ec-consumer-zmq-addrs supports E+PD only (the consumer is decode)")
             want = len(self.decode) * self.ec_consumer_dp_size
             if len(self.ec_consumer_zmq_addrs) != want:
-                raise ValueError(f"--ec-consumer-zmq-addrs needs {want} addresses "
-                                 f"({len(self.decode)} decode x dp {self.ec_consumer_dp_size}), "
-                                 f"got {len(self.ec_consumer_zmq_addrs)}")
-        if self.fail_threshold < 1:
-            raise ValueError("--fail-threshold must be >= 1")
-        if not 0 < self.outlier_failure_percent <= 100:
-            raise ValueError("--outlier-failure-percent must be in (0, 100]")
-        if self.outlier_min_requests < 1 or self.outlier_interval <= 0:
-            raise ValueError("--outlier-min-requests must be >= 1 and --outlier-interval > 0")
-        if self.ejection_time <= 0 or self.max_ejection_time < self.ejection_time:
-            raise ValueError("--ejection-time must be > 0 and --max-ejection-time >= --ejection-time")
-        if not 0 <= self.max_ejection_percent <= 100:
-            raise ValueError("--max-ejection-percent must be in [0, 100]")
-        for name in ("max_body_size", "max_buffered_bytes", "max_connections", "header_timeout", "body_timeout"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-        if self.max_inflight < 0 or self.queue_size < 0 or self.queue_timeout < 0:
-            raise ValueError("--max-inflight, --queue-size and --queue-timeout must be >= 0")
+                add(f"--ec-consumer-zmq-addrs needs {want} addresses "
+                    f"({len(self.decode)} decode x dp {self.ec_consumer_dp_size}), "
+                    f"got {len(self.ec_consumer_zmq_addrs)}")
         for role, n in self.max_inflight_per_role.items():
             if role not in ("encode", "prefill") or n < 0:
-                raise ValueError(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
-                                 f"(decode's cap is --max-inflight) and the cap >= 0")
+                add(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
+                    f"(decode's cap is --max-inflight) and the cap >= 0")
         if self.protect_metrics and not self.admin_api_key:
-            raise ValueError("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
+            add("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
         if self.ssl_keyfile and not self.ssl_certfile:
-            raise ValueError("--ssl-keyfile needs --ssl-certfile")
-        if self.shutdown_grace < 0 or self.shutdown_timeout < 0:
-            raise ValueError("--shutdown-grace and --shutdown-timeout must be >= 0")
-        if self.timeouts.first_byte < 0:
-            raise ValueError("--first-byte-timeout must be >= 0")
-        if self.scrape_interval < 0:
-            raise ValueError("--scrape-interval must be >= 0")
+            add("--ssl-keyfile needs --ssl-certfile")
+        roles: dict[str, str] = {}
         for role in ROLES:
             urls = [s.url for s in getattr(self, role)]
             dup = {u for u in urls if urls.count(u) > 1}
             if dup:
-                raise ValueError(f"{role} instance listed twice: {', '.join(sorted(dup))}")
+                add(f"{role} instance listed twice: {', '.join(sorted(dup))}")
+            for url in dict.fromkeys(urls):
+                if url in roles:
+                    # One process serving both is one PD (or E+PD) instance: requests would
+                    # otherwise prefill and decode on it twice over, through the KV connector.
+                    add(f"{url} is given as both {roles[url]} and {role} instance: an instance has "
+                        f"one role (one that prefills and decodes is given as --decode only)")
+                else:
+                    roles[url] = role
+        return errors
 
     def policy_for(self, role: str) -> str:
         """The routing policy of a role: its own flag, else ``--routing``, else its default

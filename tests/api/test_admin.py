@@ -176,7 +176,7 @@ async def test_unregister_finishes_streams_in_flight_then_sends_nothing(per_role
         _whole_stream(await task)
         assert served(sim_inst) == before  # nothing new after it left
         await wait_for(lambda: ("decode", "leaving") not in proxy.app.membership.counts())
-        metrics = (await client.request("GET", "/metrics")).body.decode()
+        metrics = (await client.request("GET", "/metrics", headers=KEY)).body.decode()
         assert 'epd_proxy_removals_total{reason="unregistered",role="decode"} 1.0' in metrics
 
 
@@ -193,7 +193,7 @@ async def test_drain_finishes_streams_then_leaves(per_role):
         assert roster["decode"]["draining"] == [inst.url]
         status = (await client.request("GET", "/status", headers=KEY)).json()
         assert [p["state"] for p in status["pools"]["decode"] if p["url"] == inst.url] == ["draining"]
-        metrics = (await client.request("GET", "/metrics")).body.decode()
+        metrics = (await client.request("GET", "/metrics", headers=KEY)).body.decode()
         assert 'epd_proxy_roster_instances{role="decode",state="draining"} 1.0' in metrics
         before = served(sim_inst)
         r = await client.chat(chat_body())
@@ -201,7 +201,7 @@ async def test_drain_finishes_streams_then_leaves(per_role):
         _whole_stream(await task)
         assert served(sim_inst) == before
         await wait_for(lambda: proxy.app.membership.find(inst.url) is None)
-        metrics = (await client.request("GET", "/metrics")).body.decode()
+        metrics = (await client.request("GET", "/metrics", headers=KEY)).body.decode()
         assert 'epd_proxy_removals_total{reason="drained",role="decode"} 1.0' in metrics
         assert (await client.post("/instances/drain", {"url": inst.url}, KEY)).status == 404
 

@@ -105,9 +105,10 @@ async def test_api_key_gives_401_for_missing_or_wrong_keys_and_200_for_a_right_o
         _assert_401(await client.request("GET", "/v1/nothing-here"))
         assert (await client.request("GET", "/v1/models", headers=[(b"authorization", b"Bearer k-one")])
                 ).status == 200
-        # The probes and the scrape stay open.
-        for path in ("/health", "/ready", "/metrics"):
+        # The probes stay open; the scrape shows instance URLs and there is no admin key: refused.
+        for path in ("/health", "/ready"):
             assert (await client.request("GET", path)).status == 200, path
+        assert (await client.request("GET", "/metrics")).status == 403
 
 
 async def test_the_client_key_is_not_forwarded_upstream():

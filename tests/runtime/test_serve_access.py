@@ -80,7 +80,7 @@ def test_the_key_file_is_read_again_on_sighup(tmp_path):
     keys.write_text("key-before\n")
     port = _free_port()
     proc = _serve("--simulate", "prefill=1,decode=1", "--port", str(port), "--api-key-file", str(keys),
-                  "--api-key", "flag-key")
+                  "--api-key", "flag-key", "--admin-api-key", "adm")
     try:
         _wait_for(lambda: _post(port, "key-before") == 200, proc)
         assert _post(port, "key-after") == 401
@@ -94,7 +94,7 @@ def test_the_key_file_is_read_again_on_sighup(tmp_path):
         os.kill(proc.pid, signal.SIGHUP)
         _wait_for(lambda: b"cannot read it" in _peek_stderr(proc), proc)
         assert _post(port, "key-after") == 200
-        assert b'epd_proxy_reloads_total{result="failed"} 1.0' in _get(port, "/metrics")
+        assert b'epd_proxy_reloads_total{result="failed"} 1.0' in _get(port, "/metrics", {"X-API-Key": "adm"})
     finally:
         _stop(proc)
 
@@ -119,10 +119,10 @@ def test_sighup_reaches_every_worker(tmp_path):
         _stop(proc)
 
 
-def _get(port: int, path: str) -> bytes:
+def _get(port: int, path: str, headers: dict | None = None) -> bytes:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=headers or {})
         return conn.getresponse().read()
     finally:
         conn.close()

@@ -17,6 +17,7 @@ import logging
 import msgspec
 
 from epd_proxy.api.access import ADMIN, READ, REGISTER, AccessPolicy, peer_ip
+from epd_proxy.api.client_auth import presented_admin_key
 from epd_proxy.http import Headers
 from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.response import Request, ResponseWriter
@@ -43,7 +44,7 @@ class AdminApi:
 
     def allowed(self, req: Request, writer: ResponseWriter, action: str) -> bool:
         """Whether ``req`` may do ``action``; if not, the refusal is sent and logged."""
-        err = self.access.check(action, req.header(b"x-api-key"), peer_ip(req.peer))
+        err = self.access.check(action, presented_admin_key(req.headers), peer_ip(req.peer))
         if err is None:
             return True
         log.warning("refused %s %s from %s: %s", req.method, req.path, peer_ip(req.peer) or "?", err.message)

@@ -22,7 +22,7 @@ from epd_proxy.api.client_auth import (
     unauthorized,
 )
 from epd_proxy.api.siblings import SiblingChannel
-from epd_proxy.config import ROLES, ProxyConfig
+from epd_proxy.config import ROLES, ProxyConfig, gather
 from epd_proxy.encode import media_policy
 from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.response import Request, ResponseWriter
@@ -47,18 +47,20 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 def validate_config(config: ProxyConfig) -> None:
-    """Everything checkable before serving: raises ValueError with an operator-facing message.
-    Each check lives beside what it protects: the knobs in config.py, the key file in
-    client_auth.py, the KV connector and its instances in connectors.py, a pinned topology
-    in membership.py, the policy names in routing/, the DNS server in discovery.py, the
-    media hosts in media_policy.py."""
-    config.validate()
-    routing.check_config(config)
-    discovery.check_config(config)
-    media_policy.check_config(config)
-    ClientKeys.from_config(config)  # the key file can be read
-    check_connector_config(config)
-    check_pinned_topology(config)
+    """Everything checkable before serving: raises ConfigErrors (a ValueError) listing every
+    mistake found, each an operator-facing line. Each check lives beside what it protects: the
+    knobs in config.py, the key file in client_auth.py, the KV connector and its instances in
+    connectors.py, a pinned topology in membership.py, the policy names in routing/, the DNS
+    server in discovery.py, the media hosts in media_policy.py."""
+    gather((
+        config.validate,
+        lambda: routing.check_config(config),
+        lambda: discovery.check_config(config),
+        lambda: media_policy.check_config(config),
+        lambda: ClientKeys.from_config(config),  # the key file can be read
+        lambda: check_connector_config(config),
+        lambda: check_pinned_topology(config),
+    ))
 
 
 class ProxyApp:
@@ -88,7 +90,7 @@ class ProxyApp:
                          for pool in self.pools.values() if pool.policy.uses_signals]
         self.pipeline = Pipeline(config, self.pools, self.metrics)
         self.membership.subscribe(self._roster_changed)
-        self.admin = AdminApi(self.membership, AccessPolicy(config.admin_api_key, config.registration_allow),
+        self.admin = AdminApi(self.membership, AccessPolicy.from_config(config),
                               self.pipeline._base_headers)
         if access_log.enabled(config):
             self.pipeline.access_log = access_log.AccessLog(config.log_format)
@@ -116,10 +118,10 @@ class ProxyApp:
         # instance's drain (an operator taking one instance out: membership.py).
         self.shutting_down = False
         self.siblings: SiblingChannel | None = None  # --workers > 1: /metrics, /status, /ready ask siblings
-        # Who may call /v1/* (client_auth.py); None = open. /health, /ready and /metrics stay open
-        # (/metrics needs the admin key with --protect-metrics).
+        # Who may call /v1/* (client_auth.py); None = open. /health and /ready stay open; /metrics
+        # (its labels are instance URLs) is the roster's: the admin key's whenever any key is set.
         self.client_keys = ClientKeys.from_config(config)
-        self._metrics_key = config.admin_api_key.encode() if config.protect_metrics and config.admin_api_key else None
+        self._metrics_key = config.admin_api_key.encode() if config.admin_api_key else None
 
     def reload(self) -> None:
         """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
@@ -266,7 +268,7 @@ class ProxyApp:
                 "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
-        if not self.admin.allowed(req, writer, READ):  # internal addresses: the admin key's, if one is set
+        if not self.admin.allowed(req, writer, READ):  # internal addresses: access.py says who sees them
             return
         body = self._local_status()
         if self.siblings is not None:
@@ -277,10 +279,13 @@ class ProxyApp:
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
-        if self._metrics_key is not None and not admin_key_presented(req.headers, self._metrics_key):
-            err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
-            writer.send(401, err.body(), b"application/json", CHALLENGE)
-            return
+        if self._metrics_key is not None:
+            if not admin_key_presented(req.headers, self._metrics_key):
+                err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
+                writer.send(401, err.body(), b"application/json", CHALLENGE)
+                return
+        elif self.client_keys is not None and not self.admin.allowed(req, writer, READ):
+            return  # client keys and no admin key: refused to everyone (access.py)
         if self.siblings is None:
             writer.send(200, self.metrics.render(), _METRICS_TYPE)
             return

@@ -116,8 +116,14 @@ INVALID_KEY_BODY = unauthorized("invalid API key").body()
 CHALLENGE = [(b"www-authenticate", b'Bearer realm="epd-proxy"')]
 
 
+def presented_admin_key(headers: dict) -> bytes | None:
+    """The admin key a request offers: ``X-API-Key`` (as the roster API takes it), else
+    ``Authorization: Bearer`` (what most tools send, e.g. a Prometheus scrape config's
+    ``authorization``)."""
+    return headers.get(b"x-api-key") or bearer_token(headers.get(b"authorization"))
+
+
 def admin_key_presented(headers: dict, admin_key: bytes) -> bool:
-    """Whether a request carries the admin key: ``X-API-Key`` (as the roster API takes it) or
-    ``Authorization: Bearer`` (what a Prometheus scrape config's ``authorization`` sends)."""
-    token = headers.get(b"x-api-key") or bearer_token(headers.get(b"authorization"))
+    """Whether a request carries the admin key (:func:`presented_admin_key`)."""
+    token = presented_admin_key(headers)
     return token is not None and hmac.compare_digest(token, admin_key)

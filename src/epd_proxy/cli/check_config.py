@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from epd_proxy.cli.serve import ServeSettings, serve_parser
+from epd_proxy.cli.serve import ServeSettings, error_text, serve_parser
 from epd_proxy.config import ROLES, InstanceSpec, ProxyConfig
 
 
@@ -20,9 +20,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve_args = settings.load()
         cfg = settings.config(serve_args)
+        from epd_proxy.runtime.serve import tls_context
+
+        tls_context(cfg)  # as serve does: the certificate and key load
     except ValueError as exc:
-        msg = str(exc)
-        print(f"epd-proxy check-config: {msg if msg.startswith(path) else f'{path}: {msg}'}", file=sys.stderr)
+        print(f"epd-proxy check-config: {error_text(exc, path)}", file=sys.stderr)
         return 2
     print(f"{path}: OK")
     print(describe(cfg, serve_args))

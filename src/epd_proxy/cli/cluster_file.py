@@ -16,7 +16,8 @@ URL string or a table whose keys are the ``;key=value`` attributes::
 
     decode = ["http://d1:8200", "dns+http://decode.ns.svc.cluster.local:8200"]
 
-Errors are ``ClusterFileError`` with one line an operator can act on.
+Errors are ``ClusterFileError``: one line per mistake an operator can act on, every
+mistake of the file at once.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ import tomllib
 from dataclasses import dataclass
 from typing import Callable
 
+from epd_proxy.config import ConfigErrors
+
 ROLE_KEYS = ("encode", "prefill", "decode")
 
 
-class ClusterFileError(ValueError):
-    """The file cannot be used; the message is one line naming the key at fault."""
+class ClusterFileError(ConfigErrors):
+    """The file cannot be used; one line per mistake, each naming the key at fault."""
+
+    def __init__(self, errors: str | list[str]) -> None:
+        super().__init__([errors] if isinstance(errors, str) else errors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +58,21 @@ def read_cluster_file(text: str, options: dict[str, Option], *, source: str = "c
     except UnicodeDecodeError as exc:  # pragma: no cover - loads takes str
         raise ClusterFileError(f"{source}: not text: {exc}") from None
     out: dict[str, object] = {}
+    errors: list[str] = []
     for key, value in data.items():
         dest = key.replace("-", "_")
-        if dest in ROLE_KEYS:
-            out[dest] = _instances(dest, value, source)
-            continue
-        option = options.get(dest)
-        if option is None:
-            raise ClusterFileError(f"{source}: unknown key {key!r}" + _suggest(dest, options))
-        out[dest] = _value(key, value, option, source)
+        try:
+            if dest in ROLE_KEYS:
+                out[dest] = _instances(dest, value, source)
+                continue
+            option = options.get(dest)
+            if option is None:
+                raise ClusterFileError(f"{source}: unknown key {key!r}" + _suggest(dest, options))
+            out[dest] = _value(key, value, option, source)
+        except ClusterFileError as exc:
+            errors.extend(exc.errors)
+    if errors:
+        raise ClusterFileError(errors)
     return out
 
 

@@ -19,8 +19,10 @@ from epd_proxy.config import (
     ALWAYS_FORWARDED,
     LOG_FORMATS,
     LOG_LEVELS,
+    NO_DECODE,
     ROLE_POLICY_DEFAULTS,
     ROLES,
+    ConfigErrors,
     ProxyConfig,
     ServeOptions,
     StageTimeouts,
@@ -208,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="instances may register at run time (POST /instances); the proxy may start with "
                         "none. Needs --admin-api-key or --registration-allow")
     p.add_argument("--admin-api-key", default=_env(ADMIN_API_KEY_ENV, defaults.admin_api_key),
-                   help="X-API-Key for roster changes, GET /instances, /status and profiling "
+                   help="the operator's key, as X-API-Key or 'Authorization: Bearer', for roster changes, "
+                        "GET /instances, /status, /metrics and profiling "
                         f"(default: ${ADMIN_API_KEY_ENV}; unset = roster changes off)")
     p.add_argument("--registration-allow", action="append", default=list(defaults.registration_allow),
                    metavar="CIDR",
@@ -222,11 +225,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="log every request's method, path, status and time (and set --log-level debug)")
     p.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
-                        "default none: the API is open); /health, /ready and /metrics stay open")
+                        "default none: the API is open); /health and /ready stay open, /instances, /status "
+                        "and /metrics then need --admin-api-key")
     p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
                    help="more client keys, one per line ('#' comments), read again on SIGHUP")
     p.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,
-                   help="/metrics needs the admin key (--admin-api-key) as X-API-Key or Bearer")
+                   help="insist on an admin key: /metrics needs it (as X-API-Key or Bearer) whenever "
+                        "--admin-api-key is set anyway")
     p.add_argument("--ssl-certfile", default=defaults.ssl_certfile, metavar="PATH",
                    help="serve HTTPS with this certificate chain (PEM), as vllm serve's flag")
     p.add_argument("--ssl-keyfile", default=defaults.ssl_keyfile, metavar="PATH",
@@ -259,21 +264,24 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _role_caps(values: list[str]) -> dict[str, int]:
+def _role_caps(values: list[str], errors: list[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in split_instances(values):
         role, sep, n = item.partition("=")
         try:
+            if not sep:
+                raise ValueError
             out[role.strip()] = int(n)
         except ValueError:
-            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64") from None
-        if not sep:
-            raise ValueError(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64")
+            errors.append(f"--max-inflight-per-role {item!r}: expected ROLE=N, e.g. prefill=64")
     return out
 
 
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    static, discover = split_discovered({role: split_instances(getattr(args, role)) for role in ROLES})
+def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) -> ProxyConfig:
+    """The config the settings describe. What cannot be read (an instance, a role cap) is left
+    out and its message appended to ``errors``; without that list, ``ConfigErrors`` names them all."""
+    found: list[str] = []
+    static, discover = split_discovered({role: split_instances(getattr(args, role)) for role in ROLES}, found)
     cfg = ProxyConfig(
         encode=static["encode"],
         prefill=static["prefill"],
@@ -320,7 +328,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         max_inflight=args.max_inflight,
-        max_inflight_per_role=_role_caps(args.max_inflight_per_role),
+        max_inflight_per_role=_role_caps(args.max_inflight_per_role, found),
         queue_size=args.queue_size,
         queue_timeout=args.queue_timeout,
         shutdown_grace=args.shutdown_grace,
@@ -339,7 +347,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         access_log=args.access_log,
         log_format=args.log_format,
     )
+    if errors is not None:
+        errors.extend(found)
+    elif found:
+        raise ConfigErrors(found)
     return cfg
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(host=args.host, port=args.port, workers=args.workers, log_level=args.log_level)
 
 
 # Settings the cluster file may hold as a list although the flag takes one comma-separated string.
@@ -394,13 +410,39 @@ class ServeSettings:
         return args
 
     def config(self, args: argparse.Namespace | None = None) -> ProxyConfig:
+        """The config to serve; raises ConfigErrors naming every mistake, of the flags and the
+        file alike (the file's own type errors come first, from ``load``)."""
         args = args if args is not None else self.load()
-        cfg = config_from_args(args)
-        if not args.simulate:
+        errors: list[str] = []
+        cfg = config_from_args(args, errors)
+        errors += serve_options(args).problems()
+        if args.simulate:
+            if args.workers > 1:
+                errors.append("--workers > 1 cannot be combined with --simulate")
+        else:
             from epd_proxy.api.app import validate_config
 
-            validate_config(cfg)
+            try:
+                validate_config(cfg)
+            except ConfigErrors as exc:
+                errors += exc.errors
+        if NO_DECODE in errors and split_instances(args.decode):
+            errors.remove(NO_DECODE)  # decode instances were given: their own lines say what is wrong
+        if errors:
+            raise ConfigErrors(errors)
         return cfg
+
+
+def error_text(exc: ValueError, path: str | None) -> str:
+    """A refused configuration as ``serve`` and ``check-config`` print it: one line for one
+    mistake, else a count and one indented line each; the file named once."""
+    lines = exc.errors if isinstance(exc, ConfigErrors) else [str(exc)]
+    if path:
+        lines = [line.removeprefix(f"{path}: ") for line in lines]
+    head = f"{path}: " if path else ""
+    if len(lines) == 1:
+        return head + lines[0]
+    return head + f"{len(lines)} mistakes:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _explicit_dests(argv: list[str]) -> set[str]:
@@ -425,8 +467,8 @@ def run(args: argparse.Namespace) -> int:
     settings = ServeSettings(args.argv, args)
     try:
         args = settings.started = settings.load()
-    except ClusterFileError as exc:  # one line, no usage text: the flags were fine
-        print(f"epd-proxy serve: {exc}", file=sys.stderr)
+    except ClusterFileError as exc:  # no usage text: the flags were fine
+        print(f"epd-proxy serve: {error_text(exc, settings.path)}", file=sys.stderr)
         return 2
     if args.log_requests:
         args.log_level = "debug"
@@ -438,9 +480,9 @@ def run(args: argparse.Namespace) -> int:
         tls_context(cfg)  # the certificate and key load
     except ValueError as exc:
         if settings.path:
-            print(f"epd-proxy serve: {settings.path}: {exc}", file=sys.stderr)
+            print(f"epd-proxy serve: {error_text(exc, settings.path)}", file=sys.stderr)
             return 2
-        serve_parser().error(str(exc))
+        serve_parser().error(error_text(exc, None))
     from epd_proxy.runtime.serve import serve
 
     return serve(cfg, args.host, args.port, workers=args.workers, simulate=args.simulate,

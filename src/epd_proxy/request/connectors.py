@@ -11,10 +11,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 
-from epd_proxy.config import ProxyConfig
+from epd_proxy.config import ProxyConfig, gather
 from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
@@ -270,5 +271,4 @@ def check_connector_config(config: ProxyConfig) -> None:
     connector = CONNECTORS.get(config.kv_connector)
     if connector is None:
         raise ValueError(f"unknown --kv-connector {config.kv_connector!r} (known: {', '.join(CONNECTORS)})")
-    if config.prefill:
-        connector.check_instances(config.prefill)
+    gather(partial(connector.check_instances, [spec]) for spec in config.prefill)  # each one named

@@ -28,6 +28,7 @@ openings and spills, and a bounded map of conversations' last instances.
 
 from __future__ import annotations
 
+from epd_proxy.config import ConfigErrors, check_range
 from epd_proxy.routing.cache_aware import CacheAware
 from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
 from epd_proxy.routing.policy import RoutingPolicy
@@ -53,8 +54,11 @@ def make_policy(name: str, *, balance_abs: float = 4, balance_rel: float = 1.5) 
 
 def check_config(config) -> None:
     """The routing flags of a :class:`~epd_proxy.config.ProxyConfig` (beside what they name)."""
-    for policy in (config.routing, config.prefill_policy, config.decode_policy, config.encode_policy):
+    errors: list[str] = []
+    for policy in dict.fromkeys((config.routing, config.prefill_policy, config.decode_policy, config.encode_policy)):
         if policy is not None and policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
-    if config.balance_abs < 0 or config.balance_rel < 1:
-        raise ValueError("--balance-abs must be >= 0 and --balance-rel >= 1")
+            errors.append(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
+    check_range(errors, "--balance-abs", config.balance_abs, 0)
+    check_range(errors, "--balance-rel", config.balance_rel, 1)
+    if errors:
+        raise ConfigErrors(errors)

@@ -1,0 +1,127 @@
+"""What ``serve`` and ``check-config`` refuse, as an operator runs them (real child processes):
+numbers out of range naming the flag, instance URLs that cannot work, and every mistake of a
+file in one answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+ENV = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+D = "http://127.0.0.1:9"  # nothing listens there: every case is refused before a connection
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd_proxy", *argv], capture_output=True, text=True,
+                          timeout=60, env=ENV)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port must be in 1..65535, not 70000"),
+    (["--port", "131072"], "--port must be in 1..65535, not 131072"),
+    (["--port", "-1"], "--port must be in 1..65535, not -1"),
+    (["--workers", "0"], "--workers must be >= 1, not 0"),
+    (["--probe-timeout", "0"], "--probe-timeout must be > 0, not 0"),
+    (["--connect-timeout", "nan"], "--connect-timeout must be a finite number, not nan"),
+    (["--stream-idle-timeout", "-5"], "--stream-idle-timeout must be > 0, not -5"),
+    (["--probe-interval", "-1"], "--probe-interval must be >= 0, not -1"),
+    (["--upstream-keep-alive", "-1"], "--upstream-keep-alive must be >= 0, not -1"),
+    (["--max-ejection-percent", "101"], "--max-ejection-percent must be in 0..100, not 101"),
+    (["--balance-rel", "0.5"], "--balance-rel must be >= 1, not 0.5"),
+    (["--queue-size", "-3"], "--queue-size must be >= 0, not -3"),
+    (["--decode", "http://127.0.0.1:8102/v1"], "give the instance's root, http://127.0.0.1:8102, without a path"),
+    (["--decode", "http://127.0.0.1:8102/?x=1"], "without a path"),
+    (["--prefill", "http://127.0.0.1:8101;kv_port=70000"], "kv_port must be in 1..65535, not 70000"),
+    (["--prefill", "http://127.0.0.1:9"], "http://127.0.0.1:9 is given as both prefill and decode instance"),
+    (["--encode", "http://127.0.0.1:9"], "http://127.0.0.1:9 is given as both encode and decode instance"),
+    (["--prefill", "http://127.0.0.1:8101", "--kv-connector", "nixl-push"], "--kv-connector nixl-push needs"),
+    (["--simulate", "decode=1", "--workers", "2"], "--workers > 1 cannot be combined with --simulate"),
+])
+def test_serve_refuses_what_cannot_work_naming_the_flag(flags, message):
+    proc = _run("serve", "--decode", D, *flags)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("epd-proxy serve: error: ")]
+    assert message in line, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_serve_names_every_wrong_flag_at_once():
+    proc = _run("serve", "--decode", D, "--port", "70000", "--workers", "0", "--fail-threshold", "0")
+    assert proc.returncode == 2
+    assert "error: 3 mistakes:\n" in proc.stderr
+    for line in ("  --port must be in 1..65535, not 70000", "  --workers must be >= 1, not 0",
+                 "  --fail-threshold must be >= 1, not 0"):
+        assert line in proc.stderr.splitlines(), proc.stderr
+
+
+SEVERAL = """\
+port = 70000
+workers = 0
+kv_connector = "mooncake"
+prefill = ["http://127.0.0.1:8101"]
+decode = ["http://127.0.0.1:8102/v1", "http://127.0.0.1:8101"]
+"""
+EXPECTED = [
+    "  decode instance 'http://127.0.0.1:8102/v1': give the instance's root, http://127.0.0.1:8102, without a "
+    "path (the proxy adds /v1/...)",
+    "  --port must be in 1..65535, not 70000",
+    "  --workers must be >= 1, not 0",
+    "  http://127.0.0.1:8101 is given as both prefill and decode instance: an instance has one role (one that "
+    "prefills and decodes is given as --decode only)",
+    "  --kv-connector mooncake needs each prefill's bootstrap port, e.g. 'http://127.0.0.1:8101;bootstrap_port=8998' "
+    "(VLLM_MOONCAKE_BOOTSTRAP_PORT)",
+]
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+def test_a_file_with_several_mistakes_reports_them_all(tmp_path, command):
+    path = tmp_path / "cluster.toml"
+    path.write_text(SEVERAL)
+    proc = _run(command, str(path)) if command == "check-config" else _run("serve", "--config", str(path))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == f"epd-proxy {command}: {path}: 5 mistakes:", proc.stderr
+    assert lines[1:] == EXPECTED
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("text, message", [
+    ('decode = ["http://127.0.0.1:8102/v1"]', "decode instance 'http://127.0.0.1:8102/v1': give the instance's root"),
+    ('decode = ["http://127.0.0.1:9"]\nprefill = ["http://127.0.0.1:9"]', "given as both prefill and decode"),
+    ('decode = ["http://127.0.0.1:9"]\nworkers = 0', "--workers must be >= 1, not 0"),
+    ('decode = ["http://127.0.0.1:9"]\nport = 70000', "--port must be in 1..65535, not 70000"),
+    ('decode = ["http://127.0.0.1:9"]\nprobe_timeout = -1.0', "--probe-timeout must be > 0, not -1"),
+    ('decode = ["http://127.0.0.1:9"]\nprefill = ["http://127.0.0.1:8101"]\nkv_connector = "nixl-push"',
+     "--kv-connector nixl-push needs each prefill's identity"),
+])
+def test_check_config_refuses_each_alone_in_one_line(tmp_path, text, message):
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    proc = _run("check-config", str(path))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"epd-proxy check-config: {path}: ") and message in lines[0], \
+        proc.stderr
+
+
+def test_a_files_type_mistakes_come_together(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text('decode = ["http://127.0.0.1:9"]\nworkers = "two"\nprot = 1\n')
+    proc = _run("check-config", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"epd-proxy check-config: {path}: 2 mistakes:", "  workers must be an integer, got 'two'",
+        "  unknown key 'prot' (did you mean 'port'?)"]
+
+
+def test_a_pd_instance_given_as_decode_only_passes(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text('decode = ["http://127.0.0.1:8102/"]\nport = 8000\nworkers = 2\n')
+    proc = _run("check-config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "decode  http://127.0.0.1:8102" in proc.stdout and "workers 2" in proc.stdout
