@@ -92,8 +92,6 @@ KNOWN = {
     "epd_proxy.sim.generation -> epd_proxy.sim.instance",
     "epd_proxy.sim.kv_channel -> epd_proxy.sim.instance",
     "epd_proxy.sim.observability -> epd_proxy.sim.instance",
-    # the load generator's default client (to be passed in by the caller)
-    "epd_proxy.bench.loadgen -> epd_proxy.bench.clients",
 }
 
 

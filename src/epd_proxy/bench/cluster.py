@@ -48,7 +48,7 @@ import msgspec
 from epd_proxy.bench import targets as T
 from epd_proxy.bench.clients import send_stages
 from epd_proxy.bench.conversations import ChatSpec, Conversation, image_pool, make_conversations, turn_body, working_set
-from epd_proxy.bench.loadgen import Outcome, send
+from epd_proxy.bench.exchange import Outcome, send
 from epd_proxy.bench.stats import percentile, summarize
 from epd_proxy.bench.workloads import CHAT_PATH, Prepared, simulator_expected
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts

@@ -29,7 +29,7 @@ from epd_proxy.bench import targets as T
 from epd_proxy.bench.cluster import run_cluster  # noqa: F401  (the cluster scenario: ``run_<name>`` is looked up here)
 from epd_proxy.bench.compare import ForeignMeter, Lab, lab_settings, summarize_runs, workload_requests
 from epd_proxy.bench.compare import run_compare as _run_compare
-from epd_proxy.bench.loadgen import send
+from epd_proxy.bench.exchange import send
 from epd_proxy.bench.procs import (
     cross_core_rtt,
     nofile_limits,
@@ -829,7 +829,8 @@ async def run_soak(args) -> dict:
         from epd_proxy.bench.loadgen import Phase
 
         ph = Phase(proxy.url, reqs, concurrency=conc, warmup=warm, duration=dur - warm, max_requests=None,
-                   verify=True, label="soak", progress=args.progress, seed=args.seed)
+                   verify=True, label="soak", progress=args.progress, seed=args.seed,
+                   client=proxy.make_client(conc))
         interval = max(0.2, min(5.0, dur / 120))
         samples: list[dict] = []
         t0 = perf()
