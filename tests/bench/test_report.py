@@ -2,7 +2,7 @@ import json
 import math
 
 from epd_proxy.bench import report
-from epd_proxy.bench.compare import summarize_runs
+from epd_proxy.bench.lab import summarize_runs
 from epd_proxy.bench.scenarios.latency import latency_basis
 
 

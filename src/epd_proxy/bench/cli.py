@@ -146,7 +146,7 @@ def machine_info() -> dict:
 
 def _keep_partial(result: dict, name: str, partial: dict) -> None:
     """An interrupted scenario: keep the phases it finished (compare-like ones)."""
-    from epd_proxy.bench.compare import summarize_runs
+    from epd_proxy.bench.lab import summarize_runs
 
     r = partial.get("result")
     if not isinstance(r, dict):

@@ -1,20 +1,126 @@
-"""compare: every workload against direct / epd-proxy / vllm-router / nginx, interleaved and
-repeated (the runs themselves: :mod:`epd_proxy.bench.compare`)."""
+"""compare: every workload against direct / epd-proxy / vllm-router / nginx, side by side.
+
+All targets run for the whole comparison; they are measured one at a time, interleaved
+(target order rotates every repeat), so slow drift of the machine hits all of them alike.
+The lab they run in (pinning, CPU per request) is :mod:`epd_proxy.bench.lab`."""
 
 from __future__ import annotations
 
-import time
+import os
 
-from epd_proxy.bench.compare import run_compare
+from epd_proxy.bench import targets as T
+from epd_proxy.bench.lab import BENCH_SIM_DEFAULTS, Lab, lab_settings, summarize_runs, workload_requests
 from epd_proxy.bench.markdown import fmt, fmt_range, missing, pct, table
-from epd_proxy.bench.scenarios.base import (
-    Figures,
-    Limit,
-    Scenario,
-    target_check,
-)
+from epd_proxy.bench.procs import wake_write_cost
+from epd_proxy.bench.scenarios.base import Figures, Limit, Scenario, target_check
+from epd_proxy.bench.workloads import make_workload
 
-perf = time.perf_counter
+
+# -- the comparison ------------------------------------------------------------------------------
+def make_targets(lab: Lab, names: list[str], others: list[str]) -> list[T.Target]:
+    sim = lab.sim
+    assert sim is not None, "start_sim first"
+    cpus = lab.s.proxy_cpus
+    log_dir = lab.s.log_dir
+    out = []
+    for name in names:
+        if name == "direct":
+            out.append(lab.add(T.direct_target(sim)))
+        elif name == "direct-pd":
+            out.append(lab.add(T.direct_pd_target(sim)))
+        elif name == "epd-proxy":
+            out.append(lab.add(T.epd_proxy_target(sim, cpus=cpus, log_dir=log_dir)))
+        elif name == "vllm-router":
+            out.append(lab.add(T.vllm_router_target(sim, cpus=cpus, log_dir=log_dir)))
+        elif name == "nginx":
+            out.append(lab.add(T.nginx_target(sim, cpus=cpus, log_dir=log_dir)))
+        else:
+            raise ValueError(f"unknown target {name!r}")
+    for spec in others:
+        out.append(lab.add(T.other_target(spec, sim, cpus=cpus, log_dir=log_dir)))
+    return out
+
+
+async def run_compare(args, progress: bool = True) -> dict:
+    """Every workload against every target, ``--repeat`` times, interleaved."""
+    settings = lab_settings(args)
+    result: dict = {"settings": {"concurrency": args.concurrency, "rate": args.rate, "repeat": args.repeat,
+                                 "warmup_s": args.warmup, "duration_s": args.duration,
+                                 "start": settings.start,
+                                 "requests": args.requests, "workloads": args.workloads,
+                                 "sim": {**BENCH_SIM_DEFAULTS, **settings.sim}, "counts": settings.counts,
+                                 "proxy_cpus": settings.proxy_cpus, "load_cpus": settings.load_cpus,
+                                 "spill": settings.spill},
+                    "targets": {}, "workloads": {}, "sweep": None}
+    partial = getattr(args, "partial", None)
+    if isinstance(partial, dict):
+        partial["result"] = result  # what was measured so far, if the run is interrupted
+    if settings.proxy_cpus and settings.load_cpus:
+        # What a write that wakes a peer costs the writer here: context for CPU per request.
+        result["wake_write"] = wake_write_cost(settings.proxy_cpus[0], settings.load_cpus[0])
+    with Lab(settings) as lab:
+        lab.pin_self()
+        lab.start_sim()
+        tlist = make_targets(lab, args.targets, args.other)
+        for t in tlist:
+            result["targets"][t.name] = {"available": t.available, "note": t.note, "url": t.url,
+                                         "argv": t.service.argv if t.service is not None else None}
+        loads = {name: workload_requests(args, name) for name in args.workloads}
+        for name in args.workloads:
+            wl = make_workload(name, images=args.images, image_kb=args.image_kb, prompt_bytes=args.prompt_bytes,
+                               max_tokens=args.max_tokens)
+            result["workloads"][name] = {"description": "; ".join(w.describe() for w in wl), "runs": {}}
+        active = [t for t in tlist if t.available]
+        for rep in range(args.repeat):
+            k = rep % len(active)
+            order = active[k:] + active[:k]
+            for name in args.workloads:
+                kinds = {p.kind for p in loads[name]}
+                for t in order:
+                    if not all(t.supports(kind) for kind in kinds):
+                        continue
+                    label = f"{name} {t.name} #{rep + 1}"
+                    res = await lab.phase(t, loads[name], concurrency=args.concurrency, rate=args.rate,
+                                          warmup=args.warmup, duration=args.duration, max_requests=args.requests,
+                                          verify=args.verify != "off", label=label, progress=progress,
+                                          seed=args.seed + rep, start_offset=rep * 7)
+                    res["repeat"] = rep
+                    result["workloads"][name]["runs"].setdefault(t.name, []).append(res)
+        for w in result["workloads"].values():
+            w["summary"] = summarize_runs(w["runs"])
+        if getattr(args, "profile", False):
+            result["profiles"] = {}
+            for t in active:
+                if t.name != "epd-proxy":
+                    continue
+                for name in args.workloads:
+                    if not all(t.supports(p.kind) for p in loads[name]):
+                        continue
+                    path = os.path.join(args.log_dir, f"py-spy-{t.name}-{name}.txt")
+                    res = await lab.phase(t, loads[name], concurrency=args.concurrency, rate=args.rate,
+                                          warmup=args.warmup, duration=args.duration, max_requests=None,
+                                          verify=args.verify != "off", label=f"profile {name} {t.name}",
+                                          progress=progress, seed=args.seed, profile_to=path,
+                                          native=getattr(args, "profile_native", False))
+                    result["profiles"][f"{t.name}/{name}"] = {
+                        "profile": res.get("profile"), "file": path, "error": res.get("profile_error"),
+                        "target_cpu_ms_per_req": res.get("target_cpu_ms_per_req"), "req_s": res["req_s"]}
+        if args.sweep:
+            result["sweep"] = await run_sweep(lab, args, [t for t in active if t.supports("stream")], progress)
+    return result
+
+
+async def run_sweep(lab: Lab, args, tlist: list[T.Target], progress: bool) -> dict:
+    """req/s and latency against concurrency, stream workload, one run per point."""
+    reqs = workload_requests(args, "stream")
+    out: dict = {"concurrency": list(args.sweep), "targets": {}}
+    for c in args.sweep:
+        for t in tlist:
+            res = await lab.phase(t, reqs, concurrency=c, warmup=args.warmup, duration=args.sweep_duration,
+                                  max_requests=None, verify=args.verify != "off", label=f"sweep c={c} {t.name}",
+                                  progress=progress, seed=args.seed)
+            out["targets"].setdefault(t.name, []).append(res)
+    return out
 
 
 async def run(args) -> dict:

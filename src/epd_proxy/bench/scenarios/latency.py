@@ -5,31 +5,20 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from typing import Any
 
 import msgspec
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import ForeignMeter, Lab, lab_settings, workload_requests
 from epd_proxy.bench.exchange import send
+from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
-from epd_proxy.bench.procs import (
-    cross_core_rtt,
-    steal_ticks,
-)
-from epd_proxy.bench.scenarios.base import (
-    Limit,
-    Scenario,
-    target_check,
-    tty,
-)
+from epd_proxy.bench.procs import cross_core_rtt, steal_ticks
+from epd_proxy.bench.scenarios.base import Limit, Scenario, target_check, tty
 from epd_proxy.bench.stats import summarize
 from epd_proxy.bench.workloads import Prepared
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 from epd_proxy.runtime.serve import tune_gc
-
-perf = time.perf_counter
 
 
 def add_arguments(group) -> None:

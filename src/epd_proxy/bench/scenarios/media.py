@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import math
-import time
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import Lab, lab_settings, workload_requests
+from epd_proxy.bench.lab import Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
-from epd_proxy.bench.scenarios.base import (
-    Figures,
-    Limit,
-    Scenario,
-    float_list,
-    target_check,
-)
+from epd_proxy.bench.scenarios.base import Figures, Limit, Scenario, float_list, target_check
 from epd_proxy.bench.stats import linear_fit
-
-perf = time.perf_counter
 
 
 def add_arguments(group) -> None:

@@ -8,15 +8,11 @@ import os
 import time
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import Lab, lab_settings, workload_requests
 from epd_proxy.bench.exchange import send
+from epd_proxy.bench.lab import Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
-from epd_proxy.bench.procs import (
-    tree_pids,
-)
-from epd_proxy.bench.scenarios.base import (
-    Scenario,
-)
+from epd_proxy.bench.procs import tree_pids
+from epd_proxy.bench.scenarios.base import Scenario
 from epd_proxy.bench.stats import summarize
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 

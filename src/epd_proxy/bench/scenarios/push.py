@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import msgspec
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import ForeignMeter, Lab, lab_settings
 from epd_proxy.bench.exchange import send
+from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings
 from epd_proxy.bench.markdown import fmt, table
-from epd_proxy.bench.scenarios.base import (
-    Scenario,
-    float_list,
-)
+from epd_proxy.bench.scenarios.base import Scenario, float_list
 from epd_proxy.bench.stats import summarize
 from epd_proxy.bench.workloads import Prepared, chat_body, make_workload, simulator_expected
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts
-
-perf = time.perf_counter
 
 
 def add_arguments(group) -> None:

@@ -9,20 +9,11 @@ import time
 from typing import Any
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import ForeignMeter, Lab, lab_settings, workload_requests
 from epd_proxy.bench.exchange import send
+from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
-from epd_proxy.bench.procs import (
-    nofile_limits,
-    self_cpu_seconds,
-)
-from epd_proxy.bench.scenarios.base import (
-    Figures,
-    Limit,
-    Scenario,
-    target_check,
-    tty,
-)
+from epd_proxy.bench.procs import nofile_limits, self_cpu_seconds
+from epd_proxy.bench.scenarios.base import Figures, Limit, Scenario, target_check, tty
 from epd_proxy.bench.stats import summarize
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts
 

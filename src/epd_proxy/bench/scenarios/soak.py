@@ -7,14 +7,10 @@ import math
 import time
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import Lab, lab_settings, workload_requests
+from epd_proxy.bench.lab import Lab, lab_settings, workload_requests
 from epd_proxy.bench.loadgen import Phase
 from epd_proxy.bench.markdown import fmt, table
-from epd_proxy.bench.scenarios.base import (
-    Limit,
-    Scenario,
-    target_check,
-)
+from epd_proxy.bench.scenarios.base import Limit, Scenario, target_check
 
 perf = time.perf_counter
 

@@ -4,19 +4,11 @@ is the cap. The same machinery as ``compare``."""
 from __future__ import annotations
 
 import argparse
-import time
 
-from epd_proxy.bench.compare import run_compare
 from epd_proxy.bench.markdown import fmt
-from epd_proxy.bench.scenarios.base import (
-    Limit,
-    Scenario,
-    copy_args,
-    target_check,
-)
+from epd_proxy.bench.scenarios.base import Limit, Scenario, copy_args, target_check
+from epd_proxy.bench.scenarios.compare import run_compare
 from epd_proxy.bench.scenarios.compare import section as compare_section
-
-perf = time.perf_counter
 
 
 def add_arguments(group) -> None:

@@ -3,21 +3,13 @@ measures that server's CPU."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import Lab, lab_settings, workload_requests
+from epd_proxy.bench.lab import Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
-from epd_proxy.bench.procs import (
-    tree_cpu_seconds,
-    tree_rss_bytes,
-)
-from epd_proxy.bench.scenarios.base import (
-    Scenario,
-)
-
-perf = time.perf_counter
+from epd_proxy.bench.procs import tree_cpu_seconds, tree_rss_bytes
+from epd_proxy.bench.scenarios.base import Scenario
 
 
 class _External:

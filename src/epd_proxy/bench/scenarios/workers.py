@@ -6,21 +6,11 @@ import os
 import time
 
 from epd_proxy.bench import targets as T
-from epd_proxy.bench.compare import Lab, lab_settings, summarize_runs, workload_requests
+from epd_proxy.bench.lab import Lab, lab_settings, summarize_runs, workload_requests
 from epd_proxy.bench.markdown import fmt, fmt_range, table
-from epd_proxy.bench.procs import (
-    pin,
-    tree_pids,
-)
-from epd_proxy.bench.scenarios.base import (
-    Limit,
-    Scenario,
-    copy_args,
-    target_check,
-)
+from epd_proxy.bench.procs import pin, tree_pids
+from epd_proxy.bench.scenarios.base import Limit, Scenario, copy_args, target_check
 from epd_proxy.bench.stats import median_range
-
-perf = time.perf_counter
 
 
 def add_arguments(group) -> None:

@@ -4,13 +4,9 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import TypeGuard
 
 from epd_proxy.bench.stats import percentile
-
-perf = time.perf_counter
-
 
 # The targets for this scenario.
 HIT_RATE_VS_ORACLE = 0.90

@@ -4,11 +4,7 @@ which of them the targets are checked for."""
 from __future__ import annotations
 
 import shlex
-import time
 from dataclasses import dataclass
-
-perf = time.perf_counter
-
 
 BASELINES = ("round-robin", "least-loaded")
 

@@ -12,6 +12,8 @@ from dataclasses import replace
 
 from epd_proxy.bench import targets as T
 from epd_proxy.bench.conversations import ChatSpec, image_pool, make_conversations, working_set
+from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings
+from epd_proxy.bench.procs import self_cpu_seconds
 from epd_proxy.bench.scenarios.base import Scenario, csv_list, float_list
 from epd_proxy.bench.scenarios.cluster.drive import OracleClient, ProxyClient, drive, instance_states
 from epd_proxy.bench.scenarios.cluster.evaluate import _cells, checks, cluster_counters, evaluate_targets, merge_repeats
@@ -140,9 +142,6 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, images, ws: dict,
     """One policy at one load level on a fresh cluster: latency, the instances' counters,
     proxy CPU per request. With ``replicas`` > 1 the turns alternate between proxies and,
     with ``restart``, the second is restarted once half the conversations have started."""
-    from epd_proxy.bench.compare import ForeignMeter, Lab, lab_settings
-    from epd_proxy.bench.procs import self_cpu_seconds
-
     counts, simcfg, roles = sim_settings(args, ws)
     settings = lab_settings(args, counts=counts, sim=simcfg, roles=roles)
     label = f"cluster {workload} {policy.name} @ {rate:g} req/s" + (f" ({replicas} replicas)" if replicas > 1 else "")

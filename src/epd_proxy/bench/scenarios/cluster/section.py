@@ -4,12 +4,9 @@ and TTFT against load."""
 from __future__ import annotations
 
 import math
-import time
 
 from epd_proxy.bench.markdown import fmt, table
 from epd_proxy.bench.scenarios.base import Figures
-
-perf = time.perf_counter
 
 
 def _spread_text(x) -> str:
