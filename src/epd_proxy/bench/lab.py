@@ -123,6 +123,17 @@ class Lab:
         if self.s.nofile:
             raise_nofile(self.s.nofile)
 
+    def start_proxy(self, *, what: str = "epd-proxy", pinned: bool = True, **kw) -> T.Target:
+        """epd-proxy in front of the lab's simulator (``kw``: :func:`~epd_proxy.bench.targets.epd_proxy_target`'s),
+        on the proxy's cores unless not ``pinned``, started; raises when it does not start
+        (``what`` names it in the error)."""
+        assert self.sim is not None, "start_sim first"
+        t = self.add(T.epd_proxy_target(self.sim, cpus=self.s.proxy_cpus if pinned else None, log_dir=self.s.log_dir,
+                                        **kw))
+        if not t.available:
+            raise RuntimeError(f"{what} did not start: {t.note}")
+        return t
+
     def add(self, target: T.Target, timeout: float = 60.0) -> T.Target:
         if target.available and target.service is not None:
             try:

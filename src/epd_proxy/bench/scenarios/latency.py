@@ -9,7 +9,6 @@ from typing import Any
 
 import msgspec
 
-from epd_proxy.bench import targets as T
 from epd_proxy.bench.exchange import send
 from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
@@ -142,9 +141,7 @@ async def run(args) -> dict:
         if settings.proxy_cpus and settings.load_cpus:
             out["wakeup_rtt"] = cross_core_rtt(settings.proxy_cpus[0], settings.load_cpus[0])
         sim = lab.start_sim()
-        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
-        if not proxy.available:
-            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        proxy = lab.start_proxy()
         timeouts = TransportTimeouts(connect=10, headers=60, idle=60)
         pools: dict[str, Any] = {"encode": ConnectionPool(sim.encode[0]) if sim.encode else None,
                  "prefill": ConnectionPool(sim.prefill[0]), "decode": ConnectionPool(sim.decode[0]),

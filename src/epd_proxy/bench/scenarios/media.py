@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-from epd_proxy.bench import targets as T
 from epd_proxy.bench.lab import Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
 from epd_proxy.bench.scenarios.base import Figures, Limit, Scenario, float_list, target_check
@@ -22,10 +21,8 @@ async def run(args) -> dict:
     out: dict = {"sizes_mb": list(args.media_mb), "points": []}
     with Lab(settings) as lab:
         lab.pin_self()
-        sim = lab.start_sim()
-        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
-        if not proxy.available:
-            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        lab.start_sim()
+        proxy = lab.start_proxy()
         for mb in args.media_mb:
             reqs = workload_requests(args, "mm", images=1, image_kb=mb * 1024, max_tokens=4, variants=2)
             res = await lab.phase(proxy, reqs, concurrency=2, warmup=0.5, duration=max(3.0, args.duration),

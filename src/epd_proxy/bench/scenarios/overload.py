@@ -7,7 +7,6 @@ import asyncio
 import os
 import time
 
-from epd_proxy.bench import targets as T
 from epd_proxy.bench.exchange import send
 from epd_proxy.bench.lab import Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
@@ -103,10 +102,8 @@ async def run(args) -> dict:
                  "queue_size": queue, "queue_timeout_s": qtimeout, "slowloris": args.overload_slowloris}
     with Lab(settings) as lab:
         lab.pin_self()
-        sim = lab.start_sim()
-        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir, extra=extra))
-        if not proxy.available:
-            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        lab.start_sim()
+        proxy = lab.start_proxy(extra=extra)
         svc, url = proxy.service, proxy.url
         assert svc is not None  # epd-proxy runs as a process of its own
         slow = workload_requests(args, "stream", max_tokens=tokens)

@@ -6,7 +6,6 @@ import sys
 
 import msgspec
 
-from epd_proxy.bench import targets as T
 from epd_proxy.bench.exchange import send
 from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings
 from epd_proxy.bench.markdown import fmt, table
@@ -36,11 +35,8 @@ async def run(args) -> dict:
         rows = []
         with Lab(settings) as lab:
             lab.pin_self()
-            sim = lab.start_sim()
-            proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir,
-                                               kv_connector=mode))
-            if not proxy.available:
-                raise RuntimeError(f"epd-proxy ({mode}) did not start: {proxy.note}")
+            lab.start_sim()
+            proxy = lab.start_proxy(what=f"epd-proxy ({mode})", kv_connector=mode)
             pool = ConnectionPool(proxy.url)
             timeouts = TransportTimeouts(connect=10, headers=60, idle=60)
             try:

@@ -8,7 +8,6 @@ import sys
 import time
 from typing import Any
 
-from epd_proxy.bench import targets as T
 from epd_proxy.bench.exchange import send
 from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings, workload_requests
 from epd_proxy.bench.markdown import fmt, table
@@ -54,11 +53,8 @@ async def _scale_once(args, workers: int, n: int, nofile: int) -> dict:
     res: dict = {"workers": workers, "streams": n, "tokens_per_stream": tokens, "ramp_s": ramp, "hold_s": hold}
     with Lab(settings) as lab:
         lab.pin_self()
-        sim = lab.start_sim()
-        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir,
-                                           workers=workers))
-        if not proxy.available:
-            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        lab.start_sim()
+        proxy = lab.start_proxy(workers=workers)
         svc = proxy.service
         assert svc is not None  # epd-proxy runs as a process of its own
         await asyncio.sleep(1.0)

@@ -6,7 +6,6 @@ import asyncio
 import math
 import time
 
-from epd_proxy.bench import targets as T
 from epd_proxy.bench.lab import Lab, lab_settings, workload_requests
 from epd_proxy.bench.loadgen import Phase
 from epd_proxy.bench.markdown import fmt, table
@@ -28,10 +27,8 @@ async def run(args) -> dict:
     settings = lab_settings(args)
     with Lab(settings) as lab:
         lab.pin_self()
-        sim = lab.start_sim()
-        proxy = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir))
-        if not proxy.available:
-            raise RuntimeError(f"epd-proxy did not start: {proxy.note}")
+        lab.start_sim()
+        proxy = lab.start_proxy()
         svc = proxy.service
         assert svc is not None  # epd-proxy runs as a process of its own
         reqs = workload_requests(args, "mixed")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 
-from epd_proxy.bench import targets as T
 from epd_proxy.bench.lab import Lab, lab_settings, summarize_runs, workload_requests
 from epd_proxy.bench.markdown import fmt, fmt_range, table
 from epd_proxy.bench.procs import pin, tree_pids
@@ -116,13 +115,10 @@ async def run(args) -> dict:
     groups: list[CpuQuota] = []
     with Lab(settings) as lab:
         lab.pin_self()
-        sim = lab.start_sim()
+        lab.start_sim()
         tgts = {}
         for w in (1, 2):
-            t = lab.add(T.epd_proxy_target(sim, cpus=None, log_dir=settings.log_dir, workers=w,
-                                           name=f"epd-proxy-{w}w"))
-            if not t.available:
-                raise RuntimeError(f"{t.name} did not start: {t.note}")
+            t = lab.start_proxy(what=f"epd-proxy-{w}w", pinned=False, workers=w, name=f"epd-proxy-{w}w")
             pids = _worker_pids(t.service, w)
             for i, pid in enumerate(pids):
                 pin(pid, [cpus[i % len(cpus)]])
