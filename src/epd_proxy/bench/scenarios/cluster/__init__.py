@@ -27,6 +27,8 @@ Workloads (``--cluster-workloads``): ``chat`` (with images, E+P+D), ``text``
 ``unique`` (one turn per conversation, no shared system prompt: no two
 prompts share a prefix, for the load spread).
 
-The pure parts (policy specs, counters from the instances' ``/sim/state``,
-the targets) are functions over plain data; the runner is the I/O shell.
+The pure parts are functions over plain data: the policy specs (``policies``), the
+counters from the instances' ``/sim/state``, the merge of repeats and the targets
+(``evaluate``). The I/O shell: the clients and the open-loop driver (``drive``), the
+cells and the matrix with the scenario's flags (``run``); ``section`` is its report part.
 """

@@ -105,7 +105,8 @@ def _target(key: str, text: str, limit: str, measured, met, source: str, note: s
             "source": source, "note": note}
 
 
-def _cells(result: dict, workload: str, policy: str) -> dict:
+def policy_cells(result: dict, workload: str, policy: str) -> dict:
+    """The cells of one policy in one workload of a cluster result, by load level."""
     return result.get("workloads", {}).get(workload, {}).get("policies", {}).get(policy, {}).get("rates", {})
 
 
@@ -120,8 +121,8 @@ def evaluate_targets(result: dict, candidate: str | None) -> list[dict]:
     # 1. prefix-cache hit rate >= 90 % of the oracle's, every workload and load level with both.
     worst, where = math.inf, ""
     for wl in ("chat", "text"):
-        for rate, c in _cells(result, wl, candidate).items():
-            o = _cells(result, wl, "oracle").get(rate)
+        for rate, c in policy_cells(result, wl, candidate).items():
+            o = policy_cells(result, wl, "oracle").get(rate)
             if ok(c) and ok(o) and o["prefix_hit_rate"] and not math.isnan(o["prefix_hit_rate"]):
                 r = c["prefix_hit_rate"] / o["prefix_hit_rate"]
                 if r < worst:
@@ -134,9 +135,9 @@ def evaluate_targets(result: dict, candidate: str | None) -> list[dict]:
     routers = [p for p in result.get("workloads", {}).get("text", {}).get("policies", {})
                if p.startswith("vllm-router:")]
     worst, where, compared = -math.inf, "", 0
-    for rate, c in _cells(result, "text", candidate).items():
+    for rate, c in policy_cells(result, "text", candidate).items():
         for rp in routers:
-            r = _cells(result, "text", rp).get(rate)
+            r = policy_cells(result, "text", rp).get(rate)
             if not (ok(c) and ok(r)):
                 continue
             for q in ("p50", "p99"):
@@ -152,7 +153,7 @@ def evaluate_targets(result: dict, candidate: str | None) -> list[dict]:
                        where, "x"))
     # 3. spread max/min <= 1.3 on the workload without shared prefixes (prefill and decode).
     worst, where = -math.inf, ""
-    for rate, c in _cells(result, "unique", candidate).items():
+    for rate, c in policy_cells(result, "unique", candidate).items():
         if not ok(c):
             continue
         for role in ("prefill", "decode"):
@@ -165,8 +166,8 @@ def evaluate_targets(result: dict, candidate: str | None) -> list[dict]:
     # 4. proxy CPU per request within 5 % of least-loaded's (over the same cells).
     mine_cpu = mine_n = base_cpu = base_n = 0.0
     for wl in ("chat", "text"):
-        for rate, c in _cells(result, wl, candidate).items():
-            b = _cells(result, wl, "least-loaded").get(rate)
+        for rate, c in policy_cells(result, wl, candidate).items():
+            b = policy_cells(result, wl, "least-loaded").get(rate)
             if ok(c) and ok(b) and c.get("proxy_cpu_s") is not None and b.get("proxy_cpu_s") is not None:
                 mine_cpu += c["proxy_cpu_s"]
                 mine_n += c["requests"]

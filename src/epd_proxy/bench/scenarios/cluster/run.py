@@ -16,7 +16,13 @@ from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings
 from epd_proxy.bench.procs import self_cpu_seconds
 from epd_proxy.bench.scenarios.base import Scenario, csv_list, float_list
 from epd_proxy.bench.scenarios.cluster.drive import OracleClient, ProxyClient, drive, instance_states
-from epd_proxy.bench.scenarios.cluster.evaluate import _cells, checks, cluster_counters, evaluate_targets, merge_repeats
+from epd_proxy.bench.scenarios.cluster.evaluate import (
+    checks,
+    cluster_counters,
+    evaluate_targets,
+    merge_repeats,
+    policy_cells,
+)
 from epd_proxy.bench.scenarios.cluster.policies import PolicySpec, candidate_policy, parse_policies
 from epd_proxy.bench.scenarios.cluster.section import plot, section
 
@@ -293,7 +299,7 @@ async def run(args) -> dict:
         spec = chat_spec(args, "chat")
         convs, images = make_conversations(spec), image_pool(spec)
         ws = out["workloads"]["chat"]["working_set"]
-        single = _cells(out, "chat", cand.name).get(str(rate))
+        single = policy_cells(out, "chat", cand.name).get(str(rate))
         if single is None:
             single = await _measured_cell(args, "chat", spec, convs, images, ws, cand, rate)
         else:  # the matrix's cell: what the comparison needs, not a second copy of its counts
