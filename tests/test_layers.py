@@ -88,8 +88,6 @@ KNOWN = {
     "epd_proxy.observe.metrics -> epd_proxy.instances.membership",
     "epd_proxy.observe.metrics -> epd_proxy.request.admission",
     "epd_proxy.observe.metrics -> epd_proxy.runtime.reload",
-    # the load generator's default client (to be passed in by the caller)
-    "epd_proxy.bench.loadgen -> epd_proxy.bench.clients",
 }
 
 

@@ -4,6 +4,7 @@ simulator, on loopback; the report's numbers must add up."""
 import json
 
 from epd_proxy.bench import report
+from epd_proxy.bench.clients import UrlClient
 from epd_proxy.bench.loadgen import Phase
 from epd_proxy.bench.workloads import make_workload, prepare, simulator_expected
 from epd_proxy.config import ProxyConfig, parse_instance
@@ -26,7 +27,7 @@ async def test_small_run_through_the_proxy(tmp_path):
                 wl = make_workload(name, max_tokens=12, variants=3, image_kb=20)
                 reqs = prepare(wl, expected=simulator_expected())
                 ph = Phase(url, reqs, concurrency=4, warmup=0.0, duration=30.0, max_requests=24,
-                           progress=False, label=name)
+                           progress=False, label=name, client=UrlClient(url))
                 await ph.run()
                 s = ph.summary()
                 runs[name] = s
@@ -58,7 +59,8 @@ async def test_verification_catches_a_wrong_answer():
     cfg = SimConfig(itl_ms=0.5, records=False)
     async with SimCluster(decode=1, config=cfg) as cluster:
         reqs = prepare(make_workload("stream", max_tokens=4, variants=2), expected=lambda body: "not this")
-        ph = Phase(cluster.urls("decode")[0], reqs, concurrency=2, max_requests=6, progress=False)
+        url = cluster.urls("decode")[0]
+        ph = Phase(url, reqs, concurrency=2, max_requests=6, progress=False, client=UrlClient(url))
         await ph.run()
         s = ph.summary()
         assert s["verify_errors"] == 6 and s["ok"] == 0
@@ -104,8 +106,6 @@ class _Recording:
 
 
 async def _first_sends(url: str, reqs, ramp):
-    from epd_proxy.bench.clients import UrlClient
-
     client = _Recording(UrlClient(url))
     ph = Phase(url, reqs, concurrency=16, warmup=0.6, duration=0.2, progress=False, client=client, ramp=ramp)
     await ph.run()

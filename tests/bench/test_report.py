@@ -2,7 +2,8 @@ import json
 import math
 
 from epd_proxy.bench import report
-from epd_proxy.bench.compare import summarize_runs
+from epd_proxy.bench.lab import summarize_runs
+from epd_proxy.bench.scenarios.latency import latency_basis
 
 
 def run(req_s, cpu, rep=0, verify=0):
@@ -92,16 +93,16 @@ def _latency(stolen: int, n: int = 200) -> dict:
 
 
 def test_latency_targets_leave_out_a_few_samples_with_steal():
-    key, note = report.latency_basis(_latency(stolen=10))
+    key, note = latency_basis(_latency(stolen=10))
     assert key == "added_without_steal_ms"
     assert "10 of 200" in note and "p99 4.00" in note  # the figure over every sample is kept beside it
 
 
 def test_latency_targets_count_every_sample_when_steal_is_common_or_absent():
-    assert report.latency_basis(_latency(stolen=40))[0] == "added_ms"  # 20 %: too many to leave out
-    assert report.latency_basis(_latency(stolen=0)) == ("added_ms", "")
+    assert latency_basis(_latency(stolen=40))[0] == "added_ms"  # 20 %: too many to leave out
+    assert latency_basis(_latency(stolen=0)) == ("added_ms", "")
     old = {"ok": 10, "added_ms": {"p50": 1, "p99": 2}}  # a report from before steal was recorded
-    assert report.latency_basis(old) == ("added_ms", "")
+    assert latency_basis(old) == ("added_ms", "")
     res = synthetic()
     res["scenarios"]["latency"]["workloads"]["stream"].update(_latency(stolen=40))
     cks = {c["key"] + c["source"]: c for c in report.checks(res)}

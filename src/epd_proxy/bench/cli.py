@@ -18,26 +18,11 @@ import platform
 import subprocess
 import sys
 
+from epd_proxy.bench.scenarios import SCENARIOS, by_name
+from epd_proxy.bench.scenarios.base import csv_list, int_list
 from epd_proxy.http import event_loop
 
-SCENARIOS = ("compare", "latency", "throughput", "scale", "workers", "media", "push", "overload", "soak",
-             "cluster")
 DEFAULT_TARGETS = ("direct", "direct-pd", "epd-proxy", "vllm-router", "nginx")
-# The cluster scenario's policies (bench/cluster.py); add the proxy's own with --policy-def.
-DEFAULT_CLUSTER_POLICIES = ("round-robin", "least-loaded", "load-aware", "power-of-two", "cache-aware", "oracle",
-                            "vllm-router:cache_aware", "vllm-router:power_of_two", "vllm-router:consistent_hash")
-
-
-def _csv(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(p) for p in _csv(text)]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(p) for p in _csv(text)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,14 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--compare", action="store_true",
                    help="side by side: direct to decode, epd-proxy and the other proxies (scenario 'compare')")
     m.add_argument("--scenario", default=None,
-                   help="comma-separated: " + ", ".join(SCENARIOS) + ", or 'all' (default: compare,latency)")
-    m.add_argument("--targets", type=_csv, default=list(DEFAULT_TARGETS),
+                   help="comma-separated: " + ", ".join(by_name()) + ", or 'all' (default: compare,latency)")
+    m.add_argument("--targets", type=csv_list, default=list(DEFAULT_TARGETS),
                    help="compare: which of direct, direct-pd, epd-proxy, vllm-router, nginx")
     m.add_argument("--other", action="append", default=[], metavar="NAME=COMMAND",
                    help="another proxy to compare; COMMAND may use {port} {host} {encode} {prefill} {decode} "
                         "{prefill0} {decode0} {python}")
     w = parser.add_argument_group("workload")
-    w.add_argument("--workload", dest="workloads", type=_csv, default=None,
+    w.add_argument("--workload", dest="workloads", type=csv_list, default=None,
                    help="stream, nonstream, mm, mixed (comma-separated; default: stream,nonstream,mm)")
     w.add_argument("--concurrency", "-c", type=int, default=96, help="closed loop: requests in flight")
     w.add_argument("--start", choices=["staggered", "together"], default="staggered",
@@ -104,111 +89,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="compare: one more (unmeasured) phase per workload with py-spy recording epd-proxy; "
                         "top functions in the report")
     o.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames too)")
-    o.add_argument("--sweep", type=_ints, default=[8, 32, 96, 192],
+    o.add_argument("--sweep", type=int_list, default=[8, 32, 96, 192],
                    help="compare: concurrencies for req/s vs concurrency (empty string: none)")
     o.add_argument("--sweep-duration", type=float, default=2.5)
-    x = parser.add_argument_group("scenarios")
-    x.add_argument("--latency-samples", type=int, default=200, help="latency: paired samples per workload")
-    x.add_argument("--latency-tokens", type=int, default=8, help="latency: output tokens (TTFT is what counts)")
-    x.add_argument("--throughput-concurrency", type=int, default=128)
-    x.add_argument("--throughput-tokens", type=int, default=16)
-    x.add_argument("--throughput-itl-ms", type=float, default=1.0)
-    x.add_argument("--throughput-spill", action=argparse.BooleanOptionalAction, default=True,
-                   help="throughput: let the load use the proxy's core too, at SCHED_IDLE priority")
-    x.add_argument("--scale-streams", type=int, default=10000)
-    x.add_argument("--scale-ramp", type=float, default=20.0, help="scale: seconds to open all streams")
-    x.add_argument("--scale-hold", type=float, default=30.0, help="scale: seconds at full load (measured)")
-    x.add_argument("--workers-quota", type=float, default=0.2,
-                   help="workers: CPU quota (cores) per proxy worker, so the load has cores of its own (at 0.25 "
-                        "two workers outran the load on 2 cores: they slept hundreds of times a second)")
-    x.add_argument("--workers-concurrency", type=int, default=256)
-    x.add_argument("--media-mb", type=_floats, default=[0.25, 0.5, 1, 2, 4], help="media: image sizes in MiB")
-    x.add_argument("--push-tp-ms", type=float, default=40.0, help="push: prefill time T_p")
-    x.add_argument("--push-td-ms", type=_floats, default=[20.0, 40.0, 60.0], help="push: decode times T_d")
-    x.add_argument("--push-samples", type=int, default=60)
-    x.add_argument("--overload-streams", type=int, default=2000, help="overload: slow streams opened at once")
-    x.add_argument("--overload-tokens", type=int, default=20, help="overload: tokens per slow stream")
-    x.add_argument("--overload-itl-ms", type=float, default=250.0, help="overload: token delay of the slow streams")
-    x.add_argument("--overload-max-inflight", type=int, default=500, help="overload: the proxy's --max-inflight")
-    x.add_argument("--overload-queue-size", type=int, default=200, help="overload: the proxy's --queue-size")
-    x.add_argument("--overload-queue-timeout", type=float, default=2.0, help="overload: the proxy's --queue-timeout")
-    x.add_argument("--overload-slowloris", type=int, default=200,
-                   help="overload: connections trickling a request head, one byte per interval")
-    x.add_argument("--overload-slowloris-interval", type=float, default=1.0)
-    x.add_argument("--overload-normal-concurrency", type=int, default=4,
-                   help="overload: closed-loop normal (non-stream) requests alongside")
-    x.add_argument("--overload-baseline", type=float, default=3.0, help="overload: seconds of normal traffic first")
-    x.add_argument("--overload-after", type=float, default=5.0,
-                   help="overload: seconds of normal traffic after the burst (recovery is measured in them)")
-    x.add_argument("--overload-sample", type=float, default=0.5, help="overload: RSS/descriptor sampling period")
-    x.add_argument("--soak-duration", type=float, default=600.0, help="soak: seconds of mixed load (>= 10 min "
-                   "for the published figure)")
-    x.add_argument("--soak-concurrency", type=int, default=64)
-    c = parser.add_argument_group("cluster scenario (routing policies on a simulated cluster with caches)")
-    c.add_argument("--policies", type=_csv, default=list(DEFAULT_CLUSTER_POLICIES),
-                   help="cluster: policies to compare: the proxy's round-robin, least-loaded, load-aware, "
-                        "power-of-two, cache-aware; oracle (each conversation pinned to one instance per role, no "
-                        "proxy); vllm-router:POLICY (text workloads only); or a name given with --policy-def")
-    c.add_argument("--policy-def", action="append", default=[], metavar="NAME=ARGS",
-                   help="cluster: a proxy policy: NAME runs epd-proxy serve with ARGS added (e.g. "
-                        "prefix='--prefill-policy prefix'); repeatable")
-    c.add_argument("--cluster-candidate", default=None, metavar="NAME",
-                   help="cluster: the proxy policy the targets are checked for (default: the last proxy policy "
-                        "listed that is not round-robin or least-loaded, else least-loaded)")
-    c.add_argument("--cluster-workloads", type=_csv, default=["chat", "text", "unique"],
-                   help="cluster: chat (multi-turn, shared system prompts, repeated images: E+P+D), text (the same "
-                        "without images: P/D, where vllm-router runs), unique (one turn, no shared prefix: spread)")
-    c.add_argument("--cluster-rates", type=_floats, default=[10.0, 25.0, 50.0],
-                   help="cluster: offered load levels, requests per second (conversations start as Poisson "
-                        "arrivals at rate / turns)")
-    c.add_argument("--cluster-repeat", type=int, default=1,
-                   help="cluster: run every cell this many times, each on a fresh cluster, and compare the "
-                        "median of its latency quantiles (hit rates pooled, the worst spread)")
-    c.add_argument("--cluster-unique-rate", type=float, default=None,
-                   help="cluster: load of the unique workload (default: the middle of --cluster-rates)")
-    c.add_argument("--cluster-encoders", type=int, default=2)
-    c.add_argument("--cluster-prefills", type=int, default=3)
-    c.add_argument("--cluster-decoders", type=int, default=4)
-    c.add_argument("--cluster-cache-ratio", type=float, default=0.15,
-                   help="cluster: each prefill's prefix-cache capacity as a share of the workload's working set "
-                        "(distinct blocks)")
-    c.add_argument("--cluster-encoder-cache-ratio", type=float, default=None,
-                   help="cluster: each encoder's cache as a share of the distinct images' tokens (default: "
-                        "--cluster-cache-ratio)")
-    c.add_argument("--cluster-block-size", type=int, default=16)
-    c.add_argument("--cluster-ttft-per-token-ms", type=float, default=0.1,
-                   help="cluster: prefill time per prompt token not in the prefix cache (plus --ttft-ms)")
-    c.add_argument("--cluster-encode-ms-per-mm-token", type=float, default=0.05,
-                   help="cluster: encoder time per placeholder token of an item missing from its cache")
-    c.add_argument("--cluster-prefill-seqs", type=int, default=1,
-                   help="cluster: prefills one instance computes at once (max_num_seqs): the rest queue, so "
-                        "computed tokens cost time under load")
-    c.add_argument("--cluster-conversations", type=int, default=120)
-    c.add_argument("--cluster-turns", type=int, default=4)
-    c.add_argument("--cluster-system-prompts", type=int, default=3, help="cluster: shared system prompts")
-    c.add_argument("--cluster-system-words", type=int, default=300)
-    c.add_argument("--cluster-user-words", type=int, default=40)
-    c.add_argument("--cluster-max-tokens", type=int, default=48)
-    c.add_argument("--cluster-image-share", type=float, default=0.25, help="cluster: share of turns with an image")
-    c.add_argument("--cluster-image-pool", type=int, default=24, help="cluster: distinct images (they repeat)")
-    c.add_argument("--cluster-image-kb", type=float, default=32.0)
-    c.add_argument("--cluster-think-s", type=float, default=1.0,
-                   help="cluster: mean think time between an answer and the conversation's next turn")
-    c.add_argument("--cluster-replicas", action=argparse.BooleanOptionalAction, default=True,
-                   help="cluster: also run the candidate policy as two proxies, turns alternating between them, "
-                        "one restarted mid-run")
+    shared = parser.add_argument_group("scenarios")
+    for scenario in SCENARIOS.values():
+        scenario.add_arguments(parser.add_argument_group(scenario.group) if scenario.group else shared)
 
 
 def _scenarios(args) -> list[str]:
     if args.url:
         return ["url"]
     if args.scenario:
-        names = _csv(args.scenario)
+        known = by_name()
+        names = csv_list(args.scenario)
         if names == ["all"]:
-            return list(SCENARIOS)
-        bad = [n for n in names if n not in SCENARIOS]
+            return known
+        bad = [n for n in names if n not in known]
         if bad:
-            raise SystemExit(f"epd-proxy bench: unknown scenario(s) {', '.join(bad)} (known: {', '.join(SCENARIOS)})")
+            raise SystemExit(f"epd-proxy bench: unknown scenario(s) {', '.join(bad)} (known: {', '.join(known)})")
         return names
     return ["compare", "latency"]
 
@@ -247,7 +146,7 @@ def machine_info() -> dict:
 
 def _keep_partial(result: dict, name: str, partial: dict) -> None:
     """An interrupted scenario: keep the phases it finished (compare-like ones)."""
-    from epd_proxy.bench.compare import summarize_runs
+    from epd_proxy.bench.lab import summarize_runs
 
     r = partial.get("result")
     if not isinstance(r, dict):
@@ -273,7 +172,7 @@ def _background_load(seconds: float = 1.0) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """``epd-proxy bench``."""
-    from epd_proxy.bench import report, scenarios
+    from epd_proxy.bench import report
     from epd_proxy.bench.procs import nofile_limits, raise_nofile
 
     if args.workloads is None:
@@ -304,10 +203,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name in names:
             print(f"bench: scenario {name}", file=sys.stderr, flush=True)
-            fn = getattr(scenarios, f"run_{name}")
             args.partial = {}
             try:
-                result["scenarios"][name] = event_loop.run(fn(args))
+                result["scenarios"][name] = event_loop.run(SCENARIOS[name].run(args))
             except KeyboardInterrupt:
                 _keep_partial(result, name, args.partial)
                 raise

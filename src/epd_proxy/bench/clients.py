@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from epd_proxy.bench.loadgen import Outcome, send
+from epd_proxy.bench.exchange import Outcome, send
 from epd_proxy.bench.workloads import Prepared
 from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
 

@@ -1,12 +1,9 @@
 """The load generator: closed loop (C workers) or open loop (Poisson arrivals).
 
-It uses the proxy's own keep-alive client (:class:`epd_proxy.http.client.ConnectionPool`)
-on the running loop (uvloop under ``epd-proxy bench``). A streamed body is
-taken in relay mode: the sink only appends ``(perf_counter(), bytes)`` per
-received piece, with no ``await`` per chunk; the SSE events are parsed once,
-after the stream ended, to timestamp each token (the time of the piece that
-completed its event) and to verify the text against the simulator's
-deterministic output.
+A phase sends its requests through the client its caller gives it (one URL, or a
+client-side E→P→D: :meth:`epd_proxy.bench.targets.Target.make_client`), on the
+running loop (uvloop under ``epd-proxy bench``); how one request is sent and
+read is :mod:`epd_proxy.bench.exchange`.
 
 Measurement window: a phase runs ``warmup`` seconds unmeasured, then measures
 until ``max_requests`` requests completed or ``duration`` seconds passed,
@@ -29,217 +26,12 @@ from array import array
 from collections import Counter
 from typing import Callable, Sequence
 
-import msgspec
-
+from epd_proxy.bench.exchange import Outcome
 from epd_proxy.bench.procs import self_cpu_seconds
 from epd_proxy.bench.workloads import Prepared
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import TransportTimeouts
 
 perf = time.perf_counter
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-# -- response parsing -------------------------------------------------------------------------
-class _Delta(msgspec.Struct):
-    content: str | None = None
-
-
-class _Message(msgspec.Struct):
-    content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: int = 0
-    delta: _Delta | None = None
-    message: _Message | None = None
-    text: str | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = []
-    error: object = None
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
-
-
-def _content(chunk: _Chunk) -> str | None:
-    for c in chunk.choices:
-        if c.index != 0:
-            continue
-        if c.delta is not None:
-            return c.delta.content
-        if c.message is not None:
-            return c.message.content
-        return c.text
-    return None
-
-
-class Outcome:
-    """What one request turned into."""
-
-    __slots__ = ("kind", "t_send", "t_end", "ttft", "itl", "tokens", "error", "verify_error", "nbytes",
-                 "server_timing", "status", "text")
-
-    def __init__(self, kind: str, t_send: float) -> None:
-        self.kind = kind
-        self.t_send = t_send
-        self.t_end = t_send
-        self.ttft: float | None = None
-        self.itl: list[float] = []
-        self.tokens = 0
-        self.error: str | None = None  # None = success
-        self.verify_error = False  # the text differs from the expected one
-        self.nbytes = 0
-        self.server_timing: bytes | None = None
-        self.status = 0
-        self.text: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def e2e(self) -> float:
-        return self.t_end - self.t_send
-
-
-def parse_sse(pieces: Sequence[tuple[float, bytes]]) -> tuple[list[tuple[float, str]], bool, str | None]:
-    """(content events as (time, text), saw ``[DONE]``, in-band error) of a relayed SSE body.
-
-    An event's time is that of the piece that completed it. Events without
-    content (the role event, a usage chunk) are not listed."""
-    out: list[tuple[float, str]] = []
-    done = False
-    error: str | None = None
-    buf = b""
-    for t, data in pieces:
-        buf = buf + data if buf else data
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            event = buf[start:end]
-            start = end + 2
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].lstrip(b" ")
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                try:
-                    chunk = _decode_chunk(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    error = error or "undecodable SSE event"
-                    continue
-                if chunk.error is not None:
-                    error = error or f"in-band error: {str(chunk.error)[:200]}"
-                    continue
-                text = _content(chunk)
-                if text:
-                    out.append((t, text))
-        buf = buf[start:]
-    if buf.strip():
-        error = error or "stream ended inside an event"
-    return out, done, error
-
-
-class _Sink:
-    """Relay-mode body sink: timestamps each received piece, nothing else."""
-
-    __slots__ = ("pieces",)
-
-    def __init__(self) -> None:
-        self.pieces: list[tuple[float, bytes]] = []
-
-    def on_data(self, data: bytes) -> None:
-        self.pieces.append((perf(), data))
-
-    def on_end(self) -> None:
-        pass
-
-    def on_error(self, exc: Exception) -> None:
-        pass
-
-
-async def send(pool: ConnectionPool, prep: Prepared, timeouts: TransportTimeouts, *, verify: bool = True,
-               keep_text: bool = False, headers: list | None = None) -> Outcome:
-    """One request; never raises except on cancellation."""
-    out = Outcome(prep.kind, perf())
-    try:
-        resp = await pool.request("POST", prep.path, body=prep.body, headers=headers or _JSON_HEADERS,
-                                  timeouts=timeouts)
-    except UpstreamError as exc:
-        out.t_end = perf()
-        out.error = f"{exc.kind}: {exc}"[:200]
-        return out
-    out.status = resp.status
-    out.server_timing = resp.headers.get(b"server-timing")
-    try:
-        if resp.status != 200:
-            try:
-                data = await resp.read()
-            except UpstreamError:
-                data = b""
-            out.t_end = perf()
-            out.error = f"HTTP {resp.status}: {data[:160].decode('utf-8', 'replace')}"
-            return out
-        ctype = resp.content_type or b""
-        if prep.stream and ctype.startswith(b"text/event-stream"):
-            sink = _Sink()
-            resp.relay(sink)
-            try:
-                await resp.wait()
-            except UpstreamError as exc:
-                out.t_end = perf()
-                out.error = f"stream broke off: {exc}"[:200]
-                return out
-            out.t_end = perf()
-            events, done, error = parse_sse(sink.pieces)
-            out.nbytes = sum(len(d) for _, d in sink.pieces)
-            if events:
-                out.ttft = events[0][0] - out.t_send
-                prev = events[0][0]
-                itl = out.itl
-                for t, _ in events[1:]:
-                    itl.append(t - prev)
-                    prev = t
-            out.tokens = len(events)
-            if error is not None:
-                out.error = error
-            elif not done:
-                out.error = "stream ended without [DONE]"
-            text = "".join(t for _, t in events)
-        else:
-            try:
-                data = await resp.read()
-            except UpstreamError as exc:
-                out.t_end = perf()
-                out.error = f"body broke off: {exc}"[:200]
-                return out
-            out.t_end = perf()
-            out.nbytes = len(data)
-            if prep.stream:
-                out.error = f"expected an event stream, got {ctype.decode('latin-1')!r}"
-                return out
-            try:
-                text = _content(_decode_chunk(data)) or ""
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                out.error = "undecodable JSON answer"
-                return out
-            out.ttft = out.e2e
-            out.tokens = 1
-        if keep_text:
-            out.text = text
-        if verify and prep.expected is not None and out.error is None and text != prep.expected:
-            out.verify_error = True
-            out.error = "verification: text differs from the simulator's"
-            out.text = text
-        return out
-    finally:
-        resp.close()
 
 
 # -- phases -----------------------------------------------------------------------------------
@@ -371,7 +163,7 @@ class Phase:
                  label: str = "", progress: bool = True,
                  on_window_start: Callable[[], None] | None = None,
                  on_window_end: Callable[[], None] | None = None,
-                 start_offset: int = 0, max_outstanding: int | None = None, client=None,
+                 start_offset: int = 0, max_outstanding: int | None = None, client,
                  ramp: float | None = None) -> None:
         if not requests:
             raise ValueError("no requests to send")
@@ -407,7 +199,7 @@ class Phase:
         self.t_window_end = math.nan
         self.cpu_self = 0.0
         self.issued = 0
-        self.client = client  # how a request is sent (default: to ``url``)
+        self.client = client  # how a request is sent: ``start()``, ``send(prep, timeouts, verify)``, ``close()``
 
     # -- window ---------------------------------------------------------------------------
     def _begin_window(self) -> None:
@@ -503,10 +295,6 @@ class Phase:
     async def run(self) -> "Phase":
         self._stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        if self.client is None:
-            from epd_proxy.bench.clients import UrlClient
-
-            self.client = UrlClient(self.url, max_idle=max(256, self.concurrency * 2))
         await self.client.start()
         self.progress.start()
         try:

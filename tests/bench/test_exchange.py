@@ -1,4 +1,4 @@
-from epd_proxy.bench.loadgen import parse_sse
+from epd_proxy.bench.exchange import parse_sse
 
 
 def ev(text):

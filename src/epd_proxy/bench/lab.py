@@ -1,11 +1,11 @@
-"""Side-by-side runs: the simulator in its own process, each proxy in its own, the
-load generator in this one, pinned apart; CPU per request from ``/proc``.
+"""The lab: a simulated cluster in its own process, each target (a proxy) in its own, the
+load generator in this one, pinned apart; a phase of load against one target, with CPU
+per request from ``/proc``; and the shared-machine guards (other processes' CPU measured,
+quiet waits, re-runs).
 
 Layout on a 2-core machine (``--pin``, the default when there are 2+ cores):
 the proxy under test on core 0 (``--proxy-cpus``), the simulator and the load
-generator on core 1 (``--load-cpus``). All targets run for the whole
-comparison; they are measured one at a time, interleaved (target order
-rotates every repeat), so slow drift of the machine hits all of them alike.
+generator on core 1 (``--load-cpus``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from epd_proxy.bench.procs import (
     set_sched_idle,
     set_sched_normal,
     voluntary_switches,
-    wake_write_cost,
 )
 from epd_proxy.bench.stats import median_range, ratio
 from epd_proxy.bench.workloads import Prepared, make_workload, prepare, simulator_expected
@@ -123,6 +122,17 @@ class Lab:
             os.sched_setaffinity(0, set(self.s.load_cpus))
         if self.s.nofile:
             raise_nofile(self.s.nofile)
+
+    def start_proxy(self, *, what: str = "epd-proxy", pinned: bool = True, **kw) -> T.Target:
+        """epd-proxy in front of the lab's simulator (``kw``: :func:`~epd_proxy.bench.targets.epd_proxy_target`'s),
+        on the proxy's cores unless not ``pinned``, started; raises when it does not start
+        (``what`` names it in the error)."""
+        assert self.sim is not None, "start_sim first"
+        t = self.add(T.epd_proxy_target(self.sim, cpus=self.s.proxy_cpus if pinned else None, log_dir=self.s.log_dir,
+                                        **kw))
+        if not t.available:
+            raise RuntimeError(f"{what} did not start: {t.note}")
+        return t
 
     def add(self, target: T.Target, timeout: float = 60.0) -> T.Target:
         if target.available and target.service is not None:
@@ -313,31 +323,6 @@ def _read_line(svc: Service, timeout: float) -> str:
     return buf.split(b"\n", 1)[0].decode()
 
 
-# -- the comparison ------------------------------------------------------------------------------
-def make_targets(lab: Lab, names: list[str], others: list[str]) -> list[T.Target]:
-    sim = lab.sim
-    assert sim is not None, "start_sim first"
-    cpus = lab.s.proxy_cpus
-    log_dir = lab.s.log_dir
-    out = []
-    for name in names:
-        if name == "direct":
-            out.append(lab.add(T.direct_target(sim)))
-        elif name == "direct-pd":
-            out.append(lab.add(T.direct_pd_target(sim)))
-        elif name == "epd-proxy":
-            out.append(lab.add(T.epd_proxy_target(sim, cpus=cpus, log_dir=log_dir)))
-        elif name == "vllm-router":
-            out.append(lab.add(T.vllm_router_target(sim, cpus=cpus, log_dir=log_dir)))
-        elif name == "nginx":
-            out.append(lab.add(T.nginx_target(sim, cpus=cpus, log_dir=log_dir)))
-        else:
-            raise ValueError(f"unknown target {name!r}")
-    for spec in others:
-        out.append(lab.add(T.other_target(spec, sim, cpus=cpus, log_dir=log_dir)))
-    return out
-
-
 def lab_settings(args, **over) -> LabSettings:
     proxy_cpus, load_cpus = default_pinning(args.pin, args.proxy_cpus, args.load_cpus)
     sim = {"itl_ms": args.itl_ms, "ttft_ms": args.ttft_ms, "encode_ms_per_item": args.encode_ms}
@@ -356,88 +341,6 @@ def workload_requests(args, name: str, **over) -> list[Prepared]:
                        max_tokens=over.get("max_tokens", args.max_tokens),
                        variants=over.get("variants", args.variants), model=args.model)
     return prepare(wl, seed=args.seed, expected=simulator_expected() if args.verify != "off" else None)
-
-
-async def run_compare(args, progress: bool = True) -> dict:
-    """Every workload against every target, ``--repeat`` times, interleaved."""
-    settings = lab_settings(args)
-    result: dict = {"settings": {"concurrency": args.concurrency, "rate": args.rate, "repeat": args.repeat,
-                                 "warmup_s": args.warmup, "duration_s": args.duration,
-                                 "start": settings.start,
-                                 "requests": args.requests, "workloads": args.workloads,
-                                 "sim": {**BENCH_SIM_DEFAULTS, **settings.sim}, "counts": settings.counts,
-                                 "proxy_cpus": settings.proxy_cpus, "load_cpus": settings.load_cpus,
-                                 "spill": settings.spill},
-                    "targets": {}, "workloads": {}, "sweep": None}
-    partial = getattr(args, "partial", None)
-    if isinstance(partial, dict):
-        partial["result"] = result  # what was measured so far, if the run is interrupted
-    if settings.proxy_cpus and settings.load_cpus:
-        # What a write that wakes a peer costs the writer here: context for CPU per request.
-        result["wake_write"] = wake_write_cost(settings.proxy_cpus[0], settings.load_cpus[0])
-    with Lab(settings) as lab:
-        lab.pin_self()
-        lab.start_sim()
-        tlist = make_targets(lab, args.targets, args.other)
-        for t in tlist:
-            result["targets"][t.name] = {"available": t.available, "note": t.note, "url": t.url,
-                                         "argv": t.service.argv if t.service is not None else None}
-        loads = {name: workload_requests(args, name) for name in args.workloads}
-        for name in args.workloads:
-            wl = make_workload(name, images=args.images, image_kb=args.image_kb, prompt_bytes=args.prompt_bytes,
-                               max_tokens=args.max_tokens)
-            result["workloads"][name] = {"description": "; ".join(w.describe() for w in wl), "runs": {}}
-        active = [t for t in tlist if t.available]
-        for rep in range(args.repeat):
-            k = rep % len(active)
-            order = active[k:] + active[:k]
-            for name in args.workloads:
-                kinds = {p.kind for p in loads[name]}
-                for t in order:
-                    if not all(t.supports(kind) for kind in kinds):
-                        continue
-                    label = f"{name} {t.name} #{rep + 1}"
-                    res = await lab.phase(t, loads[name], concurrency=args.concurrency, rate=args.rate,
-                                          warmup=args.warmup, duration=args.duration, max_requests=args.requests,
-                                          verify=args.verify != "off", label=label, progress=progress,
-                                          seed=args.seed + rep, start_offset=rep * 7)
-                    res["repeat"] = rep
-                    result["workloads"][name]["runs"].setdefault(t.name, []).append(res)
-        for w in result["workloads"].values():
-            w["summary"] = summarize_runs(w["runs"])
-        if getattr(args, "profile", False):
-            result["profiles"] = {}
-            for t in active:
-                if t.name != "epd-proxy":
-                    continue
-                for name in args.workloads:
-                    if not all(t.supports(p.kind) for p in loads[name]):
-                        continue
-                    path = os.path.join(args.log_dir, f"py-spy-{t.name}-{name}.txt")
-                    res = await lab.phase(t, loads[name], concurrency=args.concurrency, rate=args.rate,
-                                          warmup=args.warmup, duration=args.duration, max_requests=None,
-                                          verify=args.verify != "off", label=f"profile {name} {t.name}",
-                                          progress=progress, seed=args.seed, profile_to=path,
-                                          native=getattr(args, "profile_native", False))
-                    result["profiles"][f"{t.name}/{name}"] = {
-                        "profile": res.get("profile"), "file": path, "error": res.get("profile_error"),
-                        "target_cpu_ms_per_req": res.get("target_cpu_ms_per_req"), "req_s": res["req_s"]}
-        if args.sweep:
-            result["sweep"] = await run_sweep(lab, args, [t for t in active if t.supports("stream")], progress)
-    return result
-
-
-async def run_sweep(lab: Lab, args, tlist: list[T.Target], progress: bool) -> dict:
-    """req/s and latency against concurrency, stream workload, one run per point."""
-    reqs = workload_requests(args, "stream")
-    out: dict = {"concurrency": list(args.sweep), "targets": {}}
-    for c in args.sweep:
-        for t in tlist:
-            res = await lab.phase(t, reqs, concurrency=c, warmup=args.warmup, duration=args.sweep_duration,
-                                  max_requests=None, verify=args.verify != "off", label=f"sweep c={c} {t.name}",
-                                  progress=progress, seed=args.seed)
-            out["targets"].setdefault(t.name, []).append(res)
-    return out
 
 
 SUMMARY_KEYS = ("req_s", "target_cpu_ms_per_req", "target_cpu_util", "sim_cpu_ms_per_req", "loadgen_cpu_ms_per_req",

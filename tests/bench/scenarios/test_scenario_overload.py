@@ -1,6 +1,7 @@
-"""The overload and soak scenarios at tiny sizes (seconds), so they cannot rot."""
+"""The overload scenario at a tiny size (seconds), so it cannot rot."""
 
-from epd_proxy.bench import report, scenarios
+from epd_proxy.bench import report
+from epd_proxy.bench.scenarios import overload
 from epd_proxy.cli import build_parser
 
 
@@ -18,7 +19,7 @@ async def test_overload_sheds_the_burst_and_recovers(tmp_path):
                  "--overload-slowloris", "5", "--overload-slowloris-interval", "0.2",
                  "--overload-normal-concurrency", "2", "--overload-baseline", "0.3", "--overload-after", "1",
                  "--overload-sample", "0.2")
-    r = await scenarios.run_overload(args)
+    r = await overload.run(args)
     assert r["burst_unfinished"] == 0 and r["burst_verify_errors"] == 0
     assert r["burst_shed_429"] > 0 and r["burst_ok"] > 0
     assert r["burst_ok"] + r["burst_shed_429"] == 40, r["burst_statuses"]
@@ -26,16 +27,3 @@ async def test_overload_sheds_the_burst_and_recovers(tmp_path):
     assert r["rss_peak_mb"] > 0 and r["fds_peak"] > 0
     assert r["recovery_s"] >= 0 and r["normal_baseline_ms"]["count"] >= 5
     assert "## Overload" in report.markdown({"scenarios": {"overload": r}})
-
-
-async def test_soak_reports_memory_growth_errors_and_mismatches(tmp_path):
-    args = _args(tmp_path, "--soak-duration", "2", "--soak-concurrency", "4")
-    r = await scenarios.run_soak(args)
-    assert r["requests"] > 0 and r["errors"] == 0 and r["verify_errors"] == 0
-    assert r["rss_start_mb"] > 0 and r["rss_end_mb"] > 0
-    assert isinstance(r["rss_growth_pct"], float)
-    assert len(r["samples"]) >= 2
-    res = {"scenarios": {"soak": r}}
-    res["checks"] = report.checks(res)
-    assert any(c["key"] == "soak_flat" for c in res["checks"])
-    assert "## Soak" in report.markdown(res)
