@@ -83,11 +83,6 @@ def test_every_folder_is_a_layer():
 
 # Edges still to cut, each with the change that cuts it; the list only shrinks.
 KNOWN = {
-    # metrics reads these subsystems at scrape time; they are to register collectors instead
-    "epd_proxy.observe.metrics -> epd_proxy.instances.discovery",
-    "epd_proxy.observe.metrics -> epd_proxy.instances.membership",
-    "epd_proxy.observe.metrics -> epd_proxy.request.admission",
-    "epd_proxy.observe.metrics -> epd_proxy.runtime.reload",
     # the simulator's collaborators type the instance that holds them (to become a Protocol)
     "epd_proxy.sim.generation -> epd_proxy.sim.instance",
     "epd_proxy.sim.kv_channel -> epd_proxy.sim.instance",

@@ -46,13 +46,12 @@ class EncoderFanout:
     """
 
     def __init__(self, pool: InstancePool, *, max_batch: int, rewrite: bool, timeout: float,
-                 connect_timeout: float) -> None:
+                 connect_timeout: float, observe_sub_request: Callable[[float], None] | None = None) -> None:
         self.pool = pool
         self.max_batch = max_batch
         self.rewrite = rewrite
         self.timeouts = TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout)
-        # metrics: each sub-request's duration (set by the pipeline)
-        self.observe_sub_request: Callable[[float], None] | None = None
+        self.observe_sub_request = observe_sub_request  # metrics: each sub-request's duration
 
     async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
         subs = plan_sub_requests(items, self.pool.assign(items, ctx.excluded), self.max_batch)

@@ -26,13 +26,13 @@ from epd_proxy.instances.roster import TOPOLOGY_ROLES
 from epd_proxy.observe.access_log import AccessLog, usage_of
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
-from epd_proxy.request.connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
+from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
 from epd_proxy.request.relay import StreamRelay, relay_stream
-from epd_proxy.request.stages import DecodeLeg, DecodeStage, PrefillStage
+from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
@@ -45,7 +45,10 @@ log = logging.getLogger("epd_proxy.pipeline")
 class Pipeline:
     """Runs requests through the configured pools with one KV connector."""
 
-    def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics) -> None:
+    def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
+                 fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
+                 role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
+                 tracing: Tracing | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -59,39 +62,29 @@ class Pipeline:
         needed.update(r for r in ("encode", "prefill") if getattr(config, r))
         self._need_encode = "encode" in needed
         self._need_prefill = "prefill" in needed
-        self.fanout = EncoderFanout(self.encode, max_batch=config.encoder_max_batch_size,
-                                    rewrite=config.rewrite, timeout=t.encode, connect_timeout=t.connect)
-        prefill_stage = PrefillStage(self.prefill, timeout=t.prefill, connect_timeout=t.connect)
-        self.fanout.observe_sub_request = metrics.observe_encoder_request
-        decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
-                                   connect_timeout=t.connect)
-        self.connector: KVConnector = CONNECTORS[config.kv_connector](prefill_stage, decode_stage)
-        self.decode_only = DecodeOnly(None, decode_stage)  # no prefill instances (E+PD, PD)
+        self.fanout = fanout
+        self.connector = connector
+        self.decode_only = decode_only  # no prefill instances (E+PD, PD)
         self.retries = config.decode_retries
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._dp_counter = itertools.count()
-        self._base_headers: Headers = []
-        if config.upstream_api_key:
-            self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
+        self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
         self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
                                         allowed_hosts=config.allowed_media_hosts)
-        self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
+        self.admission = admission
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
-        self.role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
-                          for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}
-        metrics.role_admission = self.role_caps
+        self.role_caps = role_caps
         self.first_byte = t.first_byte
         self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
         # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.closing = False
         self.stopping = False
-        self.access_log: AccessLog | None = None  # when on (set by the app)
-        self.tracing: Tracing | None = None  # when OTEL_* turns it on (set by the app)
-        metrics.admission = self.admission
+        self.access_log = access_log  # when on
+        self.tracing = tracing  # when OTEL_* turns it on
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
