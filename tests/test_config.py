@@ -143,9 +143,9 @@ def test_invalid_trust_settings_fail_before_serving(changes, fragment):
 
 
 async def test_the_connection_cap_reaches_every_instance_pool():
-    from epd_proxy.api.app import ProxyApp
+    from epd_proxy.runtime.build import build_app
 
-    app = ProxyApp(_cfg(max_upstream_connections=7, encode=[parse_instance("http://e:1", "encode")]))
+    app = build_app(_cfg(max_upstream_connections=7, encode=[parse_instance("http://e:1", "encode")]))
     try:
         assert {i.connections.max_connections for p in app.pools.values() for i in p.instances} == {7}
     finally:

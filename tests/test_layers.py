@@ -81,16 +81,6 @@ def test_every_folder_is_a_layer():
     assert units == set(LAYERS) | set(BESIDE) | set(ROOT), "a new folder needs its place in LAYERS or BESIDE"
 
 
-# Edges still to cut, each with the change that cuts it; the list only shrinks.
-KNOWN = {
-    # metrics reads these subsystems at scrape time; they are to register collectors instead
-    "epd_proxy.observe.metrics -> epd_proxy.instances.discovery",
-    "epd_proxy.observe.metrics -> epd_proxy.instances.membership",
-    "epd_proxy.observe.metrics -> epd_proxy.request.admission",
-    "epd_proxy.observe.metrics -> epd_proxy.runtime.reload",
-}
-
-
 def test_no_module_imports_a_layer_above_its_own():
     wrong = []
     for module, deps in _graph().items():
@@ -99,7 +89,6 @@ def test_no_module_imports_a_layer_above_its_own():
             target = _unit(dep)
             if target != unit and target not in _allowed(unit):
                 wrong.append(f"{module} -> {dep}")
-    wrong = [w for w in wrong if w not in KNOWN]
     assert not wrong, "upward or sideways imports:\n" + "\n".join(sorted(wrong))
 
 
@@ -116,8 +105,6 @@ def test_no_import_cycle():
         for dep in sorted(graph[module]):
             if module.startswith(dep + ".") and MODULES[dep].name == "__init__.py":
                 continue  # a submodule importing its own package's __init__ names
-            if f"{module} -> {dep}" in KNOWN:
-                continue
             if state.get(dep) == 1:
                 cycle = path[path.index(dep):] + [dep]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))

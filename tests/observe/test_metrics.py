@@ -11,6 +11,7 @@ from helpers import chat_body, stack
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd_proxy.instances.collectors import pool_collector
 from epd_proxy.observe.metrics import _STAGE_BUCKETS, Buckets, ProxyMetrics
 from epd_proxy.sim import SimConfig
 
@@ -54,7 +55,8 @@ def test_exposition_has_every_family():
                            health=SimpleNamespace(ejections=4, errors={"connect": 3, "http_503": 2}),
                            signals=SimpleNamespace(others=3.0))
     pool = SimpleNamespace(instances=[inst], panics=6, local_errors=7, policy=SimpleNamespace(spills=8))
-    m = ProxyMetrics({"decode": pool})
+    m = ProxyMetrics()
+    m.register(pool_collector({"decode": pool}, worker=0))
     m.observe_request("/v1/chat/completions", 200, 0.3)
     m.observe_request("/v1/chat/completions", 200, 0.2)
     m.observe_request("/v1/completions", 499, 0.01)

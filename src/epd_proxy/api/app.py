@@ -1,9 +1,8 @@
-"""The proxy's HTTP surface: routes, and the objects one server process owns."""
+"""The proxy's HTTP surface: the route table and the handlers besides generation."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -11,7 +10,7 @@ import time
 import msgspec
 
 from epd_proxy import routing
-from epd_proxy.api.access import READ, AccessPolicy
+from epd_proxy.api.access import READ
 from epd_proxy.api.admin import AdminApi
 from epd_proxy.api.client_auth import (
     CHALLENGE,
@@ -22,23 +21,21 @@ from epd_proxy.api.client_auth import (
     unauthorized,
 )
 from epd_proxy.api.siblings import SiblingChannel
-from epd_proxy.config import ROLES, ProxyConfig, gather
+from epd_proxy.config import ProxyConfig, gather
 from epd_proxy.encode import media_policy
+from epd_proxy.http import Headers
 from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances import discovery
-from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
-from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import ProxyMetrics, render
-from epd_proxy.request.connectors import CONNECTORS, check_connector_config
+from epd_proxy.request.connectors import check_connector_config
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
 from epd_proxy.request.pipeline import Pipeline
-from epd_proxy.routing import make_policy
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.app")
@@ -50,7 +47,7 @@ def validate_config(config: ProxyConfig) -> None:
     """Everything checkable before serving: raises ConfigErrors (a ValueError) listing every
     mistake found, each an operator-facing line. Each check lives beside what it protects: the
     knobs in config.py, the key file in client_auth.py, the KV connector and its instances in
-    connectors.py, a pinned topology in membership.py, the policy names in routing/, the DNS
+    connectors.py, a pinned topology in roster.py, the policy names in routing/, the DNS
     server in discovery.py, the media hosts in media_policy.py."""
     gather((
         config.validate,
@@ -64,37 +61,21 @@ def validate_config(config: ProxyConfig) -> None:
 
 
 class ProxyApp:
-    """Routes requests; owns the pools, the pipeline and the metrics."""
+    """Routes requests to the pipeline, the admin API and the small handlers below. What it
+    holds is built for it (``runtime/build.py``)."""
 
-    def __init__(self, config: ProxyConfig) -> None:
-        validate_config(config)
+    def __init__(self, config: ProxyConfig, *, pools: dict[str, InstancePool], membership: Membership,
+                 metrics: ProxyMetrics, pipeline: Pipeline, admin: AdminApi, scrapers: list[LoadScraper],
+                 client_keys: ClientKeys | None, base_headers: Headers,
+                 siblings: SiblingChannel | None = None) -> None:
         self.config = config
-        # Every role has a pool, possibly empty: instances may register at run time.
-        self.pools: dict[str, InstancePool] = {}
-        for role in ROLES:
-            specs = _with_ec_consumers(config) if role == "decode" else getattr(config, role)
-            policy = make_policy(config.policy_for(role), balance_abs=config.balance_abs,
-                                 balance_rel=config.balance_rel)
-            self.pools[role] = InstancePool(role, specs, policy=policy,
-                                            keep_alive=config.upstream_keep_alive,
-                                            outlier=OutlierSettings.from_config(config),
-                                            max_connections=config.max_upstream_connections)
-        connector = CONNECTORS[config.kv_connector]
-        self.membership = Membership(self.pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
-                                     check=lambda spec: connector.check_instances([spec])
-                                     if spec.role == "prefill" else None)
-        self.metrics = ProxyMetrics(self.pools)
-        self.metrics.membership = self.membership
-        # Load signals are scraped only for the pools whose policy reads them.
-        self.scrapers = [LoadScraper(pool, config.scrape_interval, config.probe_timeout)
-                         for pool in self.pools.values() if pool.policy.uses_signals]
-        self.pipeline = Pipeline(config, self.pools, self.metrics)
-        self.membership.subscribe(self._roster_changed)
-        self.admin = AdminApi(self.membership, AccessPolicy.from_config(config),
-                              self.pipeline._base_headers)
-        if access_log.enabled(config):
-            self.pipeline.access_log = access_log.AccessLog(config.log_format)
-        self.pipeline.tracing = tracing.from_environment()
+        self.pools = pools  # every role's, possibly empty: instances may register at run time
+        self.membership = membership
+        self.metrics = metrics
+        self.scrapers = scrapers  # load signals, for the pools whose policy reads them
+        self.pipeline = pipeline
+        self.admin = admin
+        self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
         self._routes = {
             ("POST", CHAT): self._generate_chat,
             ("POST", COMPLETIONS): self._generate_completions,
@@ -117,10 +98,10 @@ class ProxyApp:
         # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
         # instance's drain (an operator taking one instance out: membership.py).
         self.shutting_down = False
-        self.siblings: SiblingChannel | None = None  # --workers > 1: /metrics, /status, /ready ask siblings
+        self.siblings = siblings  # --workers > 1: /metrics, /status, /ready ask siblings
         # Who may call /v1/* (client_auth.py); None = open. /health and /ready stay open; /metrics
         # (its labels are instance URLs) is the roster's: the admin key's whenever any key is set.
-        self.client_keys = ClientKeys.from_config(config)
+        self.client_keys = client_keys
         self._metrics_key = config.admin_api_key.encode() if config.admin_api_key else None
 
     def reload(self) -> None:
@@ -133,10 +114,6 @@ class ProxyApp:
     def topology(self) -> str:
         """PD, E+PD, P+D or E+P+D: pinned, or what the roster holds (``none`` while empty)."""
         return self.membership.topology
-
-    def _roster_changed(self, change) -> None:
-        if change.event in ("registered", "removed", "forgotten"):
-            self.pipeline.connector.forget(change.spec.url)
 
     async def start(self) -> None:
         await self.pipeline.connector.start()
@@ -213,7 +190,7 @@ class ProxyApp:
                 break
             tried.add(inst)
             try:
-                resp = await inst.connections.request("GET", "/v1/models", headers=self.pipeline._base_headers,
+                resp = await inst.connections.request("GET", "/v1/models", headers=self._base_headers,
                                                       timeouts=timeouts)
                 try:
                     data = await resp.read()
@@ -333,17 +310,6 @@ def merge_pool_status(views: list[dict]) -> dict:
                 if inst["ejected_until"] is not None:
                     have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
     return {role: list(merged.values()) for role, merged in out.items()}
-
-
-def _with_ec_consumers(config: ProxyConfig) -> list:
-    """The decode specs with their EC consumer addresses (``--ec-consumer-zmq-addrs``,
-    aligned with them, ``--ec-consumer-dp-size`` each), so every decode instance
-    carries its own, as a registered one does."""
-    addrs, dp = config.ec_consumer_zmq_addrs, config.ec_consumer_dp_size
-    if not addrs:
-        return list(config.decode)
-    return [dataclasses.replace(spec, ec_zmq_addrs=tuple(addrs[i * dp:(i + 1) * dp]), dp_size=dp)
-            for i, spec in enumerate(config.decode)]
 
 
 def log_requests(handler):

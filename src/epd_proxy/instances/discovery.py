@@ -205,6 +205,10 @@ class DnsDiscovery:
                 delay = self.interval
             await asyncio.sleep(delay)
 
+    def collect(self, f: dict[str, list]) -> None:
+        """Its lookups, for ``/metrics`` (registered as a collector)."""
+        f["epd_proxy_dns_lookups"] = [["ok", self.lookups], ["failed", self.failures]]
+
     async def close(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()

@@ -14,6 +14,8 @@ import time
 
 import msgspec
 
+from epd_proxy.observe.record import RequestRecord
+
 ACCESS_LOGGER = "epd_proxy.access"  # its level decides whether the access log is on (INFO)
 
 
@@ -79,9 +81,13 @@ class AccessLog:
             self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
         return now, f"{self._stamp},{int((now - second) * 1000):03d}"
 
-    def request(self, rid: str, method: str, path: str, status: int, stream: bool, legs, timings: dict,
-                tokens: tuple, nbytes: int, outcome: str, seconds: float) -> None:
-        """A generation request. ``legs``: the instances it used, in order (a retry adds some)."""
+    def request(self, rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float) -> None:
+        """A generation request (``record.py``); the instances it used, in order (a retry adds
+        some), and its stages' times are its context's."""
+        ctx = rec.ctx
+        legs = ctx.legs if ctx is not None else ()
+        timings = ctx.timings if ctx is not None else {}
+        rid, method, path, stream, outcome = rec.request_id, rec.method, rec.path, rec.stream, rec.outcome
         now, stamp = self._now()
         if self.json:
             instances: dict[str, list[str]] = {}

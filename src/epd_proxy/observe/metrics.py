@@ -6,6 +6,11 @@ numbers only when ``/metrics`` is scraped, so a request pays no locks, no label
 resolution and no per-sample objects (prometheus_client's own metric objects
 take a lock per increment: about a dozen per request).
 
+What the other subsystems know (the pools, the roster, admission, the front door,
+DNS discovery, reloads) they tell at scrape time through a collector each registers
+(:meth:`ProxyMetrics.register`, prometheus_client's collector idea): a callable that adds
+its rows to the families. This module reads no other subsystem, so it imports none.
+
 With ``--workers N`` the numbers stay per process; a scrape turns them into a
 :meth:`ProxyMetrics.snapshot` (plain data), the worker that was scraped gathers
 its siblings' snapshots (``siblings.py``) and :func:`render` sums them, so every
@@ -15,17 +20,10 @@ scrape shows the whole proxy while a request still pays only its ``+= 1``.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-
-if TYPE_CHECKING:
-    from epd_proxy.http.server import HttpServer
-    from epd_proxy.instances.discovery import DnsDiscovery
-    from epd_proxy.instances.membership import Membership
-    from epd_proxy.request.admission import Admission
-    from epd_proxy.runtime.reload import Reloader
 
 _STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -58,6 +56,10 @@ class Buckets:
 def _le(bound: float) -> str:
     return repr(float(bound))
 
+
+# A source's collector: adds its rows (``[labels..., value]``) to the families it knows,
+# ``families[name]``, at scrape time. A family no collector fills shows no series.
+Collector = Callable[[dict[str, list]], None]
 
 _STATUS_CLASS = {1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
 
@@ -152,9 +154,10 @@ _RUNTIME_ANY = {"python_info"}
 
 
 class ProxyMetrics:
-    """Request, stage and failure counts of this process, and its pools' state."""
+    """Request, stage and failure counts of this process; what other subsystems know comes
+    from the collectors they register."""
 
-    def __init__(self, pools: dict | None = None, worker: int = 0) -> None:
+    def __init__(self, worker: int = 0) -> None:
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> answered
         self.durations: dict[tuple[str, bool, int], Buckets] = {}  # (endpoint, stream, status // 100)
         self.stages: dict[str, Buckets] = {}  # stage -> time spent in it
@@ -166,15 +169,13 @@ class ProxyMetrics:
         self.stream_errors = 0
         self.disconnects = 0
         self.inflight = 0
-        self.pools = pools or {}
         self.worker = worker  # this process's index with --workers (the instance_healthy label)
-        self.admission: Admission | None = None  # read at scrape time
-        self.role_admission: dict = {}  # role -> Admission (--max-inflight-per-role)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
-        self.membership: Membership | None = None  # set by the app: roster size and changes
-        self.front_door: HttpServer | None = None  # read at scrape time
-        self.discovery: DnsDiscovery | None = None  # dns+ instances, read at scrape time
-        self.reloader: Reloader | None = None  # SIGHUP, cluster file, read at scrape time
+        self._collectors: list[Collector] = []
+
+    def register(self, collector: Collector) -> None:
+        """A source's rows, added at every scrape (in the order registered)."""
+        self._collectors.append(collector)
 
     # -- recording (hot path) -------------------------------------------------------------
     def observe_request(self, endpoint: str, status: int, seconds: float, stream: bool = False) -> None:
@@ -233,46 +234,8 @@ class ProxyMetrics:
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]
         f["epd_proxy_inflight_requests"] = [[self.inflight]]
         f["epd_proxy_workers"] = [[1]]
-        adm = self.admission
-        if adm is not None:
-            f["epd_proxy_shed_requests"] = [[adm.shed]]
-            f["epd_proxy_queue_depth"] = [[adm.waiting]]
-            f["epd_proxy_admitted_requests"] = [[adm.active]]
-            f["epd_proxy_queue_wait_seconds"] = [[self.queue_wait.counts, self.queue_wait.sum]]
-        for role, cap in self.role_admission.items():
-            f["epd_proxy_stage_shed_requests"].append([role, cap.shed])
-            f["epd_proxy_stage_queue_depth"].append([role, cap.waiting])
-        server = self.front_door
-        if server is not None:
-            f["epd_proxy_client_connections"] = [[len(server.connections)]]
-            f["epd_proxy_client_connections_refused"] = [[server.refused]]
-            f["epd_proxy_client_connections_reclaimed"] = [[server.reclaimed]]
-            f["epd_proxy_buffered_body_bytes"] = [[server.budget.used]]
-            f["epd_proxy_client_rejections"] = [[str(s), n] for s, n in server.rejections.items()]
-        worker = str(self.worker)
-        for role, pool in self.pools.items():
-            for inst in pool.instances:
-                url = inst.url
-                f["epd_proxy_instance_healthy"].append([role, url, worker, 1 if inst.healthy else 0])
-                f["epd_proxy_instance_inflight"].append([role, url, inst.inflight])
-                f["epd_proxy_instance_requests"].append([role, url, getattr(inst, "requests", 0)])
-                for kind, n in getattr(inst.health, "errors", {}).items():
-                    f["epd_proxy_instance_failures"].append([role, url, kind, n])
-                f["epd_proxy_instance_ejections"].append([role, url, inst.health.ejections])
-                f["epd_proxy_instance_other_requests"].append([role, url, worker, inst.signals.others])
-            f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
-            f["epd_proxy_panic_routing"].append([role, pool.panics])
-            f["epd_proxy_local_errors"].append([role, pool.local_errors])
-        m = self.membership
-        if m is not None:
-            f["epd_proxy_roster_instances"] = [[r, st, n] for (r, st), n in m.counts().items()]
-            f["epd_proxy_registrations"] = [[r, n] for r, n in m.registrations.items()]
-            f["epd_proxy_removals"] = [[r, why, n] for (r, why), n in m.removals.items()]
-        if self.discovery is not None:
-            f["epd_proxy_dns_lookups"] = [["ok", self.discovery.lookups], ["failed", self.discovery.failures]]
-        if self.reloader is not None:
-            r = self.reloader
-            f["epd_proxy_reloads"] = [["ok", r.reloads - r.failures], ["failed", r.failures]]
+        for collect in self._collectors:
+            collect(f)
         runtime = []
         for fam in _RUNTIME.collect():
             runtime.append([fam.name, fam.type, fam.documentation, [[s.name, s.labels, s.value] for s in fam.samples]])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from epd_proxy.observe.metrics import Buckets, Collector
 from epd_proxy.wire.errors import ProxyError
 
 # The outcomes of :func:`decide`.
@@ -111,3 +112,17 @@ class Admission:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(False)
+
+
+def admission_collector(admission: Admission, role_caps: dict[str, Admission], queue_wait: Buckets) -> Collector:
+    """The front door's slots, queue and sheds (``--max-inflight``), the stages' caps
+    (``--max-inflight-per-role``), and ``queue_wait``, the time queued requests waited."""
+    def collect(f: dict[str, list]) -> None:
+        f["epd_proxy_shed_requests"] = [[admission.shed]]
+        f["epd_proxy_queue_depth"] = [[admission.waiting]]
+        f["epd_proxy_admitted_requests"] = [[admission.active]]
+        f["epd_proxy_queue_wait_seconds"] = [[queue_wait.counts, queue_wait.sum]]
+        for role, cap in role_caps.items():
+            f["epd_proxy_stage_shed_requests"].append([role, cap.shed])
+            f["epd_proxy_stage_queue_depth"].append([role, cap.waiting])
+    return collect

@@ -23,7 +23,7 @@ from epd_proxy.http.client import TransportTimeouts
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.upstream import exchange
+from epd_proxy.request.upstream import UpstreamStage
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
 from epd_proxy.wire.ids import hex_id
@@ -36,7 +36,7 @@ class _EncoderReply(msgspec.Struct):
     ec_transfer_params: object = None
 
 
-class EncoderFanout:
+class EncoderFanout(UpstreamStage):
     """Sends a request's media items to the encoders and rewrites the body for the consumer.
 
     Each item's encoder is the pool's policy's choice (``--encode-policy``:
@@ -46,13 +46,11 @@ class EncoderFanout:
     """
 
     def __init__(self, pool: InstancePool, *, max_batch: int, rewrite: bool, timeout: float,
-                 connect_timeout: float) -> None:
-        self.pool = pool
+                 connect_timeout: float, observe_sub_request: Callable[[float], None] | None = None) -> None:
+        super().__init__(pool, TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout))
         self.max_batch = max_batch
         self.rewrite = rewrite
-        self.timeouts = TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout)
-        # metrics: each sub-request's duration (set by the pipeline)
-        self.observe_sub_request: Callable[[float], None] | None = None
+        self.observe_sub_request = observe_sub_request  # metrics: each sub-request's duration
 
     async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
         subs = plan_sub_requests(items, self.pool.assign(items, ctx.excluded), self.max_batch)
@@ -90,8 +88,7 @@ class EncoderFanout:
             encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
         rid = encoder_request_id(ctx.request_id, sub.items[0].index, hex_id(24))
         t0 = time.perf_counter()
-        data = await exchange(self.pool, inst, ctx, "encode", "/v1/chat/completions", payload,
-                              ctx.upstream_headers(rid), self.timeouts)
+        data = await self.exchange(ctx, inst, "/v1/chat/completions", payload, ctx.upstream_headers(rid))
         if self.observe_sub_request is not None:
             self.observe_sub_request(time.perf_counter() - t0)
         try:

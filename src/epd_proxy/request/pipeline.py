@@ -25,14 +25,15 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import TOPOLOGY_ROLES
 from epd_proxy.observe.access_log import AccessLog, usage_of
 from epd_proxy.observe.metrics import ProxyMetrics
+from epd_proxy.observe.record import RequestRecord
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
-from epd_proxy.request.connectors import CONNECTORS, DecodeOnly, KVConnector, LegPlan
+from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
 from epd_proxy.request.relay import StreamRelay, relay_stream
-from epd_proxy.request.stages import DecodeLeg, DecodeStage, PrefillStage
+from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
@@ -45,7 +46,10 @@ log = logging.getLogger("epd_proxy.pipeline")
 class Pipeline:
     """Runs requests through the configured pools with one KV connector."""
 
-    def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics) -> None:
+    def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
+                 fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
+                 role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
+                 tracing: Tracing | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -59,39 +63,29 @@ class Pipeline:
         needed.update(r for r in ("encode", "prefill") if getattr(config, r))
         self._need_encode = "encode" in needed
         self._need_prefill = "prefill" in needed
-        self.fanout = EncoderFanout(self.encode, max_batch=config.encoder_max_batch_size,
-                                    rewrite=config.rewrite, timeout=t.encode, connect_timeout=t.connect)
-        prefill_stage = PrefillStage(self.prefill, timeout=t.prefill, connect_timeout=t.connect)
-        self.fanout.observe_sub_request = metrics.observe_encoder_request
-        decode_stage = DecodeStage(self.decode, first_timeout=t.decode_first, idle_timeout=t.stream_idle,
-                                   connect_timeout=t.connect)
-        self.connector: KVConnector = CONNECTORS[config.kv_connector](prefill_stage, decode_stage)
-        self.decode_only = DecodeOnly(None, decode_stage)  # no prefill instances (E+PD, PD)
+        self.fanout = fanout
+        self.connector = connector
+        self.decode_only = decode_only  # no prefill instances (E+PD, PD)
         self.retries = config.decode_retries
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._dp_counter = itertools.count()
-        self._base_headers: Headers = []
-        if config.upstream_api_key:
-            self._base_headers.append((b"authorization", b"Bearer " + config.upstream_api_key.encode()))
+        self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
         self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
                                         allowed_hosts=config.allowed_media_hosts)
-        self.admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
+        self.admission = admission
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
-        self.role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
-                          for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}
-        metrics.role_admission = self.role_caps
+        self.role_caps = role_caps
         self.first_byte = t.first_byte
         self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
         # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.closing = False
         self.stopping = False
-        self.access_log: AccessLog | None = None  # when on (set by the app)
-        self.tracing: Tracing | None = None  # when OTEL_* turns it on (set by the app)
-        metrics.admission = self.admission
+        self.access_log = access_log  # when on
+        self.tracing = tracing  # when OTEL_* turns it on
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
@@ -107,97 +101,117 @@ class Pipeline:
         t0 = time.perf_counter()
         if self._gated and not await self._admit(req, writer, path, t0):
             return
-        rid = request_id(req)
-        id_header = [(b"x-request-id", rid.encode())]
-        ctx = None
-        stream = False
-        outcome = "error"  # ok, in_band_error, client_gone, shutdown, error
-        answer = None  # the bytes holding the usage object, for the access log
+        rec = RequestRecord(request_id(req), req.method, path, t0)
         self.metrics.inflight += 1
         try:
-            body = parse_body(req, path)
-            stream = body.get("stream") is True
-            body, items = self._media(body) if path == CHAT else (body, [])
-            ctx = RequestContext(rid, path, self._headers_for(req))
-            if self._keyed:
-                ctx.view = RequestView(body, items, path == CHAT)
-            if self.tracing is not None:
-                ctx.trace = self.tracing.start(req.method, path, rid, req.headers)
-            if self.deadlines is not None:
-                task = self.deadlines.enter()
-                try:
-                    leg = await self._open(ctx, body, items)
-                except asyncio.CancelledError:
-                    if not self.deadlines.expired(task):
-                        raise
-                    # The cancellation closed every leg on its way out (their finally blocks).
-                    task.uncancel()
-                    raise ProxyError(504, f"no response within the first-byte timeout "
-                                          f"({self.first_byte:g} s); the request was abandoned") from None
-                finally:
-                    self.deadlines.leave(task)
-                    # Kept in this frame, the task would close a reference cycle through the
-                    # traceback of a later failure (the task holds its exception).
-                    task = None  # type: ignore[assignment]
-            else:
-                leg = await self._open(ctx, body, items)
-            headers = id_header + _server_timing(ctx.timings)
-            self.metrics.observe_commit(path, time.perf_counter() - t0, ctx.upstream, leg.body is None)
-            ok = False
-            try:
-                report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
-                if leg.body is not None:
-                    answer = leg.body if report is None else rewrite_usage(leg.body, report)
-                    writer.send(leg.resp.status, answer, leg.resp.content_type, headers)
-                    ok = True
-                    outcome = "ok"
-                else:
-                    relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
-                                               ctx if (report is not None or leg.companion is not None)
-                                               and _wants_usage(body) else None)
-                    ok = relay.error is None
-                    outcome, answer = "ok" if ok else "in_band_error", relay.final_bytes()
-                    gap = relay.gap()
-                    if gap is not None:
-                        self.metrics.itl.observe(gap)
-                    if relay.error is not None:  # not ok
-                        self.metrics.stream_errors += 1
-                        log.warning("request %s: stream ended in-band: %s", rid, relay.error.message)
-            finally:
-                if leg.companion is not None:
-                    self._settle(leg.companion, keep=ok)
+            ctx, body, items = self._prepare(req, rec)
+            leg = await self._open_in_time(ctx, body, items)
+            await self._answer(writer, ctx, body, leg, rec)
         except ProxyError as err:
-            _drop_traceback(err)
-            if not writer.started:
-                headers = id_header + [(b"retry-after", _RETRY_AFTER[err.status])] if err.status in _RETRY_AFTER \
-                    else id_header
-                writer.send(err.status, err.body(), err.content_type(), headers)
-            if err.status >= 500:
-                log.warning("request %s failed: %s", rid, err.message)
+            self._answer_error(writer, err, rec)
         except asyncio.CancelledError:
-            outcome = "shutdown"
-            if not (self.stopping and self._end_at_shutdown(writer, rid)):
-                outcome = "client_gone"
+            rec.outcome = "shutdown"
+            if not (self.stopping and self._end_at_shutdown(writer, rec.request_id)):
+                rec.outcome = "client_gone"
                 self.metrics.disconnects += 1
                 raise
         finally:
-            writer.flow = None  # the relay refers to the writer: no cycle left behind
-            self.metrics.inflight -= 1
-            # 499: the client went away before a status was sent (nginx's convention).
-            status = writer.status or 499
-            tokens = usage_of(answer) if self.access_log is not None or self.tracing is not None else _NO_USAGE
-            if ctx is not None:
-                if ctx.trace is not None:
-                    ctx.trace.finish(status, stream, tokens, outcome)
-                ctx.release_all()
-                self.metrics.observe_stages(ctx.timings)
-            if self.admission.limit:
-                self.admission.leave()
-            seconds = time.perf_counter() - t0
-            self.metrics.observe_request(path, status, seconds, stream)
-            if self.access_log is not None:
-                self.access_log.request(rid, req.method, path, status, stream, ctx.legs if ctx else (),
-                                        ctx.timings if ctx else {}, tokens, writer.bytes_sent, outcome, seconds)
+            self._observe(rec, writer)
+
+    def _prepare(self, req: Request, rec: RequestRecord) -> tuple[RequestContext, dict, list[MediaItem]]:
+        """The body parsed, its media checked and owned, and the request's context."""
+        path = rec.path
+        body = parse_body(req, path)
+        rec.stream = body.get("stream") is True
+        body, items = self._media(body) if path == CHAT else (body, [])
+        ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        if self._keyed:
+            ctx.view = RequestView(body, items, path == CHAT)
+        if self.tracing is not None:
+            ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
+        return ctx, body, items
+
+    async def _open_in_time(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+        """``_open`` under the first-byte deadline (``--first-byte-timeout``), if there is one."""
+        if self.deadlines is None:
+            return await self._open(ctx, body, items)
+        task = self.deadlines.enter()
+        try:
+            return await self._open(ctx, body, items)
+        except asyncio.CancelledError:
+            if not self.deadlines.expired(task):
+                raise
+            # The cancellation closed every leg on its way out (their finally blocks).
+            task.uncancel()
+            raise ProxyError(504, f"no response within the first-byte timeout "
+                                  f"({self.first_byte:g} s); the request was abandoned") from None
+        finally:
+            self.deadlines.leave(task)
+            # Kept in this frame, the task would close a reference cycle through the
+            # traceback of a later failure (the task holds its exception).
+            task = None  # type: ignore[assignment]
+
+    async def _answer(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
+                      rec: RequestRecord) -> None:
+        """The commit: the whole answer sent, or the stream relayed; then the companion leg settled."""
+        headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings)
+        self.metrics.observe_commit(rec.path, time.perf_counter() - rec.start, ctx.upstream, leg.body is None)
+        ok = False
+        try:
+            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
+            if leg.body is not None:
+                rec.answer = leg.body if report is None else rewrite_usage(leg.body, report)
+                writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
+                ok = True
+                rec.outcome = "ok"
+                return
+            relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
+                                       ctx if (report is not None or leg.companion is not None)
+                                       and _wants_usage(body) else None)
+            ok = relay.error is None
+            rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
+            gap = relay.gap()
+            if gap is not None:
+                self.metrics.itl.observe(gap)
+            if relay.error is not None:  # not ok
+                self.metrics.stream_errors += 1
+                log.warning("request %s: stream ended in-band: %s", rec.request_id, relay.error.message)
+        finally:
+            if leg.companion is not None:
+                self._settle(leg.companion, keep=ok)
+
+    def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
+        """A failure before the commit is the client's status; after it the relay has said it in-band."""
+        _drop_traceback(err)
+        if not writer.started:
+            headers = [(b"x-request-id", rec.request_id.encode())]
+            if err.status in _RETRY_AFTER:
+                headers.append((b"retry-after", _RETRY_AFTER[err.status]))
+            writer.send(err.status, err.body(), err.content_type(), headers)
+        if err.status >= 500:
+            log.warning("request %s failed: %s", rec.request_id, err.message)
+
+    def _observe(self, rec: RequestRecord, writer: ResponseWriter) -> None:
+        """The request is over: its slot and instances released, and the record told to the
+        metrics, the trace and the access log."""
+        writer.flow = None  # the relay refers to the writer: no cycle left behind
+        self.metrics.inflight -= 1
+        # 499: the client went away before a status was sent (nginx's convention).
+        status = writer.status or 499
+        access = self.access_log
+        tokens = usage_of(rec.answer) if access is not None or self.tracing is not None else _NO_USAGE
+        ctx = rec.ctx
+        if ctx is not None:
+            if ctx.trace is not None:
+                ctx.trace.finish(status, rec.stream, tokens, rec.outcome)
+            ctx.release_all()
+            self.metrics.observe_stages(ctx.timings)
+        if self.admission.limit:
+            self.admission.leave()
+        seconds = time.perf_counter() - rec.start
+        self.metrics.observe_request(rec.path, status, seconds, rec.stream)
+        if access is not None:
+            access.request(rec, status, tokens, writer.bytes_sent, seconds)
 
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.

@@ -17,7 +17,7 @@ from epd_proxy.http.client import Response, TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.upstream import call, exchange, read_body, status_error, transport_error, upstream_message
+from epd_proxy.request.upstream import UpstreamStage, upstream_message
 from epd_proxy.request.usage import PrefillReport
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
@@ -30,19 +30,18 @@ class _PrefillReply(msgspec.Struct):
     usage: msgspec.Raw = msgspec.Raw(b"null")  # kept for the client's usage (usage.py)
 
 
-class PrefillStage:
+class PrefillStage(UpstreamStage):
     """One prefill call: the whole (1-token, non-streamed) answer, and its
     ``kv_transfer_params`` kept as raw bytes so decode gets them verbatim."""
 
     def __init__(self, pool: InstancePool, *, timeout: float, connect_timeout: float) -> None:
-        self.pool = pool
-        self.timeouts = TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout)
+        super().__init__(pool, TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout))
 
     async def run(self, ctx: RequestContext, inst: Instance, body: dict, extra_headers: Headers | None = None,
                   request_id: str | None = None) -> msgspec.Raw | None:
         t0 = time.perf_counter()
-        data = await exchange(self.pool, inst, ctx, "prefill", ctx.path, encode_json(body),
-                              ctx.upstream_headers(request_id, extra_headers), self.timeouts)
+        data = await self.exchange(ctx, inst, ctx.path, encode_json(body),
+                                   ctx.upstream_headers(request_id, extra_headers))
         ctx.timing("prefill", time.perf_counter() - t0)
         try:
             reply = msgspec.json.decode(data, type=_PrefillReply)
@@ -70,26 +69,24 @@ class DecodeLeg:
         self.companion: asyncio.Task | None = None
 
 
-class DecodeStage:
+class DecodeStage(UpstreamStage):
     """Opens the decode call and checks it before anything reaches the client."""
 
     def __init__(self, pool: InstancePool, *, first_timeout: float, idle_timeout: float,
                  connect_timeout: float) -> None:
-        self.pool = pool
-        self.timeouts = TransportTimeouts(connect=connect_timeout, headers=first_timeout, idle=idle_timeout)
+        super().__init__(pool, TransportTimeouts(connect=connect_timeout, headers=first_timeout, idle=idle_timeout))
 
     async def open(self, ctx: RequestContext, inst: Instance, body: dict, extra_headers: Headers | None = None,
                    request_id: str | None = None) -> DecodeLeg:
         t0 = time.perf_counter()
-        resp = await call(self.pool, inst, ctx, "decode", ctx.path, encode_json(body),
-                          ctx.upstream_headers(request_id, extra_headers), self.timeouts)
+        resp = await self.call(ctx, inst, ctx.path, encode_json(body), ctx.upstream_headers(request_id, extra_headers))
         try:
             if resp.status != 200:
-                data = await read_body(self.pool, inst, ctx, "decode", resp)
-                raise status_error(self.pool, inst, ctx, "decode", resp.status, data, resp.content_type)
+                data = await self.read_body(ctx, inst, resp)
+                raise self.status_error(ctx, inst, resp.status, data, resp.content_type)
             ctype = resp.content_type or b""
             if not ctype.startswith(b"text/event-stream"):
-                data = await read_body(self.pool, inst, ctx, "decode", resp)
+                data = await self.read_body(ctx, inst, resp)
                 self.pool.record_success(inst)
                 ctx.timing("decode", time.perf_counter() - t0)
                 return DecodeLeg(inst, resp, body=data)
@@ -117,8 +114,7 @@ class DecodeStage:
                 try:
                     chunk = await resp.read_chunk()
                 except UpstreamError as exc:
-                    raise transport_error(self.pool, inst, ctx, "decode", exc,
-                                          "reading its stream before the first event") from None
+                    raise self.transport_error(ctx, inst, exc, "reading its stream before the first event") from None
                 if not chunk:
                     return buf  # the stream ended: relay what there is
                 buf += chunk

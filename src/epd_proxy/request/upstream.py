@@ -110,49 +110,62 @@ def _reason(exc: UpstreamError) -> str:
     return str(exc).rsplit(": ", 1)[-1]
 
 
-async def call(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, path: str, body: bytes,
-               headers: Headers, timeouts: TransportTimeouts) -> Response:
-    """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
-    inst.requests += 1
-    ctx.hold(inst)
-    trace = ctx.trace
-    if trace is not None:
-        headers = trace.leg(inst, stage, headers)
-    try:
-        resp = await inst.connections.request("POST", path, body=body, headers=headers, timeouts=timeouts)
+class UpstreamStage:
+    """What the encode, prefill and decode stages share: their pool (its ``role`` names the
+    stage in errors and logs), their transport timeouts, and the calls to one of the pool's
+    instances, whose failures take the one path above."""
+
+    def __init__(self, pool: InstancePool, timeouts: TransportTimeouts) -> None:
+        self.pool = pool
+        self.role = pool.role
+        self.timeouts = timeouts
+
+    async def call(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers) -> Response:
+        """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
+        inst.requests += 1
+        ctx.hold(inst)
+        trace = ctx.trace
         if trace is not None:
-            trace.status(inst, resp.status)
-        return resp
-    except UpstreamError as exc:
-        if trace is not None:
-            trace.failed(inst, str(exc))
-        ctx.release(inst)
-        raise transport_error(pool, inst, ctx, stage, exc, "sending the request") from None
-    except BaseException:
-        ctx.release(inst)
-        raise
+            headers = trace.leg(inst, self.role, headers)
+        try:
+            resp = await inst.connections.request("POST", path, body=body, headers=headers, timeouts=self.timeouts)
+            if trace is not None:
+                trace.status(inst, resp.status)
+            return resp
+        except UpstreamError as exc:
+            if trace is not None:
+                trace.failed(inst, str(exc))
+            ctx.release(inst)
+            raise self.transport_error(ctx, inst, exc, "sending the request") from None
+        except BaseException:
+            ctx.release(inst)
+            raise
 
+    async def read_body(self, ctx: RequestContext, inst: Instance, resp: Response) -> bytes:
+        """The whole answer; a transport failure on the way becomes a ProxyError and counts
+        against the instance."""
+        try:
+            return await resp.read()
+        except UpstreamError as exc:
+            raise self.transport_error(ctx, inst, exc, "reading its answer") from None
 
-async def read_body(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, resp: Response) -> bytes:
-    """The whole answer; a transport failure on the way becomes a ProxyError and counts
-    against the instance."""
-    try:
-        return await resp.read()
-    except UpstreamError as exc:
-        raise transport_error(pool, inst, ctx, stage, exc, "reading its answer") from None
+    async def exchange(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers) -> bytes:
+        """A whole request/response with one instance; a non-200 answer raises (and a
+        5xx is retryable elsewhere)."""
+        resp = await self.call(ctx, inst, path, body, headers)
+        try:
+            data = await self.read_body(ctx, inst, resp)
+        finally:
+            resp.close()
+            ctx.release(inst)
+        if resp.status != 200:
+            raise self.status_error(ctx, inst, resp.status, data, resp.content_type)
+        self.pool.record_success(inst)
+        return data
 
+    def status_error(self, ctx: RequestContext, inst: Instance, status: int, body: bytes,
+                     content_type: bytes | None) -> ProxyError:
+        return status_error(self.pool, inst, ctx, self.role, status, body, content_type)
 
-async def exchange(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, path: str, body: bytes,
-                   headers: Headers, timeouts: TransportTimeouts) -> bytes:
-    """A whole request/response with one instance; a non-200 answer raises (and a
-    5xx is retryable elsewhere)."""
-    resp = await call(pool, inst, ctx, stage, path, body, headers, timeouts)
-    try:
-        data = await read_body(pool, inst, ctx, stage, resp)
-    finally:
-        resp.close()
-        ctx.release(inst)
-    if resp.status != 200:
-        raise status_error(pool, inst, ctx, stage, resp.status, data, resp.content_type)
-    pool.record_success(inst)
-    return data
+    def transport_error(self, ctx: RequestContext, inst: Instance, exc: UpstreamError, doing: str) -> ProxyError:
+        return transport_error(self.pool, inst, ctx, self.role, exc, doing)

@@ -150,6 +150,10 @@ class Reloader:
             except Exception:  # never let the watcher die
                 log.exception("watching %s", watch.path)
 
+    def collect(self, f: dict[str, list]) -> None:
+        """Its reloads, for ``/metrics`` (registered as a collector)."""
+        f["epd_proxy_reloads"] = [["ok", self.reloads - self.failures], ["failed", self.failures]]
+
     async def close(self) -> None:
         try:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)

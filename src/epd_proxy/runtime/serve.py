@@ -2,21 +2,19 @@
 
 With ``workers > 1`` each worker process binds the same port with
 ``SO_REUSEPORT`` and the kernel spreads connections over them. Each worker
-has its own pools, cursors and metrics; the roster is shared and the parent
-supervises (workers.py). SIGHUP reloads (reload.py). ``/metrics``, ``/status`` and
-``/ready`` answer for all the workers (siblings.py).
+has its own pools, cursors and metrics (built by build.py); the roster is shared
+and the parent supervises (workers.py). SIGHUP reloads (reload.py). ``/metrics``,
+``/status`` and ``/ready`` answer for all the workers (siblings.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import gc
 import logging
 import os
 import shutil
 import signal
-import ssl
 import sys
 import tempfile
 
@@ -25,176 +23,23 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     resource = None  # type: ignore[assignment]
 
-from epd_proxy.api.app import ProxyApp, log_requests
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import InstanceSpec, ProxyConfig
 from epd_proxy.http import event_loop
-from epd_proxy.http.heap import trim_heap
-from epd_proxy.http.limits import ServerLimits
-from epd_proxy.http.server import HttpServer
-from epd_proxy.instances.discovery import DnsDiscovery
-from epd_proxy.instances.shared import SharedRoster
-from epd_proxy.runtime.reload import Reloader
+
+# The wiring's names, also importable from here as before.
+from epd_proxy.runtime.build import (  # noqa: F401
+    apply_config,
+    connection_cap,
+    fd_limit,
+    server_limits,
+    start_proxy,
+    tls_context,
+)
+from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url  # noqa: F401
 from epd_proxy.runtime.workers import Carry, PeerLink, supervise
-from epd_proxy.wire.errors import error_body
 
 log = logging.getLogger("epd_proxy")
-
-
-class RunningProxy:
-    """A started proxy (app + listening server), for tests and embedding."""
-
-    def __init__(self, app: ProxyApp, server: HttpServer, discovery: DnsDiscovery | None = None) -> None:
-        self.app = app
-        self.server = server
-        self.discovery = discovery  # following the config's dns+ instances, if any
-        self.shared: SharedRoster | None = None  # --workers: the roster shared with the other workers
-        self.reloader: Reloader | None = None  # SIGHUP (serve's processes only)
-
-    def apply_roster(self, specs: list[InstanceSpec], source: str):
-        """``Membership.apply`` for changes every worker makes by itself (reload, DNS)."""
-        if self.shared is None:
-            return self.app.membership.apply(specs, source=source)
-        with self.shared.local():
-            return self.app.membership.apply(specs, source=source)
-
-    @property
-    def url(self) -> str:
-        return listen_url(self.server.host, self.server.port, tls=self.server.tls)
-
-    async def close(self) -> None:
-        if self.discovery is not None:
-            await self.discovery.close()
-        await self.server.close()
-        await self.app.close()
-
-    async def shutdown(self, grace: float, timeout: float) -> None:
-        """Graceful shutdown (call :meth:`close` after it).
-
-        ``/ready`` turns 503 at once and every response closes its connection; the
-        listener keeps accepting for ``grace`` seconds (a load balancer needs that long to
-        notice); then it closes, so do idle connections, new requests on open ones get 503,
-        and in-flight ones may finish until ``timeout`` seconds after the call. What is left
-        is ended as well as it can be: 503 before the commit point, an in-band error and
-        ``[DONE]`` on a committed stream.
-        """
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        app, server = self.app, self.server
-        app.shutting_down = True
-        server.end_keep_alive()
-        log.info("shutting down: /ready is 503; new connections accepted for %.1f s", grace)
-        await asyncio.sleep(max(0.0, min(grace, timeout)))
-        server.stop_accepting()
-        server.close_idle()
-        app.pipeline.close_admission()
-        busy = server.busy()
-        log.info("listener closed; %d request(s) in flight, up to %.1f s to finish", len(busy),
-                 max(0.0, end - loop.time()))
-
-        def finished() -> bool:
-            server.close_idle()  # e.g. a connection whose request was answered in the meantime
-            return not server.busy()
-
-        await _wait_until(finished, end)
-        busy = server.busy()
-        if busy:
-            log.warning("shutdown timeout: ending %d request(s) still in flight", len(busy))
-            app.pipeline.stopping = True
-            for task in busy:
-                task.cancel()
-            await asyncio.wait(busy, timeout=2.0)
-
-    async def __aenter__(self) -> "RunningProxy":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-
-def listen_url(host: str, port: int, *, tls: bool = False) -> str:
-    """The URL of a listening address; an IPv6 address goes in brackets (RFC 3986)."""
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{'https' if tls else 'http'}://{host}:{port}"
-
-
-class ListenError(Exception):
-    """The listener could not be opened (the port is in use, the address is not local, ...): one
-    line for the operator, not a traceback."""
-
-
-def tls_context(config: ProxyConfig) -> ssl.SSLContext | None:
-    """The listener's TLS context (``--ssl-certfile``/``--ssl-keyfile``), built once; None for plain HTTP."""
-    if not config.ssl_certfile:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile}"
-                         f"{' / ' + config.ssl_keyfile if config.ssl_keyfile else ''}: "
-                         f"{getattr(exc, 'strerror', None) or exc}") from None
-    return ctx
-
-
-async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
-                      backlog: int = 4096, reuse_port: bool = False) -> RunningProxy:
-    tls = tls_context(config)
-    app = ProxyApp(config)
-    await app.start()
-    handler = log_requests(app) if config.log_requests else app
-    try:
-        server = await HttpServer(handler, error_body=error_body, limits=server_limits(config),
-                                  on_large_release=trim_heap).start(host, port, backlog=backlog,
-                                                                    reuse_port=reuse_port, ssl=tls)
-    except OSError as exc:
-        await app.close()
-        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-        if exc.errno == errno.EADDRINUSE:
-            reason += " (another process listens there; choose another --port)"
-        raise ListenError(f"cannot listen on {listen_url(host, port, tls=tls is not None)}: {reason}") from None
-    except BaseException:
-        await app.close()
-        raise
-    app.metrics.front_door = server
-    proxy = RunningProxy(app, server)
-    if config.discover:
-        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
-        proxy.discovery.set_targets(config.discover)
-        app.metrics.discovery = proxy.discovery
-    return proxy
-
-
-def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:
-    """A reloaded cluster file's instances into the roster, as one diff (requests in
-    flight on an instance that leaves finish), and its DNS names into discovery."""
-    proxy.apply_roster([*config.encode, *config.prefill, *config.decode], source="static")
-    if config.discover and proxy.discovery is None:
-        proxy.discovery = DnsDiscovery(proxy.apply_roster, interval=config.dns_interval, server=config.dns_server)
-        proxy.app.metrics.discovery = proxy.discovery
-    if proxy.discovery is not None:
-        proxy.discovery.set_targets(config.discover)
-
-
-# Descriptors kept for what is not a client or upstream connection: the listening
-# socket, logs, probes, the event loop's own.
-_RESERVED_FDS = 64
-
-
-def connection_cap(fd_limit: int) -> int:
-    """The default client-connection cap for a descriptor limit: a third of what is
-    left after the reserve, so every client connection can have two upstream legs
-    (prefill and decode) open at once without running out of descriptors."""
-    return max(16, (fd_limit - _RESERVED_FDS) // 3)
-
-
-def fd_limit() -> int:
-    """This process's soft RLIMIT_NOFILE (0 if unknown or unlimited)."""
-    if resource is None:  # pragma: no cover
-        return 0
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return 0 if soft == resource.RLIM_INFINITY else soft
 
 
 def raise_fd_limit() -> int:
@@ -210,25 +55,6 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError) as exc:  # e.g. an infinite hard limit the kernel caps
             log.warning("could not raise the descriptor limit from %d to %d: %s", soft, hard, exc)
     return fd_limit()
-
-
-def server_limits(config: ProxyConfig) -> ServerLimits:
-    """The client-facing limits of a config; the connection cap, unless set, from the
-    descriptor limit in force now."""
-    cap = config.max_connections
-    if not cap:
-        limit = fd_limit()
-        cap = connection_cap(limit) if limit else 0
-    return ServerLimits(max_body_bytes=config.max_body_size, max_buffered_bytes=config.max_buffered_bytes,
-                        max_connections=cap, header_timeout=config.header_timeout,
-                        body_timeout=config.body_timeout)
-
-
-async def _wait_until(done, deadline: float, interval: float = 0.05) -> None:
-    """Poll ``done()`` until it holds or the loop's clock passes ``deadline`` (shutdown only)."""
-    loop = asyncio.get_running_loop()
-    while not done() and loop.time() < deadline:
-        await asyncio.sleep(min(interval, max(0.0, deadline - loop.time())))
 
 
 def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfig:
@@ -262,30 +88,17 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         await cluster.start()
         config = config_for_cluster(cluster, config)
     try:
-        proxy = await start_proxy(config, host, port, reuse_port=reuse_port)
+        proxy = await start_proxy(config, host, port, reuse_port=reuse_port, link=link, siblings=siblings,
+                                  reloads=True, settings=settings, watch=watch)
     except BaseException:
         if cluster is not None:
             await cluster.stop()
         raise
-    if link is not None:
-        proxy.shared = SharedRoster(proxy.app.membership, link)
-    reloader = Reloader(settings, lambda cfg: apply_config(proxy, cfg),
-                        args=settings.started if settings is not None else None, watch=watch)
-    reloader.start()
-    proxy.reloader = reloader  # other reloadable things: proxy.reloader.on_reload(hook)
-    if config.api_key_file:
-        reloader.on_reload(proxy.app.reload)  # the client key file (client_auth.py)
-    proxy.app.metrics.reloader = reloader
+    reloader = proxy.reloader  # other reloadable things: proxy.reloader.on_reload(hook)
+    assert reloader is not None
     if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
         _EARLY_SIGHUP.clear()
         reloader.request()
-    if siblings is not None:
-        siblings.parent = link  # counters kept, the supervisor's view (workers.py)
-        await siblings.start(proxy.app.answer_sibling)
-        proxy.app.siblings = siblings
-        proxy.app.metrics.worker = siblings.index
-        if link is not None:
-            link.serving()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 

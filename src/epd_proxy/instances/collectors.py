@@ -1,0 +1,43 @@
+"""What the pools and the roster tell ``/metrics``: collectors registered with the metrics
+(``observe/metrics.py``), read at scrape time, so a request pays nothing for them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from epd_proxy.observe.metrics import Collector
+
+if TYPE_CHECKING:  # pragma: no cover
+    from epd_proxy.instances.membership import Membership
+    from epd_proxy.instances.pool import InstancePool
+
+
+def pool_collector(pools: dict[str, InstancePool], worker: int) -> Collector:
+    """Each instance's state and counts, and each pool's routing counts (``worker``: the
+    label of this process's own view)."""
+    label = str(worker)
+
+    def collect(f: dict[str, list]) -> None:
+        for role, pool in pools.items():
+            for inst in pool.instances:
+                url = inst.url
+                f["epd_proxy_instance_healthy"].append([role, url, label, 1 if inst.healthy else 0])
+                f["epd_proxy_instance_inflight"].append([role, url, inst.inflight])
+                f["epd_proxy_instance_requests"].append([role, url, inst.requests])
+                for kind, n in inst.health.errors.items():
+                    f["epd_proxy_instance_failures"].append([role, url, kind, n])
+                f["epd_proxy_instance_ejections"].append([role, url, inst.health.ejections])
+                f["epd_proxy_instance_other_requests"].append([role, url, label, inst.signals.others])
+            f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
+            f["epd_proxy_panic_routing"].append([role, pool.panics])
+            f["epd_proxy_local_errors"].append([role, pool.local_errors])
+    return collect
+
+
+def roster_collector(membership: Membership) -> Collector:
+    """The roster's size by role and state, and its joins and leaves."""
+    def collect(f: dict[str, list]) -> None:
+        f["epd_proxy_roster_instances"] = [[r, st, n] for (r, st), n in membership.counts().items()]
+        f["epd_proxy_registrations"] = [[r, n] for r, n in membership.registrations.items()]
+        f["epd_proxy_removals"] = [[r, why, n] for (r, why), n in membership.removals.items()]
+    return collect

@@ -1,0 +1,25 @@
+"""The end-of-request record: one generation request as it ends, what the metrics, the access
+log and the trace are told about it. The pipeline fills it as the request goes; the stages'
+timings and the instances used are the request context's, read once at the end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RequestRecord:
+    """One generation request: its id, what it asked (``path``, ``stream``), how it ended
+    (``outcome``: ok, in_band_error, client_gone, shutdown, error) and ``answer``, the bytes
+    holding the usage object (a whole answer or a stream's last reads)."""
+
+    __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx")
+
+    def __init__(self, request_id: str, method: str, path: str, start: float) -> None:
+        self.start = start  # perf_counter at arrival
+        self.request_id = request_id
+        self.method = method
+        self.path = path
+        self.stream = False
+        self.outcome = "error"
+        self.answer: bytes | None = None
+        self.ctx: Any = None  # the RequestContext, once the body is parsed (legs, timings, trace)

@@ -1,0 +1,232 @@
+"""The composition root: every object one proxy process runs, built in one place and handed
+its collaborators in its constructor (sglang's ``app_context.rs`` has the same job). Nothing
+built here is given more collaborators afterwards; the metrics learn about each source
+through the collector the source registers."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import ssl
+
+try:
+    import resource
+except ImportError:  # pragma: no cover - not POSIX
+    resource = None  # type: ignore[assignment]
+
+from epd_proxy.api.access import AccessPolicy
+from epd_proxy.api.admin import AdminApi
+from epd_proxy.api.app import ProxyApp, log_requests, validate_config
+from epd_proxy.api.client_auth import ClientKeys
+from epd_proxy.api.siblings import SiblingChannel
+from epd_proxy.config import ROLES, ProxyConfig
+from epd_proxy.http import Headers
+from epd_proxy.http.heap import trim_heap
+from epd_proxy.http.server import HttpServer, ServerLimits
+from epd_proxy.instances.collectors import pool_collector, roster_collector
+from epd_proxy.instances.health import OutlierSettings
+from epd_proxy.instances.load_scraper import LoadScraper
+from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.instances.shared import SharedRoster
+from epd_proxy.instances.sources import RosterSources
+from epd_proxy.observe import access_log, tracing
+from epd_proxy.observe.metrics import Collector, ProxyMetrics
+from epd_proxy.request.admission import Admission, admission_collector
+from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
+from epd_proxy.request.fanout import EncoderFanout
+from epd_proxy.request.pipeline import Pipeline
+from epd_proxy.request.stages import DecodeStage, PrefillStage
+from epd_proxy.routing import make_policy
+from epd_proxy.runtime.reload import Reloader
+from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
+from epd_proxy.runtime.workers import PeerLink
+from epd_proxy.wire.errors import error_body
+
+
+def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None) -> ProxyApp:
+    """A process's pools, roster, metrics and their sources, load scrapers, pipeline and admin
+    API, wired into the app that routes to them (``worker``: this process's index)."""
+    validate_config(config)
+    pools = build_pools(config)
+    connector_class = CONNECTORS[config.kv_connector]
+    membership = Membership(pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
+                            check=lambda spec: connector_class.check_instances([spec])
+                            if spec.role == "prefill" else None)
+    metrics = ProxyMetrics(worker=worker)
+    metrics.register(pool_collector(pools, worker))
+    metrics.register(roster_collector(membership))
+    # Load signals are scraped only for the pools whose policy reads them.
+    scrapers = [LoadScraper(pool, config.scrape_interval, config.probe_timeout)
+                for pool in pools.values() if pool.policy.uses_signals]
+    admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
+    role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
+                 for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}
+    metrics.register(admission_collector(admission, role_caps, metrics.queue_wait))
+    base_headers = upstream_headers(config)
+    t = config.timeouts
+    fanout = EncoderFanout(pools["encode"], max_batch=config.encoder_max_batch_size, rewrite=config.rewrite,
+                           timeout=t.encode, connect_timeout=t.connect,
+                           observe_sub_request=metrics.observe_encoder_request)
+    prefill = PrefillStage(pools["prefill"], timeout=t.prefill, connect_timeout=t.connect)
+    decode = DecodeStage(pools["decode"], first_timeout=t.decode_first, idle_timeout=t.stream_idle,
+                         connect_timeout=t.connect)
+    connector = connector_class(prefill, decode)
+    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector,
+                        decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
+                        base_headers=base_headers,
+                        access_log=access_log.AccessLog(config.log_format) if access_log.enabled(config) else None,
+                        tracing=tracing.from_environment())
+    membership.subscribe(_forget_departed(connector))
+    admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers)
+    return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
+                    scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
+                    siblings=siblings)
+
+
+def build_pools(config: ProxyConfig) -> dict[str, InstancePool]:
+    """Every role's pool, possibly empty: instances may register at run time."""
+    pools = {}
+    for role in ROLES:
+        specs = _with_ec_consumers(config) if role == "decode" else getattr(config, role)
+        policy = make_policy(config.policy_for(role), balance_abs=config.balance_abs, balance_rel=config.balance_rel)
+        pools[role] = InstancePool(role, specs, policy=policy, keep_alive=config.upstream_keep_alive,
+                                   outlier=OutlierSettings.from_config(config),
+                                   max_connections=config.max_upstream_connections)
+    return pools
+
+
+def upstream_headers(config: ProxyConfig) -> Headers:
+    """The headers every call to an instance carries (``--upstream-api-key``)."""
+    if config.upstream_api_key:
+        return [(b"authorization", b"Bearer " + config.upstream_api_key.encode())]
+    return []
+
+
+def _forget_departed(connector):
+    """A connector keeps per-instance state (Mooncake's engines): forgotten when the instance
+    joins anew or leaves."""
+    def changed(change) -> None:
+        if change.event in ("registered", "removed", "forgotten"):
+            connector.forget(change.spec.url)
+    return changed
+
+
+def _with_ec_consumers(config: ProxyConfig) -> list:
+    """The decode specs with their EC consumer addresses (``--ec-consumer-zmq-addrs``,
+    aligned with them, ``--ec-consumer-dp-size`` each), so every decode instance
+    carries its own, as a registered one does."""
+    addrs, dp = config.ec_consumer_zmq_addrs, config.ec_consumer_dp_size
+    if not addrs:
+        return list(config.decode)
+    return [dataclasses.replace(spec, ec_zmq_addrs=tuple(addrs[i * dp:(i + 1) * dp]), dp_size=dp)
+            for i, spec in enumerate(config.decode)]
+
+
+def front_door_collector(server: HttpServer) -> Collector:
+    """The client connections and what the server refused before any handler ran."""
+    def collect(f: dict[str, list]) -> None:
+        f["epd_proxy_client_connections"] = [[len(server.connections)]]
+        f["epd_proxy_client_connections_refused"] = [[server.refused]]
+        f["epd_proxy_client_connections_reclaimed"] = [[server.reclaimed]]
+        f["epd_proxy_buffered_body_bytes"] = [[server.budget.used]]
+        f["epd_proxy_client_rejections"] = [[str(s), n] for s, n in server.rejections.items()]
+    return collect
+
+
+async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
+                      backlog: int = 4096, reuse_port: bool = False, link: PeerLink | None = None,
+                      siblings: SiblingChannel | None = None, reloads: bool = False, settings=None,
+                      watch: bool = True) -> RunningProxy:
+    """Build and start a proxy listening on ``host:port``. A ``serve`` process adds its
+    ``--workers`` ``link`` (the shared roster) and ``siblings``, and ``reloads`` (SIGHUP, and
+    with ``watch`` a changed cluster file; ``settings``: serve_command.ServeSettings)."""
+    tls = tls_context(config)
+    app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings)
+    await app.start()
+    handler = log_requests(app) if config.log_requests else app
+    try:
+        server = await HttpServer(handler, error_body=error_body, limits=server_limits(config),
+                                  on_large_release=trim_heap).start(host, port, backlog=backlog,
+                                                                    reuse_port=reuse_port, ssl=tls)
+    except OSError as exc:
+        await app.close()
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            reason += " (another process listens there; choose another --port)"
+        raise ListenError(f"cannot listen on {listen_url(host, port, tls=tls is not None)}: {reason}") from None
+    except BaseException:
+        await app.close()
+        raise
+    app.metrics.register(front_door_collector(server))
+    sources = RosterSources(app.membership, shared=SharedRoster(app.membership, link) if link is not None else None,
+                            dns_interval=config.dns_interval, dns_server=config.dns_server,
+                            register=app.metrics.register)
+    sources.follow_dns(config.discover)
+    reloader = None
+    if reloads:
+        reloader = Reloader(settings, sources.apply_config, args=settings.started if settings is not None else None,
+                            watch=watch)
+        reloader.start()
+        if config.api_key_file:
+            reloader.on_reload(app.reload)  # the client key file (client_auth.py)
+        app.metrics.register(reloader.collect)
+    if siblings is not None:
+        siblings.parent = link  # counters kept, the supervisor's view (workers.py)
+        await siblings.start(app.answer_sibling)
+        if link is not None:
+            link.serving()
+    return RunningProxy(app, server, sources, reloader=reloader)
+
+
+def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:
+    """A reloaded cluster file's instances into the roster, as one diff, and its DNS names
+    into discovery (``RosterSources.apply_config``)."""
+    proxy.sources.apply_config(config)
+
+
+def tls_context(config: ProxyConfig) -> ssl.SSLContext | None:
+    """The listener's TLS context (``--ssl-certfile``/``--ssl-keyfile``), built once; None for plain HTTP."""
+    if not config.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile}"
+                         f"{' / ' + config.ssl_keyfile if config.ssl_keyfile else ''}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    return ctx
+
+
+# Descriptors kept for what is not a client or upstream connection: the listening
+# socket, logs, probes, the event loop's own.
+_RESERVED_FDS = 64
+
+
+def connection_cap(fd_limit: int) -> int:
+    """The default client-connection cap for a descriptor limit: a third of what is
+    left after the reserve, so every client connection can have two upstream legs
+    (prefill and decode) open at once without running out of descriptors."""
+    return max(16, (fd_limit - _RESERVED_FDS) // 3)
+
+
+def fd_limit() -> int:
+    """This process's soft RLIMIT_NOFILE (0 if unknown or unlimited)."""
+    if resource is None:  # pragma: no cover
+        return 0
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 0 if soft == resource.RLIM_INFINITY else soft
+
+
+def server_limits(config: ProxyConfig) -> ServerLimits:
+    """The client-facing limits of a config; the connection cap, unless set, from the
+    descriptor limit in force now."""
+    cap = config.max_connections
+    if not cap:
+        limit = fd_limit()
+        cap = connection_cap(limit) if limit else 0
+    return ServerLimits(max_body_bytes=config.max_body_size, max_buffered_bytes=config.max_buffered_bytes,
+                        max_connections=cap, header_timeout=config.header_timeout,
+                        body_timeout=config.body_timeout)
