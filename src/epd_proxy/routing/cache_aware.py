@@ -1,6 +1,6 @@
-"""``cache-aware``: rendezvous hashing of the conversation's anchor (an item's uuid for
-encoders), bounded by load, with a conversation kept where this proxy sent its previous
-turn and opening turns spread level (the class docstring has the rules)."""
+"""``cache-aware``: rendezvous hashing of the conversation's anchor, bounded by load, with
+a conversation kept where this proxy sent its previous turn and opening turns spread level
+(the class docstring has the rules); media items are placed by ``encoders.py``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ class CacheAware:
     rendezvous order that every replica computes alike, so replicas agree from the first
     turn any of them could not see (the same turn sent again keeps its home too). The
     homes are bounded (``HOMES``, oldest forgotten).
+
+    Encoders (``assign``) place media items per item: new content level by estimated work,
+    repeats on the encoder that holds them (``routing.encoders.EncoderPlacement``).
     """
 
     name = "cache-aware"
