@@ -136,7 +136,7 @@ async def test_the_same_image_goes_to_the_same_encoder_whose_cache_hits_grow():
         used = [i for i in cluster.instances("encode") if i.generation_records()]
         assert len(used) == 1
         assert await metric(used[0].url, b"sim:encoder_cache_hits_total") == 5
-        for k in range(30):  # other images spread (all 30 missing one of 3 encoders: 2e-5 likely)
+        for k in range(30):  # other images spread level (tests/routing/test_encoder_spread.py)
             assert (await client.chat(chat_body("What is it?", images=[f"https://example.com/{k}.png"]))).status == 200
         assert all(i.generation_records() for i in cluster.instances("encode"))
 

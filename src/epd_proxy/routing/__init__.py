@@ -12,7 +12,8 @@ a policy only picks among them, from two kinds of input:
   fresh by ``load_signals.py`` in the background).
 
 ``cache-aware`` routes by rendezvous (highest-random-weight) hashing of the
-anchor, or of an item's uuid for encoders: every proxy replica and every
+anchor (encoders: new media level by estimated work, preferring the item uuid's
+rendezvous-top encoder, repeats where they went; ``encoders.py``): every proxy replica and every
 ``--workers`` process computes the same order from the instance URLs alone,
 so they agree without a shared store, and an instance leaving moves only the
 keys that were its own. Load bounds it: an instance loaded past the balance
@@ -23,7 +24,8 @@ conversation's previous turn, as long as that turn was its own (see
 
 Pure: no I/O, no clock; the only state is rotation cursors, a random
 generator for ``power-of-two``, and ``cache-aware``'s seeds by URL, counts of
-openings and spills, and a bounded map of conversations' last instances.
+openings and spills, a bounded map of conversations' last instances, and for
+encoders the recent work placed per encoder and a bounded map of items' encoders.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""``cache-aware``: rendezvous hashing of the conversation's anchor (an item's uuid for
-encoders), bounded by load, with a conversation kept where this proxy sent its previous
-turn and opening turns spread level (the class docstring has the rules)."""
+"""``cache-aware``: rendezvous hashing of the conversation's anchor, bounded by load, with
+a conversation kept where this proxy sent its previous turn and opening turns spread level
+(the class docstring has the rules); media items are placed by ``encoders.py``."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from epd_proxy.routing.encoders import EncoderPlacement
 from epd_proxy.routing.policies import LoadAware
 from epd_proxy.routing.policy import C
-from epd_proxy.routing.view import EMPTY_VIEW, M64, RequestView, instance_seed, key_of, mix64
+from epd_proxy.routing.view import EMPTY_VIEW, M64, RequestView, instance_seed, mix64
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from epd_proxy.encode.multimodal import MediaItem
@@ -44,6 +45,9 @@ class CacheAware:
     rendezvous order that every replica computes alike, so replicas agree from the first
     turn any of them could not see (the same turn sent again keeps its home too). The
     homes are bounded (``HOMES``, oldest forgotten).
+
+    Encoders (``assign``) place media items per item: new content level by estimated work,
+    repeats on the encoder that holds them (``routing.encoders.EncoderPlacement``).
     """
 
     name = "cache-aware"
@@ -58,6 +62,7 @@ class CacheAware:
         self._openings: dict[str, int] = {}  # recent opening turns per URL (halved as they grow)
         self._homes: dict[int, tuple[str, int]] = {}  # anchor -> (URL, mark) of the last turn routed
         self.spills = 0  # picks that passed over the preferred instance (for load, or an opening's count)
+        self.encoders: EncoderPlacement | None = None  # media items' placement, on first assign
 
     def seed(self, url: str) -> int:
         seed = self._seeds.get(url)
@@ -90,18 +95,12 @@ class CacheAware:
         return inst
 
     def assign(self, candidates: list[C], items: Sequence[MediaItem]) -> list[C]:
-        if len(candidates) == 1:
-            return [candidates[0]] * len(items)
-        loads = [c.inflight + c.signals.others for c in candidates]
-        out = []
-        seen: dict[str, int] = {}
-        for item in items:
-            i = seen.get(item.uuid)
-            if i is None:  # the same item twice in one request is encoded once, on one encoder
-                i = seen[item.uuid] = self._pick(candidates, key_of(item.uuid), loads)
-                loads[i] += 1  # the request's own items count against each other
-            out.append(candidates[i])
-        return out
+        """Encoders: new content level by work, repeats where they went
+        (:class:`~epd_proxy.routing.encoders.EncoderPlacement`)."""
+        placement = self.encoders
+        if placement is None:
+            placement = self.encoders = EncoderPlacement(self.seed, self.balance_abs, self.balance_rel)
+        return placement.assign(candidates, items)
 
     def _pick(self, candidates: list[C], key: int, loads: list[float], reuse: float = 1.0,
               home: str | None = None) -> int:
