@@ -10,7 +10,8 @@ import socket
 import pytest
 from httpkit import Recorder, all_requests, chunked, connect, read_to_eof, send_fin_now, set_rst_on_close
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError, UpstreamTimeout
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError, UpstreamTimeout
 
 FAST = TransportTimeouts(connect=1.0, headers=1.0, idle=1.0)
 

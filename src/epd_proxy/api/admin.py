@@ -19,8 +19,8 @@ import msgspec
 from epd_proxy.api.access import ADMIN, READ, REGISTER, AccessPolicy, peer_ip
 from epd_proxy.api.client_auth import presented_admin_key
 from epd_proxy.http import Headers
-from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.response import Request, ResponseWriter
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.roster import (
     MembershipConflict,

@@ -24,8 +24,8 @@ from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ProxyConfig, gather
 from epd_proxy.encode import media_policy
 from epd_proxy.http import Headers
-from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.response import Request, ResponseWriter
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances import discovery
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from epd_proxy.http.client import TransportTimeouts, UpstreamError
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.load_signals import QUIET_STRETCH, parse_load
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -17,7 +17,8 @@ import msgspec
 
 from epd_proxy.config import ProxyConfig, gather
 from epd_proxy.http import Headers
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
