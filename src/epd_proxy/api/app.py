@@ -190,18 +190,14 @@ class ProxyApp:
                 break
             tried.add(inst)
             try:
-                resp = await inst.connections.request("GET", "/v1/models", headers=self._base_headers,
-                                                      timeouts=timeouts)
-                try:
-                    data = await resp.read()
-                finally:
-                    resp.close()
+                status, content_type, data = await inst.connections.fetch(
+                    "GET", "/v1/models", headers=self._base_headers, timeouts=timeouts)
             except UpstreamError as exc:
                 pool.record_failure(inst, str(exc))
                 log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
                 last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
-            writer.send(resp.status, data, resp.content_type)
+            writer.send(status, data, content_type)
             return
         writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
 

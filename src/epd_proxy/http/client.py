@@ -622,6 +622,21 @@ class ConnectionPool:
         conn, _ = await self._fresh(timeouts, queue)
         return await self._exchange(conn, head, body, timeouts)
 
+    async def fetch(self, method: str, path: str, *, headers: Headers | None = None,
+                    timeouts: TransportTimeouts | None = None, body: bytes = b"",
+                    queue: bool = True) -> tuple[int, bytes | None, bytes]:
+        """One whole exchange: send the request, read all of the answer, close it.
+
+        Returns the status, the content type and the body; raises ``UpstreamError``
+        (``UpstreamTimeout``) like ``request``. For the small answers read in one piece
+        (models, health, metrics, admin calls); ``queue`` as for ``request``."""
+        resp = await self.request(method, path, body=body, headers=headers, timeouts=timeouts, queue=queue)
+        try:
+            data = await resp.read()
+        finally:
+            resp.close()
+        return resp.status, resp.content_type, data
+
     async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: TransportTimeouts) -> Response:
         fut = conn.send(head, body, timeouts)
         try:
