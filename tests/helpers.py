@@ -9,7 +9,8 @@ import msgspec
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import StageTimeouts
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 
 T = TransportTimeouts(connect=2.0, headers=5.0, idle=5.0)
 

@@ -10,7 +10,8 @@ import socket
 import pytest
 from httpkit import Recorder, all_requests, chunked, connect, read_to_eof, send_fin_now, set_rst_on_close
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError, UpstreamTimeout
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError, UpstreamTimeout
 
 FAST = TransportTimeouts(connect=1.0, headers=1.0, idle=1.0)
 
@@ -57,6 +58,56 @@ async def test_content_length_body_and_request_line(http_server, pools):
     assert await resp.read() == b'{"a":1}'
     assert resp.complete
     assert seen == [("POST", "/base/v1/x", "q=1", b"1", f"127.0.0.1:{srv.port}".encode(), b"hello")]
+
+
+async def test_fetch_reads_the_whole_answer_and_hands_the_connection_back(http_server, pools):
+    seen = []
+
+    async def handler(req, w):
+        seen.append((req.method, req.path, req.header(b"x-req"), req.body))
+        if req.path == "/missing":
+            w.send(404, b"not here", b"text/plain")
+        else:
+            w.send(200, b'{"a":1}')
+
+    srv = await http_server(handler)
+    pool = pools(f"http://127.0.0.1:{srv.port}")
+    got = await pool.fetch("POST", "/x", headers=[(b"x-req", b"1")], timeouts=FAST, body=b"hello")
+    assert got == (200, b"application/json", b'{"a":1}')
+    assert pool.open_connections == 1 and pool.idle_connections == 1  # released, kept alive
+    assert await pool.fetch("GET", "/missing", timeouts=FAST) == (404, b"text/plain", b"not here")
+    assert pool.open_connections == 1  # the same connection again
+    assert seen == [("POST", "/x", b"1", b"hello"), ("GET", "/missing", None, b"")]
+
+
+async def test_fetch_body_cut_short_is_an_upstream_error_and_the_connection_is_dropped(raw_server, pools):
+    async def handler(conn):
+        await conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
+        await conn.writer.drain()
+        conn.writer.close()
+
+    srv = await raw_server(handler)
+    pool = pools(srv.url)
+    with pytest.raises(UpstreamError) as ei:
+        await pool.fetch("GET", "/", timeouts=FAST)
+    assert ei.value.response_started
+    assert pool.open_connections == 0 and pool.idle_connections == 0
+
+
+async def test_fetch_silent_body_is_an_upstream_timeout(raw_server, pools):
+    async def handler(conn):
+        await conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nstart")
+        conn.eof = await read_to_eof(conn.reader)  # then nothing
+
+    srv = await raw_server(handler)
+    pool = pools(srv.url)
+    with pytest.raises(UpstreamTimeout) as ei:
+        await pool.fetch("GET", "/", timeouts=TransportTimeouts(connect=1, headers=1, idle=0.2))
+    assert ei.value.kind == "timeout" and ei.value.response_started
+    await asyncio.wait_for(srv.conns[0].closed.wait(), 1)  # the client hung up
+    assert pool.open_connections == 0
 
 
 async def test_chunked_body_read_chunk_piece_by_piece(raw_server, pools):

@@ -10,8 +10,9 @@ import socket
 import pytest
 from httpkit import Incomplete, connect, read_body, read_head, read_response, request_bytes
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.response import FlowListener
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 
 SSE_TEXT = "".join(
     f'data: {{"id":{i},"delta":"{t}"}}\n\n'

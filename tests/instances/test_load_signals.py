@@ -5,7 +5,8 @@ import asyncio
 import msgspec
 from helpers import Client, chat_body, stack, wait_for
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.instances.load_signals import QUIET_STRETCH, gauge_samples, parse_load
 from epd_proxy.sim import SimConfig
 

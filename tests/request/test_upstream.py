@@ -7,7 +7,7 @@ and test_recovery.py; here each answer the mapping can give is checked on its ow
 import pytest
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.http.client import UpstreamError, UpstreamTimeout
+from epd_proxy.http.transport import UpstreamError, UpstreamTimeout
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.sim import SimConfig
 
 JSON_HEADERS = [(b"content-type", b"application/json")]

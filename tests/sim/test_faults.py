@@ -18,7 +18,7 @@ from simhelpers import (
     stream_text,
 )
 
-from epd_proxy.http.client import TransportTimeouts, UpstreamError, UpstreamTimeout
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError, UpstreamTimeout
 from epd_proxy.sim import SimCluster, SimConfig, expected_text, parse_faults
 from epd_proxy.sim.faults import FaultSource, FaultSyntaxError
 

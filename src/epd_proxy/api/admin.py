@@ -19,8 +19,8 @@ import msgspec
 from epd_proxy.api.access import ADMIN, READ, REGISTER, AccessPolicy, peer_ip
 from epd_proxy.api.client_auth import presented_admin_key
 from epd_proxy.http import Headers
-from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.response import Request, ResponseWriter
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.roster import (
     MembershipConflict,
@@ -124,16 +124,12 @@ class AdminApi:
         t = TransportTimeouts(connect=5.0, headers=_PROFILE_TIMEOUT, idle=_PROFILE_TIMEOUT)
         headers = [(b"content-type", b"application/json"), *self._headers]
         try:
-            resp = await inst.connections.request("POST", path, body=body, headers=headers, timeouts=t)
-            try:
-                data = await resp.read()
-            finally:
-                resp.close()
+            status, _, data = await inst.connections.fetch("POST", path, body=body, headers=headers, timeouts=t)
         except UpstreamError as exc:
             return None, str(exc)
-        if resp.status == 404:
+        if status == 404:
             log.warning("%s: %s not found (profiling not enabled)", inst.url, path)
-        return resp.status, None if resp.status == 200 else data[:200].decode("utf-8", "replace")
+        return status, None if status == 200 else data[:200].decode("utf-8", "replace")
 
 
 def _url_from(req: Request) -> str | None:

@@ -24,8 +24,8 @@ from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ProxyConfig, gather
 from epd_proxy.encode import media_policy
 from epd_proxy.http import Headers
-from epd_proxy.http.client import TransportTimeouts, UpstreamError
 from epd_proxy.http.response import Request, ResponseWriter
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances import discovery
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
@@ -190,18 +190,14 @@ class ProxyApp:
                 break
             tried.add(inst)
             try:
-                resp = await inst.connections.request("GET", "/v1/models", headers=self._base_headers,
-                                                      timeouts=timeouts)
-                try:
-                    data = await resp.read()
-                finally:
-                    resp.close()
+                status, content_type, data = await inst.connections.fetch(
+                    "GET", "/v1/models", headers=self._base_headers, timeouts=timeouts)
             except UpstreamError as exc:
                 pool.record_failure(inst, str(exc))
                 log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
                 last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
-            writer.send(resp.status, data, resp.content_type)
+            writer.send(status, data, content_type)
             return
         writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
 

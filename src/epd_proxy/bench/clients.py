@@ -17,7 +17,8 @@ import msgspec
 
 from epd_proxy.bench.exchange import Outcome, send
 from epd_proxy.bench.workloads import Prepared
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 
 perf = time.perf_counter
 _HEADERS = [(b"content-type", b"application/json")]

@@ -17,7 +17,8 @@ from typing import Sequence
 import msgspec
 
 from epd_proxy.bench.workloads import Prepared
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 
 perf = time.perf_counter
 _JSON_HEADERS = [(b"content-type", b"application/json")]

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 from epd_proxy.bench.exchange import Outcome
 from epd_proxy.bench.procs import self_cpu_seconds
 from epd_proxy.bench.workloads import Prepared
-from epd_proxy.http.client import TransportTimeouts
+from epd_proxy.http.transport import TransportTimeouts
 
 perf = time.perf_counter
 

@@ -28,55 +28,13 @@ import errno
 import ssl as _ssl
 import sys
 from collections import deque
-from typing import Protocol
 from urllib.parse import urlsplit
 
 import httptools
 
 from epd_proxy.http import Headers
 from epd_proxy.http.timers import ConnectionTimer
-
-
-class UpstreamError(Exception):
-    """Transport-level failure talking to an upstream (connect, reset, timeout)."""
-
-    def __init__(self, message: str, *, kind: str = "connection", response_started: bool = False) -> None:
-        super().__init__(message)
-        # "connect", "connection", "timeout", "protocol"; "local" when this process ran out of
-        # something (descriptors, buffers, memory): not the upstream's fault; "ejected" when
-        # the pool gave up on a pending exchange (``ConnectionPool.fail_pending``).
-        self.kind = kind
-        self.response_started = response_started
-
-
-class UpstreamTimeout(UpstreamError):
-    def __init__(self, message: str, *, response_started: bool = False) -> None:
-        super().__init__(message, kind="timeout", response_started=response_started)
-
-
-class BodySink(Protocol):
-    """Receives a relayed body. Called from the protocol callback: must not block."""
-
-    def on_data(self, data: bytes) -> None: ...
-
-    def on_end(self) -> None: ...
-
-    def on_error(self, exc: Exception) -> None: ...
-
-
-class TransportTimeouts:
-    """How long to wait for each phase of one upstream exchange (seconds; None = forever).
-
-    The transport's bounds; the operator's per-stage ones are ``config.StageTimeouts``,
-    from which the stages build these."""
-
-    __slots__ = ("connect", "headers", "idle")
-
-    def __init__(self, connect: float | None = 10.0, headers: float | None = 600.0,
-                 idle: float | None = 600.0) -> None:
-        self.connect = connect
-        self.headers = headers  # until the status line and headers arrive
-        self.idle = idle  # longest silence between body pieces
+from epd_proxy.http.transport import BodySink, TransportTimeouts, UpstreamError, UpstreamTimeout
 
 
 class Response:
@@ -663,6 +621,21 @@ class ConnectionPool:
         # The server closed the idle connection as we reused it: once more, on a fresh one.
         conn, _ = await self._fresh(timeouts, queue)
         return await self._exchange(conn, head, body, timeouts)
+
+    async def fetch(self, method: str, path: str, *, headers: Headers | None = None,
+                    timeouts: TransportTimeouts | None = None, body: bytes = b"",
+                    queue: bool = True) -> tuple[int, bytes | None, bytes]:
+        """One whole exchange: send the request, read all of the answer, close it.
+
+        Returns the status, the content type and the body; raises ``UpstreamError``
+        (``UpstreamTimeout``) like ``request``. For the small answers read in one piece
+        (models, health, metrics, admin calls); ``queue`` as for ``request``."""
+        resp = await self.request(method, path, body=body, headers=headers, timeouts=timeouts, queue=queue)
+        try:
+            data = await resp.read()
+        finally:
+            resp.close()
+        return resp.status, resp.content_type, data
 
     async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: TransportTimeouts) -> Response:
         fut = conn.send(head, body, timeouts)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from epd_proxy.http.client import TransportTimeouts, UpstreamError
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.load_signals import QUIET_STRETCH, parse_load
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,17 +74,14 @@ class LoadScraper:
         try:
             async with asyncio.timeout(self.timeout):
                 # Past the connection cap, like a probe: the load is read when it is highest.
-                resp = await inst.connections.request("GET", "/metrics", timeouts=self.timeouts, queue=False)
-                try:
-                    data = await resp.read()
-                finally:
-                    resp.close()
+                status, _, data = await inst.connections.fetch("GET", "/metrics", timeouts=self.timeouts,
+                                                               queue=False)
         except (UpstreamError, TimeoutError, OSError) as exc:
             self._failed(inst, str(exc) or type(exc).__name__)
             return
-        load = parse_load(data) if resp.status == 200 else None
+        load = parse_load(data) if status == 200 else None
         if load is None:
-            self._failed(inst, f"HTTP {resp.status}" if resp.status != 200 else "no vLLM queue gauges")
+            self._failed(inst, f"HTTP {status}" if status != 200 else "no vLLM queue gauges")
             return
         self.scrapes += 1
         inst.signals.update(*load, own_inflight=max(own_before, inst.inflight), now=loop.time())

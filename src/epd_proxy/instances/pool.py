@@ -18,7 +18,8 @@ import time
 from typing import Iterable, Sequence
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, Ejection, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
@@ -268,11 +269,7 @@ class InstancePool:
         try:
             async with asyncio.timeout(timeout):
                 # A probe never queues behind the connection cap: a busy instance is not a dead one.
-                resp = await inst.connections.request("GET", "/health", timeouts=t, queue=False)
-                try:
-                    await resp.read()
-                finally:
-                    resp.close()
+                status, _, _ = await inst.connections.fetch("GET", "/health", timeouts=t, queue=False)
         except UpstreamError as exc:
             if exc.kind == "local":
                 self.record_local_error()
@@ -285,11 +282,11 @@ class InstancePool:
         except OSError as exc:
             self._probe_failed(inst, "connection", f"health probe: {exc}")
             return
-        if resp.status == 200:
+        if status == 200:
             if self.rules.success(inst.health, _now(), probe=True):
                 self._changed(inst, "health probe answered")
         else:
-            self._probe_failed(inst, "probe_status", f"health probe: HTTP {resp.status}")
+            self._probe_failed(inst, "probe_status", f"health probe: HTTP {status}")
 
     def _probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
         self._note(inst, kind, reason, None)

@@ -17,7 +17,8 @@ import msgspec
 
 from epd_proxy.config import ProxyConfig, gather
 from epd_proxy.http import Headers
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
@@ -221,12 +222,8 @@ class Mooncake(NixlPush):
         connections = ConnectionPool(url, idle_timeout=0)
         try:
             t = TransportTimeouts(connect=2.0, headers=5.0, idle=5.0)
-            resp = await connections.request("GET", "/query", timeouts=t)
-            try:
-                data = await resp.read()
-            finally:
-                resp.close()
-            ranks = msgspec.json.decode(data) if resp.status == 200 else None
+            status, _, data = await connections.fetch("GET", "/query", timeouts=t)
+            ranks = msgspec.json.decode(data) if status == 200 else None
             engines = [ranks[k]["engine_id"] for k in sorted(ranks, key=int)] if isinstance(ranks, dict) else []
         except (UpstreamError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
             log.warning("prefill %s: its Mooncake bootstrap server %s did not answer /query: %s", inst.url,

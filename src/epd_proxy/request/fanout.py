@@ -19,7 +19,7 @@ from epd_proxy.encode.encoder_plan import (
     plan_sub_requests,
 )
 from epd_proxy.encode.multimodal import MediaItem
-from epd_proxy.http.client import TransportTimeouts
+from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext

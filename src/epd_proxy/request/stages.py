@@ -13,7 +13,8 @@ import time
 import msgspec
 
 from epd_proxy.http import Headers
-from epd_proxy.http.client import Response, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import Response
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext

@@ -19,7 +19,8 @@ import logging
 import msgspec
 
 from epd_proxy.http import Headers
-from epd_proxy.http.client import Response, TransportTimeouts, UpstreamError, UpstreamTimeout
+from epd_proxy.http.client import Response
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError, UpstreamTimeout
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext

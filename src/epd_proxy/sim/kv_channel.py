@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.sim.config import SimConfig
 from epd_proxy.sim.records import Stats
 from epd_proxy.sim.responses import JSON

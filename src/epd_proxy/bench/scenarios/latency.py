@@ -16,7 +16,8 @@ from epd_proxy.bench.procs import cross_core_rtt, steal_ticks
 from epd_proxy.bench.scenarios.base import Limit, Scenario, target_check, tty
 from epd_proxy.bench.stats import summarize
 from epd_proxy.bench.workloads import Prepared
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.runtime.serve import tune_gc
 
 

@@ -13,7 +13,8 @@ from epd_proxy.bench.markdown import fmt, table
 from epd_proxy.bench.procs import tree_pids
 from epd_proxy.bench.scenarios.base import Scenario
 from epd_proxy.bench.stats import summarize
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts, UpstreamError
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 
 perf = time.perf_counter
 

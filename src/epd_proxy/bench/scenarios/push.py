@@ -12,7 +12,8 @@ from epd_proxy.bench.markdown import fmt, table
 from epd_proxy.bench.scenarios.base import Scenario, float_list
 from epd_proxy.bench.stats import summarize
 from epd_proxy.bench.workloads import Prepared, chat_body, make_workload, simulator_expected
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts
 
 
 def add_arguments(group) -> None:

@@ -14,7 +14,8 @@ from epd_proxy.bench.markdown import fmt, table
 from epd_proxy.bench.procs import nofile_limits, self_cpu_seconds
 from epd_proxy.bench.scenarios.base import Figures, Limit, Scenario, target_check, tty
 from epd_proxy.bench.stats import summarize
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts
 
 perf = time.perf_counter
 

@@ -17,7 +17,8 @@ from epd_proxy.bench.conversations import ChatSpec, Conversation, turn_body
 from epd_proxy.bench.exchange import Outcome, send
 from epd_proxy.bench.stats import summarize
 from epd_proxy.bench.workloads import CHAT_PATH, Prepared, simulator_expected
-from epd_proxy.http.client import ConnectionPool, TransportTimeouts
+from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.transport import TransportTimeouts
 
 perf = time.perf_counter
 
