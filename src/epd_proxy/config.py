@@ -342,6 +342,9 @@ class ProxyConfig:
     # Logs (access_log.py): a line per request at INFO, and the format of every line.
     access_log: bool = True
     log_format: str = "text"  # or "json"
+    # The access log's client: X-Forwarded-For's when the peer is one of these (CIDRs).
+    trusted_proxies: tuple[str, ...] = ()
+    metrics_max_models: int = 32  # model labels of the token metrics per process; later models: "other"
 
     def validate(self) -> None:
         """Raise ``ConfigErrors`` naming every knob of this config that cannot work (the
@@ -362,11 +365,13 @@ class ProxyConfig:
                 "--registration-allow CIDR: otherwise nothing may register")
         if self.topology not in TOPOLOGIES:
             add(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
-        for cidr in self.registration_allow:
-            try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError:
-                add(f"--registration-allow {cidr!r}: not a network (e.g. 10.0.0.0/8)")
+        for flag, cidrs in (("--registration-allow", self.registration_allow),
+                            ("--trusted-proxies", self.trusted_proxies)):
+            for cidr in cidrs:
+                try:
+                    ipaddress.ip_network(cidr, strict=False)
+                except ValueError:
+                    add(f"{flag} {cidr!r}: not a network (e.g. 10.0.0.0/8)")
         t = self.timeouts
         # (flag, value, lowest, exclusive): every number a flag sets.
         for flag, value, low, above in (
@@ -401,6 +406,7 @@ class ProxyConfig:
             ("--queue-timeout", self.queue_timeout, 0, False),
             ("--shutdown-grace", self.shutdown_grace, 0, False),
             ("--shutdown-timeout", self.shutdown_timeout, 0, False),
+            ("--metrics-max-models", self.metrics_max_models, 1, False),
         ):
             check_range(errors, flag, value, low, above=above)
         check_range(errors, "--outlier-failure-percent", self.outlier_failure_percent, 0, above=True)

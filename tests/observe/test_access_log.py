@@ -10,18 +10,8 @@ import msgspec
 from helpers import JSON, chat_body, stack
 from procs import child_proxy, fresh_request
 
-from epd_proxy.observe.access_log import AccessLog, usage_of
+from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.sim import SimCluster, SimConfig
-
-
-def test_usage_of_a_whole_answer_and_of_the_last_stream_events():
-    assert usage_of(b'{"id":"x","usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}') == (7, 3)
-    tail = (b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,'
-            b'"prompt_tokens_details":{"cached_tokens":0}}}\n\ndata: [DONE]\n\n')
-    assert usage_of(tail) == (5, 2)
-    assert usage_of(b'data: {"choices":[{"delta":{}}],"usage":null}\n\ndata: [DONE]\n\n') == (None, None)
-    assert usage_of(b"") == (None, None)
-    assert usage_of(b'data: {"usage":{"prompt_tok') == (None, None)  # cut: unknown, not an error
 
 
 async def test_one_line_per_request_with_the_fields_text_and_json():

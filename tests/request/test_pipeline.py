@@ -207,7 +207,10 @@ async def test_large_data_urls_reach_every_stage_byte_for_byte(mode):
                     ec_connector="example" if mode == "example" else "nixl")
     encode = 0 if mode == "no-encoder" else 2
     async with stack(encode=encode, sim=sim, rewrite=mode != "no-rewrite") as (cluster, proxy, client):
-        body = chat_body(CJK_PROMPT, images=urls, stream=True, max_tokens=12)
+        # Usage asked for: the proxy relays decode's stream as received (without it, it would
+        # ask for the usage event itself and take it out: test_hidden_usage.py).
+        body = chat_body(CJK_PROMPT, images=urls, stream=True, max_tokens=12,
+                         stream_options={"include_usage": True})
         reply = await client.chat(body)
         assert reply.status == 200, reply.body
         assert reply.body == cluster.records("decode")[-1].response_body

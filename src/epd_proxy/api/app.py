@@ -94,7 +94,8 @@ class ProxyApp:
             ("POST", "/stop_profile"): self.admin.stop_profile,
         }
         self._paths = {path for _, path in self._routes}
-        self._generation = (self._routes[("POST", CHAT)], self._routes[("POST", COMPLETIONS)])
+        # The pipeline's routes: it is handed the client key's name too, and logs them itself.
+        self._generation = {self._routes[("POST", CHAT)]: CHAT, self._routes[("POST", COMPLETIONS)]: COMPLETIONS}
         # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
         # instance's drain (an operator taking one instance out: membership.py).
         self.shutting_down = False
@@ -137,17 +138,20 @@ class ProxyApp:
         if self.shutting_down:
             writer.keep_alive = False
         keys = self.client_keys
+        key = None  # the name of the client key presented (the access log's)
         if keys is not None and req.path.startswith("/v1/"):
             authorization = req.headers.get(b"authorization")
-            if not keys.allows(authorization):
+            key = keys.identify(authorization)
+            if key is None:
                 # Before the route: an unauthenticated caller learns nothing about the API's paths.
                 body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
                 writer.send(401, body, b"application/json", CHALLENGE)
                 self._served(req, writer, time.perf_counter())
                 return
         handler = self._routes.get((req.method, req.path))
-        if handler in self._generation:
-            await handler(req, writer)  # the pipeline writes its own access-log line
+        generation = self._generation.get(handler)  # type: ignore[arg-type]
+        if generation is not None:
+            await self.pipeline.handle(req, writer, generation, key)  # it writes its own access-log line
             return
         t0 = time.perf_counter()
         if handler is None:
@@ -167,7 +171,7 @@ class ProxyApp:
         if access is not None:
             rid = client_request_id(req)
             access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
-                         writer.bytes_sent, time.perf_counter() - t0)
+                         writer.bytes_sent, time.perf_counter() - t0, req.peer, req.headers)
 
     async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
         await self.pipeline.handle(req, writer, CHAT)

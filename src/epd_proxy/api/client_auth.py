@@ -4,11 +4,14 @@ Clients send ``Authorization: Bearer KEY``, as with vLLM's ``--api-key`` and the
 OpenAI API. Keys are compared in constant time, all of them on every check, so
 neither a key's content nor its position in the list shows in the answer's timing.
 
-The key file holds one key per line (blank lines and ``#`` comments ignored) and is
-read again on every reload (SIGHUP, reload.py; :meth:`ClientKeys.reload`): keys can be
-rotated without a restart. A file that cannot be read at reload keeps the keys in force (a failed
-rotation must not open the proxy to everyone, nor lock everyone out); a file that
-reads as empty means no key is valid (the operator revoked them all).
+The key file holds one key per line (blank lines and ``#`` comments ignored), as
+``name:key`` to give it the name the access log shows (never the key itself); a line
+without ``:`` is a key named after its line, ``line<N>``. ``--api-key`` keys are named
+``key1``, ``key2``, ... in the order given. The file is read again on every reload
+(SIGHUP, reload.py; :meth:`ClientKeys.reload`): keys can be rotated without a restart.
+A file that cannot be read at reload keeps the keys in force (a failed rotation must
+not open the proxy to everyone, nor lock everyone out); a file that reads as empty
+means no key is valid (the operator revoked them all).
 Pure apart from reading the file: the HTTP layer passes the header in.
 """
 
@@ -24,18 +27,33 @@ log = logging.getLogger("epd_proxy.auth")
 _BEARER = b"bearer "
 
 
-def read_key_file(path: str) -> list[str]:
-    """The keys in a key file; OSError/ValueError with the reason if it cannot be read."""
+def read_key_file(path: str) -> list[tuple[str, str]]:
+    """The ``(name, key)`` pairs of a key file; OSError/ValueError with the reason if it
+    cannot be read."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     keys = []
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         key = line.strip()
         if key and not key.startswith("#"):
             if any(c.isspace() for c in key):
                 raise ValueError(f"{path}: a key contains whitespace (one key per line)")
-            keys.append(key)
+            name, colon, secret = key.partition(":")
+            if not colon:
+                name, secret = f"line{number}", key
+            elif not name or not secret:
+                raise ValueError(f"{path} line {number}: 'name:key' needs both a name and a key")
+            keys.append((name, secret))
     return keys
+
+
+def _named(flag_keys, file_keys: list[tuple[str, str]]) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
+    """The keys and their names, a key given twice kept once (its first name)."""
+    pairs = [(f"key{i}", k) for i, k in enumerate(flag_keys, 1)] + file_keys
+    seen: dict[bytes, str] = {}
+    for name, key in pairs:
+        seen.setdefault(key.encode(), name)
+    return tuple(seen), tuple(seen.values())
 
 
 def bearer_token(authorization: bytes | None) -> bytes | None:
@@ -50,13 +68,13 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 class ClientKeys:
     """The keys clients may present; the flag's keys plus the key file's."""
 
-    __slots__ = ("_fixed", "_file", "_keys")
+    __slots__ = ("_fixed", "_file", "_keys", "_names")
 
     def __init__(self, keys: tuple[str, ...] | list[str] = (), key_file: str | None = None) -> None:
-        self._fixed = tuple(k.encode() for k in keys if k)
+        self._fixed = tuple(k for k in keys if k)
         self._file = key_file
         file_keys = read_key_file(key_file) if key_file else []
-        self._keys = self._fixed + tuple(k.encode() for k in file_keys)
+        self._keys, self._names = _named(self._fixed, file_keys)
         if key_file and not file_keys:
             log.warning("--api-key-file %s holds no key%s", key_file,
                         "" if self._fixed else ": every API request gets 401 until it does")
@@ -76,13 +94,18 @@ class ClientKeys:
 
     def allows(self, authorization: bytes | None) -> bool:
         """Whether the header carries a valid key (every key is compared, in constant time)."""
+        return self.identify(authorization) is not None
+
+    def identify(self, authorization: bytes | None) -> str | None:
+        """The name of the valid key the header carries, None if it carries none. Every key is
+        compared, in constant time, and the match found without a branch (keys are unique)."""
         token = bearer_token(authorization)
         if token is None:
-            return False
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(token, key)
-        return ok
+            return None
+        hit = 0
+        for i, key in enumerate(self._keys, 1):
+            hit += i * hmac.compare_digest(token, key)
+        return self._names[hit - 1] if hit else None
 
     def reload(self) -> None:
         """Read the key file again (a reload). If it cannot be read, the keys in force stay and
@@ -94,7 +117,7 @@ class ClientKeys:
         except (OSError, ValueError) as exc:
             raise ValueError(f"--api-key-file {self._file}: cannot read it ({_reason(exc)}); "
                              f"the keys in force stay") from None
-        self._keys = self._fixed + tuple(k.encode() for k in file_keys)
+        self._keys, self._names = _named(self._fixed, file_keys)
         log.info("--api-key-file %s reloaded: %d key(s) in force", self._file, len(self._keys))
 
 

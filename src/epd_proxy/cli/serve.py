@@ -255,6 +255,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="no access-log line per request (on by default, at INFO)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=defaults.log_format,
                    help="log lines as readable text or one JSON object each (default %(default)s)")
+    p.add_argument("--trusted-proxies", action="append", default=list(defaults.trusted_proxies),
+                   metavar="CIDR,...",
+                   help="networks of proxies in front of this one: from a peer in them the access log's "
+                        "client is the X-Forwarded-For chain's, read right to left past trusted addresses "
+                        "(repeatable, comma-separated; default none: the peer)")
+    p.add_argument("--metrics-max-models", type=int, default=defaults.metrics_max_models, metavar="N",
+                   help="models with their own label in the token metrics, per process; later ones share "
+                        "model=\"other\" (default %(default)s)")
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -346,6 +354,8 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         ssl_keyfile=args.ssl_keyfile or None,
         access_log=args.access_log,
         log_format=args.log_format,
+        trusted_proxies=tuple(split_instances(args.trusted_proxies)),
+        metrics_max_models=args.metrics_max_models,
     )
     if errors is not None:
         errors.extend(found)

@@ -11,45 +11,25 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from urllib.parse import quote
 
 import msgspec
 
+from epd_proxy.observe.client_address import client_address, peer_host, trusted_networks
 from epd_proxy.observe.record import RequestRecord
 
 ACCESS_LOGGER = "epd_proxy.access"  # its level decides whether the access log is on (INFO)
+_FORWARDED_FOR = b"x-forwarded-for"
 
 
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_WithUsage)
-
-
-def usage_of(data: bytes | None) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, completion_tokens)`` of a whole answer or of the SSE event holding
-    the final usage object in ``data`` (the last bytes of a stream); ``None`` when absent."""
-    if not data:
-        return None, None
-    at = data.rfind(b'"usage":{')
-    if at < 0:
-        return None, None
-    if data.startswith(b"{"):  # a whole JSON answer
-        doc = data
-    else:  # an SSE event: its ``data: `` line
-        start = data.rfind(b"data: ", 0, at)
-        end = data.find(b"\n", at)
-        doc = data[start + 6: end if end >= 0 else len(data)]
-    try:
-        usage = _usage_decoder.decode(doc).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, None
-    return (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (None, None)
+def text_field(value: str | None) -> str:
+    """A value the client chose (the model), safe in a space-separated line: ``-`` for none,
+    percent-encoded if it holds a space or a character that is not printable."""
+    if value is None:
+        return "-"
+    if value and value.isprintable() and value.find(" ") < 0:
+        return value
+    return quote(value, safe="") or '""'
 
 
 def enabled(config) -> bool:
@@ -64,9 +44,10 @@ def _address(url: str) -> str:
 class AccessLog:
     """Formats and writes access-log lines (``fmt``: ``text`` or ``json``)."""
 
-    def __init__(self, fmt: str = "text", stream=None) -> None:
+    def __init__(self, fmt: str = "text", stream=None, trusted_proxies=()) -> None:
         self.json = fmt == "json"
         self._stream = stream
+        self._trusted = trusted_networks(trusted_proxies)
         self._second = -1
         self._stamp = ""
 
@@ -81,13 +62,23 @@ class AccessLog:
             self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
         return now, f"{self._stamp},{int((now - second) * 1000):03d}"
 
+    def client(self, peer, headers) -> str:
+        """The client's address (client_address.py): the peer, or X-Forwarded-For's from a
+        trusted proxy."""
+        host = peer_host(peer)
+        if not self._trusted or headers is None:
+            return host
+        return client_address(host, headers.get(_FORWARDED_FOR), self._trusted)
+
     def request(self, rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float) -> None:
         """A generation request (``record.py``); the instances it used, in order (a retry adds
-        some), and its stages' times are its context's."""
+        some), and its stages' times are its context's. ``tokens``: (prompt, completion, cached)."""
         ctx = rec.ctx
         legs = ctx.legs if ctx is not None else ()
         timings = ctx.timings if ctx is not None else {}
         rid, method, path, stream, outcome = rec.request_id, rec.method, rec.path, rec.stream, rec.outcome
+        client = self.client(rec.peer, rec.headers)
+        p, c, cached = tokens
         now, stamp = self._now()
         if self.json:
             instances: dict[str, list[str]] = {}
@@ -97,27 +88,31 @@ class AccessLog:
                 "ts": round(now, 3), "level": "INFO", "logger": ACCESS_LOGGER, "request_id": rid, "method": method,
                 "path": path, "status": status, "stream": stream, "instances": instances,
                 "stages_ms": {k: round(v * 1000, 2) for k, v in timings.items()},
-                "duration_ms": round(seconds * 1000, 2), "prompt_tokens": tokens[0],
-                "completion_tokens": tokens[1], "bytes": nbytes, "outcome": outcome}).decode() + "\n")
+                "duration_ms": round(seconds * 1000, 2), "prompt_tokens": p, "completion_tokens": c,
+                "cached_tokens": cached, "bytes": nbytes, "client": client, "model": rec.model, "key": rec.key,
+                "outcome": outcome}).decode() + "\n")
             return
         chosen = " ".join(f"{inst.role[0]}={_address(inst.url)}" for inst in legs)
         stages = " ".join(f"{k}={v * 1000:.1f}ms" for k, v in timings.items())
-        p, c = tokens
         self._write(f"{stamp} INFO {ACCESS_LOGGER}: {rid} {method} {path} {status} "
                     f"{'stream' if stream else 'whole'} {chosen or '-'} {stages or '-'} total={seconds * 1000:.1f}ms "
-                    f"tokens={'-' if p is None else p}/{'-' if c is None else c} bytes={nbytes} {outcome}\n")
+                    f"tokens={'-' if p is None else p}/{'-' if c is None else c} "
+                    f"cached={'-' if cached is None else cached} bytes={nbytes} client={client} "
+                    f"model={text_field(rec.model)} key={text_field(rec.key)} {outcome}\n")
 
-    def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float) -> None:
-        """A request the pipeline did not run (/metrics, /health, a 404, a 429 at admission...)."""
+    def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float, peer=None,
+              headers=None) -> None:
+        """A request the pipeline did not run (/metrics, /health, a 401, a 404, a 429 at admission...)."""
+        client = self.client(peer, headers)
         now, stamp = self._now()
         if self.json:
             self._write(msgspec.json.encode({
                 "ts": round(now, 3), "level": "INFO", "logger": ACCESS_LOGGER, "request_id": rid, "method": method,
                 "path": path, "status": status, "duration_ms": round(seconds * 1000, 2), "bytes": nbytes,
-                "outcome": "ok" if status < 400 else "error"}).decode() + "\n")
+                "client": client, "outcome": "ok" if status < 400 else "error"}).decode() + "\n")
             return
         self._write(f"{stamp} INFO {ACCESS_LOGGER}: {rid} {method} {path} {status} total={seconds * 1000:.1f}ms "
-                    f"bytes={nbytes} {'ok' if status < 400 else 'error'}\n")
+                    f"bytes={nbytes} client={client} {'ok' if status < 400 else 'error'}\n")
 
 
 class JsonFormatter(logging.Formatter):

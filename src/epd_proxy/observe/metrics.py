@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 _STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 class Buckets:
@@ -137,7 +138,16 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_reloads": ("counter", "Reloads (SIGHUP or a changed cluster file), by result (failed: the running "
                           "configuration was kept).", ("result",)),
     "epd_proxy_workers": ("gauge", "Worker processes whose numbers this scrape includes.", ()),
+    "epd_proxy_prompt_tokens": ("counter", "Prompt tokens of the answered requests, as their usage says, by the "
+                                "request's model (\"-\": none; \"other\": past --metrics-max-models).", ("model",)),
+    "epd_proxy_completion_tokens": ("counter", "Completion tokens of the answered requests, by model.", ("model",)),
+    "epd_proxy_cached_tokens": ("counter", "Prompt tokens served from the prefix cache "
+                                "(usage.prompt_tokens_details.cached_tokens, when reported), by model.", ("model",)),
+    "epd_proxy_request_tokens": ("histogram", "Tokens per answered request, by model and kind (prompt, "
+                                 "completion).", ("model", "kind")),
 }
+# Histograms whose buckets are not _STAGE_BUCKETS.
+_BOUNDS = {"epd_proxy_request_tokens": _TOKEN_BUCKETS}
 # The roster is shared by the workers (each applies every change) and a reload reaches each
 # of them: across workers these take the largest value, not the sum.
 _MAX_ACROSS_WORKERS = {"epd_proxy_roster_instances", "epd_proxy_registrations", "epd_proxy_removals",
@@ -157,7 +167,7 @@ class ProxyMetrics:
     """Request, stage and failure counts of this process; what other subsystems know comes
     from the collectors they register."""
 
-    def __init__(self, worker: int = 0) -> None:
+    def __init__(self, worker: int = 0, max_models: int = 32) -> None:
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> answered
         self.durations: dict[tuple[str, bool, int], Buckets] = {}  # (endpoint, stream, status // 100)
         self.stages: dict[str, Buckets] = {}  # stage -> time spent in it
@@ -171,6 +181,11 @@ class ProxyMetrics:
         self.inflight = 0
         self.worker = worker  # this process's index with --workers (the instance_healthy label)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
+        # Tokens by model label: [prompt, completion, cached]; the first max_models models get
+        # their own label (per process), later ones share "other" (bounded cardinality).
+        self.tokens: dict[str, list[int]] = {}
+        self.token_counts: dict[tuple[str, str], Buckets] = {}  # (model label, kind) -> per request
+        self.max_models = max_models
         self._collectors: list[Collector] = []
 
     def register(self, collector: Collector) -> None:
@@ -186,6 +201,28 @@ class ProxyMetrics:
         if d is None:
             d = self.durations[dkey] = Buckets()
         d.observe(seconds)
+
+    def observe_tokens(self, model: str | None, tokens: tuple) -> None:
+        """An answer's usage, ``(prompt, completion, cached)`` (None: not reported)."""
+        label = "-" if model is None else model
+        counts = self.tokens.get(label)
+        if counts is None:
+            if len(self.tokens) >= self.max_models:
+                label = "other"
+                counts = self.tokens.get(label)
+            if counts is None:
+                counts = self.tokens[label] = [0, 0, 0]
+                self.token_counts[(label, "prompt")] = Buckets(_TOKEN_BUCKETS)
+                self.token_counts[(label, "completion")] = Buckets(_TOKEN_BUCKETS)
+        prompt, completion, cached = tokens
+        if prompt is not None:
+            counts[0] += prompt
+            self.token_counts[(label, "prompt")].observe(prompt)
+        if completion is not None:
+            counts[1] += completion
+            self.token_counts[(label, "completion")].observe(completion)
+        if cached is not None:
+            counts[2] += cached
 
     def observe_encoder_request(self, seconds: float) -> None:
         b = self.stages.get("encode_request")
@@ -234,6 +271,11 @@ class ProxyMetrics:
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]
         f["epd_proxy_inflight_requests"] = [[self.inflight]]
         f["epd_proxy_workers"] = [[1]]
+        tokens = self.tokens.items()
+        f["epd_proxy_prompt_tokens"] = [[m, c[0]] for m, c in tokens]
+        f["epd_proxy_completion_tokens"] = [[m, c[1]] for m, c in tokens]
+        f["epd_proxy_cached_tokens"] = [[m, c[2]] for m, c in tokens]
+        f["epd_proxy_request_tokens"] = [[m, k, b.counts, b.sum] for (m, k), b in self.token_counts.items()]
         for collect in self._collectors:
             collect(f)
         runtime = []
@@ -260,7 +302,7 @@ class _Merged:
             if kind == "histogram":
                 h = HistogramMetricFamily(name, doc, labels=list(labels))
                 for key, (counts, total) in sorted(series.items()):
-                    b = Buckets()
+                    b = Buckets(_BOUNDS.get(name, _STAGE_BUCKETS))
                     b.counts, b.sum = counts, total
                     h.add_metric(list(key), b.cumulative(), sum_value=total)
                 yield h

@@ -10,11 +10,16 @@ from typing import Any
 class RequestRecord:
     """One generation request: its id, what it asked (``path``, ``stream``), how it ended
     (``outcome``: ok, in_band_error, client_gone, shutdown, error) and ``answer``, the bytes
-    holding the usage object (a whole answer or a stream's last reads)."""
+    holding the usage object (a whole answer or a stream's last reads). Who asked: ``peer``
+    (the transport's peername) and ``headers`` (for X-Forwarded-For), read only when an
+    access-log line is written; ``key``, the name of the client key it presented; ``model``,
+    the body's. ``hide_usage``: the proxy asked decode for a usage event the client did not."""
 
-    __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx")
+    __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
+                 "headers", "key", "model", "hide_usage")
 
-    def __init__(self, request_id: str, method: str, path: str, start: float) -> None:
+    def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
+                 key: str | None = None) -> None:
         self.start = start  # perf_counter at arrival
         self.request_id = request_id
         self.method = method
@@ -23,3 +28,8 @@ class RequestRecord:
         self.outcome = "error"
         self.answer: bytes | None = None
         self.ctx: Any = None  # the RequestContext, once the body is parsed (legs, timings, trace)
+        self.peer = peer
+        self.headers = headers
+        self.key = key
+        self.model: str | None = None
+        self.hide_usage = False

@@ -23,16 +23,19 @@ from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import TOPOLOGY_ROLES
-from epd_proxy.observe.access_log import AccessLog, usage_of
+from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.record import RequestRecord
+from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.fanout import EncoderFanout
+from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
 from epd_proxy.request.relay import StreamRelay, relay_stream
+from epd_proxy.request.stage_bodies import stream_options_with_usage
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
@@ -97,11 +100,12 @@ class Pipeline:
         self.admission.close()
 
     # -- the request path -------------------------------------------------------------------
-    async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
+    async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
+        """``key``: the name of the client key the request presented (client_auth.py)."""
         t0 = time.perf_counter()
         if self._gated and not await self._admit(req, writer, path, t0):
             return
-        rec = RequestRecord(request_id(req), req.method, path, t0)
+        rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key)
         self.metrics.inflight += 1
         try:
             ctx, body, items = self._prepare(req, rec)
@@ -122,7 +126,16 @@ class Pipeline:
         """The body parsed, its media checked and owned, and the request's context."""
         path = rec.path
         body = parse_body(req, path)
-        rec.stream = body.get("stream") is True
+        model = body.get("model")
+        rec.model = model if type(model) is str else None
+        if body.get("stream") is True:
+            rec.stream = True
+            # Every stream's tokens are counted: decode is asked for its usage event, which
+            # the client gets only if it asked for it too (hidden_usage.py).
+            options = stream_options_with_usage(body.get("stream_options"))
+            if options is not None:
+                body["stream_options"] = options
+                rec.hide_usage = True
         body, items = self._media(body) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
         if self._keyed:
@@ -165,9 +178,11 @@ class Pipeline:
                 ok = True
                 rec.outcome = "ok"
                 return
+            hide = rec.hide_usage  # the client did not ask for the usage event: taken out
             relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
-                                       ctx if (report is not None or leg.companion is not None)
-                                       and _wants_usage(body) else None)
+                                       ctx if hide or ((report is not None or leg.companion is not None)
+                                                       and _wants_usage(body)) else None,
+                                       HiddenUsage() if hide else None)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
@@ -199,7 +214,9 @@ class Pipeline:
         # 499: the client went away before a status was sent (nginx's convention).
         status = writer.status or 499
         access = self.access_log
-        tokens = usage_of(rec.answer) if access is not None or self.tracing is not None else _NO_USAGE
+        tokens = usage_of(rec.answer)
+        if tokens[1] is not None:
+            self.metrics.observe_tokens(rec.model, tokens)
         ctx = rec.ctx
         if ctx is not None:
             if ctx.trace is not None:
@@ -245,7 +262,7 @@ class Pipeline:
         self.metrics.observe_request(path, status, seconds)
         if self.access_log is not None:
             self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
-                                  seconds)
+                                  seconds, req.peer, req.headers)
         return False
 
     def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
@@ -366,7 +383,6 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
-_NO_USAGE = (None, None)
 
 
 def _wants_usage(body: dict) -> bool:

@@ -15,6 +15,7 @@ from time import perf_counter
 from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
+from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.usage import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
 
@@ -97,13 +98,15 @@ class StreamRelay(FlowListener):
 
 class UsageRelay(StreamRelay):
     """A relay that rewrites the usage of decode's final usage event (usage.py), for a P/D
-    stream whose client asked for usage; every other byte goes out as received."""
+    stream, and with ``hidden`` takes that event out (hidden_usage.py: the client did not
+    ask for it); every other byte goes out as received."""
 
-    __slots__ = ("ctx",)
+    __slots__ = ("ctx", "hidden")
 
-    def __init__(self, writer: ResponseWriter, resp: Response, ctx) -> None:
+    def __init__(self, writer: ResponseWriter, resp: Response, ctx, hidden: HiddenUsage | None = None) -> None:
         super().__init__(writer, resp)
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
+        self.hidden = hidden
 
     def on_data(self, data: bytes) -> None:
         # The event split mirrors StreamRelay.on_data, which keeps it inline (no hook call per
@@ -123,17 +126,39 @@ class UsageRelay(StreamRelay):
         report = self.ctx.prefill_report
         if report is not None and events.find(b'"usage"') >= 0:
             events = rewrite_final_usage_events(events, report)
-        self.prev, self.last = self.last, events  # what the client got: its usage for the access log
+        # What the client got, or with ``hidden`` what decode sent: its usage for the access log.
+        self.prev, self.last = self.last, events
+        if self.hidden is not None:
+            events = self.hidden.feed(events)
+            if not events:
+                return
         self.writer.write(events)
+
+    def on_end(self) -> None:
+        self._flush_held()
+        super().on_end()
+
+    def fail(self, error: ProxyError) -> None:
+        self._flush_held()
+        super().fail(error)
+
+    def _flush_held(self) -> None:
+        """Events held for a usage event that did not come go out as received."""
+        if self.hidden is not None and not self.ended:
+            held = self.hidden.flush()
+            if held:
+                self.writer.write(held)
 
 
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
-                       companion: asyncio.Future | None = None, usage_ctx=None) -> StreamRelay:
+                       companion: asyncio.Future | None = None, usage_ctx=None,
+                       hidden: HiddenUsage | None = None) -> StreamRelay:
     """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
-    With ``usage_ctx`` (a RequestContext) the final usage event is rewritten (UsageRelay)."""
+    With ``usage_ctx`` (a RequestContext) the final usage event is rewritten, and with
+    ``hidden`` taken out (UsageRelay)."""
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
-    relay = StreamRelay(writer, resp) if usage_ctx is None else UsageRelay(writer, resp, usage_ctx)
+    relay = StreamRelay(writer, resp) if usage_ctx is None else UsageRelay(writer, resp, usage_ctx, hidden)
     writer.flow = relay
     if writer.writing_paused:
         relay.pause()  # the client was already behind before the relay attached

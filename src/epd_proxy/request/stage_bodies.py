@@ -96,3 +96,17 @@ def decode_body(body: dict, *, kv: dict | msgspec.Raw | None | _Keep = _KEEP, ec
         else:
             out[key] = value
     return out
+
+
+def stream_options_with_usage(options: object) -> dict | None:
+    """The ``stream_options`` that make decode end a stream with its usage event, for a
+    client that did not ask for it (hidden_usage.py takes the event out again); None when
+    the client asked. ``continuous_usage_stats`` is dropped: without ``include_usage`` it
+    did nothing, and with it every event would carry usage."""
+    if isinstance(options, dict):
+        if options.get("include_usage"):
+            return None
+        out = {k: v for k, v in options.items() if k != "continuous_usage_stats"}
+        out["include_usage"] = True
+        return out
+    return {"include_usage": True}

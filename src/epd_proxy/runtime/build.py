@@ -54,7 +54,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     membership = Membership(pools, evicted_ttl=config.evicted_ttl, topology=config.topology,
                             check=lambda spec: connector_class.check_instances([spec])
                             if spec.role == "prefill" else None)
-    metrics = ProxyMetrics(worker=worker)
+    metrics = ProxyMetrics(worker=worker, max_models=config.metrics_max_models)
     metrics.register(pool_collector(pools, worker))
     metrics.register(roster_collector(membership))
     # Load signals are scraped only for the pools whose policy reads them.
@@ -76,7 +76,8 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
-                        access_log=access_log.AccessLog(config.log_format) if access_log.enabled(config) else None,
+                        access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
+                        if access_log.enabled(config) else None,
                         tracing=tracing.from_environment())
     membership.subscribe(_forget_departed(connector))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers)
