@@ -148,3 +148,19 @@ def test_error_envelope_is_json():
     from epd_proxy.api.client_auth import MISSING_KEY_BODY
 
     assert msgspec.json.decode(MISSING_KEY_BODY)["error"]["type"] == "invalid_request_error"
+
+
+def test_keys_have_names_the_key_never_shows(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# comment\nteam-a:sk-aaa\nsk-plain\nteam-b:sk:with:colons\nsk-flag\n")
+    keys = ClientKeys(("sk-flag", "sk-flag-2"), str(f))
+    assert [keys.identify(b"Bearer " + k) for k in (b"sk-aaa", b"sk-plain", b"sk:with:colons", b"sk-flag",
+                                                     b"sk-flag-2", b"team-a", b"nope")] == \
+        ["team-a", "line3", "team-b", "key1", "key2", None, None]  # a key listed twice keeps its first name
+    assert keys.identify(None) is None
+    f.write_text(":sk-nameless\n")
+    with pytest.raises(ValueError, match="line 1: 'name:key' needs both"):
+        read_key_file(str(f))
+    f.write_text("team-a:\n")
+    with pytest.raises(ValueError, match="needs both"):
+        read_key_file(str(f))

@@ -47,11 +47,22 @@ def test_membership_flags_and_defaults(monkeypatch):
     assert parse("--decode", "d:1").admin_api_key == "from-env"
 
 
+def test_access_log_and_token_metric_flags():
+    cfg = parse("--decode", "d:1", "--trusted-proxies", "10.0.0.0/8, 192.168.0.0/16", "--trusted-proxies", "::1",
+                "--metrics-max-models", "5")
+    assert cfg.trusted_proxies == ("10.0.0.0/8", "192.168.0.0/16", "::1") and cfg.metrics_max_models == 5
+    cfg.validate()
+    d = parse("--decode", "d:1")
+    assert (d.trusted_proxies, d.metrics_max_models) == ((), 32)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dynamic-registration"], "needs --admin-api-key"),
     ([], "at least one --decode"),
     (["--dynamic-registration", "--registration-allow", "nonsense"], "not a network"),
     (["--decode", "d:1", "--evicted-ttl", "-1"], "--evicted-ttl"),
+    (["--decode", "d:1", "--trusted-proxies", "10.0.0.0/8,nonsense"], "--trusted-proxies 'nonsense': not a network"),
+    (["--decode", "d:1", "--metrics-max-models", "0"], "--metrics-max-models must be >= 1"),
     (["--decode", "d:1", "--prefill", "p:1", "--topology", "E+PD"], "pinned to E+PD"),
 ])
 def test_unusable_command_lines(argv, message, capsys, monkeypatch):

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_proxy.instances.collectors import pool_collector
-from epd_proxy.observe.metrics import _STAGE_BUCKETS, Buckets, ProxyMetrics
+from epd_proxy.observe.metrics import _STAGE_BUCKETS, Buckets, ProxyMetrics, render
 from epd_proxy.sim import SimConfig
 
 
@@ -146,3 +146,39 @@ async def test_a_retry_is_counted_against_the_instance_that_failed_the_attempt()
     assert s[("epd_proxy_instance_retries_total", (("role", "prefill"), ("url", failed[0].url)))] == 1
     assert s[("epd_proxy_retries_total", ())] == 1
     assert s404[("epd_proxy_requests_total", (("endpoint", "other"), ("status", "404")))] == 1
+
+
+def test_token_counters_by_model_with_bounded_labels():
+    m = ProxyMetrics(max_models=2)
+    m.observe_tokens("a", (10, 3, 4))
+    m.observe_tokens("a", (5, 2, None))
+    m.observe_tokens(None, (1, 1, None))  # no model in the body
+    m.observe_tokens("b", (7, 7, 0))  # past the two labels: "other"
+    m.observe_tokens("c", (1, 2, None))
+    s = samples(render([m.snapshot(), m.snapshot()]))  # two workers' numbers add up
+    model = lambda name: (("model", name),)  # noqa: E731
+    assert s[("epd_proxy_prompt_tokens_total", model("a"))] == 30
+    assert s[("epd_proxy_completion_tokens_total", model("a"))] == 10
+    assert s[("epd_proxy_cached_tokens_total", model("a"))] == 8
+    assert s[("epd_proxy_prompt_tokens_total", model("-"))] == 2
+    assert s[("epd_proxy_prompt_tokens_total", model("other"))] == 16
+    assert not any(labels == model("b") or labels == model("c") for _, labels in s)
+    hist = (("kind", "prompt"), ("model", "a"))
+    assert s[("epd_proxy_request_tokens_count", hist)] == 4
+    assert s[("epd_proxy_request_tokens_sum", hist)] == 30
+    assert s[("epd_proxy_request_tokens_bucket", (("kind", "prompt"), ("le", "8.0"), ("model", "a")))] == 2
+    assert s[("epd_proxy_request_tokens_bucket", (("kind", "prompt"), ("le", "32.0"), ("model", "a")))] == 4
+
+
+async def test_a_live_scrape_counts_every_requests_tokens_by_model():
+    """Streams whose client did not ask for usage count too."""
+    async with stack(metrics_max_models=4) as (cluster, proxy, client):
+        for body in (chat_body(max_tokens=3), chat_body(stream=True, max_tokens=5),
+                     chat_body(stream=True, max_tokens=7, stream_options={"include_usage": True})):
+            assert (await client.chat(body)).status == 200
+        prompt = (await client.chat(chat_body(max_tokens=1))).json()["usage"]["prompt_tokens"]
+        s = samples((await client.request("GET", "/metrics")).body)
+    model = (("model", "sim-model"),)
+    assert s[("epd_proxy_completion_tokens_total", model)] == 3 + 5 + 7 + 1
+    assert s[("epd_proxy_prompt_tokens_total", model)] == 4 * prompt
+    assert s[("epd_proxy_request_tokens_count", (("kind", "completion"),) + model)] == 4
