@@ -67,3 +67,35 @@ def test_no_prefix_hit_reports_no_cached_tokens(pd, proxy):
     E.assert_ok(resp, False)
     assert pd.prefill.metrics().get(PREFIX_HITS) == p0.get(PREFIX_HITS)
     assert not (resp.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"), E.describe(resp)
+
+
+def _ending(resp: E.Response) -> tuple:
+    """How a stream ends, apart from what one generation's text and ids make differ: the last
+    event's keys in order, its fields other than the text and ids, and its choices' endings."""
+    events = resp.events()
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    return (list(last), {k: v for k, v in last.items() if k not in ("id", "created", "choices")},
+            [c.get("finish_reason") for c in last["choices"]])
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_stream_without_usage_is_counted_and_reaches_the_client_as_decode_sends_it(pd, proxy, endpoint):
+    """The proxy asks decode for the usage event and takes it out again: the client's events are
+    decode's own answer to the request without the option (the fingerprint where vLLM puts it
+    then: on the last event), and the tokens are counted."""
+    body = E.text_body(endpoint, E.unique_prompt(words=40), max_tokens=8, stream=True)
+    before = E.Metrics.scrape(proxy.url)
+    r = E.post(proxy.url, E.endpoint_path(endpoint), body)
+    E.assert_ok(r, True)
+    assert not any(isinstance(ev, dict) and "usage" in ev for ev in r.events()), E.describe(r, 4000)
+    after = E.Metrics.scrape(proxy.url)
+    model = {"model": body["model"]}
+    assert after.get("epd_proxy_completion_tokens_total", **model) \
+        - before.get("epd_proxy_completion_tokens_total", **model) == 8
+    assert after.get("epd_proxy_prompt_tokens_total", **model) > before.get("epd_proxy_prompt_tokens_total", **model)
+    direct = E.post(pd.decode.url, E.endpoint_path(endpoint), body)
+    E.assert_ok(direct, True)
+    # The text may differ (a KV computed elsewhere, on CPU); how the stream ends may not.
+    assert _ending(r) == _ending(direct), (E.describe(r, 4000), E.describe(direct, 4000))
+    assert "system_fingerprint" in r.events()[-2]
