@@ -23,7 +23,8 @@ from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
-from epd_proxy.http.server import HttpServer, ServerLimits
+from epd_proxy.http.limits import ServerLimits
+from epd_proxy.http.server import HttpServer
 from epd_proxy.instances.collectors import pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.load_scraper import LoadScraper
