@@ -132,8 +132,14 @@ def front_door_collector(server: HttpServer) -> Collector:
         f["epd_proxy_client_connections_refused"] = [[server.refused]]
         f["epd_proxy_client_connections_reclaimed"] = [[server.reclaimed]]
         f["epd_proxy_buffered_body_bytes"] = [[server.budget.used]]
-        f["epd_proxy_client_rejections"] = [[str(s), n] for s, n in server.rejections.items()]
+        rejections = dict.fromkeys(_REJECTIONS, 0)  # each known status from the start
+        rejections.update(server.rejections)
+        f["epd_proxy_client_rejections"] = [[str(s), n] for s, n in rejections.items()]
     return collect
+
+
+# What the HTTP server refuses before any handler runs (the family's help lists them).
+_REJECTIONS = (400, 408, 413, 431, 503)
 
 
 async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
