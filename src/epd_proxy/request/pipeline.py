@@ -96,6 +96,16 @@ class Pipeline:
         self._gated = True
         self.admission.close()
 
+    async def admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
+        """The same slots and queue for a request the pipeline does not run (forward.py):
+        True with a slot taken (give it back with :meth:`leave`), else answered 429/503."""
+        return not self._gated or await self._admit(req, writer, path, t0)
+
+    def leave(self) -> None:
+        """Give back the slot :meth:`admit` took."""
+        if self.admission.limit:
+            self.admission.leave()
+
     # -- the request path -------------------------------------------------------------------
     async def handle(self, req: Request, writer: ResponseWriter, path: str) -> None:
         t0 = time.perf_counter()

@@ -131,15 +131,17 @@ class UpstreamStage:
         self.role = pool.role
         self.timeouts = timeouts
 
-    async def call(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers) -> Response:
-        """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
+    async def call(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers,
+                   method: str = "POST") -> Response:
+        """A request (POST unless ``method`` says otherwise) to one instance; a transport failure
+        becomes a ProxyError and counts against it."""
         inst.requests += 1
         ctx.hold(inst)
         trace = ctx.trace
         if trace is not None:
             headers = trace.leg(inst, self.role, headers)
         try:
-            resp = await inst.connections.request("POST", path, body=body, headers=headers, timeouts=self.timeouts)
+            resp = await inst.connections.request(method, path, body=body, headers=headers, timeouts=self.timeouts)
             if trace is not None:
                 trace.status(inst, resp.status)
             return resp

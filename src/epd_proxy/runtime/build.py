@@ -37,6 +37,7 @@ from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.fanout import EncoderFanout
+from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stages import DecodeStage, PrefillStage
 from epd_proxy.routing import make_policy
@@ -81,8 +82,10 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         tracing=tracing.from_environment())
     membership.subscribe(_forget_departed(connector))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers)
+    forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
+                    forwarder=forwarder,
                     siblings=siblings)
 
 
