@@ -164,3 +164,9 @@ def test_who_sees_the_roster(flags, expect):
         for path in ("/health", "/ready"):
             got, body = _get(port, path, {})
             assert got == 200 and b"127.0.0.1" not in body and b"http" not in body, (path, body)
+
+
+def test_profiling_refusal_speaks_of_profiling_not_the_roster():
+    err = AccessPolicy().check(ADMIN, None, "10.0.0.1")
+    assert err is not None and err.status == 403
+    assert "profiling" in err.message and "roster" not in err.message

@@ -186,3 +186,27 @@ def test_merged_status_adds_counts_and_is_healthy_only_where_every_worker_says_s
     assert (d1["requests"], d1["healthy"], d1["healthy_workers"], d1["state"]) == (7, True, 2, "healthy")
     # The inputs are left as they were (they are the workers' own answers).
     assert one["decode"][0]["errors"] == {"connect": 1}
+
+
+async def test_head_works_on_every_get_route_without_a_body():
+    async with stack() as (cluster, proxy, client):
+        gets = sorted(path for method, path in proxy.app._routes if method == "GET")
+        assert {"/metrics", "/version", "/load", "/v1/models", "/health"} <= set(gets)
+        for path in gets:
+            got = await client.request("GET", path)
+            head = await client.request("HEAD", path)
+            assert head.status == got.status, path
+            assert head.body == b"" and head.headers.get(b"content-type") == got.headers.get(b"content-type"), path
+
+
+async def test_405_carries_allow_and_an_unknown_path_is_a_404_envelope():
+    async with stack() as (cluster, proxy, client):
+        reply = await client.request("DELETE", "/metrics")
+        assert reply.status == 405 and reply.headers[b"allow"] == b"GET, HEAD"
+        assert reply.json()["error"]["type"] == "MethodNotAllowedError"
+        reply = await client.request("GET", "/tokenize")
+        assert reply.status == 405 and reply.headers[b"allow"] == b"POST"
+        reply = await client.request("POST", "/v1/nothing-here", b"{}")
+        assert reply.status == 404 and b"allow" not in reply.headers
+        assert reply.json()["error"] == {"message": "no route for POST /v1/nothing-here", "type": "NotFoundError",
+                                         "param": None, "code": 404}

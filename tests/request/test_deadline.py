@@ -72,9 +72,10 @@ async def test_hung_encoder_gets_504_and_every_encoder_call_is_closed():
 
 
 async def test_the_deadline_spans_retries():
-    # Each attempt's stage timeout alone would let the retry run past the deadline.
+    # Each attempt's stage timeout alone would let the retries run past the deadline (a
+    # retry never goes back to an instance that timed out: three of them, 0.2 s each).
     sim = SimConfig(itl_ms=0, ttft_ms=0.5)
-    async with stack(prefill=2, sim=sim, decode_retries=3,
+    async with stack(prefill=3, sim=sim, decode_retries=3,
                      timeouts=StageTimeouts(prefill=0.2, first_byte=0.5)) as (cluster, proxy, client):
         for inst in cluster.instances("prefill"):
             inst.inject("hang", times=10)

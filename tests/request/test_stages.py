@@ -160,6 +160,7 @@ async def test_decode_without_headers_in_time_is_504(cluster):
         ctx = new_ctx()
         with pytest.raises(ProxyError) as caught:
             await stage.open(ctx, inst, decode_body(chat_body(stream=True, sim_fault="hang"), kv=None))
-        assert (caught.value.status, caught.value.retryable) == (504, True)
-        assert caught.value.message.startswith("decode instance timed out")
+        # Not retryable: the pool's only instance timed out, and no retry goes back to it.
+        assert (caught.value.status, caught.value.retryable) == (504, False)
+        assert caught.value.message.startswith("decode instance timed out") and inst in ctx.timed_out
         assert inst.inflight == 0 and failures(pool) == 1

@@ -68,6 +68,9 @@ class AccessPolicy:
             return ProxyError(401, "admin API key required: send it as X-API-Key or Authorization: Bearer")
         if action == REGISTER and self._nets:
             return ProxyError(403, "registration is not allowed from this address")
+        if action == ADMIN:
+            return ProxyError(403, "profiling is off: it needs the admin API key, and none is configured "
+                                   "(--admin-api-key)", type="PermissionDeniedError")
         return ProxyError(403, "roster changes are off: no admin API key is configured (--admin-api-key)",
                           type="PermissionDeniedError")
 

@@ -34,8 +34,10 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe.metrics import ProxyMetrics, render
 from epd_proxy.request.connectors import check_connector_config
+from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
 from epd_proxy.request.pipeline import Pipeline
+from epd_proxy.routing.endpoints import ROUTED
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.app")
@@ -66,7 +68,7 @@ class ProxyApp:
 
     def __init__(self, config: ProxyConfig, *, pools: dict[str, InstancePool], membership: Membership,
                  metrics: ProxyMetrics, pipeline: Pipeline, admin: AdminApi, scrapers: list[LoadScraper],
-                 client_keys: ClientKeys | None, base_headers: Headers,
+                 client_keys: ClientKeys | None, base_headers: Headers, forwarder: Forwarder,
                  siblings: SiblingChannel | None = None) -> None:
         self.config = config
         self.pools = pools  # every role's, possibly empty: instances may register at run time
@@ -75,15 +77,15 @@ class ProxyApp:
         self.scrapers = scrapers  # load signals, for the pools whose policy reads them
         self.pipeline = pipeline
         self.admin = admin
+        self.forwarder = forwarder  # the endpoints one instance answers (routing/endpoints.py)
         self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
         self._routes = {
             ("POST", CHAT): self._generate_chat,
             ("POST", COMPLETIONS): self._generate_completions,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
-            ("HEAD", "/health"): self._health,
             ("GET", "/ready"): self._ready,
-            ("HEAD", "/ready"): self._ready,
+            ("GET", "/load"): self._load,
             ("GET", "/status"): self._status,
             ("GET", "/metrics"): self._metrics,
             ("POST", "/instances"): self.admin.register,
@@ -93,7 +95,13 @@ class ProxyApp:
             ("POST", "/start_profile"): self.admin.start_profile,
             ("POST", "/stop_profile"): self.admin.stop_profile,
         }
-        self._paths = {path for _, path in self._routes}
+        for path, endpoint in ROUTED.items():
+            self._routes[(endpoint.method, path)] = self.forwarder.handle
+        # HEAD on every GET route: answered as GET, without the body (the writer drops it).
+        for method, path in list(self._routes):
+            if method == "GET":
+                self._routes[("HEAD", path)] = self._routes[(method, path)]
+        self._allow = allowed_methods(self._routes)  # a 405's Allow header, per path
         # The pipeline's routes: it is handed the client key's name too, and logs them itself.
         self._generation = {self._routes[("POST", CHAT)]: CHAT, self._routes[("POST", COMPLETIONS)]: COMPLETIONS}
         # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
@@ -155,11 +163,13 @@ class ProxyApp:
             return
         t0 = time.perf_counter()
         if handler is None:
-            if req.path in self._paths:
+            allow = self._allow.get(req.path)
+            if allow is not None:
                 err = ProxyError(405, f"method {req.method} not allowed on {req.path}")
+                writer.send(err.status, err.body(), headers=[(b"allow", allow)])
             else:
                 err = ProxyError(404, f"no route for {req.method} {req.path}")
-            writer.send(err.status, err.body())
+                writer.send(err.status, err.body())
             self.metrics.observe_request("other", err.status, time.perf_counter() - t0)
         else:
             await handler(req, writer)
@@ -204,6 +214,13 @@ class ProxyApp:
             writer.send(status, data, content_type)
             return
         writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
+
+    async def _load(self, req: Request, writer: ResponseWriter) -> None:
+        """vLLM's ``/load`` for the cluster as this proxy sees it: ``server_load`` is the
+        requests it has in progress on the instances (a P/D request counts on both of its
+        instances; with --workers, this worker's), ``by_role`` the same per pool."""
+        by_role = {role: sum(inst.inflight for inst in pool.instances) for role, pool in self.pools.items()}
+        writer.send(200, msgspec.json.encode({"server_load": sum(by_role.values()), "by_role": by_role}))
 
     async def _health(self, req: Request, writer: ResponseWriter) -> None:
         """Liveness of the proxy itself: never waits on a backend."""
@@ -282,6 +299,14 @@ class ProxyApp:
 
 
 _READY = b'{"status":"ready"}'
+
+
+def allowed_methods(routes) -> dict[str, bytes]:
+    """Per path, the ``Allow`` header value of its 405 (RFC 9110 §15.5.6): its methods, sorted."""
+    methods: dict[str, set[str]] = {}
+    for method, path in routes:
+        methods.setdefault(path, set()).add(method)
+    return {path: ", ".join(sorted(ms)).encode() for path, ms in methods.items()}
 
 
 def merge_pool_status(views: list[dict]) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from epd_proxy.instances.health import FAILURE_KINDS
 from epd_proxy.observe.metrics import Collector
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,20 +25,35 @@ def pool_collector(pools: dict[str, InstancePool], worker: int) -> Collector:
                 f["epd_proxy_instance_healthy"].append([role, url, label, 1 if inst.healthy else 0])
                 f["epd_proxy_instance_inflight"].append([role, url, inst.inflight])
                 f["epd_proxy_instance_requests"].append([role, url, inst.requests])
-                for kind, n in inst.health.errors.items():
-                    f["epd_proxy_instance_failures"].append([role, url, kind, n])
+                errors = inst.health.errors
+                for kind in FAILURE_KINDS:
+                    f["epd_proxy_instance_failures"].append([role, url, kind, errors.get(kind, 0)])
+                for kind, n in errors.items():
+                    if kind not in FAILURE_KINDS:
+                        f["epd_proxy_instance_failures"].append([role, url, kind, n])
+                f["epd_proxy_instance_retries"].append([role, url, 0])  # the metrics' own counts add to it
                 f["epd_proxy_instance_ejections"].append([role, url, inst.health.ejections])
                 f["epd_proxy_instance_other_requests"].append([role, url, label, inst.signals.others])
+                if role == "prefill":
+                    f["epd_proxy_kv_stranded"].append([role, url, inst.stranded])
             f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
             f["epd_proxy_panic_routing"].append([role, pool.panics])
             f["epd_proxy_local_errors"].append([role, pool.local_errors])
     return collect
 
 
+# Why an instance leaves the roster (membership.py).
+REMOVAL_REASONS = ("unregistered", "drained", "forgotten")
+
+
 def roster_collector(membership: Membership) -> Collector:
     """The roster's size by role and state, and its joins and leaves."""
     def collect(f: dict[str, list]) -> None:
         f["epd_proxy_roster_instances"] = [[r, st, n] for (r, st), n in membership.counts().items()]
-        f["epd_proxy_registrations"] = [[r, n] for r, n in membership.registrations.items()]
-        f["epd_proxy_removals"] = [[r, why, n] for (r, why), n in membership.removals.items()]
+        # Every role's counts from the start (0 until the first join or leave).
+        roles = set(membership.pools) | set(membership.registrations)
+        f["epd_proxy_registrations"] = [[r, membership.registrations.get(r, 0)] for r in roles]
+        removals = dict.fromkeys(((r, why) for r in roles for why in REMOVAL_REASONS), 0)
+        removals.update(membership.removals)
+        f["epd_proxy_removals"] = [[r, why, n] for (r, why), n in removals.items()]
     return collect

@@ -39,6 +39,17 @@ BY_PROBE = "probe"  # probes failed (or kept failing): a probe or request succes
 BY_INSTANCE = "instance"  # requests saw instance signals: out for the ejection time
 BY_RATE = "rate"  # too many request failures: out for the ejection time, back on a live success
 
+# The failure kind of a stage or probe timeout: an instance signal of its own (the
+# instance stopped answering), never a request signal; an ejection for it also fails
+# the instance's pending requests.
+TIMEOUT = "timeout"
+# The failure kinds every instance shows from the start (0 until one happens), so that
+# dashboards and alerts read 0 rather than nothing: the transport's (http/transport.py),
+# the gateway and engine statuses, an in-band error, a probe's non-200. A rarer status
+# (``http_501``, ...) gets its series when it first happens.
+FAILURE_KINDS = ("connect", "connection", TIMEOUT, "protocol", "ejected", "http_500", "http_502", "http_503",
+                 "http_504", "in_band", "probe_status")
+
 
 @dataclass(frozen=True, slots=True)
 class OutlierSettings:
@@ -118,7 +129,7 @@ class OutlierRules:
         ``size`` is the role's instance count and ``out`` how many are ejected or
         half-open now (the cap for passive signals)."""
         h.failures += 1
-        stalled = kind == "timeout"
+        stalled = kind == TIMEOUT
         if h.state is HALF_OPEN:
             return self._eject(h, now, BY_PROBE if probe else BY_INSTANCE, stalled)
         if h.state is EJECTED:

@@ -68,7 +68,7 @@ class Instance:
     """One upstream vLLM instance: its connections and what we know of its state."""
 
     __slots__ = ("spec", "url", "role", "connections", "inflight", "health", "requests", "errors", "expiry",
-                 "signals", "source", "out_since", "leaving")
+                 "signals", "source", "out_since", "leaving", "stranded")
 
     def __init__(self, spec: InstanceSpec, connections: ConnectionPool) -> None:
         self.spec = spec
@@ -79,6 +79,9 @@ class Instance:
         self.health = Health()
         self.requests = 0
         self.errors = 0  # every failure seen (by kind in health.errors)
+        # A prefill's answers whose KV no decode took (pull: the decode leg failed after it):
+        # blocks held on it until vLLM's lease on them runs out (docs/protocol.md §3.3).
+        self.stranded = 0
         self.expiry: asyncio.TimerHandle | None = None  # the end of an ejection
         self.signals = LoadSignals()  # its own load, from its /metrics (load_signals.py)
         # The roster's (membership.py): who put it there, since when it is out of rotation

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
-from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, Ejection, OutlierRules, OutlierSettings
+from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, TIMEOUT, Ejection, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.routing import make_policy
@@ -104,6 +104,14 @@ class InstancePool:
     def reachable(self, exclude: Iterable[Instance] = ()) -> bool:
         """Whether an instance in rotation has not yet failed this request."""
         return any(i not in exclude for i in self._healthy)
+
+    def spare(self, exclude: Iterable[Instance] = ()) -> bool:
+        """Whether ``choose(exclude)`` would pick an instance not in ``exclude`` (without
+        counting a panic): a retry can go somewhere new, rather than back to an instance
+        that already failed this request."""
+        if self._healthy:
+            return any(i not in exclude for i in self._healthy) or any(i not in exclude for i in self._half_open)
+        return any(i not in exclude for i in self._panic_set)
 
     def _trial(self, exclude) -> Instance | None:
         """Every ``HALF_OPEN_SHARE``-th pick goes to a half-open instance: a limited share
@@ -274,10 +282,10 @@ class InstancePool:
             if exc.kind == "local":
                 self.record_local_error()
                 return
-            self._probe_failed(inst, "timeout" if exc.kind == "timeout" else "connection", f"health probe: {exc}")
+            self._probe_failed(inst, TIMEOUT if exc.kind == TIMEOUT else "connection", f"health probe: {exc}")
             return
         except TimeoutError:
-            self._probe_failed(inst, "timeout", f"health probe: no answer within {timeout:g} s")
+            self._probe_failed(inst, TIMEOUT, f"health probe: no answer within {timeout:g} s")
             return
         except OSError as exc:
             self._probe_failed(inst, "connection", f"health probe: {exc}")

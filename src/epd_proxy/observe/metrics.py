@@ -118,6 +118,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                    ("role", "url")),
     "epd_proxy_instance_ejections": ("counter", "Times the instance was taken out of rotation (probes or "
                                      "outlier detection).", ("role", "url")),
+    "epd_proxy_kv_stranded": ("counter", "Prefills whose KV no decode took (pull: the decode leg failed after "
+                              "the prefill answered), held on the prefill until vLLM's lease on the blocks runs "
+                              "out; an upper bound (a decode that failed after reading them freed them).",
+                              ("role", "url")),
     "epd_proxy_panic_routing": ("counter", "Requests routed over every instance of a role because none was "
                                 "in rotation.", ("role",)),
     "epd_proxy_local_errors": ("counter", "Upstream connects that failed for lack of the proxy's own "

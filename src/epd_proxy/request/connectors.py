@@ -72,7 +72,14 @@ class DecodeOnly(KVConnector):
 
 class NixlPull(KVConnector):
     """NIXL pull (docs/protocol.md §3.3): prefill first; its ``kv_transfer_params`` go to decode
-    verbatim, and decode READs the blocks from the prefill instance."""
+    verbatim, and decode READs the blocks from the prefill instance.
+
+    The prefill then holds the blocks until a decode has read them, or until vLLM's lease on
+    them runs out; nothing else frees them (§3.3, "A failed hand-off"). So a decode that
+    refused the connection (it never saw the parameters) is replaced at once by another one
+    that can take them, and a decode failure that leaves them unread is counted on the
+    prefill (``epd_proxy_kv_stranded_total``).
+    """
 
     name = "nixl"
     prefill: PrefillStage  # the pipeline uses a connector with a prefill leg only with a prefill pool
@@ -86,7 +93,31 @@ class NixlPull(KVConnector):
                         plan.prefill.url)
             raise ProxyError(502, "prefill instance returned no kv_transfer_params; is it running with a "
                                   "NIXL kv-transfer-config?", retryable=True)
-        return await self.decode.open(ctx, plan.decode, decode_body(plan.body, kv=kv), plan.decode_headers)
+        body = decode_body(plan.body, kv=kv)
+        decode = plan.decode
+        try:
+            while True:
+                try:
+                    return await self.decode.open(ctx, decode, body, plan.decode_headers)
+                except ProxyError as err:
+                    other = self._hand_over(ctx, plan, decode, err)
+                    if other is None:
+                        raise
+                    log.info("request %s: decode instance %s refused the connection; its KV goes to %s",
+                             ctx.request_id, decode.url, other.url)
+                    decode = other
+        except BaseException:
+            plan.prefill.stranded += 1
+            raise
+
+    def _hand_over(self, ctx: RequestContext, plan: LegPlan, decode: Instance, err: ProxyError) -> Instance | None:
+        """Another decode for parameters the failed one never received; None when there is
+        none, or when this decode must be the one (the EC consumer of the request's
+        embeddings, or a chosen DP rank)."""
+        if not err.unsent or plan.decode_headers is not None or decode.spec.ec_zmq_addrs:
+            return None
+        pool = self.decode.pool
+        return pool.choose(ctx.excluded, ctx.view) if pool.spare(ctx.excluded) else None
 
 
 class NixlPush(KVConnector):

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from epd_proxy.request.usage import PrefillReport
 
 _JSON_HEADER = (b"content-type", b"application/json")
+_NONE: frozenset = frozenset()
 
 
 class RequestContext:
@@ -24,7 +25,7 @@ class RequestContext:
     """
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
-                 "_base_headers", "_held", "prefill_report")
+                 "_base_headers", "_held", "prefill_report", "timed_out")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -40,6 +41,8 @@ class RequestContext:
         # The prefill's answer about the prompt (usage.py), for the client's usage; set by
         # the prefill stage, cleared at each attempt's start.
         self.prefill_report: PrefillReport | None = None
+        # The instances that timed out on this request: no attempt goes back to them.
+        self.timed_out: frozenset[Instance] = _NONE
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
@@ -50,6 +53,9 @@ class RequestContext:
 
     def failed(self, inst: Instance) -> None:
         self.excluded.add(inst)
+
+    def timed_out_on(self, inst: Instance) -> None:
+        self.timed_out = self.timed_out | {inst}
 
     def timing(self, stage: str, seconds: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + seconds

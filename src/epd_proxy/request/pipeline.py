@@ -99,6 +99,16 @@ class Pipeline:
         self._gated = True
         self.admission.close()
 
+    async def admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
+        """The same slots and queue for a request the pipeline does not run (forward.py):
+        True with a slot taken (give it back with :meth:`leave`), else answered 429/503."""
+        return not self._gated or await self._admit(req, writer, path, t0)
+
+    def leave(self) -> None:
+        """Give back the slot :meth:`admit` took."""
+        if self.admission.limit:
+            self.admission.leave()
+
     # -- the request path -------------------------------------------------------------------
     async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
         """``key``: the name of the client key the request presented (client_auth.py)."""
@@ -290,7 +300,7 @@ class Pipeline:
             try:
                 return await self._attempt(ctx, body, items)
             except ProxyError as err:
-                if not err.retryable or attempt >= self.retries:
+                if not err.retryable or attempt >= self.retries or not self._may_retry(ctx, err):
                     raise
                 _drop_traceback(err)
                 attempt += 1
@@ -307,6 +317,9 @@ class Pipeline:
         ctx.prefill_report = None
         d = self.decode.choose(ctx.excluded, ctx.view)
         p = self.prefill.choose(ctx.excluded, ctx.view) if self.prefill or self._need_prefill else None
+        if ctx.timed_out:  # every instance left has failed this request: never one that timed out on it
+            d = _not_timed_out(self.decode, d, ctx)
+            p = _not_timed_out(self.prefill, p, ctx) if p is not None else None
         dp_headers, consumer_zmq = self._ec_consumer(d)
         caps = self.role_caps
         if items and (self.encode or self._need_encode):
@@ -332,6 +345,17 @@ class Pipeline:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
                 cap.leave()
+
+    def _may_retry(self, ctx: RequestContext, err: ProxyError) -> bool:
+        """A retry runs prefill again: only worth it when a decode can take the request now,
+        one that has not failed it, or one still in rotation that failed it for the request's
+        sake (an HTTP 500, an in-band error), not by refusing it or timing out. Otherwise the
+        failure is the answer, and no prefill's KV is left held for a decode that will not
+        read it."""
+        if not self.prefill or self.decode.spare(ctx.excluded):
+            return True
+        return not err.unsent and any(i.healthy and i in ctx.excluded and i not in ctx.timed_out
+                                      for i in self.decode.instances)
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
         """A leg still running when the response is over: left to finish in the background
@@ -389,6 +413,16 @@ def _wants_usage(body: dict) -> bool:
     """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def _not_timed_out(pool: InstancePool, inst: Instance, ctx: RequestContext) -> Instance:
+    """``inst``, or another instance of its role if it timed out on this request; a 504 when
+    every one left did."""
+    if inst in ctx.timed_out:
+        inst = pool.choose(ctx.timed_out, ctx.view)
+        if inst in ctx.timed_out:
+            raise ProxyError(504, f"no {pool.role} instance answered this request in time")
+    return inst
 
 
 async def _take_slot(role: str, cap: Admission) -> None:

@@ -190,3 +190,53 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
         # reference cycle, and is freed with the request instead of by the collector.
         relay.resp = None
     return relay
+
+
+class BodyRelay(FlowListener):
+    """Upstream body sink + client flow listener for an answer passed on as it comes (no
+    ``Content-Length``: e.g. a streamed transcription): every byte as received, and a broken
+    upstream cuts the client's connection (the body's format is not ours to add an error to)."""
+
+    __slots__ = ("writer", "resp", "error")
+
+    def __init__(self, writer: ResponseWriter, resp: Response) -> None:
+        self.writer = writer
+        self.resp: Response | None = resp
+        self.error: Exception | None = None
+
+    def on_data(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    def on_end(self) -> None:
+        self.writer.end()
+
+    def on_error(self, exc: Exception) -> None:
+        self.error = exc
+        self.writer.abort()
+
+    def pause(self) -> None:
+        if self.resp is not None:
+            self.resp.pause_reading()
+
+    def resume(self) -> None:
+        if self.resp is not None:
+            self.resp.resume_reading()
+
+
+async def relay_body(writer: ResponseWriter, resp: Response, headers: Headers) -> BodyRelay:
+    """Commit the instance's status and content type and relay its body to the end."""
+    writer.start(resp.status, resp.content_type, headers, hold=True)
+    relay = BodyRelay(writer, resp)
+    writer.flow = relay
+    if writer.writing_paused:
+        relay.pause()
+    try:
+        resp.relay(relay)
+        await resp.wait()
+    except Exception:
+        pass  # on_error has cut the connection
+    finally:
+        resp.close()
+        relay.resp = None
+        writer.flow = None
+    return relay

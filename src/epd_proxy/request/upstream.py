@@ -3,7 +3,8 @@
 Every stage talks to its instances through these few functions, so a failure
 is turned into the client's :class:`ProxyError` in one place: an upstream 4xx
 is relayed as received (it is the client's mistake, e.g. vLLM's validation
-400), a 5xx or a broken connection is a retryable 502, a stage timeout a 504,
+400), a 5xx or a broken connection is a retryable 502, a stage timeout a 504
+(retryable only while another instance of the role is left to try),
 a refused connection with no other instance of the role in rotation a
 (retryable) 503, and the proxy's own shortage of descriptors or memory a 503.
 On the way, each failure tells the instance pool what it says about the
@@ -21,6 +22,7 @@ import msgspec
 from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError, UpstreamTimeout
+from epd_proxy.instances.health import TIMEOUT
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext
@@ -91,15 +93,23 @@ def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, sta
         return ProxyError(503, f"the proxy is short of local resources ({_reason(exc)}); retry later",
                           retryable=False)
     log.warning("request %s: %s instance %s: %s %s", ctx.request_id, stage, inst.url, doing, exc)
-    pool.record_failure(inst, f"{doing}: {exc}", kind, ctx)
-    if kind == "connect" and not pool.reachable(ctx.excluded):
-        # Nothing in rotation that has not already refused this request: the role is
-        # unreachable now (a retry may still find another instance answering).
-        return ProxyError(503, f"no {stage} instance available: none accepts connections", retryable=True)
     if isinstance(exc, UpstreamTimeout):
-        return ProxyError(504, f"{stage} instance timed out: {exc}", retryable=True)
+        # An instance signal of its own kind. The instance is out of this request for good
+        # (no retry goes back to it: it may still be hung), so with no other instance of the
+        # role to try, the timeout is the answer, at the stage timeout.
+        pool.record_failure(inst, f"{doing}: {exc}", TIMEOUT, ctx)
+        ctx.timed_out_on(inst)
+        return ProxyError(504, f"{stage} instance timed out: {exc}", retryable=pool.spare(ctx.excluded))
+    pool.record_failure(inst, f"{doing}: {exc}", kind, ctx)
     if kind == "connect":
-        return ProxyError(502, f"{stage} instance unreachable", retryable=True)
+        if not pool.reachable(ctx.excluded):
+            # Nothing in rotation that has not already refused this request: the role is
+            # unreachable now (a retry may still find another instance answering).
+            err = ProxyError(503, f"no {stage} instance available: none accepts connections", retryable=True)
+        else:
+            err = ProxyError(502, f"{stage} instance unreachable", retryable=True)
+        err.unsent = True  # it never got the request: what the request carried can go elsewhere
+        return err
     if kind == "ejected":
         return ProxyError(502, f"{stage} instance stopped answering and was taken out of rotation",
                           retryable=True)
@@ -121,15 +131,17 @@ class UpstreamStage:
         self.role = pool.role
         self.timeouts = timeouts
 
-    async def call(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers) -> Response:
-        """POST to one instance; a transport failure becomes a ProxyError and counts against it."""
+    async def call(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers,
+                   method: str = "POST") -> Response:
+        """A request (POST unless ``method`` says otherwise) to one instance; a transport failure
+        becomes a ProxyError and counts against it."""
         inst.requests += 1
         ctx.hold(inst)
         trace = ctx.trace
         if trace is not None:
             headers = trace.leg(inst, self.role, headers)
         try:
-            resp = await inst.connections.request("POST", path, body=body, headers=headers, timeouts=self.timeouts)
+            resp = await inst.connections.request(method, path, body=body, headers=headers, timeouts=self.timeouts)
             if trace is not None:
                 trace.status(inst, resp.status)
             return resp

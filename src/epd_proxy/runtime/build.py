@@ -23,7 +23,8 @@ from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
-from epd_proxy.http.server import HttpServer, ServerLimits
+from epd_proxy.http.limits import ServerLimits
+from epd_proxy.http.server import HttpServer
 from epd_proxy.instances.collectors import pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.load_scraper import LoadScraper
@@ -36,6 +37,7 @@ from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.fanout import EncoderFanout
+from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stages import DecodeStage, PrefillStage
 from epd_proxy.routing import make_policy
@@ -81,8 +83,10 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         tracing=tracing.from_environment())
     membership.subscribe(_forget_departed(connector))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers)
+    forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
+                    forwarder=forwarder,
                     siblings=siblings)
 
 
@@ -132,8 +136,14 @@ def front_door_collector(server: HttpServer) -> Collector:
         f["epd_proxy_client_connections_refused"] = [[server.refused]]
         f["epd_proxy_client_connections_reclaimed"] = [[server.reclaimed]]
         f["epd_proxy_buffered_body_bytes"] = [[server.budget.used]]
-        f["epd_proxy_client_rejections"] = [[str(s), n] for s, n in server.rejections.items()]
+        rejections = dict.fromkeys(_REJECTIONS, 0)  # each known status from the start
+        rejections.update(server.rejections)
+        f["epd_proxy_client_rejections"] = [[str(s), n] for s, n in rejections.items()]
     return collect
+
+
+# What the HTTP server refuses before any handler runs (the family's help lists them).
+_REJECTIONS = (400, 408, 413, 431, 503)
 
 
 async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,

@@ -3,8 +3,8 @@
 What it does with a request lives beside it, one concern per module:
 ``generation.py`` (``/v1/chat/completions``, ``/v1/completions``),
 ``kv_channel.py`` (the KV side channel, ``/sim/kv/...``), ``ec_store.py`` (the
-encoder cache) and ``observability.py`` (``/sim/state``, ``/v1/models``,
-``/metrics``).
+encoder cache), ``utility.py`` (``/tokenize``, ``/detokenize``, ``/v1/embeddings``) and
+``observability.py`` (``/sim/state``, ``/v1/models``, ``/metrics``).
 
 Control routes, for driving a simulator that runs in another process:
 ``GET /sim/state``, ``POST /sim/fault`` ``{"spec": "status=503", "times": 2}`` (or
@@ -23,7 +23,7 @@ import msgspec
 from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
 from epd_proxy.sim import faults as _faults
-from epd_proxy.sim import observability
+from epd_proxy.sim import observability, utility
 from epd_proxy.sim.config import SimConfig
 from epd_proxy.sim.ec_store import EcStore
 from epd_proxy.sim.encoder_cache import EncoderCache
@@ -271,6 +271,10 @@ class SimInstance:
                        content_type=b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             self._send(writer, rec, 200, observability.models_body(self))
+        elif path in utility.PATHS and req.method == "POST":
+            rid = req.headers.get(b"x-request-id")
+            status, body = utility.answer(path, req.body, self.config, rid.decode("latin-1") if rid else "sim")
+            self._send(writer, rec, status, body)
         elif path == "/version":
             self._send(writer, rec, 200, b'{"version":"0.32.0+sim"}')
         elif path == "/load":

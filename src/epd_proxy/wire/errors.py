@@ -38,8 +38,13 @@ class ProxyError(Exception):
     """A failure with the status and envelope the client should see.
 
     ``retryable`` marks failures a pipeline may retry before it has committed
-    any byte to the client (connection errors, 5xx from a stage).
+    any byte to the client (connection errors, 5xx from a stage). ``unsent``
+    marks an upstream that never received the request (it refused the
+    connection): what the request carried, e.g. a prefill's KV parameters, is
+    still unclaimed and may go to another instance.
     """
+
+    unsent = False
 
     def __init__(
         self,

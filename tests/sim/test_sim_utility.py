@@ -1,0 +1,59 @@
+"""The simulator's /tokenize, /detokenize and /v1/embeddings: vLLM's shapes, its own tokenizer."""
+
+import base64
+import struct
+
+import msgspec
+
+from epd_proxy.sim import SimConfig
+from epd_proxy.sim.tokens import VOCAB, prompt_tokens
+from epd_proxy.sim.utility import EMBEDDING_DIM, detokenize, embeddings, tokenize
+
+CONFIG = SimConfig()
+
+
+def _call(fn, body, *args):
+    status, raw = fn(msgspec.json.encode(body), CONFIG, *args)
+    return status, msgspec.json.decode(raw)
+
+
+def test_tokenize_counts_as_generation_does_and_detokenize_reads_it_back():
+    body = {"model": "sim-model", "prompt": "the quick brown fox"}
+    status, out = _call(tokenize, body)
+    assert status == 200 and set(out) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert out["count"] == len(out["tokens"]) == prompt_tokens(body) == 4
+    assert out["max_model_len"] == CONFIG.max_model_len and out["token_strs"] is None
+    status, back = _call(detokenize, {"tokens": out["tokens"]})
+    assert status == 200 and back == {"prompt": "the quick brown fox"}
+
+
+def test_tokenize_chat_and_token_strs():
+    body = {"messages": [{"role": "user", "content": "hi there"}], "return_token_strs": True}
+    status, out = _call(tokenize, body)
+    assert status == 200 and out["count"] == prompt_tokens(body) == 3
+    assert out["token_strs"] == ["<|user|>", "hi", "there"]
+
+
+def test_detokenize_output_tokens_and_unknown_ids():
+    assert _call(detokenize, {"tokens": [0, 1]}) == (200, {"prompt": VOCAB[0] + VOCAB[1]})
+    status, out = _call(detokenize, {"tokens": [12345]})
+    assert status == 400 and out["error"]["param"] == "tokens"
+
+
+def test_unknown_model_is_vllms_404():
+    status, out = _call(tokenize, {"model": "other", "prompt": "x"})
+    assert status == 404 and out["error"]["type"] == "NotFoundError"
+
+
+def test_embeddings_shape_and_formats():
+    status, out = _call(embeddings, {"model": "sim-model", "input": ["a b", "c"]}, "r1")
+    assert status == 200 and out["object"] == "list" and out["id"] == "embd-r1" and out["model"] == "sim-model"
+    assert [d["index"] for d in out["data"]] == [0, 1] and out["data"][0]["object"] == "embedding"
+    vector = out["data"][0]["embedding"]
+    assert len(vector) == EMBEDDING_DIM and abs(sum(v * v for v in vector) - 1) < 1e-9
+    assert out["usage"] == {"prompt_tokens": 3, "total_tokens": 3, "completion_tokens": 0,
+                            "prompt_tokens_details": None}
+    _, packed = _call(embeddings, {"input": "a b", "encoding_format": "base64"}, "r2")
+    floats = struct.unpack(f"<{EMBEDDING_DIM}f", base64.b64decode(packed["data"][0]["embedding"]))
+    assert all(abs(a - b) < 1e-6 for a, b in zip(floats, vector))
+    assert _call(embeddings, {"input": 5}, "r3")[0] == 400
