@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
-from simhelpers import chat_body, fast_config, named_events, nixl_prefill_params
+from simhelpers import chat_body, fast_config, named_events, nixl_prefill_params, push_decode_params
 
 from epd_proxy.sim import SimCluster, expected_text, prompt_tokens
 from epd_proxy.sim.messages import to_chat
@@ -124,3 +126,16 @@ async def test_prefill_then_decode_equals_one_instance(http, stream):
         assert c.held_kv_blocks == 0
         if not stream:
             assert "kv_transfer_params" not in rd.json  # exclude_none: vLLM leaves the field out
+
+
+async def test_push_connector(http):
+    async with SimCluster(prefill=1, decode=1, pd=1, config=fast_config(kv_connector="nixl-push")) as c:
+        body = messages_body("pushed from prefill to decode", max_tokens=5)
+        alone = await http.post(c.urls("pd")[0], PATH, body)
+        pre = dict(body, max_tokens=1, kv_transfer_params=dict(nixl_prefill_params(), transfer_id="t-1"))
+        d = dict(body, kv_transfer_params=push_decode_params(c.prefill_identity(0), "t-1"))
+        rp, rd = await asyncio.gather(http.post(c.urls("prefill")[0], PATH, pre),
+                                      http.post(c.urls("decode")[0], PATH, d))
+        assert rp.status == 200 and rp.json["kv_transfer_params"]["transfer_mode"] == "push"
+        assert rd.status == 200 and text_of(rd) == text_of(alone)
+        assert c.held_kv_blocks == 0
