@@ -139,3 +139,14 @@ async def test_push_connector(http):
         assert rp.status == 200 and rp.json["kv_transfer_params"]["transfer_mode"] == "push"
         assert rd.status == 200 and text_of(rd) == text_of(alone)
         assert c.held_kv_blocks == 0
+
+
+async def test_count_tokens(http):
+    async with SimCluster(pd=1, config=fast_config()) as c:
+        body = messages_body(system="count me")
+        del body["max_tokens"]
+        r = await http.post(c.urls("pd")[0], PATH + "/count_tokens", body)
+        assert r.status == 200 and r.json == {"input_tokens": prompt_tokens(to_chat(body, count_only=True))}
+        r = await http.post(c.urls("pd")[0], PATH + "/count_tokens", {"model": "sim-model"})
+        assert r.status == 400 and r.json["error"]["param"] == "body.messages"
+        assert c.instances("pd")[0].stats.requests == 0  # not a generation

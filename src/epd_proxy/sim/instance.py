@@ -81,9 +81,10 @@ class SimInstance:
         self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens) if role == "encode" else None
         self._generation = GenerationHandler(self)
         self._responses = ResponsesFormat(self.created, cfg.max_model_len, cfg.responses_store)
+        self._messages = MessagesFormat()
         # path -> (a chat request, the API's format; None for chat and completions)
         self._apis = {"/v1/chat/completions": (True, None), "/v1/completions": (False, None),
-                      "/v1/messages": (True, MessagesFormat()), "/v1/responses": (True, self._responses),
+                      "/v1/messages": (True, self._messages), "/v1/responses": (True, self._responses),
                       "/inference/v1/generate": (False, GenerateFormat(self.created))}
         self._tasks: set[asyncio.Task] = set()
         self._in_flight = 0
@@ -276,6 +277,10 @@ class SimInstance:
             return
         if path.startswith("/v1/responses/"):
             status, body = self._responses.stored(req.method, path)
+            self._send(writer, self.new_record(req, time.monotonic()), status, body)
+            return
+        if path == "/v1/messages/count_tokens" and req.method == "POST":
+            status, body = self._messages.count_tokens(req.body)
             self._send(writer, self.new_record(req, time.monotonic()), status, body)
             return
         if path.startswith("/sim/"):

@@ -16,8 +16,8 @@ import msgspec
 from epd_proxy.sim.api_format import ApiFormat
 from epd_proxy.sim.engine import Sequence
 from epd_proxy.sim.responses import api_error_body
-from epd_proxy.sim.tokens import VOCAB_JSON
-from epd_proxy.sim.validation import ApiError, schema_error, schema_item
+from epd_proxy.sim.tokens import VOCAB_JSON, PromptError, analyze
+from epd_proxy.sim.validation import ApiError, json_error, schema_error, schema_item
 
 _encode = msgspec.json.encode
 
@@ -69,14 +69,16 @@ def _part(block: Any) -> Any:
     return block  # tool use, tool results, thinking: one token each, as any other part
 
 
-def to_chat(body: Any) -> dict:
-    """The chat request vLLM makes of a Messages request (``max_tokens`` is required and
-    becomes both chat caps); raises the schema error FastAPI answers for a malformed one."""
+def to_chat(body: Any, *, count_only: bool = False) -> dict:
+    """The chat request vLLM makes of a Messages request (``max_tokens`` is required, but
+    for counting tokens, and becomes both chat caps); raises the schema error FastAPI
+    answers for a malformed one."""
+    cls = "AnthropicCountTokensRequest" if count_only else "AnthropicMessagesRequest"
     if not isinstance(body, dict):
-        raise schema_error([schema_item("model_type", "body", "Input should be a valid dictionary or instance of "
-                                        "AnthropicMessagesRequest", body, {"class_name": "AnthropicMessagesRequest"})])
-    missing = [schema_item("missing", f"body.{k}", "Field required", body)
-               for k in ("model", "messages", "max_tokens") if k not in body]
+        raise schema_error([schema_item("model_type", "body", f"Input should be a valid dictionary or instance of "
+                                        f"{cls}", body, {"class_name": cls})])
+    required = ("model", "messages") if count_only else ("model", "messages", "max_tokens")
+    missing = [schema_item("missing", f"body.{k}", "Field required", body) for k in required if k not in body]
     if missing:
         raise schema_error(missing)
     if not isinstance(body["messages"], list):
@@ -99,8 +101,8 @@ def to_chat(body: Any) -> dict:
         if isinstance(content, list):
             content = [_part(b) for b in content]
         messages.append({"role": msg.get("role"), "content": content})
-    chat = {"model": body["model"], "messages": messages, "max_tokens": body["max_tokens"],
-            "max_completion_tokens": body["max_tokens"]}
+    chat = {"model": body["model"], "messages": messages, "max_tokens": body.get("max_tokens"),
+            "max_completion_tokens": body.get("max_tokens")}
     for key in ("stream", "kv_transfer_params", "ec_transfer_params", "sim_fault"):
         if key in body:
             chat[key] = body[key]
@@ -121,6 +123,21 @@ def usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
 
 class MessagesFormat(ApiFormat):
     """``/v1/messages`` on one instance."""
+
+    def count_tokens(self, raw: bytes) -> tuple[int, bytes]:
+        """``POST /v1/messages/count_tokens``: (status, body) with the prompt's ``input_tokens``."""
+        try:
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                raise json_error(raw) from None
+            try:
+                n = analyze(to_chat(body, count_only=True), True).tokens
+            except PromptError as exc:
+                raise ApiError(400, str(exc), "BadRequestError") from None
+        except ApiError as exc:
+            return exc.status, self.error_body(exc)
+        return 200, _encode({"input_tokens": n})
 
     def translate(self, body: Any) -> dict:
         return to_chat(body)
