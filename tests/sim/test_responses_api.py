@@ -3,6 +3,8 @@ events, the store (retrieve, cancel, previous_response_id) and P/D."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from simhelpers import fast_config, named_events, nixl_prefill_params
 
@@ -174,3 +176,50 @@ async def test_encode_prefill_decode_with_an_image(http):
         assert c.instances("prefill")[0].stats.local_encodes == 0
         rd = await http.post(c.urls("decode")[0], PATH, dict(body, kv_transfer_params=rp.json["kv_transfer_params"]))
         assert text_of(rd) == text_of(alone) == expected_text(to_chat(body))
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not await predicate():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_background_response_completes(http):
+    async with SimCluster(pd=1, config=fast_config()) as c:
+        url = c.urls("pd")[0]
+        body = {"input": "run me in the background", "max_output_tokens": 20, "background": True}
+        r = await http.post(url, PATH, body, headers=RID)
+        assert r.status == 200 and r.json["status"] == "queued" and r.json["background"] is True
+        assert r.json["output"] == [] and r.json["usage"] is None
+
+        async def done() -> bool:
+            return (await http.get(url, "/v1/responses/resp_r-1")).json["status"] != "queued"
+        await _until(done)
+        final = (await http.get(url, "/v1/responses/resp_r-1")).json
+        assert final["status"] == "incomplete" and text_of_json(final) == expected_text(to_chat(body))
+        r = await http.post(url, "/v1/responses/resp_r-1/cancel", None)
+        assert r.status == 400
+
+
+async def test_background_response_cancelled(http):
+    async with SimCluster(pd=1, config=fast_config(itl_ms=20)) as c:
+        url = c.urls("pd")[0]
+        inst = c.instances("pd")[0]
+        body = {"input": "a long background answer", "max_output_tokens": 500, "background": True}
+        r = await http.post(url, PATH, body, headers=RID)
+        assert r.json["status"] == "queued"
+        r = await http.post(url, "/v1/responses/resp_r-1/cancel", None)
+        assert r.status == 200 and r.json["status"] == "cancelled"
+
+        async def aborted() -> bool:
+            return inst.engine.num_running == 0 and inst.stats.success["abort"] == 1
+        await _until(aborted)
+        assert (await http.get(url, "/v1/responses/resp_r-1")).json["status"] == "cancelled"
+        r = await http.post(url, PATH, dict(body, stream=True))
+        assert r.status == 400 and r.json["error"]["param"] == "background"
+
+
+def text_of_json(response: dict) -> str:
+    return "".join(p["text"] for item in response["output"] for p in item["content"])

@@ -11,6 +11,7 @@ stream events (written by an :class:`EventSequence`).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from epd_proxy.sim.engine import Sequence
@@ -45,6 +46,17 @@ class ApiFormat:
     def finished(self, g, answer: dict) -> None:
         """After a successful answer (the Responses API stores it here)."""
 
+    def failed(self, g) -> None:
+        """After a generation failure."""
+
+    def detach(self, g, writer) -> bool:
+        """Whether the request answers at once and generates in the background; if so, this
+        has sent the answer to ``writer``."""
+        return False
+
+    def started(self, g, task: asyncio.Task) -> None:
+        """The task that generates a detached request's output."""
+
     # -- stream ------------------------------------------------------------------------
     def stream_open(self, g) -> bytes:
         """Events written as soon as the stream starts, before the engine's first output."""
@@ -65,6 +77,31 @@ class ApiFormat:
     def stream_error(self, seq: Sequence) -> bytes | None:
         """What a generation failure writes once streaming; None breaks the stream off."""
         return None
+
+
+class NullWriter:
+    """Where a detached request's output goes: nowhere (its client has had its answer)."""
+
+    started = finished = disconnected = False
+    bytes_sent = 0
+
+    def send(self, status, body=b"", content_type=None, headers=None) -> None:
+        pass
+
+    def start(self, status, content_type=None, headers=None) -> None:
+        self.started = True
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def end(self, data: bytes = b"") -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
 
 
 class EventSequence(Sequence):

@@ -29,7 +29,7 @@ import msgspec
 
 from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import responses
-from epd_proxy.sim.api_format import ApiFormat, EventSequence
+from epd_proxy.sim.api_format import ApiFormat, EventSequence, NullWriter
 from epd_proxy.sim.ec_store import empty_embeds_refusal, encode_groups, load_for_consumer, store_outputs
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
 from epd_proxy.sim.host import SimHost
@@ -206,6 +206,13 @@ class GenerationHandler:
         g.model = self.config.model  # vLLM answers with its served model name, whatever the request said
         g.prompt = prompt
         g.n_choices = checked.n
+        detached = g.api is not None and g.api.detach(g, writer)
+        if detached:
+            # The answer went out (a background response); the generation goes on by itself.
+            if rec is not None:
+                rec.t_headers = rec.t_end = time.monotonic()
+                rec.status = 200
+            writer, rec = NullWriter(), None
         seq = self._sequence(g, writer, rec, checked, n_out, by_length, ttft_ms, plan)
         if checked.stream:
             writer.start(200, SSE, g.headers)
@@ -219,7 +226,22 @@ class GenerationHandler:
             self.on_error(seq, gen_error)
             return
         g.seq = seq
+        if detached:
+            assert g.api is not None
+            g.api.started(g, inst.spawn(self._background(seq, remote_kv)))
+            return
         await self._run(g, seq, remote_kv)
+
+    async def _background(self, seq: Sequence, remote_kv: dict | None) -> None:
+        """A detached request's generation; cancelling it aborts the request, as vLLM's engine
+        aborts a cancelled background response."""
+        try:
+            await self._run(seq.ctx, seq, remote_kv)
+        except asyncio.CancelledError:
+            if seq.state != DONE and self.inst.engine is not None:
+                self.inst.engine.retire(seq)
+                self.stats.success["abort"] += 1
+            raise
 
     # -- steps ---------------------------------------------------------------------------
     @staticmethod
@@ -528,6 +550,8 @@ class GenerationHandler:
         rec = seq.rec
         log.warning("%s: request %s failed: %s", self.inst.name, getattr(seq.ctx, "resp_id", "?"), message)
         api: ApiFormat | None = seq.ctx.api
+        if api is not None:
+            api.failed(seq.ctx)
         if writer.started:
             tail = (seq.error_head() + responses.STREAM_GENERATION_ERROR + DONE_EVENT if api is None
                     else api.stream_error(seq))

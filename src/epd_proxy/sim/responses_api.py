@@ -12,6 +12,7 @@ answered the turn before, as with vLLM, and a crash empties it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any
 
@@ -100,16 +101,18 @@ class ResponsesFormat(ApiFormat):
         self.enable_store = store
         # id -> (the response, the conversation so far: its messages and its answer)
         self.store: dict[str, tuple[dict, list]] = {}
+        self.tasks: dict[str, asyncio.Task] = {}  # background responses still generating
 
     def clear(self) -> None:
         """vLLM's store is in memory: a restarted instance has forgotten every response."""
         self.store.clear()
+        self.tasks.clear()
 
     # -- the request -----------------------------------------------------------------------
     def translate(self, body: Any) -> dict:
         history = None
-        if isinstance(body, dict) and body.get("background"):
-            raise ApiError(400, "sim: background responses are not simulated", "BadRequestError", "background")
+        if isinstance(body, dict) and body.get("background") and body.get("stream"):
+            raise ApiError(400, "sim: background streams are not simulated", "BadRequestError", "background")
         prev = body.get("previous_response_id") if isinstance(body, dict) else None
         if prev is not None:
             stored = self.store.get(prev)
@@ -179,10 +182,33 @@ class ResponsesFormat(ApiFormat):
         return self._response(g, status, output, usage, kv_out, ec_out)
 
     def finished(self, g, answer: dict) -> None:
+        stored = self.store.get(g.resp_id)
+        if stored is not None and stored[0]["status"] == "cancelled":
+            return  # a cancelled background response keeps its status
         if self.enable_store and g.body[_REQUEST].get("store", True) is not False:
             text = "".join(p["text"] for item in answer["output"] for p in item["content"])
             history = [*g.body["messages"], {"role": "assistant", "content": text}]
             self.store[g.resp_id] = (answer, history)
+
+    def failed(self, g) -> None:
+        stored = self.store.get(g.resp_id)
+        if stored is not None and stored[0]["status"] == "queued":
+            self.store[g.resp_id] = (dict(stored[0], status="failed"), stored[1])
+
+    def detach(self, g, writer) -> bool:
+        """``background: true``: the response is stored and answered ``queued`` at once, as
+        vLLM does; GET shows it ``queued`` until it is done."""
+        if not g.body[_REQUEST].get("background"):
+            return False
+        queued = self._response(g, "queued", [], None, None, None)
+        self.store[g.resp_id] = (queued, list(g.body["messages"]))
+        writer.send(200, _encode(queued), headers=g.headers)
+        return True
+
+    def started(self, g, task: asyncio.Task) -> None:
+        rid = g.resp_id
+        self.tasks[rid] = task
+        task.add_done_callback(lambda t: self.tasks.pop(rid, None) if self.tasks.get(rid) is t else None)
 
     # -- the stream ------------------------------------------------------------------------
     def stream_open(self, g) -> bytes:
@@ -240,9 +266,16 @@ class ResponsesFormat(ApiFormat):
         entry = self.store.get(rid)
         if entry is None:
             return 404, api_error_body(not_found(rid))
+        response = entry[0]
         if cancel:
-            # Only a background response (queued or in progress) can be cancelled.
-            return 400, api_error_body(ApiError(400, "Cannot cancel a synchronous response.",
-                                                "invalid_request_error", "response_id"))
-        return 200, _encode(entry[0])
+            # Only a background response still queued (or in progress) can be cancelled.
+            if response["status"] not in ("queued", "in_progress"):
+                return 400, api_error_body(ApiError(400, "Cannot cancel a synchronous response.",
+                                                    "invalid_request_error", "response_id"))
+            response = dict(response, status="cancelled")
+            self.store[rid] = (response, entry[1])
+            task = self.tasks.pop(rid, None)
+            if task is not None:
+                task.cancel()
+        return 200, _encode(response)
 
