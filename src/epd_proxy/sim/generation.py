@@ -212,6 +212,8 @@ class GenerationHandler:
             if rec is not None:
                 rec.t_headers = rec.t_end = time.monotonic()
                 rec.status = 200
+                if not self.config.record_responses:
+                    rec.response_chunks = None
             writer, rec = NullWriter(), None
         seq = self._sequence(g, writer, rec, checked, n_out, by_length, ttft_ms, plan)
         if checked.stream:
@@ -418,8 +420,9 @@ class GenerationHandler:
         tokens = [output_tokens(fp, seed, n_out, c) for c in range(g.n_choices)]
         head = b""
         include_usage = continuous = False
-        if stream and g.api is None:
-            head = responses.stream_head(g.resp_id, g.chat, inst.created_bytes, g.model)
+        if stream:
+            if g.api is None:
+                head = responses.stream_head(g.resp_id, g.chat, inst.created_bytes, g.model)
             include_usage = checked.include_usage
             continuous = checked.continuous_usage
         seq = (Sequence if g.api is None or not stream else EventSequence)(
@@ -428,10 +431,9 @@ class GenerationHandler:
             include_usage=include_usage, continuous_usage=continuous, split=self.config.split_utf8,
             on_complete=self.on_complete, on_error=self.on_error, on_reset=self.on_reset, ctx=g,
             fingerprint=inst.fingerprint_json)
-        if stream and g.api is not None:
-            seq.fmt = g.api  # type: ignore[attr-defined]  # an EventSequence
-            seq.include_usage = checked.include_usage  # the API's own usage events, if it has them
-            seq.continuous_usage = checked.continuous_usage
+        if isinstance(seq, EventSequence):
+            assert g.api is not None
+            seq.fmt = g.api
         if g.hold_kv and not g.drop_kv:
             seq.on_ready = self.on_prefilled
         if self.config.prompt_tokens_details:
