@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from simhelpers import fast_config, nixl_prefill_params, sse_events
 
-from epd_proxy.sim import VOCAB, SimCluster, expected_text, expected_tokens
+from epd_proxy.sim import VOCAB, SimCluster, SimConfig, expected_text, expected_tokens
+from epd_proxy.sim import cli as sim_cli
 from epd_proxy.sim.generate import to_completion
 
 PATH = "/inference/v1/generate"
@@ -95,3 +98,11 @@ async def test_in_band_error(http):
         body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 4}, "stream": True, "sim_fault": "error-after=2"}
         evs = sse_events((await http.post(c.urls("pd")[0], PATH, body)).data)
         assert len(evs) == 4 and evs[2]["error"]["type"] == "InternalServerError" and evs[3] == "[DONE]"
+
+
+def test_switched_on_by_the_cli_and_the_spec():
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    assert sim_cli.config_from_args(parser.parse_args(["--enable-scale-out"])).enable_scale_out is True
+    assert sim_cli.config_from_args(parser.parse_args([])).enable_scale_out is False
+    assert SimConfig().with_values({"enable_scale_out": "true"}).enable_scale_out is True
