@@ -69,6 +69,10 @@ async def test_non_stream_and_stream(http):
         assert r.json["choices"][0]["finish_reason"] == "stop"
         assert text(token_ids(r)) == "".join(expected_tokens(to_completion({"token_ids": PROMPT,
                                                                              "sampling_params": {}})))
+        r = await http.post(url, PATH, dict(body, request_id="mine"))
+        assert r.json["request_id"] == "generate-tokens-mine"
+        r = await http.post(url, PATH, dict(body, request_id="mine"), headers=[(b"x-request-id", b"g-3")])
+        assert r.json["request_id"] == "generate-tokens-g-3"
         r = await http.post(url, PATH, {"sampling_params": {}})
         assert r.status == 400 and r.json["error"]["param"] == "body.token_ids"
 

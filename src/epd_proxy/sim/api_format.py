@@ -29,6 +29,10 @@ class ApiFormat:
         """The request as the chat (or completions) body the engine runs; raises ApiError."""
         raise NotImplementedError
 
+    def request_id(self, body: dict) -> str | None:
+        """The request's own id, which names it when there is no X-Request-Id."""
+        return None
+
     def ids(self, base: str, suffix: str, body: dict) -> tuple[str, str]:
         """(the answer's id, vLLM's internal request id, which ``remote_request_id`` names)."""
         raise NotImplementedError

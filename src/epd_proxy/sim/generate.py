@@ -52,7 +52,8 @@ def to_completion(body: Any) -> dict:
     for key, field in _SAMPLING.items():
         if key in sp and key != "max_tokens":
             out[field] = sp[key]
-    for key in ("model", "stream", "stream_options", "kv_transfer_params", "ec_transfer_params", "sim_fault"):
+    for key in ("model", "request_id", "stream", "stream_options", "kv_transfer_params", "ec_transfer_params",
+                "sim_fault"):
         if key in body:
             out[key] = body[key]
     return out
@@ -76,6 +77,10 @@ class GenerateFormat(ApiFormat):
 
     def translate(self, body: Any) -> dict:
         return to_completion(body)
+
+    def request_id(self, body: dict) -> str | None:
+        rid = body.get("request_id")
+        return rid if isinstance(rid, str) and rid else None
 
     def ids(self, base: str, suffix: str, body: dict) -> tuple[str, str]:
         rid = "generate-tokens-" + base

@@ -191,6 +191,7 @@ class GenerationHandler:
             body = self._parse(req, rec)
             if g.api is not None:
                 body = g.api.translate(body)
+                base = (None if rid_h else g.api.request_id(body)) or base
             plan = await self._apply_faults(req, body, rec)
             checked, body, prompt, n_out, by_length = self._validate(body, g.chat)
             if rec is not None:
