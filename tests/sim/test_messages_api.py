@@ -150,3 +150,20 @@ async def test_count_tokens(http):
         r = await http.post(c.urls("pd")[0], PATH + "/count_tokens", {"model": "sim-model"})
         assert r.status == 400 and r.json["error"]["param"] == "body.messages"
         assert c.instances("pd")[0].stats.requests == 0  # not a generation
+
+
+async def test_encode_prefill_decode_with_an_image(http):
+    async with SimCluster(encode=1, prefill=1, decode=1, pd=1, config=fast_config()) as c:
+        content = [{"type": "text", "text": "what is in the picture"},
+                   {"type": "image", "source": {"type": "url", "url": "https://example.com/fish.png"}}]
+        body = messages_body(messages=[{"role": "user", "content": content}], max_tokens=5)
+        alone = await http.post(c.urls("pd")[0], PATH, body)
+        re = await http.post(c.urls("encode")[0], PATH, body)
+        assert re.status == 200 and text_of(re) == "" and re.json["usage"]["output_tokens"] == 0
+        ec = re.json["ec_transfer_params"]
+        pre = dict(body, max_tokens=1, kv_transfer_params=nixl_prefill_params(), ec_transfer_params=ec)
+        rp = await http.post(c.urls("prefill")[0], PATH, pre)
+        assert rp.status == 200 and c.instances("prefill")[0].stats.ec_hits == 1
+        rd = await http.post(c.urls("decode")[0], PATH, dict(body, kv_transfer_params=rp.json["kv_transfer_params"]))
+        assert text_of(rd) == text_of(alone) == expected_text(to_chat(body))
+        assert c.instances("decode")[0].stats.local_encodes == 0
