@@ -43,6 +43,24 @@ def sse_events(data: bytes) -> list:
     return out
 
 
+def named_events(data: bytes) -> list[tuple[str, dict]]:
+    """(name, payload) of each event of an SSE body of named events (``event:`` then ``data:``)."""
+    out = []
+    for block in data.split(b"\n\n"):
+        if not block:
+            continue
+        head, _, payload = block.partition(b"\n")
+        assert head.startswith(b"event: ") and payload.startswith(b"data: "), block
+        out.append((head[7:].decode(), msgspec.json.decode(payload[6:])))
+    return out
+
+
+def nixl_prefill_params() -> dict:
+    """The ``kv_transfer_params`` a proxy sends a NIXL prefill (docs/protocol.md §2.3)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
 def stream_text(events: list, choice: int = 0) -> str:
     parts = []
     for ev in events:

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-strict-roles", action="store_true",
                    help="accept plain requests on prefills and do_remote_decode on decodes, as vLLM does")
     g.add_argument("--model", default=None, help="served model name (default sim-model)")
+    g.add_argument("--enable-scale-out", action="store_true",
+                   help="serve /inference/v1/generate, as vllm serve --enable-scale-out (else 403)")
     lat = parser.add_argument_group("latency model")
     lat.add_argument("--ttft-ms", type=float, default=None, help="base time to first token")
     lat.add_argument("--ttft-per-token-ms", type=float, default=None, help="extra TTFT per prompt token")
@@ -77,6 +79,8 @@ def config_from_args(args: argparse.Namespace, base: SimConfig | None = None) ->
         changes["records"] = False
     if getattr(args, "no_strict_roles", False):
         changes["strict_roles"] = False
+    if getattr(args, "enable_scale_out", False):
+        changes["enable_scale_out"] = True
     if changes:
         cfg = dataclasses.replace(cfg, **changes)
     return cfg

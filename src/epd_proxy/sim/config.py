@@ -27,6 +27,11 @@ class SimConfig:
     system_fingerprint: str = "auto"
     created: int | None = None  # the "created" field; None = the cluster's start time
     engine_id_format: str = "sim-{role}-{index}"  # {role}, {index}, {name}
+    # Serve /inference/v1/generate (vllm serve --enable-scale-out); else it answers 403.
+    enable_scale_out: bool = False
+    # Keep /v1/responses answers for GET, cancel and previous_response_id, as vLLM does with
+    # VLLM_ENABLE_RESPONSES_API_STORE=1 (without it, vLLM silently stores nothing).
+    responses_store: bool = True
 
     # --- latency model (continuous batching; see engine.py) ---------------------------
     ttft_ms: float = 2.0  # base prefill time

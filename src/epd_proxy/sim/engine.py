@@ -162,8 +162,19 @@ class Sequence:
             return b""
         return b"".join([self._role_event(c) for c in range(len(self.tokens))])
 
-    def _emit(self, i: int) -> None:
+    def _write_event(self, ev: bytes, cut: int, last_choice: bool) -> None:
+        """An event in one write or, while ``split`` lasts (once per choice), in two cut at
+        ``cut``, inside a UTF-8 character (``cut`` <= 0: nothing to cut)."""
         w = self.writer
+        if cut > 0 and self.split:
+            if last_choice:
+                self.split = False
+            w.write(ev[:cut])
+            w.write(ev[cut:])
+        else:
+            w.write(ev)
+
+    def _emit(self, i: int) -> None:
         last = i == self.n - 1
         end = self.final_suffix if last else self.suffix
         prefixes = self.prefixes
@@ -181,15 +192,7 @@ class Sequence:
                 prefix = role + prefix
                 ev = role + ev
             cut = VOCAB_SPLIT[tok]
-            if cut > 0 and self.split:
-                # Once per choice: one event in two writes, cut inside a UTF-8 character.
-                if c == len(self.tokens) - 1:
-                    self.split = False
-                cut += len(prefix)
-                w.write(ev[:cut])
-                w.write(ev[cut:])
-            else:
-                w.write(ev)
+            self._write_event(ev, cut + len(prefix) if cut > 0 else cut, c == len(self.tokens) - 1)
 
     def stream_tail(self) -> bytes:
         """What ends a successful stream: the role chunks if no token was produced (vLLM

@@ -1,5 +1,6 @@
-"""Generation requests (``POST /v1/chat/completions`` and ``/v1/completions``) on one
-simulated instance: validation, the role's behaviour, and the answer.
+"""Generation requests (``POST /v1/chat/completions`` and ``/v1/completions``, and through an
+:class:`~epd_proxy.sim.api_format.ApiFormat` the other generation APIs) on one simulated
+instance: validation, the role's behaviour, and the answer.
 
 A request goes through named steps, in vLLM's order:
 
@@ -28,6 +29,7 @@ import msgspec
 
 from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import responses
+from epd_proxy.sim.api_format import ApiFormat, EventSequence, NullWriter
 from epd_proxy.sim.ec_store import empty_embeds_refusal, encode_groups, load_for_consumer, store_outputs
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
 from epd_proxy.sim.host import SimHost
@@ -114,15 +116,17 @@ class GenerationRequest:
 
     __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
                  "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
-                 "cached_tokens")
+                 "cached_tokens", "api", "final")
     # Set once the request is validated.
     model: str
     prompt: Prompt
     n_choices: int
     body: dict
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, api: ApiFormat | None = None) -> None:
         self.chat = chat
+        self.api = api  # None for chat and completions
+        self.final: dict | None = None  # an ApiFormat's final answer
         self.resp_id = "?"
         self.internal_id = ""
         self.headers: list | None = None  # the X-Request-Id echo, on every answer
@@ -145,7 +149,7 @@ class GenerationHandler:
         self.stats = inst.stats
         self._counter = 0
 
-    async def serve(self, req, writer, chat: bool) -> None:
+    async def serve(self, req, writer, chat: bool, api: ApiFormat | None = None) -> None:
         inst = self.inst
         self.stats.requests += 1
         self._counter += 1
@@ -153,7 +157,7 @@ class GenerationHandler:
         if rec is not None:
             # Response bodies are kept for failures always, for successes with record_responses.
             writer = TeeWriter(writer, rec)
-        g = GenerationRequest(chat)
+        g = GenerationRequest(chat, api)
         try:
             await self._serve(req, writer, g, rec, self._counter)
         except asyncio.CancelledError:
@@ -185,6 +189,9 @@ class GenerationHandler:
         g.headers = [(b"x-request-id", rid_h or base.encode())] if self.config.echo_request_id else None
         try:
             body = self._parse(req, rec)
+            if g.api is not None:
+                body = g.api.translate(body)
+                base = (None if rid_h else g.api.request_id(body)) or base
             plan = await self._apply_faults(req, body, rec)
             checked, body, prompt, n_out, by_length = self._validate(body, g.chat)
             if rec is not None:
@@ -194,24 +201,50 @@ class GenerationHandler:
                 n_out, by_length = 0, False
             ttft_ms, gen_error = self._local_work(g, body, prompt, remote_kv is not None)
         except ApiError as exc:
-            return inst.send_error(writer, rec, exc, g.headers)
+            return inst.send_error(writer, rec, exc, g.headers, None if g.api is None else g.api.error_body(exc))
+        g.body = body
         self._name(g, base, counter)
         g.model = self.config.model  # vLLM answers with its served model name, whatever the request said
         g.prompt = prompt
         g.n_choices = checked.n
-        g.body = body
+        detached = g.api is not None and g.api.detach(g, writer)
+        if detached:
+            # The answer went out (a background response); the generation goes on by itself.
+            if rec is not None:
+                rec.t_headers = rec.t_end = time.monotonic()
+                rec.status = 200
+                if not self.config.record_responses:
+                    rec.response_chunks = None
+            writer, rec = NullWriter(), None
         seq = self._sequence(g, writer, rec, checked, n_out, by_length, ttft_ms, plan)
         if checked.stream:
             writer.start(200, SSE, g.headers)
             if rec is not None:
                 rec.t_headers = time.monotonic()
                 rec.status = 200
+            if g.api is not None:
+                writer.write(g.api.stream_open(g))
         if gen_error is not None:
             seq.state = DONE
             self.on_error(seq, gen_error)
             return
         g.seq = seq
+        if detached:
+            assert g.api is not None
+            g.api.started(g, inst.spawn(self._background(seq, remote_kv)))
+            return
         await self._run(g, seq, remote_kv)
+
+    async def _background(self, seq: Sequence, remote_kv: dict | None) -> None:
+        """A detached request's generation; cancelling it aborts the request, as vLLM's engine
+        aborts a cancelled background response."""
+        try:
+            await self._run(seq.ctx, seq, remote_kv)
+        except asyncio.CancelledError:
+            if seq.state != DONE and self.inst.engine is not None:
+                self.inst.engine.retire(seq)
+                self.stats.success["abort"] += 1
+            raise
 
     # -- steps ---------------------------------------------------------------------------
     @staticmethod
@@ -369,7 +402,9 @@ class GenerationHandler:
         """The response id and vLLM's internal request id (what ``remote_request_id`` names)."""
         inst = self.inst
         suffix = hashlib.sha256(f"{inst.engine_id}/{inst.created}/{counter}".encode()).hexdigest()[:8]
-        if g.chat:
+        if g.api is not None:
+            g.resp_id, g.internal_id = g.api.ids(base, suffix, g.body)
+        elif g.chat:
             g.resp_id = "chatcmpl-" + base
             g.internal_id = f"chatcmpl-{base}-{suffix}"
         else:
@@ -387,15 +422,19 @@ class GenerationHandler:
         head = b""
         include_usage = continuous = False
         if stream:
-            head = responses.stream_head(g.resp_id, g.chat, inst.created_bytes, g.model)
+            if g.api is None:
+                head = responses.stream_head(g.resp_id, g.chat, inst.created_bytes, g.model)
             include_usage = checked.include_usage
             continuous = checked.continuous_usage
-        seq = Sequence(
+        seq = (Sequence if g.api is None or not stream else EventSequence)(
             writer=writer, rec=rec, stream=stream, chat=g.chat, tokens=tokens, prompt_tokens=g.prompt.tokens,
             ttft=ttft_ms / 1000.0, finish_reason="length" if by_length else "stop", head=head,
             include_usage=include_usage, continuous_usage=continuous, split=self.config.split_utf8,
             on_complete=self.on_complete, on_error=self.on_error, on_reset=self.on_reset, ctx=g,
             fingerprint=inst.fingerprint_json)
+        if isinstance(seq, EventSequence):
+            assert g.api is not None
+            seq.fmt = g.api
         if g.hold_kv and not g.drop_kv:
             seq.on_ready = self.on_prefilled
         if self.config.prompt_tokens_details:
@@ -466,16 +505,14 @@ class GenerationHandler:
         st.generation_tokens += ncomp
         writer = seq.writer
         rec = seq.rec
+        if g.api is not None:
+            g.final = resp = g.api.body(g, seq, kv_out, ec_out)
+            g.api.finished(g, resp)
         if seq.stream:
             writer.end(seq.stream_tail())
         else:
-            # vLLM 0.32's response models, dumped whole (JSONResponse(model.model_dump())).
-            build = responses.chat_response if g.chat else responses.completion_response
-            resp = build(resp_id=g.resp_id, created=inst.created, model=g.model,
-                         texts=[seq.text(c) for c in range(g.n_choices)], finish_reason=seq.finish_reason,
-                         fingerprint=inst.system_fingerprint,
-                         usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
-                         kv_out=kv_out, ec_out=ec_out)
+            if g.api is None:
+                resp = self._openai_body(g, seq, kv_out, ec_out, ncomp)
             writer.send(200, _encode(resp), headers=g.headers)
             if rec is not None:
                 rec.t_headers = time.monotonic()
@@ -486,6 +523,16 @@ class GenerationHandler:
             rec.kv = kv_out
             if not self.config.record_responses:
                 rec.response_chunks = None
+
+    def _openai_body(self, g: GenerationRequest, seq: Sequence, kv_out: dict | None, ec_out: dict | None,
+                     ncomp: int) -> dict:
+        """vLLM 0.32's chat or completions response model, dumped whole (``model.model_dump()``)."""
+        build = responses.chat_response if g.chat else responses.completion_response
+        return build(resp_id=g.resp_id, created=self.inst.created, model=g.model,
+                     texts=[seq.text(c) for c in range(g.n_choices)], finish_reason=seq.finish_reason,
+                     fingerprint=self.inst.system_fingerprint,
+                     usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
+                     kv_out=kv_out, ec_out=ec_out)
 
     def on_prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists: hold it for (or push it to) the decoder. This happens when
@@ -505,10 +552,19 @@ class GenerationHandler:
         writer = seq.writer
         rec = seq.rec
         log.warning("%s: request %s failed: %s", self.inst.name, getattr(seq.ctx, "resp_id", "?"), message)
+        api: ApiFormat | None = seq.ctx.api
+        if api is not None:
+            api.failed(seq.ctx)
         if writer.started:
-            writer.end(seq.error_head() + responses.STREAM_GENERATION_ERROR + DONE_EVENT)
+            tail = (seq.error_head() + responses.STREAM_GENERATION_ERROR + DONE_EVENT if api is None
+                    else api.stream_error(seq))
+            if tail is None:
+                writer.abort()
+            else:
+                writer.end(tail)
         else:
-            writer.send(500, responses.GENERATION_ERROR_BODY, headers=seq.ctx.headers)
+            writer.send(500, responses.GENERATION_ERROR_BODY if api is None else api.generation_error_body(),
+                        headers=seq.ctx.headers)
             if rec is not None:
                 rec.t_headers = time.monotonic()
                 rec.status = 500

@@ -28,16 +28,20 @@ from epd_proxy.sim.config import SimConfig
 from epd_proxy.sim.ec_store import EcStore
 from epd_proxy.sim.encoder_cache import EncoderCache
 from epd_proxy.sim.engine import Engine
+from epd_proxy.sim.generate import DISABLED_BODY, GenerateFormat
 from epd_proxy.sim.generation import GenerationHandler
 from epd_proxy.sim.kv_channel import KvSideChannel
+from epd_proxy.sim.messages import MessagesFormat
 from epd_proxy.sim.prefix_cache import PrefixCache
 from epd_proxy.sim.records import SimRecord, Stats
 from epd_proxy.sim.responses import JSON, api_error_body, server_error_body, system_fingerprint
+from epd_proxy.sim.responses_api import ResponsesFormat
 from epd_proxy.sim.validation import ApiError
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
-_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                     "/inference/v1/generate")
 
 
 class SimInstance:
@@ -76,6 +80,12 @@ class SimInstance:
             self.prefix_cache = PrefixCache(cfg.block_size, capacity)
         self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens) if role == "encode" else None
         self._generation = GenerationHandler(self)
+        self._responses = ResponsesFormat(self.created, cfg.max_model_len, cfg.responses_store)
+        self._messages = MessagesFormat()
+        # path -> (a chat request, the API's format; None for chat and completions)
+        self._apis = {"/v1/chat/completions": (True, None), "/v1/completions": (False, None),
+                      "/v1/messages": (True, self._messages), "/v1/responses": (True, self._responses),
+                      "/inference/v1/generate": (False, GenerateFormat(self.created))}
         self._tasks: set[asyncio.Task] = set()
         self._in_flight = 0
         self.system_fingerprint = system_fingerprint(
@@ -153,7 +163,7 @@ class SimInstance:
     # -- control (tests) -------------------------------------------------------------------
     def inject(self, spec: str, times: int = 1) -> None:
         """Apply the faults in ``spec`` to the next ``times`` generation requests
-        (``/v1/chat/completions``, ``/v1/completions``) reaching this instance."""
+        (any generation API) reaching this instance."""
         self.faults.inject(spec, times)
 
     def clear_faults(self) -> None:
@@ -226,6 +236,7 @@ class SimInstance:
             self.prefix_cache.clear()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
+        self._responses.clear()
 
     async def restart(self) -> None:
         """Start again on the same port(s) after ``crash()``."""
@@ -249,15 +260,28 @@ class SimInstance:
     # -- HTTP entry point ------------------------------------------------------------------
     async def _handle(self, req, writer) -> None:
         path = req.path
-        if path in _GENERATION_PATHS:
+        api = self._apis.get(path)
+        if api is not None:
             if req.method != "POST":
                 writer.send(405, b'{"detail":"Method Not Allowed"}')
                 return
+            if path == "/inference/v1/generate" and not self.config.enable_scale_out:
+                self._send(writer, self.new_record(req, time.monotonic()), 403, DISABLED_BODY,
+                           error="scale-out endpoints are disabled (SimConfig.enable_scale_out)")
+                return
             self._in_flight += 1
             try:
-                await self._generation.serve(req, writer, path == "/v1/chat/completions")
+                await self._generation.serve(req, writer, *api)
             finally:
                 self._in_flight -= 1
+            return
+        if path.startswith("/v1/responses/"):
+            status, body = self._responses.stored(req.method, path)
+            self._send(writer, self.new_record(req, time.monotonic()), status, body)
+            return
+        if path == "/v1/messages/count_tokens" and req.method == "POST":
+            status, body = self._messages.count_tokens(req.body)
+            self._send(writer, self.new_record(req, time.monotonic()), status, body)
             return
         if path.startswith("/sim/"):
             await self._sim_route(req, writer)
@@ -309,9 +333,10 @@ class SimInstance:
             if error is not None:
                 rec.error = error
 
-    def send_error(self, writer, rec: SimRecord | None, exc: ApiError, headers=None) -> None:
-        """A refusal in vLLM's envelope; the record keeps its message."""
-        self._send(writer, rec, exc.status, api_error_body(exc), headers=headers, error=exc.message)
+    def send_error(self, writer, rec: SimRecord | None, exc: ApiError, headers=None, body: bytes | None = None) -> None:
+        """A refusal in vLLM's envelope (or ``body``, another API's); the record keeps its message."""
+        self._send(writer, rec, exc.status, api_error_body(exc) if body is None else body, headers=headers,
+                   error=exc.message)
 
     # -- /sim/ routes ----------------------------------------------------------------------
     async def _sim_route(self, req, writer) -> None:
