@@ -318,11 +318,9 @@ def test_rewrite_media_replaces_items_and_keeps_the_rest():
 
     assert body == before
     content = out["messages"][1]["content"]
-    assert content[0] == {
-        "type": "image_embeds",
-        "image_embeds": {"image_grid_thw": [1, 36, 52]},
-        "uuid": sha("https://x/a.jpg"),
-    }
+    # Image b has no result and stays raw, so image a does too: vLLM refuses raw images and
+    # image_embeds in one request ("Mixing raw image and embedding inputs is not allowed").
+    assert content[0] == {**img("https://x/a.jpg"), "uuid": sha("https://x/a.jpg")}
     assert content[1] is text
     assert content[2] == {
         "type": "audio_embeds",
@@ -337,6 +335,19 @@ def test_rewrite_media_replaces_items_and_keeps_the_rest():
     assert out["messages"][1] is not body["messages"][1]
     assert out["messages"] is not body["messages"]
     assert out["max_tokens"] == 8 and out["model"] == "m"
+
+
+def test_rewrite_media_rewrites_a_modality_only_when_every_item_of_it_has_metadata():
+    video = {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}
+    body = body_with(img("https://x/a.jpg"), img("https://x/b.jpg"), video)
+    items = collect_media(body)
+    out = rewrite_media(body, items, [res({"image_grid_thw": [[1, 2, 2]]}), res({"image_grid_thw": [[1, 4, 4]]}), None])
+    content = out["messages"][1]["content"]
+    assert [p["type"] for p in content] == ["image_embeds", "image_embeds", "video_url"]
+    # An image without metadata (ECExampleConnector) keeps both images raw; the video is another modality.
+    out = rewrite_media(body, items, [res({}), res({"image_grid_thw": [[1, 4, 4]]}), None])
+    assert [p["type"] for p in out["messages"][1]["content"]] == ["image_url", "image_url", "video_url"]
+    assert all(p["uuid"] for p in out["messages"][1]["content"])
 
 
 def test_rewrite_media_empty_metadata_keeps_raw_part():

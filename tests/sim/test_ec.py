@@ -160,6 +160,20 @@ async def test_raw_media_is_encoded_locally(http):
         assert r.status == 200 and pd.stats.local_encodes == 2 and pd.stats.ec_hits == 1
 
 
+async def test_raw_and_embeds_of_one_modality_are_refused_as_vllm_does(http):
+    """A consumer given one image raw (the proxy's local fallback) and another as a
+    reference: vLLM's chat parser refuses the mix; all raw, with the encoded one's uuid, is
+    served (the encoded image found in the EC store, the other encoded locally)."""
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A)])
+        pd = c.instances("pd")[0]
+        mixed = client_body(embeds(URL_A, ec[sha(URL_A)]["metadata"]), image(URL_B, None), max_tokens=2)
+        r = await http.chat(pd.url, mixed)
+        assert r.status == 400 and "Mixing raw image and embedding inputs" in r.json["error"]["message"]
+        r = await http.chat(pd.url, client_body(image(URL_A), image(URL_B, None), max_tokens=2))
+        assert r.status == 200 and (pd.stats.ec_hits, pd.stats.local_encodes) == (1, 1)
+
+
 async def test_epd_full_flow_with_prefill_as_ec_consumer(http):
     async with SimCluster(encode=1, prefill=1, decode=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A)])
@@ -250,8 +264,12 @@ async def test_example_connector_refuses_embeds_without_data(http):
                 "message": "If given, multi_modal_uuids['image'] must have same length as "
                            "multi_modal_data['image'], but got 1 vs 0.",
                 "type": "BadRequestError", "param": None, "code": 400}}
-        r = await http.chat(c.urls("pd")[0], client_body(image(URL_B), part, max_tokens=2))
+        with_data = embeds(URL_B, media_metadata(image(URL_B)))
+        r = await http.chat(c.urls("pd")[0], client_body(with_data, part, max_tokens=2))
         assert r.status == 400 and "but got 2 vs 1." in r.json["error"]["message"]
+        # A raw image beside it: the chat parser's refusal of the mix comes first.
+        r = await http.chat(c.urls("pd")[0], client_body(image(URL_B), part, max_tokens=2))
+        assert r.status == 400 and "Mixing raw image" in r.json["error"]["message"]
         assert c.instances("pd")[0].stats.ec_failures == 0
 
 

@@ -197,8 +197,9 @@ def rewrite_media(
 ) -> dict:
     """A new body with each encoded item replaced by its ``*_embeds`` reference.
 
-    ``results`` is aligned with ``items``. Items without usable metadata keep
-    the client's raw part, but carry the ``uuid`` the encoder was given: the
+    ``results`` is aligned with ``items``. Items without usable metadata (or
+    not encoded at all, ``None``: ``--encoder-fallback local``), and every item
+    of their modality, keep the client's raw part, but carry the ``uuid`` the encoder was given: the
     consumer then hashes the item exactly as the encoder did and finds the
     encoder's cache entry (ECExampleConnector reports empty metadata, so this
     is its normal path), instead of hashing the content and encoding again.
@@ -207,9 +208,13 @@ def rewrite_media(
     """
     if len(items) != len(results):
         raise ValueError("items and results must have the same length")
+    # vLLM refuses a request that mixes raw media and ``*_embeds`` of one modality ("Mixing
+    # raw image and embedding inputs is not allowed"): an item left raw (not encoded, or
+    # without metadata) keeps its whole modality raw, with uuids, found in the encoder cache.
+    raw_kinds = {EMBEDS_TYPES[i.type] for i, r in zip(items, results) if not _usable(i, r)}
     replacements: dict[int, dict[int, dict]] = {}
     for item, result in zip(items, results):
-        if result is not None and _usable(item, result):
+        if result is not None and EMBEDS_TYPES[item.type] not in raw_kinds and _usable(item, result):
             new_part = embeds_part(item, result.metadata)
         elif item.uuid and item.part.get("uuid") != item.uuid:
             new_part = {**item.part, "uuid": item.uuid}

@@ -136,3 +136,14 @@ def empty_embeds_refusal(media: list) -> str | None:
             return (f"If given, multi_modal_uuids[{family!r}] must have same length as "
                     f"multi_modal_data[{family!r}], but got {len(items)} vs {len(with_data)}.")
     return None
+
+
+def mixing_refusal(media: list) -> str | None:
+    """vLLM's refusal of a request with raw media and ``*_embeds`` of the same modality
+    (its chat parser: "Mixing raw image and embedding inputs is not allowed"; image and
+    audio). A consumer given some items raw must be given all of that modality raw."""
+    for family in ("image", "audio"):
+        kinds = {m.raw for m in media if m.family == family}
+        if len(kinds) == 2:
+            return f"Mixing raw {family} and embedding inputs is not allowed"
+    return None

@@ -30,7 +30,13 @@ import msgspec
 from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import responses
 from epd_proxy.sim.api_format import ApiFormat, EventSequence, NullWriter
-from epd_proxy.sim.ec_store import empty_embeds_refusal, encode_groups, load_for_consumer, store_outputs
+from epd_proxy.sim.ec_store import (
+    empty_embeds_refusal,
+    encode_groups,
+    load_for_consumer,
+    mixing_refusal,
+    store_outputs,
+)
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
 from epd_proxy.sim.host import SimHost
 from epd_proxy.sim.prefix_cache import block_hashes
@@ -303,6 +309,9 @@ class GenerationHandler:
             prompt = analyze(body, chat)
         except PromptError as exc:
             raise ApiError(400, str(exc), "BadRequestError") from None
+        mixed = mixing_refusal(prompt.media)
+        if mixed is not None:
+            raise ApiError(400, mixed, "BadRequestError")
         n_out, by_length = check_lengths(body, chat, prompt.tokens, cfg.max_model_len, checked.n,
                                          exact_prompt=prompt.exact, natural_len=cfg.default_max_tokens)
         return checked, body, prompt, n_out, by_length
