@@ -18,6 +18,8 @@ from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
 ROLES = ("encode", "prefill", "decode")
+# --encoder-fallback: an item no encoder can take fails the request, or goes raw to the consumer.
+ENCODER_FALLBACKS = ("none", "local")
 # What the roster may be: inferred from what registered ("auto"), or pinned.
 TOPOLOGIES = ("auto", "PD", "E+PD", "P+D", "E+P+D")
 
@@ -268,6 +270,12 @@ class ProxyConfig:
     kv_connector: str = "nixl"
     decode_retries: int = 1
     encoder_max_batch_size: int = 0
+    # Media items this process keeps in flight to one encoder; more wait in the proxy, up to
+    # the encode timeout (docs/architecture.md, "The encode stage"). 0 = no bound.
+    encoder_max_outstanding: int = 64
+    # What to do with an item no encoder can take: "none" fails the request, "local" sends
+    # the raw media to the consumer, which encodes it itself.
+    encoder_fallback: str = "none"
     rewrite: bool = True
     ec_consumer_zmq_addrs: list[str] = field(default_factory=list)
     ec_consumer_dp_size: int = 1
@@ -377,6 +385,7 @@ class ProxyConfig:
         for flag, value, low, above in (
             ("--decode-retries", self.decode_retries, 0, False),
             ("--encoder-max-batch-size", self.encoder_max_batch_size, 0, False),
+            ("--encoder-max-outstanding", self.encoder_max_outstanding, 0, False),
             ("--ec-consumer-dp-size", self.ec_consumer_dp_size, 1, False),
             ("--max-media-items", self.max_media_items, 0, False),
             ("--max-upstream-connections", self.max_upstream_connections, 1, False),
@@ -422,6 +431,8 @@ class ProxyConfig:
                 check_forward_headers([name], self.upstream_api_key)
             except ValueError as exc:
                 add(str(exc))
+        if self.encoder_fallback not in ENCODER_FALLBACKS:
+            add(f"--encoder-fallback must be one of {', '.join(ENCODER_FALLBACKS)}, not {self.encoder_fallback!r}")
         if self.log_format not in LOG_FORMATS:
             add(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         if self.ec_consumer_zmq_addrs:

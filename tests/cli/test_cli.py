@@ -56,6 +56,14 @@ def test_access_log_and_token_metric_flags():
     assert (d.trusted_proxies, d.metrics_max_models) == ((), 32)
 
 
+def test_encode_stage_flags():
+    d = parse("--decode", "d:1")
+    assert (d.encoder_max_outstanding, d.encoder_fallback) == (64, "none")
+    cfg = parse("--decode", "d:1", "--encoder-max-outstanding", "8", "--encoder-fallback", "local")
+    assert (cfg.encoder_max_outstanding, cfg.encoder_fallback) == (8, "local")
+    assert parse("--decode", "d:1", "--encoder-max-outstanding", "0").encoder_max_outstanding == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dynamic-registration"], "needs --admin-api-key"),
     ([], "at least one --decode"),
@@ -64,6 +72,8 @@ def test_access_log_and_token_metric_flags():
     (["--decode", "d:1", "--trusted-proxies", "10.0.0.0/8,nonsense"], "--trusted-proxies 'nonsense': not a network"),
     (["--decode", "d:1", "--metrics-max-models", "0"], "--metrics-max-models must be >= 1"),
     (["--decode", "d:1", "--prefill", "p:1", "--topology", "E+PD"], "pinned to E+PD"),
+    (["--decode", "d:1", "--encoder-max-outstanding", "-1"], "--encoder-max-outstanding"),
+    (["--decode", "d:1", "--encoder-fallback", "remote"], "--encoder-fallback"),
 ])
 def test_unusable_command_lines(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("ADMIN_API_KEY", raising=False)

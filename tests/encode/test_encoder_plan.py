@@ -173,3 +173,17 @@ def test_encoder_request_id_and_transfer_ids():
     ids = [new_transfer_id() for _ in range(100)]
     assert all(re.fullmatch(r"[0-9a-f]{32}", t) for t in ids)
     assert len(set(ids)) == 100
+
+
+# ------------------------------------------------------------------ the bound on items in flight
+
+
+def test_within_bound_admits_in_order_up_to_each_encoders_room():
+    from epd_proxy.encode.encoder_plan import within_bound
+
+    encoders = ["a", "a", "b", "a", "b", "c"]
+    assert within_bound(encoders, {}, 0) == [True] * 6  # 0: no bound
+    assert within_bound(encoders, {}, 2) == [True, True, True, False, True, True]
+    # Items already in flight count: "a" has one slot left, "b" none.
+    assert within_bound(encoders, {"a": 1, "b": 2}, 2) == [True, False, False, False, False, True]
+    assert within_bound([], {"a": 5}, 1) == []

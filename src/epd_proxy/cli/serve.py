@@ -17,6 +17,7 @@ import sys
 from epd_proxy.cli.cluster_file import ClusterFileError, Option, read_cluster_path
 from epd_proxy.config import (
     ALWAYS_FORWARDED,
+    ENCODER_FALLBACKS,
     LOG_FORMATS,
     LOG_LEVELS,
     NO_DECODE,
@@ -92,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    default=_env(ENCODER_MAX_BATCH_SIZE_ENV, defaults.encoder_max_batch_size, int),
                    help=f"images per encoder sub-request (0 = unlimited; default ${ENCODER_MAX_BATCH_SIZE_ENV}, "
                         f"else {defaults.encoder_max_batch_size})")
+    p.add_argument("--encoder-max-outstanding", type=int, default=defaults.encoder_max_outstanding,
+                   help="media items in flight to one encoder (per process); more wait in the proxy until "
+                        "the encode timeout, then 429 (0 = no bound; default %(default)s)")
+    p.add_argument("--encoder-fallback", choices=ENCODER_FALLBACKS, default=defaults.encoder_fallback,
+                   help="an item no encoder can take (all failed it, or all saturated past the encode "
+                        "timeout): 'none' fails the request, 'local' sends the raw media to the consumer, "
+                        "which encodes it itself (default %(default)s)")
     p.add_argument("--no-rewrite", action="store_true", default=not defaults.rewrite,
                    help="send raw media to the consumer (no *_embeds rewrite, no uuids to encoders)")
     p.add_argument("--ec-consumer-zmq-addrs", default=",".join(defaults.ec_consumer_zmq_addrs),
@@ -300,6 +308,8 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         kv_connector=args.kv_connector,
         decode_retries=args.decode_retries,
         encoder_max_batch_size=args.encoder_max_batch_size,
+        encoder_max_outstanding=args.encoder_max_outstanding,
+        encoder_fallback=args.encoder_fallback,
         rewrite=not args.no_rewrite,
         ec_consumer_zmq_addrs=split_instances([args.ec_consumer_zmq_addrs]),
         ec_consumer_dp_size=args.ec_consumer_dp_size,

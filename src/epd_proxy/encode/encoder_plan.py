@@ -10,7 +10,7 @@ Images that land on the same encoder then travel together, up to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Mapping, Sequence, TypeVar
 
 from epd_proxy.encode.multimodal import MediaItem, media_url
 from epd_proxy.wire.blobs import is_text
@@ -18,6 +18,8 @@ from epd_proxy.wire.ids import hex_id
 
 # Client fields an encoder needs to process media exactly as the consumer
 # will (docs/protocol.md §3.1). Everything else, including all text, is dropped.
+H = TypeVar("H", bound=Hashable)
+
 _COPIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
 
 
@@ -65,6 +67,29 @@ def plan_sub_requests(
             subs.append(group)
         group.items.append(item)
     return subs
+
+
+def within_bound(encoders: Sequence[H], outstanding: Mapping[H, int], bound: int) -> list[bool]:
+    """Which items fit on their encoder (``--encoder-max-outstanding``).
+
+    ``encoders[i]`` is the encoder placed for item ``i``; ``outstanding`` counts the items
+    already in flight to each. In input order, an item fits while its encoder's count, with
+    the items of this call that fit before it, is below ``bound`` (0 = no bound), so the
+    first items of a request go first and the rest wait for room or go elsewhere.
+    """
+    if bound <= 0:
+        return [True] * len(encoders)
+    taken: dict[H, int] = {}
+    out = []
+    for encoder in encoders:
+        n = taken.get(encoder)
+        if n is None:
+            n = outstanding.get(encoder, 0)
+        fits = n < bound
+        if fits:
+            taken[encoder] = n + 1
+        out.append(fits)
+    return out
 
 
 def _encoder_part(item: MediaItem, rewrite: bool) -> dict:

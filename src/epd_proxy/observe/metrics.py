@@ -149,6 +149,18 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                 "(usage.prompt_tokens_details.cached_tokens, when reported), by model.", ("model",)),
     "epd_proxy_request_tokens": ("histogram", "Tokens per answered request, by model and kind (prompt, "
                                  "completion).", ("model", "kind")),
+    "epd_proxy_encoder_items": ("counter", "Media items placed on the encoder (cache-aware; repeats "
+                                "included).", ("url",)),
+    "epd_proxy_encoder_work_tokens": ("counter", "Estimated encoder tokens of the new media placed on the "
+                                      "encoder (cache-aware).", ("url",)),
+    "epd_proxy_encoder_affinity_hits": ("counter", "Repeated media items sent to the encoder that encoded "
+                                        "them before (cache-aware).", ("url",)),
+    "epd_proxy_encoder_outstanding": ("gauge", "Media items in flight to the encoder "
+                                      "(--encoder-max-outstanding bounds it per process).", ("url",)),
+    "epd_proxy_encoder_failovers": ("counter", "Media items moved to another encoder after this one failed "
+                                    "them (no connection, 5xx, timeout).", ("url",)),
+    "epd_proxy_encoder_fallbacks": ("counter", "Media items sent raw to the consumer, which encoded them "
+                                    "itself (--encoder-fallback local).", ()),
 }
 # Histograms whose buckets are not _STAGE_BUCKETS.
 _BOUNDS = {"epd_proxy_request_tokens": _TOKEN_BUCKETS}

@@ -4,24 +4,27 @@ for the consumer."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Callable
 
 import msgspec
 
-from epd_proxy.encode.ec_match import consumer_ec_params, match_encoder_output, rewrite_media
+from epd_proxy.encode.ec_match import ItemResult, consumer_ec_params, match_encoder_output, rewrite_media
 from epd_proxy.encode.encoder_plan import (
     SubRequest,
     encoder_body,
     encoder_request_id,
     new_transfer_id,
     plan_sub_requests,
+    within_bound,
 )
 from epd_proxy.encode.multimodal import MediaItem
 from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.observe.metrics import Collector
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.upstream import UpstreamStage
 from epd_proxy.wire.blobs import encode_json
@@ -39,41 +42,62 @@ class _EncoderReply(msgspec.Struct):
 class EncoderFanout(UpstreamStage):
     """Sends a request's media items to the encoders and rewrites the body for the consumer.
 
-    Each item's encoder is the pool's policy's choice (``--encode-policy``:
-    affinity by the item's uuid, or the persistent round-robin cursor, ...),
-    images on the same encoder are batched, and every sub-request runs
-    concurrently; the first failure cancels the others.
+    Each item's encoder is the pool's policy's choice (``--encode-policy``: placement level
+    by work with repeats on their home, or the persistent round-robin cursor, ...), among
+    the encoders with room (``--encoder-max-outstanding`` items in flight from this
+    process); images on the same encoder are batched and every sub-request runs
+    concurrently. An item is failed over, not the request: a sub-request that fails for its
+    encoder (no connection, a 5xx, a timeout) has its items placed again over the encoders
+    that have not failed this request, while the others' results are kept. A client error
+    (4xx) or an unreadable answer fails the request at once. Items no encoder can take
+    (every one failed them, or none had room before the encode timeout) fail the request,
+    or with ``--encoder-fallback local`` go raw to the consumer, which encodes them itself.
     """
 
     def __init__(self, pool: InstancePool, *, max_batch: int, rewrite: bool, timeout: float,
-                 connect_timeout: float, observe_sub_request: Callable[[float], None] | None = None) -> None:
+                 connect_timeout: float, max_outstanding: int = 0, fallback: str = "none",
+                 observe_sub_request: Callable[[float], None] | None = None) -> None:
         super().__init__(pool, TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout))
         self.max_batch = max_batch
         self.rewrite = rewrite
+        self.timeout = timeout  # also how long an item may wait for an encoder with room
+        self.max_outstanding = max_outstanding
+        self.fallback_local = fallback == "local"
         self.observe_sub_request = observe_sub_request  # metrics: each sub-request's duration
+        # Counters for /metrics (encoder_collector), by encoder URL: items in flight, items
+        # moved off an encoder that failed them; and items sent raw to the consumer.
+        self.outstanding: dict[str, int] = {}
+        self.failovers: dict[str, int] = {}
+        self.fallbacks = 0
+        self._room: list[asyncio.Future] = []  # requests waiting for an encoder with room
 
     async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
-        subs = plan_sub_requests(items, self.pool.assign(items, ctx.excluded), self.max_batch)
-        # Fresh transfer ids per item occurrence and per attempt (never reused on retry).
-        tids = [[new_transfer_id() for _ in sub.items] for sub in subs]
         t0 = time.perf_counter()
-        if len(subs) == 1:  # the common case: no task to schedule, one loop turn saved
-            outcomes = [await self._one(ctx, body, subs[0].encoder, subs[0], tids[0], consumer_zmq)]
-        else:
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    tasks = [tg.create_task(self._one(ctx, body, sub.encoder, sub, t, consumer_zmq))
-                             for sub, t in zip(subs, tids)]
-            except* ProxyError as group:
-                raise _first(group) from None
-            outcomes = [task.result() for task in tasks]
-        ctx.timing("encode", time.perf_counter() - t0)
-        results = [None] * len(items)
+        results: list[ItemResult | None] = [None] * len(items)
         handles: dict = {}
-        for sub, (sub_results, sub_handles) in zip(subs, outcomes):
-            for item, res in zip(sub.items, sub_results):
-                results[item.index] = res
-            handles.update(sub_handles)
+        failed: set[Instance] = set()  # encoders that failed an item of this run
+        todo = items
+        error: ProxyError | None = None  # the last failure an item was moved off
+        subs = self._place(ctx, todo, failed)
+        if subs is not None and len(subs) == 1 and len(subs[0].items) == len(items):
+            # The common case: one sub-request, awaited here (no task, one loop turn saved).
+            sub = subs[0]
+            try:
+                self._reserve(sub)
+                try:
+                    self._keep(sub, await self._one(ctx, body, sub, consumer_zmq), results, handles)
+                finally:
+                    self._release(sub)
+                todo = []
+            except ProxyError as err:
+                if not err.retryable:
+                    raise
+                todo = self._failed_over(sub, failed)
+                err.__traceback__ = None  # kept past this frame: no cycle through it
+                subs, error = None, err
+        if todo:
+            await self._fan_out(ctx, body, todo, subs, failed, error, consumer_zmq, results, handles)
+        ctx.timing("encode", time.perf_counter() - t0)
         out = rewrite_media(body, items, results) if self.rewrite else dict(body)
         ec = consumer_ec_params(items, results, handles, rewrite=self.rewrite)
         if ec is not None:
@@ -82,8 +106,150 @@ class EncoderFanout(UpstreamStage):
             out.pop("ec_transfer_params", None)
         return out
 
-    async def _one(self, ctx: RequestContext, body: dict, inst: Instance, sub: SubRequest, tids: list[str],
-                   consumer_zmq: str | None):
+    async def _fan_out(self, ctx: RequestContext, body: dict, todo: list[MediaItem], subs: list[SubRequest] | None,
+                       failed: set[Instance], error: ProxyError | None, consumer_zmq: str | None, results: list,
+                       handles: dict) -> None:
+        """Every item encoded (or given up to the fallback): sub-requests run concurrently,
+        a failed one's items placed again, items without room wait for it until the timeout."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.timeout
+        running: dict[asyncio.Task, SubRequest] = {}
+        try:
+            while True:
+                if not subs and todo:
+                    subs = self._place(ctx, todo, failed)
+                    if subs is None:  # no encoder left that has not failed these items
+                        todo = self._give_up(todo, error)
+                if subs:
+                    placed = {id(i) for sub in subs for i in sub.items}
+                    todo = [i for i in todo if id(i) not in placed]
+                    for sub in subs:
+                        self._reserve(sub)
+                        task = asyncio.ensure_future(self._one(ctx, body, sub, consumer_zmq))
+                        task.add_done_callback(functools.partial(self._released, sub))
+                        running[task] = sub
+                    subs = None
+                    if todo:
+                        continue  # the rest on encoders that still have room
+                if not todo and not running:
+                    return
+                waiter = None
+                timeout = None
+                if todo:  # none of the encoders left has room
+                    timeout = until - loop.time()
+                    if timeout <= 0:
+                        todo = self._saturated(todo)
+                        continue
+                    waiter = loop.create_future()
+                    self._room.append(waiter)
+                try:
+                    done, _ = await asyncio.wait([*running, waiter] if waiter is not None else running,
+                                                 timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if waiter is not None and not waiter.done():
+                        waiter.cancel()
+                        self._room.remove(waiter)
+                for fut in done:
+                    sub = running.pop(fut, None)  # type: ignore[call-overload]
+                    if sub is None:
+                        continue  # the waiter: room somewhere
+                    err = fut.exception()
+                    if err is None:
+                        self._keep(sub, fut.result(), results, handles)
+                    elif isinstance(err, ProxyError) and err.retryable:
+                        err.__traceback__ = None
+                        error = err
+                        todo = sorted(todo + self._failed_over(sub, failed), key=_index)
+                    else:
+                        raise _first([e for t in done if not t.cancelled() and (e := t.exception()) is not None])
+                done = None  # type: ignore[assignment]
+        finally:
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+
+    def _place(self, ctx: RequestContext, todo: list[MediaItem], failed: set[Instance]) -> list[SubRequest] | None:
+        """Sub-requests for the items that fit now; [] when no encoder has room; None when
+        no encoder is left that has not failed this run (or the role has none)."""
+        try:
+            live = self.pool.candidates(ctx.excluded)
+        except ProxyError:
+            if not self.fallback_local:
+                raise
+            return None
+        if failed:
+            live = [c for c in live if c not in failed]
+            if not live:
+                return None
+        bound = self.max_outstanding
+        out = self.outstanding
+        if bound:
+            live = [c for c in live if out.get(c.url, 0) < bound]
+            if not live:
+                return []
+        placed = self.pool.policy.assign(live, todo)
+        if not bound:
+            return plan_sub_requests(todo, placed, self.max_batch)
+        fits = within_bound([c.url for c in placed], out, bound)
+        return plan_sub_requests([i for i, ok in zip(todo, fits) if ok], [c for c, ok in zip(placed, fits) if ok],
+                                 self.max_batch)
+
+    def _failed_over(self, sub: SubRequest, failed: set[Instance]) -> list[MediaItem]:
+        """A sub-request failed for its encoder: its items are to be placed again elsewhere."""
+        inst = sub.encoder
+        failed.add(inst)
+        self.failovers[inst.url] = self.failovers.get(inst.url, 0) + len(sub.items)
+        log.info("encoder %s failed %d item(s); placing them on another encoder", inst.url, len(sub.items))
+        return sub.items
+
+    def _give_up(self, todo: list[MediaItem], error: ProxyError | None) -> list[MediaItem]:
+        """Every encoder failed these items (or there is none): the fallback, or the failure."""
+        if self.fallback_local:
+            self._fall_back(todo, "no encode instance could take them")
+            return []
+        raise error or ProxyError(503, f"no {self.role} instance available", retryable=True)
+
+    def _saturated(self, todo: list[MediaItem]) -> list[MediaItem]:
+        """No encoder had room within the encode timeout: the fallback, or 429."""
+        if self.fallback_local:
+            self._fall_back(todo, f"every encode instance had {self.max_outstanding} items in flight "
+                                  f"for {self.timeout:g} s")
+            return []
+        raise ProxyError(429, f"every {self.role} instance has --encoder-max-outstanding {self.max_outstanding} "
+                              f"items in flight (waited {self.timeout:g} s); retry later")
+
+    def _fall_back(self, todo: list[MediaItem], why: str) -> None:
+        self.fallbacks += len(todo)
+        log.warning("%d media item(s) sent raw to the consumer (--encoder-fallback local): %s", len(todo), why)
+
+    def _reserve(self, sub: SubRequest) -> None:
+        url = sub.encoder.url
+        self.outstanding[url] = self.outstanding.get(url, 0) + len(sub.items)
+
+    def _released(self, sub: SubRequest, _task: asyncio.Future) -> None:
+        self._release(sub)
+
+    def _release(self, sub: SubRequest) -> None:
+        url = sub.encoder.url
+        self.outstanding[url] -= len(sub.items)
+        if self._room:
+            waiters, self._room = self._room, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+    @staticmethod
+    def _keep(sub: SubRequest, outcome: tuple, results: list, handles: dict) -> None:
+        sub_results, sub_handles = outcome
+        for item, res in zip(sub.items, sub_results):
+            results[item.index] = res
+        handles.update(sub_handles)
+
+    async def _one(self, ctx: RequestContext, body: dict, sub: SubRequest, consumer_zmq: str | None):
+        inst: Instance = sub.encoder
+        # Fresh transfer ids per item occurrence and per sub-request (never reused on a retry).
+        tids = [new_transfer_id() for _ in sub.items]
         payload = encode_json(
             encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
         rid = encoder_request_id(ctx.request_id, sub.items[0].index, hex_id(24))
@@ -100,16 +266,29 @@ class EncoderFanout(UpstreamStage):
         return match_encoder_output(sub, tids, ec_params)
 
 
-def _first(group: BaseExceptionGroup) -> ProxyError:
-    """The most telling error of a fan-out: a client error over a server one."""
-    errors = [e for e in _flatten(group) if isinstance(e, ProxyError)]
-    errors.sort(key=lambda e: (e.retryable, e.status >= 500))
-    return errors[0]
+def encoder_collector(fanout: EncoderFanout) -> Collector:
+    """Per encoder: the placement's counts (``cache-aware``: items, estimated work, affinity
+    hits), the items in flight and failed over; and the items sent raw to the consumer."""
+    def collect(f: dict[str, list]) -> None:
+        placement = getattr(fanout.pool.policy, "encoders", None)
+        if placement is not None:
+            f["epd_proxy_encoder_items"] += [[url, n] for url, n in placement.items.items()]
+            f["epd_proxy_encoder_work_tokens"] += [[url, w] for url, w in placement.work.items()]
+            f["epd_proxy_encoder_affinity_hits"] += [[url, n] for url, n in placement.hits.items()]
+        f["epd_proxy_encoder_outstanding"] += [[url, n] for url, n in fanout.outstanding.items()]
+        f["epd_proxy_encoder_failovers"] += [[url, n] for url, n in fanout.failovers.items()]
+        f["epd_proxy_encoder_fallbacks"].append([fanout.fallbacks])
+    return collect
 
 
-def _flatten(group: BaseExceptionGroup):
-    for e in group.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            yield from _flatten(e)
-        else:
-            yield e
+def _index(item: MediaItem) -> int:
+    return item.index
+
+
+def _first(errors: list[BaseException]) -> BaseException:
+    """The most telling of the failures that ended a fan-out: a client error over a server one."""
+    proxy = [e for e in errors if isinstance(e, ProxyError)]
+    if not proxy:
+        return errors[0]
+    proxy.sort(key=lambda e: (e.retryable, e.status >= 500))
+    return proxy[0]

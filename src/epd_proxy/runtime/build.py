@@ -36,7 +36,7 @@ from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
-from epd_proxy.request.fanout import EncoderFanout
+from epd_proxy.request.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stages import DecodeStage, PrefillStage
@@ -70,7 +70,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     t = config.timeouts
     fanout = EncoderFanout(pools["encode"], max_batch=config.encoder_max_batch_size, rewrite=config.rewrite,
                            timeout=t.encode, connect_timeout=t.connect,
+                           max_outstanding=config.encoder_max_outstanding, fallback=config.encoder_fallback,
                            observe_sub_request=metrics.observe_encoder_request)
+    metrics.register(encoder_collector(fanout))
     prefill = PrefillStage(pools["prefill"], timeout=t.prefill, connect_timeout=t.connect)
     decode = DecodeStage(pools["decode"], first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                          connect_timeout=t.connect)
