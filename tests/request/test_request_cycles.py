@@ -11,6 +11,7 @@ the proxy's.
 
 import asyncio
 import gc
+import logging
 import os
 import sys
 from collections import Counter
@@ -18,6 +19,7 @@ from collections import Counter
 import msgspec
 import pytest
 from helpers import chat_body, wait_for
+from procs import free_port
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec, StageTimeouts
@@ -112,6 +114,51 @@ async def test_no_request_object_outlives_its_request_without_the_collector(kv):
             finally:
                 gc.enable()
             assert left == Counter(), f"request objects left for the collector: {dict(left)}"
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def test_failed_over_encoder_items_leave_nothing_without_the_collector():
+    """Items failed over from an encoder that refuses connections (concurrent sub-requests,
+    the failures kept while the others finish): nothing of the request stays behind."""
+    proc, urls, ident = await _sim("nixl")
+    prefill = InstanceSpec(urls["prefill"], "prefill", engine_id=ident["engine_id"], kv_host=ident["kv_host"],
+                           kv_port=int(ident["kv_port"]), tp=1, pp=1)
+    dead = InstanceSpec(f"http://127.0.0.1:{free_port()}", "encode")
+    config = ProxyConfig(encode=[dead, InstanceSpec(urls["encode"], "encode")], prefill=[prefill],
+                         decode=[InstanceSpec(urls["decode"], "decode")], probe_interval=0, fail_threshold=1000,
+                         encoder_max_batch_size=1, encode_policy="round-robin")
+    try:
+        async with await start_proxy(config) as proxy:
+            async def run_all():
+                for k in range(3):
+                    reply = await _raw(proxy.url, chat_body(images=[f"https://x/{k}-{j}.png" for j in range(4)]))
+                    assert reply.startswith(b"HTTP/1.1 200 OK"), reply[:300]
+
+            def settled() -> bool:
+                return not proxy.server.connections and all(
+                    i.inflight == 0 for pool in proxy.app.pools.values() for i in pool.instances)
+
+            # The failures' log records hold their exceptions (and so their frames) while
+            # pytest keeps the records: those are references, not cycles; the logger is muted.
+            stages = logging.getLogger("epd_proxy.stages")
+            stages.disabled = True
+            try:
+                await run_all()
+                await wait_for(settled)
+                gc.collect()
+                gc.disable()
+                try:
+                    await run_all()
+                    await wait_for(settled)
+                    left = _alive()
+                finally:
+                    gc.enable()
+            finally:
+                stages.disabled = False
+            assert left == Counter(), f"request objects left for the collector: {dict(left)}"
+            assert proxy.app.pipeline.fanout.failovers == {dead.url: 12}
     finally:
         proc.terminate()
         await proc.wait()
