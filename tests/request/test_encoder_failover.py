@@ -80,6 +80,29 @@ async def test_twenty_images_are_not_failed_for_one_bad_encoder():
         assert Counter(images_sent(bad)).most_common(1)[0][1] == 1
 
 
+@pytest.mark.parametrize("fallback", ["none", "local"])
+async def test_items_of_an_encoder_that_times_out_go_to_another(fallback):
+    """One encoder hangs: its items time out (the encode timeout) and go to the other. With
+    both hanging there is none left: 504 (not retried: no instance left that has not timed
+    out), or with the fallback the raw images go to the consumer."""
+    async with stack(encode=2, encoder_max_batch_size=1, encoder_fallback=fallback,
+                     timeouts=StageTimeouts(encode=0.3)) as (cluster, proxy, client):
+        slow, ok = cluster.instances("encode")
+        slow.inject("hang", times=100)
+        urls = [f"https://example.com/to-{k}.png" for k in range(4)]
+        reply = await client.chat(chat_body(images=urls))
+        assert reply.status == 200, reply.body
+        assert sorted(images_sent(ok)) == sorted(urls)
+        ok.inject("hang", times=100)
+        reply = await client.chat(chat_body(images=["https://example.com/to-x.png"]))
+        if fallback == "none":
+            assert reply.status == 504, reply.body
+            assert "encode" in reply.json()["error"]["message"]
+        else:
+            assert reply.status == 200, reply.body
+            assert [p["type"] for p in consumer_parts(cluster)] == ["image_url"]
+
+
 async def test_a_client_error_from_an_encoder_still_fails_the_request_with_its_status():
     async with stack(encode=2) as (cluster, proxy, client):
         for inst in cluster.instances("encode"):

@@ -90,7 +90,7 @@ class EncoderFanout(UpstreamStage):
                     self._release(sub)
                 todo = []
             except ProxyError as err:
-                if not err.retryable:
+                if not _encoder_failed(err):
                     raise
                 todo = self._failed_over(sub, failed)
                 err.__traceback__ = None  # kept past this frame: no cycle through it
@@ -156,7 +156,7 @@ class EncoderFanout(UpstreamStage):
                     err = fut.exception()
                     if err is None:
                         self._keep(sub, fut.result(), results, handles)
-                    elif isinstance(err, ProxyError) and err.retryable:
+                    elif isinstance(err, ProxyError) and _encoder_failed(err):
                         err.__traceback__ = None
                         error = err
                         todo = sorted(todo + self._failed_over(sub, failed), key=_index)
@@ -178,8 +178,9 @@ class EncoderFanout(UpstreamStage):
             if not self.fallback_local:
                 raise
             return None
-        if failed:
-            live = [c for c in live if c not in failed]
+        gone = ctx.timed_out  # never back to an encoder that timed out on this request
+        if failed or gone:
+            live = [c for c in live if c not in failed and c not in gone]
             if not live:
                 return None
         bound = self.max_outstanding
@@ -279,6 +280,13 @@ def encoder_collector(fanout: EncoderFanout) -> Collector:
         f["epd_proxy_encoder_failovers"] += [[url, n] for url, n in fanout.failovers.items()]
         f["epd_proxy_encoder_fallbacks"].append([fanout.fallbacks])
     return collect
+
+
+def _encoder_failed(err: ProxyError) -> bool:
+    """A failure of the encoder, not of the item: its items may go to another encoder. A
+    timeout counts even when it is not retryable (no other encoder left for a retry of the
+    request): the fallback may still take its items."""
+    return err.retryable or err.status == 504
 
 
 def _index(item: MediaItem) -> int:
