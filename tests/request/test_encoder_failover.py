@@ -199,6 +199,12 @@ async def test_saturated_encoders_make_items_wait_then_429(fallback):
 
 async def test_placement_counters_per_encoder():
     async with stack(encode=2) as (cluster, proxy, client):
+        text = await metrics(client)
+        for u in cluster.urls("encode"):  # every series from the start, at 0
+            for name in ("items_total", "work_tokens_total", "affinity_hits_total", "failovers_total",
+                         "outstanding"):
+                assert re.search(r'^epd_proxy_encoder_%s\{url="%s"\} 0\.0$' % (name, re.escape(u)), text, re.M)
+        assert "epd_proxy_encoder_fallbacks_total 0.0" in text
         for k in range(4):
             assert (await client.chat(chat_body(images=[f"https://example.com/m-{k}.png"]))).status == 200
         assert (await client.chat(chat_body(images=["https://example.com/m-0.png"]))).status == 200

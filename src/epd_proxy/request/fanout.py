@@ -271,13 +271,18 @@ def encoder_collector(fanout: EncoderFanout) -> Collector:
     """Per encoder: the placement's counts (``cache-aware``: items, estimated work, affinity
     hits), the items in flight and failed over; and the items sent raw to the consumer."""
     def collect(f: dict[str, list]) -> None:
+        # Every encoder of the pool has its series from the start, at 0 (and one that left
+        # keeps its counts).
+        urls = dict.fromkeys(i.url for i in fanout.pool.instances)
         placement = getattr(fanout.pool.policy, "encoders", None)
-        if placement is not None:
-            f["epd_proxy_encoder_items"] += [[url, n] for url, n in placement.items.items()]
-            f["epd_proxy_encoder_work_tokens"] += [[url, w] for url, w in placement.work.items()]
-            f["epd_proxy_encoder_affinity_hits"] += [[url, n] for url, n in placement.hits.items()]
-        f["epd_proxy_encoder_outstanding"] += [[url, n] for url, n in fanout.outstanding.items()]
-        f["epd_proxy_encoder_failovers"] += [[url, n] for url, n in fanout.failovers.items()]
+        if placement is not None or getattr(fanout.pool.policy, "name", "") == "cache-aware":
+            items, work, hits = (placement.items, placement.work, placement.hits) if placement else ({}, {}, {})
+            f["epd_proxy_encoder_items"] += [[u, items.get(u, 0)] for u in {**urls, **items}]
+            f["epd_proxy_encoder_work_tokens"] += [[u, work.get(u, 0.0)] for u in {**urls, **work}]
+            f["epd_proxy_encoder_affinity_hits"] += [[u, hits.get(u, 0)] for u in {**urls, **hits}]
+        out, failovers = fanout.outstanding, fanout.failovers
+        f["epd_proxy_encoder_outstanding"] += [[u, out.get(u, 0)] for u in {**urls, **out}]
+        f["epd_proxy_encoder_failovers"] += [[u, failovers.get(u, 0)] for u in {**urls, **failovers}]
         f["epd_proxy_encoder_fallbacks"].append([fanout.fallbacks])
     return collect
 
