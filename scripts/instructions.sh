@@ -27,7 +27,7 @@ PYTHONPATH=$SRC valgrind --tool=callgrind --instr-atstart=no --callgrind-out-fil
     --decode "http://127.0.0.1:$((SP + 1))" --log-level warning "$@" > "$OUT/proxy.log" 2>&1 &
 PROXY=$!
 trap 'kill $PROXY $SIM 2>/dev/null || true' EXIT
-for _ in $(seq 600); do curl -sf "http://127.0.0.1:$PP/health" > /dev/null && break; sleep 0.5; done
+for _ in $(seq 600); do curl -sf "http://127.0.0.1:$PP/ready" > /dev/null && break; sleep 0.5; done
 "$PY" "$HERE/instructions_driver.py" "$PP" 200 4 "$MODE"
 callgrind_control -i on "$PROXY" > /dev/null
 "$PY" "$HERE/instructions_driver.py" "$PP" "$N" 4 "$MODE"
@@ -35,5 +35,5 @@ callgrind_control -i off "$PROXY" > /dev/null
 callgrind_control -d "$PROXY" > /dev/null
 kill "$PROXY" "$SIM"; wait "$PROXY" "$SIM" 2>/dev/null || true
 trap - EXIT
-IR=$(grep -h "^summary:\|^totals:" "$OUT"/callgrind.* | awk '{s += $2} END {print s}')
+IR=$(grep -h "^summary:\|^totals:" "$OUT"/callgrind.* | awk '{s += $2} END {printf "%.0f\n", s}')
 echo "$MODE: $((IR / N)) instructions per request ($N requests; callgrind files in $OUT)"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import msgspec
 
 _USAGE_EVENT = b'"choices":[],"usage":'
-_FINISHED = b'"finish_reason":"'  # a string value: a quote in generated text is escaped
+FINISHED = b'"finish_reason":"'  # a string value: a quote in generated text is escaped
 
 
 class _Fingerprint(msgspec.Struct):
@@ -41,11 +41,11 @@ def _fingerprint(event: bytes) -> bytes:
 def stamp_fingerprint(events: bytes, fingerprint: bytes) -> bytes:
     """``events`` with ``"system_fingerprint":FINGERPRINT`` added as the last key of each
     event that carries a finish_reason (what vLLM writes without ``include_usage``)."""
-    if not fingerprint or events.find(_FINISHED) < 0:
+    if not fingerprint or events.find(FINISHED) < 0:
         return events
     out = []
     for event in events.split(b"\n\n"):
-        if event.startswith(b"data: {") and event.endswith(b"}") and event.find(_FINISHED) >= 0:
+        if event.startswith(b"data: {") and event.endswith(b"}") and event.find(FINISHED) >= 0:
             event = event[:-1] + b',"system_fingerprint":' + fingerprint + b"}"
         out.append(event)
     return b"\n\n".join(out)
@@ -80,14 +80,14 @@ class HiddenUsage:
             return events  # [DONE] after it
         if self.held:
             events, self.held = self.held + events, b""
-        elif events.find(_FINISHED) < 0 and events.find(_USAGE_EVENT) < 0:
+        elif events.find(FINISHED) < 0 and events.find(_USAGE_EVENT) < 0:
             return events  # every event but the last few
         if events.find(_USAGE_EVENT) >= 0:
             kept, usage = split_usage_event(events)
             if usage:
                 self.usage = usage
                 return stamp_fingerprint(kept, _fingerprint(usage))
-        at = events.find(_FINISHED)
+        at = events.find(FINISHED)
         cut = events.rfind(b"\n\n", 0, at)
         cut = 0 if cut < 0 else cut + 2
         self.held = events[cut:]

@@ -15,7 +15,7 @@ from time import perf_counter
 from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
-from epd_proxy.request.hidden_usage import HiddenUsage
+from epd_proxy.request.hidden_usage import FINISHED, HiddenUsage
 from epd_proxy.request.usage import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
 
@@ -59,6 +59,10 @@ class StreamRelay(FlowListener):
         if data.endswith(b"\n\n"):
             self.writer.write(data)
             return
+        self._write_whole(data)
+
+    def _write_whole(self, data: bytes) -> None:
+        """The whole events of ``data`` out; a partial last event kept for the next read."""
         cut = data.rfind(b"\n\n")
         if cut < 0:
             if len(data) > _MAX_HELD:
@@ -101,20 +105,35 @@ class UsageRelay(StreamRelay):
     stream, and with ``hidden`` takes that event out (hidden_usage.py: the client did not
     ask for it); every other byte goes out as received."""
 
-    __slots__ = ("ctx", "hidden")
+    __slots__ = ("ctx", "hidden", "ending")
+
+    # What the first event this relay may change carries: the usage event and the events
+    # whose fingerprint moves (hidden_usage.py) all come at or after a choice's finish.
+    ENDING = FINISHED
 
     def __init__(self, writer: ResponseWriter, resp: Response, ctx, hidden: HiddenUsage | None = None) -> None:
         super().__init__(writer, resp)
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
         self.hidden = hidden
+        self.ending = False  # a choice has finished: every event from here on is looked at
 
     def on_data(self, data: bytes) -> None:
-        # The event split mirrors StreamRelay.on_data, which keeps it inline (no hook call per
-        # chunk on the common path); only this relay needs whole events before writing.
         self.events += 1
         if self._tail:
             data = self._tail + data
             self._tail = b""
+        if not self.ending:
+            if data.find(self.ENDING) < 0:
+                # Until a choice finishes, nothing here changes an event: out as received, as
+                # StreamRelay does (inline: this runs for every read of the stream).
+                self.prev, self.last = self.last, data
+                if data.endswith(b"\n\n"):
+                    self.writer.write(data)
+                else:
+                    self._write_whole(data)
+                return
+            self.ending = True
+        # From the first finish on (the stream's last few reads): whole events, looked at.
         cut = data.rfind(b"\n\n")
         if cut < 0:
             if len(data) > _MAX_HELD:
