@@ -192,7 +192,7 @@ class Pipeline:
             relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
                                        ctx if hide or ((report is not None or leg.companion is not None)
                                                        and _wants_usage(body)) else None,
-                                       HiddenUsage() if hide else None)
+                                       HiddenUsage() if hide else None, body.get("n") in (None, 1))
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()

@@ -21,6 +21,10 @@ from epd_proxy.wire.errors import ProxyError
 
 # A "partial event" larger than this is not SSE framing we understand: pass it on.
 _MAX_HELD = 1 << 20
+# How vLLM ends a chat or completions event whose choice has not finished (pydantic with
+# ``exclude_unset``: nothing is set after ``finish_reason`` until the finish).
+_UNFINISHED_ENDS = (b'"finish_reason":null}]}\n\n', b'"finish_reason":null,"token_ids":null}]}\n\n',
+                    b'"finish_reason":null,"stop_reason":null}]}\n\n')
 
 
 class StreamRelay(FlowListener):
@@ -105,17 +109,22 @@ class UsageRelay(StreamRelay):
     stream, and with ``hidden`` takes that event out (hidden_usage.py: the client did not
     ask for it); every other byte goes out as received."""
 
-    __slots__ = ("ctx", "hidden", "ending")
+    __slots__ = ("ctx", "hidden", "ending", "plain")
 
     # What the first event this relay may change carries: the usage event and the events
     # whose fingerprint moves (hidden_usage.py) all come at or after a choice's finish.
     ENDING = FINISHED
 
-    def __init__(self, writer: ResponseWriter, resp: Response, ctx, hidden: HiddenUsage | None = None) -> None:
+    def __init__(self, writer: ResponseWriter, resp: Response, ctx, hidden: HiddenUsage | None = None,
+                 single_choice: bool = False) -> None:
         super().__init__(writer, resp)
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
         self.hidden = hidden
         self.ending = False  # a choice has finished: every event from here on is looked at
+        # With one choice nothing follows its finishing event but the usage event and
+        # [DONE], so a read that ends with an unfinished choice holds no finish: one
+        # endswith instead of a search per read (any other ending is searched).
+        self.plain = _UNFINISHED_ENDS if single_choice else ()
 
     def on_data(self, data: bytes) -> None:
         self.events += 1
@@ -123,6 +132,10 @@ class UsageRelay(StreamRelay):
             data = self._tail + data
             self._tail = b""
         if not self.ending:
+            if data.endswith(self.plain):
+                self.prev, self.last = self.last, data
+                self.writer.write(data)
+                return
             if data.find(self.ENDING) < 0:
                 # Until a choice finishes, nothing here changes an event: out as received, as
                 # StreamRelay does (inline: this runs for every read of the stream).
@@ -171,13 +184,14 @@ class UsageRelay(StreamRelay):
 
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
                        companion: asyncio.Future | None = None, usage_ctx=None,
-                       hidden: HiddenUsage | None = None) -> StreamRelay:
+                       hidden: HiddenUsage | None = None, single_choice: bool = False) -> StreamRelay:
     """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
     With ``usage_ctx`` (a RequestContext) the final usage event is rewritten, and with
-    ``hidden`` taken out (UsageRelay)."""
+    ``hidden`` taken out (UsageRelay; ``single_choice``: the request asked for one choice)."""
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
-    relay = StreamRelay(writer, resp) if usage_ctx is None else UsageRelay(writer, resp, usage_ctx, hidden)
+    relay = (StreamRelay(writer, resp) if usage_ctx is None
+             else UsageRelay(writer, resp, usage_ctx, hidden, single_choice))
     writer.flow = relay
     if writer.writing_paused:
         relay.pause()  # the client was already behind before the relay attached
