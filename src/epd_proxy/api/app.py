@@ -33,10 +33,12 @@ from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe.metrics import ProxyMetrics, render
+from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES
 from epd_proxy.request.connectors import check_connector_config
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
 from epd_proxy.request.pipeline import Pipeline
+from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.routing.endpoints import ROUTED
 from epd_proxy.wire.errors import ProxyError
 
@@ -79,9 +81,13 @@ class ProxyApp:
         self.admin = admin
         self.forwarder = forwarder  # the endpoints one instance answers (routing/endpoints.py)
         self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
+        other = self._generate_other  # one bound method: the _generation key below
         self._routes = {
             ("POST", CHAT): self._generate_chat,
             ("POST", COMPLETIONS): self._generate_completions,
+            ("POST", MESSAGES): other,
+            ("POST", RESPONSES): other,
+            ("POST", GENERATE): other,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/ready"): self._ready,
@@ -103,7 +109,9 @@ class ProxyApp:
                 self._routes[("HEAD", path)] = self._routes[(method, path)]
         self._allow = allowed_methods(self._routes)  # a 405's Allow header, per path
         # The pipeline's routes: it is handed the client key's name too, and logs them itself.
-        self._generation = {self._routes[("POST", CHAT)]: CHAT, self._routes[("POST", COMPLETIONS)]: COMPLETIONS}
+        # The other generation APIs (request/apis.py) map to "": the path is the request's.
+        self._generation = {self._routes[("POST", CHAT)]: CHAT, self._routes[("POST", COMPLETIONS)]: COMPLETIONS,
+                            other: ""}
         # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
         # instance's drain (an operator taking one instance out: membership.py).
         self.shutting_down = False
@@ -159,9 +167,19 @@ class ProxyApp:
         handler = self._routes.get((req.method, req.path))
         generation = self._generation.get(handler)  # type: ignore[arg-type]
         if generation is not None:
-            await self.pipeline.handle(req, writer, generation, key)  # it writes its own access-log line
+            # It writes its own access-log line.
+            await self.pipeline.handle(req, writer, generation or req.path, key)
             return
         t0 = time.perf_counter()
+        stored = parse_path(req.method, req.path) if handler is None else None
+        if stored is not None:  # a stored response (request/stored_responses.py)
+            if await self.pipeline.admit(req, writer, stored[1], t0):
+                try:
+                    await self.pipeline.stored.handle(req, writer, *stored)
+                finally:
+                    self.pipeline.leave()
+            self._served(req, writer, t0)
+            return
         if handler is None:
             allow = self._allow.get(req.path)
             if allow is not None:
@@ -188,6 +206,9 @@ class ProxyApp:
 
     async def _generate_completions(self, req: Request, writer: ResponseWriter) -> None:
         await self.pipeline.handle(req, writer, COMPLETIONS)
+
+    async def _generate_other(self, req: Request, writer: ResponseWriter) -> None:
+        await self.pipeline.handle(req, writer, req.path)
 
     async def _models(self, req: Request, writer: ResponseWriter) -> None:
         """The model list of a live decode instance, relayed as received."""

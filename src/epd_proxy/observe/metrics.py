@@ -86,6 +86,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                    "response is committed: arrival to commit minus the wall time of the encode "
                                    "fan-out and of prefill + decode until its first event.", ()),
     "epd_proxy_retries": ("counter", "Attempts retried before the response was committed.", ()),
+    "epd_proxy_not_disaggregated": ("counter", "Generation requests served whole by one decode (or PD) "
+                                    "instance because the proxy cannot split them, by reason: media (an API whose "
+                                    "media the encode stage does not rewrite), previous_response_id (the "
+                                    "conversation is in one instance's store), background.", ("reason",)),
     "epd_proxy_stream_errors": ("counter", "Committed streams ended with an in-band error event.", ()),
     "epd_proxy_client_disconnects": ("counter", "Requests whose client went away before the end.", ()),
     "epd_proxy_inflight_requests": ("gauge", "Client requests in progress.", ()),
@@ -193,6 +197,7 @@ class ProxyMetrics:
         self.retries = 0
         self.instance_retries: dict[tuple[str, str], int] = {}  # (role, url) -> attempts it failed, retried
         self.stream_errors = 0
+        self.not_disaggregated: dict[str, int] = {}  # reason -> requests served whole by one instance
         self.disconnects = 0
         self.inflight = 0
         self.worker = worker  # this process's index with --workers (the instance_healthy label)
@@ -284,6 +289,7 @@ class ProxyMetrics:
         f["epd_proxy_retries"] = [[self.retries]]
         f["epd_proxy_instance_retries"] = [[r, u, n] for (r, u), n in self.instance_retries.items()]
         f["epd_proxy_stream_errors"] = [[self.stream_errors]]
+        f["epd_proxy_not_disaggregated"] = [[r, n] for r, n in self.not_disaggregated.items()]
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]
         f["epd_proxy_inflight_requests"] = [[self.inflight]]
         f["epd_proxy_workers"] = [[1]]

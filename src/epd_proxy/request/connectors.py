@@ -86,7 +86,7 @@ class NixlPull(KVConnector):
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         assert plan.prefill is not None
-        kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params()))
+        kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params(), ctx.api))
         if kv is None:
             # Without them decode would silently prefill the whole prompt itself.
             log.warning("request %s: prefill instance %s returned no kv_transfer_params", ctx.request_id,
@@ -174,7 +174,7 @@ class NixlPush(KVConnector):
         transfer_id = f"xfer-{uuid4_str()}"
         assert plan.prefill is not None
         p_kv, d_kv, p_headers = await self.legs(ctx, plan, leg_id, transfer_id)
-        p_body = prefill_body(plan.body, p_kv)
+        p_body = prefill_body(plan.body, p_kv, ctx.api)
         d_body = decode_body(plan.body, kv=d_kv)
         loop = asyncio.get_running_loop()
         prefill = loop.create_task(self.prefill.run(ctx, plan.prefill, p_body, p_headers, request_id=leg_id))

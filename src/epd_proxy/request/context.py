@@ -10,6 +10,7 @@ from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import RequestTrace
+    from epd_proxy.request.apis import GenerationApi
     from epd_proxy.request.usage import PrefillReport
 
 _JSON_HEADER = (b"content-type", b"application/json")
@@ -25,7 +26,7 @@ class RequestContext:
     """
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
-                 "_base_headers", "_held", "prefill_report", "timed_out")
+                 "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -43,6 +44,10 @@ class RequestContext:
         self.prefill_report: PrefillReport | None = None
         # The instances that timed out on this request: no attempt goes back to them.
         self.timed_out: frozenset[Instance] = _NONE
+        # A generation API besides chat and completions (apis.py), and then ``whole``: why
+        # it is served by one instance (None: disaggregated). Only set with ``api``.
+        self.api: GenerationApi | None = None
+        self.whole: str | None
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]

@@ -28,6 +28,7 @@ from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
+from epd_proxy.request.apis import GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, response_id
 from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
@@ -37,6 +38,7 @@ from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, reque
 from epd_proxy.request.relay import StreamRelay, relay_stream
 from epd_proxy.request.stage_bodies import stream_options_with_usage
 from epd_proxy.request.stages import DecodeLeg
+from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
@@ -92,6 +94,8 @@ class Pipeline:
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
+        # Responses stored on the decode instance that made them (stored_responses.py).
+        self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
 
     def close_admission(self) -> None:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
@@ -138,18 +142,21 @@ class Pipeline:
         body = parse_body(req, path)
         model = body.get("model")
         rec.model = model if type(model) is str else None
+        api = GENERATION_APIS.get(path)  # None: chat or completions
         if body.get("stream") is True:
             rec.stream = True
             # Every stream's tokens are counted: decode is asked for its usage event, which
             # the client gets only if it asked for it too (hidden_usage.py).
-            options = stream_options_with_usage(body.get("stream_options"))
+            options = stream_options_with_usage(body.get("stream_options")) if api is None else None
             if options is not None:
                 body["stream_options"] = options
                 rec.hide_usage = True
         body, items = self._media(body) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        if api is not None:
+            self._api_request(ctx, api, body)
         if self._keyed:
-            ctx.view = RequestView(body, items, path == CHAT)
+            ctx.view = RequestView(body, items, path == CHAT or (api is not None and api.chat_view))
         if self.tracing is not None:
             ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
         return ctx, body, items
@@ -182,6 +189,11 @@ class Pipeline:
         ok = False
         try:
             report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
+            api = ctx.api
+            if api is not None:
+                report = report if api.rewrite_usage else None
+                if api.stateful and body.get("store") is not False:
+                    self._remember(leg)
             if leg.body is not None:
                 rec.answer = leg.body if report is None else rewrite_usage(leg.body, report)
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
@@ -192,7 +204,7 @@ class Pipeline:
             relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
                                        ctx if hide or ((report is not None or leg.companion is not None)
                                                        and _wants_usage(body)) else None,
-                                       HiddenUsage() if hide else None, body.get("n") in (None, 1))
+                                       HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
@@ -315,6 +327,8 @@ class Pipeline:
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """One attempt builds every handle anew from the untouched client body."""
         ctx.prefill_report = None
+        if ctx.api is not None and ctx.whole is not None:
+            return await self._whole(ctx, body)
         d = self.decode.choose(ctx.excluded, ctx.view)
         p = self.prefill.choose(ctx.excluded, ctx.view) if self.prefill or self._need_prefill else None
         if ctx.timed_out:  # every instance left has failed this request: never one that timed out on it
@@ -345,6 +359,44 @@ class Pipeline:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
                 cap.leave()
+
+    def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> None:
+        """Another generation API (apis.py): its media checked, and whether it is split."""
+        ctx.api = api
+        media = api.media(body)
+        if media:
+            self.media_policy.check(media)
+        reason = api.whole(body)
+        if reason is None and media and (self.encode or self._need_encode):
+            reason = MEDIA  # the encode stage rewrites chat parts only (docs/protocol.md §2.9)
+        ctx.whole = reason
+        if reason is not None:
+            counts = self.metrics.not_disaggregated
+            counts[reason] = counts.get(reason, 0) + 1
+            log.debug("request %s: served whole by one instance (%s)", ctx.request_id, reason)
+
+    async def _whole(self, ctx: RequestContext, body: dict) -> DecodeLeg:
+        """A request served whole by one decode (or PD) instance: the one that holds its
+        previous response, else the pool's choice."""
+        d = None
+        prev = body.get("previous_response_id") if ctx.whole == PREVIOUS_RESPONSE else None
+        if isinstance(prev, str):
+            d = await self.stored.locate(ctx, prev)
+        if d is None or d in ctx.timed_out:
+            d = self.decode.choose(ctx.excluded, ctx.view)
+            if ctx.timed_out:
+                d = _not_timed_out(self.decode, d, ctx)
+        t = time.perf_counter()
+        try:
+            return await self.decode_only.open(ctx, LegPlan(body, None, d))
+        finally:
+            ctx.upstream += time.perf_counter() - t
+
+    def _remember(self, leg: DecodeLeg) -> None:
+        """A Responses answer: which decode holds it (stored_responses.py)."""
+        rid = response_id(leg.body, False) if leg.body is not None else response_id(leg.first, True)
+        if rid:
+            self.stored.owners.remember(rid, leg.inst.url)
 
     def _may_retry(self, ctx: RequestContext, err: ProxyError) -> bool:
         """A retry runs prefill again: only worth it when a decode can take the request now,

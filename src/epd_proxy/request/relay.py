@@ -15,6 +15,7 @@ from time import perf_counter
 from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
+from epd_proxy.request.apis import GenerationApi
 from epd_proxy.request.hidden_usage import FINISHED, HiddenUsage
 from epd_proxy.request.usage import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
@@ -92,7 +93,10 @@ class StreamRelay(FlowListener):
         self.ended = True
         self.error = error
         self._tail = b""
-        self.writer.end(error.sse_event())
+        self.writer.end(self.error_event(error))
+
+    def error_event(self, error: ProxyError) -> bytes:
+        return error.sse_event()
 
     # -- FlowListener: a slow client throttles the upstream read ----------------------------
     def pause(self) -> None:
@@ -102,6 +106,20 @@ class StreamRelay(FlowListener):
     def resume(self) -> None:
         if self.resp is not None:
             self.resp.resume_reading()
+
+
+class ApiRelay(StreamRelay):
+    """A relay whose in-band error is another API's form (apis.py: Anthropic's ``event:
+    error``, the Responses ``error`` event)."""
+
+    __slots__ = ("api",)
+
+    def __init__(self, writer: ResponseWriter, resp: Response, api: GenerationApi) -> None:
+        super().__init__(writer, resp)
+        self.api = api
+
+    def error_event(self, error: ProxyError) -> bytes:
+        return self.api.in_band_error(error, self.prev + self.last)
 
 
 class UsageRelay(StreamRelay):
@@ -184,14 +202,21 @@ class UsageRelay(StreamRelay):
 
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
                        companion: asyncio.Future | None = None, usage_ctx=None,
-                       hidden: HiddenUsage | None = None, single_choice: bool = False) -> StreamRelay:
+                       hidden: HiddenUsage | None = None, single_choice: bool = False,
+                       api: GenerationApi | None = None) -> StreamRelay:
     """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
     With ``usage_ctx`` (a RequestContext) the final usage event is rewritten, and with
-    ``hidden`` taken out (UsageRelay; ``single_choice``: the request asked for one choice)."""
+    ``hidden`` taken out (UsageRelay; ``single_choice``: the request asked for one choice);
+    with ``api`` an in-band error is in its form (ApiRelay)."""
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
-    relay = (StreamRelay(writer, resp) if usage_ctx is None
-             else UsageRelay(writer, resp, usage_ctx, hidden, single_choice))
+    relay: StreamRelay
+    if usage_ctx is not None:
+        relay = UsageRelay(writer, resp, usage_ctx, hidden, single_choice)
+    elif api is not None:
+        relay = ApiRelay(writer, resp, api)
+    else:
+        relay = StreamRelay(writer, resp)
     writer.flow = relay
     if writer.writing_paused:
         relay.pause()  # the client was already behind before the relay attached

@@ -8,8 +8,12 @@ body stays untouched for a retry (docs/protocol.md §5.1).
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from epd_proxy.request.apis import GenerationApi
 
 # What the proxy sends P so that it prefills for a remote decoder and keeps
 # the blocks (docs/protocol.md §2.4: NIXL pull, NIXL push and E+P+D).
@@ -37,8 +41,9 @@ def nixl_prefill_request_params(transfer_id: str | None = None) -> dict:
     return out
 
 
-def prefill_body(body: dict, kv_transfer_params: dict | None) -> dict:
-    """The prefill leg: one token, not streamed (docs/protocol.md §2.3).
+def prefill_body(body: dict, kv_transfer_params: dict | None, api: GenerationApi | None = None) -> dict:
+    """The prefill leg: one token, not streamed (docs/protocol.md §2.3); ``api``: another
+    generation API's spelling of it (apis.py).
 
     - ``stream: false``, and ``stream_options`` removed (400 otherwise);
     - ``max_tokens: 1``, and ``max_completion_tokens: 1`` if the client set it
@@ -48,6 +53,8 @@ def prefill_body(body: dict, kv_transfer_params: dict | None) -> dict:
     - ``kv_transfer_params`` set to the given object, or absent with None (a
       client's value never gets here: ``parse_body`` drops it).
     """
+    if api is not None:
+        return api.prefill_body(body, kv_transfer_params)
     out = dict(body)
     out["stream"] = False
     out["max_tokens"] = 1

@@ -17,6 +17,7 @@ from epd_proxy.http.client import Response
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.request.apis import COMMIT, FAILURE
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.upstream import UpstreamStage, upstream_message
 from epd_proxy.request.usage import PrefillReport
@@ -117,26 +118,43 @@ class DecodeStage(UpstreamStage):
                 except UpstreamError as exc:
                     raise self.transport_error(ctx, inst, exc, "reading its stream before the first event") from None
                 if not chunk:
+                    if pos and ctx.api is not None and ctx.api.lead:
+                        # Only announcements so far (Responses: vLLM breaks a failing stream off).
+                        raise ProxyError(502, "decode instance ended its stream before its first output",
+                                         retryable=True)
                     return buf  # the stream ended: relay what there is
                 buf += chunk
                 end = buf.find(b"\n\n", pos)
             event = buf[pos:end]
             pos = end + 2
             if not event.startswith(b"data: {"):
-                return buf
+                api = ctx.api
+                if api is None or not event.startswith(b"event: "):
+                    return buf
+                # A named event (Messages, Responses: apis.py).
+                line = event.find(b"\n")
+                verdict = api.first_event(event[7:line] if line > 0 else event[7:])
+                if verdict == COMMIT:
+                    return buf
+                if verdict == FAILURE:
+                    data = event.find(b"data: ")
+                    raise self._in_band(ctx, inst, upstream_message(event[data + 6:] if data >= 0 else event))
+                continue
             try:
                 parsed = msgspec.json.decode(event[6:], type=_StreamEvent)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return buf
             if parsed.error is not None:
-                message = upstream_message(event[6:])
-                log.warning("request %s: decode instance %s failed in-band: %s", ctx.request_id, inst.url,
-                            message)
-                self.pool.record_request_failure(inst, f"in-band error: {message}", "in_band", ctx)
-                raise ProxyError(502, f"decode instance failed: {message}", retryable=True)
+                raise self._in_band(ctx, inst, upstream_message(event[6:]))
             if not parsed.role_only():
                 return buf
         return buf
+
+    def _in_band(self, ctx: RequestContext, inst: Instance, message: str) -> ProxyError:
+        """Decode's stream opened with an error event: a request failure, retryable."""
+        log.warning("request %s: decode instance %s failed in-band: %s", ctx.request_id, inst.url, message)
+        self.pool.record_request_failure(inst, f"in-band error: {message}", "in_band", ctx)
+        return ProxyError(502, f"decode instance failed: {message}", retryable=True)
 
 
 _MAX_LEADING_EVENTS = 8

@@ -1,0 +1,232 @@
+"""The generation APIs besides chat and completions, as the pipeline sees them.
+
+vLLM 0.32 serves ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Responses) and
+``/inference/v1/generate`` (token in, token out) on the same engine as chat, and each takes
+``kv_transfer_params`` and answers with them (docs/protocol.md §2.9). What differs per API
+is small and lives here, one object per path (:data:`GENERATION_APIS`), so the pipeline
+pays one dict lookup per request for all of them and chat nothing more:
+
+* where its media is, for the operator's media rules and for the encode stage;
+* how the one-token prefill is spelled (``max_tokens``, ``max_output_tokens``,
+  ``sampling_params.max_tokens``) and what else prefill must not do (store a Responses
+  answer, run in the background);
+* when a request is served whole by one instance instead (:meth:`GenerationApi.whole`);
+* which leading stream events say nothing yet and which are failures (the commit point);
+* the in-band error of a committed stream, in the API's own form.
+
+Pure: plain dicts and bytes in, the same out.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from epd_proxy.encode.multimodal import MediaItem
+from epd_proxy.wire.errors import ProxyError
+
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
+GENERATE = "/inference/v1/generate"
+
+# What the first-event check makes of a named event (``event: NAME``) before the commit.
+LEAD, FAILURE, COMMIT = 0, 1, 2
+
+# Why a request is served whole by one instance (``epd_proxy_not_disaggregated_total{reason}``).
+MEDIA = "media"  # media in an API whose items the encode stage does not rewrite
+PREVIOUS_RESPONSE = "previous_response_id"  # the conversation is in one instance's store
+BACKGROUND = "background"  # answered "queued" at once: no prefill answer to hand over
+
+
+class GenerationApi:
+    """One API's differences from chat; the defaults are chat's."""
+
+    path = ""
+    chat_view = False  # the routing keys are read from ``messages`` (else ``prompt``)
+    rewrite_usage = False  # the P/D usage rewrite (usage.py) reads this API's usage object
+    stateful = False  # answers are stored on the instance that made them (Responses)
+    lead: frozenset[bytes] = frozenset()  # named events read past before the commit
+    failures: frozenset[bytes] = frozenset()  # named events that are a failure
+
+    def media(self, body: dict) -> list[MediaItem]:
+        """The media the body carries, as chat parts (for the operator's media rules)."""
+        return []
+
+    def whole(self, body: dict) -> str | None:
+        """Why this request must be served whole by one instance, or None."""
+        return None
+
+    def prefill_body(self, body: dict, kv: dict | None) -> dict:
+        """The prefill leg: one token, not streamed, with the connector's ``kv``."""
+        raise NotImplementedError
+
+    def first_event(self, name: bytes) -> int:
+        """LEAD, FAILURE or COMMIT for a leading named event."""
+        if name in self.lead:
+            return LEAD
+        return FAILURE if name in self.failures else COMMIT
+
+    def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
+        """A committed stream's failure, in this API's form (``last``: the last bytes relayed)."""
+        return err.sse_event()
+
+
+def _with_kv(out: dict, kv: dict | None) -> dict:
+    if kv is not None:
+        out["kv_transfer_params"] = kv
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+def _item(index: int, msg: int, part: int, url: object) -> MediaItem:
+    """An image as the chat part the media rules read."""
+    return MediaItem(index, msg, part, "image_url", {"type": "image_url", "image_url": {"url": url}}, "")
+
+
+class Messages(GenerationApi):
+    """Anthropic Messages: image blocks are media; ``max_tokens`` is required; named events
+    (``message_start`` … ``message_stop``), no ``[DONE]``."""
+
+    path = MESSAGES
+    chat_view = True
+    lead = frozenset((b"message_start", b"content_block_start", b"ping"))
+    failures = frozenset((b"error",))
+
+    def media(self, body: dict) -> list[MediaItem]:
+        items: list[MediaItem] = []
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return items
+        for m, msg in enumerate(messages):
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if not isinstance(content, list):
+                continue
+            for p, block in enumerate(content):
+                if isinstance(block, dict) and block.get("type") == "image":
+                    source = block.get("source")
+                    url = source.get("url") if isinstance(source, dict) and source.get("type") == "url" else None
+                    # A base64 source is a data: URL to the engine.
+                    items.append(_item(len(items), m, p, url if isinstance(url, str) else "data:"))
+        return items
+
+    def prefill_body(self, body: dict, kv: dict | None) -> dict:
+        out = dict(body)
+        out["stream"] = False
+        out["max_tokens"] = 1
+        return _with_kv(out, kv)
+
+    def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
+        # vLLM's own form (anthropic/serving.py): the event the anthropic SDK raises on.
+        data = msgspec.json.encode({"type": "error", "error": {"type": "internal_error", "message": err.message}})
+        return b"event: error\ndata: " + data + b"\n\n"
+
+
+class Responses(GenerationApi):
+    """OpenAI Responses: ``input_image`` parts are media; ``max_output_tokens``; typed events
+    with a ``sequence_number``, no ``[DONE]``; answers stored per instance (``store``)."""
+
+    path = RESPONSES
+    stateful = True
+    lead = frozenset((b"response.created", b"response.in_progress", b"response.output_item.added",
+                      b"response.content_part.added"))
+    failures = frozenset((b"error", b"response.failed"))
+
+    def media(self, body: dict) -> list[MediaItem]:
+        items: list[MediaItem] = []
+        inp = body.get("input")
+        if not isinstance(inp, list):
+            return items
+        for m, entry in enumerate(inp):
+            if not isinstance(entry, dict):
+                continue
+            content = entry.get("content")
+            parts = content if isinstance(content, list) else [entry]
+            for p, part in enumerate(parts):
+                if isinstance(part, dict) and part.get("type") == "input_image":
+                    url = part.get("image_url")
+                    # A file_id names an uploaded file: no URL to check, still media.
+                    items.append(_item(len(items), m, p, url if isinstance(url, str) else "data:"))
+        return items
+
+    def whole(self, body: dict) -> str | None:
+        if body.get("previous_response_id") is not None:
+            return PREVIOUS_RESPONSE
+        if body.get("background") is True:
+            return BACKGROUND
+        return None
+
+    def prefill_body(self, body: dict, kv: dict | None) -> dict:
+        out = dict(body)
+        out["stream"] = False
+        out["max_output_tokens"] = 1
+        # The prefill's one-token answer must never be stored: a retrieve would find it.
+        out["store"] = False
+        out.pop("stream_options", None)
+        return _with_kv(out, kv)
+
+    def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
+        # The Responses stream's ``error`` event (the openai SDK's ResponseErrorEvent).
+        data = msgspec.json.encode({"type": "error", "code": str(err.status), "message": err.message,
+                                    "param": None, "sequence_number": next_sequence_number(last)})
+        return b"event: error\ndata: " + data + b"\n\n"
+
+
+def next_sequence_number(last: bytes) -> int:
+    """One past the last ``"sequence_number":N`` in ``last`` (0 when there is none)."""
+    key = b'"sequence_number":'
+    at = last.rfind(key)
+    if at < 0:
+        return 0
+    at += len(key)
+    end = at
+    while end < len(last) and 0x30 <= last[end] <= 0x39:
+        end += 1
+    return int(last[at:end]) + 1 if end > at else 0
+
+
+class _Created(msgspec.Struct):
+    id: str | None = None
+
+
+class _Event(msgspec.Struct):
+    response: _Created | None = None
+
+
+def response_id(data: bytes, stream: bool) -> str | None:
+    """The id of a Responses answer: the body's ``id``, or the ``response.created`` event's
+    (the first event of a stream)."""
+    try:
+        if not stream:
+            return msgspec.json.decode(data, type=_Created).id
+        start = data.find(b"\ndata: ")
+        end = data.find(b"\n\n", start + 1)
+        if start < 0 or end < 0:
+            return None
+        event = msgspec.json.decode(data[start + 7:end], type=_Event)
+        return event.response.id if event.response is not None else None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class Generate(GenerationApi):
+    """Token in, token out (``/inference/v1/generate``, vLLM ``--enable-scale-out``): the
+    limit is ``sampling_params.max_tokens``; ``data:`` chunks and ``[DONE]`` as chat."""
+
+    path = GENERATE
+    rewrite_usage = True  # chat's usage fields
+
+    def prefill_body(self, body: dict, kv: dict | None) -> dict:
+        out = dict(body)
+        out["stream"] = False
+        out.pop("stream_options", None)
+        params = body.get("sampling_params")
+        params = dict(params) if isinstance(params, dict) else {}
+        params["max_tokens"] = 1
+        params.pop("min_tokens", None)
+        if "n" in params:
+            params["n"] = 1
+        out["sampling_params"] = params
+        return _with_kv(out, kv)
+
+
+GENERATION_APIS: dict[str, GenerationApi] = {api.path: api for api in (Messages(), Responses(), Generate())}
