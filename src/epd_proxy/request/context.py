@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from epd_proxy.http import Headers
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.models import ModelKey
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ class RequestContext:
     """
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
-                 "_base_headers", "_held", "prefill_report", "timed_out")
+                 "_base_headers", "_held", "prefill_report", "timed_out", "models")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -43,6 +44,9 @@ class RequestContext:
         self.prefill_report: PrefillReport | None = None
         # The instances that timed out on this request: no attempt goes back to them.
         self.timed_out: frozenset[Instance] = _NONE
+        # Per role, the model its instances must serve (instances/models.py); None: any
+        # instance serves it (one set of models in the cluster, the common case).
+        self.models: dict[str, ModelKey] | None = None
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
@@ -50,6 +54,11 @@ class RequestContext:
         if extra:
             headers += extra
         return headers
+
+    def model_for(self, role: str) -> ModelKey | None:
+        """What ``role``'s candidates must serve for this request (None: any instance)."""
+        models = self.models
+        return None if models is None else models.get(role)
 
     def failed(self, inst: Instance) -> None:
         self.excluded.add(inst)

@@ -53,7 +53,7 @@ class EncoderFanout(UpstreamStage):
         self.observe_sub_request = observe_sub_request  # metrics: each sub-request's duration
 
     async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
-        subs = plan_sub_requests(items, self.pool.assign(items, ctx.excluded), self.max_batch)
+        subs = plan_sub_requests(items, self.pool.assign(items, ctx.excluded, ctx.model_for("encode")), self.max_batch)
         # Fresh transfer ids per item occurrence and per attempt (never reused on retry).
         tids = [[new_transfer_id() for _ in sub.items] for sub in subs]
         t0 = time.perf_counter()
