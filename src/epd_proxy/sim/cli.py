@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-strict-roles", action="store_true",
                    help="accept plain requests on prefills and do_remote_decode on decodes, as vLLM does")
     g.add_argument("--model", default=None, help="served model name (default sim-model)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", dest="served_model_name",
+                   help="every name the instances serve, as vLLM's flag (the first replaces --model)")
     lat = parser.add_argument_group("latency model")
     lat.add_argument("--ttft-ms", type=float, default=None, help="base time to first token")
     lat.add_argument("--ttft-per-token-ms", type=float, default=None, help="extra TTFT per prompt token")
@@ -77,6 +79,8 @@ def config_from_args(args: argparse.Namespace, base: SimConfig | None = None) ->
         changes["records"] = False
     if getattr(args, "no_strict_roles", False):
         changes["strict_roles"] = False
+    if getattr(args, "served_model_name", None):
+        changes["models"] = tuple(args.served_model_name)
     if changes:
         cfg = dataclasses.replace(cfg, **changes)
     return cfg
