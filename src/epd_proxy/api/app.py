@@ -364,6 +364,7 @@ def merge_pool_status(views: list[dict]) -> dict:
                 if have["state"] != inst["state"]:
                     have["state"] = "mixed"
                 have["last_error"] = have["last_error"] or inst["last_error"]
+                have["models"] = have.get("models") or inst.get("models")  # a worker that has read them
                 if inst["ejected_until"] is not None:
                     have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
     return {role: list(merged.values()) for role, merged in out.items()}
