@@ -306,13 +306,14 @@ class Pipeline:
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """One attempt builds every handle anew from the untouched client body."""
         ctx.prefill_report = None
-        d = self.decode.choose(ctx.excluded, ctx.view, ctx.model_for("decode"))
+        models = ctx.models  # None (the common case): every instance serves the request's model
+        d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
         # Every instance left has failed this request: never one that timed out on it.
         if ctx.timed_out:
             d = _not_timed_out(self.decode, d, ctx)
-        if ctx.models is not None:  # an adapter's KV is valid only on its base: prefill's must match
-            ctx.models["prefill"] = paired_key(ctx.models["decode"], d.served)
-        p = self.prefill.choose(ctx.excluded, ctx.view, ctx.model_for("prefill")) \
+        if models is not None:  # an adapter's KV is valid only on its base: prefill's must match
+            models["prefill"] = paired_key(models["decode"], d.served)
+        p = self.prefill.choose(ctx.excluded, ctx.view, None if models is None else models["prefill"]) \
             if self.prefill or self._need_prefill else None
         if ctx.timed_out and p is not None:
             p = _not_timed_out(self.prefill, p, ctx)
