@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import msgspec
 from helpers import Client, chat_body, wait_for
 
 from epd_proxy import ProxyConfig, start_proxy
@@ -30,7 +31,8 @@ async def proxy_over(*clusters: SimCluster, pins: dict[str, tuple[str, ...]] | N
     def pinned(specs):
         return [dataclasses.replace(s, models=pins.get(s.url, ())) for s in specs]
 
-    config = ProxyConfig(probe_interval=0.1, scrape_interval=0, **kwargs).replace(
+    kwargs.setdefault("probe_interval", 0.1)
+    config = ProxyConfig(scrape_interval=0, **kwargs).replace(
         prefill=pinned([s for c in configs for s in c.prefill]), decode=pinned([s for c in configs for s in c.decode]),
         kv_connector=clusters[0].config.kv_connector if clusters else "nixl")
     async with await start_proxy(config) as proxy:
@@ -165,3 +167,25 @@ async def test_models_attribute_restricts_what_an_instance_is_sent():
             assert (await client.chat(chat_body(model="b"))).status == 200
         assert count(both) == 0 and count(only_b) == 4
         assert (await client.chat(chat_body(model="a"))).status == 200 and count(both) == 1
+
+
+async def test_an_adapters_prefill_and_decode_sit_on_the_same_base():
+    """Adapter ``sql`` exists on base a (cluster A) and on base b (cluster B): KV computed with
+    one is worthless to the other, so each request's two legs are on one base."""
+    a = SimCluster(prefill=1, decode=1, config=dataclasses.replace(sim("a"), check_model=False))
+    b = SimCluster(prefill=1, decode=1, config=dataclasses.replace(sim("b"), check_model=False))
+    async with a, b, proxy_over(a, b, probe_interval=0) as (proxy, client):
+        for cluster, base in ((a, "a"), (b, "b")):
+            urls = cluster.urls("prefill") + cluster.urls("decode")
+            body = msgspec.json.encode({"object": "list", "data": [
+                {"id": base, "object": "model", "parent": None}, {"id": "sql", "object": "model", "parent": base}]})
+            for pool in proxy.app.pools.values():
+                for inst in pool.instances:
+                    if inst.url in urls:
+                        pool.learned(inst, body)
+        assert proxy.app.pipeline.models.current.parents == {"a": None, "sql": "a", "b": None}
+        for _ in range(8):
+            before = count(a), count(b)
+            assert (await client.chat(chat_body(model="sql"))).status == 200
+            grew = (count(a) - before[0], count(b) - before[1])
+            assert grew in ((2, 0), (0, 2)), grew  # both legs in one cluster, never one leg each
