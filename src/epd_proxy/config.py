@@ -2,10 +2,11 @@
 
 An instance is a URL with optional ``;key=value`` attributes, e.g.::
 
-    http://p1:8100;engine_id=prefill-0;kv_host=10.0.0.1;kv_port=5600;tp=1;pp=1
+    http://p1:8100;engine_id=prefill-0;kv_host=10.0.0.1;kv_port=5600;tp=1;pp=1;models=a|b
 
 The attributes carry what a KV connector must know about an instance before
-it answers (push mode dispatches decode before prefill has said anything).
+it answers (push mode dispatches decode before prefill has said anything), and
+which models it may be sent (``models``; otherwise what its /v1/models says).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
@@ -27,7 +29,7 @@ TOPOLOGIES = ("auto", "PD", "E+PD", "P+D", "E+P+D")
 ROLE_POLICY_DEFAULTS = {"encode": "cache-aware", "prefill": "cache-aware", "decode": "load-aware"}
 
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
-_KNOWN_ATTRS = {"engine_id", "kv_host"} | _INT_ATTRS
+_KNOWN_ATTRS = {"engine_id", "kv_host", "models"} | _INT_ATTRS
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Client headers every stage gets (trace context), whatever --forward-header adds.
@@ -91,6 +93,9 @@ class InstanceSpec:
     ec_zmq_addrs: tuple[str, ...] = ()
     # Registered as ``prefill_decode``: one instance doing both (it routes as decode).
     pd: bool = False
+    # The models it may serve (``;models=a|b``): routed only those, and of what its
+    # /v1/models reports only those (and their adapters); () = whatever it reports.
+    models: tuple[str, ...] = ()
 
     @property
     def host(self) -> str:
@@ -137,6 +142,11 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
             low, high = (1, 65535) if key.endswith("port") else (1, 1 << 16)
             if not low <= attrs[key] <= high:  # type: ignore[operator]
                 raise ValueError(f"{role} instance {text!r}: {key} must be in {low}..{high}, not {value}")
+        elif key == "models":
+            names = tuple(dict.fromkeys(n.strip() for n in re.split(r"[|,]", value) if n.strip()))
+            if not names:
+                raise ValueError(f"{role} instance {text!r}: models needs at least one name (models=a|b)")
+            attrs[key] = names
         else:
             attrs[key] = value
     return InstanceSpec(url=url.rstrip("/"), role=role, **attrs)  # type: ignore[arg-type]
@@ -181,9 +191,15 @@ def split_instances(values: list[str] | None) -> list[str]:
     for value in values or []:
         for piece in value.split(","):
             piece = piece.strip()
-            if piece and piece.lower() not in ("none", "disable", "disabled"):
+            if out and _MODELS_LAST.search(out[-1]) and piece and not _INSTANCE_START.match(piece):
+                out[-1] += "," + piece  # ``;models=a,b``: the comma is the list's, not a new instance
+            elif piece and piece.lower() not in ("none", "disable", "disabled"):
                 out.append(piece)
     return out
+
+
+_MODELS_LAST = re.compile(r";\s*models\s*=[^;]*$")
+_INSTANCE_START = re.compile(r"^([a-z+]+://|[\w.-]+:\d+($|[/;]))", re.IGNORECASE)
 
 
 @dataclass(slots=True)

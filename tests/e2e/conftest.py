@@ -134,6 +134,12 @@ def epd(clusters):
     return clusters.get("epd")
 
 
+@pytest.fixture(scope="module")
+def models(clusters):
+    """2 plain instances serving the model names alpha and beta; shared by the module's tests."""
+    return clusters.get("models")
+
+
 @pytest.fixture(scope="session")
 def proxy_ready():
     ok, detail = E.proxy_available()

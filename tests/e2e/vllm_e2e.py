@@ -364,9 +364,17 @@ def epd_cluster(log_dir: str) -> Cluster:
     }, log_dir, ec_dir=ec_dir)
 
 
+def models_cluster(log_dir: str) -> Cluster:
+    """2 plain instances (tiny Llama, no KV transfer), each serving its own model name."""
+    return Cluster("models", {
+        "alpha": Vllm("models-alpha", "tiny-model", 0, args=["--served-model-name", "alpha"]),
+        "beta": Vllm("models-beta", "tiny-model", 1, args=["--served-model-name", "beta"]),
+    }, log_dir)
+
+
 CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_cluster,
-                                                  "epd": epd_cluster}
-CLUSTER_ORDER = ["pd", "push", "epd"]
+                                                  "epd": epd_cluster, "models": models_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd", "models"]
 
 
 # ---------------------------------------------------------------------------------------------

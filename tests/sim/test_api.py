@@ -410,3 +410,17 @@ async def test_an_idle_engine_steps_as_soon_as_a_prefill_is_ready(http):
         rec = c.instances("pd")[0].records[-1]
         assert sink.pieces[0][0] - rec.t_received < 0.2  # not held to the previous request's tick
         assert rec.t_end - rec.t_received >= 0.4 * 0.9  # the second token is a full itl later
+
+
+async def test_several_served_names_each_a_card_and_others_404(http):
+    cluster = SimCluster.from_spec("pd=1,models=a|b", config=fast_config())
+    async with cluster as c:
+        url = c.urls("pd")[0]
+        cards = (await http.get(url, "/v1/models")).json["data"]
+        assert [m["id"] for m in cards] == ["a", "b"] and {m["root"] for m in cards} == {"a"}
+        assert all(m["parent"] is None and m["object"] == "model" for m in cards)
+        r = await http.chat(url, chat_body(model="b", max_tokens=2))
+        assert r.status == 200 and r.json["model"] == "b"  # vLLM echoes the served name asked for
+        r = await http.chat(url, chat_body(model="c", max_tokens=2))
+        assert r.status == 404
+        assert r.json["error"]["type"] == "NotFoundError" and r.json["error"]["code"] == 404

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from urllib.parse import unquote
 
 import msgspec
 
@@ -30,6 +31,7 @@ from epd_proxy.instances import discovery
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe.metrics import ProxyMetrics, render
@@ -45,6 +47,7 @@ from epd_proxy.wire.errors import ProxyError
 log = logging.getLogger("epd_proxy.app")
 
 _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+_MODEL_PREFIX = "/v1/models/"
 
 
 def validate_config(config: ProxyConfig) -> None:
@@ -165,6 +168,8 @@ class ProxyApp:
                 self._served(req, writer, time.perf_counter())
                 return
         handler = self._routes.get((req.method, req.path))
+        if handler is None and req.path.startswith(_MODEL_PREFIX) and req.method in ("GET", "HEAD"):
+            handler = self._model
         generation = self._generation.get(handler)  # type: ignore[arg-type]
         if generation is not None:
             # It writes its own access-log line.
@@ -211,7 +216,31 @@ class ProxyApp:
         await self.pipeline.handle(req, writer, req.path)
 
     async def _models(self, req: Request, writer: ResponseWriter) -> None:
-        """The model list of a live decode instance, relayed as received."""
+        """The models of the live instances, each id once, in vLLM's shape (instances/models.py).
+        While no instance has said what it serves yet: a live decode instance's list, learnt and
+        relayed as received."""
+        cards = self.pipeline.models.current.cards
+        if cards:
+            writer.send(200, models_list(cards))
+            return
+        await self._models_of_one(writer)
+
+    async def _model(self, req: Request, writer: ResponseWriter) -> None:
+        """``GET /v1/models/{id}``: one model card of the union (vLLM itself has no such route)."""
+        name = unquote(req.path[len(_MODEL_PREFIX):])
+        catalog = self.pipeline.models.current
+        if not catalog.cards:  # nothing known yet: learn from a decode instance first
+            await self._models_of_one(None)
+            catalog = self.pipeline.models.current
+        card = catalog.card(name)
+        if card is not None:
+            writer.send(200, msgspec.json.encode(card))
+            return
+        err = ProxyError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        writer.send(404, err.body())
+
+    async def _models_of_one(self, writer: ResponseWriter | None) -> None:
+        """A live decode instance's model list: learnt (pool.py), and relayed to ``writer`` if given."""
         pool = self.pools["decode"]
         t = self.config.timeouts
         timeouts = TransportTimeouts(connect=t.connect, headers=10.0, idle=10.0)
@@ -232,9 +261,16 @@ class ProxyApp:
                 log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
                 last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
-            writer.send(status, data, content_type)
+            if status == 200:
+                try:
+                    pool.learned(inst, data)
+                except ValueError:
+                    pass  # not a model list: relayed as it is
+            if writer is not None:
+                writer.send(status, data, content_type)
             return
-        writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
+        if writer is not None:
+            writer.send(last.status, last.body(), headers=[(b"retry-after", b"5")] if last.status == 503 else None)
 
     async def _load(self, req: Request, writer: ResponseWriter) -> None:
         """vLLM's ``/load`` for the cluster as this proxy sees it: ``server_load`` is the
@@ -353,6 +389,7 @@ def merge_pool_status(views: list[dict]) -> dict:
                 if have["state"] != inst["state"]:
                     have["state"] = "mixed"
                 have["last_error"] = have["last_error"] or inst["last_error"]
+                have["models"] = have.get("models") or inst.get("models")  # a worker that has read them
                 if inst["ejected_until"] is not None:
                     have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
     return {role: list(merged.values()) for role, merged in out.items()}

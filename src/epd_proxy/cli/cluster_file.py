@@ -144,6 +144,8 @@ def _instances(role: str, value: object, source: str) -> list[str]:
         for key, attr in entry.items():
             if key == "url":
                 continue
+            if key == "models" and isinstance(attr, list) and all(isinstance(m, str) and "|" not in m for m in attr):
+                attr = "|".join(attr)  # models = ["a", "b"]
             if isinstance(attr, bool) or not isinstance(attr, (str, int)) or ";" in str(attr):
                 raise ClusterFileError(f"{source}: {role} #{n} ({url}): {key} must be a string or an "
                                        f"integer, got {attr!r}")

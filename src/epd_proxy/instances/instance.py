@@ -1,6 +1,6 @@
 """One upstream vLLM instance, with all its state: its spec, connections, health, load
-signals, where it came from (``source``), since when it is out (``out_since``), and
-whether it is leaving.
+signals, what it serves (``served``), where it came from (``source``), since when it is out
+(``out_since``), and whether it is leaving.
 
 The life of an instance::
 
@@ -59,6 +59,7 @@ from epd_proxy.config import InstanceSpec
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.instances.health import HEALTHY, Health
 from epd_proxy.instances.load_signals import LoadSignals
+from epd_proxy.instances.models import Served, pinned
 
 # Out of the pool, its requests in flight finishing; the roster's state after health's four.
 LEAVING = "leaving"
@@ -68,7 +69,7 @@ class Instance:
     """One upstream vLLM instance: its connections and what we know of its state."""
 
     __slots__ = ("spec", "url", "role", "connections", "inflight", "health", "requests", "errors", "expiry",
-                 "signals", "source", "out_since", "leaving", "stranded")
+                 "signals", "source", "out_since", "leaving", "stranded", "served")
 
     def __init__(self, spec: InstanceSpec, connections: ConnectionPool) -> None:
         self.spec = spec
@@ -84,6 +85,9 @@ class Instance:
         self.stranded = 0
         self.expiry: asyncio.TimerHandle | None = None  # the end of an ejection
         self.signals = LoadSignals()  # its own load, from its /metrics (load_signals.py)
+        # What it serves (models.py): from its /v1/models, read by pool.py's probe, within its
+        # ``models`` attribute; None until known (it counts as serving any model meanwhile).
+        self.served: Served | None = pinned(spec.models) if spec.models else None
         # The roster's (membership.py): who put it there, since when it is out of rotation
         # (the evicted-TTL clock; None while in), and whether it has left the pool.
         self.source: str | None = None

@@ -133,7 +133,10 @@ class Membership:
             if inst.out_since is not None:
                 inst.out_since = _now()
             if inst.spec != spec:
+                models_changed = inst.spec.models != spec.models
                 inst.spec = spec
+                if models_changed:
+                    self.pools[spec.role].pin_models(inst)
                 log.info("%s instance %s: attributes updated (%s)", registered_role(spec), spec.url, source)
                 self._emit("updated", spec, _source(inst, source))
             else:
@@ -236,6 +239,8 @@ class Membership:
         for name in ("engine_id", "kv_host", "kv_port", "bootstrap_port"):
             if getattr(s, name) is not None:
                 d[name] = getattr(s, name)
+        if s.models:
+            d["models"] = list(s.models)
         return d
 
     def counts(self) -> dict[tuple[str, str], int]:

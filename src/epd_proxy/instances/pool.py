@@ -7,7 +7,9 @@ step with the states, probes failing and never-yet-healthy instances at the
 fast interval, re-admits an instance (half-open) when its ejection time is
 over, fails the pending requests of an instance ejected for not answering,
 and routes over every instance when none is in rotation ("panic" routing)
-rather than over nothing.
+rather than over nothing. A probe that answers also reads the instance's
+``/v1/models`` (models.py): a request naming a model routes, with all the
+rules above, among the instances that serve it.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import time
 from typing import Iterable, Sequence
 
 from epd_proxy.config import InstanceSpec
+from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
+from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, TIMEOUT, Ejection, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
+from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.policy import RoutingPolicy
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
@@ -36,6 +41,9 @@ FAST_PROBE_INTERVAL = 1.0
 HALF_OPEN_SHARE = 5
 # Panic routing is logged at most this often per role.
 PANIC_LOG_INTERVAL = 10.0
+# Per-model routing lists kept at most (a client may name any model while some instance's
+# models are unknown: the cache must not grow with what clients send).
+MODEL_LISTS = 256
 
 
 class InstancePool:
@@ -43,7 +51,8 @@ class InstancePool:
 
     def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str | RoutingPolicy = "least-loaded",
                  keep_alive: float = 5.0, outlier: OutlierSettings | None = None,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None, models: ModelDirectory | None = None,
+                 headers: Headers | None = None) -> None:
         self.role = role
         # Retire pooled sockets at half the server's keep-alive, before it closes them.
         self._idle = keep_alive / 2 if keep_alive > 0 else 0.0
@@ -62,8 +71,13 @@ class InstancePool:
         self._healthy: list[Instance] = []
         self._half_open: list[Instance] = []
         self._panic_set: list[Instance] = []
+        # The three lists above per model a request named, built on first use after a change.
+        self._by_model: dict[ModelKey, tuple[list[Instance], list[Instance], list[Instance]]] = {}
         self._out = 0
+        self._headers = headers or []  # a /v1/models read's (--upstream-api-key)
+        self.models = models or ModelDirectory()  # the cluster's models, told of every change here
         self._refresh()
+        self.models.track(self)
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -72,69 +86,99 @@ class InstancePool:
         return bool(self.instances)
 
     # -- routing --------------------------------------------------------------------------
-    def choose(self, exclude: Iterable[Instance] = (), view: RequestView = EMPTY_VIEW) -> Instance:
+    def choose(self, exclude: Iterable[Instance] = (), view: RequestView = EMPTY_VIEW,
+               model: ModelKey | None = None) -> Instance:
         """An instance for one attempt, preferring ones not in ``exclude`` (those that
         already failed this request). Never fails for a configured role: with no
         instance in rotation it routes over all of them (panic routing). The policy
-        picks among the candidates, seeing the request's ``view`` (routing.py)."""
-        if self._half_open:
-            trial = self._trial(exclude)
+        picks among the candidates, seeing the request's ``view`` (routing.py). With
+        ``model``, all of this within the instances serving it."""
+        if model is None:
+            healthy, half_open, panic_set = self._healthy, self._half_open, self._panic_set
+        else:
+            healthy, half_open, panic_set = self._lists(model)
+        if half_open:
+            trial = self._trial(exclude, healthy, half_open)
             if trial is not None:
                 return trial
-        return self.policy.choose(self.candidates(exclude), view)
+        return self.policy.choose(self._candidates(exclude, healthy, half_open, panic_set, model), view)
 
-    def assign(self, items: Sequence, exclude: Iterable[Instance] = ()) -> list[Instance]:
+    def assign(self, items: Sequence, exclude: Iterable[Instance] = (), model: ModelKey | None = None
+               ) -> list[Instance]:
         """An instance per media item (encoders), chosen by the policy among the candidates."""
-        return self.policy.assign(self.candidates(exclude), items)
+        return self.policy.assign(self.candidates(exclude, model), items)
 
-    def candidates(self, exclude: Iterable[Instance] = ()) -> list[Instance]:
+    def candidates(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> list[Instance]:
         """The instances to route over: healthy ones not in ``exclude``; else a half-open
         one that might answer; else the healthy ones; else all of them (panic)."""
-        healthy = self._healthy
+        if model is None:
+            return self._candidates(exclude, self._healthy, self._half_open, self._panic_set, None)
+        return self._candidates(exclude, *self._lists(model), model)
+
+    def _candidates(self, exclude, healthy: list[Instance], half_open: list[Instance], panic_set: list[Instance],
+                    model: ModelKey | None) -> list[Instance]:
         if healthy:
             if not exclude:
                 return healthy
             preferred = [i for i in healthy if i not in exclude]
             if preferred:
                 return preferred
-            others = [i for i in self._half_open if i not in exclude]
+            others = [i for i in half_open if i not in exclude]
             return others or healthy
-        return self._panic(exclude)
+        return self._panic(exclude, panic_set, model)
 
-    def reachable(self, exclude: Iterable[Instance] = ()) -> bool:
+    def reachable(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> bool:
         """Whether an instance in rotation has not yet failed this request."""
-        return any(i not in exclude for i in self._healthy)
+        healthy = self._healthy if model is None else self._lists(model)[0]
+        return any(i not in exclude for i in healthy)
 
-    def spare(self, exclude: Iterable[Instance] = ()) -> bool:
+    def spare(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> bool:
         """Whether ``choose(exclude)`` would pick an instance not in ``exclude`` (without
         counting a panic): a retry can go somewhere new, rather than back to an instance
         that already failed this request."""
-        if self._healthy:
-            return any(i not in exclude for i in self._healthy) or any(i not in exclude for i in self._half_open)
-        return any(i not in exclude for i in self._panic_set)
+        if model is None:
+            healthy, half_open, panic_set = self._healthy, self._half_open, self._panic_set
+        else:
+            healthy, half_open, panic_set = self._lists(model)
+        if healthy:
+            return any(i not in exclude for i in healthy) or any(i not in exclude for i in half_open)
+        return any(i not in exclude for i in panic_set)
 
-    def _trial(self, exclude) -> Instance | None:
+    def _lists(self, model: ModelKey) -> tuple[list[Instance], list[Instance], list[Instance]]:
+        """The routing lists of the instances serving ``model`` (cached until the next change)."""
+        lists = self._by_model.get(model)
+        if lists is None:
+            if len(self._by_model) >= MODEL_LISTS:
+                self._by_model.clear()
+            lists = self._by_model[model] = (
+                [i for i in self._healthy if serves(i.served, model)],
+                [i for i in self._half_open if serves(i.served, model)],
+                [i for i in self._panic_set if serves(i.served, model)])
+        return lists
+
+    def _trial(self, exclude, healthy: list[Instance], half_open: list[Instance]) -> Instance | None:
         """Every ``HALF_OPEN_SHARE``-th pick goes to a half-open instance: a limited share
         of live traffic decides whether it comes back."""
         self._picks += 1
-        if self._healthy and self._picks % HALF_OPEN_SHARE:
+        if healthy and self._picks % HALF_OPEN_SHARE:
             return None
-        for inst in self._half_open:
+        for inst in half_open:
             if inst not in exclude:
                 return inst
         return None
 
-    def _panic(self, exclude) -> list[Instance]:
-        if not self._panic_set:  # none at all, or every one draining
-            raise ProxyError(503, f"no {self.role} instance available", retryable=False)
+    def _panic(self, exclude, panic_set: list[Instance], model: ModelKey | None) -> list[Instance]:
+        if not panic_set:  # none at all, or every one draining
+            serving = "" if model is None else f" serving model `{model if isinstance(model, str) else model[0]}`"
+            raise ProxyError(503, f"no {self.role} instance{serving} available", retryable=False)
         self.panics += 1
         now = time.monotonic()
         if now - self._last_panic_log >= PANIC_LOG_INTERVAL:
             self._last_panic_log = now
             log.warning("no %s instance in rotation: routing over all %d of them (panic routing; "
-                        "%d times so far)", self.role, len(self._panic_set), self.panics)
-        preferred = [i for i in self._panic_set if i not in exclude] if exclude else self._panic_set
-        return preferred or self._panic_set
+                        "%d times so far)", self.role, len(panic_set), self.panics)
+        preferred = [i for i in panic_set if i not in exclude] if exclude else panic_set
+        return preferred or panic_set
 
     def _refresh(self) -> None:
         insts = self.instances
@@ -144,6 +188,8 @@ class InstancePool:
         # Draining instances get no new requests, not even in panic: otherwise one that
         # is the last of its role would never become idle and leave.
         self._panic_set = [i for i in insts if i.health.state is not DRAINING]
+        self._by_model = {}
+        self.models.changed()
 
     # -- membership (membership.py decides; this keeps the routing lists in step) ------------
     def _new_instance(self, spec: InstanceSpec) -> Instance:
@@ -293,8 +339,43 @@ class InstancePool:
         if status == 200:
             if self.rules.success(inst.health, _now(), probe=True):
                 self._changed(inst, "health probe answered")
+            await self.learn_models(inst, timeout)
         else:
             self._probe_failed(inst, "probe_status", f"health probe: HTTP {status}")
+
+    async def learn_models(self, inst: Instance, timeout: float) -> None:
+        """Read what ``inst`` serves from its ``/v1/models`` (after each probe that answered;
+        call it after an adapter load or unload too). An answer that is not a model list
+        leaves what was known: it is no health signal."""
+        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                status, _, data = await inst.connections.fetch("GET", "/v1/models", headers=self._headers,
+                                                               timeouts=t, queue=False)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            self.learned(inst, data)
+        except (UpstreamError, TimeoutError, OSError, ValueError) as exc:
+            log.debug("%s instance %s: /v1/models not read: %s", self.role, inst.url, exc)
+
+    def learned(self, inst: Instance, body: bytes) -> None:
+        """``inst``'s /v1/models answer (``body``), within its ``models`` attribute; ValueError
+        when it is not a model list."""
+        served = parse_models(body, inst.spec.models)
+        if served != inst.served:
+            if inst.spec.models and not served.parents:
+                log.warning("%s instance %s serves none of its models (%s)", self.role, inst.url,
+                            ", ".join(inst.spec.models))
+            # What it serves at first is in /status; a change later is worth a line.
+            log.log(logging.DEBUG if inst.served is None else logging.INFO, "%s instance %s serves %s", self.role,
+                    inst.url, ", ".join(served.names) or "nothing")
+            inst.served = served
+            self._refresh()
+
+    def pin_models(self, inst: Instance) -> None:
+        """Its ``models`` attribute changed: what it serves is that (or unknown) until it answers again."""
+        inst.served = pinned(inst.spec.models) if inst.spec.models else None
+        self._refresh()
 
     def _probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
         self._note(inst, kind, reason, None)
@@ -352,5 +433,5 @@ class InstancePool:
                         "consecutive_failures": h.failures, "ejections": h.ejections,
                         "ejected_until": None if until is None else round(wall + until - now, 3),
                         "inflight": i.inflight, "requests": i.requests, "errors": dict(h.errors),
-                        "last_error": h.last_error})
+                        "last_error": h.last_error, "models": None if i.served is None else i.served.names})
         return out

@@ -47,7 +47,8 @@ def parse_registration(body: bytes) -> InstanceSpec:
     reference proxy's launchers the same, maybe with ``metadata``. The optional
     ``engine_id``, ``kv_host``, ``kv_port``, ``tp``, ``pp``, ``bootstrap_port``
     are what push and Mooncake connectors need (the ``;key=value`` attributes of
-    the flags). Unknown keys are ignored, as the reference does."""
+    the flags); ``models`` (a list of names) restricts what it is sent. Unknown
+    keys are ignored, as the reference does."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -91,6 +92,11 @@ def parse_registration(body: bytes) -> InstanceSpec:
             raise RegistrationError(f"'ec_zmq_addrs' needs one address per DP replica ({attrs.get('dp_size', 1)}),"
                                     f" got {len(addrs)}", "ec_zmq_addrs")
         attrs["ec_zmq_addrs"] = tuple(addrs)
+    models = data.get("models")
+    if models is not None:
+        if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
+            raise RegistrationError("'models' must be a non-empty list of model names", "models")
+        attrs["models"] = tuple(dict.fromkeys(models))
     return dataclasses.replace(spec, **attrs)  # type: ignore[arg-type]
 
 

@@ -72,6 +72,7 @@ class SharedRoster:
     def _received(self, message: dict) -> None:
         fields = dict(message["spec"])
         fields["ec_zmq_addrs"] = tuple(fields.get("ec_zmq_addrs") or ())
+        fields["models"] = tuple(fields.get("models") or ())
         spec = InstanceSpec(**fields)
         event, m = message["event"], self.membership
         with self.local():

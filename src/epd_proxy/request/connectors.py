@@ -20,6 +20,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.models import paired_key
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from epd_proxy.request.stages import DecodeLeg, DecodeStage, PrefillStage
@@ -117,7 +118,10 @@ class NixlPull(KVConnector):
         if not err.unsent or plan.decode_headers is not None or decode.spec.ec_zmq_addrs:
             return None
         pool = self.decode.pool
-        return pool.choose(ctx.excluded, ctx.view) if pool.spare(ctx.excluded) else None
+        model = ctx.model_for("decode")
+        if model is not None:  # on the prefill's base, for an adapter
+            model = paired_key(model, plan.prefill.served if plan.prefill is not None else None)
+        return pool.choose(ctx.excluded, ctx.view, model) if pool.spare(ctx.excluded, model) else None
 
 
 class NixlPush(KVConnector):

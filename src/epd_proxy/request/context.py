@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from epd_proxy.http import Headers
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.models import ModelKey
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class RequestContext:
     """
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
-                 "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole")
+                 "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -48,6 +49,9 @@ class RequestContext:
         # it is served by one instance (None: disaggregated). Only set with ``api``.
         self.api: GenerationApi | None = None
         self.whole: str | None
+        # Per role, the model its instances must serve (instances/models.py); None: any
+        # instance serves it (one set of models in the cluster, the common case).
+        self.models: dict[str, ModelKey] | None = None
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
@@ -55,6 +59,11 @@ class RequestContext:
         if extra:
             headers += extra
         return headers
+
+    def model_for(self, role: str) -> ModelKey | None:
+        """What ``role``'s candidates must serve for this request (None: any instance)."""
+        models = self.models
+        return None if models is None else models.get(role)
 
     def failed(self, inst: Instance) -> None:
         self.excluded.add(inst)

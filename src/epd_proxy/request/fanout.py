@@ -173,7 +173,7 @@ class EncoderFanout(UpstreamStage):
         """Sub-requests for the items that fit now; [] when no encoder has room; None when
         no encoder is left that has not failed this run (or the role has none)."""
         try:
-            live = self.pool.candidates(ctx.excluded)
+            live = self.pool.candidates(ctx.excluded, ctx.model_for("encode"))
         except ProxyError:
             if not self.fallback_local:
                 raise

@@ -21,6 +21,7 @@ from epd_proxy.encode.multimodal import MediaItem, own_media
 from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.models import paired_key
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import TOPOLOGY_ROLES
 from epd_proxy.observe.access_log import AccessLog
@@ -62,6 +63,7 @@ class Pipeline:
         self.encode = pools["encode"] if "encode" in pools else InstancePool("encode", ())
         self.prefill = pools["prefill"] if "prefill" in pools else InstancePool("prefill", ())
         self.decode = pools["decode"]
+        self.models = self.decode.models  # the cluster's models (every pool tells the same directory)
         # A stage is needed (its empty pool answers 503) when the topology is pinned to
         # it or the flags gave it instances; otherwise it runs while it has instances.
         needed = set(TOPOLOGY_ROLES.get(config.topology, ()))
@@ -153,6 +155,12 @@ class Pipeline:
                 rec.hide_usage = True
         body, items = self._media(body) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        model = body.get("model")
+        models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
+        if models is not None:
+            ctx.models = models
+            if model is None:  # the cluster's only model, named for the instances that serve others too
+                body["model"] = models["decode"]
         if api is not None:
             self._api_request(ctx, api, body)
         if self._keyed:
@@ -329,11 +337,17 @@ class Pipeline:
         ctx.prefill_report = None
         if ctx.api is not None and ctx.whole is not None:
             return await self._whole(ctx, body)
-        d = self.decode.choose(ctx.excluded, ctx.view)
-        p = self.prefill.choose(ctx.excluded, ctx.view) if self.prefill or self._need_prefill else None
-        if ctx.timed_out:  # every instance left has failed this request: never one that timed out on it
+        models = ctx.models  # None (the common case): every instance serves the request's model
+        d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
+        # Every instance left has failed this request: never one that timed out on it.
+        if ctx.timed_out:
             d = _not_timed_out(self.decode, d, ctx)
-            p = _not_timed_out(self.prefill, p, ctx) if p is not None else None
+        if models is not None:  # an adapter's KV is valid only on its base: prefill's must match
+            models["prefill"] = paired_key(models["decode"], d.served)
+        p = self.prefill.choose(ctx.excluded, ctx.view, None if models is None else models["prefill"]) \
+            if self.prefill or self._need_prefill else None
+        if ctx.timed_out and p is not None:
+            p = _not_timed_out(self.prefill, p, ctx)
         dp_headers, consumer_zmq = self._ec_consumer(d)
         caps = self.role_caps
         if items and (self.encode or self._need_encode):
@@ -383,7 +397,7 @@ class Pipeline:
         if isinstance(prev, str):
             d = await self.stored.locate(ctx, prev)
         if d is None or d in ctx.timed_out:
-            d = self.decode.choose(ctx.excluded, ctx.view)
+            d = self.decode.choose(ctx.excluded, ctx.view, ctx.model_for("decode"))
             if ctx.timed_out:
                 d = _not_timed_out(self.decode, d, ctx)
         t = time.perf_counter()
@@ -404,7 +418,7 @@ class Pipeline:
         sake (an HTTP 500, an in-band error), not by refusing it or timing out. Otherwise the
         failure is the answer, and no prefill's KV is left held for a decode that will not
         read it."""
-        if not self.prefill or self.decode.spare(ctx.excluded):
+        if not self.prefill or self.decode.spare(ctx.excluded, ctx.model_for("decode")):
             return True
         return not err.unsent and any(i.healthy and i in ctx.excluded and i not in ctx.timed_out
                                       for i in self.decode.instances)
@@ -471,7 +485,7 @@ def _not_timed_out(pool: InstancePool, inst: Instance, ctx: RequestContext) -> I
     """``inst``, or another instance of its role if it timed out on this request; a 504 when
     every one left did."""
     if inst in ctx.timed_out:
-        inst = pool.choose(ctx.timed_out, ctx.view)
+        inst = pool.choose(ctx.timed_out, ctx.view, ctx.model_for(pool.role))
         if inst in ctx.timed_out:
             raise ProxyError(504, f"no {pool.role} instance answered this request in time")
     return inst

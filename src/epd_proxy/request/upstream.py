@@ -99,10 +99,11 @@ def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, sta
         # role to try, the timeout is the answer, at the stage timeout.
         pool.record_failure(inst, f"{doing}: {exc}", TIMEOUT, ctx)
         ctx.timed_out_on(inst)
-        return ProxyError(504, f"{stage} instance timed out: {exc}", retryable=pool.spare(ctx.excluded))
+        return ProxyError(504, f"{stage} instance timed out: {exc}",
+                          retryable=pool.spare(ctx.excluded, ctx.model_for(pool.role)))
     pool.record_failure(inst, f"{doing}: {exc}", kind, ctx)
     if kind == "connect":
-        if not pool.reachable(ctx.excluded):
+        if not pool.reachable(ctx.excluded, ctx.model_for(pool.role)):
             # Nothing in rotation that has not already refused this request: the role is
             # unreachable now (a retry may still find another instance answering).
             err = ProxyError(503, f"no {stage} instance available: none accepts connections", retryable=True)

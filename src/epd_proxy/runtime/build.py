@@ -25,6 +25,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
 from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
+from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.collectors import pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.load_scraper import LoadScraper
@@ -95,12 +96,15 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
 def build_pools(config: ProxyConfig) -> dict[str, InstancePool]:
     """Every role's pool, possibly empty: instances may register at run time."""
     pools = {}
+    models = ModelDirectory()  # one catalog over every pool's instances
+    headers = upstream_headers(config)  # a /v1/models read's
     for role in ROLES:
         specs = _with_ec_consumers(config) if role == "decode" else getattr(config, role)
         policy = make_policy(config.policy_for(role), balance_abs=config.balance_abs, balance_rel=config.balance_rel)
         pools[role] = InstancePool(role, specs, policy=policy, keep_alive=config.upstream_keep_alive,
                                    outlier=OutlierSettings.from_config(config),
-                                   max_connections=config.max_upstream_connections)
+                                   max_connections=config.max_upstream_connections, models=models,
+                                   headers=headers)
     return pools
 
 

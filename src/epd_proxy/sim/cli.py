@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="served model name (default sim-model)")
     g.add_argument("--enable-scale-out", action="store_true",
                    help="serve /inference/v1/generate, as vllm serve --enable-scale-out (else 403)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", dest="served_model_name",
+                   help="every name the instances serve, as vLLM's flag (the first replaces --model)")
     lat = parser.add_argument_group("latency model")
     lat.add_argument("--ttft-ms", type=float, default=None, help="base time to first token")
     lat.add_argument("--ttft-per-token-ms", type=float, default=None, help="extra TTFT per prompt token")
@@ -81,6 +83,8 @@ def config_from_args(args: argparse.Namespace, base: SimConfig | None = None) ->
         changes["strict_roles"] = False
     if getattr(args, "enable_scale_out", False):
         changes["enable_scale_out"] = True
+    if getattr(args, "served_model_name", None):
+        changes["models"] = tuple(args.served_model_name)
     if changes:
         cfg = dataclasses.replace(cfg, **changes)
     return cfg

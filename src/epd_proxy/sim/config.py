@@ -19,6 +19,9 @@ class SimConfig:
 
     # --- identity and API ---------------------------------------------------------
     model: str = "sim-model"
+    # Every name it serves (vLLM's --served-model-name a b; ``models=a|b`` in a spec), the
+    # first being ``model``; () = just ``model``. Each is a card of /v1/models.
+    models: tuple[str, ...] = ()
     max_model_len: int = 32768
     check_model: bool = True  # unknown "model" -> 404, as vLLM
     # The "system_fingerprint" of responses: "auto" = vLLM's default form "vllm-0.32.0-<8 hex>",
@@ -121,6 +124,14 @@ class SimConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, not {self.block_size}")
         self.fault_kinds = tuple(self.fault_kinds)
+        self.models = tuple(self.models)
+        if self.models:
+            self.model = self.models[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The model names this instance answers to."""
+        return self.models or (self.model,)
 
     def for_role(self, role: str) -> "SimConfig":
         """This config with the overrides of ``role`` applied."""
@@ -148,7 +159,7 @@ class SimConfig:
             elif t.startswith("float"):
                 changes[key] = float(raw)
             elif t.startswith("tuple"):
-                changes[key] = tuple(x for x in raw.split(";") if x)
+                changes[key] = tuple(x for x in raw.split("|" if key == "models" else ";") if x)
             else:
                 changes[key] = raw
         return dataclasses.replace(self, **changes)

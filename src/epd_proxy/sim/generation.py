@@ -210,7 +210,8 @@ class GenerationHandler:
             return inst.send_error(writer, rec, exc, g.headers, None if g.api is None else g.api.error_body(exc))
         g.body = body
         self._name(g, base, counter)
-        g.model = self.config.model  # vLLM answers with its served model name, whatever the request said
+        # vLLM answers with the served name the request gave, else its first (whatever the request said).
+        g.model = name if (name := body.get("model")) in self.config.served_names else self.config.model
         g.prompt = prompt
         g.n_choices = checked.n
         detached = g.api is not None and g.api.detach(g, writer)
@@ -302,8 +303,8 @@ class GenerationHandler:
         checked = check_request(body, chat)
         body = checked.body
         model = body.get("model")
-        if cfg.check_model and model and model != cfg.model:
-            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
+        if cfg.check_model and model and model not in cfg.served_names:
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(cfg.served_names)}.",
                            "NotFoundError", "model")
         try:
             prompt = analyze(body, chat)

@@ -34,17 +34,18 @@ def state(inst: SimHost) -> dict:
 
 
 def models_body(inst: SimHost) -> bytes:
-    """``GET /v1/models``, vLLM's shape with ``max_model_len``."""
-    m = inst.config.model
+    """``GET /v1/models``, vLLM's shape with ``max_model_len``: a card per served name, each
+    with the first name's ``root`` (one set of weights behind every alias)."""
+    root = inst.config.model
     created = inst.created
     return _encode({"object": "list", "data": [{
-        "id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
+        "id": m, "object": "model", "created": created, "owned_by": "vllm", "root": root,
         "parent": None, "max_model_len": inst.config.max_model_len,
         "permission": [{"id": f"modelperm-{inst.name}", "object": "model_permission",
                         "created": created, "allow_create_engine": False, "allow_sampling": True,
                         "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                         "allow_fine_tuning": False, "organization": "*", "group": None,
-                        "is_blocking": False}]}]})
+                        "is_blocking": False}]} for m in inst.config.served_names]})
 
 
 def metrics_text(inst: SimHost) -> str:

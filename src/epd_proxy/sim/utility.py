@@ -60,7 +60,7 @@ def _decode(raw: bytes) -> dict | tuple[int, bytes]:
 
 def _model_error(body: dict, config: SimConfig) -> tuple[int, bytes] | None:
     model = body.get("model")
-    if config.check_model and model is not None and model != config.model:
+    if config.check_model and model is not None and model not in config.served_names:
         return 404, api_error_body(ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model"))
     return None
 

@@ -1,0 +1,172 @@
+"""Pure: what an instance serves and which instances a request's model may go to.
+
+An instance's models come from its own ``GET /v1/models`` (served names, and LoRA
+adapters with ``parent``), optionally restricted by its ``models`` attribute; until it
+has answered, it counts as serving anything (``None``), so a cluster that has just
+started is not refused. The cluster's :class:`Catalog` is rebuilt when an instance's
+models or the roster change, never per request: a request asks it once which filter
+key its legs use (``route``), and with one set of models everywhere (the common case)
+the answer is "none" and the pools route as if models did not exist.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Union
+
+import msgspec
+
+from epd_proxy.wire.errors import ProxyError
+
+# What a leg's candidates must serve: a model id, or (adapter id, its base) when the
+# other leg's instance showed which base the adapter sits on (KV computed with an
+# adapter is valid only with that adapter on that base).
+ModelKey = Union[str, tuple[str, str]]
+
+_MISSING = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What one instance serves: each id with its parent (None for a base model), and the
+    model cards as it reported them (for the cluster's /v1/models)."""
+
+    parents: dict[str, str | None]
+    cards: tuple[dict, ...] = ()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.parents)
+
+
+def pinned(names: Iterable[str]) -> Served:
+    """An instance's ``models`` attribute before it has answered /v1/models."""
+    return Served({n: None for n in names}, tuple(_card(n) for n in names))
+
+
+def parse_models(body: bytes, only: tuple[str, ...] = ()) -> Served:
+    """A ``/v1/models`` answer (vLLM's ``ModelList``); with ``only`` (the ``models``
+    attribute), just those ids and the adapters whose parent is one of them. ValueError
+    when the body is not a model list."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    cards = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(cards, list):
+        raise ValueError("no 'data' list")
+    parents: dict[str, str | None] = {}
+    kept = []
+    for card in cards:
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str) or card["id"] in parents:
+            continue
+        parent = card.get("parent") if isinstance(card.get("parent"), str) else None
+        if only and card["id"] not in only and parent not in only:
+            continue
+        parents[card["id"]] = parent
+        kept.append(card)
+    return Served(parents, tuple(kept))
+
+
+def serves(served: Served | None, key: ModelKey) -> bool:
+    """Whether an instance may take a leg for ``key`` (unknown models: it may)."""
+    if served is None:
+        return True
+    if isinstance(key, str):
+        return key in served.parents
+    name, parent = key
+    return served.parents.get(name, _MISSING) == parent
+
+
+def paired_key(key: ModelKey, served: Served | None) -> ModelKey:
+    """The key of the other leg once one instance is chosen: an adapter must sit on the same
+    base there (a base model, or an instance whose models are unknown, adds nothing)."""
+    if served is None or not isinstance(key, str):
+        return key
+    parent = served.parents.get(key)
+    return key if parent is None else (key, parent)
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    """The models of the live instances, as one request needs them."""
+
+    parents: dict[str, str | None] = field(default_factory=dict)  # every id known, first parent seen
+    cards: tuple[dict, ...] = ()  # the union, each id once
+    open: bool = True  # an instance whose models are not known yet (or no instance at all)
+    uniform: bool = True  # every known instance serves the same ids on the same bases
+
+    @property
+    def bases(self) -> list[str]:
+        return [n for n, p in self.parents.items() if p is None]
+
+    def route(self, model: object) -> dict[str, ModelKey] | None:
+        """The key each role's candidates must serve for a request naming ``model`` (the
+        body's, None when it has none); None when every candidate serves it anyway.
+        404 for a model no instance serves, 400 without a model when there is a choice."""
+        if type(model) is str:
+            if model in self.parents:
+                return None if self.uniform else self._keys(model)
+            if self.open:  # the instances not known yet may serve it (when nothing is known: all of them)
+                return self._keys(model) if self.parents else None
+            raise ProxyError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
+                             code="model_not_found")
+        if model is not None:
+            return None  # not a string: the instance's validation answers it
+        bases = self.bases
+        if len(bases) == 1 or (not bases and self.open):
+            return None if self.uniform or not bases else self._keys(bases[0])
+        raise ProxyError(400, f"the request names no model and this cluster serves several: "
+                              f"{', '.join(bases)}; give one in 'model'", param="model")
+
+    def _keys(self, model: str) -> dict[str, ModelKey]:
+        """Per role: decode and prefill serve the id itself; an encoder, its base."""
+        parent = self.parents.get(model)
+        return {"decode": model, "prefill": model, "encode": parent or model}
+
+    def card(self, model: str) -> dict | None:
+        for card in self.cards:
+            if card.get("id") == model:
+                return card
+        return None
+
+
+NOTHING_KNOWN = Catalog()
+
+
+def catalog_of(served: Iterable[Served | None]) -> Catalog:
+    """The catalog over the live instances' models (None: not known yet)."""
+    parents: dict[str, str | None] = {}
+    cards: list[dict] = []
+    open_ = False
+    first: dict[str, str | None] | None = None
+    uniform = True
+    count = 0
+    for s in served:
+        count += 1
+        if s is None:
+            open_ = True
+            continue
+        if first is None:
+            first = s.parents
+        elif s.parents != first:
+            uniform = False
+        for card in s.cards:
+            if card["id"] not in parents:
+                parents[card["id"]] = s.parents[card["id"]]
+                cards.append(card)
+        for name, parent in s.parents.items():  # pinned names without a card
+            parents.setdefault(name, parent)
+    return Catalog(parents, tuple(cards), open_ or count == 0, uniform)
+
+
+def models_list(cards: Iterable[dict]) -> bytes:
+    """The ``/v1/models`` answer over ``cards``, in vLLM's shape."""
+    return msgspec.json.encode({"object": "list", "data": list(cards)})
+
+
+def _card(name: str) -> dict:
+    """A model card for a pinned name its instance has not described yet."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": name,
+            "parent": None, "max_model_len": None, "permission": []}
