@@ -406,6 +406,8 @@ class GenerationHandler:
             if cache is not None and cache.lookup(mm_hash, tokens):
                 continue
             ms += cfg.encode_ms_per_item + cfg.encode_ms_per_mm_token * tokens
+            self.inst.stats.encoded_tokens += tokens
+        self.inst.stats.encode_ms += ms
         return ms
 
     def _name(self, g: GenerationRequest, base: str, counter: int) -> None:

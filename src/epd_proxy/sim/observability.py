@@ -118,6 +118,10 @@ def metrics_text(inst: SimHost) -> str:
         ("sim:ec_hits_total", "Media items found in the encoder cache.", st.ec_hits),
         ("sim:ec_failures_total", "Requests failed for a missing or mismatched embedding.", st.ec_failures),
         ("sim:encoded_items_total", "Media items encoded (encoder).", st.encoded_items),
+        ("sim:encode_ms_total", "Encoder time spent on items missing from its cache (ms, whole).",
+         int(st.encode_ms)),
+        ("sim:encoded_tokens_total", "Placeholder tokens of the items encoded (not found in the cache).",
+         st.encoded_tokens),
         ("sim:encoder_cache_queries_total", "Distinct media items an encoder looked up in its own cache.",
          ec.queries if ec else 0),
         ("sim:encoder_cache_hits_total", "Distinct media items an encoder found in its own cache (not "

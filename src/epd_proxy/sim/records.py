@@ -56,7 +56,7 @@ class Stats:
                  "kv_pull_failures", "kv_pushes", "kv_push_failures", "kv_blocks_expired",
                  "kv_requests_expired", "kv_blocks_served", "external_cached_tokens", "aborted",
                  "faults", "errors", "external_queried_tokens", "local_prompt_tokens", "kv_transfers",
-                 "kv_bytes_transferred", "kv_bytes_buckets")
+                 "kv_bytes_transferred", "kv_bytes_buckets", "encode_ms", "encoded_tokens")
 
     # vLLM's buckets for vllm:nixl_bytes_transferred (2 KiB to 8 GiB).
     KV_BYTES_BUCKETS: tuple[int, ...] = tuple(2 ** (10 + i) for i in range(1, 25, 2))
@@ -71,6 +71,8 @@ class Stats:
         self.local_encodes = 0  # raw media items a consumer encoded itself
         self.ec_hits = 0  # media items found in the EC store
         self.encoded_items = 0  # items an encoder encoded
+        self.encode_ms = 0.0  # encoder: time spent encoding items missing from its cache
+        self.encoded_tokens = 0  # encoder: placeholder tokens of those items
         self.ec_failures = 0  # *_embeds references that could not be satisfied
         self.kv_pulls = 0  # decode: successful KV loads (pull or push)
         self.kv_pull_failures = 0  # decode: failed KV loads
