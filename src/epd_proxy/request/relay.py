@@ -68,15 +68,22 @@ class StreamRelay(FlowListener):
 
     def _write_whole(self, data: bytes) -> None:
         """The whole events of ``data`` out; a partial last event kept for the next read."""
+        events = self._whole_events(data)
+        if events:
+            self.writer.write(events)
+
+    def _whole_events(self, data: bytes) -> bytes:
+        """The whole events of ``data``, its partial last event kept as the tail for the next
+        read (b"" when there is none whole; an oversized partial event goes out as it is)."""
         cut = data.rfind(b"\n\n")
         if cut < 0:
             if len(data) > _MAX_HELD:
                 self.writer.write(data)
             else:
                 self._tail = data
-            return
-        self.writer.write(data[: cut + 2])
+            return b""
         self._tail = data[cut + 2:]
+        return data[: cut + 2]
 
     def on_end(self) -> None:
         self.ended = True
@@ -165,14 +172,9 @@ class UsageRelay(StreamRelay):
                 return
             self.ending = True
         # From the first finish on (the stream's last few reads): whole events, looked at.
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            if len(data) > _MAX_HELD:
-                self.writer.write(data)
-            else:
-                self._tail = data
+        events = self._whole_events(data)
+        if not events:
             return
-        events, self._tail = data[: cut + 2], data[cut + 2:]
         report = self.ctx.prefill_report
         if report is not None and events.find(b'"usage"') >= 0:
             events = rewrite_final_usage_events(events, report)
