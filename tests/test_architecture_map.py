@@ -52,3 +52,10 @@ def test_every_subpackage_module_is_named():
             else:
                 named |= {n for n in _names(rest) if n.endswith(".py")}
         assert named - SPECIAL == modules, sub
+
+
+def test_test_files_have_unique_names():
+    """The test folders have no ``__init__.py``: two test files of one name cannot both be
+    collected, so a folder mirroring the package must not repeat another's file name."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
