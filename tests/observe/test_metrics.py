@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_proxy.instances.collectors import pool_collector
+from epd_proxy.instances.models import Served
 from epd_proxy.observe.metrics import _STAGE_BUCKETS, Buckets, ProxyMetrics, render
 from epd_proxy.sim import SimConfig
 
@@ -53,7 +54,8 @@ def test_exposition_has_every_family():
     # What the collector reads from a pool, at scrape time.
     inst = SimpleNamespace(url="http://127.0.0.1:9", healthy=True, inflight=2, requests=9,
                            health=SimpleNamespace(ejections=4, errors={"connect": 3, "http_503": 2}),
-                           signals=SimpleNamespace(others=3.0))
+                           signals=SimpleNamespace(others=3.0),
+                           served=Served({"base": None, "alias": None, "sql": "base", "chat": "base"}))
     pool = SimpleNamespace(instances=[inst], panics=6, local_errors=7, policy=SimpleNamespace(spills=8))
     m = ProxyMetrics()
     m.register(pool_collector({"decode": pool}, worker=0))
@@ -88,6 +90,10 @@ def test_exposition_has_every_family():
     assert s[("epd_proxy_routing_spills_total", (("role", "decode"),))] == 8
     assert s[("epd_proxy_instance_other_requests", inst + (("worker", "0"),))] == 3
     assert s[("epd_proxy_local_errors_total", (("role", "decode"),))] == 7
+    assert s[("epd_proxy_instance_model_info", (("model", "alias"),) + inst)] == 1
+    assert s[("epd_proxy_instance_model_info", (("model", "base"),) + inst)] == 1
+    assert s[("epd_proxy_instance_adapters", inst)] == 2
+    assert not any(name == "epd_proxy_instance_model_info" and ("model", "sql") in labels for name, labels in s)
 
 
 # -- a live scrape, checked by Prometheus' own linter ------------------------------------------------
@@ -150,24 +156,57 @@ async def test_a_retry_is_counted_against_the_instance_that_failed_the_attempt()
 
 def test_token_counters_by_model_with_bounded_labels():
     m = ProxyMetrics(max_models=2)
-    m.observe_tokens("a", (10, 3, 4))
-    m.observe_tokens("a", (5, 2, None))
-    m.observe_tokens(None, (1, 1, None))  # no model in the body
-    m.observe_tokens("b", (7, 7, 0))  # past the two labels: "other"
-    m.observe_tokens("c", (1, 2, None))
+    m.observe_tokens(m.model("a"), (10, 3, 4))
+    m.observe_tokens(m.model("a"), (5, 2, None))
+    m.observe_tokens(m.model(None), (1, 1, None))  # no model in the body
+    m.observe_tokens(m.model("b"), (7, 7, 0))
+    m.observe_tokens(m.model("c"), (1, 2, None))  # past the two labels: "other"
+    m.observe_tokens(m.model("d"), (8, 0, None))
     s = samples(render([m.snapshot(), m.snapshot()]))  # two workers' numbers add up
     model = lambda name: (("model", name),)  # noqa: E731
     assert s[("epd_proxy_prompt_tokens_total", model("a"))] == 30
     assert s[("epd_proxy_completion_tokens_total", model("a"))] == 10
     assert s[("epd_proxy_cached_tokens_total", model("a"))] == 8
     assert s[("epd_proxy_prompt_tokens_total", model("-"))] == 2
-    assert s[("epd_proxy_prompt_tokens_total", model("other"))] == 16
-    assert not any(labels == model("b") or labels == model("c") for _, labels in s)
+    assert s[("epd_proxy_prompt_tokens_total", model("b"))] == 14
+    assert s[("epd_proxy_prompt_tokens_total", model("other"))] == 18
+    assert not any(labels == model("c") or labels == model("d") for _, labels in s)
     hist = (("kind", "prompt"), ("model", "a"))
     assert s[("epd_proxy_request_tokens_count", hist)] == 4
     assert s[("epd_proxy_request_tokens_sum", hist)] == 30
     assert s[("epd_proxy_request_tokens_bucket", (("kind", "prompt"), ("le", "8.0"), ("model", "a")))] == 2
     assert s[("epd_proxy_request_tokens_bucket", (("kind", "prompt"), ("le", "32.0"), ("model", "a")))] == 4
+
+
+def test_model_labels_stay_bounded_whatever_is_named():
+    m = ProxyMetrics(max_models=3)
+    for i in range(10_000):
+        series = m.model(f"adapter-{i}")
+        m.observe_request("/v1/chat/completions", 200, 0.01, bool(i % 2), series)
+    assert len(m.models) == 3 and m.model("adapter-9999").label == "other"
+    assert m.model(7) is m.no_model and m.model(None) is m.no_model  # not a name: no label of its own
+    s = samples(m.render())
+    labels = {dict(labels)["model"] for name, labels in s if name.startswith("epd_proxy_model_")}
+    assert labels == {"adapter-0", "adapter-1", "adapter-2", "other"}
+    assert s[("epd_proxy_model_requests_total", (("model", "other"), ("status", "200")))] == 9997
+    assert s[("epd_proxy_model_request_duration_seconds_count", (("model", "adapter-1"), ("stream", "true")))] == 1
+
+
+def test_per_model_latency_families():
+    m = ProxyMetrics()
+    a = m.model("a")
+    m.observe_commit("/v1/chat/completions", 0.2, 0.15, True, a)
+    m.observe_gap(0.004, a)
+    m.observe_commit("/v1/chat/completions", 0.3, 0.25, False, a)  # not a stream: no TTFT
+    m.observe_request("/v1/chat/completions", 200, 0.5, True, a)
+    m.observe_request("/v1/chat/completions", 503, 0.001, False, m.no_model)
+    s = samples(m.render())
+    assert s[("epd_proxy_model_time_to_first_token_seconds_count", (("model", "a"),))] == 1
+    assert s[("epd_proxy_model_time_to_first_token_seconds_sum", (("model", "a"),))] == 0.2
+    assert s[("epd_proxy_model_inter_token_seconds_count", (("model", "a"),))] == 1
+    assert s[("epd_proxy_inter_token_seconds_count", ())] == 1  # the all-model family too
+    assert s[("epd_proxy_model_requests_total", (("model", "-"), ("status", "503")))] == 1
+    assert ("epd_proxy_model_time_to_first_token_seconds_count", (("model", "-"),)) not in s
 
 
 async def test_a_live_scrape_counts_every_requests_tokens_by_model():

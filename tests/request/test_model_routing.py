@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 
 import msgspec
 from helpers import Client, chat_body, wait_for
 
 from epd_proxy import ProxyConfig, start_proxy
+from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 
@@ -33,6 +35,7 @@ async def proxy_over(*clusters: SimCluster, pins: dict[str, tuple[str, ...]] | N
 
     kwargs.setdefault("probe_interval", 0.1)
     config = ProxyConfig(scrape_interval=0, **kwargs).replace(
+        encode=pinned([s for c in configs for s in c.encode]),
         prefill=pinned([s for c in configs for s in c.prefill]), decode=pinned([s for c in configs for s in c.decode]),
         kv_connector=clusters[0].config.kv_connector if clusters else "nixl")
     async with await start_proxy(config) as proxy:
@@ -189,3 +192,136 @@ async def test_an_adapters_prefill_and_decode_sit_on_the_same_base():
             assert (await client.chat(chat_body(model="sql"))).status == 200
             grew = (count(a) - before[0], count(b) - before[1])
             assert grew in ((2, 0), (0, 2)), grew  # both legs in one cluster, never one leg each
+
+
+# -- the routed endpoints (request/forward.py) go where their model is --------------------------
+
+def routed(cluster: SimCluster, path: str) -> list:
+    return [r for r in cluster.records() if r.path == path]
+
+
+async def test_routed_endpoints_go_to_an_instance_serving_their_model():
+    a, b = await two_clusters(1, 1, 0)
+    async with a, b, proxy_over(a, b, admin_api_key="K") as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        for _ in range(4):
+            r = await client.post("/tokenize", {"model": "b", "prompt": "three words here"})
+            assert r.status == 200 and r.json()["count"] == 3
+            r = await client.post("/v1/embeddings", {"model": "a", "input": "x"})
+            assert r.status == 200 and r.json()["model"] == "a"
+        # Tokenizer work on either of b's pools (least loaded, ties rotating), none on a's.
+        assert len(routed(b, "/tokenize")) == 4 and not routed(a, "/tokenize")
+        assert {r.instance for r in routed(b, "/tokenize")} == {"prefill-0", "decode-0"}
+        # Model work on the decode pool of a.
+        assert {r.instance for r in routed(a, "/v1/embeddings")} == {"decode-0"} and not routed(b, "/v1/embeddings")
+        before = len(a.records()) + len(b.records())
+        r = await client.post("/detokenize", {"model": "zz", "tokens": [1]})
+        assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = await client.post("/v1/embeddings", {"input": "x"})  # no model, two to choose from
+        assert r.status == 400 and "a, b" in r.json()["error"]["message"]
+        assert len(a.records()) + len(b.records()) == before  # the proxy answered both itself
+        # No decode serves b any more: its model work falls back to b's prefill, never to a's decode.
+        assert (await client.post("/instances/drain", {"url": b.urls("decode")[0]}, KEY)).status == 200
+        r = await client.post("/v1/embeddings", {"model": "b", "input": "x"})
+        assert r.status == 200 and routed(b, "/v1/embeddings")[-1].instance == "prefill-0"
+        assert (await client.request("GET", "/version")).status == 200  # no model: any instance
+
+
+async def test_a_model_no_pool_of_the_endpoint_serves_is_503_with_retry_after():
+    """Vision model ``v`` is served by an encoder only: no decode or prefill can tokenize for it."""
+    a = SimCluster(prefill=1, decode=1, config=sim("a"))
+    v = SimCluster(encode=1, config=sim("v"))
+    async with a, v, proxy_over(a, v) as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        r = await client.post("/tokenize", {"model": "v", "prompt": "x"})
+        assert r.status == 503 and r.headers[b"retry-after"] == b"5"
+        assert "model `v`" in r.json()["error"]["message"] and b"127.0.0.1" not in r.body
+        assert not routed(a, "/tokenize") and not routed(v, "/tokenize")
+        assert (await client.post("/tokenize", {"model": "a", "prompt": "x"})).status == 200
+
+
+async def test_routed_requests_spread_over_the_instances_of_their_model():
+    a = SimCluster(pd=3, config=sim("a"))
+    b = SimCluster(pd=1, config=sim("b"))
+    async with a, b, proxy_over(a, b) as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        for _ in range(6):
+            assert (await client.post("/v1/embeddings", {"model": "a", "input": "x"})).status == 200
+        per = [len(routed(a, "/v1/embeddings")) for _ in (0,)]
+        assert per == [6] and not routed(b, "/v1/embeddings")
+        assert sorted(sum(1 for r in routed(a, "/v1/embeddings") if r.instance == i.name)
+                      for i in a.instances("pd")) == [2, 2, 2]
+
+
+async def test_an_audio_forms_model_field_routes_it():
+    boundary = b"----form"
+    audio = bytes(range(256)) * 2000  # 512 KB: found in place, relayed from the same buffer
+    body = (b"--" + boundary + b'\r\ncontent-disposition: form-data; name="file"; filename="a.wav"\r\n'
+            b"content-type: audio/wav\r\n\r\n" + audio + b"\r\n--" + boundary +
+            b'\r\ncontent-disposition: form-data; name="model"\r\n\r\nb\r\n--' + boundary + b"--\r\n")
+    headers = [(b"content-type", b"multipart/form-data; boundary=" + boundary)]
+    a, b = await two_clusters(0, 0, 1)
+    async with a, b, proxy_over(a, b) as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        for _ in range(3):
+            r = await client.request("POST", "/v1/audio/transcriptions", body, headers)
+            assert r.status == 404 and r.body == b'{"detail":"Not Found"}'  # the simulator has no audio model
+        got = routed(b, "/v1/audio/transcriptions")
+        assert len(got) == 3 and got[-1].body == body and not routed(a, "/v1/audio/transcriptions")
+        other = body.replace(b"\r\n\r\nb\r\n", b"\r\n\r\nzz\r\n")
+        r = await client.request("POST", "/v1/audio/transcriptions", other, headers)
+        assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+# -- the operator's view: /status per model, metrics per model, Server-Timing, the access log ----
+
+async def test_status_says_per_model_which_roles_can_serve_it_and_why_not():
+    a, b = await two_clusters(1, 1, 0)
+    async with a, b, proxy_over(a, b, admin_api_key="K") as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        models = (await client.request("GET", "/status", headers=KEY)).json()["models"]
+        assert set(models) == {"a", "b"}
+        assert models["a"] == {"parent": None, "ready": True, "media": None, "why": None,
+                               "roles": {"prefill": {"in_rotation": 1, "out": 0},
+                                         "decode": {"in_rotation": 1, "out": 0}}}
+        await client.post("/instances/drain", {"url": b.urls("prefill")[0]}, KEY)
+        await b.instances("decode")[0].crash()
+        await wait_for(lambda: not proxy.app.pools["decode"].find(b.urls("decode")[0]).healthy)
+        models = (await client.request("GET", "/status", headers=KEY)).json()["models"]
+        assert models["a"]["ready"] and not models["b"]["ready"]
+        assert models["b"]["roles"] == {"decode": {"in_rotation": 0, "out": 1}}
+        assert models["b"]["why"] == ("no prefill instance serves it; "
+                                      "no decode instance serving it is in rotation (1 out)")
+
+
+async def test_metrics_server_timing_and_access_log_name_the_model():
+    out = io.StringIO()
+    a, b = await two_clusters(1, 1, 0)
+    async with a, b, proxy_over(a, b, metrics_max_models=1) as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        proxy.app.pipeline.access_log = AccessLog("json", stream=out)
+        r = await client.chat(chat_body(model="a", stream=True))
+        assert r.status == 200
+        assert r.headers[b"server-timing"].endswith(b', model;desc="a"')
+        r = await client.chat(chat_body(model="b"))
+        assert r.status == 200 and b'model;desc="b"' in r.headers[b"server-timing"]
+        assert (await client.chat(chat_body(model="zz"))).status == 404
+        assert (await client.post("/tokenize", {"model": "a", "prompt": "x"})).status == 200
+        text = (await client.request("GET", "/metrics")).body.decode()
+    lines = [msgspec.json.decode(line) for line in out.getvalue().splitlines()]
+    assert [(x["path"], x["model"]) for x in lines if x["path"] != "/metrics"] == [
+        ("/v1/chat/completions", "a"), ("/v1/chat/completions", "b"), ("/v1/chat/completions", "zz"),
+        ("/tokenize", "a")]
+    chat = "/v1/chat/completions"
+    assert 'epd_proxy_model_requests_total{model="a",status="200"} 2.0' in text  # the stream and /tokenize
+    assert 'epd_proxy_model_requests_total{model="other",status="200"} 1.0' in text  # past the one label
+    assert 'epd_proxy_model_requests_total{model="-",status="404"} 1.0' in text  # refused: no label
+    assert 'epd_proxy_model_time_to_first_token_seconds_count{model="a"} 1.0' in text
+    assert 'epd_proxy_model_inter_token_seconds_count{model="a"} 1.0' in text
+    assert 'epd_proxy_model_request_duration_seconds_count{model="other",stream="false"} 1.0' in text
+    assert f'epd_proxy_requests_total{{endpoint="{chat}",status="200"}} 2.0' in text
+    assert 'model="zz"' not in text
+    for cluster, model in ((a, "a"), (b, "b")):
+        url = cluster.urls("decode")[0]
+        assert f'epd_proxy_instance_model_info{{model="{model}",role="decode",url="{url}"}} 1.0' in text
+        assert f'epd_proxy_instance_adapters{{role="decode",url="{url}"}} 0.0' in text

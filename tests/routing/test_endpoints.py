@@ -2,7 +2,7 @@
 
 import pytest
 
-from epd_proxy.routing.endpoints import ROUTED, least_loaded_first, roles_for
+from epd_proxy.routing.endpoints import ROUTED, form_field, least_loaded_first, request_model, roles_for
 
 
 def test_tokenizer_endpoints_go_to_prefill_or_decode_by_load():
@@ -28,3 +28,42 @@ def test_generation_and_unknown_paths_are_not_routed_here():
     for path in ("/v1/chat/completions", "/v1/completions", "/nope"):
         with pytest.raises(KeyError):
             roles_for(path)
+
+
+# -- the request's model, read from the body ---------------------------------------------------
+
+def _form(boundary: bytes, *parts: tuple[bytes, bytes], preamble: bytes = b"") -> bytes:
+    out = preamble
+    for head, value in parts:
+        out += b"--" + boundary + b"\r\n" + head + b"\r\n\r\n" + value + b"\r\n"
+    return out + b"--" + boundary + b"--\r\n"
+
+
+def test_a_json_bodys_model_whatever_else_it_holds():
+    assert request_model(b'{"input": ["x", {"y": [1, 2]}], "model": "emb"}', b"application/json") == "emb"
+    assert request_model(b'{"model": 7}', None) == 7  # not a name: the instance's validation answers it
+    for body in (b'{"input": "x"}', b"[1, 2]", b"not json", b""):
+        assert request_model(body, b"application/json") is None
+
+
+def test_a_forms_model_field_in_any_order():
+    audio = bytes(range(256)) * 64 + b'name="model"\r\n\r\nfake'  # a file holding the field's own bytes
+    file_part = (b'Content-Disposition: form-data; name="file"; filename="a.wav"\r\nContent-Type: audio/wav', audio)
+    model_part = (b'content-disposition: form-data; name="model"', b"whisper-b")
+    for parts in ((file_part, model_part), (model_part, file_part)):
+        body = _form(b"XyZ", *parts)
+        assert request_model(body, b"multipart/form-data; boundary=XyZ") == "whisper-b"
+        assert request_model(body, b'Multipart/Form-Data; boundary="XyZ"; charset=utf-8') == "whisper-b"
+    body = _form(b"b1", file_part, preamble=b"a preamble\r\n")
+    assert request_model(body, b"multipart/form-data; boundary=b1") is None
+    with_model = _form(b"b1", file_part, model_part, preamble=b"a preamble\r\n")
+    assert request_model(with_model, b"multipart/form-data; boundary=b1") == "whisper-b"
+
+
+def test_a_broken_form_names_no_model():
+    ctype = b"multipart/form-data; boundary=q"
+    assert form_field(b'--q\r\ncontent-disposition: form-data; name="model"\r\n\r\nm', ctype, b"model") is None
+    assert form_field(b"--q--\r\n", ctype, b"model") is None
+    assert form_field(b"whatever", b"multipart/form-data", b"model") is None  # no boundary
+    assert form_field(_form(b"q", (b'content-disposition: form-data; name="model"', b"\xff")), ctype,
+                      b"model") is None

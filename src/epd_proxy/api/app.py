@@ -28,6 +28,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances import discovery
+from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
@@ -104,8 +105,9 @@ class ProxyApp:
             ("POST", "/start_profile"): self.admin.start_profile,
             ("POST", "/stop_profile"): self.admin.stop_profile,
         }
+        self._forwarded = self.forwarder.handle
         for path, endpoint in ROUTED.items():
-            self._routes[(endpoint.method, path)] = self.forwarder.handle
+            self._routes[(endpoint.method, path)] = self._forwarded
         # HEAD on every GET route: answered as GET, without the body (the writer drops it).
         for method, path in list(self._routes):
             if method == "GET":
@@ -174,6 +176,9 @@ class ProxyApp:
         if generation is not None:
             # It writes its own access-log line.
             await self.pipeline.handle(req, writer, generation or req.path, key)
+            return
+        if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
+            await self.forwarder.handle(req, writer, key)
             return
         t0 = time.perf_counter()
         stored = parse_path(req.method, req.path) if handler is None else None
@@ -313,10 +318,15 @@ class ProxyApp:
         return 200, {"status": "ready"}
 
     def _local_status(self) -> dict:
+        pools = {role: pool.snapshot() for role, pool in self.pools.items()}
         return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
-                else None, "pools": {role: pool.snapshot() for role, pool in self.pools.items()},
+                else None, "pools": pools, "models": self._model_status(pools),
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
                 "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
+
+    def _model_status(self, pools: dict[str, list[dict]]) -> dict:
+        """Per model: its roles' instances in rotation and out, ready or not and why (catalog.py)."""
+        return model_readiness(pools, self.pipeline.models.current.parents, self.membership.required_roles())
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
         if not self.admin.allowed(req, writer, READ):  # internal addresses: access.py says who sees them
@@ -324,9 +334,10 @@ class ProxyApp:
         body = self._local_status()
         if self.siblings is not None:
             peers, supervisor = await asyncio.gather(self.siblings.ask("status"), self.siblings.supervisor())
+            pools = merge_pool_status([body["pools"]] + [p["pools"] for p in peers])
             body = dict(body, workers=1 + len(peers), workers_configured=self.siblings.count,
                         supervisor=supervisor,  # per worker: pid, restarts, last exit, back-off
-                        pools=merge_pool_status([body["pools"]] + [p["pools"] for p in peers]))
+                        pools=pools, models=self._model_status(pools))
         writer.send(200, msgspec.json.encode(body))
 
     async def _metrics(self, req: Request, writer: ResponseWriter) -> None:

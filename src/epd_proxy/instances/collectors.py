@@ -36,6 +36,15 @@ def pool_collector(pools: dict[str, InstancePool], worker: int) -> Collector:
                 f["epd_proxy_instance_other_requests"].append([role, url, label, inst.signals.others])
                 if role == "prefill":
                     f["epd_proxy_kv_stranded"].append([role, url, inst.stranded])
+                served = inst.served
+                if served is not None:  # what it serves: its base models by name, its adapters counted
+                    adapters = 0
+                    for name, parent in served.parents.items():
+                        if parent is None:
+                            f["epd_proxy_instance_model_info"].append([role, url, name, 1])
+                        else:
+                            adapters += 1
+                    f["epd_proxy_instance_adapters"].append([role, url, adapters])
             f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
             f["epd_proxy_panic_routing"].append([role, pool.panics])
             f["epd_proxy_local_errors"].append([role, pool.local_errors])

@@ -101,18 +101,23 @@ class AccessLog:
                     f"model={text_field(rec.model)} key={text_field(rec.key)} {outcome}\n")
 
     def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float, peer=None,
-              headers=None) -> None:
-        """A request the pipeline did not run (/metrics, /health, a 401, a 404, a 429 at admission...)."""
+              headers=None, model: str | None = None, key: str | None = None) -> None:
+        """A request the pipeline did not run (/metrics, /health, a 401, a 404, a 429 at admission,
+        a routed endpoint: with its ``model`` and client ``key`` when it has them)."""
         client = self.client(peer, headers)
         now, stamp = self._now()
+        outcome = "ok" if status < 400 else "error"
         if self.json:
-            self._write(msgspec.json.encode({
-                "ts": round(now, 3), "level": "INFO", "logger": ACCESS_LOGGER, "request_id": rid, "method": method,
-                "path": path, "status": status, "duration_ms": round(seconds * 1000, 2), "bytes": nbytes,
-                "client": client, "outcome": "ok" if status < 400 else "error"}).decode() + "\n")
+            doc = {"ts": round(now, 3), "level": "INFO", "logger": ACCESS_LOGGER, "request_id": rid, "method": method,
+                   "path": path, "status": status, "duration_ms": round(seconds * 1000, 2), "bytes": nbytes,
+                   "client": client, "outcome": outcome}
+            if model is not None or key is not None:
+                doc["model"], doc["key"] = model, key
+            self._write(msgspec.json.encode(doc).decode() + "\n")
             return
+        named = "" if model is None and key is None else f" model={text_field(model)} key={text_field(key)}"
         self._write(f"{stamp} INFO {ACCESS_LOGGER}: {rid} {method} {path} {status} total={seconds * 1000:.1f}ms "
-                    f"bytes={nbytes} client={client} {'ok' if status < 400 else 'error'}\n")
+                    f"bytes={nbytes} client={client}{named} {outcome}\n")
 
 
 class JsonFormatter(logging.Formatter):

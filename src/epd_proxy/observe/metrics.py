@@ -126,6 +126,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                               "the prefill answered), held on the prefill until vLLM's lease on the blocks runs "
                               "out; an upper bound (a decode that failed after reading them freed them).",
                               ("role", "url")),
+    "epd_proxy_instance_model_info": ("gauge", "1 for each base model the instance serves (its /v1/models, within "
+                                      "its models attribute); none while it has not said.", ("role", "url", "model")),
+    "epd_proxy_instance_adapters": ("gauge", "LoRA adapters the instance serves (its /v1/models cards with a "
+                                    "parent).", ("role", "url")),
     "epd_proxy_panic_routing": ("counter", "Requests routed over every instance of a role because none was "
                                 "in rotation.", ("role",)),
     "epd_proxy_local_errors": ("counter", "Upstream connects that failed for lack of the proxy's own "
@@ -146,6 +150,15 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_reloads": ("counter", "Reloads (SIGHUP or a changed cluster file), by result (failed: the running "
                           "configuration was kept).", ("result",)),
     "epd_proxy_workers": ("gauge", "Worker processes whose numbers this scrape includes.", ()),
+    "epd_proxy_model_requests": ("counter", "Generation and routed requests answered, by the request's model "
+                                 "(\"-\": it named none, or one no instance serves; \"other\": past "
+                                 "--metrics-max-models) and status.", ("model", "status")),
+    "epd_proxy_model_request_duration_seconds": ("histogram", "Time from the request's arrival to the end of the "
+                                                 "response, by model.", ("model", "stream")),
+    "epd_proxy_model_time_to_first_token_seconds": ("histogram", "Streams: time from the request's arrival to the "
+                                                    "first event sent to the client, by model.", ("model",)),
+    "epd_proxy_model_inter_token_seconds": ("histogram", "Streams: the mean gap between the events relayed after "
+                                            "the first, one observation per stream, by model.", ("model",)),
     "epd_proxy_prompt_tokens": ("counter", "Prompt tokens of the answered requests, as their usage says, by the "
                                 "request's model (\"-\": none; \"other\": past --metrics-max-models).", ("model",)),
     "epd_proxy_completion_tokens": ("counter", "Completion tokens of the answered requests, by model.", ("model",)),
@@ -168,10 +181,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 # Histograms whose buckets are not _STAGE_BUCKETS.
 _BOUNDS = {"epd_proxy_request_tokens": _TOKEN_BUCKETS}
-# The roster is shared by the workers (each applies every change) and a reload reaches each
-# of them: across workers these take the largest value, not the sum.
+# The roster is shared by the workers (each applies every change), a reload reaches each of
+# them, and each reads what every instance serves: across workers these take the largest
+# value, not the sum.
 _MAX_ACROSS_WORKERS = {"epd_proxy_roster_instances", "epd_proxy_registrations", "epd_proxy_removals",
-                       "epd_proxy_reloads"}
+                       "epd_proxy_reloads", "epd_proxy_instance_model_info", "epd_proxy_instance_adapters"}
 
 # The process_* and python_* families (prometheus_client's own collectors), per process.
 _RUNTIME = CollectorRegistry(auto_describe=False)
@@ -181,6 +195,28 @@ GCCollector(registry=_RUNTIME)
 # Summed across workers except these (a start time, limits, the interpreter's description).
 _RUNTIME_MIN = {"process_start_time_seconds", "process_max_fds"}
 _RUNTIME_ANY = {"python_info"}
+
+
+NO_MODEL = "-"  # the label of a request that named no model, or one no instance serves
+OTHER_MODELS = "other"  # the label every model past --metrics-max-models shares
+
+
+class ModelSeries:
+    """One model label's numbers: what a request records through its record's ``series``
+    (resolved once per request, so recording is attribute access and arithmetic)."""
+
+    __slots__ = ("label", "requests", "whole", "stream", "ttft", "itl", "tokens", "prompt", "completion")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.requests: dict[int, int] = {}  # status -> answered
+        self.whole = Buckets()  # durations of non-streamed answers
+        self.stream = Buckets()  # ... and of streams
+        self.ttft = Buckets()
+        self.itl = Buckets()
+        self.tokens = [0, 0, 0]  # prompt, completion, cached
+        self.prompt = Buckets(_TOKEN_BUCKETS)  # tokens per answered request
+        self.completion = Buckets(_TOKEN_BUCKETS)
 
 
 class ProxyMetrics:
@@ -202,11 +238,13 @@ class ProxyMetrics:
         self.inflight = 0
         self.worker = worker  # this process's index with --workers (the instance_healthy label)
         self.queue_wait = Buckets()  # queued requests only: time until admitted or shed
-        # Tokens by model label: [prompt, completion, cached]; the first max_models models get
-        # their own label (per process), later ones share "other" (bounded cardinality).
-        self.tokens: dict[str, list[int]] = {}
-        self.token_counts: dict[tuple[str, str], Buckets] = {}  # (model label, kind) -> per request
+        # Per model label: requests, latency and tokens. The first max_models models a request
+        # named (and the cluster serves) get their own label, per process; later ones share
+        # "other": the label set, and this dict, stay bounded whatever clients send.
         self.max_models = max_models
+        self.no_model = ModelSeries(NO_MODEL)
+        self.models: dict[str, ModelSeries] = {}
+        self._other: ModelSeries | None = None
         self._collectors: list[Collector] = []
 
     def register(self, collector: Collector) -> None:
@@ -214,7 +252,23 @@ class ProxyMetrics:
         self._collectors.append(collector)
 
     # -- recording (hot path) -------------------------------------------------------------
-    def observe_request(self, endpoint: str, status: int, seconds: float, stream: bool = False) -> None:
+    def model(self, name: object) -> ModelSeries:
+        """The series of a request naming model ``name`` (a string the cluster serves; anything
+        else is ``no_model``): its own while fewer than ``max_models`` have one, else "other"."""
+        if type(name) is not str:
+            return self.no_model
+        series = self.models.get(name)
+        if series is None:
+            if len(self.models) < self.max_models:
+                series = self.models[name] = ModelSeries(name)
+            else:
+                series = self._other
+                if series is None:
+                    series = self._other = ModelSeries(OTHER_MODELS)
+        return series
+
+    def observe_request(self, endpoint: str, status: int, seconds: float, stream: bool = False,
+                        series: ModelSeries | None = None) -> None:
         key = (endpoint, status)
         self.requests[key] = self.requests.get(key, 0) + 1
         dkey = (endpoint, stream, status // 100)
@@ -222,26 +276,21 @@ class ProxyMetrics:
         if d is None:
             d = self.durations[dkey] = Buckets()
         d.observe(seconds)
+        if series is not None:
+            counts = series.requests
+            counts[status] = counts.get(status, 0) + 1
+            (series.stream if stream else series.whole).observe(seconds)
 
-    def observe_tokens(self, model: str | None, tokens: tuple) -> None:
+    def observe_tokens(self, series: ModelSeries, tokens: tuple) -> None:
         """An answer's usage, ``(prompt, completion, cached)`` (None: not reported)."""
-        label = "-" if model is None else model
-        counts = self.tokens.get(label)
-        if counts is None:
-            if len(self.tokens) >= self.max_models:
-                label = "other"
-                counts = self.tokens.get(label)
-            if counts is None:
-                counts = self.tokens[label] = [0, 0, 0]
-                self.token_counts[(label, "prompt")] = Buckets(_TOKEN_BUCKETS)
-                self.token_counts[(label, "completion")] = Buckets(_TOKEN_BUCKETS)
         prompt, completion, cached = tokens
+        counts = series.tokens
         if prompt is not None:
             counts[0] += prompt
-            self.token_counts[(label, "prompt")].observe(prompt)
+            series.prompt.observe(prompt)
         if completion is not None:
             counts[1] += completion
-            self.token_counts[(label, "completion")].observe(completion)
+            series.completion.observe(completion)
         if cached is not None:
             counts[2] += cached
 
@@ -259,7 +308,8 @@ class ProxyMetrics:
                 b = stages[stage] = Buckets()
             b.observe(seconds)
 
-    def observe_commit(self, endpoint: str, since_arrival: float, upstream: float, stream: bool) -> None:
+    def observe_commit(self, endpoint: str, since_arrival: float, upstream: float, stream: bool,
+                       series: ModelSeries | None = None) -> None:
         """The response is about to be committed: the proxy's own share of the time so far
         (``upstream``: the wall time of the stage phases), and for a stream its time to first token."""
         self.overhead.observe(max(0.0, since_arrival - upstream))
@@ -268,6 +318,14 @@ class ProxyMetrics:
             if b is None:
                 b = self.ttft[endpoint] = Buckets()
             b.observe(since_arrival)
+            if series is not None:
+                series.ttft.observe(since_arrival)
+
+    def observe_gap(self, gap: float, series: ModelSeries | None = None) -> None:
+        """A stream's mean gap between events (one observation per stream)."""
+        self.itl.observe(gap)
+        if series is not None:
+            series.itl.observe(gap)
 
     # -- exposition (scrape time) ----------------------------------------------------------
     def render(self, peers: list | None = None) -> bytes:
@@ -293,17 +351,35 @@ class ProxyMetrics:
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]
         f["epd_proxy_inflight_requests"] = [[self.inflight]]
         f["epd_proxy_workers"] = [[1]]
-        tokens = self.tokens.items()
-        f["epd_proxy_prompt_tokens"] = [[m, c[0]] for m, c in tokens]
-        f["epd_proxy_completion_tokens"] = [[m, c[1]] for m, c in tokens]
-        f["epd_proxy_cached_tokens"] = [[m, c[2]] for m, c in tokens]
-        f["epd_proxy_request_tokens"] = [[m, k, b.counts, b.sum] for (m, k), b in self.token_counts.items()]
+        self._model_rows(f)
         for collect in self._collectors:
             collect(f)
         runtime = []
         for fam in _RUNTIME.collect():
             runtime.append([fam.name, fam.type, fam.documentation, [[s.name, s.labels, s.value] for s in fam.samples]])
         return {"families": f, "runtime": runtime}
+
+
+    def _model_rows(self, f: dict[str, list]) -> None:
+        """The per-model families: a label's rows appear once it has something to show."""
+        every = [self.no_model, *self.models.values()] + ([self._other] if self._other is not None else [])
+        for s in every:
+            m = s.label
+            for status, n in s.requests.items():
+                f["epd_proxy_model_requests"].append([m, str(status), n])
+            for stream, b in (("false", s.whole), ("true", s.stream)):
+                if b.sum or any(b.counts):
+                    f["epd_proxy_model_request_duration_seconds"].append([m, stream, b.counts, b.sum])
+            for name, b in (("epd_proxy_model_time_to_first_token_seconds", s.ttft),
+                            ("epd_proxy_model_inter_token_seconds", s.itl)):
+                if any(b.counts):
+                    f[name].append([m, b.counts, b.sum])
+            if any(s.completion.counts) or any(s.prompt.counts):
+                f["epd_proxy_prompt_tokens"].append([m, s.tokens[0]])
+                f["epd_proxy_completion_tokens"].append([m, s.tokens[1]])
+                f["epd_proxy_cached_tokens"].append([m, s.tokens[2]])
+                f["epd_proxy_request_tokens"] += [[m, "prompt", s.prompt.counts, s.prompt.sum],
+                                                  [m, "completion", s.completion.counts, s.completion.sum]]
 
 
 def render(snapshots: list[dict]) -> bytes:

@@ -13,13 +13,15 @@ class RequestRecord:
     holding the usage object (a whole answer or a stream's last reads). Who asked: ``peer``
     (the transport's peername) and ``headers`` (for X-Forwarded-For), read only when an
     access-log line is written; ``key``, the name of the client key it presented; ``model``,
-    the body's. ``hide_usage``: the proxy asked decode for a usage event the client did not."""
+    the body's; ``series``, the metrics' series of its model (``ProxyMetrics.model``), set once the
+    cluster's catalog accepted the model (until then, and for a refused one, the no-model
+    series). ``hide_usage``: the proxy asked decode for a usage event the client did not."""
 
     __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
-                 "headers", "key", "model", "hide_usage")
+                 "headers", "key", "model", "series", "hide_usage")
 
     def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
-                 key: str | None = None) -> None:
+                 key: str | None = None, series: Any = None) -> None:
         self.start = start  # perf_counter at arrival
         self.request_id = request_id
         self.method = method
@@ -32,4 +34,5 @@ class RequestRecord:
         self.headers = headers
         self.key = key
         self.model: str | None = None
+        self.series = series
         self.hide_usage = False

@@ -5,9 +5,13 @@ What passes is the client's: method, path and query, body (the server's buffer, 
 copied: multipart audio included), its content type and request id, the headers the
 operator forwards. What comes back is the instance's: status, content type and body as
 received (a ``Content-Length`` answer in one piece, any other streamed through). The pool
-is ``routing/endpoints.py``'s rule; the instance the pool's policy and health rules. These
-requests take ``--max-inflight`` slots like generation, count in ``epd_proxy_requests``
-under their path, and write the access log's short line (``api/app.py``).
+is ``routing/endpoints.py``'s rule; the instance the least loaded of those serving the request's model
+(its ``model``: a JSON body's field, a multipart form's field; ``routing/endpoints.py``
+reads it without copying the body), within the pools' health rules. A model no instance
+serves is the proxy's 404 (``model_not_found``), a model whose instances are all out a 503
+with ``Retry-After``, before any upstream work, as for generation. These requests take
+``--max-inflight`` slots like generation, count in ``epd_proxy_requests`` under their path
+and in the per-model families, and write the access log's short line with their model.
 
 Retries: an instance that did not take the request (refused or dropped the connection
 before answering) is excluded and another tried, each at most once; a timeout or an
@@ -23,6 +27,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.models import ModelKey
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.request.context import RequestContext
@@ -30,7 +35,8 @@ from epd_proxy.request.ingress import request_id
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.relay import relay_body
 from epd_proxy.request.upstream import UpstreamStage
-from epd_proxy.routing.endpoints import ROUTED, least_loaded_first, roles_for
+from epd_proxy.routing.endpoints import ROUTED, least_loaded_first, request_model, roles_for
+from epd_proxy.routing.policies import LeastLoaded
 from epd_proxy.wire.errors import ProxyError
 
 _JSON = b"application/json"
@@ -51,16 +57,25 @@ class Forwarder:
         self.stages = {role: UpstreamStage(pool, timeouts) for role, pool in pools.items()}
         self.metrics = metrics
         self.pipeline = pipeline  # admission: the same --max-inflight slots and queue
+        self.models = pipeline.models  # the cluster's models (instances/catalog.py)
+        self.policy = LeastLoaded()  # among the candidates of every pool the endpoint may use
         self._base_headers = base_headers
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
 
-    async def handle(self, req: Request, writer: ResponseWriter) -> None:
+    async def handle(self, req: Request, writer: ResponseWriter, key: str | None = None) -> None:
+        """``key``: the name of the client key the request presented (the access log's)."""
         path = req.path
         t0 = time.perf_counter()
         if not await self.pipeline.admit(req, writer, path, t0):
             return
         ctx = RequestContext(request_id(req), path, self._base_headers)
+        get = ROUTED[path].method == "GET"  # names no model: any instance of its pools answers
+        model = None if get else request_model(req.body, req.headers.get(b"content-type"))
+        series = self.metrics.no_model
         try:
+            if not get:
+                ctx.models = self.models.current.route(model)  # 404 / 400 before any upstream work
+                series = self.metrics.model(model)
             await self._forward_once(ctx, req, writer)
         except ProxyError as err:
             if not writer.started:
@@ -71,7 +86,13 @@ class Forwarder:
         finally:
             ctx.release_all()
             self.pipeline.leave()
-            self.metrics.observe_request(path, writer.status or 499, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            status = writer.status or 499
+            self.metrics.observe_request(path, status, seconds, series=series)
+            access = self.pipeline.access_log
+            if access is not None:
+                access.other(ctx.request_id, req.method, path, status, writer.bytes_sent, seconds, req.peer,
+                             req.headers, model=model if type(model) is str else None, key=key)
 
     async def _forward_once(self, ctx: RequestContext, req: Request, writer: ResponseWriter) -> None:
         path = ctx.path
@@ -79,11 +100,12 @@ class Forwarder:
         target = f"{path}?{req.query}" if req.query else path
         headers = self._headers(req, ctx.request_id)
         while True:
-            stage, inst = self.choose(path, ctx.excluded)
+            inst = self.choose(path, ctx.excluded, ctx.models)
+            stage = self.stages[inst.role]
             try:
                 resp = await stage.call(ctx, inst, target, req.body, headers, method)
             except ProxyError as err:
-                if err.status in _NOT_TAKEN and err.retryable and self._another(path, ctx.excluded):
+                if err.status in _NOT_TAKEN and err.retryable and self._another(path, ctx.excluded, ctx.models):
                     continue
                 raise
             break
@@ -101,26 +123,36 @@ class Forwarder:
             resp.close()
             ctx.release(inst)
 
-    def choose(self, path: str, excluded: set[Instance]) -> tuple[UpstreamStage, Instance]:
-        """The instance for one attempt: among the pools ``roles_for(path)`` names, the first
-        with an instance that has not failed this request; for tokenizer work, the least
-        loaded of every such pool's choice."""
+    def choose(self, path: str, excluded: set[Instance], models: dict[str, ModelKey] | None = None) -> Instance:
+        """The instance for one attempt: the least loaded (fewest requests in flight from this
+        proxy, ties rotating) of the candidates serving the request's model (``models``: the
+        key per role, None: any instance) in the pools ``roles_for(path)`` names: for tokenizer
+        work every such pool's, for model work the first pool's that has one; pools with an
+        instance in rotation that has not failed this request first. 503 when none serves it."""
         roles = roles_for(path)
-        live = [role for role in roles if self.pools.get(role)]
-        if not live:
-            raise ProxyError(503, f"no {' or '.join(roles)} instance can answer {path}", retryable=True)
-        fresh = [role for role in live if self.pools[role].reachable(excluded)] or live
-        if least_loaded_first(path) and len(fresh) > 1:
-            picks = [(role, self.pools[role].choose(excluded)) for role in fresh]
-            role, inst = min(picks, key=lambda pick: (pick[1] in excluded, pick[1].inflight))
-        else:
-            role = fresh[0]
-            inst = self.pools[role].choose(excluded)
-        return self.stages[role], inst
+        options: list[tuple[list[Instance], bool]] = []
+        for role in roles:
+            pool = self.pools.get(role)
+            if not pool:
+                continue
+            key = None if models is None else models.get(role)
+            try:
+                candidates = pool.candidates(excluded, key)  # health, half-open, panic: the pool's rules
+            except ProxyError:
+                continue  # none of this role serves the model (or every one is draining)
+            options.append((candidates, pool.reachable(excluded, key)))
+        if not options:
+            raise ProxyError(503, f"no {' or '.join(roles)} instance{_serving(models)} can answer {path}",
+                             retryable=True)
+        fresh = [c for c, reachable in options if reachable] or [c for c, _ in options]
+        if len(fresh) == 1 or not least_loaded_first(path):
+            return self.policy.choose(fresh[0])
+        return self.policy.choose([inst for candidates in fresh for inst in candidates])
 
-    def _another(self, path: str, excluded: set[Instance]) -> bool:
-        """Whether an instance in rotation that has not failed this request is left."""
-        return any(self.pools[role].reachable(excluded) for role in roles_for(path) if role in self.pools)
+    def _another(self, path: str, excluded: set[Instance], models: dict[str, ModelKey] | None) -> bool:
+        """Whether an instance in rotation that serves the model and has not failed this request is left."""
+        return any(self.pools[role].reachable(excluded, None if models is None else models.get(role))
+                   for role in roles_for(path) if role in self.pools)
 
     def _headers(self, req: Request, rid: str) -> Headers:
         """The client's content type (a multipart boundary must survive) and request id, the
@@ -131,3 +163,10 @@ class Forwarder:
         headers += self._base_headers
         headers += [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
         return headers
+
+
+def _serving(models: dict[str, ModelKey] | None) -> str:
+    if not models:
+        return ""
+    key = models.get("decode")
+    return "" if key is None else f" serving model `{key if isinstance(key, str) else key[0]}`"

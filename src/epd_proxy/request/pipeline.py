@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.encode.media_policy import MediaPolicy
@@ -121,7 +122,7 @@ class Pipeline:
         t0 = time.perf_counter()
         if self._gated and not await self._admit(req, writer, path, t0):
             return
-        rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key)
+        rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key, self.metrics.no_model)
         self.metrics.inflight += 1
         try:
             ctx, body, items = self._prepare(req, rec)
@@ -160,7 +161,9 @@ class Pipeline:
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
-                body["model"] = models["decode"]
+                model = body["model"] = models["decode"]
+                rec.model = model if type(model) is str else None
+        rec.series = self.metrics.model(model)  # a model the cluster serves: its metrics label
         if api is not None:
             self._api_request(ctx, api, body)
         if self._keyed:
@@ -192,8 +195,9 @@ class Pipeline:
     async def _answer(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                       rec: RequestRecord) -> None:
         """The commit: the whole answer sent, or the stream relayed; then the companion leg settled."""
-        headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings)
-        self.metrics.observe_commit(rec.path, time.perf_counter() - rec.start, ctx.upstream, leg.body is None)
+        headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings, rec.model)
+        self.metrics.observe_commit(rec.path, time.perf_counter() - rec.start, ctx.upstream, leg.body is None,
+                                    rec.series)
         ok = False
         try:
             report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
@@ -217,7 +221,7 @@ class Pipeline:
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
             if gap is not None:
-                self.metrics.itl.observe(gap)
+                self.metrics.observe_gap(gap, rec.series)
             if relay.error is not None:  # not ok
                 self.metrics.stream_errors += 1
                 log.warning("request %s: stream ended in-band: %s", rec.request_id, relay.error.message)
@@ -246,7 +250,7 @@ class Pipeline:
         access = self.access_log
         tokens = usage_of(rec.answer)
         if tokens[1] is not None:
-            self.metrics.observe_tokens(rec.model, tokens)
+            self.metrics.observe_tokens(rec.series, tokens)
         ctx = rec.ctx
         if ctx is not None:
             if ctx.trace is not None:
@@ -256,7 +260,7 @@ class Pipeline:
         if self.admission.limit:
             self.admission.leave()
         seconds = time.perf_counter() - rec.start
-        self.metrics.observe_request(rec.path, status, seconds, rec.stream)
+        self.metrics.observe_request(rec.path, status, seconds, rec.stream, rec.series)
         if access is not None:
             access.request(rec, status, tokens, writer.bytes_sent, seconds)
 
@@ -508,10 +512,15 @@ def _drop_traceback(err: BaseException) -> None:
     err.__cause__ = None
 
 
-def _server_timing(timings: dict) -> Headers:
-    if not timings:
-        return []
+def _server_timing(timings: dict, model: str | None) -> Headers:
+    """The stages' times and the model that answered, e.g. ``prefill;dur=12.0,
+    decode_first;dur=3.1, model;desc="llama"`` (a model name outside printable ASCII, or with
+    a quote or a backslash, percent-encoded: the header stays one safe line)."""
     # %-formatting of bytes: this runs once per request, and an f-string per stage, joined
     # and encoded, cost twice as much.
-    value = b", ".join([b"%s;dur=%.1f" % (k.encode(), v * 1000) for k, v in timings.items()])
-    return [(b"server-timing", value)]
+    parts = [b"%s;dur=%.1f" % (k.encode(), v * 1000) for k, v in timings.items()]
+    if model is not None:
+        if not (model.isascii() and model.isprintable()) or '"' in model or "\\" in model:
+            model = quote(model, safe="")
+        parts.append(b'model;desc="%s"' % model.encode())
+    return [(b"server-timing", b", ".join(parts))] if parts else []

@@ -10,12 +10,19 @@ proxy routes is answered by one instance, and what it needs decides the pool:
   instances); prefill instances as a fallback when decode has none;
 * ``any``: facts about the deployment (``/version``): any instance, decode first.
 
-Pure: a table and a lookup, so the choice can take the request's model later.
+Within those pools, only the instances serving the request's model answer (its ``model``:
+a JSON body's field, a multipart body's form field; a GET route names none): the forwarder
+asks the cluster's catalog for the key each role must serve, as generation does.
+
+Pure: a table, a lookup, and the model read from a body without copying it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
+
+import msgspec
 
 
 class Endpoint(NamedTuple):
@@ -51,10 +58,9 @@ _ROLES = {
 }
 
 
-def roles_for(path: str, model: str | None = None) -> tuple[str, ...]:
-    """The roles whose instances may answer ``path``, preferred first (``model``: for the
-    model-aware choice to come; every instance serves the one model today). KeyError for a
-    path that is not routed."""
+def roles_for(path: str) -> tuple[str, ...]:
+    """The roles whose instances may answer ``path``, preferred first. KeyError for a path
+    that is not routed."""
     return _ROLES[ROUTED[path].need]
 
 
@@ -62,3 +68,62 @@ def least_loaded_first(path: str) -> bool:
     """Whether the candidates of every role compete on load (any instance gives the same
     answer and the work is small), rather than the first role with an instance winning."""
     return ROUTED[path].need == "tokenizer"
+
+
+class _Named(msgspec.Struct):
+    """A JSON body as far as routing reads it: every other field is skipped, not built."""
+
+    model: object = None
+
+
+_DECODE_NAMED = msgspec.json.Decoder(_Named).decode
+_BOUNDARY = re.compile(rb'boundary=(?:"([^"]+)"|([^\s;]+))', re.IGNORECASE)
+_FIELD_NAME = re.compile(rb'(?:^|\r\n)content-disposition:[^\r\n]*?;\s*name="([^"]*)"', re.IGNORECASE)
+
+
+def request_model(body: bytes, content_type: bytes | None) -> object:
+    """The model a routed request names: a JSON object's ``model`` (whatever its type: the
+    instance validates it), a multipart form's ``model`` field (audio), else None (no body,
+    not JSON, no such field)."""
+    if not body:
+        return None
+    if content_type is not None and content_type[:19].lower() == b"multipart/form-data":
+        return form_field(body, content_type, b"model")
+    try:
+        return _DECODE_NAMED(body).model
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def form_field(body: bytes, content_type: bytes, name: bytes) -> str | None:
+    """The text of form field ``name`` in a ``multipart/form-data`` body (RFC 7578), read in
+    place: the parts are walked by their delimiter with ``bytes.find`` (a file part's bytes
+    are scanned, never copied); only the field's own value is sliced out. None when the body
+    has no such field or is not a well-formed form."""
+    m = _BOUNDARY.search(content_type)
+    if m is None:
+        return None
+    dash = b"--" + (m.group(1) or m.group(2))
+    delimiter = b"\r\n" + dash
+    if body.startswith(dash):  # the first delimiter may open the body without the CRLF before it
+        at = len(dash)
+    else:
+        at = body.find(delimiter)
+        if at < 0:
+            return None
+        at += len(delimiter)
+    while body[at:at + 2] == b"\r\n":
+        head_end = body.find(b"\r\n\r\n", at)
+        if head_end < 0:
+            return None
+        end = body.find(delimiter, head_end)
+        if end < 0:
+            return None
+        field = _FIELD_NAME.search(body, at, head_end)
+        if field is not None and field.group(1) == name:
+            try:
+                return body[head_end + 4:end].decode()
+            except UnicodeDecodeError:
+                return None
+        at = end + len(delimiter)
+    return None
