@@ -9,9 +9,11 @@ import dataclasses
 import io
 
 import msgspec
+from dnsmasq import dnsmasq  # noqa: F401  (fixture)
 from helpers import Client, chat_body, wait_for
 
 from epd_proxy import ProxyConfig, start_proxy
+from epd_proxy.config import InstanceSpec
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
@@ -142,11 +144,82 @@ async def test_model_appears_and_disappears_with_its_instances():
         await wait_for(lambda: "b" in proxy.app.pipeline.models.current.parents)
         assert (await client.chat(chat_body(model="b"))).status == 200
         assert count(b) == 1 and count(a) == 0
+        assert await model_ids(client) == ["a", "b"]
+        assert (await client.post("/tokenize", {"model": "b", "prompt": "x"})).status == 200
+        assert len(routed(b, "/tokenize")) == 1 and not routed(a, "/tokenize")
+        assert (await client.request("GET", "/status", headers=KEY)).json()["models"]["b"]["ready"]
         r = await client.request("DELETE", f"/instances?url={url}", headers=KEY)
         assert r.status == 200
         await wait_for(lambda: "b" not in proxy.app.pipeline.models.current.parents)
         assert (await client.chat(chat_body(model="b"))).status == 404
+        assert (await client.post("/tokenize", {"model": "b", "prompt": "x"})).status == 404
+        assert (await client.request("GET", "/v1/models/b")).status == 404
+        assert await model_ids(client) == ["a"]
+        assert set((await client.request("GET", "/status", headers=KEY)).json()["models"]) == {"a"}
         assert (await client.chat(chat_body(model="a"))).status == 200
+
+
+async def model_ids(client) -> list[str]:
+    return [m["id"] for m in (await client.request("GET", "/v1/models")).json()["data"]]
+
+
+async def test_an_ejected_model_stays_listed_routes_only_to_its_own_and_comes_back():
+    """Its only instance crashes: ejected, it still counts (it may come back; panic routing needs
+    it), so /v1/models keeps the model, /status says why it is not ready, and its requests fail
+    on its own instance, never reaching the other model's; once it answers again, all is back."""
+    a, b = await two_clusters(0, 0, 1)
+    async with a, b, proxy_over(a, b) as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        inst = b.instances("pd")[0]
+        await inst.crash()
+        pool = proxy.app.pools["decode"]
+        await wait_for(lambda: not pool.find(inst.url).healthy)
+        assert await model_ids(client) == ["a", "b"]
+        status = (await client.request("GET", "/status")).json()["models"]
+        assert not status["b"]["ready"] and status["b"]["why"] == "no decode instance serving it is in rotation (1 out)"
+        assert status["a"]["ready"]
+        before = count(a)
+        r = await client.chat(chat_body(model="b"))
+        assert r.status in (502, 503) and b"127.0.0.1" not in r.body
+        assert (await client.post("/v1/embeddings", {"model": "b", "input": "x"})).status in (502, 503)
+        assert count(a) == before and not routed(a, "/v1/embeddings")
+        await inst.restart()
+        await wait_for(lambda: pool.find(inst.url).healthy, timeout=10)
+        assert (await client.chat(chat_body(model="b"))).status == 200
+        assert (await client.request("GET", "/status")).json()["models"]["b"]["ready"]
+
+
+async def test_a_model_follows_dns_discovery(dnsmasq):  # noqa: F811
+    """One DNS name, two addresses on one port serving different models: the model arrives with
+    its address and leaves with it, in /v1/models, routing and /status."""
+    config_a, config_b = sim("a"), sim("b")
+    async with SimCluster(pd=1, config=config_a, host="127.0.0.2") as first:
+        port = int(first.urls("pd")[0].rsplit(":", 1)[1])
+        async with SimCluster(pd=1, config=config_b, host="127.0.0.3", base_port=port) as second:
+            dnsmasq.set("pd.svc.test", ["127.0.0.2"])
+            template = InstanceSpec(f"http://pd.svc.test:{port}", "decode")
+            config = ProxyConfig(probe_interval=0.1, discover=[template], dns_interval=0.05,
+                                 dns_server=dnsmasq.server, scrape_interval=0)
+            async with await start_proxy(config) as proxy:
+                client = Client(proxy.url)
+                try:
+                    catalog = proxy.app.pipeline.models
+                    await wait_for(lambda: list(catalog.current.parents) == ["a"])
+                    assert (await client.chat(chat_body(model="b"))).status == 404
+                    dnsmasq.set("pd.svc.test", ["127.0.0.2", "127.0.0.3"])
+                    await wait_for(lambda: "b" in catalog.current.parents)
+                    assert await model_ids(client) == ["a", "b"]
+                    assert (await client.chat(chat_body(model="b"))).status == 200
+                    assert (await client.post("/tokenize", {"model": "b", "prompt": "x"})).status == 200
+                    assert count(second) == 1 and len(routed(second, "/tokenize")) == 1 and count(first) == 0
+                    assert (await client.request("GET", "/status")).json()["models"]["b"]["ready"]
+                    dnsmasq.set("pd.svc.test", ["127.0.0.2"])
+                    await wait_for(lambda: "b" not in catalog.current.parents)
+                    assert await model_ids(client) == ["a"]
+                    assert (await client.chat(chat_body(model="b"))).status == 404
+                    assert set((await client.request("GET", "/status")).json()["models"]) == {"a"}
+                finally:
+                    await client.close()
 
 
 async def test_a_model_whose_prefills_are_all_gone_is_503_with_retry_after():
@@ -325,3 +398,27 @@ async def test_metrics_server_timing_and_access_log_name_the_model():
         url = cluster.urls("decode")[0]
         assert f'epd_proxy_instance_model_info{{model="{model}",role="decode",url="{url}"}} 1.0' in text
         assert f'epd_proxy_instance_adapters{{role="decode",url="{url}"}} 0.0' in text
+
+
+# -- the encoder pool serving several vision models ---------------------------------------------
+
+async def test_encoder_sub_requests_go_to_encoders_serving_the_requests_model():
+    """Two vision models, each with two encoders and a PD instance, in two simulated clusters that
+    share no encoder cache: an item encoded by the other model's encoder would never reach the
+    consumer (its answer would fail), and the other model's encoders get nothing."""
+    v1 = SimCluster(encode=2, pd=1, config=sim("v1"))
+    v2 = SimCluster(encode=2, pd=1, config=sim("v2"))
+    async with v1, v2, proxy_over(v1, v2) as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        for i in range(8):
+            model = ("v1", "v2")[i % 2]
+            images = [f"https://example.com/{model}-{i}-{k}.png" for k in range(3)]
+            r = await client.chat(chat_body(model=model, images=images, stream=bool(i % 3)))
+            assert r.status == 200, r.body
+        for cluster, model in ((v1, "v1"), (v2, "v2")):
+            encoded = [r for r in cluster.records("encode") if r.path == "/v1/chat/completions"]
+            assert encoded and {r.json["model"] for r in encoded} == {model}
+            assert {r.instance for r in encoded} == {"encode-0", "encode-1"}  # spread over both of them
+            assert sum(len(r.json["messages"][0]["content"]) for r in encoded) == 4 * 3
+        models = (await client.request("GET", "/status")).json()["models"]
+        assert models["v1"]["media"] is True and models["v1"]["roles"]["encode"] == {"in_rotation": 2, "out": 0}
