@@ -180,3 +180,36 @@ def test_cluster_file_models_list():
     from epd_proxy.cli.cluster_file import _instances
 
     assert _instances("decode", [{"url": "http://h:1", "models": ["a", "b"]}], "f") == ["http://h:1;models=a|b"]
+
+
+# -- memory: one card per model, whatever the number of instances reporting it ------------------
+def vllm_answer(*cards, now=1):
+    """As vLLM answers: ``created`` and each permission's id are new on every answer."""
+    return listing(*[dict(c, created=now, permission=[{"id": f"modelperm-{now}-{c['id']}"}]) for c in cards])
+
+
+def test_instances_reporting_the_same_models_share_their_cards():
+    held: dict = {}
+    cards = [card("base")] + [card(f"lora-{k}", "base") for k in range(50)]
+    first = parse_models(vllm_answer(*cards, now=1), held=held)
+    later = parse_models(vllm_answer(*cards, now=2), held=held)  # another instance, or the next probe
+    assert later == first  # nothing new: no change to act on
+    assert all(a is b for a, b in zip(first.cards, later.cards))
+    assert all(a is b for a, b in zip(first.parents, later.parents))  # the id strings too
+    moved = parse_models(vllm_answer(card("base"), dict(card("lora-0", "base"), max_model_len=64)), held=held)
+    assert moved != first and moved.cards[1]["max_model_len"] == 64  # a real difference is one
+    assert len(held) == 52
+
+
+async def test_repeated_answers_do_not_rebuild_the_catalog_and_the_table_stays_bounded():
+    pool, directory = make_pools(["a"], ["a"])
+    one, two = pool.instances
+    catalog = directory.current
+    for now in range(2, 6):
+        pool.learned(one, vllm_answer(card("a"), now=now))
+        pool.learned(two, vllm_answer(card("a"), now=now))
+    assert directory.current is catalog  # the same models: nothing rebuilt, nothing logged
+    for k in range(500):  # adapters come and go on one instance
+        pool.learned(one, vllm_answer(card("a"), card(f"lora-{k}", "a"), now=k))
+    assert set(directory.current.parents) == {"a", "lora-499"}
+    assert len(directory.cards) <= 2 * 2 + 64  # the cards held now, not every one seen

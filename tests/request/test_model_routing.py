@@ -15,6 +15,7 @@ from helpers import Client, chat_body, wait_for
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec
 from epd_proxy.observe.access_log import AccessLog
+from epd_proxy.request.pipeline import _model_timing, _server_timing
 from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 
@@ -422,3 +423,13 @@ async def test_encoder_sub_requests_go_to_encoders_serving_the_requests_model():
             assert sum(len(r.json["messages"][0]["content"]) for r in encoded) == 4 * 3
         models = (await client.request("GET", "/status")).json()["models"]
         assert models["v1"]["media"] is True and models["v1"]["roles"]["encode"] == {"in_rotation": 2, "out": 0}
+
+
+def test_the_model_in_server_timing_is_one_safe_line():
+    assert _server_timing({"prefill": 0.012}, _model_timing("org/m-1.5")) == [
+        (b"server-timing", b'prefill;dur=12.0, model;desc="org/m-1.5"')]
+    assert _server_timing({}, _model_timing("m")) == [(b"server-timing", b'model;desc="m"')]
+    assert _server_timing({}, None) == []
+    for odd in ('a"b', "a\\b", "a b\r\nx: y", "modèle"):
+        value = _server_timing({}, _model_timing(odd))[0][1]
+        assert value.isascii() and b"\r" not in value and b"\n" not in value and value.count(b'"') == 2, value

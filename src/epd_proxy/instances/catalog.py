@@ -9,7 +9,7 @@ from typing import Protocol, Sequence
 
 from epd_proxy.instances.health import DRAINING
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import NOTHING_KNOWN, Catalog, catalog_of
+from epd_proxy.instances.models import NOTHING_KNOWN, Catalog, card_key, catalog_of
 
 
 class Members(Protocol):
@@ -27,6 +27,11 @@ class ModelDirectory:
     def __init__(self) -> None:
         self._pools: list[Members] = []
         self.current: Catalog = NOTHING_KNOWN
+        # The model cards the instances hold, each once (models.parse_models): what a new answer
+        # is matched against. Rebuilt from the cards still held when it has grown past twice
+        # their number, so it never outgrows what the instances serve, however often adapters
+        # come and go.
+        self.cards: dict[tuple, dict] = {}
 
     def track(self, pool: Members) -> None:
         """A pool whose instances count (it calls ``changed`` on every change)."""
@@ -36,6 +41,10 @@ class ModelDirectory:
     def changed(self) -> None:
         self.current = catalog_of(inst.served for pool in self._pools for inst in pool.instances
                                   if inst.health.state is not DRAINING)
+        served = [inst.served for pool in self._pools for inst in pool.instances if inst.served is not None]
+        held = {id(card): card for s in served for card in s.cards}
+        if len(self.cards) > 2 * len(held) + 64:  # stale cards: rebuilt from the ones held
+            self.cards = {card_key(card): card for card in held.values()}
 
 
 def model_readiness(pools: dict[str, list[dict]], parents: dict[str, str | None],

@@ -45,10 +45,21 @@ def pinned(names: Iterable[str]) -> Served:
     return Served({n: None for n in names}, tuple(_card(n) for n in names))
 
 
-def parse_models(body: bytes, only: tuple[str, ...] = ()) -> Served:
+def card_key(card: dict) -> tuple:
+    """What identifies a model card: vLLM makes ``created`` and each permission's id anew on
+    every answer, so two answers about the same model differ only there."""
+    parent = card.get("parent")
+    return (card["id"], parent if isinstance(parent, str) else None, str(card.get("root")),
+            str(card.get("max_model_len")), str(card.get("owned_by")))
+
+
+def parse_models(body: bytes, only: tuple[str, ...] = (), held: dict[tuple, dict] | None = None) -> Served:
     """A ``/v1/models`` answer (vLLM's ``ModelList``); with ``only`` (the ``models``
-    attribute), just those ids and the adapters whose parent is one of them. ValueError
-    when the body is not a model list."""
+    attribute), just those ids and the adapters whose parent is one of them. ``held``: the
+    cards already held (``card_key`` → card), so that every instance reporting a model keeps
+    the same card and id objects (hundreds of instances × their adapters would otherwise each
+    keep a copy), and an answer that says nothing new equals the last one. ValueError when
+    the body is not a model list."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -64,6 +75,8 @@ def parse_models(body: bytes, only: tuple[str, ...] = ()) -> Served:
         parent = card.get("parent") if isinstance(card.get("parent"), str) else None
         if only and card["id"] not in only and parent not in only:
             continue
+        if held is not None:
+            card = held.setdefault(card_key(card), card)
         parents[card["id"]] = parent
         kept.append(card)
     return Served(parents, tuple(kept))

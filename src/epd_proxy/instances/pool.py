@@ -361,7 +361,7 @@ class InstancePool:
     def learned(self, inst: Instance, body: bytes) -> None:
         """``inst``'s /v1/models answer (``body``), within its ``models`` attribute; ValueError
         when it is not a model list."""
-        served = parse_models(body, inst.spec.models)
+        served = parse_models(body, inst.spec.models, self.models.cards)
         if served != inst.served:
             if inst.spec.models and not served.parents:
                 log.warning("%s instance %s serves none of its models (%s)", self.role, inst.url,

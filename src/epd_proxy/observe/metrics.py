@@ -279,7 +279,9 @@ class ProxyMetrics:
         if series is not None:
             counts = series.requests
             counts[status] = counts.get(status, 0) + 1
-            (series.stream if stream else series.whole).observe(seconds)
+            b = series.stream if stream else series.whole
+            b.counts[bisect_left(b.bounds, seconds)] += 1  # Buckets.observe, inline: every request
+            b.sum += seconds
 
     def observe_tokens(self, series: ModelSeries, tokens: tuple) -> None:
         """An answer's usage, ``(prompt, completion, cached)`` (None: not reported)."""

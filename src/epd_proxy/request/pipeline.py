@@ -99,6 +99,15 @@ class Pipeline:
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
+        self._described: dict[str, bytes] = {}  # model -> its Server-Timing part (_describe)
+
+    def _describe(self, model: str) -> bytes:
+        """``model``'s part of the ``Server-Timing`` header, kept for the next request naming it
+        (at most ``_DESCRIBED`` of them: clients may name anything)."""
+        if len(self._described) >= _DESCRIBED:
+            self._described.clear()
+        desc = self._described[model] = _model_timing(model)
+        return desc
 
     def close_admission(self) -> None:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
@@ -163,7 +172,8 @@ class Pipeline:
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
-        rec.series = self.metrics.model(model)  # a model the cluster serves: its metrics label
+        # A model the cluster serves: its metrics series (one lookup once it has one).
+        rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
             self._api_request(ctx, api, body)
         if self._keyed:
@@ -195,7 +205,9 @@ class Pipeline:
     async def _answer(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                       rec: RequestRecord) -> None:
         """The commit: the whole answer sent, or the stream relayed; then the companion leg settled."""
-        headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings, rec.model)
+        model = rec.model
+        desc = None if model is None else (self._described.get(model) or self._describe(model))
+        headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings, desc)
         self.metrics.observe_commit(rec.path, time.perf_counter() - rec.start, ctx.upstream, leg.body is None,
                                     rec.series)
         ok = False
@@ -512,15 +524,23 @@ def _drop_traceback(err: BaseException) -> None:
     err.__cause__ = None
 
 
-def _server_timing(timings: dict, model: str | None) -> Headers:
-    """The stages' times and the model that answered, e.g. ``prefill;dur=12.0,
-    decode_first;dur=3.1, model;desc="llama"`` (a model name outside printable ASCII, or with
-    a quote or a backslash, percent-encoded: the header stays one safe line)."""
+_DESCRIBED = 1024  # models whose Server-Timing part is kept
+
+
+def _model_timing(model: str) -> bytes:
+    """``, model;desc="<model>"``: a name outside printable ASCII, or with a quote or a
+    backslash, percent-encoded, so the header stays one safe line."""
+    if not (model.isascii() and model.isprintable()) or '"' in model or "\\" in model:
+        model = quote(model, safe="")
+    return b', model;desc="%s"' % model.encode()
+
+
+def _server_timing(timings: dict, model: bytes | None) -> Headers:
+    """The stages' times and the model that answered (``model``: its ``_model_timing``),
+    e.g. ``prefill;dur=12.0, decode_first;dur=3.1, model;desc="llama"``."""
     # %-formatting of bytes: this runs once per request, and an f-string per stage, joined
     # and encoded, cost twice as much.
-    parts = [b"%s;dur=%.1f" % (k.encode(), v * 1000) for k, v in timings.items()]
+    value = b", ".join([b"%s;dur=%.1f" % (k.encode(), v * 1000) for k, v in timings.items()])
     if model is not None:
-        if not (model.isascii() and model.isprintable()) or '"' in model or "\\" in model:
-            model = quote(model, safe="")
-        parts.append(b'model;desc="%s"' % model.encode())
-    return [(b"server-timing", b", ".join(parts))] if parts else []
+        value = value + model if value else model[2:]
+    return [(b"server-timing", value)] if value else []
