@@ -2,13 +2,14 @@
 "Memory with many models" and docs/architecture.md's "Models".
 
     PYTHONPATH=src python scripts/models_memory.py [--instances 300] [--adapters 2000] [--per-instance 200]
+        [--rounds 3] [--round-s 3] [--probe-s 1]
 
 A child process serves ``--instances`` fake vLLM instances on loopback ports: each answers
 ``GET /health`` and ``GET /v1/models`` as vLLM 0.32 does (the base ``base`` and its LoRA cards
 with ``parent``; ``created`` and each ``permission`` id new on every answer, as vLLM makes
 them), its adapters ``--per-instance`` of ``--adapters`` (instance i holds a window starting at
 i * step, so the sets overlap without being equal: the case that shares least). This process
-runs the proxy in front of them (``start_proxy``, probing every 0.5 s), waits until every
+runs the proxy in front of them (``start_proxy``, probing every ``--probe-s``), waits until every
 instance has said what it serves, and reports the Python heap (tracemalloc) and the RSS before
 any instance was read, once all were, and after further rounds of probes (steady: no growth).
 Then the request path's per-model metric labels with 100,000 distinct names. Every figure is
@@ -99,7 +100,7 @@ async def measure(args) -> dict:
             gc.collect()
             out["before"] = {"heap_mib": tracemalloc.get_traced_memory()[0] / 2**20, "rss_mib": rss_mib()}
             for pool in pools.values():
-                pool.start_probing(0.5, 10.0)
+                pool.start_probing(args.probe_s, 10.0)
             t0 = time.perf_counter()
             while not all(i.served is not None for p in pools.values() for i in p.instances):
                 await asyncio.sleep(0.1)
@@ -135,7 +136,8 @@ def main() -> None:
     p.add_argument("--adapters", type=int, default=2000, help="distinct adapters in the cluster")
     p.add_argument("--per-instance", type=int, default=200, help="adapters each instance serves")
     p.add_argument("--rounds", type=int, default=3, help="measurements after the first, --round-s apart")
-    p.add_argument("--round-s", type=float, default=2.0)
+    p.add_argument("--round-s", type=float, default=3.0)
+    p.add_argument("--probe-s", type=float, default=1.0, help="the proxy's probe interval (each reads /v1/models)")
     args = p.parse_args()
     out = asyncio.run(measure(args))
     for key in ("before", "known", *(f"round{k + 1}" for k in range(args.rounds))):

@@ -6,6 +6,8 @@ model is the proxy's 404 before any upstream call, and /v1/models is the union."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import vllm_e2e as E
 
@@ -69,3 +71,53 @@ def test_unknown_model_is_the_proxys_404_without_an_upstream_call(models, proxy)
     r = E.post(proxy.url, "/v1/completions", body)
     assert r.status == 400 and "alpha, beta" in r.json()["error"]["message"]
     assert {k: v.metrics().get(SUCCESS) for k, v in (("alpha", models.alpha), ("beta", models.beta))} == before
+
+
+def _proxy_counts(proxy) -> dict[str, int]:
+    """Per instance URL, the requests this proxy sent it (its /status)."""
+    pools = E.request(proxy.url, "GET", "/status").json()["pools"]["decode"]
+    return {i["url"]: i["requests"] for i in pools}
+
+
+def test_routed_endpoints_reach_the_instance_serving_their_model(models, proxy):
+    """/tokenize and /detokenize naming a model go to its instance: the other one would answer
+    vLLM's own 404 for a name it does not serve, so every 200 (over more requests than the
+    least-loaded rotation would keep on one instance by chance) says the routing held."""
+    instances = {"alpha": models.alpha, "beta": models.beta}
+    for name, inst in instances.items():
+        other = instances["beta" if name == "alpha" else "alpha"]
+        before = _proxy_counts(proxy)
+        body = {"model": name, "prompt": f"Routed by model to {name}.", "return_token_strs": True}
+        for _ in range(4):
+            r = E.post(proxy.url, "/tokenize", body)
+            assert r.status == 200, E.describe(r)
+            assert r.body == E.post(inst.url, "/tokenize", body).body  # the instance's own answer
+        back = E.post(proxy.url, "/detokenize", {"model": name, "tokens": r.json()["tokens"]})
+        assert back.status == 200 and f"to {name}" in back.json()["prompt"]
+        assert E.post(other.url, "/tokenize", body).status == 404  # what a wrong route would give
+        after = _proxy_counts(proxy)
+        assert after[inst.url] - before[inst.url] == 5 and after[other.url] == before[other.url]
+    r = E.post(proxy.url, "/tokenize", {"model": "gamma", "prompt": "x"})
+    assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_operators_view_per_model(models, proxy):
+    """/status says each model is ready on its own instance; the metrics count requests and
+    latency per model and name what each instance serves; Server-Timing names the model; and
+    the probes' answers, whose ``created`` and permission ids vLLM makes anew each time, are
+    not taken for a change (no repeated 'serves' lines in the proxy's log)."""
+    status = E.request(proxy.url, "GET", "/status").json()["models"]
+    for name in ("alpha", "beta"):
+        assert status[name]["ready"] and status[name]["roles"] == {"decode": {"in_rotation": 1, "out": 0}}
+    body = E.text_body("completions", E.unique_prompt(), max_tokens=4, stream=True, model="beta")
+    r = E.post(proxy.url, "/v1/completions", body)
+    E.assert_ok(r, True)
+    assert r.headers.get("server-timing", "").endswith('model;desc="beta"'), r.headers
+    text = E.request(proxy.url, "GET", "/metrics").body.decode()
+    assert 'epd_proxy_model_time_to_first_token_seconds_count{model="beta"}' in text
+    assert 'epd_proxy_model_requests_total{model="beta",status="200"}' in text
+    for name, inst in (("alpha", models.alpha), ("beta", models.beta)):
+        assert f'epd_proxy_instance_model_info{{model="{name}",role="decode",url="{inst.url}"}} 1.0' in text
+    time.sleep(2.5)  # two more probes (--probe-interval 1), each reading /v1/models again
+    log = open(proxy.proc.log_path, encoding="utf-8", errors="replace").read()
+    assert " serves " not in log, log[-2000:]
