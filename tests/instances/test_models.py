@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from epd_proxy.config import InstanceSpec, parse_instance, split_instances
-from epd_proxy.instances.catalog import ModelDirectory
+from epd_proxy.instances.catalog import ModelDirectory, model_readiness
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.models import Served, catalog_of, paired_key, parse_models, pinned, serves
 from epd_proxy.instances.pool import InstancePool
@@ -213,3 +213,32 @@ async def test_repeated_answers_do_not_rebuild_the_catalog_and_the_table_stays_b
         pool.learned(one, vllm_answer(card("a"), card(f"lora-{k}", "a"), now=k))
     assert set(directory.current.parents) == {"a", "lora-499"}
     assert len(directory.cards) <= 2 * 2 + 64  # the cards held now, not every one seen
+
+
+# -- per-model readiness (catalog.model_readiness, pure) ----------------------------------------
+def inst(state="healthy", models=("a",)):
+    return {"state": state, "healthy": state == "healthy", "models": None if models is None else list(models)}
+
+
+def test_readiness_per_role_with_adapters_encoders_and_why():
+    pools = {"encode": [inst(models=("a",)), inst("ejected", ("v",))],
+             "prefill": [inst(models=("a", "sql")), inst("draining", ("v",))],
+             "decode": [inst(models=("a", "sql")), inst("ejected", ("v",)), inst(models=None)]}
+    got = model_readiness(pools, {"a": None, "sql": "a", "v": None}, ("encode", "prefill", "decode"))
+    assert got["a"] == {"parent": None, "ready": True, "media": True, "why": None,
+                        "roles": {"encode": {"in_rotation": 1, "out": 0}, "prefill": {"in_rotation": 1, "out": 0},
+                                  "decode": {"in_rotation": 1, "out": 0}}}
+    assert got["sql"]["ready"] and got["sql"]["media"]  # its encoders are its base's
+    assert got["sql"]["roles"]["encode"] == {"in_rotation": 1, "out": 0}
+    v = got["v"]  # its prefill is draining (not counted), its decode and encoder ejected
+    assert not v["ready"] and v["media"] is False
+    assert v["roles"] == {"encode": {"in_rotation": 0, "out": 1}, "decode": {"in_rotation": 0, "out": 1}}
+    assert v["why"] == ("no prefill instance serves it; no decode instance serving it is in rotation (1 out); "
+                        "no encode instance serving it is in rotation (1 out) (requests with media are refused); "
+                        "instances that have not said what they serve yet may: 1 decode")
+
+
+def test_readiness_without_an_encode_stage_says_nothing_of_media():
+    got = model_readiness({"decode": [inst()]}, {"a": None}, ("decode",))
+    assert got == {"a": {"parent": None, "ready": True, "media": None, "why": None,
+                         "roles": {"decode": {"in_rotation": 1, "out": 0}}}}
