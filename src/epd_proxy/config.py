@@ -368,7 +368,7 @@ class ProxyConfig:
     log_format: str = "text"  # or "json"
     # The access log's client: X-Forwarded-For's when the peer is one of these (CIDRs).
     trusted_proxies: tuple[str, ...] = ()
-    metrics_max_models: int = 32  # model labels of the token metrics per process; later models: "other"
+    metrics_max_models: int = 32  # per-model metric labels (adapters included) per process; later: "other"
 
     def validate(self) -> None:
         """Raise ``ConfigErrors`` naming every knob of this config that cannot work (the

@@ -269,8 +269,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "client is the X-Forwarded-For chain's, read right to left past trusted addresses "
                         "(repeatable, comma-separated; default none: the peer)")
     p.add_argument("--metrics-max-models", type=int, default=defaults.metrics_max_models, metavar="N",
-                   help="models with their own label in the token metrics, per process; later ones share "
-                        "model=\"other\" (default %(default)s)")
+                   help="models (LoRA adapters included) with their own label in the per-model request, "
+                        "latency and token metrics, per process; later ones share model=\"other\" "
+                        "(default %(default)s)")
 
 
 def serve_parser() -> argparse.ArgumentParser:
