@@ -66,6 +66,15 @@ class PrefixCache:
         self.hits += cached
         return cached
 
+    def peek(self, hashes: list[int], num_tokens: int) -> int:
+        """What :meth:`lookup` would find, without counting a query."""
+        blocks = self._blocks
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
+        n = 0
+        while n < limit and hashes[n] in blocks:
+            n += 1
+        return n * self.block_size
+
     def store(self, hashes: list[int]) -> tuple[list[int], list[int]]:
         """The prompt's blocks are computed: keep them (most recently used), evicting the
         least recently used beyond capacity. Returns the hashes newly stored and those

@@ -355,6 +355,23 @@ def prompt_token_ids(body: dict, chat: bool, prompt: Prompt) -> list[int]:
     return ids
 
 
+def continuation_ids(body: dict, chat: bool, ids: list[int], answer: list[int]) -> list[int]:
+    """The token ids of a prompt (``ids``) followed by its answer (``answer``: indices into
+    :data:`VOCAB`) as the next turn's prompt spells them, which is what a decode keeps for the
+    next turn (bidirectional transfer): on chat, the assistant message's role token and the
+    words of its text; on completions, the words of prompt and answer run together (token-id
+    prompts: the answer's ids appended)."""
+    text = "".join([VOCAB[t] for t in answer])
+    if chat:
+        return ids + [zlib.crc32(b"\x00role:assistant")] + _word_ids(text)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1:
+        p = p[0]
+    if isinstance(p, list):
+        return list(p) + list(answer)
+    return _word_ids(p + text) or [0]  # type: ignore[operator]  # validated: a string here
+
+
 # ---------------------------------------------------------------------------------
 # Output
 
