@@ -112,7 +112,7 @@ class NixlPull(KVConnector):
             raise
 
     async def _prefill(self, ctx: RequestContext, prefill: Instance, body: dict) -> msgspec.Raw | None:
-        """The prefill leg; with the previous turn's parameters (kv_reuse.py) when the request
+        """The prefill leg; with the previous turn's parameters (multiturn.py) when the request
         has them. A prefill that fails with them (decode's blocks expired, or decode restarted:
         vLLM answers 500) runs once more without them on the same instance: the read never
         fails the request."""

@@ -12,7 +12,7 @@ from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import RequestTrace
     from epd_proxy.request.apis import GenerationApi
-    from epd_proxy.request.kv_reuse import KVReuse
+    from epd_proxy.request.multiturn import KVReuse
     from epd_proxy.request.usage import PrefillReport
 
 _JSON_HEADER = (b"content-type", b"application/json")
@@ -54,7 +54,7 @@ class RequestContext:
         # Per role, the model its instances must serve (instances/models.py); None: any
         # instance serves it (one set of models in the cluster, the common case).
         self.models: dict[str, ModelKey] | None = None
-        # Multi-turn KV reuse (kv_reuse.py): the client's conversation_id hint, whether this
+        # Multi-turn KV reuse (multiturn.py): the client's conversation_id hint, whether this
         # request looked for its previous turn's parameters (once: never on a retry), and
         # the parameters the prefill gets instead of the plain ones.
         self.conversation: str | None = None

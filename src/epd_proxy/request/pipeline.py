@@ -36,7 +36,7 @@ from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
-from epd_proxy.request.kv_reuse import (
+from epd_proxy.request.multiturn import (
     DECODE_GONE,
     LOCAL_PREFILL_PARAMS,
     TOKENIZE_FAILED,
@@ -117,7 +117,7 @@ class Pipeline:
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
-        # Multi-turn KV reuse (kv_reuse.py): decode's parameters kept for each conversation's next turn.
+        # Multi-turn KV reuse (multiturn.py): decode's parameters kept for each conversation's next turn.
         self.turns = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
             if config.kv_reuse else None
         self.local_prefill_max = config.local_prefill_max_tokens

@@ -39,7 +39,7 @@ from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.forward import Forwarder
-from epd_proxy.request.kv_reuse import turns_collector
+from epd_proxy.request.multiturn import turns_collector
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stages import DecodeStage, PrefillStage
 from epd_proxy.routing import make_policy

@@ -152,8 +152,12 @@ class TurnStore:
         """The entry for ``key``, removed (it is good for one use), or None and why; and the
         conversation's entry that this request makes useless (its history went another way),
         removed too, to be let go."""
-        self.expire(now)
         entry = self._pop(key)
+        if entry is not None and entry.deadline <= now:
+            self._count_release(EXPIRED)
+            self.expire(now)
+            return None, EXPIRED, None
+        self.expire(now)
         if entry is not None:
             self._used[key] = None
             if len(self._used) > self._tombstones:

@@ -1,13 +1,17 @@
-"""kv_reuse.py: turn keys, the store's promises (once, in time, bounded), decode's answer."""
+"""multiturn.py: turn keys, the store's promises (once, in time, bounded), decode's answer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from array import array
 
 import pytest
+from helpers import Reply, stack
 
-from epd_proxy.request.kv_reuse import (
+from epd_proxy.sim import SimConfig, expected_text
+
+from epd_proxy.request.multiturn import (
     BOUND,
     EDITED,
     EXPIRED,
@@ -164,7 +168,7 @@ def test_expiry_on_the_proxys_clock_with_the_margin():
     _keep(store, _turn1(), now=100.0)
     key, conversation, _, _ = lookup_key(_turn2())
     got, reason, _ = store.take(key, conversation, 115.0)  # 20 s TTL - 5 s margin from receipt
-    assert got is None and reason == UNKNOWN
+    assert got is None and reason == EXPIRED
     assert store.released[EXPIRED] == 1 and not store.held and len(store) == 0
 
 
@@ -285,3 +289,184 @@ def test_stream_events_stripped():
     assert b"remote_block_ids" not in out and out.endswith(b"data: [DONE]\n\n")
     plain = b'data: {"choices":[],"kv_transfer_params":null}\n\n'
     assert strip_stream_params(plain) is plain
+
+
+# -- through the proxy, over the simulator's bidirectional transfer ------------------------------
+
+SIM_SYSTEM = " ".join(f"w{i}" for i in range(300))  # a long system prompt, the same on every turn
+
+
+def _sim(**kw) -> SimConfig:
+    return SimConfig(itl_ms=0, ttft_ms=0.5, bidirectional=True, **kw)
+
+
+def _t1(user: str = "first question here", answer: int = 120) -> dict:
+    return {"model": "sim-model", "max_tokens": answer,
+            "messages": [{"role": "system", "content": SIM_SYSTEM}, {"role": "user", "content": user}]}
+
+
+def _next(prev: dict, user: str = " ".join(f"u{i}" for i in range(100)), answer: int = 120, **extra) -> dict:
+    msgs = prev["messages"] + [{"role": "assistant", "content": expected_text(prev)},
+                               {"role": "user", "content": user}]
+    return {"model": "sim-model", "max_tokens": answer, "messages": msgs, **extra}
+
+
+def _reads(cluster) -> list[dict]:
+    """The decode parameters each prefill was given (None: the plain ones)."""
+    out = []
+    for rec in cluster.records("prefill"):
+        body = _body_of(rec)
+        kv = body.get("kv_transfer_params")
+        if kv is not None and kv.get("do_remote_decode") is True and kv.get("remote_block_ids"):
+            out.append(kv)
+    return out
+
+
+def _body_of(rec) -> dict:
+    body = json.loads(rec.body) if isinstance(rec.body, bytes) and rec.body else rec.body
+    return body if isinstance(body, dict) else {}
+
+
+async def _ask(client, body) -> Reply:
+    r = await client.chat(body)
+    assert r.status == 200, r.body
+    doc = r.json()
+    assert doc["kv_transfer_params"] is None and doc.get("prompt_token_ids") is None
+    assert doc["choices"][0].get("token_ids") is None
+    assert r.text() == expected_text(body)
+    return r
+
+
+def _wrong(cluster) -> int:
+    return sum(i.stats.wrong_answers for i in cluster.instances("prefill"))
+
+
+def _counts(proxy) -> dict:
+    return proxy.app.pipeline.turns.fallbacks
+
+
+async def _warm(client) -> None:
+    """The proxy learns that decode keeps blocks from its first answer that says so."""
+    await _ask(client, _t1("warm up"))
+
+
+async def test_turns_read_the_previous_answer_from_decode():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        b2 = _next(b1)
+        await _ask(client, b2)
+        b3 = _next(b2)
+        await _ask(client, b3)
+        assert len(_reads(cluster)) == 2
+        p = cluster.instances("prefill")[0]
+        assert p.stats.external_cached_tokens >= 2 * 64  # each read at least vLLM's threshold
+        # a stream turn reads too (the simulator's stream, as 0.32's, carries no parameters)
+        b4 = _next(b3, stream=True)
+        r = await client.chat(b4)
+        assert r.text() == expected_text(b4) and b"remote_block_ids" not in r.body
+        assert len(_reads(cluster)) == 3 and _wrong(cluster) == 0
+        turns = proxy.app.pipeline.turns
+        assert turns.used == 3 and not turns.fallbacks.get("edited")
+
+
+async def test_two_requests_of_one_turn_at_once_only_one_reads():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        b2 = _next(b1)
+        await asyncio.gather(_ask(client, b2), _ask(client, b2))
+        assert len(_reads(cluster)) == 1 and _counts(proxy)["used"] == 1
+        await _ask(client, b2)  # a retry of the turn later: no second read either
+        assert len(_reads(cluster)) == 1 and _counts(proxy)["used"] == 2
+        assert _wrong(cluster) == 0
+
+
+async def test_edited_history_and_a_fork_do_not_read():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        edited = _next(b1)
+        edited["messages"][2] = {"role": "assistant", "content": expected_text(b1) + " (edited)"}
+        await _ask(client, edited)
+        assert not _reads(cluster) and _counts(proxy)["edited"] == 1
+        assert proxy.app.pipeline.turns.released["superseded"] == 1
+        assert _wrong(cluster) == 0
+
+
+async def test_expired_parameters_are_not_used():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0, kv_reuse_ttl=0.5, kv_reuse_margin=0.2) as (
+            cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        await asyncio.sleep(0.35)
+        await _ask(client, _next(b1))
+        assert not _reads(cluster) and _counts(proxy)["expired"] == 1
+
+
+async def test_a_restarted_decode_fails_the_read_and_the_prefill_runs_again_without():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        d = cluster.instances("decode")[0]
+        await d.crash()
+        await d.restart()
+        await _ask(client, _next(b1))  # prefill answers 500 with the parameters; the request is served
+        assert len(_reads(cluster)) == 1 and _counts(proxy)["prefill_failed"] == 1
+        assert proxy.app.pipeline.turns.used == 0 and _wrong(cluster) == 0
+
+
+async def test_a_decode_out_of_rotation_is_not_read_from():
+    async with stack(sim=_sim(), decode=2, local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        pool = proxy.app.pipeline.decode
+        held = set(proxy.app.pipeline.turns.held)
+        assert len(held) == 1
+        pool.drain(pool.find(held.pop()))
+        await _ask(client, _next(b1))
+        assert not _reads(cluster) and _counts(proxy)["decode_gone"] == 1
+
+
+async def test_a_short_follow_up_is_served_by_the_holding_decode_alone():
+    async with stack(sim=_sim()) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        prefills = len(cluster.records("prefill"))
+        b2 = _next(b1, "ok?", answer=40)
+        await _ask(client, b2)
+        assert len(cluster.records("prefill")) == prefills  # no prefill leg at all
+        assert proxy.app.pipeline.turns.local_prefills == 1
+        last = cluster.records("decode")[-1]
+        assert _body_of(last)["kv_transfer_params"] == {"do_remote_decode": False, "do_remote_prefill": False}
+        # the locally prefilled turn kept its blocks too: the next turn reads them
+        b3 = _next(b2)
+        await _ask(client, b3)
+        assert len(_reads(cluster)) == 1 and _wrong(cluster) == 0
+
+
+async def test_no_kv_reuse_still_keeps_the_parameters_from_clients():
+    async with stack(sim=_sim(), kv_reuse=False) as (cluster, proxy, client):
+        b1 = _t1()
+        await _ask(client, b1)
+        await _ask(client, b1)
+        await _ask(client, _next(b1))
+        assert not _reads(cluster) and proxy.app.pipeline.turns is None
+
+
+async def test_conversation_id_is_a_hint_never_forwarded():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = dict(_t1(), conversation_id="conv-1")
+        await _ask(client, b1)
+        b2 = dict(_next(b1), conversation_id="conv-1")
+        await _ask(client, b2)
+        assert all("conversation_id" not in _body_of(r) for r in cluster.records())
+        assert len(_reads(cluster)) == 1
