@@ -9,8 +9,6 @@ from array import array
 import pytest
 from helpers import Reply, stack
 
-from epd_proxy.sim import SimConfig, expected_text
-
 from epd_proxy.request.multiturn import (
     BOUND,
     EDITED,
@@ -34,6 +32,7 @@ from epd_proxy.request.multiturn import (
     strip_stream_params,
     tokens_of,
 )
+from epd_proxy.sim import SimConfig, expected_text
 
 SYSTEM = {"role": "system", "content": "be brief"}
 PARAMS = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]],
