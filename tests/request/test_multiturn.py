@@ -30,6 +30,7 @@ from epd_proxy.request.multiturn import (
     reuse_params,
     strip_params,
     strip_stream_params,
+    tokenize_body,
     tokens_of,
 )
 from epd_proxy.sim import SimConfig, expected_text
@@ -488,3 +489,10 @@ async def test_parameters_that_will_not_be_used_free_decodes_blocks_early():
         # turn 1's blocks were freed; the warm-up's and the edited turn's are still kept
         assert d.kv_reuse.kept_requests == kept
         assert _wrong(cluster) == 0
+
+
+def test_tokenize_body_only_when_it_can_see_the_whole_prompt():
+    body = _turn2(tools=[{"type": "function", "function": {"name": "f"}}], cache_salt="s", max_tokens=3)
+    assert tokenize_body(body) == {"model": "m", "messages": body["messages"], "tools": body["tools"]}
+    assert tokenize_body(_turn2(reasoning_effort="high")) is None
+    assert tokenize_body(_turn2(documents=[{"text": "x"}])) is None

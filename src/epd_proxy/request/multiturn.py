@@ -125,8 +125,9 @@ class TurnStore:
         self.active = True
         out = self.expire(now)
         old = self._pop(key)
-        if old is not None:
+        if old is not None:  # the same turn answered again (a regeneration): the older answer's go
             out.append(old)
+            self._count_release(SUPERSEDED)
         prev = self._latest.get(entry.conversation)
         if prev is not None:
             sup = self._pop(prev)
@@ -467,8 +468,17 @@ _TOKENIZE_FIELDS = ("model", "messages", "add_generation_prompt", "continue_fina
                     "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools")
 
 
-def tokenize_body(body: dict) -> dict:
-    """The ``/tokenize`` request for a chat request's prompt."""
+# Fields that change neither the prompt's tokens nor what /tokenize must be told.
+_TOKEN_NEUTRAL = SAMPLING_FIELDS | frozenset(_TOKENIZE_FIELDS) | {"cache_salt"}
+
+
+def tokenize_body(body: dict) -> dict | None:
+    """The ``/tokenize`` request for a chat request's prompt; None when the request has a
+    field that may change its prompt which ``/tokenize`` does not take (``documents``,
+    ``reasoning_effort``, …): its tokens cannot be checked, so nothing is read."""
+    for k in body:
+        if k not in _TOKEN_NEUTRAL:
+            return None
     return {k: body[k] for k in _TOKENIZE_FIELDS if k in body}
 
 

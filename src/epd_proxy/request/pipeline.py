@@ -456,17 +456,20 @@ class Pipeline:
         # vLLM reads what the parameters name without checking that the new prompt's tokens
         # extend them: the prompt is tokenized (by the prefill that will run it) and only the
         # tokens it shares with what decode holds are read.
-        try:
-            data = await self.connector.prefill.exchange(ctx, p, "/tokenize", encode_json(tokenize_body(body)),
-                                                         ctx.upstream_headers())
-            tokens = tokens_of(data)
-        except ProxyError:
-            tokens = None
-        if tokens is None:
-            turns.fallback(TOKENIZE_FAILED)
-            self._release(entry)
-            return None
-        params = reuse_params(entry, tokens)
+        asked = tokenize_body(body)
+        tokens = None
+        if asked is not None:
+            try:
+                data = await self.connector.prefill.exchange(ctx, p, "/tokenize", encode_json(asked),
+                                                             ctx.upstream_headers())
+                tokens = tokens_of(data)
+            except ProxyError:
+                pass
+            if tokens is None:
+                turns.fallback(TOKENIZE_FAILED)
+                self._release(entry)
+                return None
+        params = reuse_params(entry, tokens) if tokens is not None else None
         if params is None:
             turns.fallback(TOKENS)
             self._release(entry)
