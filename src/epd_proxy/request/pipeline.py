@@ -30,18 +30,37 @@ from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, response_id
-from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
+from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan, NixlPull
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
+from epd_proxy.request.multiturn import (
+    DECODE_GONE,
+    LOCAL_PREFILL_PARAMS,
+    TOKENIZE_FAILED,
+    TOKENS,
+    Entry,
+    KVReuse,
+    TurnStore,
+    carries_params,
+    estimate_new_tokens,
+    keep_key,
+    lookup_key,
+    read_answer,
+    reuse_params,
+    strip_token_ids,
+    tokenize_body,
+    tokens_of,
+)
 from epd_proxy.request.relay import StreamRelay, relay_stream
-from epd_proxy.request.stage_bodies import stream_options_with_usage
+from epd_proxy.request.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
+from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
 
 if TYPE_CHECKING:
@@ -98,6 +117,11 @@ class Pipeline:
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
+        # Multi-turn KV reuse (multiturn.py): decode's parameters kept for each conversation's next turn.
+        self.turns = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
+            if config.kv_reuse else None
+        self.local_prefill_max = config.local_prefill_max_tokens
+        self.balance_abs = config.balance_abs
 
     def close_admission(self) -> None:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
@@ -155,6 +179,9 @@ class Pipeline:
                 rec.hide_usage = True
         body, items = self._media(body) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
+            hint = body.pop("conversation_id")
+            ctx.conversation = hint if type(hint) is str else None
         model = body.get("model")
         models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
@@ -203,7 +230,12 @@ class Pipeline:
                 if api.stateful and body.get("store") is not False:
                     self._remember(leg)
             if leg.body is not None:
-                rec.answer = leg.body if report is None else rewrite_usage(leg.body, report)
+                answer = leg.body
+                if carries_params(answer):
+                    answer = self._keep_turn(ctx, body, leg, answer)
+                elif ctx.ids_asked:
+                    answer = strip_token_ids(answer)
+                rec.answer = answer if report is None else rewrite_usage(answer, report)
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
                 ok = True
                 rec.outcome = "ok"
@@ -361,6 +393,20 @@ class Pipeline:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:
                     cap.leave()
+        turns = self.turns
+        if turns is not None and turns.active and ctx.path == CHAT and ctx.api is None:
+            if body.get("stream") is not True and not body.get("return_token_ids"):
+                # The tokens decode will hold: what the next turn's prompt is checked against.
+                body = dict(body, return_token_ids=True)
+                ctx.ids_asked = True
+            local = None if ctx.turn_tried or items else await self._previous_turn(ctx, turns, body, p)
+            if local is not None:  # the prefill skipped: the decode holding the rest computes the new part
+                t = time.perf_counter()
+                try:
+                    return await self.decode_only.open(ctx, LegPlan(decode_body(body, kv=LOCAL_PREFILL_PARAMS),
+                                                                    None, local, dp_headers))
+                finally:
+                    ctx.upstream += time.perf_counter() - t
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:
@@ -373,6 +419,92 @@ class Pipeline:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
                 cap.leave()
+
+    async def _previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None
+                             ) -> Instance | None:
+        """The previous turn's parameters, taken (once per request: never on a retry) for this
+        attempt's prefill (``ctx.kv_reuse``); or the decode holding them, when the prefill would
+        compute so little that it alone should serve the request."""
+        ctx.turn_tried = True
+        found = lookup_key(body, ctx.conversation)
+        if found is None:
+            return None  # nothing answered before: an opening turn
+        key, conversation, _, new_chars = found
+        entry, reason, stale = turns.take(key, conversation, time.monotonic())
+        if stale is not None:
+            self._release(stale)
+        if entry is None:
+            turns.fallback(reason)
+            return None
+        holder = self.decode.find(entry.decode)
+        if holder is None or not holder.healthy or holder in ctx.excluded:
+            turns.fallback(DECODE_GONE)
+            return None
+        if self.local_prefill_max and self._within_bound(ctx, holder):
+            messages = body["messages"]  # lookup_key found an answer in them
+            new = estimate_new_tokens(entry, new_chars, _after_last_answer(messages))
+            if new <= self.local_prefill_max:
+                turns.local_prefills += 1
+                self._release(entry)  # held for a prefill that will not come; decode's prefix cache has them
+                return holder
+        if p is None or not isinstance(self.connector, NixlPull):
+            turns.fallback("no_pull_prefill")
+            self._release(entry)
+            return None
+        # vLLM reads what the parameters name without checking that the new prompt's tokens
+        # extend them: the prompt is tokenized (by the prefill that will run it) and only the
+        # tokens it shares with what decode holds are read.
+        try:
+            data = await self.connector.prefill.exchange(ctx, p, "/tokenize", encode_json(tokenize_body(body)),
+                                                         ctx.upstream_headers())
+            tokens = tokens_of(data)
+        except ProxyError:
+            tokens = None
+        if tokens is None:
+            turns.fallback(TOKENIZE_FAILED)
+            self._release(entry)
+            return None
+        params = reuse_params(entry, tokens)
+        if params is None:
+            turns.fallback(TOKENS)
+            self._release(entry)
+            return None
+        turns.used += 1
+        ctx.kv_reuse = KVReuse(params, turns)
+        return None
+
+    def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
+        """Whether the decode holding a conversation is within the load bound routing keeps
+        (``--balance-abs`` requests beyond the least-loaded candidate)."""
+        candidates = self.decode.candidates(ctx.excluded, ctx.model_for("decode"))
+        if holder not in candidates:
+            return False
+        low = min(c.inflight + c.signals.others for c in candidates)
+        return holder.inflight + holder.signals.others <= low + self.balance_abs
+
+    def _keep_turn(self, ctx: RequestContext, body: dict, leg: DecodeLeg, answer: bytes) -> bytes:
+        """Decode's answer held blocks for a later reader: the parameters taken out of what
+        the client gets, and kept for the conversation's next turn (chat)."""
+        read = read_answer(answer, ctx.path == CHAT and ctx.api is None, ctx.ids_asked)
+        turns = self.turns
+        if turns is None:
+            return read.body
+        turns.active = True
+        if read.params is None or read.message is None:
+            if read.reason:
+                turns.fallback(read.reason)
+            return read.body
+        tokens = read.params.get("remote_num_tokens")
+        key, conversation, chars = keep_key(body, read.message, ctx.conversation)
+        now = time.monotonic()
+        entry = Entry(read.params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
+                      conversation, body.get("model"), read.ids)
+        for old in turns.put(key, entry, now):
+            self._release(old)
+        return read.body
+
+    def _release(self, entry: Entry) -> None:
+        """Kept parameters that will not be used: decode frees their blocks at its TTL."""
 
     def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> None:
         """Another generation API (apis.py): its media checked, and whether it is split."""
@@ -479,6 +611,15 @@ def _wants_usage(body: dict) -> bool:
     """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def _after_last_answer(messages: list) -> int:
+    """The messages after the last assistant message (the request's new part)."""
+    for i in range(len(messages) - 1, -1, -1):
+        msg = messages[i]
+        if isinstance(msg, dict) and msg.get("role") == "assistant":
+            return len(messages) - 1 - i
+    return len(messages)
 
 
 def _not_timed_out(pool: InstancePool, inst: Instance, ctx: RequestContext) -> Instance:

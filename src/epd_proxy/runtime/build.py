@@ -39,6 +39,7 @@ from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.forward import Forwarder
+from epd_proxy.request.multiturn import turns_collector
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stages import DecodeStage, PrefillStage
 from epd_proxy.routing import make_policy
@@ -84,6 +85,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
                         if access_log.enabled(config) else None,
                         tracing=tracing.from_environment())
+    metrics.register(turns_collector(pipeline.turns))
     membership.subscribe(_forget_departed(connector))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)

@@ -613,11 +613,19 @@ class GenerationHandler:
                      ncomp: int) -> dict:
         """vLLM 0.32's chat or completions response model, dumped whole (``model.model_dump()``)."""
         build = responses.chat_response if g.chat else responses.completion_response
-        return build(resp_id=g.resp_id, created=self.inst.created, model=g.model,
+        resp = build(resp_id=g.resp_id, created=self.inst.created, model=g.model,
                      texts=[seq.text(c) for c in range(g.n_choices)], finish_reason=seq.finish_reason,
                      fingerprint=self.inst.system_fingerprint,
                      usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
                      kv_out=kv_out, ec_out=ec_out)
+        if g.chat and g.body.get("return_token_ids") is True:
+            # The prompt's ids and each answer's, as the next turn's prompt spells them (what a
+            # bidirectional decode keeps: ``continuation_ids``).
+            ids = self._token_ids(g, g.body, g.prompt)
+            resp["prompt_token_ids"] = ids
+            for c, choice in enumerate(resp["choices"]):
+                choice["token_ids"] = continuation_ids(g.body, True, ids, seq.tokens[c][:seq.n])[len(ids):]
+        return resp
 
     def on_prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists: hold it for (or push it to) the decoder. This happens when
