@@ -323,3 +323,32 @@ async def test_every_generation_api_carries_decode_params(http):
         r = await http.completion(d, {"model": "sim-model", "prompt": "hi there", "max_tokens": 5})
         assert r.status == 200 and r.json["kv_transfer_params"]["do_remote_decode"] is True
         assert c.instances("decode")[0].kv_reuse.kept_requests == 3
+
+
+async def test_lowered_remote_num_tokens_reads_only_the_shared_part(http):
+    """A proxy that finds the new prompt shares only part of what decode keeps lowers
+    remote_num_tokens; the prefill reads up to there and answers right."""
+    async with SimCluster(prefill=2, decode=1, config=bidi()) as c:
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, b1, rid="a")
+        kv = d1.json["kv_transfer_params"]
+        b2 = follow(b1)
+        b2["messages"][2]["content"] = " ".join(b2["messages"][2]["content"].split()[:-5]) + " edited"
+        shared = kv["remote_num_tokens"] - 6  # the edit changes the answer's last words
+        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared), p=1, rid="b")
+        assert d2.json["choices"][0]["message"]["content"] == expected_text(b2)
+        m = await metrics(http, c.instances("prefill")[1])
+        assert metric(m, "vllm:external_prefix_cache_hits_total") == shared - 1
+        assert metric(m, "sim:wrong_kv_reads_total") == 0
+
+
+async def test_return_token_ids_spell_what_decode_keeps(http):
+    async with SimCluster(prefill=1, decode=1, config=bidi()) as c:
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, dict(b1, return_token_ids=True), rid="a")
+        out = d1.json
+        ids = out["prompt_token_ids"] + out["choices"][0]["token_ids"]
+        assert len(ids) == out["kv_transfer_params"]["remote_num_tokens"]
+        tok = await http.post(c.urls("decode")[0], "/tokenize", {"model": "sim-model",
+                                                                 "messages": follow(b1)["messages"]})
+        assert tok.json["tokens"][:len(ids)] == ids

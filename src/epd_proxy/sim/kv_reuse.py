@@ -18,9 +18,10 @@ or a decode whose engine id changed (it restarted), give HTTP 500
 (``kv_load_failure_policy=fail``).
 
 The side channel is the decode's HTTP port: ``POST /sim/kv/read`` ``{remote_engine_id,
-remote_request_id, remote_block_ids, prefix_digest, read_tokens, consumer}`` -> 200
+remote_request_id, remote_block_ids, num_tokens, prefix_digest, read_tokens, consumer}`` -> 200
 ``{num_tokens, match}`` (the blocks freed; ``match``: the reader's prompt starts with the
-kept tokens), 404 ``{"reason": "engine"}`` for another engine id, 404 ``{"reason":
+first ``num_tokens`` kept tokens: its ``remote_num_tokens``, which a proxy may lower to read
+less), 404 ``{"reason": "engine"}`` for another engine id, 404 ``{"reason":
 "unknown"}`` when nothing is kept under that id (used, expired, never kept).
 """
 
@@ -49,8 +50,7 @@ class KeptKV:
 
     request_id: str
     block_ids: list[int]
-    num_tokens: int
-    digest: str
+    ids: list[int]  # the tokens kept: prompt and answer as the next turn's prompt spells them
     expiry: float  # time.monotonic()
     timer: asyncio.TimerHandle | None = None
 
@@ -117,8 +117,7 @@ class KvReuse:
         old = self._kept.pop(request_id, None)
         if old is not None:
             self._free(old)
-        kept = KeptKV(request_id, list(range(first, first + nblocks)), len(ids), ids_digest(ids),
-                      time.monotonic() + ttl)
+        kept = KeptKV(request_id, list(range(first, first + nblocks)), list(ids), time.monotonic() + ttl)
         kept.timer = asyncio.get_running_loop().call_later(ttl, self._expire, kept)
         self._kept[request_id] = kept
         self.kept_blocks += nblocks
@@ -173,7 +172,11 @@ class KvReuse:
         else:
             self.stats.kv_reuse_releases += 1
         ev["ok"] = True
-        return 200, {"num_tokens": kept.num_tokens, "match": data.get("prefix_digest") == kept.digest}
+        # The reader's prompt must start with the first ``num_tokens`` tokens it was told are kept.
+        n = data.get("num_tokens")
+        match = (isinstance(n, int) and 0 < n <= len(kept.ids)
+                 and data.get("prefix_digest") == ids_digest(kept.ids[:n]))
+        return 200, {"num_tokens": len(kept.ids), "match": match}
 
     # -- prefill: reading the previous turn from decode ---------------------------------------
     async def read(self, kv: dict, ids: list[int], cached: int) -> ReadResult:
@@ -190,7 +193,7 @@ class KvReuse:
         want = covered - cached
         read = want if want >= cfg.kv_recompute_threshold else 0
         payload = {"remote_engine_id": kv.get("remote_engine_id"), "remote_request_id": kv.get("remote_request_id"),
-                   "remote_block_ids": kv.get("remote_block_ids"), "read_tokens": read,
+                   "remote_block_ids": kv.get("remote_block_ids"), "read_tokens": read, "num_tokens": n,
                    "prefix_digest": ids_digest(ids[:n]) if 0 < n <= len(ids) else None,
                    "consumer": self.inst.engine_id}
         base = f"http://{kv.get('remote_host')}:{kv.get('remote_port')}"
