@@ -130,7 +130,9 @@ def section(result: dict, plots: dict) -> list[str]:
                f"in the stream's last chunk); prefill time {fmt(result.get('ttft_per_token_ms'))} ms per prompt "
                f"token computed, one prefill at a time per instance; decodes compute local prefills in chunks "
                f"of {result.get('decode_chunk_tokens')} tokens inside their steps. Candidate: "
-               f"{result.get('candidate')}.")
+               f"{result.get('candidate')}. "
+               + ("Clients stream." if result.get("stream", True) else
+                  "Clients send non-stream requests: TTFT is the whole answer's time, and there is no ITL."))
     out.append("")
     for name, w in result.get("workloads", {}).items():
         spec = w["spec"]

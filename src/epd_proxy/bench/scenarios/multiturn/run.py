@@ -3,6 +3,7 @@ matrix of workloads, load levels and targets."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import math
@@ -66,6 +67,10 @@ def add_arguments(group) -> None:
                        help="multiturn: seconds a decode keeps a finished request's blocks (decoder_kv_blocks_ttl)")
     group.add_argument("--mt-local-prefill-max-tokens", type=int, default=128,
                        help="multiturn: the reuse-skip target's --local-prefill-max-tokens")
+    group.add_argument("--mt-stream", action=argparse.BooleanOptionalAction, default=True,
+                       help="multiturn: clients stream (TTFT and ITL measured); --no-mt-stream sends non-stream "
+                            "requests, whose TTFT is the whole answer's time and which have no ITL (vLLM 0.32's "
+                            "decode names its kept blocks only in a non-stream answer)")
     group.add_argument("--vllm-multiturn-proxy", default=None, metavar="PATH",
                        help="multiturn: vLLM's disagg_proxy_multiturn.py (default: fetched once from the vllm "
                             "0.33.0 sdist on the package index into ~/.cache/epd-proxy-bench)")
@@ -111,11 +116,13 @@ def sim_settings(args, ws: dict) -> tuple[dict, dict, dict]:
 
 class RecordingClient:
     """A client that keeps every stream's inter-token gaps; with ``conversation_id`` it adds the
-    conversation's id to each body (what vLLM's reference proxy needs to link turns)."""
+    conversation's id to each body (what vLLM's reference proxy needs to link turns); with
+    ``stream`` False it sends each turn as a non-stream request."""
 
-    def __init__(self, inner, *, conversation_id: bool = False) -> None:
+    def __init__(self, inner, *, conversation_id: bool = False, stream: bool = True) -> None:
         self.inner = inner
         self.conversation_id = conversation_id
+        self.stream = stream
         self.itl: list[float] = []
 
     async def start(self) -> None:
@@ -125,9 +132,14 @@ class RecordingClient:
         await self.inner.close()
 
     async def send(self, conv, turn: int, prep: Prepared, timeouts: TransportTimeouts) -> Outcome:
-        if self.conversation_id:
-            body = dict(prep.obj, conversation_id=conv.id)
-            prep = Prepared(prep.kind, prep.path, msgspec.json.encode(body), prep.stream, prep.expected, body)
+        if self.conversation_id or not self.stream:
+            body = dict(prep.obj)
+            if self.conversation_id:
+                body["conversation_id"] = conv.id
+            if not self.stream:
+                body["stream"] = False
+            prep = Prepared(prep.kind if self.stream else "nonstream", prep.path, msgspec.json.encode(body),
+                            self.stream, prep.expected, body)
         o = await self.inner.send(conv, turn, prep, timeouts)
         if o.ok:
             self.itl.extend(o.itl)
@@ -217,7 +229,8 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, ws: dict, name: s
         if target is None:
             res.update({"available": False})
             return res
-        client = RecordingClient(ProxyClient([target.url]), conversation_id=name == "vllm-multiturn")
+        client = RecordingClient(ProxyClient([target.url]), conversation_id=name == "vllm-multiturn",
+                                 stream=args.mt_stream)
         await client.start()
         try:
             if lab.s.quiet_wait > 0:
@@ -264,7 +277,8 @@ async def run(args) -> dict:
     out: dict = {"targets_run": names, "candidate": cand, "rates": rates, "proxy_has_reuse": proxy_has_reuse(),
                  "counts": {"prefill": args.mt_prefills, "decode": args.mt_decoders}, "ttl_s": args.mt_ttl,
                  "ttft_per_token_ms": args.mt_ttft_per_token_ms, "decode_chunk_tokens": args.mt_decode_chunk_tokens,
-                 "local_prefill_max_tokens": args.mt_local_prefill_max_tokens, "workloads": {}}
+                 "local_prefill_max_tokens": args.mt_local_prefill_max_tokens, "stream": args.mt_stream,
+                 "workloads": {}}
     partial = getattr(args, "partial", None)
     if isinstance(partial, dict):
         partial["result"] = out
