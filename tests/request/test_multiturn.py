@@ -7,7 +7,7 @@ import json
 from array import array
 
 import pytest
-from helpers import Reply, stack
+from helpers import Reply, stack, wait_for
 
 from epd_proxy.request.multiturn import (
     BOUND,
@@ -311,12 +311,14 @@ def _next(prev: dict, user: str = " ".join(f"u{i}" for i in range(100)), answer:
 
 
 def _reads(cluster) -> list[dict]:
-    """The decode parameters each prefill was given (None: the plain ones)."""
+    """The decode parameters each prefill was given to read (not those sent only to free the
+    blocks: ``remote_num_tokens`` 0)."""
     out = []
     for rec in cluster.records("prefill"):
         body = _body_of(rec)
         kv = body.get("kv_transfer_params")
-        if kv is not None and kv.get("do_remote_decode") is True and kv.get("remote_block_ids"):
+        if kv is not None and kv.get("do_remote_decode") is True and kv.get("remote_block_ids") \
+                and kv.get("remote_num_tokens"):
             out.append(kv)
     return out
 
@@ -469,3 +471,20 @@ async def test_conversation_id_is_a_hint_never_forwarded():
         await _ask(client, b2)
         assert all("conversation_id" not in _body_of(r) for r in cluster.records())
         assert len(_reads(cluster)) == 1
+
+
+async def test_parameters_that_will_not_be_used_free_decodes_blocks_early():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        d = cluster.instances("decode")[0]
+        kept = d.kv_reuse.kept_requests
+        edited = _next(b1)
+        edited["messages"][2] = {"role": "assistant", "content": "something else"}
+        await _ask(client, edited)  # turn 1's parameters can no longer be used
+        turns = proxy.app.pipeline.turns
+        await wait_for(lambda: turns.freed == 1)
+        # turn 1's blocks were freed; the warm-up's and the edited turn's are still kept
+        assert d.kv_reuse.kept_requests == kept
+        assert _wrong(cluster) == 0

@@ -166,7 +166,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_kv_reuse_turns": ("counter", "Multi-turn KV reuse: decode answers whose kv_transfer_params were "
                                  "kept for the next turn (kept), turns whose prefill read the previous turn's KV "
                                  "from decode (used), turns served by the decode holding their history alone, the "
-                                 "prefill skipped (local_prefill).", ("outcome",)),
+                                 "prefill skipped (local_prefill), kept parameters handed to a prefill only to "
+                                 "free decode's blocks early (freed).", ("outcome",)),
     "epd_proxy_kv_reuse_fallbacks": ("counter", "Turns with an earlier answer that did not reuse it, and answers "
                                      "not kept, by reason: unknown, edited, used, expired, decode_gone, "
                                      "prefill_failed, reasoning, choices, no_pull_prefill.", ("reason",)),

@@ -109,6 +109,7 @@ class TurnStore:
         self.kept = 0
         self.used = 0
         self.local_prefills = 0
+        self.freed = 0  # entries handed to a prefill only to free decode's blocks early
         self.fallbacks: dict[str, int] = {}
         self.released: dict[str, int] = {}
 
@@ -554,7 +555,7 @@ def turns_collector(store: TurnStore | None) -> Callable[[dict[str, list]], None
         if store is None:
             return
         f["epd_proxy_kv_reuse_turns"] += [["kept", store.kept], ["used", store.used],
-                                          ["local_prefill", store.local_prefills]]
+                                          ["local_prefill", store.local_prefills], ["freed", store.freed]]
         f["epd_proxy_kv_reuse_fallbacks"] += [[r, n] for r, n in store.fallbacks.items()]
         f["epd_proxy_kv_reuse_released"] += [[r, n] for r, n in store.released.items()]
         f["epd_proxy_kv_reuse_held_tokens"] += [[u, n] for u, n in store.held.items()]

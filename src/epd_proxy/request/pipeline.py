@@ -59,9 +59,10 @@ from epd_proxy.request.stage_bodies import decode_body, stream_options_with_usag
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.usage import rewrite_usage
-from epd_proxy.routing.view import RequestView
+from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
+from epd_proxy.wire.ids import hex_id
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
@@ -444,8 +445,9 @@ class Pipeline:
             messages = body["messages"]  # lookup_key found an answer in them
             new = estimate_new_tokens(entry, new_chars, _after_last_answer(messages))
             if new <= self.local_prefill_max:
+                # Not released: the turn's own request on that decode shares those blocks
+                # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
                 turns.local_prefills += 1
-                self._release(entry)  # held for a prefill that will not come; decode's prefix cache has them
                 return holder
         if p is None or not isinstance(self.connector, NixlPull):
             turns.fallback("no_pull_prefill")
@@ -487,8 +489,8 @@ class Pipeline:
         the client gets, and kept for the conversation's next turn (chat)."""
         read = read_answer(answer, ctx.path == CHAT and ctx.api is None, ctx.ids_asked)
         turns = self.turns
-        if turns is None:
-            return read.body
+        if turns is None or not isinstance(self.connector, NixlPull):
+            return read.body  # reuse is for the pull connector (docs/protocol.md §2.10)
         turns.active = True
         if read.params is None or read.message is None:
             if read.reason:
@@ -504,7 +506,37 @@ class Pipeline:
         return read.body
 
     def _release(self, entry: Entry) -> None:
-        """Kept parameters that will not be used: decode frees their blocks at its TTL."""
+        """Kept parameters that will not be used. vLLM 0.32 has one way to free a finished
+        request's blocks on decode before its TTL: a prefill request that carries them, which
+        tells decode it is done with them even when it reads nothing (an abort of a finished
+        request does nothing). So a 1-token prefill is sent with them, told to read nothing
+        (``remote_num_tokens: 0``), in the background; when that cannot be done (no pull
+        prefill, the decode gone, too many such calls at once), decode frees them at its TTL."""
+        turns = self.turns
+        if (turns is None or entry.ids is None or not entry.ids or not isinstance(self.connector, NixlPull)
+                or not self.prefill or entry.deadline <= time.monotonic() or self.decode.find(entry.decode) is None
+                or len(self._background) >= _MAX_RELEASES):
+            return
+        task = asyncio.get_running_loop().create_task(self._free(entry, turns))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _free(self, entry: Entry, turns: TurnStore) -> None:
+        ctx = RequestContext(f"kv-release-{hex_id(48)}", "/v1/completions", self._base_headers)
+        connector, ids = self.connector, entry.ids
+        assert isinstance(connector, NixlPull) and ids is not None  # _release checked both
+        try:
+            models = self.models.current.route(entry.model if isinstance(entry.model, str) else None)
+            p = self.prefill.choose((), EMPTY_VIEW, None if models is None else models.get("prefill"))
+            # Two tokens: less than a block (never cached), and a list vLLM reads as token ids.
+            body = {"model": entry.model, "prompt": [ids[0], ids[0]], "max_tokens": 1,
+                    "kv_transfer_params": dict(entry.params, remote_num_tokens=0)}
+            await connector.prefill.run(ctx, p, body)
+            turns.freed += 1
+        except ProxyError as err:
+            log.debug("kept KV on %s not released early: %s", entry.decode, err.message)
+        finally:
+            ctx.release_all()
 
     def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> None:
         """Another generation API (apis.py): its media checked, and whether it is split."""
@@ -605,6 +637,8 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
+# Background calls that free kept KV on decode early (``Pipeline._release``) at once.
+_MAX_RELEASES = 64
 
 
 def _wants_usage(body: dict) -> bool:
