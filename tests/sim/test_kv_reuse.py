@@ -352,3 +352,25 @@ async def test_return_token_ids_spell_what_decode_keeps(http):
         tok = await http.post(c.urls("decode")[0], "/tokenize", {"model": "sim-model",
                                                                  "messages": follow(b1)["messages"]})
         assert tok.json["tokens"][:len(ids)] == ids
+
+
+async def test_kept_blocks_stay_findable_for_a_local_prefill_until_freed(http):
+    # a one-block LRU prefix cache: only the pinned (kept) blocks can give the hits
+    async with SimCluster(prefill=1, decode=1, config=bidi(prefix_cache_blocks=1)) as c:
+        d = c.instances("decode")[0]
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, b1, rid="a")
+        kept = d1.json["kv_transfer_params"]["remote_num_tokens"]
+        b2 = follow(b1, user="ok")
+        before = await metrics(http, d)
+        r = await http.chat(d.url, b2, rid="local")
+        assert r.json["choices"][0]["message"]["content"] == expected_text(b2)
+        after = await metrics(http, d)
+        hits = metric(after, "vllm:prefix_cache_hits_total") - metric(before, "vllm:prefix_cache_hits_total")
+        assert hits == kept // 16 * 16
+        # freed blocks are no longer pinned: only the local request's own kept blocks are
+        pinned = d.prefix_cache.pinned_blocks
+        own = prompt_tokens(follow(b2)) - 1 - len("and then what".split())
+        await pd_turn(http, c, follow(b1, user="again"), reuse=d1.json["kv_transfer_params"], p=0, rid="b")
+        assert d.kv_reuse.kept_requests == 2  # the local request's and turn "b"'s
+        assert pinned == own // 16  # turn 1's blocks are a prefix of the local request's: shared hashes

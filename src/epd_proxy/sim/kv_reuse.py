@@ -35,6 +35,7 @@ from typing import Callable
 
 from epd_proxy.http.transport import UpstreamError
 from epd_proxy.sim.kv_channel import KvSideChannel, flat_ints
+from epd_proxy.sim.prefix_cache import PrefixCache
 
 _LOAD_FAILED = "KV load failed (kv_load_failure_policy=fail): "
 
@@ -52,6 +53,7 @@ class KeptKV:
     block_ids: list[int]
     ids: list[int]  # the tokens kept: prompt and answer as the next turn's prompt spells them
     expiry: float  # time.monotonic()
+    hashes: list[int]  # their full blocks, pinned in the decode's prefix cache meanwhile
     timer: asyncio.TimerHandle | None = None
 
 
@@ -78,6 +80,7 @@ class KvReuse:
         self.kept_blocks = 0
         self.epoch = 0  # bumped by a crash: vLLM draws a new engine id at each start
         self.on_free: Callable[[], None] | None = None  # the engine admits what now fits
+        self.cache: PrefixCache | None = None  # the instance's, where kept blocks stay findable
         self._kept: dict[str, KeptKV] = {}
         self._next_block = 1
 
@@ -99,15 +102,18 @@ class KvReuse:
         for k in self._kept.values():
             if k.timer is not None:
                 k.timer.cancel()
+            if self.cache is not None:
+                self.cache.unpin(k.hashes)
         self._kept.clear()
         self.kept_blocks = 0
         self.epoch += 1
 
     # -- decode: keeping a finished request's blocks -----------------------------------------
-    def keep(self, request_id: str, ids: list[int]) -> dict:
+    def keep(self, request_id: str, ids: list[int], hashes: list[int] | None = None) -> dict:
         """Pin the blocks of ``ids`` (prompt and answer as the next turn's prompt spells them)
         and return the ``kv_transfer_params`` vLLM's decode answers with (``remote_num_tokens``:
-        ``len(ids)``)."""
+        ``len(ids)``); ``hashes``: the full blocks' hashes, pinned in the prefix cache until the
+        blocks are freed (a local prefill on this decode finds them)."""
         cfg = self.config
         inst = self.inst
         nblocks = max(1, -(-len(ids) // cfg.block_size))
@@ -117,7 +123,10 @@ class KvReuse:
         old = self._kept.pop(request_id, None)
         if old is not None:
             self._free(old)
-        kept = KeptKV(request_id, list(range(first, first + nblocks)), list(ids), time.monotonic() + ttl)
+        kept = KeptKV(request_id, list(range(first, first + nblocks)), list(ids), time.monotonic() + ttl,
+                      list(hashes or ()))
+        if self.cache is not None:
+            self.cache.pin(kept.hashes)
         kept.timer = asyncio.get_running_loop().call_later(ttl, self._expire, kept)
         self._kept[request_id] = kept
         self.kept_blocks += nblocks
@@ -129,6 +138,8 @@ class KvReuse:
 
     def _free(self, kept: KeptKV) -> None:
         self.kept_blocks -= len(kept.block_ids)
+        if self.cache is not None:
+            self.cache.unpin(kept.hashes)
         if kept.timer is not None:
             kept.timer.cancel()
             kept.timer = None

@@ -17,8 +17,8 @@ Targets, side by side on fresh clusters:
 
 ``cache-aware``       epd-proxy, cache-aware prefill, load-aware decode, ``--no-kv-reuse``
                       (today's routing; without that flag when the proxy has no reuse)
-``reuse``             the same with multi-turn reuse (automatic)
-``reuse-skip``        plus ``--local-prefill-max-tokens N``
+``reuse``             the same with multi-turn reuse (automatic), ``--local-prefill-max-tokens 0``
+``reuse-skip``        reuse and prefill skipping (``--local-prefill-max-tokens``: the proxy's default, or N)
 ``vllm-multiturn``    vLLM 0.33's ``disagg_proxy_multiturn.py`` (fetched from the vllm sdist on
                       the package index; sent ``conversation_id``)
 ``vllm-router:P``     vllm-router ``--policy P``

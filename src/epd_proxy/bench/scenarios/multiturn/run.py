@@ -65,8 +65,9 @@ def add_arguments(group) -> None:
                             "streams)")
     group.add_argument("--mt-ttl", type=float, default=480.0,
                        help="multiturn: seconds a decode keeps a finished request's blocks (decoder_kv_blocks_ttl)")
-    group.add_argument("--mt-local-prefill-max-tokens", type=int, default=128,
-                       help="multiturn: the reuse-skip target's --local-prefill-max-tokens")
+    group.add_argument("--mt-local-prefill-max-tokens", type=int, default=None,
+                       help="multiturn: the reuse-skip target's --local-prefill-max-tokens (default: the proxy's; "
+                            "the reuse target runs with 0)")
     group.add_argument("--mt-stream", action=argparse.BooleanOptionalAction, default=True,
                        help="multiturn: clients stream (TTFT and ITL measured); --no-mt-stream sends non-stream "
                             "requests, whose TTFT is the whole answer's time and which have no ITL (vLLM 0.32's "
@@ -90,9 +91,10 @@ def proxy_flags(name: str, args) -> list[str] | None:
     if not proxy_has_reuse():
         return None
     if name == "reuse":
-        return list(CACHE_AWARE)
+        return list(CACHE_AWARE) + ["--local-prefill-max-tokens", "0"]
     if name == "reuse-skip":
-        return list(CACHE_AWARE) + ["--local-prefill-max-tokens", str(args.mt_local_prefill_max_tokens)]
+        n = args.mt_local_prefill_max_tokens
+        return list(CACHE_AWARE) + (["--local-prefill-max-tokens", str(n)] if n is not None else [])
     raise ValueError(f"unknown multiturn target {name!r} (known: {', '.join(DEFAULT_TARGETS)}, vllm-router:POLICY)")
 
 
