@@ -323,3 +323,54 @@ async def test_every_generation_api_carries_decode_params(http):
         r = await http.completion(d, {"model": "sim-model", "prompt": "hi there", "max_tokens": 5})
         assert r.status == 200 and r.json["kv_transfer_params"]["do_remote_decode"] is True
         assert c.instances("decode")[0].kv_reuse.kept_requests == 3
+
+
+async def test_lowered_remote_num_tokens_reads_only_the_shared_part(http):
+    """A proxy that finds the new prompt shares only part of what decode keeps lowers
+    remote_num_tokens; the prefill reads up to there and answers right."""
+    async with SimCluster(prefill=2, decode=1, config=bidi()) as c:
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, b1, rid="a")
+        kv = d1.json["kv_transfer_params"]
+        b2 = follow(b1)
+        b2["messages"][2]["content"] = " ".join(b2["messages"][2]["content"].split()[:-5]) + " edited"
+        shared = kv["remote_num_tokens"] - 6  # the edit changes the answer's last words
+        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared), p=1, rid="b")
+        assert d2.json["choices"][0]["message"]["content"] == expected_text(b2)
+        m = await metrics(http, c.instances("prefill")[1])
+        assert metric(m, "vllm:external_prefix_cache_hits_total") == shared - 1
+        assert metric(m, "sim:wrong_kv_reads_total") == 0
+
+
+async def test_return_token_ids_spell_what_decode_keeps(http):
+    async with SimCluster(prefill=1, decode=1, config=bidi()) as c:
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, dict(b1, return_token_ids=True), rid="a")
+        out = d1.json
+        ids = out["prompt_token_ids"] + out["choices"][0]["token_ids"]
+        assert len(ids) == out["kv_transfer_params"]["remote_num_tokens"]
+        tok = await http.post(c.urls("decode")[0], "/tokenize", {"model": "sim-model",
+                                                                 "messages": follow(b1)["messages"]})
+        assert tok.json["tokens"][:len(ids)] == ids
+
+
+async def test_kept_blocks_stay_findable_for_a_local_prefill_until_freed(http):
+    # a one-block LRU prefix cache: only the pinned (kept) blocks can give the hits
+    async with SimCluster(prefill=1, decode=1, config=bidi(prefix_cache_blocks=1)) as c:
+        d = c.instances("decode")[0]
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, b1, rid="a")
+        kept = d1.json["kv_transfer_params"]["remote_num_tokens"]
+        b2 = follow(b1, user="ok")
+        before = await metrics(http, d)
+        r = await http.chat(d.url, b2, rid="local")
+        assert r.json["choices"][0]["message"]["content"] == expected_text(b2)
+        after = await metrics(http, d)
+        hits = metric(after, "vllm:prefix_cache_hits_total") - metric(before, "vllm:prefix_cache_hits_total")
+        assert hits == kept // 16 * 16
+        # freed blocks are no longer pinned: only the local request's own kept blocks are
+        pinned = d.prefix_cache.pinned_blocks
+        own = prompt_tokens(follow(b2)) - 1 - len("and then what".split())
+        await pd_turn(http, c, follow(b1, user="again"), reuse=d1.json["kv_transfer_params"], p=0, rid="b")
+        assert d.kv_reuse.kept_requests == 2  # the local request's and turn "b"'s
+        assert pinned == own // 16  # turn 1's blocks are a prefix of the local request's: shared hashes

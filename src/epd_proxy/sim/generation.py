@@ -605,9 +605,11 @@ class GenerationHandler:
         inst = self.inst
         ids = continuation_ids(g.body, g.chat, self._token_ids(g, g.body, g.prompt), seq.tokens[0][:seq.n])
         cache = inst.prefix_cache
+        hashes = None
         if cache is not None:
-            cache.store(block_hashes(ids, cache.block_size))
-        return inst.kv_reuse.keep(g.internal_id, ids)
+            hashes = block_hashes(ids, cache.block_size)
+            cache.store(hashes)
+        return inst.kv_reuse.keep(g.internal_id, ids, hashes)
 
     def _openai_body(self, g: GenerationRequest, seq: Sequence, kv_out: dict | None, ec_out: dict | None,
                      ncomp: int) -> dict:

@@ -81,6 +81,7 @@ class SimInstance:
         if role != "encode" and cfg.enable_prefix_caching:
             capacity = cfg.num_gpu_blocks if cfg.prefix_cache_blocks is None else cfg.prefix_cache_blocks
             self.prefix_cache = PrefixCache(cfg.block_size, capacity)
+        self.kv_reuse.cache = self.prefix_cache
         self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens) if role == "encode" else None
         self._generation = GenerationHandler(self)
         self._responses = ResponsesFormat(self.created, cfg.max_model_len, cfg.responses_store)

@@ -18,9 +18,10 @@ or a decode whose engine id changed (it restarted), give HTTP 500
 (``kv_load_failure_policy=fail``).
 
 The side channel is the decode's HTTP port: ``POST /sim/kv/read`` ``{remote_engine_id,
-remote_request_id, remote_block_ids, prefix_digest, read_tokens, consumer}`` -> 200
+remote_request_id, remote_block_ids, num_tokens, prefix_digest, read_tokens, consumer}`` -> 200
 ``{num_tokens, match}`` (the blocks freed; ``match``: the reader's prompt starts with the
-kept tokens), 404 ``{"reason": "engine"}`` for another engine id, 404 ``{"reason":
+first ``num_tokens`` kept tokens: its ``remote_num_tokens``, which a proxy may lower to read
+less), 404 ``{"reason": "engine"}`` for another engine id, 404 ``{"reason":
 "unknown"}`` when nothing is kept under that id (used, expired, never kept).
 """
 
@@ -34,6 +35,7 @@ from typing import Callable
 
 from epd_proxy.http.transport import UpstreamError
 from epd_proxy.sim.kv_channel import KvSideChannel, flat_ints
+from epd_proxy.sim.prefix_cache import PrefixCache
 
 _LOAD_FAILED = "KV load failed (kv_load_failure_policy=fail): "
 
@@ -49,9 +51,9 @@ class KeptKV:
 
     request_id: str
     block_ids: list[int]
-    num_tokens: int
-    digest: str
+    ids: list[int]  # the tokens kept: prompt and answer as the next turn's prompt spells them
     expiry: float  # time.monotonic()
+    hashes: list[int]  # their full blocks, pinned in the decode's prefix cache meanwhile
     timer: asyncio.TimerHandle | None = None
 
 
@@ -78,6 +80,7 @@ class KvReuse:
         self.kept_blocks = 0
         self.epoch = 0  # bumped by a crash: vLLM draws a new engine id at each start
         self.on_free: Callable[[], None] | None = None  # the engine admits what now fits
+        self.cache: PrefixCache | None = None  # the instance's, where kept blocks stay findable
         self._kept: dict[str, KeptKV] = {}
         self._next_block = 1
 
@@ -99,15 +102,18 @@ class KvReuse:
         for k in self._kept.values():
             if k.timer is not None:
                 k.timer.cancel()
+            if self.cache is not None:
+                self.cache.unpin(k.hashes)
         self._kept.clear()
         self.kept_blocks = 0
         self.epoch += 1
 
     # -- decode: keeping a finished request's blocks -----------------------------------------
-    def keep(self, request_id: str, ids: list[int]) -> dict:
+    def keep(self, request_id: str, ids: list[int], hashes: list[int] | None = None) -> dict:
         """Pin the blocks of ``ids`` (prompt and answer as the next turn's prompt spells them)
         and return the ``kv_transfer_params`` vLLM's decode answers with (``remote_num_tokens``:
-        ``len(ids)``)."""
+        ``len(ids)``); ``hashes``: the full blocks' hashes, pinned in the prefix cache until the
+        blocks are freed (a local prefill on this decode finds them)."""
         cfg = self.config
         inst = self.inst
         nblocks = max(1, -(-len(ids) // cfg.block_size))
@@ -117,8 +123,10 @@ class KvReuse:
         old = self._kept.pop(request_id, None)
         if old is not None:
             self._free(old)
-        kept = KeptKV(request_id, list(range(first, first + nblocks)), len(ids), ids_digest(ids),
-                      time.monotonic() + ttl)
+        kept = KeptKV(request_id, list(range(first, first + nblocks)), list(ids), time.monotonic() + ttl,
+                      list(hashes or ()))
+        if self.cache is not None:
+            self.cache.pin(kept.hashes)
         kept.timer = asyncio.get_running_loop().call_later(ttl, self._expire, kept)
         self._kept[request_id] = kept
         self.kept_blocks += nblocks
@@ -130,6 +138,8 @@ class KvReuse:
 
     def _free(self, kept: KeptKV) -> None:
         self.kept_blocks -= len(kept.block_ids)
+        if self.cache is not None:
+            self.cache.unpin(kept.hashes)
         if kept.timer is not None:
             kept.timer.cancel()
             kept.timer = None
@@ -173,7 +183,11 @@ class KvReuse:
         else:
             self.stats.kv_reuse_releases += 1
         ev["ok"] = True
-        return 200, {"num_tokens": kept.num_tokens, "match": data.get("prefix_digest") == kept.digest}
+        # The reader's prompt must start with the first ``num_tokens`` tokens it was told are kept.
+        n = data.get("num_tokens")
+        match = (isinstance(n, int) and 0 < n <= len(kept.ids)
+                 and data.get("prefix_digest") == ids_digest(kept.ids[:n]))
+        return 200, {"num_tokens": len(kept.ids), "match": match}
 
     # -- prefill: reading the previous turn from decode ---------------------------------------
     async def read(self, kv: dict, ids: list[int], cached: int) -> ReadResult:
@@ -190,7 +204,7 @@ class KvReuse:
         want = covered - cached
         read = want if want >= cfg.kv_recompute_threshold else 0
         payload = {"remote_engine_id": kv.get("remote_engine_id"), "remote_request_id": kv.get("remote_request_id"),
-                   "remote_block_ids": kv.get("remote_block_ids"), "read_tokens": read,
+                   "remote_block_ids": kv.get("remote_block_ids"), "read_tokens": read, "num_tokens": n,
                    "prefix_digest": ids_digest(ids[:n]) if 0 < n <= len(ids) else None,
                    "consumer": self.inst.engine_id}
         base = f"http://{kv.get('remote_host')}:{kv.get('remote_port')}"

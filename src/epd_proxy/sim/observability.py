@@ -26,7 +26,7 @@ def state(inst: SimHost) -> dict:
                     for h in kv.held()],
         "push_waiters": kv.push_waiters(),
         "kept_kv_blocks": inst.kv_reuse.kept_blocks,
-        "kept_kv": [{"request_id": k.request_id, "blocks": k.block_ids, "tokens": k.num_tokens, "expiry": k.expiry}
+        "kept_kv": [{"request_id": k.request_id, "blocks": k.block_ids, "tokens": len(k.ids), "expiry": k.expiry}
                     for k in inst.kv_reuse.kept()],
         "running": eng.num_running if eng else 0, "waiting": eng.num_waiting if eng else 0,
         "stats": inst.stats.as_dict(), "ec_store_entries": len(inst.ec_store),

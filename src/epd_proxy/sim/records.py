@@ -92,7 +92,7 @@ class Stats:
         self.aborted = 0  # requests whose client went away (sim:aborted_requests_total only)
         self.faults = 0  # requests with an injected fault
         self.errors = 0  # requests failed by the simulator (generation errors)
-        # Bidirectional transfer (multiturn.py). Decode: blocks kept after a request that expired,
+        # Bidirectional transfer (kv_reuse.py). Decode: blocks kept after a request that expired,
         # reads of kept blocks served (and their tokens), releases without a read, reads of
         # blocks no longer kept. Prefill: answers computed over another prompt's KV (vLLM gives
         # them silently), reads that failed the request.
