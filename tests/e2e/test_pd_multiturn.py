@@ -136,3 +136,37 @@ def test_short_follow_up_skips_the_prefill(mt, proxy):
     text, _ = _turn(proxy, mt, messages)
     assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN
     assert text == _reference(mt, messages)
+
+
+def test_measure_local_prefill_against_the_prefill_hop(mt, start_proxy, capsys):
+    """Not a check: the time to a one-token answer for a follow-up of N new tokens, served by
+    the holding decode alone against prefill (reading the history from decode) then decode.
+    What ``--local-prefill-max-tokens``'s default was chosen from (docs/architecture.md)."""
+    import statistics
+    import time
+    local = start_proxy("mt-local", prefill=[mt.prefill.url], decode=[mt.decode.url],
+                        extra=["--local-prefill-max-tokens", "100000"])
+    hop = start_proxy("mt-hop", prefill=[mt.prefill.url], decode=[mt.decode.url],
+                      extra=["--local-prefill-max-tokens", "0"])
+    for p in (local, hop):  # each learns that decode keeps blocks
+        E.post(p.url, "/v1/chat/completions", _body([{"role": "user", "content": _user(f"w-{p.port}", 8)}]))
+    rows = []
+    for words in (8, 32, 64, 128, 256):
+        times: dict[str, list[float]] = {"local": [], "hop": []}
+        for rep in range(3):
+            for name, p in (("local", local), ("hop", hop)):
+                messages = [{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": _user(f"m-{name}-{words}-{rep}")}]
+                text, _ = _turn(p, mt, messages)
+                messages += [{"role": "assistant", "content": text},
+                             {"role": "user", "content": _user(f"n-{name}-{words}-{rep}", words)}]
+                t0 = time.perf_counter()
+                r = E.post(p.url, "/v1/chat/completions", dict(_body(messages), max_tokens=1))
+                times[name].append(time.perf_counter() - t0)
+                assert r.status == 200, E.describe(r)
+        rows.append((words, statistics.median(times["local"]) * 1000, statistics.median(times["hop"]) * 1000))
+    with capsys.disabled():
+        print("\n[e2e] follow-up of N words, time to a 1-token answer (ms, median of 3): local prefill on "
+              "decode / prefill hop reading from decode")
+        for words, a, b in rows:
+            print(f"[e2e]   {words:4d} words: {a:7.1f} / {b:7.1f}")
