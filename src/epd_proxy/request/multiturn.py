@@ -388,13 +388,13 @@ def carries_params(body: bytes) -> bool:
     ``kv_transfer_params`` among an answer's last keys, so the common answer without them is
     told by a search of its last bytes, whatever its length (a search of the whole answer
     cost about 3 instructions per byte); anything else is searched whole."""
-    if body.find(_NO_PARAMS, len(body) - _TAIL) >= 0:
+    if body.find(NO_PARAMS, len(body) - NO_PARAMS_TAIL) >= 0:
         return False
     return body.rfind(_KEEP_MARK) >= 0
 
 
-_NO_PARAMS = b'"kv_transfer_params":null'
-_TAIL = 160
+NO_PARAMS = b'"kv_transfer_params":null'
+NO_PARAMS_TAIL = 160
 
 
 def read_answer(body: bytes, chat: bool = True, strip_ids: bool = False) -> Answer:
@@ -514,6 +514,8 @@ def reuse_params(entry: Entry, tokens: list[int]) -> dict | None:
         return None
     params = dict(entry.params)
     held = params.get("remote_num_tokens")
+    if type(held) is not int:
+        return None
     if shared < held:
         # vLLM pairs the blocks it reads with the *last* of the blocks named (the prefix it
         # has cached is skipped from the front of its own, the end of the named ones), so
