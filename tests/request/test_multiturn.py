@@ -516,3 +516,13 @@ def test_cut_blocks_refuses_what_it_cannot_tell():
     assert cut_blocks([[1, 2], [3]], 30, 20) is None  # two groups
     assert cut_blocks([[]], 30, 20) is None
     assert cut_blocks([list(range(9))], 200, 150) is None  # no power of two gives 9 blocks for 200 tokens
+
+
+async def test_a_decode_that_leaves_takes_its_kept_parameters_with_it():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        await _ask(client, _t1())
+        turns = proxy.app.pipeline.turns
+        (url,) = set(turns.held)
+        proxy.app.membership.unregister(url, source="static")
+        assert not turns.held and len(turns) == 0 and turns.released["decode_gone"] == 1
