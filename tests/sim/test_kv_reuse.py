@@ -374,3 +374,32 @@ async def test_kept_blocks_stay_findable_for_a_local_prefill_until_freed(http):
         await pd_turn(http, c, follow(b1, user="again"), reuse=d1.json["kv_transfer_params"], p=0, rid="b")
         assert d.kv_reuse.kept_requests == 2  # the local request's and turn "b"'s
         assert pinned == own // 16  # turn 1's blocks are a prefix of the local request's: shared hashes
+
+
+async def test_stream_return_token_ids_add_up_to_the_non_stream_ones(http):
+    async with SimCluster(prefill=1, decode=1, config=bidi(bidirectional_stream_params=True)) as c:
+        body = dict(turn1(), return_token_ids=True)
+        d = c.urls("decode")[0]
+        whole = (await http.chat(d, body)).json
+        events = (await http.chat(d, dict(body, stream=True))).events
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        ids = [i for e in chunks if "token_ids" in e["choices"][0] for i in e["choices"][0]["token_ids"]]
+        assert ids == whole["choices"][0]["token_ids"]
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in chunks) == expected_text(body)
+        assert events[-2]["kv_transfer_params"]["remote_num_tokens"] == len(whole["prompt_token_ids"]) + len(ids)
+
+
+def test_answer_chunk_ids_add_up_to_the_answer_as_the_next_prompt_spells_it():
+    import random
+
+    from epd_proxy.sim.tokens import VOCAB, answer_chunk_ids, continuation_ids
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    rng = random.Random(7)
+    for n in (1, 2, 5, 40, 200):
+        for _ in range(20):
+            answer = [rng.randrange(len(VOCAB)) for _ in range(n)]
+            chunks = answer_chunk_ids(answer)
+            assert len(chunks) == n
+            assert [i for c in chunks for i in c] == continuation_ids(body, True, [], answer)
