@@ -334,12 +334,26 @@ async def test_lowered_remote_num_tokens_reads_only_the_shared_part(http):
         kv = d1.json["kv_transfer_params"]
         b2 = follow(b1)
         b2["messages"][2]["content"] = " ".join(b2["messages"][2]["content"].split()[:-5]) + " edited"
-        shared = kv["remote_num_tokens"] - 6  # the edit changes the answer's last words
-        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared), p=1, rid="b")
+        shared = kv["remote_num_tokens"] // 16 * 16 - 20  # before the edit, and a block less
+        blocks = [kv["remote_block_ids"][0][:-(-shared // 16)]]  # only those that hold them
+        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared, remote_block_ids=blocks), p=1,
+                              rid="b")
         assert d2.json["choices"][0]["message"]["content"] == expected_text(b2)
         m = await metrics(http, c.instances("prefill")[1])
         assert metric(m, "vllm:external_prefix_cache_hits_total") == shared - 1
         assert metric(m, "sim:wrong_kv_reads_total") == 0
+
+
+async def test_lowered_remote_num_tokens_with_every_block_named_reads_the_wrong_kv(http):
+    async with SimCluster(prefill=2, decode=1, config=bidi()) as c:
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, b1, rid="a")
+        kv = d1.json["kv_transfer_params"]
+        b2 = follow(b1)
+        shared = kv["remote_num_tokens"] // 16 * 16 - 20  # one block fewer than named
+        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared), p=1, rid="b")
+        assert d2.status == 200 and d2.json["choices"][0]["message"]["content"] != expected_text(b2)
+        assert metric(await metrics(http, c.instances("prefill")[1]), "sim:wrong_kv_reads_total") == 1
 
 
 async def test_return_token_ids_spell_what_decode_keeps(http):
