@@ -53,6 +53,21 @@ def _user(seed: str, words: int = 80) -> str:
     return f"Note {seed}: " + " ".join(rnd.choice(base) for _ in range(words))
 
 
+def _ask_next(mt, messages: list, seed: str) -> list:
+    """``messages`` and a new user message of about 80 words, sized so that the prompt ends
+    72 to 112 tokens into a 128-token block (vLLM's CPU block size): the prefill's own cache
+    then stops at least 72 tokens short of this prompt's end, so the next turn's prefill reads
+    at least that much from decode even if the answer's text re-tokenizes differently from its
+    first token on (the proxy reads only as far as the tokens match)."""
+    for extra in range(0, 128):
+        out = messages + [{"role": "user", "content": _user(seed, 80 + extra)}]
+        r = E.post(mt.decode.url, "/tokenize", {"model": E.MODEL_NAME, "messages": out})
+        assert r.status == 200, E.describe(r)
+        if 72 <= r.json()["count"] % 128 <= 112:
+            return out
+    raise AssertionError("no size found")
+
+
 def _body(messages: list, stream: bool = False) -> dict:
     return {"model": E.MODEL_NAME, "messages": messages, "max_tokens": ANSWER_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": stream}
@@ -83,12 +98,12 @@ def _proxy_metric(proxy, name: str, **labels: str) -> float:
 
 
 def test_three_turns_read_the_previous_answer_from_decode(mt, proxy):
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user("s1")}]
+    messages = _ask_next(mt, [{"role": "system", "content": SYSTEM}], "s1")
     used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
     text, _ = _turn(proxy, mt, messages)
     assert text == _reference(mt, messages)
     for turn in (2, 3):
-        messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": _user(f"s2-{turn}")}]
+        messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], f"s2-{turn}")
         p0 = mt.prefill.metrics()
         text, _ = _turn(proxy, mt, messages)
         # The prefill read the previous answer (and what of the prompt its own cache lacked) from decode.
@@ -97,7 +112,7 @@ def test_three_turns_read_the_previous_answer_from_decode(mt, proxy):
     assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2
     # A stream turn: 0.32's decode stream carries no parameters, but the turn reads the last
     # non-streamed answer's blocks and answers the same.
-    messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": _user("s3")}]
+    messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], "s3")
     p0 = mt.prefill.metrics()
     streamed, _ = _turn(proxy, mt, messages, stream=True)
     assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN
@@ -107,9 +122,9 @@ def test_three_turns_read_the_previous_answer_from_decode(mt, proxy):
 def test_retry_of_a_turn_does_not_reuse_twice(mt, proxy):
     """The same turn sent again (a client's retry) must not get the parameters a second time:
     vLLM would answer it wrongly. It falls back and still answers the same."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user("s4")}]
+    messages = _ask_next(mt, [{"role": "system", "content": SYSTEM}], "s4")
     text, _ = _turn(proxy, mt, messages)
-    messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": _user("s5")}]
+    messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], "s5")
     first, _ = _turn(proxy, mt, messages)
     used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="used")
     again, _ = _turn(proxy, mt, messages)
@@ -118,7 +133,7 @@ def test_retry_of_a_turn_does_not_reuse_twice(mt, proxy):
 
 
 def test_short_follow_up_skips_the_prefill(mt, proxy):
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user("s6")}]
+    messages = _ask_next(mt, [{"role": "system", "content": SYSTEM}], "s6")
     text, _ = _turn(proxy, mt, messages)
     messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
     p0, d0 = mt.prefill.metrics(), mt.decode.metrics()
@@ -130,11 +145,12 @@ def test_short_follow_up_skips_the_prefill(mt, proxy):
     # Decode found the conversation in its own prefix cache.
     assert E.delta(mt.decode, "vllm:prefix_cache_hits_total", d0, 128) >= 128
     assert text == _reference(mt, messages)
-    # The locally prefilled turn kept its blocks too: the next turn reads them.
-    messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": _user("s7")}]
-    p0 = mt.prefill.metrics()
+    # The locally prefilled turn kept its blocks too (decode answered with parameters): the
+    # next turn's prefill gets them.
+    messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], "s7")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
     text, _ = _turn(proxy, mt, messages)
-    assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 1
     assert text == _reference(mt, messages)
 
 

@@ -23,6 +23,7 @@ from epd_proxy.request.multiturn import (
     answer_message,
     carries_params,
     common_prefix,
+    cut_blocks,
     estimate_new_tokens,
     keep_key,
     lookup_key,
@@ -242,11 +243,14 @@ def test_answer_without_token_ids_is_not_kept():
 
 def test_reuse_reads_only_the_tokens_the_prompt_shares():
     ids = array("l", range(200))
-    entry = Entry(dict(PARAMS), "d", 200, 800, 0, b"", ids=ids)
-    assert reuse_params(entry, list(range(250)))["remote_num_tokens"] == 200
+    held = dict(PARAMS, remote_num_tokens=200, remote_block_ids=[list(range(10, 23))])  # 13 blocks of 16
+    entry = Entry(held, "d", 200, 800, 0, b"", ids=ids)
+    assert reuse_params(entry, list(range(250))) == held
     changed = list(range(150)) + [7] + list(range(151, 250))  # the answer re-tokenized differently
     params = reuse_params(entry, changed)
-    assert params["remote_num_tokens"] == 150 and entry.params["remote_num_tokens"] == 120
+    # the first 10 blocks hold tokens 0..159: vLLM reads the last blocks named, so only those are
+    assert params["remote_num_tokens"] == 150 and params["remote_block_ids"] == [list(range(10, 20))]
+    assert entry.params["remote_block_ids"] == [list(range(10, 23))]
     assert reuse_params(entry, [5] + list(range(1, 250))) is None  # nothing worth reading
     assert common_prefix(ids, list(range(10))) == 10 and common_prefix(ids, []) == 0
     assert tokens_of(b'{"count":2,"max_model_len":9,"tokens":[4,5],"token_strs":null}') == [4, 5]
@@ -496,3 +500,29 @@ def test_tokenize_body_only_when_it_can_see_the_whole_prompt():
     assert tokenize_body(body) == {"model": "m", "messages": body["messages"], "tools": body["tools"]}
     assert tokenize_body(_turn2(reasoning_effort="high")) is None
     assert tokenize_body(_turn2(documents=[{"text": "x"}])) is None
+
+
+@pytest.mark.parametrize("held, nblocks, shared, want", [
+    (200, 13, 150, 10),  # 16-token blocks
+    (255, 16, 100, 7),  # 16-token blocks, the last token's slot in the last block
+    (1000, 8, 300, 3),  # 128-token blocks (vLLM on CPU)
+    (100, 1, 70, 1),  # one block: whatever its size
+])
+def test_cut_blocks(held, nblocks, shared, want):
+    assert cut_blocks([list(range(nblocks))], held, shared) == [list(range(want))]
+
+
+def test_cut_blocks_refuses_what_it_cannot_tell():
+    assert cut_blocks([[1, 2], [3]], 30, 20) is None  # two groups
+    assert cut_blocks([[]], 30, 20) is None
+    assert cut_blocks([list(range(9))], 200, 150) is None  # no power of two gives 9 blocks for 200 tokens
+
+
+async def test_a_decode_that_leaves_takes_its_kept_parameters_with_it():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        await _ask(client, _t1())
+        turns = proxy.app.pipeline.turns
+        (url,) = set(turns.held)
+        proxy.app.membership.unregister(url, source="static")
+        assert not turns.held and len(turns) == 0 and turns.released["decode_gone"] == 1

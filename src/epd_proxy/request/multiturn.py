@@ -388,13 +388,13 @@ def carries_params(body: bytes) -> bool:
     ``kv_transfer_params`` among an answer's last keys, so the common answer without them is
     told by a search of its last bytes, whatever its length (a search of the whole answer
     cost about 3 instructions per byte); anything else is searched whole."""
-    if body.find(_NO_PARAMS, len(body) - _TAIL) >= 0:
+    if body.find(NO_PARAMS, len(body) - NO_PARAMS_TAIL) >= 0:
         return False
     return body.rfind(_KEEP_MARK) >= 0
 
 
-_NO_PARAMS = b'"kv_transfer_params":null'
-_TAIL = 160
+NO_PARAMS = b'"kv_transfer_params":null'
+NO_PARAMS_TAIL = 160
 
 
 def read_answer(body: bytes, chat: bool = True, strip_ids: bool = False) -> Answer:
@@ -513,8 +513,43 @@ def reuse_params(entry: Entry, tokens: list[int]) -> dict | None:
     if shared < READ_MIN:
         return None
     params = dict(entry.params)
-    params["remote_num_tokens"] = shared
+    held = params.get("remote_num_tokens")
+    if type(held) is not int:
+        return None
+    if shared < held:
+        # vLLM pairs the blocks it reads with the *last* of the blocks named (the prefix it
+        # has cached is skipped from the front of its own, the end of the named ones), so
+        # reading less means naming fewer blocks: the first ones, up to ``shared``.
+        blocks = cut_blocks(params.get("remote_block_ids"), held, shared)
+        if blocks is None:
+            return None
+        params["remote_block_ids"] = blocks
+        params["remote_num_tokens"] = shared
     return params
+
+
+def cut_blocks(block_ids: object, held: int, shared: int) -> list | None:
+    """The blocks holding the first ``shared`` of ``held`` tokens, from decode's
+    ``remote_block_ids`` (one list per KV-cache group): the block size is not in the
+    parameters, so it is inferred from the count (a power of two for which ``held`` tokens,
+    or one more for the slot of the last token, fill exactly that many blocks); None when
+    that is ambiguous in a way that matters, or with several groups (sliding-window and
+    hybrid models clip their lists)."""
+    if not isinstance(block_ids, list) or len(block_ids) != 1 or not isinstance(block_ids[0], list):
+        return None
+    blocks = block_ids[0]
+    n = len(blocks)
+    if n == 0:
+        return None
+    keep = set()
+    size = 1
+    while size <= 1 << 16:
+        if n in (-(-held // size), -(-(held + 1) // size)):
+            keep.add(-(-shared // size))
+        size *= 2
+    if len(keep) != 1:
+        return None
+    return [blocks[:keep.pop()]]
 
 
 # The fewest tokens worth reading (vLLM's default kv_recompute_threshold: it computes fewer

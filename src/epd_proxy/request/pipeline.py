@@ -39,6 +39,8 @@ from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, reque
 from epd_proxy.request.multiturn import (
     DECODE_GONE,
     LOCAL_PREFILL_PARAMS,
+    NO_PARAMS,
+    NO_PARAMS_TAIL,
     TOKENIZE_FAILED,
     TOKENS,
     Entry,
@@ -232,7 +234,9 @@ class Pipeline:
                     self._remember(leg)
             if leg.body is not None:
                 answer = leg.body
-                if carries_params(answer):
+                # An answer without decode's parameters is told by its last bytes (inline: every
+                # non-stream answer passes here; multiturn.carries_params is the whole test).
+                if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
                     answer = self._keep_turn(ctx, body, leg, answer)
                 elif ctx.ids_asked:
                     answer = strip_token_ids(answer)
