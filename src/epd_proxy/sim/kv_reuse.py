@@ -21,8 +21,9 @@ The side channel is the decode's HTTP port: ``POST /sim/kv/read`` ``{remote_engi
 remote_request_id, remote_block_ids, num_tokens, prefix_digest, read_tokens, consumer}`` -> 200
 ``{num_tokens, match}`` (the blocks freed; ``match``: the reader's prompt starts with the
 first ``num_tokens`` kept tokens: its ``remote_num_tokens``, which a proxy may lower to read
-less, naming then only the first blocks, those that hold them), 404 ``{"reason": "engine"}`` for another engine id, 404 ``{"reason":
-"unknown"}`` when nothing is kept under that id (used, expired, never kept).
+less, naming then only the first blocks, those that hold them), 404 ``{"reason": "engine"}``
+for another engine id, 404 ``{"reason": "unknown"}`` when nothing is kept under that id (used,
+expired, never kept).
 """
 
 from __future__ import annotations
