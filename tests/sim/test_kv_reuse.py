@@ -334,12 +334,26 @@ async def test_lowered_remote_num_tokens_reads_only_the_shared_part(http):
         kv = d1.json["kv_transfer_params"]
         b2 = follow(b1)
         b2["messages"][2]["content"] = " ".join(b2["messages"][2]["content"].split()[:-5]) + " edited"
-        shared = kv["remote_num_tokens"] - 6  # the edit changes the answer's last words
-        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared), p=1, rid="b")
+        shared = kv["remote_num_tokens"] // 16 * 16 - 20  # before the edit, and a block less
+        blocks = [kv["remote_block_ids"][0][:-(-shared // 16)]]  # only those that hold them
+        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared, remote_block_ids=blocks), p=1,
+                              rid="b")
         assert d2.json["choices"][0]["message"]["content"] == expected_text(b2)
         m = await metrics(http, c.instances("prefill")[1])
         assert metric(m, "vllm:external_prefix_cache_hits_total") == shared - 1
         assert metric(m, "sim:wrong_kv_reads_total") == 0
+
+
+async def test_lowered_remote_num_tokens_with_every_block_named_reads_the_wrong_kv(http):
+    async with SimCluster(prefill=2, decode=1, config=bidi()) as c:
+        b1 = turn1()
+        _, d1 = await pd_turn(http, c, b1, rid="a")
+        kv = d1.json["kv_transfer_params"]
+        b2 = follow(b1)
+        shared = kv["remote_num_tokens"] // 16 * 16 - 20  # one block fewer than named
+        _, d2 = await pd_turn(http, c, b2, reuse=dict(kv, remote_num_tokens=shared), p=1, rid="b")
+        assert d2.status == 200 and d2.json["choices"][0]["message"]["content"] != expected_text(b2)
+        assert metric(await metrics(http, c.instances("prefill")[1]), "sim:wrong_kv_reads_total") == 1
 
 
 async def test_return_token_ids_spell_what_decode_keeps(http):
@@ -374,3 +388,32 @@ async def test_kept_blocks_stay_findable_for_a_local_prefill_until_freed(http):
         await pd_turn(http, c, follow(b1, user="again"), reuse=d1.json["kv_transfer_params"], p=0, rid="b")
         assert d.kv_reuse.kept_requests == 2  # the local request's and turn "b"'s
         assert pinned == own // 16  # turn 1's blocks are a prefix of the local request's: shared hashes
+
+
+async def test_stream_return_token_ids_add_up_to_the_non_stream_ones(http):
+    async with SimCluster(prefill=1, decode=1, config=bidi(bidirectional_stream_params=True)) as c:
+        body = dict(turn1(), return_token_ids=True)
+        d = c.urls("decode")[0]
+        whole = (await http.chat(d, body)).json
+        events = (await http.chat(d, dict(body, stream=True))).events
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        ids = [i for e in chunks if "token_ids" in e["choices"][0] for i in e["choices"][0]["token_ids"]]
+        assert ids == whole["choices"][0]["token_ids"]
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in chunks) == expected_text(body)
+        assert events[-2]["kv_transfer_params"]["remote_num_tokens"] == len(whole["prompt_token_ids"]) + len(ids)
+
+
+def test_answer_chunk_ids_add_up_to_the_answer_as_the_next_prompt_spells_it():
+    import random
+
+    from epd_proxy.sim.tokens import VOCAB, answer_chunk_ids, continuation_ids
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    rng = random.Random(7)
+    for n in (1, 2, 5, 40, 200):
+        for _ in range(20):
+            answer = [rng.randrange(len(VOCAB)) for _ in range(n)]
+            chunks = answer_chunk_ids(answer)
+            assert len(chunks) == n
+            assert [i for c in chunks for i in c] == continuation_ids(body, True, [], answer)

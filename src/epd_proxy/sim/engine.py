@@ -55,7 +55,8 @@ class Sequence:
         "finish_reason", "faulty", "error_after", "reset_after", "stall_after", "stall_seconds",
         "stalled", "slow_body", "split", "prefixes", "suffix", "final_suffix", "role_events",
         "include_usage", "continuous_usage", "head", "on_complete", "on_error", "on_reset",
-        "loading", "ctx", "fast", "on_ready", "fingerprint", "prefill_tokens", "blocks",
+        "loading", "ctx", "fast", "on_ready", "fingerprint", "prefill_tokens", "blocks", "prompt_ids_json",
+        "chunk_ids",
     )
 
     def __init__(self, *, writer: "ResponseWriter", rec: "SimRecord | None", stream: bool, chat: bool,
@@ -84,6 +85,10 @@ class Sequence:
         # Prompt tokens computed through the engine's steps (chunked prefill); 0 = none.
         self.prefill_tokens = 0
         self.blocks = 0  # KV blocks reserved while admitted
+        # return_token_ids on a chat stream: the prompt's ids (JSON) for the role chunk, and per
+        # choice per token the ids (JSON) its chunk carries; None = "token_ids": null as vLLM.
+        self.prompt_ids_json: bytes | None = None
+        self.chunk_ids: list[list[bytes]] | None = None
         self.finish_reason = finish_reason
         self.faulty = False
         self.error_after: int | None = None
@@ -166,7 +171,8 @@ class Sequence:
         ev = self.role_events[c]
         if self.continuous_usage:
             ev += b',"usage":' + self._usage_json(0, False)
-        return ev + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
+        ids = self.prompt_ids_json
+        return ev + b',"prompt_token_ids":' + (ids or b"null") + b',"prompt_text":null}\n\n'
 
     def error_head(self) -> bytes:
         """What precedes an in-band error: vLLM sends a chat stream's role chunks on the
@@ -192,9 +198,13 @@ class Sequence:
         end = self.final_suffix if last else self.suffix
         prefixes = self.prefixes
         simple = not self.continuous_usage
+        chunk_ids = self.chunk_ids
         for c, toks in enumerate(self.tokens):
             tok = toks[i]
             prefix = prefixes[c]
+            if chunk_ids is not None:
+                end = (self.final_suffix if last else self.suffix).replace(
+                    b'"token_ids":null', b'"token_ids":' + chunk_ids[c][i], 1)
             if simple:
                 ev = prefix + VOCAB_JSON[tok] + end + b"}\n\n"
             else:

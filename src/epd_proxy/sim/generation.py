@@ -48,6 +48,7 @@ from epd_proxy.sim.tokens import (
     PromptError,
     _seed_bytes,
     analyze,
+    answer_chunk_ids,
     continuation_ids,
     media_tokens,
     output_tokens,
@@ -498,6 +499,10 @@ class GenerationHandler:
             seq.ttft = max(ttft_ms - cfg.ttft_per_token_ms * g.computed, 0.0) / 1000.0
         if self.config.prompt_tokens_details:
             seq.cached_tokens = g.cached_tokens
+        if stream and g.chat and g.api is None and g.body.get("return_token_ids") is True:
+            # The ids a non-stream answer carries (_openai_body), spread over the chunks.
+            seq.prompt_ids_json = _encode(self._token_ids(g, g.body, g.prompt))
+            seq.chunk_ids = [[_encode(ids) for ids in answer_chunk_ids(t)] for t in tokens]
         if plan is not None and plan.streams_tokens:
             seq.set_faults(plan.error_after, plan.reset_after, plan.stall_after, plan.stall_seconds,
                            plan.slow_body)

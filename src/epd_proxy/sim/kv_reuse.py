@@ -21,8 +21,9 @@ The side channel is the decode's HTTP port: ``POST /sim/kv/read`` ``{remote_engi
 remote_request_id, remote_block_ids, num_tokens, prefix_digest, read_tokens, consumer}`` -> 200
 ``{num_tokens, match}`` (the blocks freed; ``match``: the reader's prompt starts with the
 first ``num_tokens`` kept tokens: its ``remote_num_tokens``, which a proxy may lower to read
-less), 404 ``{"reason": "engine"}`` for another engine id, 404 ``{"reason":
-"unknown"}`` when nothing is kept under that id (used, expired, never kept).
+less, naming then only the first blocks, those that hold them), 404 ``{"reason": "engine"}``
+for another engine id, 404 ``{"reason": "unknown"}`` when nothing is kept under that id (used,
+expired, never kept).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class KvReuse:
             return 404, {"reason": "engine", "error": f"engine id mismatch: the request names {eid!r}, "
                                                       f"this decode is {self.engine_id!r}"}
         kept = self._kept.get(rid) if isinstance(rid, str) else None
-        if kept is None or flat_ints(data.get("remote_block_ids")) != kept.block_ids:
+        named = flat_ints(data.get("remote_block_ids"))
+        if kept is None or not named or named != kept.block_ids[:len(named)]:
             # vLLM's decode only logs "Potentially invalid KV blocks for unrecognized request".
             ev["error"] = "unknown"
             self.stats.kv_reuse_unknown += 1
@@ -183,9 +185,12 @@ class KvReuse:
         else:
             self.stats.kv_reuse_releases += 1
         ev["ok"] = True
-        # The reader's prompt must start with the first ``num_tokens`` tokens it was told are kept.
+        # The reader's prompt must start with the first ``num_tokens`` tokens it was told are kept,
+        # and the blocks named must be those that hold them: vLLM pairs the last blocks named
+        # with the ones it reads, so naming more (or fewer) reads the wrong KV.
         n = data.get("num_tokens")
         match = (isinstance(n, int) and 0 < n <= len(kept.ids)
+                 and len(named) == -(-n // self.config.block_size)
                  and data.get("prefix_digest") == ids_digest(kept.ids[:n]))
         return 200, {"num_tokens": len(kept.ids), "match": match}
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -370,6 +371,38 @@ def continuation_ids(body: dict, chat: bool, ids: list[int], answer: list[int]) 
     if isinstance(p, list):
         return list(p) + list(answer)
     return _word_ids(p + text) or [0]  # type: ignore[operator]  # validated: a string here
+
+
+def answer_chunk_ids(answer: list[int]) -> list[list[int]]:
+    """The ids of :func:`continuation_ids`'s chat answer (the assistant role token, then the
+    words of its text) spread over the answer's tokens, as a stream with ``return_token_ids``
+    carries them: the role token with the first, each word with the token that ends it (the
+    one holding the whitespace after it, or the last token). Concatenated, they are the
+    answer's ids."""
+    n = len(answer)
+    out: list[list[int]] = [[] for _ in range(n)]
+    if not n:
+        return out
+    out[0].append(zlib.crc32(b"\x00role:assistant"))
+    ends: list[int] = []  # each token's end offset in the text
+    pos = 0
+    for t in answer:
+        pos += len(VOCAB[t])
+        ends.append(pos)
+    text = "".join([VOCAB[t] for t in answer])
+    j = 0
+    for m in _WORD.finditer(text):
+        e = m.end()
+        if e >= len(text):
+            j = n - 1
+        else:
+            while ends[j] <= e:
+                j += 1
+        out[j].append(zlib.crc32(m.group().encode("utf-8")))
+    return out
+
+
+_WORD = re.compile(r"\S+")
 
 
 # ---------------------------------------------------------------------------------
