@@ -286,6 +286,10 @@ class Pipeline:
             self.metrics.observe_tokens(rec.model, tokens)
         ctx = rec.ctx
         if ctx is not None:
+            if ctx.kv_reuse is not None and ctx.kv_reuse.entry is not None:
+                # Taken for a prefill that never ran (the client left, an earlier stage failed).
+                self.turns.used -= 1  # type: ignore[union-attr]  # kv_reuse is set only with a store
+                self._release(ctx.kv_reuse.entry)
             if ctx.trace is not None:
                 ctx.trace.finish(status, rec.stream, tokens, rec.outcome)
             ctx.release_all()
@@ -463,12 +467,16 @@ class Pipeline:
         asked = tokenize_body(body)
         tokens = None
         if asked is not None:
-            try:
-                data = await self.connector.prefill.exchange(ctx, p, "/tokenize", encode_json(asked),
-                                                             ctx.upstream_headers())
-                tokens = tokens_of(data)
-            except ProxyError:
-                pass
+            # The prefill that will run the prompt tokenizes it; if it cannot be reached, the
+            # decode holding the history (the same model, the same tokenizer and template).
+            for stage, inst in ((self.connector.prefill, p), (self.decode_only.decode, holder)):
+                try:
+                    data = await stage.exchange(ctx, inst, "/tokenize", encode_json(asked), ctx.upstream_headers())
+                    tokens = tokens_of(data)
+                    break
+                except ProxyError as err:
+                    if not err.unsent:
+                        break
             if tokens is None:
                 turns.fallback(TOKENIZE_FAILED)
                 self._release(entry)
@@ -479,7 +487,7 @@ class Pipeline:
             self._release(entry)
             return None
         turns.used += 1
-        ctx.kv_reuse = KVReuse(params, turns)
+        ctx.kv_reuse = KVReuse(params, turns, entry)
         return None
 
     def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
