@@ -369,6 +369,15 @@ class ProxyConfig:
     # The access log's client: X-Forwarded-For's when the peer is one of these (CIDRs).
     trusted_proxies: tuple[str, ...] = ()
     metrics_max_models: int = 32  # per-model metric labels (adapters included) per process; later: "other"
+    # Multi-turn KV reuse (docs/architecture.md, "Multi-turn KV reuse"): on when decode answers
+    # with kv_transfer_params (vLLM's bidirectional_kv_xfer); --no-kv-reuse turns it off.
+    kv_reuse: bool = True
+    kv_reuse_ttl: float = 480.0  # decode's decoder_kv_blocks_ttl (vLLM's default)
+    kv_reuse_margin: float = 15.0  # parameters are used only until TTL - margin after receipt
+    kv_reuse_max_held_tokens: int = 262144  # per decode, what kept parameters hold (0 = no bound)
+    # A turn whose prefill would compute at most this many tokens goes to the decode that
+    # holds the rest of its prompt, alone (0 = never).
+    local_prefill_max_tokens: int = 64
 
     def validate(self) -> None:
         """Raise ``ConfigErrors`` naming every knob of this config that cannot work (the
@@ -400,6 +409,10 @@ class ProxyConfig:
         # (flag, value, lowest, exclusive): every number a flag sets.
         for flag, value, low, above in (
             ("--decode-retries", self.decode_retries, 0, False),
+            ("--kv-reuse-ttl", self.kv_reuse_ttl, 0, True),
+            ("--kv-reuse-margin", self.kv_reuse_margin, 0, False),
+            ("--kv-reuse-max-held-tokens", self.kv_reuse_max_held_tokens, 0, False),
+            ("--local-prefill-max-tokens", self.local_prefill_max_tokens, 0, False),
             ("--encoder-max-batch-size", self.encoder_max_batch_size, 0, False),
             ("--encoder-max-outstanding", self.encoder_max_outstanding, 0, False),
             ("--ec-consumer-dp-size", self.ec_consumer_dp_size, 1, False),

@@ -140,6 +140,12 @@ def models(clusters):
     return clusters.get("models")
 
 
+@pytest.fixture(scope="module")
+def mt(clusters):
+    """P + D with bidirectional KV transfer (test_pd_multiturn.py)."""
+    return clusters.get("mt")
+
+
 @pytest.fixture(scope="session")
 def proxy_ready():
     ok, detail = E.proxy_available()

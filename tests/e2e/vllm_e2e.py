@@ -240,10 +240,13 @@ class Vllm:
                 f"kv_port={self.side_channel_port};tp=1;pp=1")
 
 
-def nixl_config(role: str, connector: str = "NixlConnector", engine_id: str | None = None) -> str:
-    cfg = {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu"}
+def nixl_config(role: str, connector: str = "NixlConnector", engine_id: str | None = None,
+                extra: dict | None = None) -> str:
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu"}
     if engine_id is not None:
         cfg["engine_id"] = engine_id
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
     return json.dumps(cfg)
 
 
@@ -324,6 +327,18 @@ def pd_cluster(log_dir: str) -> Cluster:
     }, log_dir)
 
 
+def multiturn_cluster(log_dir: str) -> Cluster:
+    """1 prefill + 1 decode, tiny Llama, NIXL pull with bidirectional transfer on both: decode
+    keeps each finished request's blocks for the next turn's prefill to read."""
+    bidir = {"bidirectional_kv_xfer": True}
+    return Cluster("mt", {
+        "prefill": Vllm("mt-prefill", "tiny-model", 0, max_model_len=2048,
+                        args=["--kv-transfer-config", nixl_config("kv_producer", extra=bidir)]),
+        "decode": Vllm("mt-decode", "tiny-model", 1, max_model_len=2048,
+                       args=["--kv-transfer-config", nixl_config("kv_consumer", extra=bidir)]),
+    }, log_dir)
+
+
 PUSH_PREFILL_ENGINE_ID = "e2e-push-prefill-0"
 
 
@@ -373,8 +388,9 @@ def models_cluster(log_dir: str) -> Cluster:
 
 
 CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_cluster,
-                                                  "epd": epd_cluster, "models": models_cluster}
-CLUSTER_ORDER = ["pd", "push", "epd", "models"]
+                                                  "epd": epd_cluster, "models": models_cluster,
+                                                  "mt": multiturn_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt"]
 
 
 # ---------------------------------------------------------------------------------------------

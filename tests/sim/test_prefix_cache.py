@@ -200,3 +200,19 @@ def test_cache_settings_in_the_topology_spec():
     assert pd.prefix_cache.block_size == 8 and pd.prefix_cache.capacity == 64
     assert p.prefix_cache is None
     assert SimCluster(pd=1, config=SimConfig(num_gpu_blocks=123)).instances("pd")[0].prefix_cache.capacity == 123
+
+
+def test_pinned_blocks_stay_findable_past_the_lru_until_unpinned():
+    from epd_proxy.sim.prefix_cache import PrefixCache, block_hashes
+
+    cache = PrefixCache(block_size=4, capacity=1)
+    a = block_hashes(list(range(12)), 4)
+    cache.store(a)  # the LRU keeps one block: the first
+    assert cache.peek(a, 13) == 4
+    cache.pin(a)
+    cache.pin(a[:1])
+    assert cache.peek(a, 13) == 12 and cache.pinned_blocks == 3
+    cache.unpin(a)
+    assert cache.peek(a, 13) == 4 and cache.pinned_blocks == 1
+    cache.unpin(a[:1])
+    assert cache.pinned_blocks == 0

@@ -89,6 +89,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="nixl (pull), nixl-push or mooncake (default %(default)s)")
     p.add_argument("--decode-retries", type=int, default=defaults.decode_retries,
                    help="fresh attempts after a retryable failure before the response starts (default %(default)s)")
+    p.add_argument("--no-kv-reuse", action="store_false", dest="kv_reuse", default=defaults.kv_reuse,
+                   help="never give decode's kv_transfer_params to the next turn's prefill (multi-turn KV "
+                        "reuse is on by default when decode answers with them: vLLM's bidirectional_kv_xfer)")
+    p.add_argument("--kv-reuse-ttl", type=float, default=defaults.kv_reuse_ttl, metavar="SECONDS",
+                   help="decode's decoder_kv_blocks_ttl: how long it keeps a finished request's blocks "
+                        "(default %(default)g)")
+    p.add_argument("--kv-reuse-margin", type=float, default=defaults.kv_reuse_margin, metavar="SECONDS",
+                   help="kept parameters are used only until the TTL less this after their receipt "
+                        "(default %(default)g; vLLM's prefill refuses a read within 5 s of the expiry)")
+    p.add_argument("--kv-reuse-max-held-tokens", type=int, default=defaults.kv_reuse_max_held_tokens,
+                   metavar="N", help="per decode, the tokens kept parameters may hold; past it the oldest "
+                                     "are let go (0 = no bound; default %(default)s)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=defaults.local_prefill_max_tokens,
+                   metavar="N", help="a turn whose prefill would compute at most N tokens goes to the decode "
+                                     "holding the rest of its prompt, alone (0 = never; default %(default)s)")
     p.add_argument("--encoder-max-batch-size", type=int,
                    default=_env(ENCODER_MAX_BATCH_SIZE_ENV, defaults.encoder_max_batch_size, int),
                    help=f"images per encoder sub-request (0 = unlimited; default ${ENCODER_MAX_BATCH_SIZE_ENV}, "
@@ -308,6 +323,11 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         dns_server=args.dns_server,
         kv_connector=args.kv_connector,
         decode_retries=args.decode_retries,
+        kv_reuse=args.kv_reuse,
+        kv_reuse_ttl=args.kv_reuse_ttl,
+        kv_reuse_margin=args.kv_reuse_margin,
+        kv_reuse_max_held_tokens=args.kv_reuse_max_held_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
         encoder_max_batch_size=args.encoder_max_batch_size,
         encoder_max_outstanding=args.encoder_max_outstanding,
         encoder_fallback=args.encoder_fallback,

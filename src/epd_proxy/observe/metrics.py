@@ -176,6 +176,19 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                       "(--encoder-max-outstanding bounds it per process).", ("url",)),
     "epd_proxy_encoder_failovers": ("counter", "Media items moved to another encoder after this one failed "
                                     "them (no connection, 5xx, timeout).", ("url",)),
+    "epd_proxy_kv_reuse_turns": ("counter", "Multi-turn KV reuse: decode answers whose kv_transfer_params were "
+                                 "kept for the next turn (kept), turns whose prefill read the previous turn's KV "
+                                 "from decode (used), turns served by the decode holding their history alone, the "
+                                 "prefill skipped (local_prefill), kept parameters handed to a prefill only to "
+                                 "free decode's blocks early (freed).", ("outcome",)),
+    "epd_proxy_kv_reuse_fallbacks": ("counter", "Turns with an earlier answer that did not reuse it, and answers "
+                                     "not kept, by reason: unknown, edited, used, expired, decode_gone, "
+                                     "prefill_failed, reasoning, choices, no_pull_prefill.", ("reason",)),
+    "epd_proxy_kv_reuse_released": ("counter", "Kept parameters let go unused, by reason: superseded, bound, "
+                                    "expired, decode_gone; decode frees their blocks at its TTL, or at once when "
+                                    "the proxy hands them to a prefill (released).", ("reason",)),
+    "epd_proxy_kv_reuse_held_tokens": ("gauge", "Tokens of KV that parameters kept by this proxy hold on the "
+                                       "decode (what decode pins for them until read or expired).", ("url",)),
     "epd_proxy_encoder_fallbacks": ("counter", "Media items sent raw to the consumer, which encoded them "
                                     "itself (--encoder-fallback local).", ()),
 }

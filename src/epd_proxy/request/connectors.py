@@ -87,7 +87,7 @@ class NixlPull(KVConnector):
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         assert plan.prefill is not None
-        kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params(), ctx.api))
+        kv = await self._prefill(ctx, plan.prefill, plan.body)
         if kv is None:
             # Without them decode would silently prefill the whole prompt itself.
             log.warning("request %s: prefill instance %s returned no kv_transfer_params", ctx.request_id,
@@ -110,6 +110,29 @@ class NixlPull(KVConnector):
         except BaseException:
             plan.prefill.stranded += 1
             raise
+
+    async def _prefill(self, ctx: RequestContext, prefill: Instance, body: dict) -> msgspec.Raw | None:
+        """The prefill leg; with the previous turn's parameters (multiturn.py) when the request
+        has them. A prefill that fails with them (decode's blocks expired, or decode restarted:
+        vLLM answers 500) runs once more without them on the same instance: the read never
+        fails the request."""
+        reuse = ctx.kv_reuse
+        if reuse is None:
+            return await self.prefill.run(ctx, prefill, prefill_body(body, nixl_prefill_request_params(), ctx.api))
+        ctx.kv_reuse = None  # used once, whatever happens
+        try:
+            return await self.prefill.run(ctx, prefill, prefill_body(body, dict(reuse.params), ctx.api))
+        except ProxyError as err:
+            if err.unsent:
+                ctx.kv_reuse = reuse  # never reached a prefill: still good for the next attempt's
+                raise
+            if err.status < 500 or prefill in ctx.timed_out:
+                raise
+            reuse.failed()
+            ctx.excluded.discard(prefill)  # the parameters failed, not the instance
+            log.info("request %s: prefill %s failed reading the previous turn's KV (%s); computing it",
+                     ctx.request_id, prefill.url, err.message)
+        return await self.prefill.run(ctx, prefill, prefill_body(body, nixl_prefill_request_params(), ctx.api))
 
     def _hand_over(self, ctx: RequestContext, plan: LegPlan, decode: Instance, err: ProxyError) -> Instance | None:
         """Another decode for parameters the failed one never received; None when there is

@@ -12,6 +12,7 @@ from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import RequestTrace
     from epd_proxy.request.apis import GenerationApi
+    from epd_proxy.request.multiturn import KVReuse
     from epd_proxy.request.usage import PrefillReport
 
 _JSON_HEADER = (b"content-type", b"application/json")
@@ -27,7 +28,8 @@ class RequestContext:
     """
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
-                 "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models")
+                 "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models",
+                 "conversation", "turn_tried", "kv_reuse", "ids_asked")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -52,6 +54,13 @@ class RequestContext:
         # Per role, the model its instances must serve (instances/models.py); None: any
         # instance serves it (one set of models in the cluster, the common case).
         self.models: dict[str, ModelKey] | None = None
+        # Multi-turn KV reuse (multiturn.py): the client's conversation_id hint, whether this
+        # request looked for its previous turn's parameters (once: never on a retry), and
+        # the parameters the prefill gets instead of the plain ones.
+        self.conversation: str | None = None
+        self.turn_tried = False
+        self.kv_reuse: KVReuse | None = None
+        self.ids_asked = False  # decode was asked for token ids the client did not ask for
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]

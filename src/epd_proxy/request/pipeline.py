@@ -37,10 +37,12 @@ from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
+from epd_proxy.request.multiturn import LOCAL_PREFILL_PARAMS, NO_PARAMS, NO_PARAMS_TAIL, carries_params, strip_token_ids
 from epd_proxy.request.relay import StreamRelay, relay_stream
-from epd_proxy.request.stage_bodies import stream_options_with_usage
+from epd_proxy.request.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
+from epd_proxy.request.turn_reuse import TurnReuse
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
@@ -99,6 +101,10 @@ class Pipeline:
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
+        # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
+        self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
+                               decode_only=decode_only, models=self.models, base_headers=base_headers)
+        self.turns = self.reuse.store
         self._described: dict[str, bytes] = {}  # model -> its Server-Timing part (_describe)
 
     def _describe(self, model: str) -> bytes:
@@ -165,6 +171,9 @@ class Pipeline:
                 rec.hide_usage = True
         body, items = self._media(body) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
+            hint = body.pop("conversation_id")
+            ctx.conversation = hint if type(hint) is str else None
         model = body.get("model")
         models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
@@ -219,7 +228,14 @@ class Pipeline:
                 if api.stateful and body.get("store") is not False:
                     self._remember(leg)
             if leg.body is not None:
-                rec.answer = leg.body if report is None else rewrite_usage(leg.body, report)
+                answer = leg.body
+                # An answer without decode's parameters is told by its last bytes (inline: every
+                # non-stream answer passes here; multiturn.carries_params is the whole test).
+                if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
+                    answer = self.reuse.keep(ctx, body, leg, answer)
+                elif ctx.ids_asked:
+                    answer = strip_token_ids(answer)
+                rec.answer = answer if report is None else rewrite_usage(answer, report)
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
                 ok = True
                 rec.outcome = "ok"
@@ -265,6 +281,8 @@ class Pipeline:
             self.metrics.observe_tokens(rec.series, tokens)
         ctx = rec.ctx
         if ctx is not None:
+            if ctx.kv_reuse is not None:  # taken for a prefill that never ran
+                self.reuse.ended(ctx)
             if ctx.trace is not None:
                 ctx.trace.finish(status, rec.stream, tokens, rec.outcome)
             ctx.release_all()
@@ -377,6 +395,20 @@ class Pipeline:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:
                     cap.leave()
+        turns = self.turns
+        if turns is not None and turns.active and ctx.path == CHAT and ctx.api is None:
+            if body.get("stream") is not True and not body.get("return_token_ids"):
+                # The tokens decode will hold: what the next turn's prompt is checked against.
+                body = dict(body, return_token_ids=True)
+                ctx.ids_asked = True
+            local = None if ctx.turn_tried or items else await self.reuse.previous_turn(ctx, turns, body, p)
+            if local is not None:  # the prefill skipped: the decode holding the rest computes the new part
+                t = time.perf_counter()
+                try:
+                    return await self.decode_only.open(ctx, LegPlan(decode_body(body, kv=LOCAL_PREFILL_PARAMS),
+                                                                    None, local, dp_headers))
+                finally:
+                    ctx.upstream += time.perf_counter() - t
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:
@@ -463,6 +495,7 @@ class Pipeline:
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.reuse.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:

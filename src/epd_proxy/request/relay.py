@@ -17,6 +17,7 @@ from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
 from epd_proxy.request.apis import GenerationApi
 from epd_proxy.request.hidden_usage import FINISHED, HiddenUsage
+from epd_proxy.request.multiturn import strip_stream_params
 from epd_proxy.request.usage import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
 
@@ -178,6 +179,8 @@ class UsageRelay(StreamRelay):
         report = self.ctx.prefill_report
         if report is not None and events.find(b'"usage"') >= 0:
             events = rewrite_final_usage_events(events, report)
+        if events.find(b'"kv_transfer_params":{') >= 0:  # never a client's (multiturn.py)
+            events = strip_stream_params(events)
         # What the client got, or with ``hidden`` what decode sent: its usage for the access log.
         self.prev, self.last = self.last, events
         if self.hidden is not None:

@@ -39,6 +39,7 @@ from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.forward import Forwarder
+from epd_proxy.request.multiturn import TurnStore, turns_collector
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stages import DecodeStage, PrefillStage
 from epd_proxy.routing import make_policy
@@ -84,7 +85,10 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
                         if access_log.enabled(config) else None,
                         tracing=tracing.from_environment())
+    metrics.register(turns_collector(pipeline.turns))
     membership.subscribe(_forget_departed(connector))
+    if pipeline.turns is not None:
+        membership.subscribe(_drop_held(pipeline.turns))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
@@ -121,6 +125,15 @@ def _forget_departed(connector):
     def changed(change) -> None:
         if change.event in ("registered", "removed", "forgotten"):
             connector.forget(change.spec.url)
+    return changed
+
+
+def _drop_held(turns: TurnStore):
+    """Parameters kept for a decode that left (or joined anew: a new engine) name blocks
+    nobody can read."""
+    def changed(change) -> None:
+        if change.spec.role == "decode" and change.event in ("registered", "removed", "forgotten"):
+            turns.drop_decode(change.spec.url)
     return changed
 
 

@@ -45,6 +45,12 @@ class SimConfig:
     local_encode_ms_per_item: float = 2.0  # a consumer encoding a raw item itself
     kv_load_ms: float = 0.2  # decode: after the KV arrived, before the first token
     max_num_seqs: int = 256
+    # vLLM's chunked prefill (a step's token budget, max_num_batched_tokens): with N > 0 the
+    # prompt tokens an instance computes go through its engine steps N at a time, each step
+    # lasting itl_ms + ttft_per_token_ms x its prefill tokens, so a prefill delays the tokens
+    # of every sequence running beside it and concurrent prefills queue. 0 = the simple model:
+    # a prompt's computation takes its TTFT beside the other sequences and costs them nothing.
+    chunked_prefill_tokens: int = 0
     default_max_tokens: int = 16  # output length when the request sets no max
 
     # --- KV transfer ------------------------------------------------------------------
@@ -70,6 +76,19 @@ class SimConfig:
     # enforce kv_role: any prefill/decode produces KV for do_remote_decode and loads it for
     # do_remote_prefill).
     strict_roles: bool = True
+    # vLLM's bidirectional NIXL transfer (kv_connector_extra_config.bidirectional_kv_xfer on both
+    # sides; see kv_reuse.py): a decode pins every finished request's blocks (prompt and answer)
+    # for bidirectional_kv_ttl seconds (vLLM's decoder_kv_blocks_ttl) and its non-stream answer
+    # carries kv_transfer_params naming them; a prefill given those reads from that decode what
+    # lies beyond its own prefix cache when that is at least kv_recompute_threshold tokens.
+    bidirectional: bool = False
+    bidirectional_kv_ttl: float = 480.0
+    kv_recompute_threshold: int = 64
+    # vLLM 0.32 sends decode's parameters only in a non-stream body; True also sends them in a
+    # stream, as a chunk of their own just before [DONE] (what a later vLLM presumably does).
+    bidirectional_stream_params: bool = False
+    # A prefill refuses to read blocks whose expiry is this close (vLLM: 5 s) -> HTTP 500.
+    kv_expiry_margin: float = 5.0
 
     # --- caches -----------------------------------------------------------------------
     # vLLM's automatic prefix caching (on by default in vLLM's V1 engine) on the instances that

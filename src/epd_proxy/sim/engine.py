@@ -11,7 +11,17 @@ simulator does the same, with the step period as the inter-token latency:
   the transfer (vLLM's WAITING_FOR_REMOTE_KVS), so a long queue on D can
   outlive the prefill's abort timeout, as it can with vLLM;
 * the timer only runs while something is active; when every active sequence
-  is prefilling or stalled, the engine sleeps until the earliest one is due.
+  is prefilling or stalled, the engine sleeps until the earliest one is due;
+* with chunked prefill (``chunk_tokens`` > 0, vLLM's ``max_num_batched_tokens``)
+  a sequence's prompt tokens to compute (``prefill_tokens``) go through the
+  steps, at most ``chunk_tokens`` per step in arrival order, and a step with C
+  of them lasts ``itl + C x per_token``: a prefill slows the streams running
+  beside it, as in vLLM, and concurrent prefills queue;
+* a sequence is admitted only while its blocks (prompt and output) fit in the
+  instance's ``num_blocks`` beside the running ones and the ``reserved`` blocks
+  (KV held for another instance); otherwise it waits, in order, as vLLM's
+  scheduler does when the KV cache is full (one larger than the whole cache
+  runs alone on an empty engine).
 
 There is no per-token ``sleep``: the cost per token is a bytes concatenation
 and a ``transport.write``.
@@ -45,7 +55,8 @@ class Sequence:
         "finish_reason", "faulty", "error_after", "reset_after", "stall_after", "stall_seconds",
         "stalled", "slow_body", "split", "prefixes", "suffix", "final_suffix", "role_events",
         "include_usage", "continuous_usage", "head", "on_complete", "on_error", "on_reset",
-        "loading", "ctx", "fast", "on_ready", "fingerprint",
+        "loading", "ctx", "fast", "on_ready", "fingerprint", "prefill_tokens", "blocks", "prompt_ids_json",
+        "chunk_ids",
     )
 
     def __init__(self, *, writer: "ResponseWriter", rec: "SimRecord | None", stream: bool, chat: bool,
@@ -71,6 +82,13 @@ class Sequence:
         self.done: asyncio.Future | None = None
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0
+        # Prompt tokens computed through the engine's steps (chunked prefill); 0 = none.
+        self.prefill_tokens = 0
+        self.blocks = 0  # KV blocks reserved while admitted
+        # return_token_ids on a chat stream: the prompt's ids (JSON) for the role chunk, and per
+        # choice per token the ids (JSON) its chunk carries; None = "token_ids": null as vLLM.
+        self.prompt_ids_json: bytes | None = None
+        self.chunk_ids: list[list[bytes]] | None = None
         self.finish_reason = finish_reason
         self.faulty = False
         self.error_after: int | None = None
@@ -153,7 +171,8 @@ class Sequence:
         ev = self.role_events[c]
         if self.continuous_usage:
             ev += b',"usage":' + self._usage_json(0, False)
-        return ev + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
+        ids = self.prompt_ids_json
+        return ev + b',"prompt_token_ids":' + (ids or b"null") + b',"prompt_text":null}\n\n'
 
     def error_head(self) -> bytes:
         """What precedes an in-band error: vLLM sends a chat stream's role chunks on the
@@ -179,9 +198,13 @@ class Sequence:
         end = self.final_suffix if last else self.suffix
         prefixes = self.prefixes
         simple = not self.continuous_usage
+        chunk_ids = self.chunk_ids
         for c, toks in enumerate(self.tokens):
             tok = toks[i]
             prefix = prefixes[c]
+            if chunk_ids is not None:
+                end = (self.final_suffix if last else self.suffix).replace(
+                    b'"token_ids":null', b'"token_ids":' + chunk_ids[c][i], 1)
             if simple:
                 ev = prefix + VOCAB_JSON[tok] + end + b"}\n\n"
             else:
@@ -262,9 +285,18 @@ class Engine:
     prefill.
     """
 
-    def __init__(self, itl_ms: float, max_num_seqs: int) -> None:
+    def __init__(self, itl_ms: float, max_num_seqs: int, *, chunk_tokens: int = 0, per_token_ms: float = 0.0,
+                 block_size: int = 16, num_blocks: int = 0, reserved: Callable[[], int] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.itl = max(itl_ms, 0.0) / 1000.0
+        self.chunk_tokens = max(int(chunk_tokens), 0)
+        self.per_token = max(per_token_ms, 0.0) / 1000.0
+        self.block_size = max(int(block_size), 1)
+        self.num_blocks = max(int(num_blocks), 0)  # 0 = no capacity limit
+        self.reserved = reserved  # blocks held outside the running sequences (KV kept for others)
+        self.blocks_used = 0  # reserved by admitted sequences
+        self.prefilling: deque[Sequence] = deque()  # chunked prefill, in arrival order
+        self.prefill_steps = 0  # steps that carried a prefill chunk (each one longer)
         # Timers may fire a little early; anything this close to the tick counts as on time.
         self._slack = min(self.itl * 0.2, 0.0002)
         self.max_num_seqs = max(int(max_num_seqs), 1)
@@ -293,7 +325,9 @@ class Engine:
 
     def submit(self, seq: Sequence) -> None:
         seq.engine = self
-        if self.n_active < self.max_num_seqs and not self.n_waiting:
+        if self.num_blocks:
+            seq.blocks = -(-(seq.prompt_tokens + seq.n * max(len(seq.tokens), 1)) // self.block_size)
+        if self.n_active < self.max_num_seqs and not self.n_waiting and self._fits(seq):
             self._admit(seq, self.loop.time())
         else:
             seq.state = WAITING
@@ -315,6 +349,7 @@ class Engine:
             self.n_waiting -= 1
         elif seq.state == ACTIVE:
             self.n_active -= 1
+            self.blocks_used -= seq.blocks
             if seq.loading:
                 seq.loading = False
                 self.n_loading -= 1
@@ -327,6 +362,20 @@ class Engine:
             seq.done.set_result(None)
         if self.n_waiting and self.n_active < self.max_num_seqs:
             self._admit_waiting()
+
+    def capacity_freed(self) -> None:
+        """Blocks held outside the sequences were freed: admit what now fits."""
+        if self.n_waiting and self.n_active < self.max_num_seqs:
+            self._admit_waiting()
+
+    def _fits(self, seq: Sequence) -> bool:
+        if not self.num_blocks:
+            return True
+        held = self.reserved() if self.reserved is not None else 0
+        if self.blocks_used + seq.blocks + held <= self.num_blocks:
+            return True
+        # One that could never fit goes alone on an empty engine (vLLM refuses it up front).
+        return not self.n_active and not held
 
     def kv_blocks_in_use(self, block_size: int) -> int:
         total = 0
@@ -345,8 +394,14 @@ class Engine:
     def _admit(self, seq: Sequence, now: float) -> None:
         seq.state = ACTIVE
         self.n_active += 1
+        self.blocks_used += seq.blocks
         self.active.append(seq)
-        if seq.needs_load:
+        if seq.prefill_tokens > 0 and self.chunk_tokens:
+            # Chunked prefill: computed through the steps; ready when its last chunk ran.
+            seq.ready_at = _INF
+            self.prefilling.append(seq)
+            self._wake_for(now)
+        elif seq.needs_load:
             seq.loading = True
             self.n_loading += 1
             seq.ready_at = _INF
@@ -360,9 +415,13 @@ class Engine:
         now = self.loop.time()
         waiting = self.waiting
         while waiting and self.n_active < self.max_num_seqs:
-            seq = waiting.popleft()
+            seq = waiting[0]
             if seq.state != WAITING:
+                waiting.popleft()
                 continue
+            if not self._fits(seq):
+                break  # the KV cache is full: the head of the queue waits, and all behind it
+            waiting.popleft()
             self.n_waiting -= 1
             self._admit(seq, now)
 
@@ -426,6 +485,11 @@ class Engine:
         if self.active:
             keep.extend(self.active)
         self.active = keep
+        if self.prefilling:
+            ready = self._prefill_chunk(now)
+            worked = ran = True
+            if ready < nxt:
+                nxt = ready
         if not worked:
             # The timer fired before anything was due (uvloop's clock and timers have
             # millisecond resolution): that was no engine step, so it must not push the
@@ -435,7 +499,37 @@ class Engine:
             self._last_tick = prev_tick
         else:
             self._busy = ran
-        if emitting:
+        if emitting or self.prefilling:
             nxt = now
         if nxt < _INF:
             self._wake_for(nxt)
+
+    def _prefill_chunk(self, now: float) -> float:
+        """This step's prefill: up to ``chunk_tokens`` prompt tokens of the prefilling
+        sequences, in order; the step lasts that much longer (the next tick moves). Returns
+        when the earliest sequence finished here is ready (inf if none)."""
+        budget = self.chunk_tokens
+        taken = 0
+        done: list[Sequence] = []
+        queue = self.prefilling
+        while queue and budget > 0:
+            seq = queue[0]
+            if seq.state != ACTIVE:
+                queue.popleft()
+                continue
+            n = min(seq.prefill_tokens, budget)
+            seq.prefill_tokens -= n
+            budget -= n
+            taken += n
+            if seq.prefill_tokens <= 0:
+                queue.popleft()
+                done.append(seq)
+        extra = taken * self.per_token
+        self.prefill_steps += 1
+        self._last_tick = now + extra
+        ready = _INF
+        for seq in done:
+            seq.ready_at = now + extra + seq.ttft
+            if seq.ready_at < ready:
+                ready = seq.ready_at
+        return ready

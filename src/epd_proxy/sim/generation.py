@@ -39,6 +39,7 @@ from epd_proxy.sim.ec_store import (
 )
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
 from epd_proxy.sim.host import SimHost
+from epd_proxy.sim.kv_reuse import ReadResult
 from epd_proxy.sim.prefix_cache import block_hashes
 from epd_proxy.sim.records import SimRecord
 from epd_proxy.sim.responses import JSON, SSE, refusal
@@ -47,6 +48,8 @@ from epd_proxy.sim.tokens import (
     PromptError,
     _seed_bytes,
     analyze,
+    answer_chunk_ids,
+    continuation_ids,
     media_tokens,
     output_tokens,
     prompt_token_ids,
@@ -122,7 +125,7 @@ class GenerationRequest:
 
     __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
                  "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
-                 "cached_tokens", "api", "final")
+                 "cached_tokens", "api", "final", "reuse", "ids", "read", "computed")
     # Set once the request is validated.
     model: str
     prompt: Prompt
@@ -144,6 +147,10 @@ class GenerationRequest:
         self.reset = False
         self.seq: Sequence | None = None  # once there is one
         self.cached_tokens = 0  # prompt tokens found in this instance's prefix cache
+        self.reuse: dict | None = None  # a prefill's decode parameters to read the last turn from
+        self.ids: list[int] | None = None  # the prompt's token ids, once derived
+        self.read = ReadResult()  # what it read from that decode
+        self.computed = 0  # prompt tokens computed here
 
 
 class GenerationHandler:
@@ -205,7 +212,11 @@ class GenerationHandler:
             remote_kv = self._assign_role(g, body.get("kv_transfer_params"), plan)
             if inst.role == "encode":
                 n_out, by_length = 0, False
+            if g.reuse is not None:
+                await self._read_decode_kv(g, body, prompt)
             ttft_ms, gen_error = self._local_work(g, body, prompt, remote_kv is not None)
+            if gen_error is None:
+                gen_error = g.read.failure
         except ApiError as exc:
             return inst.send_error(writer, rec, exc, g.headers, None if g.api is None else g.api.error_body(exc))
         g.body = body
@@ -350,6 +361,8 @@ class GenerationHandler:
                 g.transfer_id = tid
             g.hold_kv = True
             g.drop_kv = plan is not None and plan.drop_kv
+            if cfg.bidirectional and kv.get("remote_engine_id") and kv.get("remote_request_id"):
+                g.reuse = kv  # decode's parameters: read the previous turn from it
             return None
         if kv and kv.get("do_remote_prefill") is True and (role == "decode" or not cfg.strict_roles):
             return kv
@@ -374,26 +387,54 @@ class GenerationHandler:
             if refused is not None:
                 raise refusal(400, refused)
         st.local_prefills += 1
-        g.cached_tokens = cached = self._cached_prefix(body, g.chat, prompt)
-        st.local_prompt_tokens += prompt.tokens - cached
+        g.cached_tokens = cached = self._cached_prefix(g, body, prompt)
+        covered = max(cached, g.read.tokens and g.read.tokens + g.read.start)
+        g.computed = computed = prompt.tokens - covered
+        st.local_prompt_tokens += computed
         ec = load_for_consumer(inst.ec_store, prompt.media, inst.name)
         st.ec_hits += ec.hits
         st.local_encodes += ec.local_encodes
         if ec.error is not None:
             st.ec_failures += 1
         extra = cfg.local_encode_ms_per_item * ec.local_encodes
-        return cfg.ttft_ms + cfg.ttft_per_token_ms * (prompt.tokens - cached) + extra, ec.error
+        return cfg.ttft_ms + cfg.ttft_per_token_ms * computed + extra, ec.error
 
-    def _cached_prefix(self, body: dict, chat: bool, prompt: Prompt) -> int:
+    def _token_ids(self, g: GenerationRequest, body: dict, prompt: Prompt) -> list[int]:
+        if g.ids is None:
+            g.ids = prompt_token_ids(body, g.chat, prompt)
+        return g.ids
+
+    def _cached_prefix(self, g: GenerationRequest, body: dict, prompt: Prompt) -> int:
         """Look the prompt up in the prefix cache and keep its blocks there (vLLM caches a
         request's full blocks when it schedules them); returns the tokens found cached."""
         cache = self.inst.prefix_cache
         if cache is None:
             return 0
-        hashes = block_hashes(prompt_token_ids(body, chat, prompt), cache.block_size)
+        hashes = block_hashes(self._token_ids(g, body, prompt), cache.block_size)
         cached = cache.lookup(hashes, prompt.tokens)
         cache.store(hashes)
         return cached
+
+    async def _read_decode_kv(self, g: GenerationRequest, body: dict, prompt: Prompt) -> None:
+        """Bidirectional transfer, on a prefill given decode's parameters: read from that
+        decode the previous turn's KV beyond this prefill's own prefix cache (``g.read``)."""
+        assert g.reuse is not None
+        st = self.stats
+        ids = self._token_ids(g, body, prompt)
+        cache = self.inst.prefix_cache
+        cached = 0 if cache is None else cache.peek(block_hashes(ids, cache.block_size), prompt.tokens)
+        g.read = read = await self.inst.kv_reuse.read(g.reuse, ids, cached)
+        read.start = cached
+        st.external_queried_tokens += prompt.tokens - cached
+        if read.failure is not None:
+            st.kv_reuse_failures += 1
+            st.kv_pull_failures += 1
+        elif read.tokens:
+            st.kv_pulls += 1
+            st.external_cached_tokens += read.tokens
+            st.add_kv_transfer(-(-read.tokens // self.config.block_size) * self.config.kv_bytes_per_block)
+            if read.wrong:
+                st.wrong_answers += 1
 
     def _encode_ms(self, groups: dict[str, dict]) -> float:
         """An encoder's time for its distinct items: nothing for an item in its cache, else
@@ -430,6 +471,8 @@ class GenerationHandler:
         stream = checked.stream
         seed = _seed_bytes(g.body)
         fp = g.prompt.fingerprint
+        if g.read.wrong:
+            fp = _wrong(fp)  # computed over another prompt's KV: vLLM answers, wrongly
         tokens = [output_tokens(fp, seed, n_out, c) for c in range(g.n_choices)]
         head = b""
         include_usage = continuous = False
@@ -449,8 +492,17 @@ class GenerationHandler:
             seq.fmt = g.api
         if g.hold_kv and not g.drop_kv:
             seq.on_ready = self.on_prefilled
+        cfg = self.config
+        if cfg.chunked_prefill_tokens > 0 and g.computed > 0:
+            # Chunked prefill: the computed tokens go through the engine's steps.
+            seq.prefill_tokens = g.computed
+            seq.ttft = max(ttft_ms - cfg.ttft_per_token_ms * g.computed, 0.0) / 1000.0
         if self.config.prompt_tokens_details:
             seq.cached_tokens = g.cached_tokens
+        if stream and g.chat and g.api is None and g.body.get("return_token_ids") is True:
+            # The ids a non-stream answer carries (_openai_body), spread over the chunks.
+            seq.prompt_ids_json = _encode(self._token_ids(g, g.body, g.prompt))
+            seq.chunk_ids = [[_encode(ids) for ids in answer_chunk_ids(t)] for t in tokens]
         if plan is not None and plan.streams_tokens:
             seq.set_faults(plan.error_after, plan.reset_after, plan.stall_after, plan.stall_seconds,
                            plan.slow_body)
@@ -488,9 +540,18 @@ class GenerationHandler:
             self.on_error(seq, info)
             engine.retire(seq)
             return
-        ntok, nblocks = info
+        ntok, nblocks, wrong = info
+        if wrong:
+            seq.tokens = [output_tokens(_wrong(g.prompt.fingerprint), _seed_bytes(g.body), seq.n, c)
+                          for c in range(g.n_choices)]
+        local = 0
+        if cfg.bidirectional and inst.prefix_cache is not None:
+            # A decode that keeps what it served finds earlier turns in its own prefix cache and
+            # pulls only the blocks beyond them, as vLLM's connector asks only for those.
+            local = self._cached_prefix(g, g.body, g.prompt)
+            nblocks = max(nblocks - local // cfg.block_size, 0)
         st.kv_pulls += 1
-        st.external_cached_tokens += ntok
+        st.external_cached_tokens += max(ntok - local, 0)
         if cfg.kv_connector != "mooncake":
             st.add_kv_transfer(nblocks * cfg.kv_bytes_per_block)
         if cfg.prompt_tokens_details:
@@ -511,6 +572,8 @@ class GenerationHandler:
                                        host=inst.host, port=inst.port)
             st.encoded_items += items
             ec_out = out or None
+        if self.config.bidirectional and inst.role == "decode":
+            kv_out = self._keep(g, seq)
         ncomp = seq.n * g.n_choices
         st.success[seq.finish_reason] += 1
         st.prompt_tokens += seq.prompt_tokens
@@ -521,7 +584,12 @@ class GenerationHandler:
             g.final = resp = g.api.body(g, seq, kv_out, ec_out)
             g.api.finished(g, resp)
         if seq.stream:
-            writer.end(seq.stream_tail())
+            tail = seq.stream_tail()
+            if kv_out is not None and g.api is None and seq.head and self.config.bidirectional_stream_params:
+                # A chunk of their own, just before [DONE].
+                tail = (tail[:-len(DONE_EVENT)] + seq.head.partition(b',"choices":')[0]
+                        + b',"choices":[],"kv_transfer_params":' + _encode(kv_out) + b"}\n\n" + DONE_EVENT)
+            writer.end(tail)
         else:
             if g.api is None:
                 resp = self._openai_body(g, seq, kv_out, ec_out, ncomp)
@@ -536,15 +604,35 @@ class GenerationHandler:
             if not self.config.record_responses:
                 rec.response_chunks = None
 
+    def _keep(self, g: GenerationRequest, seq: Sequence) -> dict:
+        """Bidirectional transfer, on a decode: the finished request's blocks (prompt and
+        answer) stay pinned for the next turn and in the prefix cache; its parameters."""
+        inst = self.inst
+        ids = continuation_ids(g.body, g.chat, self._token_ids(g, g.body, g.prompt), seq.tokens[0][:seq.n])
+        cache = inst.prefix_cache
+        hashes = None
+        if cache is not None:
+            hashes = block_hashes(ids, cache.block_size)
+            cache.store(hashes)
+        return inst.kv_reuse.keep(g.internal_id, ids, hashes)
+
     def _openai_body(self, g: GenerationRequest, seq: Sequence, kv_out: dict | None, ec_out: dict | None,
                      ncomp: int) -> dict:
         """vLLM 0.32's chat or completions response model, dumped whole (``model.model_dump()``)."""
         build = responses.chat_response if g.chat else responses.completion_response
-        return build(resp_id=g.resp_id, created=self.inst.created, model=g.model,
+        resp = build(resp_id=g.resp_id, created=self.inst.created, model=g.model,
                      texts=[seq.text(c) for c in range(g.n_choices)], finish_reason=seq.finish_reason,
                      fingerprint=self.inst.system_fingerprint,
                      usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
                      kv_out=kv_out, ec_out=ec_out)
+        if g.chat and g.body.get("return_token_ids") is True:
+            # The prompt's ids and each answer's, as the next turn's prompt spells them (what a
+            # bidirectional decode keeps: ``continuation_ids``).
+            ids = self._token_ids(g, g.body, g.prompt)
+            resp["prompt_token_ids"] = ids
+            for c, choice in enumerate(resp["choices"]):
+                choice["token_ids"] = continuation_ids(g.body, True, ids, seq.tokens[c][:seq.n])[len(ids):]
+        return resp
 
     def on_prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists: hold it for (or push it to) the decoder. This happens when
@@ -552,7 +640,7 @@ class GenerationHandler:
         (error-after, stall-after, reset-after) leave the KV held or pushed, as with vLLM."""
         g: GenerationRequest = seq.ctx
         g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, g.prompt.hash_hex, g.transfer_id,
-                                        g.cached_tokens)
+                                        g.cached_tokens, g.read.wrong)
         if seq.rec is not None:
             seq.rec.kv = g.kv_out
 
@@ -603,6 +691,11 @@ def _reported_cached_tokens(kv: dict, loaded: int) -> int:
     if isinstance(remote, int) and not isinstance(remote, bool):
         return remote
     return loaded
+
+
+def _wrong(fingerprint: bytes) -> bytes:
+    """The fingerprint a wrong answer is drawn from (KV of another prompt was read)."""
+    return hashlib.sha256(b"wrong-kv\x00" + fingerprint).digest()
 
 
 async def _forever() -> None:

@@ -31,6 +31,7 @@ from epd_proxy.sim.engine import Engine
 from epd_proxy.sim.generate import DISABLED_BODY, GenerateFormat
 from epd_proxy.sim.generation import GenerationHandler
 from epd_proxy.sim.kv_channel import KvSideChannel
+from epd_proxy.sim.kv_reuse import KvReuse
 from epd_proxy.sim.messages import MessagesFormat
 from epd_proxy.sim.prefix_cache import PrefixCache
 from epd_proxy.sim.records import SimRecord, Stats
@@ -72,12 +73,15 @@ class SimInstance:
         self._unhealthy_until = 0.0
         self.faults = _faults.FaultSource(role, cfg.fault_rate, cfg.fault_kinds, f"{cfg.fault_seed}/{self.name}")
         self.kv = KvSideChannel(self)
+        self.kv_reuse = KvReuse(self.kv)  # bidirectional transfer: blocks kept after a request
+        self.kv.on_free = self.kv_reuse.on_free = self._kv_freed
         # The caches vLLM keeps in memory: what an instance computed (prefix cache) or encoded
         # (encoder cache) before. None where the role keeps none.
         self.prefix_cache: PrefixCache | None = None
         if role != "encode" and cfg.enable_prefix_caching:
             capacity = cfg.num_gpu_blocks if cfg.prefix_cache_blocks is None else cfg.prefix_cache_blocks
             self.prefix_cache = PrefixCache(cfg.block_size, capacity)
+        self.kv_reuse.cache = self.prefix_cache
         self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens) if role == "encode" else None
         self._generation = GenerationHandler(self)
         self._responses = ResponsesFormat(self.created, cfg.max_model_len, cfg.responses_store)
@@ -188,7 +192,10 @@ class SimInstance:
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> "SimInstance":
         if self.engine is None:
-            self.engine = Engine(self.config.itl_ms, self.config.max_num_seqs)
+            cfg = self.config
+            self.engine = Engine(cfg.itl_ms, cfg.max_num_seqs, chunk_tokens=cfg.chunked_prefill_tokens,
+                                 per_token_ms=cfg.ttft_per_token_ms, block_size=cfg.block_size,
+                                 num_blocks=cfg.num_gpu_blocks, reserved=self._reserved_blocks)
         limits = ServerLimits(keep_alive_timeout=self.config.keep_alive_timeout)
         self.server = await HttpServer(self._handle, error_body=server_error_body, limits=limits).start(
             self.host, self.port)
@@ -199,6 +206,15 @@ class SimInstance:
             self.bootstrap_port = self.bootstrap_server.port
         self.crashed = False
         return self
+
+    def _reserved_blocks(self) -> int:
+        """KV blocks held outside the running requests: for a decoder's pull, and kept after a
+        request for the next turn's prefill (bidirectional)."""
+        return self.kv.held_blocks + self.kv_reuse.kept_blocks
+
+    def _kv_freed(self) -> None:
+        if self.engine is not None:
+            self.engine.capacity_freed()
 
     async def _close_servers(self) -> None:
         servers = [s for s in (self.server, self.bootstrap_server) if s is not None]
@@ -212,6 +228,7 @@ class SimInstance:
         self.crashed = True
         await self._close_servers()
         self.kv.drop()
+        self.kv_reuse.drop()
         await self.kv.close_pools()
         if self.engine is not None:
             self.engine.close()
@@ -225,6 +242,7 @@ class SimInstance:
         self.crashed = True
         await self._close_servers()
         self.kv.drop()
+        self.kv_reuse.drop()
         self._forget_caches()
         await self.kv.close_pools()
         # Let the cancelled handlers run their cleanup.
@@ -349,7 +367,10 @@ class SimInstance:
         if not isinstance(data, dict):
             writer.send(400, b'{"error":"expected a JSON object"}')
             return
-        if path == "/sim/kv/pull" and req.method == "POST":
+        if path == "/sim/kv/read" and req.method == "POST":
+            status, out = self.kv_reuse.serve_read(data)
+            writer.send(status, _encode(out))
+        elif path == "/sim/kv/pull" and req.method == "POST":
             status, out = self.kv.serve_pull(data)
             writer.send(status, _encode(out))
         elif path == "/sim/kv/push/register" and req.method == "POST":

@@ -29,7 +29,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import msgspec
 
@@ -74,6 +74,7 @@ class HeldKV:
     transfer_id: str | None
     t_created: float
     timer: asyncio.TimerHandle | None = None
+    wrong: bool = False  # computed over another prompt's KV (bidirectional misuse): a wrong answer
 
 
 class KvOwner(Protocol):
@@ -112,6 +113,7 @@ class KvSideChannel:
         self._push_offers: dict[str, HeldKV] = {}
         self._push_waiters: dict[str, tuple[asyncio.Future, str | None]] = {}
         self._pools: dict[str, ConnectionPool] = {}
+        self.on_free: Callable[[], None] | None = None  # held blocks freed: the engine admits what fits
 
     @property
     def held_requests(self) -> int:
@@ -143,7 +145,7 @@ class KvSideChannel:
 
     # -- producer (prefill) --------------------------------------------------------------
     def produce(self, internal_id: str, prompt_tokens: int, prompt_hash: str, transfer_id: str | None,
-                cached_tokens: int = 0) -> dict:
+                cached_tokens: int = 0, wrong: bool = False) -> dict:
         """The prompt's KV now exists: hold it (pull), offer or push it (push, Mooncake);
         returns the ``kv_transfer_params`` vLLM 0.32 answers with (``cached_tokens``: the
         prompt tokens this prefill found in its prefix cache)."""
@@ -155,7 +157,7 @@ class KvSideChannel:
         first = self._next_block
         self._next_block = (first + nblocks) % 2_000_000_000 or 1
         held = HeldKV(internal_id, list(range(first, first + nblocks)), prompt_hash, ntok,
-                      transfer_id, time.monotonic())
+                      transfer_id, time.monotonic(), wrong=wrong)
         conn = cfg.kv_connector
         if conn == "nixl":
             self._hold(self._held, internal_id, held, loop)
@@ -196,6 +198,8 @@ class KvSideChannel:
             if held.timer is not None:
                 held.timer.cancel()
                 held.timer = None
+            if self.on_free is not None:
+                self.on_free()
         return held
 
     def _expire(self, table: dict, key: str, held: HeldKV) -> None:
@@ -218,7 +222,7 @@ class KvSideChannel:
         self.stats.kv_blocks_served += len(held.block_ids)
         self.log.append({"t": time.monotonic(), "op": "push", "request_id": held.request_id,
                          "transfer_id": held.transfer_id, "blocks": len(held.block_ids)})
-        fut.set_result((200, {"num_tokens": held.num_tokens, "block_ids": held.block_ids}))
+        fut.set_result((200, {"num_tokens": held.num_tokens, "block_ids": held.block_ids, "wrong": held.wrong}))
 
     def _prompt_mismatch(self, held: HeldKV) -> str:
         return (f"prompt mismatch: the decode's prompt differs from the prompt {self.inst.name} prefilled for "
@@ -258,7 +262,7 @@ class KvSideChannel:
         self.stats.kv_pushes += 1
         self.stats.kv_blocks_served += len(held.block_ids)
         ev["ok"] = True
-        return 200, {"num_tokens": held.num_tokens, "block_ids": held.block_ids}
+        return 200, {"num_tokens": held.num_tokens, "block_ids": held.block_ids, "wrong": held.wrong}
 
     async def serve_register(self, data: dict) -> tuple[int, dict]:
         """``POST /sim/kv/push/register``: a long poll until the prefill with that
@@ -312,8 +316,8 @@ class KvSideChannel:
         return resp.status, obj if isinstance(obj, dict) else {"error": str(obj)}
 
     async def load(self, kv: dict, prompt_hash: str) -> tuple[bool, Any]:
-        """Fetch the prompt's KV from the prefill named in ``kv``; (True, (tokens, blocks)) or
-        (False, why)."""
+        """Fetch the prompt's KV from the prefill named in ``kv``; (True, (tokens, blocks,
+        wrong)) or (False, why); ``wrong``: the prefill computed it over another prompt's KV."""
         cfg = self.config
         conn = cfg.kv_connector
         payload = {"remote_engine_id": kv.get("remote_engine_id"), "remote_request_id": kv.get("remote_request_id"),
@@ -346,7 +350,8 @@ class KvSideChannel:
             self.log.append({"t": time.monotonic(), "op": "load", "ok": True, "peer": base,
                              "tokens": data.get("num_tokens")})
             blocks = data.get("block_ids")
-            return True, (int(data.get("num_tokens") or 0), len(blocks) if isinstance(blocks, list) else 0)
+            return True, (int(data.get("num_tokens") or 0), len(blocks) if isinstance(blocks, list) else 0,
+                          data.get("wrong") is True)
         msg = _LOAD_FAILED + f"{base} answered {status}: {data.get('error')}"
         self.log.append({"t": time.monotonic(), "op": "load", "ok": False, "error": msg})
         return False, msg

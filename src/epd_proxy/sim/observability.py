@@ -25,6 +25,9 @@ def state(inst: SimHost) -> dict:
         "held_kv": [{"request_id": h.request_id, "transfer_id": h.transfer_id, "blocks": h.block_ids}
                     for h in kv.held()],
         "push_waiters": kv.push_waiters(),
+        "kept_kv_blocks": inst.kv_reuse.kept_blocks,
+        "kept_kv": [{"request_id": k.request_id, "blocks": k.block_ids, "tokens": len(k.ids), "expiry": k.expiry}
+                    for k in inst.kv_reuse.kept()],
         "running": eng.num_running if eng else 0, "waiting": eng.num_waiting if eng else 0,
         "stats": inst.stats.as_dict(), "ec_store_entries": len(inst.ec_store),
         "prefix_cache": None if pc is None else {"blocks": len(pc), "queries": pc.queries, "hits": pc.hits},
@@ -59,7 +62,8 @@ def metrics_text(inst: SimHost) -> str:
     lbl = f'model_name="{cfg.model}",engine="0"'
     running = eng.num_running if eng else 0
     waiting = eng.num_waiting if eng else 0
-    used = (eng.kv_blocks_in_use(cfg.block_size) if eng else 0) + held_blocks
+    kept_blocks = inst.kv_reuse.kept_blocks
+    used = (eng.kv_blocks_in_use(cfg.block_size) if eng else 0) + held_blocks + kept_blocks
     usage = min(used / cfg.num_gpu_blocks, 1.0) if cfg.num_gpu_blocks else 0.0
     lines = [
         "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -132,6 +136,18 @@ def metrics_text(inst: SimHost) -> str:
         ("sim:kv_transfer_refusals_total", "Side-channel requests refused (prefill).", st.kv_push_failures),
         ("sim:kv_expired_blocks_total", "Held blocks freed by kv_abort_timeout (prefill).",
          st.kv_blocks_expired),
+        ("sim:kv_kept_expired_blocks_total", "Blocks kept after a request (bidirectional) freed by their TTL "
+         "(decode).", st.kv_kept_expired_blocks),
+        ("sim:kv_reuse_reads_total", "Reads of kept blocks served to a prefill (decode).", st.kv_reuse_reads),
+        ("sim:kv_reuse_read_tokens_total", "Tokens of those reads (decode).", st.kv_reuse_read_tokens),
+        ("sim:kv_reuse_releases_total", "Kept blocks a prefill released without reading (decode).",
+         st.kv_reuse_releases),
+        ("sim:kv_reuse_unknown_total", "Reads of blocks no longer kept: used, expired or never kept "
+         "(decode).", st.kv_reuse_unknown),
+        ("sim:kv_reuse_failures_total", "Requests failed by a read from a decode: expiry, engine id "
+         "(prefill).", st.kv_reuse_failures),
+        ("sim:wrong_kv_reads_total", "Reads of another prompt's KV (parameters used twice or for another "
+         "prompt): the answers that follow are wrong, as vLLM's (prefill).", st.wrong_answers),
         ("sim:aborted_requests_total", "Requests whose client went away before the end.", st.aborted),
         ("sim:faults_injected_total", "Requests that got an injected fault.", st.faults),
     ]
@@ -146,6 +162,13 @@ def metrics_text(inst: SimHost) -> str:
         "# HELP sim:held_kv_requests Requests whose KV is held for a decoder.",
         "# TYPE sim:held_kv_requests gauge",
         f"sim:held_kv_requests{{{lbl}}} {inst.kv.held_requests}.0",
+        "# HELP sim:kept_kv_blocks KV blocks a decode keeps after its requests for the next turn "
+        "(bidirectional transfer); part of vllm:kv_cache_usage_perc.",
+        "# TYPE sim:kept_kv_blocks gauge",
+        f"sim:kept_kv_blocks{{{lbl}}} {kept_blocks}.0",
+        "# HELP sim:kept_kv_requests Requests whose blocks a decode keeps for the next turn.",
+        "# TYPE sim:kept_kv_requests gauge",
+        f"sim:kept_kv_requests{{{lbl}}} {inst.kv_reuse.kept_requests}.0",
         "# HELP sim:prefix_cache_blocks KV blocks kept in the prefix cache.",
         "# TYPE sim:prefix_cache_blocks gauge",
         f"sim:prefix_cache_blocks{{{lbl}}} {len(pc) if pc else 0}.0",

@@ -15,6 +15,10 @@ too. This module does the same over the simulator's token ids:
   the end of a chain is evicted before its beginning, as vLLM frees a
   request's blocks in reverse order.
 
+Blocks held for another instance (a decode's kept blocks, bidirectional transfer) are
+*pinned*: they stay findable whatever the LRU does, as vLLM finds a prefix in blocks a
+request still holds.
+
 ``queries`` and ``hits`` count tokens, as ``vllm:prefix_cache_queries`` and
 ``vllm:prefix_cache_hits`` do. Pure bookkeeping: no I/O, no clock.
 """
@@ -44,6 +48,7 @@ class PrefixCache:
         self.block_size = block_size
         self.capacity = capacity
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._pinned: dict[int, int] = {}  # block hash -> how many holders pin it
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of those, tokens found cached
 
@@ -56,15 +61,39 @@ class PrefixCache:
     def lookup(self, hashes: list[int], num_tokens: int) -> int:
         """Tokens of the longest cached prefix of a prompt of ``num_tokens`` tokens whose
         full blocks hash to ``hashes``; counts the query and its hits."""
-        blocks = self._blocks
-        limit = min(len(hashes), (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
-        n = 0
-        while n < limit and hashes[n] in blocks:
-            n += 1
-        cached = n * self.block_size
+        cached = self.peek(hashes, num_tokens)
         self.queries += num_tokens
         self.hits += cached
         return cached
+
+    def peek(self, hashes: list[int], num_tokens: int) -> int:
+        """What :meth:`lookup` would find, without counting a query."""
+        blocks, pinned = self._blocks, self._pinned
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size) if num_tokens > 0 else 0
+        n = 0
+        while n < limit and (hashes[n] in blocks or hashes[n] in pinned):
+            n += 1
+        return n * self.block_size
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Distinct blocks pinned (held for another instance)."""
+        return len(self._pinned)
+
+    def pin(self, hashes: list[int]) -> None:
+        """Keep these blocks findable until :meth:`unpin` (held for another instance)."""
+        pinned = self._pinned
+        for h in hashes:
+            pinned[h] = pinned.get(h, 0) + 1
+
+    def unpin(self, hashes: list[int]) -> None:
+        pinned = self._pinned
+        for h in hashes:
+            n = pinned.get(h, 0) - 1
+            if n > 0:
+                pinned[h] = n
+            else:
+                pinned.pop(h, None)
 
     def store(self, hashes: list[int]) -> tuple[list[int], list[int]]:
         """The prompt's blocks are computed: keep them (most recently used), evicting the
@@ -89,4 +118,5 @@ class PrefixCache:
         """Forget everything (the instance restarted); returns how many blocks it held."""
         n = len(self._blocks)
         self._blocks.clear()
+        self._pinned.clear()
         return n

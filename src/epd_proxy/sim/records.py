@@ -56,7 +56,9 @@ class Stats:
                  "kv_pull_failures", "kv_pushes", "kv_push_failures", "kv_blocks_expired",
                  "kv_requests_expired", "kv_blocks_served", "external_cached_tokens", "aborted",
                  "faults", "errors", "external_queried_tokens", "local_prompt_tokens", "kv_transfers",
-                 "kv_bytes_transferred", "kv_bytes_buckets", "encode_ms", "encoded_tokens")
+                 "kv_bytes_transferred", "kv_bytes_buckets", "encode_ms", "encoded_tokens",
+                 "kv_kept_expired_blocks", "kv_reuse_reads", "kv_reuse_read_tokens", "kv_reuse_releases",
+                 "kv_reuse_unknown", "wrong_answers", "kv_reuse_failures")
 
     # vLLM's buckets for vllm:nixl_bytes_transferred (2 KiB to 8 GiB).
     KV_BYTES_BUCKETS: tuple[int, ...] = tuple(2 ** (10 + i) for i in range(1, 25, 2))
@@ -90,6 +92,17 @@ class Stats:
         self.aborted = 0  # requests whose client went away (sim:aborted_requests_total only)
         self.faults = 0  # requests with an injected fault
         self.errors = 0  # requests failed by the simulator (generation errors)
+        # Bidirectional transfer (kv_reuse.py). Decode: blocks kept after a request that expired,
+        # reads of kept blocks served (and their tokens), releases without a read, reads of
+        # blocks no longer kept. Prefill: answers computed over another prompt's KV (vLLM gives
+        # them silently), reads that failed the request.
+        self.kv_kept_expired_blocks = 0
+        self.kv_reuse_reads = 0
+        self.kv_reuse_read_tokens = 0
+        self.kv_reuse_releases = 0
+        self.kv_reuse_unknown = 0
+        self.wrong_answers = 0
+        self.kv_reuse_failures = 0
 
     def as_dict(self) -> dict:
         out = {}

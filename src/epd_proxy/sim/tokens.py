@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -353,6 +354,55 @@ def prompt_token_ids(body: dict, chat: bool, prompt: Prompt) -> list[int]:
             else:
                 ids.append(zlib.crc32(msgspec.json.encode(part, order="sorted")))
     return ids
+
+
+def continuation_ids(body: dict, chat: bool, ids: list[int], answer: list[int]) -> list[int]:
+    """The token ids of a prompt (``ids``) followed by its answer (``answer``: indices into
+    :data:`VOCAB`) as the next turn's prompt spells them, which is what a decode keeps for the
+    next turn (bidirectional transfer): on chat, the assistant message's role token and the
+    words of its text; on completions, the words of prompt and answer run together (token-id
+    prompts: the answer's ids appended)."""
+    text = "".join([VOCAB[t] for t in answer])
+    if chat:
+        return ids + [zlib.crc32(b"\x00role:assistant")] + _word_ids(text)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1:
+        p = p[0]
+    if isinstance(p, list):
+        return list(p) + list(answer)
+    return _word_ids(p + text) or [0]  # type: ignore[operator]  # validated: a string here
+
+
+def answer_chunk_ids(answer: list[int]) -> list[list[int]]:
+    """The ids of :func:`continuation_ids`'s chat answer (the assistant role token, then the
+    words of its text) spread over the answer's tokens, as a stream with ``return_token_ids``
+    carries them: the role token with the first, each word with the token that ends it (the
+    one holding the whitespace after it, or the last token). Concatenated, they are the
+    answer's ids."""
+    n = len(answer)
+    out: list[list[int]] = [[] for _ in range(n)]
+    if not n:
+        return out
+    out[0].append(zlib.crc32(b"\x00role:assistant"))
+    ends: list[int] = []  # each token's end offset in the text
+    pos = 0
+    for t in answer:
+        pos += len(VOCAB[t])
+        ends.append(pos)
+    text = "".join([VOCAB[t] for t in answer])
+    j = 0
+    for m in _WORD.finditer(text):
+        e = m.end()
+        if e >= len(text):
+            j = n - 1
+        else:
+            while ends[j] <= e:
+                j += 1
+        out[j].append(zlib.crc32(m.group().encode("utf-8")))
+    return out
+
+
+_WORD = re.compile(r"\S+")
 
 
 # ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ push        TTFT in NIXL push mode against pull mode
 overload    a burst of slow streams past the admission limit, slowloris and normal traffic alongside
 soak        a mixed workload for a long time: RSS growth, errors, mismatches
 cluster     routing policies on a simulated cluster with caches
+multiturn   multi-turn KV reuse between decode and prefill, prefill skipped for short remainders
 url         ``--url``: load against one endpoint only
 """
 
@@ -34,14 +35,16 @@ from epd_proxy.bench.scenarios import (
 )
 from epd_proxy.bench.scenarios.base import Scenario
 from epd_proxy.bench.scenarios.cluster import run as cluster
+from epd_proxy.bench.scenarios.multiturn import run as multiturn
 
 # In the order of the help text and of ``--scenario all``.
 SCENARIOS: dict[str, Scenario] = {m.SCENARIO.name: m.SCENARIO for m in (
-    compare, latency, throughput, scale, workers, media, encoders, push, overload, soak, cluster, url)}
+    compare, latency, throughput, scale, workers, media, encoders, push, overload, soak, cluster, multiturn, url)}
 
 # The report's targets table lists the checks in the issue's order of its targets, not in
 # the order the scenarios ran; a scenario not named here comes after these, in SCENARIOS' order.
-TARGETS_ORDER = ("compare", "throughput", "latency", "workers", "scale", "soak", "media", "encoders", "cluster")
+TARGETS_ORDER = ("compare", "throughput", "latency", "workers", "scale", "soak", "media", "encoders", "cluster",
+                 "multiturn")
 
 
 def by_name() -> list[str]:

@@ -1,0 +1,73 @@
+"""The multiturn scenario's pure parts: counters between snapshots, the targets, the report."""
+
+from epd_proxy.bench.scenarios.multiturn.evaluate import counters, evaluate_targets, mismatches, section
+
+
+def _state(**stats) -> dict:
+    kept = stats.pop("kept", 0)
+    return {"stats": stats, "prefix_cache": {"queries": 0, "hits": 0}, "kept_kv_blocks": kept}
+
+
+def test_counters_sum_roles_between_snapshots():
+    before = {"prefill": [_state(local_prompt_tokens=100, requests=2), _state(local_prompt_tokens=50)],
+              "decode": [_state(local_prompt_tokens=0, kv_bytes_transferred=10, kept=3)]}
+    after = {"prefill": [_state(local_prompt_tokens=400, external_cached_tokens=300, kv_bytes_transferred=64,
+                                wrong_answers=1, requests=7),
+                         _state(local_prompt_tokens=80)],
+             "decode": [_state(local_prompt_tokens=42, kv_bytes_transferred=30, local_prefills=1, kept=9)]}
+    c = counters(before, after)
+    assert c["computed_prefill"] == 330 and c["computed_decode"] == 42 and c["computed"] == 372
+    assert c["read_from_decode"] == 300
+    assert c["kv_moved_bytes"] == 64 + 20
+    assert c["wrong_kv_reads"] == 1 and c["local_prefills_on_decode"] == 1
+    assert c["kept_kv_blocks_end"] == 9 and c["prefill"]["requests"] == 5
+
+
+def _cell(computed, p50, p99, itl, verify=0, wrong=0, **kw):
+    return {"requests": 10, "errors": 0, "verify_errors": verify, "ttft_ms": {"p50": p50, "p99": p99},
+            "itl_ms": {"p99": itl}, "held": {"peak_total": 5},
+            "counters": {"computed": computed, "computed_prefill": computed, "computed_decode": 0,
+                         "read_from_decode": 0, "kv_moved_bytes": 0, "wrong_kv_reads": wrong,
+                         "kept_kv_blocks_end": 1, "local_prefills_on_decode": 0, "prefill": {"requests": 10}}, **kw}
+
+
+def _result(cells: dict, short: dict | None = None) -> dict:
+    def w(cs):
+        return {"spec": {"conversations": 1, "turns": 2, "system_words": 3, "user_words": 4, "max_tokens": 5},
+                "prefix_cache_blocks": 7, "cache_ratio": 0.15, "rates": [25.0],
+                "targets": {n: {"rates": {"25.0": c}} for n, c in cs.items()}}
+    out = {"candidate": "reuse-skip", "counts": {"prefill": 3, "decode": 4}, "workloads": {"long": w(cells)}}
+    if short:
+        out["workloads"]["short"] = w(short)
+    return out
+
+
+def test_targets_met_and_missed():
+    cells = {"cache-aware": _cell(1000, 50, 200, 6.0), "reuse": _cell(700, 45, 150, 6.0),
+             "reuse-skip": _cell(500, 40, 120, 6.2), "vllm-multiturn": _cell(600, 60, 300, 9.0),
+             "vllm-router:cache_aware": _cell(1200, 35, 400, 6.0),
+             "vllm-router:power_of_two": {"available": False, "note": "not installed"}}
+    by = {t["key"]: t for t in evaluate_targets(_result(cells, short={"reuse-skip": _cell(9, 1, 1, 1, verify=1)}))}
+    assert by["mt_computed"]["measured"] == 0.5 and by["mt_computed"]["met"]
+    assert abs(by["mt_itl_p99"]["measured"] - 6.2 / 6.0) < 1e-9 and by["mt_itl_p99"]["met"]
+    # p50: the router's 35 ms is the best of the others, 40 is not below it
+    assert by["mt_ttft_p50"]["measured"] == 40 / 35 and not by["mt_ttft_p50"]["met"]
+    assert "vllm-router:cache_aware" in by["mt_ttft_p50"]["note"]
+    assert by["mt_ttft_p99"]["measured"] == 120 / 200 and by["mt_ttft_p99"]["met"]
+    assert by["mt_mismatches"]["measured"] == 1 and not by["mt_mismatches"]["met"]
+
+
+def test_no_targets_without_the_candidate_or_the_baseline():
+    assert evaluate_targets(_result({"cache-aware": _cell(1, 1, 1, 1)})) == []
+    out = evaluate_targets(_result({"reuse-skip": _cell(1, 1, 1, 1, wrong=2)}))
+    assert [(t["key"], t["measured"]) for t in out] == [("mt_mismatches", 2)]
+
+
+def test_section_lists_every_target_and_why_one_did_not_run():
+    cells = {"cache-aware": _cell(1000, 50, 200, 6.0), "reuse-skip": _cell(500, 40, 120, 6.2, wrong=1),
+             "vllm-router:power_of_two": {"available": False, "note": "not installed (pip install vllm-router)"}}
+    text = "\n".join(section(_result(cells), {}))
+    assert "| cache-aware | 10 | 0 / 0 | 1,000 + 0 = 1,000 |" in text
+    assert "| reuse-skip | 10 | 0 / 1 |" in text
+    assert "not installed (pip install vllm-router)" in text
+    assert mismatches(cells["reuse-skip"]) == 1
