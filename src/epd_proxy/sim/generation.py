@@ -122,7 +122,7 @@ class GenerationRequest:
 
     __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
                  "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
-                 "cached_tokens", "api", "final")
+                 "cached_tokens", "api", "final", "lora")
     # Set once the request is validated.
     model: str
     prompt: Prompt
@@ -144,6 +144,7 @@ class GenerationRequest:
         self.reset = False
         self.seq: Sequence | None = None  # once there is one
         self.cached_tokens = 0  # prompt tokens found in this instance's prefix cache
+        self.lora: str | None = None  # the LoRA adapter it runs with (holding one of its slots)
 
 
 class GenerationHandler:
@@ -185,6 +186,9 @@ class GenerationHandler:
                     if rec is not None:
                         rec.aborted = True
             raise
+        finally:
+            if g.lora is not None:
+                inst.lora.release(g.lora)
 
     async def _serve(self, req, writer, g: GenerationRequest, rec: SimRecord | None, counter: int) -> None:
         inst = self.inst
@@ -206,12 +210,15 @@ class GenerationHandler:
             if inst.role == "encode":
                 n_out, by_length = 0, False
             ttft_ms, gen_error = self._local_work(g, body, prompt, remote_kv is not None)
+            if inst.role != "encode" and inst.lora.path(body.get("model")) is not None:
+                g.lora = body["model"]
+                ttft_ms += inst.lora.acquire(g.lora)  # waits while the adapter is swapped into a slot
         except ApiError as exc:
             return inst.send_error(writer, rec, exc, g.headers, None if g.api is None else g.api.error_body(exc))
         g.body = body
         self._name(g, base, counter)
         # vLLM answers with the served name the request gave, else its first (whatever the request said).
-        g.model = name if (name := body.get("model")) in self.config.served_names else self.config.model
+        g.model = name if (name := body.get("model")) in self.config.served_names or g.lora else self.config.model
         g.prompt = prompt
         g.n_choices = checked.n
         detached = g.api is not None and g.api.detach(g, writer)
@@ -303,7 +310,7 @@ class GenerationHandler:
         checked = check_request(body, chat)
         body = checked.body
         model = body.get("model")
-        if cfg.check_model and model and model not in cfg.served_names:
+        if cfg.check_model and model and model not in cfg.served_names and self.inst.lora.path(model) is None:
             raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(cfg.served_names)}.",
                            "NotFoundError", "model")
         try:
@@ -428,7 +435,7 @@ class GenerationHandler:
         """The engine sequence that produces the request's tokens and writes its answer."""
         inst = self.inst
         stream = checked.stream
-        seed = _seed_bytes(g.body)
+        seed = _seed_bytes(g.body, None if g.lora is None else inst.lora.path(g.lora))
         fp = g.prompt.fingerprint
         tokens = [output_tokens(fp, seed, n_out, c) for c in range(g.n_choices)]
         head = b""

@@ -17,6 +17,7 @@ from epd_proxy.sim.encoder_cache import EncoderCache
 from epd_proxy.sim.engine import Engine
 from epd_proxy.sim.faults import FaultSource
 from epd_proxy.sim.kv_channel import KvSideChannel
+from epd_proxy.sim.lora import LoraSlots
 from epd_proxy.sim.prefix_cache import PrefixCache
 from epd_proxy.sim.records import SimRecord, Stats
 from epd_proxy.sim.validation import ApiError
@@ -41,6 +42,7 @@ class SimHost(Protocol):
     stats: Stats
     engine: Engine | None
     kv: KvSideChannel
+    lora: LoraSlots
     prefix_cache: PrefixCache | None
     encoder_cache: EncoderCache | None
     ec_store: EcStore
