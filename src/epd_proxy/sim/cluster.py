@@ -102,7 +102,8 @@ class SimCluster:
     def from_spec(cls, spec: str, config: SimConfig | None = None, **kwargs) -> "SimCluster":
         """A cluster from ``"encode=2,prefill=1,decode=2"``; also ``pd=N``, ``kv=nixl|nixl-push|mooncake``,
         ``base_port=N``, any :class:`SimConfig` field (``itl_ms=5``) and per-role fields
-        (``decode.itl_ms=5``) and per-instance fields (``decode-1.lora_modules=a=/x``). Keyword arguments go to the constructor."""
+        (``decode.itl_ms=5``) and per-instance fields (``decode-1.lora_modules=a=/x``). Keyword
+        arguments go to the constructor."""
         counts, values, per_role, options = cls.parse_spec(spec)
         config = (config or SimConfig()).with_values(values)
         if per_role:

@@ -218,7 +218,8 @@ class GenerationHandler:
         g.body = body
         self._name(g, base, counter)
         # vLLM answers with the served name the request gave, else its first (whatever the request said).
-        g.model = name if (name := body.get("model")) in self.config.served_names or g.lora else self.config.model
+        name = body.get("model")
+        g.model = name if isinstance(name, str) and (name in self.config.served_names or g.lora) else self.config.model
         g.prompt = prompt
         g.n_choices = checked.n
         detached = g.api is not None and g.api.detach(g, writer)
