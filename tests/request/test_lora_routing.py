@@ -61,7 +61,8 @@ async def test_p_d_adapter_requests_concentrate_and_both_legs_have_it():
             assert r.status == 200, r.body
             assert r.text() == expected_text(body, lora_path=f"/ad/{model}")
         recs = generations(c)
-        assert {r.instance for r in recs} == {"prefill-1", "decode-0", "decode-2"}
+        used = {r.instance for r in recs}  # the adapters' homes: one decode, or both
+        assert "prefill-1" in used and used <= {"prefill-1", "decode-0", "decode-2"}
         for model in ("a1", "a2", "a3", "a4"):
             decodes = {r.instance for r in generations(c, "decode") if r.json["model"] == model}
             assert len(decodes) == 1  # an idle cluster: each adapter on its one home

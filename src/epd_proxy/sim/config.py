@@ -137,6 +137,7 @@ class SimConfig:
             raise ValueError(f"block_size must be at least 1, not {self.block_size}")
         self.fault_kinds = tuple(self.fault_kinds)
         self.models = tuple(self.models)
+        self.lora_modules = tuple(self.lora_modules)
         if self.models:
             self.model = self.models[0]
 

@@ -30,6 +30,8 @@ def state(inst: SimHost) -> dict:
         "running": eng.num_running if eng else 0, "waiting": eng.num_waiting if eng else 0,
         "stats": inst.stats.as_dict(), "ec_store_entries": len(inst.ec_store),
         "prefix_cache": None if pc is None else {"blocks": len(pc), "queries": pc.queries, "hits": pc.hits},
+        "lora": {"adapters": dict(inst.lora.adapters), "active": list(inst.lora.active), "swaps": inst.lora.swaps,
+                 "requests": inst.lora.requests},
         "encoder_cache": None if ec is None else {"items": len(ec), "tokens": ec.tokens, "queries": ec.queries,
                                                   "hits": ec.hits},
     }
