@@ -53,15 +53,18 @@ def test_set_grows_only_past_the_load_bound():
     assert aff.choose(cands, "sql") is first  # the set shrinks back when the load goes
 
 
-def test_instance_with_the_adapter_active_comes_first_within_the_bound():
+def test_past_the_bound_an_instance_with_the_adapter_active_comes_first():
     cands = insts(3)
     aff = AdapterAffinity(balance_abs=2)
     order = aff.order([c.url for c in cands], "fin")
-    third = next(c for c in cands if c.url == order[2])
+    by_url = {c.url: c for c in cands}
+    home, third = by_url[order[0]], by_url[order[2]]
     third.signals.adapters = frozenset({"fin", "x"})
-    assert aff.choose(cands, "fin") is third
-    third.inflight = 5  # over the bound: activity does not beat the load bound
-    assert aff.choose(cands, "fin").url == order[0]
+    assert aff.choose(cands, "fin") is home  # within the bound the home wins: activity feeds on itself
+    home.inflight = 3
+    assert aff.choose(cands, "fin") is third  # past it: where the adapter is active, not the next in order
+    third.inflight = 3
+    assert aff.choose(cands, "fin").url == order[1]  # activity does not beat the load bound
 
 
 def test_fewer_adapter_swaps_than_round_robin():

@@ -7,13 +7,17 @@ adapters. :class:`AdapterAffinity` concentrates them instead (llm-d's lora-affin
 with this project's load bound, the one ``cache-aware`` uses):
 
 * the candidates are the instances serving the adapter (the pool has filtered them);
-* among those within the load bound (load at most ``min + max(balance_abs, min x
-  (balance_rel - 1))``), an instance where the adapter is already active (running or waiting
-  there, as its ``vllm:lora_requests_info`` said at the last scrape) comes first;
-* then rendezvous order of the adapter's name: every proxy replica and ``--workers`` process
-  ranks the instances alike, so the adapter has one home, and a second instance only takes
-  its requests while the first is over the bound (the set grows with load, one by one, and
-  shrinks back when the load goes).
+* its home is the first of them in the rendezvous order of the adapter's name: every proxy
+  replica and ``--workers`` process ranks the instances alike, so they agree on it; the home
+  takes the request while its load is within the bound (at most ``min + max(balance_abs,
+  min x (balance_rel - 1))``);
+* past the bound, among the candidates within it, an instance where the adapter is already
+  active (running or waiting there, as its ``vllm:lora_requests_info`` said at the last
+  scrape) comes first, then the rendezvous order: the set grows with load, one instance at a
+  time, and shrinks back to the home when the load goes.
+
+Activity decides only past the bound: preferring it always feeds on itself (an instance that
+queues while it swaps shows many adapters running, draws more adapters, and swaps more).
 
 The least-loaded candidate is always within the bound, so a pick always exists.
 """
@@ -64,19 +68,17 @@ class AdapterAffinity:
         loads = [c.inflight + c.signals.others for c in candidates]
         low = min(loads)
         bound = low + max(self.balance_abs, low * (self.balance_rel - 1.0))
+        scores = [mix64(key ^ self._seed(c.url)) for c in candidates]
+        home = max(range(len(candidates)), key=scores.__getitem__)
+        if loads[home] <= bound:
+            return home
+        self.spills += 1
         best, best_rank = -1, (-1, -1)
-        first, first_score = -1, -1
         for i, c in enumerate(candidates):
-            score = mix64(key ^ self._seed(c.url))
-            if score > first_score:
-                first, first_score = i, score
-            if loads[i] > bound:
-                continue
-            rank = (1 if adapter in c.signals.adapters else 0, score)
-            if rank > best_rank:
-                best, best_rank = i, rank
-        if best != first and loads[first] > bound:
-            self.spills += 1
+            if loads[i] <= bound:
+                rank = (1 if adapter in c.signals.adapters else 0, scores[i])
+                if rank > best_rank:
+                    best, best_rank = i, rank
         return best
 
     def order(self, urls: Sequence[str], adapter: str) -> list[str]:
