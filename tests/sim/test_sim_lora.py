@@ -118,3 +118,19 @@ async def test_slots_swap_and_metrics(http):
         first_a, second_a = recs[0], recs[1]
         assert first_a.t_end - first_a.t_received >= 0.03
         assert c.instances("pd")[0].lora.swaps == 3 and second_a.status == 200
+
+
+async def test_kv_computed_with_an_adapter_is_valid_only_with_it(http):
+    from simhelpers import prefill_body
+
+    cfg = fast_config(lora_modules=("a=/ad/a", "b=/ad/b"))
+    async with SimCluster(prefill=1, decode=1, config=cfg) as c:
+        p, d = c.urls("prefill")[0], c.urls("decode")[0]
+        for pmodel, dmodel, ok in (("a", "a", True), ("a", "b", False), ("sim-model", "a", False)):
+            body = chat_body(f"kv with {pmodel} then {dmodel}", model=dmodel, max_tokens=4)
+            r = await http.post(p, "/v1/chat/completions", prefill_body(dict(body, model=pmodel)))
+            assert r.status == 200
+            r = await http.chat(d, dict(body, kv_transfer_params=r.json["kv_transfer_params"]))
+            assert (r.status == 200) is ok, r.data
+            if ok:
+                assert r.json["choices"][0]["message"]["content"] == expected_text(body, lora_path="/ad/a")

@@ -483,7 +483,7 @@ class GenerationHandler:
         engine.submit(seq)
         await seq.admitted
         st.external_queried_tokens += g.prompt.tokens
-        ok, info = await inst.kv.load(remote_kv, g.prompt.hash_hex)
+        ok, info = await inst.kv.load(remote_kv, self._kv_key(g))
         if seq.state == DONE:
             return
         if not ok:
@@ -554,12 +554,19 @@ class GenerationHandler:
                      usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
                      kv_out=kv_out, ec_out=ec_out)
 
+    def _kv_key(self, g: GenerationRequest) -> str:
+        """What held KV is checked against on load: the prompt, and the adapter's weights it was
+        computed with (KV of another adapter, or of none, is refused like another prompt's)."""
+        if g.lora is None:
+            return g.prompt.hash_hex
+        return f"{g.prompt.hash_hex}+lora:{self.inst.lora.path(g.lora)}"
+
     def on_prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists: hold it for (or push it to) the decoder. This happens when
         the prefill is computed, before the response is written, so faults on the response
         (error-after, stall-after, reset-after) leave the KV held or pushed, as with vLLM."""
         g: GenerationRequest = seq.ctx
-        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, g.prompt.hash_hex, g.transfer_id,
+        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, self._kv_key(g), g.transfer_id,
                                         g.cached_tokens)
         if seq.rec is not None:
             seq.rec.kv = g.kv_out
