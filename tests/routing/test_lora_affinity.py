@@ -5,7 +5,7 @@ import random
 from collections import Counter
 
 from epd_proxy.instances.load_signals import LoadSignals, parse_adapters
-from epd_proxy.routing.lora_affinity import AdapterAffinity
+from epd_proxy.routing.lora_affinity import AdapterAffinity, assign_homes
 from epd_proxy.routing.policies import RoundRobin
 
 
@@ -93,6 +93,34 @@ def test_fewer_adapter_swaps_than_round_robin():
     homes = Counter(aff.choose(cands, f"a{i}").url for i in range(8))
     assert max(homes.values()) <= 4
     assert swaps(lambda name: aff.choose(cands, name)) < swaps(lambda name: rr.choose(cands)) / 2
+
+
+def test_homes_are_balanced_deterministic_and_within_each_adapters_instances():
+    urls = [f"http://10.0.2.{i}:8000" for i in range(4)]
+    serving = {f"ad{k}": urls for k in range(10)}
+    homes = assign_homes(serving)
+    assert max(Counter(homes.values()).values()) == 3  # ceil(10 / 4)
+    assert homes == assign_homes({k: list(reversed(v)) for k, v in reversed(serving.items())})
+    serving["only"] = urls[:1]
+    homes = assign_homes(serving)
+    assert homes["only"] == urls[0]
+    assert assign_homes({}) == {} and assign_homes({"x": []}) == {}
+
+
+def test_rehomed_adapters_spread_where_rendezvous_alone_piles_up():
+    cands = insts(2)
+    urls = [c.url for c in cands]
+    names = [f"a{k}" for k in range(40)]
+    aff = AdapterAffinity()
+    plain = Counter(aff.choose(cands, n).url for n in names)
+    aff.rehome({n: urls for n in names})
+    balanced = Counter(aff.choose(cands, n).url for n in names)
+    assert sorted(balanced.values()) == [20, 20]
+    assert max(plain.values()) >= max(balanced.values())
+    home = next(c for c in cands if c.url == aff.homes["a0"])
+    home.inflight = 9  # past the bound: the other instance
+    assert aff.choose(cands, "a0") is not home
+    assert aff.choose([c for c in cands if c is not home], "a0") is not home  # out of rotation: the next
 
 
 def test_lora_requests_info_newest_sample_wins():

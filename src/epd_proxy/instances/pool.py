@@ -78,6 +78,7 @@ class InstancePool:
         # The three lists above per model a request named, built on first use after a change.
         self._by_model: dict[ModelKey, tuple[list[Instance], list[Instance], list[Instance]]] = {}
         self._out = 0
+        self._homes_stale = True  # LoRA adapters' homes (affinity) to compute on the next adapter request
         self._headers = headers or []  # a /v1/models read's (--upstream-api-key)
         self.models = models or ModelDirectory()  # the cluster's models, told of every change here
         self._refresh()
@@ -110,6 +111,9 @@ class InstancePool:
             adapter = model[0] if isinstance(model, tuple) else (
                 model if self.models.current.parents.get(model) else None)
             if adapter is not None:
+                if self._homes_stale:
+                    self._homes_stale = False
+                    self.affinity.rehome(self._adapters_served())
                 return self.affinity.choose(candidates, adapter)
         return self.policy.choose(candidates, view)
 
@@ -166,6 +170,16 @@ class InstancePool:
                 [i for i in self._panic_set if serves(i.served, model)])
         return lists
 
+    def _adapters_served(self) -> dict[str, list[str]]:
+        """Per LoRA adapter, the URLs of the instances (not draining) that serve it."""
+        out: dict[str, list[str]] = {}
+        for inst in self._panic_set:
+            if inst.served is not None:
+                for name, parent in inst.served.parents.items():
+                    if parent is not None:
+                        out.setdefault(name, []).append(inst.url)
+        return out
+
     def _trial(self, exclude, healthy: list[Instance], half_open: list[Instance]) -> Instance | None:
         """Every ``HALF_OPEN_SHARE``-th pick goes to a half-open instance: a limited share
         of live traffic decides whether it comes back."""
@@ -199,6 +213,7 @@ class InstancePool:
         # is the last of its role would never become idle and leave.
         self._panic_set = [i for i in insts if i.health.state is not DRAINING]
         self._by_model = {}
+        self._homes_stale = True  # adapter homes computed again on the next adapter request
         self.models.changed()
 
     # -- membership (membership.py decides; this keeps the routing lists in step) ------------

@@ -7,10 +7,14 @@ adapters. :class:`AdapterAffinity` concentrates them instead (llm-d's lora-affin
 with this project's load bound, the one ``cache-aware`` uses):
 
 * the candidates are the instances serving the adapter (the pool has filtered them);
-* its home is the first of them in the rendezvous order of the adapter's name: every proxy
-  replica and ``--workers`` process ranks the instances alike, so they agree on it; the home
+* its home (:func:`assign_homes`) is the first instance in the rendezvous order of the
+  adapter's name that has fewer than its share of homes (the adapters over the instances,
+  rounded up): rendezvous alone gives one instance 6 of 8 adapters as easily as 4, and those
+  6 then thrash its slots. The homes follow from the instances' URLs and the adapters they
+  serve alone, so every proxy replica and ``--workers`` process agrees on them. The home
   takes the request while its load is within the bound (at most ``min + max(balance_abs,
-  min x (balance_rel - 1))``);
+  min x (balance_rel - 1))``); a home that is not a candidate (out of rotation) is replaced by
+  the first candidate in the adapter's order;
 * past the bound, among the candidates within it, an instance where the adapter is already
   active (running or waiting there, as its ``vllm:lora_requests_info`` said at the last
   scrape) comes first, then the rendezvous order: the set grows with load, one instance at a
@@ -24,7 +28,7 @@ The least-loaded candidate is always within the bound, so a pick always exists.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from epd_proxy.routing.policy import C
 from epd_proxy.routing.view import instance_seed, mix64
@@ -33,6 +37,29 @@ from epd_proxy.routing.view import instance_seed, mix64
 def adapter_key(name: str) -> int:
     """The adapter's rendezvous key (stable across processes and replicas)."""
     return instance_seed("lora:" + name)
+
+
+def assign_homes(serving: dict[str, Iterable[str]], seed=instance_seed) -> dict[str, str]:
+    """Pure: each adapter's home among the URLs serving it (``serving``: adapter -> URLs). In the
+    order of the adapters' keys, each takes the first URL in its rendezvous order with fewer
+    than ``ceil(adapters / URLs)`` homes, else the one with the fewest (first in its order)."""
+    urls = {u for us in serving.values() for u in us}
+    if not urls:
+        return {}
+    cap = -(-len(serving) // len(urls))
+    count = dict.fromkeys(urls, 0)
+    seeds = {u: seed(u) for u in urls}
+    homes: dict[str, str] = {}
+    for key, name in sorted((adapter_key(n), n) for n in serving):
+        order = sorted(serving[name], key=lambda u: mix64(key ^ seeds[u]), reverse=True)
+        if not order:
+            continue
+        home = next((u for u in order if count[u] < cap), None)
+        if home is None:
+            home = min(order, key=count.__getitem__)  # min keeps the first of equals: the order's
+        count[home] += 1
+        homes[name] = home
+    return homes
 
 
 class AdapterAffinity:
@@ -44,6 +71,11 @@ class AdapterAffinity:
         self._seeds: dict[str, int] = {}
         self._keys: dict[str, int] = {}
         self.spills = 0  # picks that passed over the adapter's first instance for its load
+        self.homes: dict[str, str] = {}  # adapter -> URL (rehome); without one, rendezvous's first
+
+    def rehome(self, serving: dict[str, Iterable[str]]) -> None:
+        """The adapters the instances serve changed (``serving``: adapter -> URLs): their homes again."""
+        self.homes = assign_homes(serving, self._seed)
 
     def _seed(self, url: str) -> int:
         seed = self._seeds.get(url)
@@ -69,7 +101,10 @@ class AdapterAffinity:
         low = min(loads)
         bound = low + max(self.balance_abs, low * (self.balance_rel - 1.0))
         scores = [mix64(key ^ self._seed(c.url)) for c in candidates]
-        home = max(range(len(candidates)), key=scores.__getitem__)
+        url = self.homes.get(adapter)
+        home = next((i for i, c in enumerate(candidates) if c.url == url), -1) if url is not None else -1
+        if home < 0:
+            home = max(range(len(candidates)), key=scores.__getitem__)
         if loads[home] <= bound:
             return home
         self.spills += 1
