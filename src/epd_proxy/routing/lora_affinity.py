@@ -28,7 +28,7 @@ The least-loaded candidate is always within the bound, so a pick always exists.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from epd_proxy.routing.policy import C
 from epd_proxy.routing.view import instance_seed, mix64
@@ -39,7 +39,7 @@ def adapter_key(name: str) -> int:
     return instance_seed("lora:" + name)
 
 
-def assign_homes(serving: dict[str, Iterable[str]], seed=instance_seed) -> dict[str, str]:
+def assign_homes(serving: Mapping[str, Iterable[str]], seed=instance_seed) -> dict[str, str]:
     """Pure: each adapter's home among the URLs serving it (``serving``: adapter -> URLs). In the
     order of the adapters' keys, each takes the first URL in its rendezvous order with fewer
     than ``ceil(adapters / URLs)`` homes, else the one with the fewest (first in its order)."""
@@ -73,7 +73,7 @@ class AdapterAffinity:
         self.spills = 0  # picks that passed over the adapter's first instance for its load
         self.homes: dict[str, str] = {}  # adapter -> URL (rehome); without one, rendezvous's first
 
-    def rehome(self, serving: dict[str, Iterable[str]]) -> None:
+    def rehome(self, serving: Mapping[str, Iterable[str]]) -> None:
         """The adapters the instances serve changed (``serving``: adapter -> URLs): their homes again."""
         self.homes = assign_homes(serving, self._seed)
 
