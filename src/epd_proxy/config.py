@@ -313,6 +313,15 @@ class ProxyConfig:
     balance_abs: float = 4.0  # cache-aware passes over an instance loaded beyond the least loaded + this ...
     balance_rel: float = 1.5  # ... and beyond the least loaded x this
     scrape_interval: float = 1.0  # the background /metrics scrape of load signals (0 = off)
+    # LoRA adapters (docs/architecture.md, "LoRA adapters"): an adapter's requests placed with
+    # affinity (routing/lora_affinity.py); where an adapter no instance has may be loaded from
+    # (name -> path as the instances see it, and a directory of adapters by name, as vLLM's
+    # filesystem resolver's VLLM_LORA_RESOLVER_CACHE_DIR); a load's bound, and loads at once.
+    lora_affinity: bool = True
+    lora_sources: dict[str, str] = field(default_factory=dict)
+    lora_dir: str | None = None
+    lora_load_timeout: float = 30.0
+    max_lora_loads: int = 4
     # Outlier detection (docs/architecture.md, "Health: ejection, panic routing and recovery").
     outlier_failure_percent: float = 85.0  # request failures (HTTP 500) that eject, in % ...
     outlier_min_requests: int = 20  # ... of at least this many requests ...
@@ -445,6 +454,8 @@ class ProxyConfig:
             ("--shutdown-grace", self.shutdown_grace, 0, False),
             ("--shutdown-timeout", self.shutdown_timeout, 0, False),
             ("--metrics-max-models", self.metrics_max_models, 1, False),
+            ("--lora-load-timeout", self.lora_load_timeout, 0, True),
+            ("--max-lora-loads", self.max_lora_loads, 1, False),
         ):
             check_range(errors, flag, value, low, above=above)
         check_range(errors, "--outlier-failure-percent", self.outlier_failure_percent, 0, above=True)
@@ -476,6 +487,9 @@ class ProxyConfig:
             if role not in ("encode", "prefill") or n < 0:
                 add(f"--max-inflight-per-role {role}={n}: the role must be encode or prefill "
                     f"(decode's cap is --max-inflight) and the cap >= 0")
+        for name, path in self.lora_sources.items():
+            if not name or "/" in name or name in (".", "..") or not path:
+                add(f"--lora-source {name}={path}: expected NAME=PATH with a name without '/'")
         if self.protect_metrics and not self.admin_api_key:
             add("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
         if self.ssl_keyfile and not self.ssl_certfile:

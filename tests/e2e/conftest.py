@@ -146,6 +146,12 @@ def mt(clusters):
     return clusters.get("mt")
 
 
+@pytest.fixture(scope="module")
+def lora(clusters):
+    """1 prefill + 1 decode (tiny Llama, NIXL pull) with LoRA adapters; shared by the module's tests."""
+    return clusters.get("lora")
+
+
 @pytest.fixture(scope="session")
 def proxy_ready():
     ok, detail = E.proxy_available()

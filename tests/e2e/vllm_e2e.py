@@ -200,6 +200,7 @@ class Vllm:
     debug: bool = False
     max_model_len: int = 512
     engine_id: str | None = None  # pinned in its kv-transfer-config (push prefill)
+    env: dict[str, str] = field(default_factory=dict)  # beside vllm_env's
     port: int = 0
     side_channel_port: int = 0
     proc: Proc | None = None
@@ -217,7 +218,7 @@ class Vllm:
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                 "--uvicorn-log-level", "warning", *self.args]
         self.proc = Proc(f"vllm-{self.name}", argv,
-                         vllm_env(self.core, self.side_channel_port, self.debug), log_dir)
+                         {**vllm_env(self.core, self.side_channel_port, self.debug), **self.env}, log_dir)
 
     def wait_ready(self) -> None:
         assert self.proc is not None
@@ -387,10 +388,35 @@ def models_cluster(log_dir: str) -> Cluster:
     }, log_dir)
 
 
+LORAS = os.path.join(MODELS, "tiny-loras")  # lora-a, lora-b, lora-c (e2e/make_tiny_loras.py)
+
+
+def lora_args(*static: str) -> list[str]:
+    """vLLM's LoRA flags for the tiny adapters, with ``static`` ones loaded at start."""
+    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+    for name in static:
+        args += ["--lora-modules", f"{name}={os.path.join(LORAS, name)}"]
+    return args
+
+
+def lora_cluster(log_dir: str) -> Cluster:
+    """1 prefill + 1 decode (tiny Llama, NIXL pull), both with the static adapter lora-a and
+    runtime LoRA updating on; each also serves whole requests (NIXL does not enforce kv_role),
+    so they double as two plain instances."""
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    return Cluster("lora", {
+        "prefill": Vllm("lora-prefill", "tiny-model", 0, env=env,
+                        args=["--kv-transfer-config", nixl_config("kv_producer"), *lora_args("lora-a")]),
+        "decode": Vllm("lora-decode", "tiny-model", 1, env=env,
+                       args=["--kv-transfer-config", nixl_config("kv_consumer"), *lora_args("lora-a")]),
+    }, log_dir)
+
+
 CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_cluster,
                                                   "epd": epd_cluster, "models": models_cluster,
-                                                  "mt": multiturn_cluster}
-CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt"]
+                                                  "mt": multiturn_cluster,
+                                                  "lora": lora_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt", "lora"]
 
 
 # ---------------------------------------------------------------------------------------------

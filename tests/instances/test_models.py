@@ -74,6 +74,14 @@ def test_one_model_everywhere_needs_no_filter():
     assert cat.route("a") is None and cat.route(None) is None
 
 
+def test_an_adapter_is_keyed_even_when_every_instance_has_it():
+    """Its placement (LoRA affinity) reads the key; the base model still needs none."""
+    cat = catalog_of([served("a", adapters=[("sql", "a")]), served("a", adapters=[("sql", "a")])])
+    assert cat.uniform
+    assert cat.route("a") is None
+    assert cat.route("sql") == {"decode": "sql", "prefill": "sql", "encode": "a"}
+
+
 def test_unknown_model_is_404_model_not_found():
     with pytest.raises(ProxyError) as err:
         catalog_of([served("a")]).route("b")

@@ -28,6 +28,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances import discovery
+from epd_proxy.instances.adapters import LOAD, UNLOAD
 from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
@@ -104,6 +105,8 @@ class ProxyApp:
             ("POST", "/instances/drain"): self.admin.drain,
             ("POST", "/start_profile"): self.admin.start_profile,
             ("POST", "/stop_profile"): self.admin.stop_profile,
+            ("POST", LOAD): self.admin.load_lora,
+            ("POST", UNLOAD): self.admin.unload_lora,
         }
         self._forwarded = self.forwarder.handle
         for path, endpoint in ROUTED.items():
@@ -160,7 +163,7 @@ class ProxyApp:
             writer.keep_alive = False
         keys = self.client_keys
         key = None  # the name of the client key presented (the access log's)
-        if keys is not None and req.path.startswith("/v1/"):
+        if keys is not None and req.path.startswith("/v1/") and req.path not in (LOAD, UNLOAD):  # admin's
             authorization = req.headers.get(b"authorization")
             key = keys.identify(authorization)
             if key is None:

@@ -154,6 +154,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"many requests beyond the least-loaded one (default {defaults.balance_abs:g}) ...")
     p.add_argument("--balance-rel", type=float, default=defaults.balance_rel,
                    help=f"... and more than this many times its load (default {defaults.balance_rel:g})")
+    p.add_argument("--no-lora-affinity", action="store_false", dest="lora_affinity", default=defaults.lora_affinity,
+                   help="place a LoRA adapter's requests by the routing policy, like any other request, "
+                        "instead of concentrating them on few of the instances that have it")
+    p.add_argument("--lora-source", action="append", default=[], metavar="NAME=PATH",
+                   help="an adapter the proxy loads (POST /v1/load_lora_adapter) on the instances it picks "
+                        "when a request names it and no instance has it; PATH as the instances see it "
+                        "(repeatable, comma-separated)")
+    p.add_argument("--lora-dir", default=defaults.lora_dir, metavar="DIR",
+                   help="a directory of adapters by name (DIR/NAME/adapter_config.json, as vLLM's "
+                        "VLLM_LORA_RESOLVER_CACHE_DIR), loaded on demand like --lora-source; the instances "
+                        "must see DIR at the same path")
+    p.add_argument("--lora-load-timeout", type=float, default=defaults.lora_load_timeout,
+                   help=f"longest wait for an adapter load on an instance (default {defaults.lora_load_timeout:g} s)")
+    p.add_argument("--max-lora-loads", type=int, default=defaults.max_lora_loads,
+                   help=f"adapters loaded on demand at once (default {defaults.max_lora_loads})")
     p.add_argument("--scrape-interval", type=float, default=defaults.scrape_interval,
                    help="seconds between background scrapes of each instance's /metrics for load signals "
                         f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; up to "
@@ -309,6 +324,18 @@ def _role_caps(values: list[str], errors: list[str]) -> dict[str, int]:
     return out
 
 
+def _lora_sources(items: list[str], errors: list[str]) -> dict[str, str]:
+    """``--lora-source NAME=PATH`` (repeatable, comma-separated) as {name: path}."""
+    out: dict[str, str] = {}
+    for item in (piece.strip() for value in items for piece in value.split(",") if piece.strip()):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            errors.append(f"--lora-source {item!r}: expected NAME=PATH")
+            continue
+        out[name.strip()] = path.strip()
+    return out
+
+
 def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) -> ProxyConfig:
     """The config the settings describe. What cannot be read (an instance, a role cap) is left
     out and its message appended to ``errors``; without that list, ``ConfigErrors`` names them all."""
@@ -348,6 +375,11 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         balance_abs=args.balance_abs,
         balance_rel=args.balance_rel,
         scrape_interval=args.scrape_interval,
+        lora_affinity=args.lora_affinity,
+        lora_sources=_lora_sources(args.lora_source, found),
+        lora_dir=args.lora_dir or None,
+        lora_load_timeout=args.lora_load_timeout,
+        max_lora_loads=args.max_lora_loads,
         upstream_keep_alive=args.upstream_keep_alive,
         timeouts=StageTimeouts(connect=args.connect_timeout, encode=args.encode_timeout,
                                prefill=args.prefill_timeout, decode_first=args.decode_timeout,

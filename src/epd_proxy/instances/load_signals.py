@@ -21,6 +21,7 @@ from __future__ import annotations
 _RUNNING = b"vllm:num_requests_running"
 _WAITING = b"vllm:num_requests_waiting"
 _KV_USAGE = b"vllm:kv_cache_usage_perc"
+_LORA_INFO = b"vllm:lora_requests_info{"
 
 
 class LoadSignals:
@@ -29,9 +30,10 @@ class LoadSignals:
     ``others``: requests on the instance that are not this proxy's (its running +
     waiting at the scrape, minus this proxy's in-flight during it; 0 when unknown or stale).
     ``kv_usage``: ``vllm:kv_cache_usage_perc`` (0..1).
+    ``adapters``: the LoRA adapters running or waiting there (``vllm:lora_requests_info``).
     """
 
-    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at")
+    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at", "adapters")
 
     def __init__(self) -> None:
         self.others = 0.0
@@ -39,6 +41,7 @@ class LoadSignals:
         self.waiting = 0.0
         self.load = 0.0  # what the load-aware score adds to the in-flight count (routing.py)
         self.scraped_at: float | None = None
+        self.adapters: frozenset[str] = frozenset()
 
     def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
         self.others = max(0.0, running + waiting - own_inflight)
@@ -54,6 +57,7 @@ class LoadSignals:
         self.waiting = 0.0
         self.load = 0.0
         self.scraped_at = None
+        self.adapters = frozenset()
 
 
 # The KV cache weighs in only as it nears full: from KV_FULL_FROM to full it counts as up to
@@ -105,6 +109,39 @@ def parse_load(text: bytes) -> tuple[float, float, float] | None:
         return None
     kv = gauge_samples(text, _KV_USAGE)
     return sum(running), sum(waiting), (sum(kv) / len(kv)) if kv else 0.0
+
+
+def parse_adapters(text: bytes) -> frozenset[str]:
+    """The LoRA adapters running or waiting on an instance, from vLLM's ``vllm:lora_requests_info``
+    gauge: its adapters are label values and its value the time it was set; every label set ever
+    set stays exported, so the newest sample is the current one."""
+    best, adapters = -1.0, frozenset[str]()
+    pos = 0
+    while True:
+        pos = text.find(_LORA_INFO, pos)
+        if pos < 0:
+            return adapters
+        if pos and text[pos - 1] != 10:
+            pos += 1
+            continue
+        end = text.find(b"}", pos)
+        eol = text.find(b"\n", pos)
+        if end < 0:
+            return adapters
+        try:
+            value = float(text[end + 1:eol if eol >= 0 else len(text)].split()[0])
+        except (ValueError, IndexError):
+            value = -1.0
+        if value > best:
+            best, names = value, set[str]()
+            for label in (b'running_lora_adapters="', b'waiting_lora_adapters="'):
+                at = text.find(label, pos, end)
+                if at >= 0:
+                    start = at + len(label)
+                    names.update(n for n in text[start:text.find(b'"', start)].decode("utf-8", "replace")
+                                 .split(",") if n)
+            adapters = frozenset(names)
+        pos = end
 
 
 # While every instance shows only this proxy's own requests and no KV cache near full, a scrape

@@ -116,11 +116,12 @@ class Catalog:
 
     def route(self, model: object) -> dict[str, ModelKey] | None:
         """The key each role's candidates must serve for a request naming ``model`` (the
-        body's, None when it has none); None when every candidate serves it anyway.
+        body's, None when it has none); None when every candidate serves it anyway and it is
+        no adapter (an adapter's key is what its placement reads: ``routing/lora_affinity.py``).
         404 for a model no instance serves, 400 without a model when there is a choice."""
         if type(model) is str:
-            if model in self.parents:
-                return None if self.uniform else self._keys(model)
+            if model in self.parents:  # an adapter's legs are keyed even so: its placement reads the key
+                return None if self.uniform and self.parents[model] is None else self._keys(model)
             if self.open:  # the instances not known yet may serve it (when nothing is known: all of them)
                 return self._keys(model) if self.parents else None
             raise ProxyError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",

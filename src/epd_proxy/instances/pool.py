@@ -9,7 +9,8 @@ over, fails the pending requests of an instance ejected for not answering,
 and routes over every instance when none is in rotation ("panic" routing)
 rather than over nothing. A probe that answers also reads the instance's
 ``/v1/models`` (models.py): a request naming a model routes, with all the
-rules above, among the instances that serve it.
+rules above, among the instances that serve it; a LoRA adapter's requests, placed
+with affinity among those (``routing/lora_affinity.py``) when ``affinity`` is given.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
 from epd_proxy.routing import make_policy
+from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.routing.policy import RoutingPolicy
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 from epd_proxy.wire.errors import ProxyError
@@ -52,7 +54,7 @@ class InstancePool:
     def __init__(self, role: str, specs: Iterable[InstanceSpec], *, policy: str | RoutingPolicy = "least-loaded",
                  keep_alive: float = 5.0, outlier: OutlierSettings | None = None,
                  max_connections: int | None = None, models: ModelDirectory | None = None,
-                 headers: Headers | None = None) -> None:
+                 headers: Headers | None = None, affinity: AdapterAffinity | None = None) -> None:
         self.role = role
         # Retire pooled sockets at half the server's keep-alive, before it closes them.
         self._idle = keep_alive / 2 if keep_alive > 0 else 0.0
@@ -60,6 +62,8 @@ class InstancePool:
         self._max_connections = max_connections
         self.instances = [self._new_instance(s) for s in specs]
         self.policy: RoutingPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        # A LoRA adapter's requests concentrated on few of its instances (None: the policy places them).
+        self.affinity = affinity
         self.rules = OutlierRules(outlier or OutlierSettings())  # every ejection knob
         self.panics = 0  # requests routed with no instance in rotation
         self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
@@ -74,6 +78,7 @@ class InstancePool:
         # The three lists above per model a request named, built on first use after a change.
         self._by_model: dict[ModelKey, tuple[list[Instance], list[Instance], list[Instance]]] = {}
         self._out = 0
+        self._homes_stale = True  # LoRA adapters' homes (affinity) to compute on the next adapter request
         self._headers = headers or []  # a /v1/models read's (--upstream-api-key)
         self.models = models or ModelDirectory()  # the cluster's models, told of every change here
         self._refresh()
@@ -101,7 +106,16 @@ class InstancePool:
             trial = self._trial(exclude, healthy, half_open)
             if trial is not None:
                 return trial
-        return self.policy.choose(self._candidates(exclude, healthy, half_open, panic_set, model), view)
+        candidates = self._candidates(exclude, healthy, half_open, panic_set, model)
+        if model is not None and self.affinity is not None:
+            adapter = model[0] if isinstance(model, tuple) else (
+                model if self.models.current.parents.get(model) else None)
+            if adapter is not None:
+                if self._homes_stale:
+                    self._homes_stale = False
+                    self.affinity.rehome(self._adapters_served())
+                return self.affinity.choose(candidates, adapter)
+        return self.policy.choose(candidates, view)
 
     def assign(self, items: Sequence, exclude: Iterable[Instance] = (), model: ModelKey | None = None
                ) -> list[Instance]:
@@ -156,6 +170,16 @@ class InstancePool:
                 [i for i in self._panic_set if serves(i.served, model)])
         return lists
 
+    def _adapters_served(self) -> dict[str, list[str]]:
+        """Per LoRA adapter, the URLs of the instances (not draining) that serve it."""
+        out: dict[str, list[str]] = {}
+        for inst in self._panic_set:
+            if inst.served is not None:
+                for name, parent in inst.served.parents.items():
+                    if parent is not None:
+                        out.setdefault(name, []).append(inst.url)
+        return out
+
     def _trial(self, exclude, healthy: list[Instance], half_open: list[Instance]) -> Instance | None:
         """Every ``HALF_OPEN_SHARE``-th pick goes to a half-open instance: a limited share
         of live traffic decides whether it comes back."""
@@ -189,6 +213,7 @@ class InstancePool:
         # is the last of its role would never become idle and leave.
         self._panic_set = [i for i in insts if i.health.state is not DRAINING]
         self._by_model = {}
+        self._homes_stale = True  # adapter homes computed again on the next adapter request
         self.models.changed()
 
     # -- membership (membership.py decides; this keeps the routing lists in step) ------------

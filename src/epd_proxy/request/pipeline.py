@@ -21,6 +21,7 @@ from epd_proxy.encode.media_policy import MediaPolicy
 from epd_proxy.encode.multimodal import MediaItem, own_media
 from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
+from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import paired_key
 from epd_proxy.instances.pool import InstancePool
@@ -58,7 +59,7 @@ class Pipeline:
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
                  fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
                  role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, adapters: Adapters | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -67,6 +68,8 @@ class Pipeline:
         self.prefill = pools["prefill"] if "prefill" in pools else InstancePool("prefill", ())
         self.decode = pools["decode"]
         self.models = self.decode.models  # the cluster's models (every pool tells the same directory)
+        # Loads a LoRA adapter no instance has when a source knows it (None, or without sources: never).
+        self.adapters = adapters if adapters is not None and adapters.on_demand else None
         # A stage is needed (its empty pool answers 503) when the topology is pinned to
         # it or the flags gave it instances; otherwise it runs while it has instances.
         needed = set(TOPOLOGY_ROLES.get(config.topology, ()))
@@ -140,7 +143,13 @@ class Pipeline:
         rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key, self.metrics.no_model)
         self.metrics.inflight += 1
         try:
-            ctx, body, items = self._prepare(req, rec)
+            try:
+                ctx, body, items = self._prepare(req, rec)
+            except ProxyError as err:
+                if err.code != "model_not_found" or self.adapters is None or not self.adapters.loadable(rec.model):
+                    raise
+                await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
+                ctx, body, items = self._prepare(req, rec)  # routed with the adapter where it was loaded
             leg = await self._open_in_time(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
         except ProxyError as err:

@@ -25,6 +25,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
 from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
+from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.collectors import pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
@@ -43,6 +44,7 @@ from epd_proxy.request.multiturn import TurnStore, turns_collector
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stages import DecodeStage, PrefillStage
 from epd_proxy.routing import make_policy
+from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
@@ -79,7 +81,10 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     decode = DecodeStage(pools["decode"], first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                          connect_timeout=t.connect)
     connector = connector_class(prefill, decode)
-    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector,
+    adapters = Adapters(pools, base_headers, timeout=config.lora_load_timeout, sources=config.lora_sources,
+                        directory=config.lora_dir, max_loads=config.max_lora_loads,
+                        learn_timeout=config.probe_timeout)
+    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
@@ -89,7 +94,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     membership.subscribe(_forget_departed(connector))
     if pipeline.turns is not None:
         membership.subscribe(_drop_held(pipeline.turns))
-    admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers)
+    admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
@@ -105,10 +110,11 @@ def build_pools(config: ProxyConfig) -> dict[str, InstancePool]:
     for role in ROLES:
         specs = _with_ec_consumers(config) if role == "decode" else getattr(config, role)
         policy = make_policy(config.policy_for(role), balance_abs=config.balance_abs, balance_rel=config.balance_rel)
+        affinity = AdapterAffinity(config.balance_abs, config.balance_rel) if config.lora_affinity else None
         pools[role] = InstancePool(role, specs, policy=policy, keep_alive=config.upstream_keep_alive,
                                    outlier=OutlierSettings.from_config(config),
                                    max_connections=config.max_upstream_connections, models=models,
-                                   headers=headers)
+                                   headers=headers, affinity=affinity)
     return pools
 
 

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import time
 
-from epd_proxy.sim.config import KV_CONNECTORS, ROLES, SimConfig
+from epd_proxy.sim.config import INSTANCE_NAME, KV_CONNECTORS, ROLES, SimConfig
 from epd_proxy.sim.ec_store import EcStore
 from epd_proxy.sim.instance import SimInstance
 from epd_proxy.sim.records import SimRecord
@@ -86,8 +86,10 @@ class SimCluster:
                 options["host"] = value
             elif "." in key:
                 role, _, field = key.partition(".")
-                role = _ROLE_ALIASES.get(role, role)
-                if role not in ROLES or field not in SimConfig.field_names():
+                head, _, index = role.rpartition("_")  # an instance: decode-1 (its "-" read as "_" above)
+                role = f"{_ROLE_ALIASES.get(head, head)}-{index}" if head and index.isdigit() else \
+                    _ROLE_ALIASES.get(role, role)
+                if (role not in ROLES and not INSTANCE_NAME.match(role)) or field not in SimConfig.field_names():
                     raise ValueError(f"unknown per-role setting {key!r}")
                 per_role.setdefault(role, {})[field] = value
             elif key in SimConfig.field_names():
@@ -100,7 +102,8 @@ class SimCluster:
     def from_spec(cls, spec: str, config: SimConfig | None = None, **kwargs) -> "SimCluster":
         """A cluster from ``"encode=2,prefill=1,decode=2"``; also ``pd=N``, ``kv=nixl|nixl-push|mooncake``,
         ``base_port=N``, any :class:`SimConfig` field (``itl_ms=5``) and per-role fields
-        (``decode.itl_ms=5``). Keyword arguments go to the constructor."""
+        (``decode.itl_ms=5``) and per-instance fields (``decode-1.lora_modules=a=/x``). Keyword
+        arguments go to the constructor."""
         counts, values, per_role, options = cls.parse_spec(spec)
         config = (config or SimConfig()).with_values(values)
         if per_role:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("encode", "prefill", "decode", "pd")
 KV_CONNECTORS = ("nixl", "nixl-push", "mooncake")
 EC_CONNECTORS = ("nixl", "example")
+# ``roles`` may also be keyed by one instance's name (``decode-1``): its own overrides, over its role's.
+INSTANCE_NAME = re.compile(r"^(encode|prefill|decode|pd)-[0-9]+$")
 
 
 @dataclass
@@ -23,6 +26,15 @@ class SimConfig:
     # first being ``model``; () = just ``model``. Each is a card of /v1/models.
     models: tuple[str, ...] = ()
     max_model_len: int = 32768
+    # LoRA (lora.py): static adapters, vLLM's --lora-modules ("name=path"; ``lora_modules=a=/x|b=/y``
+    # in a spec); the --max-loras slots and the time an adapter takes to swap into one; the
+    # runtime load/unload routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING); and whether a loaded path
+    # must hold an adapter_config.json on disk (vLLM reads it; the simulator takes any path otherwise).
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 1
+    lora_swap_ms: float = 5.0
+    allow_runtime_lora: bool = False
+    lora_check_paths: bool = False
     check_model: bool = True  # unknown "model" -> 404, as vLLM
     # The "system_fingerprint" of responses: "auto" = vLLM's default form "vllm-0.32.0-<8 hex>",
     # stable per instance configuration; "" = none (null, as with --fingerprint-mode none);
@@ -133,7 +145,7 @@ class SimConfig:
         if self.ec_connector not in EC_CONNECTORS:
             raise ValueError(f"ec_connector must be one of {EC_CONNECTORS}, not {self.ec_connector!r}")
         for role, over in self.roles.items():
-            if role not in ROLES:
+            if role not in ROLES and not INSTANCE_NAME.match(role):
                 raise ValueError(f"unknown role {role!r} in SimConfig.roles")
             bad = set(over) - {f.name for f in dataclasses.fields(self)} | ({"roles"} & set(over))
             if bad:
@@ -144,6 +156,7 @@ class SimConfig:
             raise ValueError(f"block_size must be at least 1, not {self.block_size}")
         self.fault_kinds = tuple(self.fault_kinds)
         self.models = tuple(self.models)
+        self.lora_modules = tuple(self.lora_modules)
         if self.models:
             self.model = self.models[0]
 
@@ -155,6 +168,13 @@ class SimConfig:
     def for_role(self, role: str) -> "SimConfig":
         """This config with the overrides of ``role`` applied."""
         over = self.roles.get(role)
+        if not over:
+            return self
+        return dataclasses.replace(self, roles={}, **over)
+
+    def for_instance(self, role: str, name: str) -> "SimConfig":
+        """This config with the overrides of ``role`` and then of the instance ``name`` applied."""
+        over = {**self.roles.get(role, {}), **self.roles.get(name, {})}
         if not over:
             return self
         return dataclasses.replace(self, roles={}, **over)
@@ -178,7 +198,7 @@ class SimConfig:
             elif t.startswith("float"):
                 changes[key] = float(raw)
             elif t.startswith("tuple"):
-                changes[key] = tuple(x for x in raw.split("|" if key == "models" else ";") if x)
+                changes[key] = tuple(x for x in raw.split("|" if key in ("models", "lora_modules") else ";") if x)
             else:
                 changes[key] = raw
         return dataclasses.replace(self, **changes)

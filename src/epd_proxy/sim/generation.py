@@ -125,7 +125,8 @@ class GenerationRequest:
 
     __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
                  "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
-                 "cached_tokens", "api", "final", "reuse", "ids", "read", "computed")
+                 "cached_tokens", "api", "final", "reuse", "ids", "read", "computed",
+                 "lora")
     # Set once the request is validated.
     model: str
     prompt: Prompt
@@ -151,6 +152,7 @@ class GenerationRequest:
         self.ids: list[int] | None = None  # the prompt's token ids, once derived
         self.read = ReadResult()  # what it read from that decode
         self.computed = 0  # prompt tokens computed here
+        self.lora: str | None = None  # the LoRA adapter it runs with (holding one of its slots)
 
 
 class GenerationHandler:
@@ -192,6 +194,9 @@ class GenerationHandler:
                     if rec is not None:
                         rec.aborted = True
             raise
+        finally:
+            if g.lora is not None:
+                inst.lora.release(g.lora)
 
     async def _serve(self, req, writer, g: GenerationRequest, rec: SimRecord | None, counter: int) -> None:
         inst = self.inst
@@ -217,12 +222,16 @@ class GenerationHandler:
             ttft_ms, gen_error = self._local_work(g, body, prompt, remote_kv is not None)
             if gen_error is None:
                 gen_error = g.read.failure
+            if inst.role != "encode" and inst.lora.path(body.get("model")) is not None:
+                g.lora = body["model"]
+                ttft_ms += inst.lora.acquire(g.lora)  # waits while the adapter is swapped into a slot
         except ApiError as exc:
             return inst.send_error(writer, rec, exc, g.headers, None if g.api is None else g.api.error_body(exc))
         g.body = body
         self._name(g, base, counter)
         # vLLM answers with the served name the request gave, else its first (whatever the request said).
-        g.model = name if (name := body.get("model")) in self.config.served_names else self.config.model
+        name = body.get("model")
+        g.model = name if isinstance(name, str) and (name in self.config.served_names or g.lora) else self.config.model
         g.prompt = prompt
         g.n_choices = checked.n
         detached = g.api is not None and g.api.detach(g, writer)
@@ -314,7 +323,7 @@ class GenerationHandler:
         checked = check_request(body, chat)
         body = checked.body
         model = body.get("model")
-        if cfg.check_model and model and model not in cfg.served_names:
+        if cfg.check_model and model and model not in cfg.served_names and self.inst.lora.path(model) is None:
             raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(cfg.served_names)}.",
                            "NotFoundError", "model")
         try:
@@ -469,7 +478,7 @@ class GenerationHandler:
         """The engine sequence that produces the request's tokens and writes its answer."""
         inst = self.inst
         stream = checked.stream
-        seed = _seed_bytes(g.body)
+        seed = _seed_bytes(g.body, None if g.lora is None else inst.lora.path(g.lora))
         fp = g.prompt.fingerprint
         if g.read.wrong:
             fp = _wrong(fp)  # computed over another prompt's KV: vLLM answers, wrongly
@@ -527,7 +536,7 @@ class GenerationHandler:
         engine.submit(seq)
         await seq.admitted
         st.external_queried_tokens += g.prompt.tokens
-        ok, info = await inst.kv.load(remote_kv, g.prompt.hash_hex)
+        ok, info = await inst.kv.load(remote_kv, self._kv_key(g))
         if seq.state == DONE:
             return
         if not ok:
@@ -634,12 +643,19 @@ class GenerationHandler:
                 choice["token_ids"] = continuation_ids(g.body, True, ids, seq.tokens[c][:seq.n])[len(ids):]
         return resp
 
+    def _kv_key(self, g: GenerationRequest) -> str:
+        """What held KV is checked against on load: the prompt, and the adapter's weights it was
+        computed with (KV of another adapter, or of none, is refused like another prompt's)."""
+        if g.lora is None:
+            return g.prompt.hash_hex
+        return f"{g.prompt.hash_hex}+lora:{self.inst.lora.path(g.lora)}"
+
     def on_prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists: hold it for (or push it to) the decoder. This happens when
         the prefill is computed, before the response is written, so faults on the response
         (error-after, stall-after, reset-after) leave the KV held or pushed, as with vLLM."""
         g: GenerationRequest = seq.ctx
-        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, g.prompt.hash_hex, g.transfer_id,
+        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, self._kv_key(g), g.transfer_id,
                                         g.cached_tokens, g.read.wrong)
         if seq.rec is not None:
             seq.rec.kv = g.kv_out

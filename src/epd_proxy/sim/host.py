@@ -18,6 +18,7 @@ from epd_proxy.sim.engine import Engine
 from epd_proxy.sim.faults import FaultSource
 from epd_proxy.sim.kv_channel import KvSideChannel
 from epd_proxy.sim.kv_reuse import KvReuse
+from epd_proxy.sim.lora import LoraSlots
 from epd_proxy.sim.prefix_cache import PrefixCache
 from epd_proxy.sim.records import SimRecord, Stats
 from epd_proxy.sim.validation import ApiError
@@ -43,6 +44,7 @@ class SimHost(Protocol):
     engine: Engine | None
     kv: KvSideChannel
     kv_reuse: KvReuse
+    lora: LoraSlots
     prefix_cache: PrefixCache | None
     encoder_cache: EncoderCache | None
     ec_store: EcStore

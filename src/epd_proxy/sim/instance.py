@@ -8,7 +8,8 @@ encoder cache), ``utility.py`` (``/tokenize``, ``/detokenize``, ``/v1/embeddings
 
 Control routes, for driving a simulator that runs in another process:
 ``GET /sim/state``, ``POST /sim/fault`` ``{"spec": "status=503", "times": 2}`` (or
-``{"clear": true}``) and ``POST /sim/health`` ``{"ok": false}``. Nothing under
+``{"clear": true}``) and ``POST /sim/health`` ``{"ok": false}``. LoRA adapters (static, and loaded at run time
+through ``/v1/load_lora_adapter``) are ``lora.py``'s. Nothing under
 ``/sim/`` is recorded in ``records``.
 """
 
@@ -32,6 +33,7 @@ from epd_proxy.sim.generate import DISABLED_BODY, GenerateFormat
 from epd_proxy.sim.generation import GenerationHandler
 from epd_proxy.sim.kv_channel import KvSideChannel
 from epd_proxy.sim.kv_reuse import KvReuse
+from epd_proxy.sim.lora import LoraSlots
 from epd_proxy.sim.messages import MessagesFormat
 from epd_proxy.sim.prefix_cache import PrefixCache
 from epd_proxy.sim.records import SimRecord, Stats
@@ -41,6 +43,7 @@ from epd_proxy.sim.validation import ApiError
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
+_LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # with allow_runtime_lora
 _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
                      "/inference/v1/generate")
 
@@ -54,7 +57,7 @@ class SimInstance:
         self.role = role
         self.index = index
         self.name = name or f"{role}-{index}"
-        self.config = cfg = config.for_role(role)
+        self.config = cfg = config.for_instance(role, self.name)
         self.engine_id = cfg.engine_id_format.format(role=role, index=index, name=self.name)
         self.host = host
         self.port = port
@@ -75,6 +78,8 @@ class SimInstance:
         self.kv = KvSideChannel(self)
         self.kv_reuse = KvReuse(self.kv)  # bidirectional transfer: blocks kept after a request
         self.kv.on_free = self.kv_reuse.on_free = self._kv_freed
+        self.lora = LoraSlots(cfg.served_names, cfg.lora_modules, cfg.max_loras, cfg.lora_swap_ms,
+                              cfg.lora_check_paths)
         # The caches vLLM keeps in memory: what an instance computed (prefix cache) or encoded
         # (encoder cache) before. None where the role keeps none.
         self.prefix_cache: PrefixCache | None = None
@@ -313,6 +318,13 @@ class SimInstance:
                        content_type=b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             self._send(writer, rec, 200, observability.models_body(self))
+        elif path in _LORA_ROUTES and req.method == "POST" and self.config.allow_runtime_lora:
+            try:
+                data = _decode(req.body) if req.body else None
+            except msgspec.DecodeError:
+                data = None
+            status, out, text = (self.lora.load if path == _LORA_ROUTES[0] else self.lora.unload)(data)
+            self._send(writer, rec, status, out, content_type=b"text/plain; charset=utf-8" if text else JSON)
         elif path in utility.PATHS and req.method == "POST":
             rid = req.headers.get(b"x-request-id")
             status, body = utility.answer(path, req.body, self.config, rid.decode("latin-1") if rid else "sim")

@@ -6,6 +6,8 @@ Read-only views of an instance; they change nothing.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from epd_proxy.sim.host import SimHost
@@ -31,6 +33,8 @@ def state(inst: SimHost) -> dict:
         "running": eng.num_running if eng else 0, "waiting": eng.num_waiting if eng else 0,
         "stats": inst.stats.as_dict(), "ec_store_entries": len(inst.ec_store),
         "prefix_cache": None if pc is None else {"blocks": len(pc), "queries": pc.queries, "hits": pc.hits},
+        "lora": {"adapters": dict(inst.lora.adapters), "active": list(inst.lora.active), "swaps": inst.lora.swaps,
+                 "requests": inst.lora.requests},
         "encoder_cache": None if ec is None else {"items": len(ec), "tokens": ec.tokens, "queries": ec.queries,
                                                   "hits": ec.hits},
     }
@@ -38,17 +42,19 @@ def state(inst: SimHost) -> dict:
 
 def models_body(inst: SimHost) -> bytes:
     """``GET /v1/models``, vLLM's shape with ``max_model_len``: a card per served name, each
-    with the first name's ``root`` (one set of weights behind every alias)."""
+    with the first name's ``root`` (one set of weights behind every alias), then a card per
+    LoRA adapter (``parent`` the first name, ``root`` its path)."""
     root = inst.config.model
     created = inst.created
-    return _encode({"object": "list", "data": [{
-        "id": m, "object": "model", "created": created, "owned_by": "vllm", "root": root,
-        "parent": None, "max_model_len": inst.config.max_model_len,
-        "permission": [{"id": f"modelperm-{inst.name}", "object": "model_permission",
-                        "created": created, "allow_create_engine": False, "allow_sampling": True,
-                        "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                        "allow_fine_tuning": False, "organization": "*", "group": None,
-                        "is_blocking": False}]} for m in inst.config.served_names]})
+    permission = [{"id": f"modelperm-{inst.name}", "object": "model_permission",
+                   "created": created, "allow_create_engine": False, "allow_sampling": True,
+                   "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                   "allow_fine_tuning": False, "organization": "*", "group": None,
+                   "is_blocking": False}]
+    cards = [{"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+              "parent": None, "max_model_len": inst.config.max_model_len, "permission": permission}
+             for m in inst.config.served_names]
+    return _encode({"object": "list", "data": cards + inst.lora.cards(root, created, permission)})
 
 
 def metrics_text(inst: SimHost) -> str:
@@ -173,4 +179,6 @@ def metrics_text(inst: SimHost) -> str:
         "# TYPE sim:prefix_cache_blocks gauge",
         f"sim:prefix_cache_blocks{{{lbl}}} {len(pc) if pc else 0}.0",
     ]
+    if cfg.lora_modules or cfg.allow_runtime_lora:  # vLLM's --enable-lora
+        lines += inst.lora.metrics_lines(lbl, time.time())
     return "\n".join(lines) + "\n"

@@ -441,9 +441,11 @@ def output_length(body: dict, chat: bool, default_max_tokens: int = DEFAULT_MAX_
     return plan_output(cap, implicit, _opt_int(body, "min_tokens") or 0, default_max_tokens, room)
 
 
-def _seed_bytes(body: dict) -> bytes:
+def _seed_bytes(body: dict, lora_path: str | None = None) -> bytes:
+    """The request's ``seed``; with a LoRA adapter, its path too (other weights, another output)."""
     seed = body.get("seed")
-    return b"none" if seed is None else str(seed).encode()
+    out = b"none" if seed is None else str(seed).encode()
+    return out if lora_path is None else out + b"\x00lora:" + lora_path.encode()
 
 
 def output_tokens(fingerprint: bytes, seed: bytes, n: int, choice: int = 0) -> list[int]:
@@ -456,24 +458,25 @@ def output_tokens(fingerprint: bytes, seed: bytes, n: int, choice: int = 0) -> l
 
 
 def expected_tokens(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                    max_model_len: int | None = None) -> list[str]:
+                    max_model_len: int | None = None, lora_path: str | None = None) -> list[str]:
     """The output tokens (strings) of a full, un-faulted response to ``body``
-    (``max_model_len``: the instance's context, when the cap may exceed it)."""
+    (``max_model_len``: the instance's context, when the cap may exceed it; ``lora_path``: the
+    path of the LoRA adapter ``body`` names, as the instance that serves it has it)."""
     chat = "messages" in body
     prompt = analyze(body, chat)
     n, _ = output_length(body, chat, default_max_tokens, prompt_tokens=prompt.tokens, max_model_len=max_model_len)
-    return [VOCAB[i] for i in output_tokens(prompt.fingerprint, _seed_bytes(body), n, choice)]
+    return [VOCAB[i] for i in output_tokens(prompt.fingerprint, _seed_bytes(body, lora_path), n, choice)]
 
 
 def expected_text(body: dict, *, choice: int = 0, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                  max_model_len: int | None = None) -> str:
+                  max_model_len: int | None = None, lora_path: str | None = None) -> str:
     """The text of a full, un-faulted response of a prefill/decode/pd instance to ``body``.
 
     Chat if ``body`` has ``messages``, completions otherwise. Equal to the
     non-stream ``content``/``text`` and to the concatenated stream deltas.
     """
     return "".join(expected_tokens(body, choice=choice, default_max_tokens=default_max_tokens,
-                                   max_model_len=max_model_len))
+                                   max_model_len=max_model_len, lora_path=lora_path))
 
 
 def prompt_tokens(body: dict) -> int:

@@ -10,6 +10,7 @@ scale       thousands of slow streams: memory and CPU per 1k streams
 workers     ``--workers 2`` against one worker, each worker held to a CPU quota
 media       big images through the encoder stage: CPU against image size
 encoders    encoder placement: new and repeated images of several sizes on 3 encoders, per policy
+lora        LoRA adapter placement: adapter swaps and TTFT, affinity against round-robin and vllm-router
 push        TTFT in NIXL push mode against pull mode
 overload    a burst of slow streams past the admission limit, slowloris and normal traffic alongside
 soak        a mixed workload for a long time: RSS growth, errors, mismatches
@@ -24,6 +25,7 @@ from epd_proxy.bench.scenarios import (
     compare,
     encoders,
     latency,
+    lora,
     media,
     overload,
     push,
@@ -39,11 +41,11 @@ from epd_proxy.bench.scenarios.multiturn import run as multiturn
 
 # In the order of the help text and of ``--scenario all``.
 SCENARIOS: dict[str, Scenario] = {m.SCENARIO.name: m.SCENARIO for m in (
-    compare, latency, throughput, scale, workers, media, encoders, push, overload, soak, cluster, multiturn, url)}
+    compare, latency, throughput, scale, workers, media, encoders, lora, push, overload, soak, cluster, multiturn, url)}
 
 # The report's targets table lists the checks in the issue's order of its targets, not in
 # the order the scenarios ran; a scenario not named here comes after these, in SCENARIOS' order.
-TARGETS_ORDER = ("compare", "throughput", "latency", "workers", "scale", "soak", "media", "encoders", "cluster",
+TARGETS_ORDER = ("compare", "throughput", "latency", "workers", "scale", "soak", "media", "encoders", "lora", "cluster",
                  "multiturn")
 
 
