@@ -526,3 +526,28 @@ async def test_a_decode_that_leaves_takes_its_kept_parameters_with_it():
         (url,) = set(turns.held)
         proxy.app.membership.unregister(url, source="static")
         assert not turns.held and len(turns) == 0 and turns.released["decode_gone"] == 1
+
+
+async def test_parameters_a_refused_prefill_never_got_go_to_the_retry():
+    async with stack(sim=_sim(), prefill=2, local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        home = cluster.records("prefill")[-1].instance  # cache-aware sends the next turn there first
+        dead = next(i for i in cluster.instances("prefill") if i.name == home)
+        await dead.crash()
+        await _ask(client, _next(b1))
+        assert len(_reads(cluster)) == 1 and proxy.app.pipeline.turns.used == 1
+        assert _wrong(cluster) == 0
+
+
+async def test_parameters_taken_for_a_prefill_that_never_ran_are_freed():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0, decode_retries=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1()
+        await _ask(client, b1)
+        await cluster.instances("prefill")[0].crash()
+        r = await client.chat(_next(b1))
+        assert r.status == 503
+        turns = proxy.app.pipeline.turns
+        assert turns.used == 0 and not turns.held

@@ -123,7 +123,10 @@ class NixlPull(KVConnector):
         try:
             return await self.prefill.run(ctx, prefill, prefill_body(body, dict(reuse.params), ctx.api))
         except ProxyError as err:
-            if err.unsent or err.status < 500 or prefill in ctx.timed_out:
+            if err.unsent:
+                ctx.kv_reuse = reuse  # never reached a prefill: still good for the next attempt's
+                raise
+            if err.status < 500 or prefill in ctx.timed_out:
                 raise
             reuse.failed()
             ctx.excluded.discard(prefill)  # the parameters failed, not the instance

@@ -222,11 +222,12 @@ class KVReuse:
     """A request's use of its previous turn's parameters: what its prefill gets, and where a
     prefill that failed with them says so (it then runs again without: PREFILL_FAILED)."""
 
-    __slots__ = ("params", "store")
+    __slots__ = ("params", "store", "entry")
 
-    def __init__(self, params: dict, store: TurnStore) -> None:
+    def __init__(self, params: dict, store: TurnStore, entry: Entry | None = None) -> None:
         self.params = params
         self.store = store
+        self.entry = entry  # what they came from (freed early when no prefill got them)
 
     def failed(self) -> None:
         self.store.used -= 1

@@ -30,41 +30,21 @@ from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, response_id
-from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan, NixlPull
+from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
-from epd_proxy.request.multiturn import (
-    DECODE_GONE,
-    LOCAL_PREFILL_PARAMS,
-    NO_PARAMS,
-    NO_PARAMS_TAIL,
-    TOKENIZE_FAILED,
-    TOKENS,
-    Entry,
-    KVReuse,
-    TurnStore,
-    carries_params,
-    estimate_new_tokens,
-    keep_key,
-    lookup_key,
-    read_answer,
-    reuse_params,
-    strip_token_ids,
-    tokenize_body,
-    tokens_of,
-)
+from epd_proxy.request.multiturn import LOCAL_PREFILL_PARAMS, NO_PARAMS, NO_PARAMS_TAIL, carries_params, strip_token_ids
 from epd_proxy.request.relay import StreamRelay, relay_stream
 from epd_proxy.request.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
+from epd_proxy.request.turn_reuse import TurnReuse
 from epd_proxy.request.usage import rewrite_usage
-from epd_proxy.routing.view import EMPTY_VIEW, RequestView
-from epd_proxy.wire.blobs import encode_json
+from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
-from epd_proxy.wire.ids import hex_id
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
@@ -120,11 +100,10 @@ class Pipeline:
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
-        # Multi-turn KV reuse (multiturn.py): decode's parameters kept for each conversation's next turn.
-        self.turns = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
-            if config.kv_reuse else None
-        self.local_prefill_max = config.local_prefill_max_tokens
-        self.balance_abs = config.balance_abs
+        # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
+        self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
+                               decode_only=decode_only, models=self.models, base_headers=base_headers)
+        self.turns = self.reuse.store
 
     def close_admission(self) -> None:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
@@ -237,7 +216,7 @@ class Pipeline:
                 # An answer without decode's parameters is told by its last bytes (inline: every
                 # non-stream answer passes here; multiturn.carries_params is the whole test).
                 if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
-                    answer = self._keep_turn(ctx, body, leg, answer)
+                    answer = self.reuse.keep(ctx, body, leg, answer)
                 elif ctx.ids_asked:
                     answer = strip_token_ids(answer)
                 rec.answer = answer if report is None else rewrite_usage(answer, report)
@@ -286,6 +265,8 @@ class Pipeline:
             self.metrics.observe_tokens(rec.model, tokens)
         ctx = rec.ctx
         if ctx is not None:
+            if ctx.kv_reuse is not None:  # taken for a prefill that never ran
+                self.reuse.ended(ctx)
             if ctx.trace is not None:
                 ctx.trace.finish(status, rec.stream, tokens, rec.outcome)
             ctx.release_all()
@@ -404,7 +385,7 @@ class Pipeline:
                 # The tokens decode will hold: what the next turn's prompt is checked against.
                 body = dict(body, return_token_ids=True)
                 ctx.ids_asked = True
-            local = None if ctx.turn_tried or items else await self._previous_turn(ctx, turns, body, p)
+            local = None if ctx.turn_tried or items else await self.reuse.previous_turn(ctx, turns, body, p)
             if local is not None:  # the prefill skipped: the decode holding the rest computes the new part
                 t = time.perf_counter()
                 try:
@@ -424,126 +405,6 @@ class Pipeline:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
                 cap.leave()
-
-    async def _previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None
-                             ) -> Instance | None:
-        """The previous turn's parameters, taken (once per request: never on a retry) for this
-        attempt's prefill (``ctx.kv_reuse``); or the decode holding them, when the prefill would
-        compute so little that it alone should serve the request."""
-        ctx.turn_tried = True
-        found = lookup_key(body, ctx.conversation)
-        if found is None:
-            return None  # nothing answered before: an opening turn
-        key, conversation, _, new_chars = found
-        entry, reason, stale = turns.take(key, conversation, time.monotonic())
-        if stale is not None:
-            self._release(stale)
-        if entry is None:
-            turns.fallback(reason)
-            return None
-        holder = self.decode.find(entry.decode)
-        if holder is None or not holder.healthy or holder in ctx.excluded:
-            turns.fallback(DECODE_GONE)
-            return None
-        if self.local_prefill_max and self._within_bound(ctx, holder):
-            messages = body["messages"]  # lookup_key found an answer in them
-            new = estimate_new_tokens(entry, new_chars, _after_last_answer(messages))
-            if new <= self.local_prefill_max:
-                # Not released: the turn's own request on that decode shares those blocks
-                # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
-                turns.local_prefills += 1
-                return holder
-        if p is None or not isinstance(self.connector, NixlPull):
-            turns.fallback("no_pull_prefill")
-            self._release(entry)
-            return None
-        # vLLM reads what the parameters name without checking that the new prompt's tokens
-        # extend them: the prompt is tokenized (by the prefill that will run it) and only the
-        # tokens it shares with what decode holds are read.
-        asked = tokenize_body(body)
-        tokens = None
-        if asked is not None:
-            try:
-                data = await self.connector.prefill.exchange(ctx, p, "/tokenize", encode_json(asked),
-                                                             ctx.upstream_headers())
-                tokens = tokens_of(data)
-            except ProxyError:
-                pass
-            if tokens is None:
-                turns.fallback(TOKENIZE_FAILED)
-                self._release(entry)
-                return None
-        params = reuse_params(entry, tokens) if tokens is not None else None
-        if params is None:
-            turns.fallback(TOKENS)
-            self._release(entry)
-            return None
-        turns.used += 1
-        ctx.kv_reuse = KVReuse(params, turns)
-        return None
-
-    def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
-        """Whether the decode holding a conversation is within the load bound routing keeps
-        (``--balance-abs`` requests beyond the least-loaded candidate)."""
-        candidates = self.decode.candidates(ctx.excluded, ctx.model_for("decode"))
-        if holder not in candidates:
-            return False
-        low = min(c.inflight + c.signals.others for c in candidates)
-        return holder.inflight + holder.signals.others <= low + self.balance_abs
-
-    def _keep_turn(self, ctx: RequestContext, body: dict, leg: DecodeLeg, answer: bytes) -> bytes:
-        """Decode's answer held blocks for a later reader: the parameters taken out of what
-        the client gets, and kept for the conversation's next turn (chat)."""
-        read = read_answer(answer, ctx.path == CHAT and ctx.api is None, ctx.ids_asked)
-        turns = self.turns
-        if turns is None or not isinstance(self.connector, NixlPull):
-            return read.body  # reuse is for the pull connector (docs/protocol.md §2.10)
-        turns.active = True
-        if read.params is None or read.message is None:
-            if read.reason:
-                turns.fallback(read.reason)
-            return read.body
-        tokens = read.params.get("remote_num_tokens")
-        key, conversation, chars = keep_key(body, read.message, ctx.conversation)
-        now = time.monotonic()
-        entry = Entry(read.params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
-                      conversation, body.get("model"), read.ids)
-        for old in turns.put(key, entry, now):
-            self._release(old)
-        return read.body
-
-    def _release(self, entry: Entry) -> None:
-        """Kept parameters that will not be used. vLLM 0.32 has one way to free a finished
-        request's blocks on decode before its TTL: a prefill request that carries them, which
-        tells decode it is done with them even when it reads nothing (an abort of a finished
-        request does nothing). So a 1-token prefill is sent with them, told to read nothing
-        (``remote_num_tokens: 0``), in the background; when that cannot be done (no pull
-        prefill, the decode gone, too many such calls at once), decode frees them at its TTL."""
-        turns = self.turns
-        if (turns is None or entry.ids is None or not entry.ids or not isinstance(self.connector, NixlPull)
-                or not self.prefill or entry.deadline <= time.monotonic() or self.decode.find(entry.decode) is None
-                or len(self._background) >= _MAX_RELEASES):
-            return
-        task = asyncio.get_running_loop().create_task(self._free(entry, turns))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _free(self, entry: Entry, turns: TurnStore) -> None:
-        ctx = RequestContext(f"kv-release-{hex_id(48)}", "/v1/completions", self._base_headers)
-        connector, ids = self.connector, entry.ids
-        assert isinstance(connector, NixlPull) and ids is not None  # _release checked both
-        try:
-            models = self.models.current.route(entry.model if isinstance(entry.model, str) else None)
-            p = self.prefill.choose((), EMPTY_VIEW, None if models is None else models.get("prefill"))
-            # Two tokens: less than a block (never cached), and a list vLLM reads as token ids.
-            body = {"model": entry.model, "prompt": [ids[0], ids[0]], "max_tokens": 1,
-                    "kv_transfer_params": dict(entry.params, remote_num_tokens=0)}
-            await connector.prefill.run(ctx, p, body)
-            turns.freed += 1
-        except ProxyError as err:
-            log.debug("kept KV on %s not released early: %s", entry.decode, err.message)
-        finally:
-            ctx.release_all()
 
     def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> None:
         """Another generation API (apis.py): its media checked, and whether it is split."""
@@ -618,6 +479,7 @@ class Pipeline:
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.reuse.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
@@ -644,23 +506,12 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
-# Background calls that free kept KV on decode early (``Pipeline._release``) at once.
-_MAX_RELEASES = 64
 
 
 def _wants_usage(body: dict) -> bool:
     """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
-def _after_last_answer(messages: list) -> int:
-    """The messages after the last assistant message (the request's new part)."""
-    for i in range(len(messages) - 1, -1, -1):
-        msg = messages[i]
-        if isinstance(msg, dict) and msg.get("role") == "assistant":
-            return len(messages) - 1 - i
-    return len(messages)
 
 
 def _not_timed_out(pool: InstancePool, inst: Instance, ctx: RequestContext) -> Instance:

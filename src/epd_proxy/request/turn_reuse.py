@@ -1,0 +1,210 @@
+"""The I/O shell of multi-turn KV reuse (``multiturn.py`` is the pure core): what the pipeline
+asks before an attempt (the previous turn's parameters for the prefill, or the decode that
+should serve the turn alone), what it hands over after decode's answer (kept for the next
+turn), and the early release of parameters that will not be used."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from epd_proxy.config import ProxyConfig
+from epd_proxy.http import Headers
+from epd_proxy.instances.catalog import ModelDirectory
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.request.connectors import DecodeOnly, KVConnector, NixlPull
+from epd_proxy.request.context import RequestContext
+from epd_proxy.request.ingress import CHAT
+from epd_proxy.request.multiturn import (
+    DECODE_GONE,
+    TOKENIZE_FAILED,
+    TOKENS,
+    Entry,
+    KVReuse,
+    TurnStore,
+    estimate_new_tokens,
+    keep_key,
+    lookup_key,
+    read_answer,
+    reuse_params,
+    tokenize_body,
+    tokens_of,
+)
+from epd_proxy.request.stages import DecodeLeg
+from epd_proxy.routing.view import EMPTY_VIEW
+from epd_proxy.wire.blobs import encode_json
+from epd_proxy.wire.errors import ProxyError
+from epd_proxy.wire.ids import hex_id
+
+log = logging.getLogger("epd_proxy.pipeline")
+
+# Background calls that free kept KV on decode early (``TurnReuse.release``) at once.
+MAX_RELEASES = 64
+
+
+class TurnReuse:
+    """Multi-turn KV reuse for one proxy process (docs/architecture.md, "Multi-turn KV reuse").
+    ``store`` is None with ``--no-kv-reuse``: answers still lose their parameters."""
+
+    def __init__(self, config: ProxyConfig, *, prefill: InstancePool, decode: InstancePool, connector: KVConnector,
+                 decode_only: DecodeOnly, models: ModelDirectory, base_headers: Headers) -> None:
+        self.store = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
+            if config.kv_reuse else None
+        self.local_prefill_max = config.local_prefill_max_tokens
+        self.balance_abs = config.balance_abs
+        self.prefill = prefill
+        self.decode = decode
+        self.connector = connector
+        self.decode_only = decode_only
+        self.models = models
+        self.base_headers = base_headers
+        self.releases: set[asyncio.Task] = set()
+
+    async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None
+                            ) -> Instance | None:
+        """The previous turn's parameters, taken (once per request: never on a retry) for this
+        attempt's prefill (``ctx.kv_reuse``); or the decode holding them, when the prefill would
+        compute so little that it alone should serve the request."""
+        ctx.turn_tried = True
+        found = lookup_key(body, ctx.conversation)
+        if found is None:
+            return None  # nothing answered before: an opening turn
+        key, conversation, _, new_chars = found
+        entry, reason, stale = turns.take(key, conversation, time.monotonic())
+        if stale is not None:
+            self.release(stale)
+        if entry is None:
+            turns.fallback(reason)
+            return None
+        holder = self.decode.find(entry.decode)
+        if holder is None or not holder.healthy or holder in ctx.excluded:
+            turns.fallback(DECODE_GONE)
+            return None
+        if self.local_prefill_max and self._within_bound(ctx, holder):
+            messages = body["messages"]  # lookup_key found an answer in them
+            new = estimate_new_tokens(entry, new_chars, _after_last_answer(messages))
+            if new <= self.local_prefill_max:
+                # Not released: the turn's own request on that decode shares those blocks
+                # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
+                turns.local_prefills += 1
+                return holder
+        connector = self.connector
+        if p is None or not isinstance(connector, NixlPull):
+            turns.fallback("no_pull_prefill")
+            self.release(entry)
+            return None
+        # vLLM reads what the parameters name without checking that the new prompt's tokens
+        # extend them: the prompt is tokenized and only the tokens it shares with what decode
+        # holds are read.
+        asked = tokenize_body(body)
+        tokens = None
+        if asked is not None:
+            # The prefill that will run the prompt tokenizes it; if it cannot be reached, the
+            # decode holding the history (the same model, the same tokenizer and template).
+            for stage, inst in ((connector.prefill, p), (self.decode_only.decode, holder)):
+                try:
+                    data = await stage.exchange(ctx, inst, "/tokenize", encode_json(asked), ctx.upstream_headers())
+                    tokens = tokens_of(data)
+                    break
+                except ProxyError as err:
+                    if not err.unsent:
+                        break
+            if tokens is None:
+                turns.fallback(TOKENIZE_FAILED)
+                self.release(entry)
+                return None
+        params = reuse_params(entry, tokens) if tokens is not None else None
+        if params is None:
+            turns.fallback(TOKENS)
+            self.release(entry)
+            return None
+        turns.used += 1
+        ctx.kv_reuse = KVReuse(params, turns, entry)
+        return None
+
+    def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
+        """Whether the decode holding a conversation is within the load bound routing keeps
+        (``--balance-abs`` requests beyond the least-loaded candidate)."""
+        candidates = self.decode.candidates(ctx.excluded, ctx.model_for("decode"))
+        if holder not in candidates:
+            return False
+        low = min(c.inflight + c.signals.others for c in candidates)
+        return holder.inflight + holder.signals.others <= low + self.balance_abs
+
+    def keep(self, ctx: RequestContext, body: dict, leg: DecodeLeg, answer: bytes) -> bytes:
+        """Decode's answer held blocks for a later reader: the parameters taken out of what
+        the client gets, and kept for the conversation's next turn (chat)."""
+        read = read_answer(answer, ctx.path == CHAT and ctx.api is None, ctx.ids_asked)
+        turns = self.store
+        if turns is None or not isinstance(self.connector, NixlPull):
+            return read.body  # reuse is for the pull connector (docs/protocol.md §2.10)
+        turns.active = True
+        if read.params is None or read.message is None:
+            if read.reason:
+                turns.fallback(read.reason)
+            return read.body
+        tokens = read.params.get("remote_num_tokens")
+        key, conversation, chars = keep_key(body, read.message, ctx.conversation)
+        now = time.monotonic()
+        entry = Entry(read.params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
+                      conversation, body.get("model"), read.ids)
+        for old in turns.put(key, entry, now):
+            self.release(old)
+        return read.body
+
+    def ended(self, ctx: RequestContext) -> None:
+        """The request is over: parameters it took for a prefill that never ran are let go."""
+        reuse = ctx.kv_reuse
+        if reuse is not None and reuse.entry is not None:
+            reuse.store.used -= 1
+            self.release(reuse.entry)
+
+    def release(self, entry: Entry) -> None:
+        """Kept parameters that will not be used. vLLM 0.32 has one way to free a finished
+        request's blocks on decode before its TTL: a prefill request that carries them, which
+        tells decode it is done with them even when it reads nothing (an abort of a finished
+        request does nothing). So a 2-token prefill is sent with them, told to read nothing
+        (``remote_num_tokens: 0``), in the background; when that cannot be done (no pull
+        prefill, the decode gone, too many such calls at once), decode frees them at its TTL."""
+        turns = self.store
+        if (turns is None or not entry.ids or not isinstance(self.connector, NixlPull) or not self.prefill
+                or entry.deadline <= time.monotonic() or self.decode.find(entry.decode) is None
+                or len(self.releases) >= MAX_RELEASES):
+            return
+        task = asyncio.get_running_loop().create_task(self._free(entry, turns))
+        self.releases.add(task)
+        task.add_done_callback(self.releases.discard)
+
+    async def _free(self, entry: Entry, turns: TurnStore) -> None:
+        ctx = RequestContext(f"kv-release-{hex_id(48)}", "/v1/completions", self.base_headers)
+        connector, ids = self.connector, entry.ids
+        assert isinstance(connector, NixlPull) and ids is not None  # release() checked both
+        try:
+            models = self.models.current.route(entry.model if isinstance(entry.model, str) else None)
+            p = self.prefill.choose((), EMPTY_VIEW, None if models is None else models.get("prefill"))
+            # Two tokens: less than a block (never cached), and a list vLLM reads as token ids.
+            body = {"model": entry.model, "prompt": [ids[0], ids[0]], "max_tokens": 1,
+                    "kv_transfer_params": dict(entry.params, remote_num_tokens=0)}
+            await connector.prefill.run(ctx, p, body)
+            turns.freed += 1
+        except ProxyError as err:
+            log.debug("kept KV on %s not released early: %s", entry.decode, err.message)
+        finally:
+            ctx.release_all()
+
+    async def close(self) -> None:
+        for task in list(self.releases):
+            task.cancel()
+        if self.releases:
+            await asyncio.gather(*self.releases, return_exceptions=True)
+
+
+def _after_last_answer(messages: list) -> int:
+    """The messages after the last assistant message (the request's new part)."""
+    for i in range(len(messages) - 1, -1, -1):
+        msg = messages[i]
+        if isinstance(msg, dict) and msg.get("role") == "assistant":
+            return len(messages) - 1 - i
+    return len(messages)
