@@ -71,3 +71,13 @@ def test_section_lists_every_target_and_why_one_did_not_run():
     assert "| reuse-skip | 10 | 0 / 1 |" in text
     assert "not installed (pip install vllm-router)" in text
     assert mismatches(cells["reuse-skip"]) == 1
+
+
+def test_a_share_of_conversations_streams_spread_evenly():
+    from epd_proxy.bench.scenarios.multiturn.run import RecordingClient
+
+    half = RecordingClient(None, stream_share=0.5)
+    assert [half.streams(i) for i in range(6)] == [False, True, False, True, False, True]
+    assert all(RecordingClient(None).streams(i) for i in range(5))
+    assert not any(RecordingClient(None, stream=False).streams(i) for i in range(5))
+    assert sum(RecordingClient(None, stream_share=0.25).streams(i) for i in range(100)) == 25

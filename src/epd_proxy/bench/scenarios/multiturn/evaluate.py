@@ -122,6 +122,16 @@ def _mib(n) -> str:
     return "–" if missing(n) else f"{n / 2 ** 20:,.0f}"
 
 
+def _clients(result: dict) -> str:
+    share = result.get("stream_share", 1.0 if result.get("stream", True) else 0.0)
+    if share >= 1.0:
+        return "Clients stream."
+    if share <= 0.0:
+        return "Clients send non-stream requests: TTFT is the whole answer's time, and there is no ITL."
+    return (f"{100 * share:g} % of the conversations stream, the others send non-stream requests: TTFT and ITL "
+            "are the streams' (non-stream answers count their whole time as TTFT).")
+
+
 def section(result: dict, plots: dict) -> list[str]:
     out = ["## Multi-turn KV reuse (multiturn scenario)", ""]
     c = result.get("counts", {})
@@ -131,8 +141,7 @@ def section(result: dict, plots: dict) -> list[str]:
                f"token computed, one prefill at a time per instance; decodes compute local prefills in chunks "
                f"of {result.get('decode_chunk_tokens')} tokens inside their steps. Candidate: "
                f"{result.get('candidate')}. "
-               + ("Clients stream." if result.get("stream", True) else
-                  "Clients send non-stream requests: TTFT is the whole answer's time, and there is no ITL."))
+               + _clients(result))
     out.append("")
     for name, w in result.get("workloads", {}).items():
         spec = w["spec"]

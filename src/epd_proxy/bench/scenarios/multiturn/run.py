@@ -72,6 +72,10 @@ def add_arguments(group) -> None:
                        help="multiturn: clients stream (TTFT and ITL measured); --no-mt-stream sends non-stream "
                             "requests, whose TTFT is the whole answer's time and which have no ITL (vLLM 0.32's "
                             "decode names its kept blocks only in a non-stream answer)")
+    group.add_argument("--mt-stream-share", type=float, default=1.0,
+                       help="multiturn: with --mt-stream, the share of conversations that stream; the others send "
+                            "non-stream requests (which the proxy can reuse under vLLM 0.32), so the streams measure "
+                            "what their reuse and local prefills cost the decodes they share")
     group.add_argument("--vllm-multiturn-proxy", default=None, metavar="PATH",
                        help="multiturn: vLLM's disagg_proxy_multiturn.py (default: fetched once from the vllm "
                             "0.33.0 sdist on the package index into ~/.cache/epd-proxy-bench)")
@@ -121,11 +125,18 @@ class RecordingClient:
     conversation's id to each body (what vLLM's reference proxy needs to link turns); with
     ``stream`` False it sends each turn as a non-stream request."""
 
-    def __init__(self, inner, *, conversation_id: bool = False, stream: bool = True) -> None:
+    def __init__(self, inner, *, conversation_id: bool = False, stream: bool = True, stream_share: float = 1.0) -> None:
         self.inner = inner
         self.conversation_id = conversation_id
         self.stream = stream
+        self.stream_share = stream_share if stream else 0.0
         self.itl: list[float] = []
+        self.stream_ttft: list[float] = []  # the streams' alone (a non-stream answer's "TTFT" is its whole time)
+
+    def streams(self, index: int) -> bool:
+        """Whether conversation ``index`` streams: ``stream_share`` of them, spread evenly."""
+        s = self.stream_share
+        return s >= 1.0 or int((index + 1) * s) > int(index * s)
 
     async def start(self) -> None:
         await self.inner.start()
@@ -134,17 +145,20 @@ class RecordingClient:
         await self.inner.close()
 
     async def send(self, conv, turn: int, prep: Prepared, timeouts: TransportTimeouts) -> Outcome:
-        if self.conversation_id or not self.stream:
+        stream = self.streams(conv.index)
+        if self.conversation_id or not stream:
             body = dict(prep.obj)
             if self.conversation_id:
                 body["conversation_id"] = conv.id
-            if not self.stream:
+            if not stream:
                 body["stream"] = False
-            prep = Prepared(prep.kind if self.stream else "nonstream", prep.path, msgspec.json.encode(body),
-                            self.stream, prep.expected, body)
+            prep = Prepared(prep.kind if stream else "nonstream", prep.path, msgspec.json.encode(body),
+                            stream, prep.expected, body)
         o = await self.inner.send(conv, turn, prep, timeouts)
         if o.ok:
             self.itl.extend(o.itl)
+            if stream and o.ttft is not None:
+                self.stream_ttft.append(o.ttft)
         return o
 
 
@@ -232,7 +246,7 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, ws: dict, name: s
             res.update({"available": False})
             return res
         client = RecordingClient(ProxyClient([target.url]), conversation_id=name == "vllm-multiturn",
-                                 stream=args.mt_stream)
+                                 stream=args.mt_stream, stream_share=args.mt_stream_share)
         await client.start()
         try:
             if lab.s.quiet_wait > 0:
@@ -251,6 +265,9 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, ws: dict, name: s
     res.update(tally.summary())
     res.update({"wall_s": wall, "foreign_cpu_util": foreign, "held": held, "itl_ms": summarize(client.itl, 1000.0),
                 "counters": counters(before, after)})
+    if 0.0 < client.stream_share < 1.0:  # TTFT of the streams; every answer's time beside it
+        res["answer_ms"] = res["ttft_ms"]
+        res["ttft_ms"] = summarize(client.stream_ttft, 1000.0)
     if args.progress:
         k = res["counters"]
         print(f"multiturn {workload} {name} @ {rate:g} req/s: TTFT p50 {res['ttft_ms']['p50']:.1f} p99 "
@@ -280,6 +297,7 @@ async def run(args) -> dict:
                  "counts": {"prefill": args.mt_prefills, "decode": args.mt_decoders}, "ttl_s": args.mt_ttl,
                  "ttft_per_token_ms": args.mt_ttft_per_token_ms, "decode_chunk_tokens": args.mt_decode_chunk_tokens,
                  "local_prefill_max_tokens": args.mt_local_prefill_max_tokens, "stream": args.mt_stream,
+                 "stream_share": args.mt_stream_share if args.mt_stream else 0.0,
                  "workloads": {}}
     partial = getattr(args, "partial", None)
     if isinstance(partial, dict):
