@@ -125,6 +125,11 @@ async def test_load_and_unload_through_the_proxy_reach_the_base_models_instances
         r = await client.post("/v1/load_lora_adapter", dict(load, lora_name="x", instances=["http://10.9.9.9:1"]),
                               ADMIN)
         assert r.status == 400 and r.json()["error"]["param"] == "instances"
+        metrics = (await client.request("GET", "/metrics", headers=ADMIN)).body.decode()
+        for labels, n in (('outcome="ok",trigger="admin",verb="load"', 7),  # 3, 3 already there, 1
+                          ('outcome="ok",trigger="admin",verb="unload"', 3)):
+            assert f"epd_proxy_lora_calls_total{{{labels}}} {n}.0" in metrics
+        assert 'epd_proxy_lora_calls_total{outcome="failed"' not in metrics  # the unload of an adapter nobody has called no instance
 
 
 async def test_load_failure_is_aggregated_in_vllms_envelope():
@@ -150,6 +155,9 @@ async def test_adapter_loaded_on_demand_once_on_both_legs(tmp_path):
         assert len(loads) == 2 and {r.instance.split("-")[0] for r in loads} == {"prefill", "decode"}
         assert {r.instance for r in generations(c)} == {r.instance for r in loads}
         assert proxy.app.admin.adapters.loads_on_demand == 1
+        metrics = (await client.request("GET", "/metrics")).body.decode()
+        assert 'epd_proxy_lora_calls_total{outcome="ok",trigger="on_demand",verb="load"} 2.0' in metrics
+        assert "epd_proxy_lora_loads_pending 0.0" in metrics
         # Not a source's adapter: the proxy's 404, nothing loaded.
         body, r = await ask(client, "unknown-adapter")
         assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -173,21 +173,34 @@ class Adapters:
         self._affinity = AdapterAffinity()
         self.loads_on_demand = 0  # adapters loaded because a request named them
         self.load_failures = 0
+        # (trigger: admin | on_demand, verb: load | unload, outcome: ok | failed) -> instance calls
+        self.calls: dict[tuple[str, str, str], int] = {}
 
     @property
     def catalog(self) -> Catalog:
         return next(iter(self.pools.values())).models.current
 
     @property
+    def pending(self) -> int:
+        """Adapters being loaded on demand now."""
+        return len(self._pending)
+
+    @property
     def on_demand(self) -> bool:
         return bool(self.sources or self.directory)
 
     # -- calls to instances ----------------------------------------------------------------
-    async def call(self, path: str, body: dict, targets: Iterable[tuple[str, Instance]]) -> list[Outcome]:
+    async def call(self, path: str, body: dict, targets: Iterable[tuple[str, Instance]],
+                   trigger: str = "admin") -> list[Outcome]:
         """``path`` (load or unload) with ``body`` on every target at once; each instance's models
-        read again after it answered."""
+        read again after it answered. Each call is counted (``trigger``: admin or on_demand)."""
         data = msgspec.json.encode(body)
-        return list(await asyncio.gather(*(self._call(path, data, role, inst) for role, inst in targets)))
+        outcomes = list(await asyncio.gather(*(self._call(path, data, role, inst) for role, inst in targets)))
+        verb = "load" if path == LOAD else "unload"
+        for o in outcomes:
+            key = (trigger, verb, "ok" if o.ok or _already(o) else "failed")
+            self.calls[key] = self.calls.get(key, 0) + 1
+        return outcomes
 
     async def _call(self, path: str, data: bytes, role: str, inst: Instance) -> Outcome:
         t = TransportTimeouts(connect=min(5.0, self.timeout), headers=self.timeout, idle=self.timeout)
@@ -259,7 +272,7 @@ class Adapters:
                 return  # loaded meanwhile (another request, an operator)
             base = base_for(self.catalog, wanted)
             targets = self.targets(name, base)
-            outcomes = await self.call(LOAD, {"lora_name": name, "lora_path": path}, targets)
+            outcomes = await self.call(LOAD, {"lora_name": name, "lora_path": path}, targets, "on_demand")
         bad = [o for o in outcomes if not o.ok and not _already(o)]
         if bad:
             o = bad[0]

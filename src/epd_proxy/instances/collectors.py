@@ -9,6 +9,7 @@ from epd_proxy.instances.health import FAILURE_KINDS
 from epd_proxy.observe.metrics import Collector
 
 if TYPE_CHECKING:  # pragma: no cover
+    from epd_proxy.instances.adapters import Adapters
     from epd_proxy.instances.membership import Membership
     from epd_proxy.instances.pool import InstancePool
 
@@ -65,4 +66,12 @@ def roster_collector(membership: Membership) -> Collector:
         removals = dict.fromkeys(((r, why) for r in roles for why in REMOVAL_REASONS), 0)
         removals.update(membership.removals)
         f["epd_proxy_removals"] = [[r, why, n] for (r, why), n in removals.items()]
+    return collect
+
+
+def adapters_collector(adapters: Adapters) -> Collector:
+    """LoRA adapter loads and unloads the proxy made on instances, by trigger and outcome."""
+    def collect(f: dict[str, list]) -> None:
+        f["epd_proxy_lora_calls"] += [[t, v, o, n] for (t, v, o), n in adapters.calls.items()]
+        f["epd_proxy_lora_loads_pending"].append([adapters.pending])
     return collect

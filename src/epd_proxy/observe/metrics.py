@@ -189,6 +189,12 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                     "the proxy hands them to a prefill (released).", ("reason",)),
     "epd_proxy_kv_reuse_held_tokens": ("gauge", "Tokens of KV that parameters kept by this proxy hold on the "
                                        "decode (what decode pins for them until read or expired).", ("url",)),
+    "epd_proxy_lora_calls": ("counter", "LoRA adapter loads and unloads this proxy made on instances, one per "
+                             "instance: by trigger (admin: POST /v1/load_lora_adapter or /v1/unload_lora_adapter "
+                             "through the proxy; on_demand: a request named an adapter a source knows), verb and "
+                             "outcome (ok: 200, or the instance had it already).", ("trigger", "verb", "outcome")),
+    "epd_proxy_lora_loads_pending": ("gauge", "LoRA adapters being loaded on demand now (requests wait on them).",
+                                     ()),
     "epd_proxy_encoder_fallbacks": ("counter", "Media items sent raw to the consumer, which encoded them "
                                     "itself (--encoder-fallback local).", ()),
 }

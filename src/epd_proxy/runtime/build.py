@@ -27,7 +27,7 @@ from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
 from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.catalog import ModelDirectory
-from epd_proxy.instances.collectors import pool_collector, roster_collector
+from epd_proxy.instances.collectors import adapters_collector, pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
@@ -84,6 +84,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     adapters = Adapters(pools, base_headers, timeout=config.lora_load_timeout, sources=config.lora_sources,
                         directory=config.lora_dir, max_loads=config.max_lora_loads,
                         learn_timeout=config.probe_timeout)
+    metrics.register(adapters_collector(adapters))
     pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
