@@ -129,7 +129,8 @@ async def test_load_and_unload_through_the_proxy_reach_the_base_models_instances
         for labels, n in (('outcome="ok",trigger="admin",verb="load"', 7),  # 3, 3 already there, 1
                           ('outcome="ok",trigger="admin",verb="unload"', 3)):
             assert f"epd_proxy_lora_calls_total{{{labels}}} {n}.0" in metrics
-        assert 'epd_proxy_lora_calls_total{outcome="failed"' not in metrics  # the unload of an adapter nobody has called no instance
+        # The unload of an adapter nobody has called no instance: nothing failed.
+        assert 'epd_proxy_lora_calls_total{outcome="failed"' not in metrics
 
 
 async def test_load_failure_is_aggregated_in_vllms_envelope():
