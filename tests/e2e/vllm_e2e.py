@@ -163,7 +163,8 @@ def wait_http_ok(proc: Proc, url: str, timeout: float, path: str = "/health") ->
 # vLLM instances
 
 
-def vllm_env(core: int, side_channel_port: int | None, debug: bool = False) -> dict[str, str]:
+def vllm_env(core: int, side_channel_port: int | None, debug: bool = False,
+             extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTEST_CURRENT_TEST",
                         "PYTEST_ADDOPTS", "VLLM_CPU_KVCACHE_SPACE")}
@@ -188,6 +189,7 @@ def vllm_env(core: int, side_channel_port: int | None, debug: bool = False) -> d
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
     if debug:
         env["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    env.update(extra or {})
     return env
 
 
@@ -200,6 +202,7 @@ class Vllm:
     debug: bool = False
     max_model_len: int = 512
     engine_id: str | None = None  # pinned in its kv-transfer-config (push prefill)
+    env: dict[str, str] = field(default_factory=dict)  # added to its environment
     port: int = 0
     side_channel_port: int = 0
     proc: Proc | None = None
@@ -217,7 +220,7 @@ class Vllm:
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                 "--uvicorn-log-level", "warning", *self.args]
         self.proc = Proc(f"vllm-{self.name}", argv,
-                         vllm_env(self.core, self.side_channel_port, self.debug), log_dir)
+                         vllm_env(self.core, self.side_channel_port, self.debug, self.env), log_dir)
 
     def wait_ready(self) -> None:
         assert self.proc is not None
@@ -372,9 +375,29 @@ def models_cluster(log_dir: str) -> Cluster:
     }, log_dir)
 
 
+# What the Messages, Responses and generate APIs need on an instance: the scale-out routes
+# (/inference/v1/generate) and the Responses store (GET /v1/responses/{id}, previous_response_id).
+API_ARGS = ["--enable-scale-out", "--enable-prompt-tokens-details"]
+API_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+
+
+def api_cluster(log_dir: str) -> Cluster:
+    """1 prefill + 1 decode (tiny Llama, NIXL pull) and one plain instance of the same weights,
+    all started as an operator serving every generation API would: the plain instance is the
+    reference a client of one vLLM would see (its own Responses store included)."""
+    return Cluster("api", {
+        "prefill": Vllm("api-prefill", "tiny-model", 0, env=API_ENV, max_model_len=2048,
+                        args=["--kv-transfer-config", nixl_config("kv_producer"), *API_ARGS]),
+        "decode": Vllm("api-decode", "tiny-model", 1, env=API_ENV, max_model_len=2048,
+                       args=["--kv-transfer-config", nixl_config("kv_consumer"), *API_ARGS]),
+        "single": Vllm("api-single", "tiny-model", 0, env=API_ENV, max_model_len=2048, args=list(API_ARGS)),
+    }, log_dir)
+
+
 CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_cluster,
-                                                  "epd": epd_cluster, "models": models_cluster}
-CLUSTER_ORDER = ["pd", "push", "epd", "models"]
+                                                  "epd": epd_cluster, "models": models_cluster,
+                                                  "api": api_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd", "models", "api"]
 
 
 # ---------------------------------------------------------------------------------------------
