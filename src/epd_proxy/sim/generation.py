@@ -449,7 +449,7 @@ class GenerationHandler:
             seq.fmt = g.api
         if g.hold_kv and not g.drop_kv:
             seq.on_ready = self.on_prefilled
-        if self.config.prompt_tokens_details:
+        if self.config.prompt_tokens_details or (g.api is not None and g.api.always_cached):
             seq.cached_tokens = g.cached_tokens
         if plan is not None and plan.streams_tokens:
             seq.set_faults(plan.error_after, plan.reset_after, plan.stall_after, plan.stall_seconds,
@@ -493,7 +493,7 @@ class GenerationHandler:
         st.external_cached_tokens += ntok
         if cfg.kv_connector != "mooncake":
             st.add_kv_transfer(nblocks * cfg.kv_bytes_per_block)
-        if cfg.prompt_tokens_details:
+        if cfg.prompt_tokens_details or (g.api is not None and g.api.always_cached):
             seq.cached_tokens = _reported_cached_tokens(remote_kv, ntok)
         engine.ready(seq, loop.time() + cfg.kv_load_ms / 1000.0)
         await seq.done  # type: ignore[misc]  # set by _submit's caller
