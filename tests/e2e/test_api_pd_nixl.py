@@ -12,8 +12,6 @@ Prompts are unique and shorter than one CPU KV block, so no prefix cache hides a
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import vllm_e2e as E
 
@@ -21,7 +19,7 @@ CLUSTER = "api"
 ORDER = 10
 pytestmark = pytest.mark.vllm
 
-MESSAGES, RESPONSES, GENERATE = "/v1/messages", "/v1/responses", "/inference/v1/generate"
+MESSAGES, RESPONSES, GENERATE = E.MESSAGES, E.RESPONSES, E.GENERATE
 STREAMS = [False, True]
 
 
@@ -41,28 +39,7 @@ def body_for(path: str, prompt: str, *, stream: bool, n: int = 12, **extra) -> d
     return body
 
 
-def named_events(resp: E.Response) -> list[tuple[str, dict]]:
-    """(event name, payload) of a stream of named events."""
-    out = []
-    for block in resp.body.decode().replace("\r\n", "\n").split("\n\n"):
-        lines = block.split("\n")
-        name = next((ln[6:].strip() for ln in lines if ln.startswith("event:")), "")
-        data = "\n".join(ln[5:].lstrip() for ln in lines if ln.startswith("data:"))
-        if data:
-            out.append((name, json.loads(data)))
-    return out
-
-
-def text_of(path: str, resp: E.Response) -> str:
-    if resp.content_type.startswith("text/event-stream"):
-        events = named_events(resp)
-        if path == MESSAGES:
-            return "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
-        return "".join(d["delta"] for n, d in events if n == "response.output_text.delta")
-    body = resp.json()
-    if path == MESSAGES:
-        return "".join(b.get("text", "") for b in body["content"])
-    return "".join(p.get("text", "") for item in body["output"] for p in item.get("content", []))
+named_events, text_of, ok = E.named_events, E.api_text, E.assert_api_ok
 
 
 def final_usage(path: str, resp: E.Response) -> dict:
@@ -92,15 +69,6 @@ def no_transfer_params(resp: E.Response) -> None:
             for v in x:
                 walk(v)
     walk(payloads)
-
-
-def ok(resp: E.Response, stream: bool) -> None:
-    assert resp.status == 200, E.describe(resp, 2000)
-    want = "text/event-stream" if stream else "application/json"
-    assert resp.content_type.startswith(want), E.describe(resp)
-    if stream:
-        names = [n for n, _ in named_events(resp)]
-        assert "error" not in names and "response.failed" not in names, E.describe(resp, 4000)
 
 
 def one_transfer(api, d0) -> None:

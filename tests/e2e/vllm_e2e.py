@@ -536,6 +536,44 @@ def text_of(resp: Response, endpoint: str) -> str:
     return ch["text"] if endpoint == "completions" else ch["message"]["content"]
 
 
+MESSAGES, RESPONSES, GENERATE = "/v1/messages", "/v1/responses", "/inference/v1/generate"
+
+
+def named_events(resp: Response) -> list[tuple[str, Any]]:
+    """(event name, payload) of a stream of named events (Messages, Responses)."""
+    out = []
+    for block in resp.body.decode().replace("\r\n", "\n").split("\n\n"):
+        lines = block.split("\n")
+        name = next((ln[6:].strip() for ln in lines if ln.startswith("event:")), "")
+        data = "\n".join(ln[5:].lstrip() for ln in lines if ln.startswith("data:"))
+        if data:
+            out.append((name, json.loads(data)))
+    return out
+
+
+def api_text(path: str, resp: Response) -> str:
+    """The generated text of a Messages or Responses answer, streamed or not."""
+    if resp.content_type.startswith("text/event-stream"):
+        events = named_events(resp)
+        if path == MESSAGES:
+            return "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+        return "".join(d["delta"] for n, d in events if n == "response.output_text.delta")
+    body = resp.json()
+    if path == MESSAGES:
+        return "".join(b.get("text", "") for b in body["content"])
+    return "".join(p.get("text", "") for item in body["output"] for p in item.get("content", []))
+
+
+def assert_api_ok(resp: Response, stream: bool) -> None:
+    """A 200 with the right content type; a named-event stream without an error event."""
+    assert resp.status == 200, describe(resp, 2000)
+    want = "text/event-stream" if stream else "application/json"
+    assert resp.content_type.startswith(want), describe(resp)
+    if stream:
+        names = [n for n, _ in named_events(resp)]
+        assert "error" not in names and "response.failed" not in names, describe(resp, 4000)
+
+
 def describe(resp: Response, limit: int = 600) -> str:
     return (f"HTTP {resp.status} {resp.content_type} after {resp.elapsed:.2f}s: "
             f"{resp.body[:limit].decode('utf-8', 'replace')}")

@@ -89,7 +89,8 @@ LONG = " ".join(f"word{i}" for i in range(80))  # several 16-token blocks
 
 def body_for(path: str, text: str, stream: bool) -> dict:
     if path == MESSAGES:
-        return {"model": "sim-model", "max_tokens": 6, "stream": stream, "messages": [{"role": "user", "content": text}]}
+        return {"model": "sim-model", "max_tokens": 6, "stream": stream,
+                "messages": [{"role": "user", "content": text}]}
     return {"model": "sim-model", "input": text, "max_output_tokens": 6, "stream": stream}
 
 

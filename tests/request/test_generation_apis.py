@@ -224,7 +224,8 @@ def media_body(path: str, source: str, stream: bool = False) -> dict:
         src = ({"type": "base64", "media_type": "image/png", "data": PNG} if source == "base64"
                else {"type": "url", "url": IMAGE_URL})
         content = [{"type": "text", "text": "what is this"}, {"type": "image", "source": src}]
-        return {"model": "sim-model", "max_tokens": 5, "stream": stream, "messages": [{"role": "user", "content": content}]}
+        return {"model": "sim-model", "max_tokens": 5, "stream": stream,
+                "messages": [{"role": "user", "content": content}]}
     url = f"data:image/png;base64,{PNG}" if source == "base64" else IMAGE_URL
     return {"model": "sim-model", "max_output_tokens": 5, "stream": stream, "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "what is this"},
