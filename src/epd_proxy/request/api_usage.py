@@ -3,7 +3,7 @@ instance reports it (chat's rule, usage.py, in these APIs' own fields).
 
 Decode's usage describes decode's share: the prompt tokens whose KV it received from the
 prefill count as cached there. vLLM 0.32 writes the usage of these APIs from the same
-numbers as chat's (docs/protocol.md §2.9.2):
+numbers as chat's (docs/protocol.md §2.9):
 
 * Anthropic (``anthropic/serving.py``): ``input_tokens`` is the prompt less the cached
   tokens, ``output_tokens`` the completion, ``cache_read_input_tokens`` the cached tokens

@@ -379,7 +379,7 @@ class Pipeline:
 
     def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> list[MediaItem]:
         """Another generation API (apis.py): its media checked, whether it is split, and the
-        items the encoders get (docs/protocol.md §2.9.3)."""
+        items the encoders get (docs/protocol.md §2.9)."""
         ctx.api = api
         media = api.media(body)
         if media:
