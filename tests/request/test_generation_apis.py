@@ -339,3 +339,18 @@ async def test_in_band_error_after_the_commit_is_in_the_apis_form(path):
         else:
             assert reply.body.endswith(b"data: [DONE]\n\n")
             assert b'data: {"error":' in reply.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", [MESSAGES, RESPONSES])
+async def test_token_metrics_count_these_apis(path, stream):
+    """The token metrics (and the access log, from the same reading) count Messages and
+    Responses answers from their own usage fields."""
+    async with stack(sim=sim_config()) as (cluster, proxy, client):
+        reply = await client.post(path, body_for(path, stream=stream))
+        assert reply.status == 200
+        metrics = (await client.request("GET", "/metrics")).body
+        assert b'epd_proxy_completion_tokens_total{model="sim-model"} 7.0' in metrics, metrics
+        key = b'epd_proxy_prompt_tokens_total{model="sim-model"} '
+        at = metrics.index(key) + len(key)
+        assert float(metrics[at:metrics.index(b"\n", at)]) > 0
