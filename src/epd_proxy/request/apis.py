@@ -36,7 +36,7 @@ GENERATE = "/inference/v1/generate"
 LEAD, FAILURE, COMMIT = 0, 1, 2
 
 # Why a request is served whole by one instance (``epd_proxy_not_disaggregated_total{reason}``).
-MEDIA = "media"  # media in an API whose items the encode stage does not rewrite
+MEDIA = "media"  # with an encode stage, an image no encoder can be sent (an uploaded file's id)
 PREVIOUS_RESPONSE = "previous_response_id"  # the conversation is in one instance's store
 BACKGROUND = "background"  # answered "queued" at once: no prefill answer to hand over
 
