@@ -62,10 +62,9 @@ def _part(block: Any) -> Any:
     if block.get("type") == "text":
         return {"type": "text", "text": block.get("text")}
     if block.get("type") == "image":
-        part: dict = {"type": "image_url", "image_url": {"url": image_url(block.get("source"))}}
-        if isinstance(block.get("uuid"), str):
-            part["uuid"] = block["uuid"]
-        return part
+        # vLLM's AnthropicContentBlock ignores unknown keys (a ``uuid`` too): the image is
+        # keyed by its content.
+        return {"type": "image_url", "image_url": {"url": image_url(block.get("source"))}}
     return block  # tool use, tool results, thinking: one token each, as any other part
 
 
