@@ -41,3 +41,12 @@ def test_messages_and_responses_usage():
     event = (b'event: response.completed\ndata: {"response":{"id":"resp_1","usage":' + usage
              + b',"user":null},"sequence_number":9,"type":"response.completed"}\n\n')
     assert usage_of(event) == (40, 6, 32)
+
+
+def test_object_end_balances_braces():
+    from epd_proxy.observe.tokens import object_end
+
+    doc = b'x{"a":{"b":[1,{"c":2}]},"d":{}}tail'
+    assert doc[1:object_end(doc, 1)] == b'{"a":{"b":[1,{"c":2}]},"d":{}}'
+    assert object_end(b'{"a":{"b":1}', 0) == -1  # cut
+    assert object_end(b"{}", 0) == 2

@@ -8,7 +8,13 @@ import msgspec
 import pytest
 from helpers import stack
 
-from epd_proxy.request.api_usage import messages_usage, responses_usage, rewrite_api_usage, rewrite_usage_events
+from epd_proxy.request.api_usage import (
+    messages_usage,
+    prompt_side_same,
+    responses_usage,
+    rewrite_api_usage,
+    rewrite_usage_events,
+)
 from epd_proxy.request.usage import PrefillReport
 from epd_proxy.sim import SimConfig
 
@@ -60,13 +66,13 @@ def test_only_the_usage_bytes_change():
             + b'}],"stop_reason":"max_tokens","usage":{"input_tokens":0,"output_tokens":8,'
             b'"cache_read_input_tokens":40},"kv_transfer_params":null}')
     out = rewrite_api_usage(body, report({"input_tokens": 8, "output_tokens": 1, "cache_read_input_tokens": 32}),
-                            messages_usage)
+                            messages_usage, True)
     new = b'{"input_tokens":8,"output_tokens":8,"cache_read_input_tokens":32}'
     assert out == body.replace(b'{"input_tokens":0,"output_tokens":8,"cache_read_input_tokens":40}', new)
     assert msgspec.json.decode(out)["content"][0]["text"] == text
     # Unreadable prefill usage, or an answer without usage: as received.
-    assert rewrite_api_usage(body, PrefillReport(b"null", b"null"), messages_usage) is body
-    assert rewrite_api_usage(b'{"id":"x"}', report({"input_tokens": 1}), messages_usage) == b'{"id":"x"}'
+    assert rewrite_api_usage(body, PrefillReport(b"null", b"null"), messages_usage, True) is body
+    assert rewrite_api_usage(b'{"id":"x"}', report({"input_tokens": 1}), messages_usage, True) == b'{"id":"x"}'
 
 
 def test_only_the_named_event_is_rewritten():
@@ -77,10 +83,30 @@ def test_only_the_named_event_is_rewritten():
               b'"usage":{"input_tokens":0,"output_tokens":8,"cache_read_input_tokens":40}}\n\n'
               b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
     out = rewrite_usage_events(events, report({"input_tokens": 40, "output_tokens": 1}), b"message_delta",
-                               messages_usage)
+                               messages_usage, True)
     assert out == events.replace(b'"usage":{"input_tokens":0,"output_tokens":8,"cache_read_input_tokens":40}',
                                  b'"usage":{"input_tokens":40,"output_tokens":8}')
-    assert rewrite_usage_events(events, report({"input_tokens": 40}), b"response.completed", messages_usage) is events
+    assert rewrite_usage_events(events, report({"input_tokens": 40}), b"response.completed", messages_usage,
+                                True) is events
+
+
+def test_a_usage_whose_prompt_side_is_the_prefills_is_read_from_its_bytes():
+    enc = msgspec.json.encode
+    # Anthropic: the cache fields follow the output count.
+    d = enc({"input_tokens": 8, "output_tokens": 64, "cache_read_input_tokens": 32})
+    assert prompt_side_same(d, enc({"input_tokens": 8, "output_tokens": 1, "cache_read_input_tokens": 32}), True)
+    assert not prompt_side_same(d, enc({"input_tokens": 8, "output_tokens": 1, "cache_read_input_tokens": 16}), True)
+    assert not prompt_side_same(d, enc({"input_tokens": 8, "output_tokens": 1}), True)
+    short = enc({"input_tokens": 8, "output_tokens": 1})
+    assert prompt_side_same(enc({"input_tokens": 8, "output_tokens": 64}), short, True)
+    assert not prompt_side_same(enc({"input_tokens": 40, "output_tokens": 64}), short, True)
+    # Responses: only what precedes the output count is the prompt's.
+    assert prompt_side_same(enc(responses_usage_obj(40, 32, 64)), enc(responses_usage_obj(40, 32, 1)), False)
+    assert not prompt_side_same(enc(responses_usage_obj(40, 40, 64)), enc(responses_usage_obj(40, 32, 1)), False)
+    assert not prompt_side_same(d, b"null", True)
+    # ... and such an answer is returned as it is, undecoded.
+    body = b'{"id":"r","usage":' + enc(responses_usage_obj(40, 32, 64)) + b'}'
+    assert rewrite_api_usage(body, report(responses_usage_obj(40, 32, 1)), responses_usage, False) is body
 
 
 # -- through the proxy ------------------------------------------------------------------------

@@ -54,6 +54,22 @@ def _tokens(usage: _Usage | None) -> Tokens:
     return usage.prompt_tokens, usage.completion_tokens, details.cached_tokens if details is not None else None
 
 
+def object_end(doc: bytes, at: int) -> int:
+    """One past the brace that closes the object opening at ``doc[at]``, or -1; for objects
+    whose strings hold no braces (a usage object's keys). Counted by C-level searches, a
+    step per closing brace, not per byte."""
+    depth = 0
+    pos = at
+    while True:
+        close = doc.find(b"}", pos)
+        if close < 0:
+            return -1
+        depth += doc.count(b"{", pos, close) - 1
+        if depth <= 0:
+            return close + 1 if depth == 0 else -1
+        pos = close + 1
+
+
 def usage_of(data: bytes | None) -> Tokens:
     """The tokens of a whole answer, or of the SSE event holding the final usage object in
     ``data`` (a stream's last bytes); :data:`NO_TOKENS` when absent or unreadable."""
@@ -70,7 +86,13 @@ def usage_of(data: bytes | None) -> Tokens:
         try:
             return _tokens(_usage_decoder.decode(data[at:close + 1]))
         except (msgspec.DecodeError, msgspec.ValidationError):
-            pass  # not vLLM's shape: read the document
+            pass  # deeper (a Responses usage), or not vLLM's shape
+        end = object_end(data, at)
+        if end > 0:
+            try:
+                return _tokens(_usage_decoder.decode(data[at:end]))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass  # not vLLM's shape: read the document
     if data.startswith(b"{"):  # a whole JSON answer
         doc = data
     else:  # an SSE event: its ``data: `` line

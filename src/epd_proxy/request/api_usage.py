@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import msgspec
 
+from epd_proxy.observe.tokens import object_end
 from epd_proxy.request.usage import PrefillReport
 
 # Anthropic's prompt-side fields, in the order vLLM's AnthropicUsage writes them.
@@ -63,40 +64,58 @@ def responses_usage(decode: dict, prefill: dict | None) -> dict | None:
     return None if out == decode else out
 
 
-def usage_span(doc: bytes, start: int = 0) -> tuple[int, int] | None:
+_OUTPUT = b',"output_tokens":'
+
+
+def prompt_side_same(decode: bytes, prefill: bytes, cache_after_output: bool) -> bool:
+    """Whether decode's raw usage object already has the prefill's prompt side, read from the
+    bytes without decoding either (the common case: vLLM 0.32 over NIXL reports the prefill's
+    count on decode). Both APIs write ``input_tokens`` first and the output count after the
+    prompt's fields, except Anthropic's cache fields, which follow it
+    (``cache_after_output``)."""
+    d, p = decode.find(_OUTPUT), prefill.find(_OUTPUT)
+    if d < 0 or d != p or decode[:d] != prefill[:p]:
+        return False
+    if not cache_after_output:
+        return True  # Responses: what follows is the output side and the sum, decode's
+    d_end, p_end = decode.find(b",", d + 1), prefill.find(b",", p + 1)
+    if d_end < 0 and p_end < 0:  # no field after the output count in either
+        return True
+    if d_end < 0 or p_end < 0:
+        return False
+    return decode[d_end:] == prefill[p_end:]
+
+
+def usage_span(doc: bytes, start: int = 0, stop: int | None = None) -> tuple[int, int] | None:
     """Where the last ``"usage":{...}`` object of ``doc`` (from ``start``) is: its first and
     one-past-last byte. A quote inside a JSON string is escaped, so ``"usage":{`` is a key;
     the usage objects of these APIs hold numbers, lists of numbers and objects of those, so
     their end is the brace that balances the first (the caller decodes the slice: any other
     shape does not decode, and is left alone)."""
-    key = doc.rfind(b'"usage":{', start)
+    key = doc.rfind(b'"usage":{', start, len(doc) if stop is None else stop)
     if key < 0:
         return None
-    at = key + 8
-    depth = 0
-    for end in range(at, len(doc)):
-        c = doc[end]
-        if c == 0x7B:  # {
-            depth += 1
-        elif c == 0x7D:  # }
-            depth -= 1
-            if depth == 0:
-                return at, end + 1
-    return None
+    end = object_end(doc, key + 8)
+    return (key + 8, end) if end > 0 else None
 
 
-def rewrite_api_usage(doc: bytes, report: PrefillReport, merge, start: int = 0) -> bytes:
-    """``doc`` with its (last) usage object replaced by ``merge(decode's, prefill's)``; ``doc``
-    itself when that changes nothing or either cannot be read."""
-    prefill = report.prompt_usage()
-    if prefill is None:
-        return doc
-    span = usage_span(doc, start)
+def rewrite_api_usage(doc: bytes, report: PrefillReport, merge, cache_after_output: bool, start: int = 0,
+                      stop: int | None = None) -> bytes:
+    """``doc`` with its (last) usage object, between ``start`` and ``stop``, replaced by
+    ``merge(decode's, prefill's)``; ``doc`` itself when that changes nothing or either cannot
+    be read."""
+    span = usage_span(doc, start, stop)
     if span is None:
         return doc
     at, end = span
+    raw = doc[at:end]
+    if prompt_side_same(raw, report.usage, cache_after_output):
+        return doc
+    prefill = report.prompt_usage()
+    if prefill is None:
+        return doc
     try:
-        decode = msgspec.json.decode(doc[at:end])
+        decode = msgspec.json.decode(raw)
     except msgspec.DecodeError:
         return doc
     if not isinstance(decode, dict):
@@ -107,16 +126,12 @@ def rewrite_api_usage(doc: bytes, report: PrefillReport, merge, start: int = 0) 
     return doc[:at] + msgspec.json.encode(new) + doc[end:]
 
 
-def rewrite_usage_events(events: bytes, report: PrefillReport, name: bytes, merge) -> bytes:
+def rewrite_usage_events(events: bytes, report: PrefillReport, name: bytes, merge, cache_after_output: bool) -> bytes:
     """Whole SSE events with the usage of the one named ``name`` (``event: NAME``) rewritten."""
     head = b"event: " + name + b"\n"
     at = events.find(head)
     if at < 0 or (at > 0 and events[at - 1] != 0x0A):
         return events
     end = events.find(b"\n\n", at)
-    end = len(events) if end < 0 else end
-    event = events[at:end]
-    new = rewrite_api_usage(event, report, merge, len(head))
-    if new is event:
-        return events
-    return events[:at] + new + events[end:]
+    return rewrite_api_usage(events, report, merge, cache_after_output, at + len(head),
+                             len(events) if end < 0 else end)

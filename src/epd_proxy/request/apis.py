@@ -48,6 +48,10 @@ class GenerationApi:
     chat_view = False  # the routing keys are read from ``messages`` (else ``prompt``)
     rewrite_usage = False  # the P/D usage rewrite (usage.py, api_usage.py) reads this API's usage
     usage_event = b""  # the named stream event that carries the final usage (api_usage.py)
+    # How a read ends when its last event is a text delta: the final usage event is still to
+    # come, so the relay passes such a read on without searching it (vLLM's key order).
+    text_delta_ends: tuple[bytes, ...] = ()
+    cache_after_output = False  # its usage writes prompt fields after the output count (Anthropic)
     stateful = False  # answers are stored on the instance that made them (Responses)
     lead: frozenset[bytes] = frozenset()  # named events read past before the commit
     failures: frozenset[bytes] = frozenset()  # named events that are a failure
@@ -82,11 +86,11 @@ class GenerationApi:
         """Decode's whole answer with the client's usage (chat's fields by default)."""
         if not self.usage_event:
             return rewrite_chat_usage(doc, report)
-        return rewrite_api_usage(doc, report, self.merge_usage)
+        return rewrite_api_usage(doc, report, self.merge_usage, self.cache_after_output)
 
     def client_events(self, events: bytes, report: PrefillReport) -> bytes:
         """Whole stream events with the final usage event's usage the client's."""
-        return rewrite_usage_events(events, report, self.usage_event, self.merge_usage)
+        return rewrite_usage_events(events, report, self.usage_event, self.merge_usage, self.cache_after_output)
 
 
 def _with_kv(out: dict, kv: dict | None) -> dict:
@@ -134,6 +138,8 @@ class Messages(GenerationApi):
     chat_view = True
     rewrite_usage = True
     usage_event = b"message_delta"  # message_start's usage is the whole prompt, as decode has it
+    text_delta_ends = (b'},"index":0}\n\n', b'},"index":1}\n\n')  # a text block, after a thinking one
+    cache_after_output = True
     lead = frozenset((b"message_start", b"content_block_start", b"ping"))
     failures = frozenset((b"error",))
 
@@ -174,6 +180,7 @@ class Responses(GenerationApi):
     stateful = True
     rewrite_usage = True
     usage_event = b"response.completed"
+    text_delta_ends = (b'"type":"response.output_text.delta"}\n\n',)
     lead = frozenset((b"response.created", b"response.in_progress", b"response.output_item.added",
                       b"response.content_part.added"))
     failures = frozenset((b"error", b"response.failed"))

@@ -120,12 +120,13 @@ class ApiRelay(StreamRelay):
     error``, the Responses ``error`` event); with ``ctx`` (P/D) the usage of the API's final
     usage event is the client's (api_usage.py), every other byte as received."""
 
-    __slots__ = ("api", "ctx")
+    __slots__ = ("api", "ctx", "plain")
 
     def __init__(self, writer: ResponseWriter, resp: Response, api: GenerationApi, ctx=None) -> None:
         super().__init__(writer, resp)
         self.api = api
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
+        self.plain = api.text_delta_ends
 
     def on_data(self, data: bytes) -> None:
         if self.ctx is None:
@@ -135,12 +136,16 @@ class ApiRelay(StreamRelay):
         if self._tail:
             data = self._tail + data
             self._tail = b""
+        elif data.endswith(self.plain):  # most reads: the usage event is still to come
+            self.writer.write(data)
+            return
         events = data if data.endswith(b"\n\n") else self._whole_events(data)
         if not events:
             return
-        report = self.ctx.prefill_report
-        if report is not None and events.find(b'"usage":{') >= 0:
-            events = self.api.client_events(events, report)
+        if events.find(b'"usage":{') >= 0:
+            report = self.ctx.prefill_report
+            if report is not None:
+                events = self.api.client_events(events, report)
         self.writer.write(events)
 
     def error_event(self, error: ProxyError) -> bytes:
