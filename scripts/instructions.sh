@@ -6,7 +6,7 @@
 #
 #   scripts/instructions.sh SRC MODE N [serve flags...]
 #     SRC   the package's source folder to run the proxy from (e.g. src, or another checkout's)
-#     MODE  stream | nonstream
+#     MODE  stream | nonstream (chat) | messages | responses (the same prompt, streamed)
 #     N     measured requests (after 200 unmeasured ones), over 4 keep-alive connections
 #
 # P/D on one simulated prefill and one decode (from this checkout, no delays), the proxy under

@@ -1,4 +1,6 @@
-"""Send N chat requests over C keep-alive connections to a proxy and check each answer is 200.
+"""Send N requests over C keep-alive connections to a proxy and check each answer is 200:
+chat (MODE stream or nonstream), or the same prompt streamed through /v1/messages or
+/v1/responses (MODE messages, responses).
 
 Used by instructions.sh: a plain asyncio client, so that what is counted is the proxy's work,
 not the client's."""
@@ -8,14 +10,21 @@ import json
 import sys
 
 
-async def worker(port: int, k: int, count: int, stream: bool) -> None:
+async def worker(port: int, k: int, count: int, mode: str) -> None:
     words = ("the quick brown fox jumps over lazy dog while cluster serves prefill decode " * 8).split()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     for i in range(count):
-        body = json.dumps({"model": "sim-model", "max_tokens": 64, "stream": stream,
-                           "messages": [{"role": "user", "content": " ".join(words[(k + i) % 7:][:90])}]}).encode()
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        text = " ".join(words[(k + i) % 7:][:90])
+        if mode == "responses":
+            path, doc = b"/v1/responses", {"model": "sim-model", "max_output_tokens": 64, "stream": True,
+                                           "store": False, "input": text}
+        else:
+            path = b"/v1/messages" if mode == "messages" else b"/v1/chat/completions"
+            doc = {"model": "sim-model", "max_tokens": 64, "stream": mode != "nonstream",
+                   "messages": [{"role": "user", "content": text}]}
+        body = json.dumps(doc).encode()
+        writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path
+                     + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         await writer.drain()
         status = await reader.readline()
         if b" 200 " not in status:
@@ -35,7 +44,7 @@ async def worker(port: int, k: int, count: int, stream: bool) -> None:
 
 async def main() -> None:
     port, n, conc, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    await asyncio.gather(*(worker(port, k, n // conc, mode == "stream") for k in range(conc)))
+    await asyncio.gather(*(worker(port, k, n // conc, mode) for k in range(conc)))
 
 
 if __name__ == "__main__":

@@ -38,3 +38,25 @@ def test_completions_text_field():
     body = b'data: {"choices":[{"index":0,"text":" hi"}]}\n\ndata: [DONE]\n\n'
     events, done, _ = parse_sse([(0.5, body)])
     assert events == [(0.5, " hi")] and done
+
+
+def test_named_events_of_messages_and_responses():
+    from epd_proxy.bench.exchange import parse_named_sse
+
+    msg = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":3}}}\n\n'
+           b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+           b'"delta":{"type":"text_delta","text":" caf\xc3\xa9"}}\n\n'
+           b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+           b'"delta":{"type":"text_delta","text":"!"}}\n\n'
+           b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    cut = msg.index(b"caf") + 4  # inside the multi-byte character
+    events, done, error = parse_named_sse([(1.0, msg[:cut]), (2.0, msg[cut:])], "messages")
+    assert [t for _, t in events] == [" caf\u00e9", "!"] and done and error is None
+    events, done, error = parse_named_sse([(1.0, msg[:msg.index(b"event: message_stop")])], "messages")
+    assert not done
+    resp = (b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi",'
+            b'"sequence_number":1}\n\n'
+            b'event: error\ndata: {"type":"error","code":"502","message":"boom","sequence_number":2}\n\n')
+    events, done, error = parse_named_sse([(0.5, resp)], "responses")
+    assert events == [(0.5, "hi")] and not done and "boom" in error

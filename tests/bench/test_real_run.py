@@ -126,3 +126,28 @@ async def test_closed_loop_workers_start_spread_over_the_warmup():
         assert together[-1] - together[0] < 0.03
         # Spread: 16 uniform draws over 0.6 s, far wider than one request.
         assert spread[-1] - spread[0] > 0.2
+
+
+async def test_messages_and_responses_workloads_through_the_proxy():
+    """The Messages and Responses workloads: P/D through the proxy and client-side stages,
+    every answer verified against the simulator's text."""
+    from epd_proxy.bench.clients import StagesClient
+
+    cfg = SimConfig(itl_ms=0.5, records=False)
+    async with SimCluster(prefill=1, decode=1, config=cfg) as cluster:
+        pc = ProxyConfig(prefill=[parse_instance(u, "prefill") for u in cluster.urls("prefill")],
+                         decode=[parse_instance(u, "decode") for u in cluster.urls("decode")], probe_interval=0)
+        proxy = await start_proxy(pc)
+        try:
+            for name in ("messages", "responses"):
+                reqs = prepare(make_workload(name, max_tokens=6, variants=2), expected=simulator_expected())
+                assert {r.kind for r in reqs} == {name}
+                for client in (UrlClient(proxy.url), StagesClient(None, cluster.urls("prefill")[0],
+                                                                  cluster.urls("decode")[0])):
+                    ph = Phase(name, reqs, concurrency=2, max_requests=6, progress=False, client=client)
+                    await ph.run()
+                    s = ph.summary()
+                    assert s["ok"] == 6 and s["verify_errors"] == 0, s["error_examples"]
+                    assert s["itl_ms"]["count"] == 5 * 6  # streamed: a gap per token after the first
+        finally:
+            await proxy.close()

@@ -123,6 +123,13 @@ def pd(clusters):
 
 
 @pytest.fixture(scope="module")
+def api(clusters):
+    """1 prefill + 1 decode (NIXL pull) + 1 plain reference instance, each with the scale-out
+    routes and the Responses store on; shared by the module's tests."""
+    return clusters.get("api")
+
+
+@pytest.fixture(scope="module")
 def push(clusters):
     """1 prefill + 1 decode (tiny Llama, NixlPushConnector); shared by the module's tests."""
     return clusters.get("push")

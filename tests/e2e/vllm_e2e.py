@@ -163,7 +163,8 @@ def wait_http_ok(proc: Proc, url: str, timeout: float, path: str = "/health") ->
 # vLLM instances
 
 
-def vllm_env(core: int, side_channel_port: int | None, debug: bool = False) -> dict[str, str]:
+def vllm_env(core: int, side_channel_port: int | None, debug: bool = False,
+             extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTEST_CURRENT_TEST",
                         "PYTEST_ADDOPTS", "VLLM_CPU_KVCACHE_SPACE")}
@@ -188,6 +189,7 @@ def vllm_env(core: int, side_channel_port: int | None, debug: bool = False) -> d
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
     if debug:
         env["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    env.update(extra or {})
     return env
 
 
@@ -200,7 +202,7 @@ class Vllm:
     debug: bool = False
     max_model_len: int = 512
     engine_id: str | None = None  # pinned in its kv-transfer-config (push prefill)
-    env: dict[str, str] = field(default_factory=dict)  # beside vllm_env's
+    env: dict[str, str] = field(default_factory=dict)  # added to its environment
     port: int = 0
     side_channel_port: int = 0
     proc: Proc | None = None
@@ -218,7 +220,7 @@ class Vllm:
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                 "--uvicorn-log-level", "warning", *self.args]
         self.proc = Proc(f"vllm-{self.name}", argv,
-                         {**vllm_env(self.core, self.side_channel_port, self.debug), **self.env}, log_dir)
+                         vllm_env(self.core, self.side_channel_port, self.debug, self.env), log_dir)
 
     def wait_ready(self) -> None:
         assert self.proc is not None
@@ -412,11 +414,31 @@ def lora_cluster(log_dir: str) -> Cluster:
     }, log_dir)
 
 
+# What the Messages, Responses and generate APIs need on an instance: the scale-out routes
+# (/inference/v1/generate) and the Responses store (GET /v1/responses/{id}, previous_response_id).
+API_ARGS = ["--enable-scale-out", "--enable-prompt-tokens-details"]
+API_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+
+
+def api_cluster(log_dir: str) -> Cluster:
+    """1 prefill + 1 decode (tiny Llama, NIXL pull) and one plain instance of the same weights,
+    all started as an operator serving every generation API would: the plain instance is the
+    reference a client of one vLLM would see (its own Responses store included)."""
+    return Cluster("api", {
+        "prefill": Vllm("api-prefill", "tiny-model", 0, env=API_ENV, max_model_len=2048,
+                        args=["--kv-transfer-config", nixl_config("kv_producer"), *API_ARGS]),
+        "decode": Vllm("api-decode", "tiny-model", 1, env=API_ENV, max_model_len=2048,
+                       args=["--kv-transfer-config", nixl_config("kv_consumer"), *API_ARGS]),
+        "single": Vllm("api-single", "tiny-model", 0, env=API_ENV, max_model_len=2048, args=list(API_ARGS)),
+    }, log_dir)
+
+
 CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_cluster,
                                                   "epd": epd_cluster, "models": models_cluster,
                                                   "mt": multiturn_cluster,
-                                                  "lora": lora_cluster}
-CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt", "lora"]
+                                                  "lora": lora_cluster,
+                                                  "api": api_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt", "lora", "api"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,6 +575,44 @@ def text_of(resp: Response, endpoint: str) -> str:
         return "".join(parts)
     ch = resp.json()["choices"][0]
     return ch["text"] if endpoint == "completions" else ch["message"]["content"]
+
+
+MESSAGES, RESPONSES, GENERATE = "/v1/messages", "/v1/responses", "/inference/v1/generate"
+
+
+def named_events(resp: Response) -> list[tuple[str, Any]]:
+    """(event name, payload) of a stream of named events (Messages, Responses)."""
+    out = []
+    for block in resp.body.decode().replace("\r\n", "\n").split("\n\n"):
+        lines = block.split("\n")
+        name = next((ln[6:].strip() for ln in lines if ln.startswith("event:")), "")
+        data = "\n".join(ln[5:].lstrip() for ln in lines if ln.startswith("data:"))
+        if data:
+            out.append((name, json.loads(data)))
+    return out
+
+
+def api_text(path: str, resp: Response) -> str:
+    """The generated text of a Messages or Responses answer, streamed or not."""
+    if resp.content_type.startswith("text/event-stream"):
+        events = named_events(resp)
+        if path == MESSAGES:
+            return "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+        return "".join(d["delta"] for n, d in events if n == "response.output_text.delta")
+    body = resp.json()
+    if path == MESSAGES:
+        return "".join(b.get("text", "") for b in body["content"])
+    return "".join(p.get("text", "") for item in body["output"] for p in item.get("content", []))
+
+
+def assert_api_ok(resp: Response, stream: bool) -> None:
+    """A 200 with the right content type; a named-event stream without an error event."""
+    assert resp.status == 200, describe(resp, 2000)
+    want = "text/event-stream" if stream else "application/json"
+    assert resp.content_type.startswith(want), describe(resp)
+    if stream:
+        names = [n for n, _ in named_events(resp)]
+        assert "error" not in names and "response.failed" not in names, describe(resp, 4000)
 
 
 def describe(resp: Response, limit: int = 600) -> str:

@@ -214,29 +214,86 @@ async def test_background_response_is_served_whole():
         assert not_disaggregated(metrics, "background") == 1
 
 
-@pytest.mark.parametrize("path", [MESSAGES, RESPONSES])
-async def test_media_with_an_encode_stage_is_served_whole(path):
-    """The encode stage rewrites chat parts only: an Anthropic image block or an input_image
-    goes whole to one decode instance, and is counted."""
-    url = "https://example.com/fish.png"
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+IMAGE_URL = "https://example.com/fish.png"
+
+
+def media_body(path: str, source: str, stream: bool = False) -> dict:
+    """A request with one image: an Anthropic block (base64 or URL source) or an input_image."""
     if path == MESSAGES:
-        content = [{"type": "text", "text": "what is this"}, {"type": "image", "source": {"type": "url", "url": url}}]
-        body = {"model": "sim-model", "max_tokens": 5, "messages": [{"role": "user", "content": content}]}
-    else:
-        body = {"model": "sim-model", "max_output_tokens": 5, "input": [
-            {"role": "user", "content": [{"type": "input_text", "text": "what is this"},
-                                         {"type": "input_image", "image_url": url}]}]}
-    async with stack(sim=sim_config(), encode=1) as (cluster, proxy, client):
-        reply = await client.post(path, body)
+        src = ({"type": "base64", "media_type": "image/png", "data": PNG} if source == "base64"
+               else {"type": "url", "url": IMAGE_URL})
+        content = [{"type": "text", "text": "what is this"}, {"type": "image", "source": src}]
+        return {"model": "sim-model", "max_tokens": 5, "stream": stream,
+                "messages": [{"role": "user", "content": content}]}
+    url = f"data:image/png;base64,{PNG}" if source == "base64" else IMAGE_URL
+    return {"model": "sim-model", "max_output_tokens": 5, "stream": stream, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "what is this"},
+                                     {"type": "input_image", "image_url": url}]}]}
+
+
+MEDIA_TOPOLOGIES = {"e+p+d": dict(encode=1, prefill=1, decode=1), "e+pd": dict(encode=1, prefill=0, decode=0, pd=1)}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("topology", list(MEDIA_TOPOLOGIES))
+@pytest.mark.parametrize("path,source", [(MESSAGES, "base64"), (MESSAGES, "url"), (RESPONSES, "base64"),
+                                         (RESPONSES, "url")])
+async def test_media_goes_through_the_encoders(path, source, topology, stream):
+    """An Anthropic image block or an input_image is encoded on an encoder (a chat sub-request
+    with the image_url part vLLM makes of it); the consumer gets the API's own body with the
+    encoder's ec_transfer_params and finds the encoder output; the client's answer is one
+    instance's, byte for byte."""
+    sim = sim_config()
+    body = media_body(path, source, stream)
+    rid = [(b"x-request-id", b"media-1")]
+    async with single(sim) as one:
+        alone = await one.post(path, body, rid)
+    assert alone.status == 200, alone.body
+    async with stack(sim=sim, **MEDIA_TOPOLOGIES[topology]) as (cluster, proxy, client):
+        reply = await client.post(path, body, rid)
         assert reply.status == 200, reply.body
+        assert reply.body == alone.body
         assert text_of(path, reply) == expected(path, body)
-        assert not cluster.records("encode") and not cluster.records("prefill")
+        [enc] = cluster.records("encode")
+        assert enc.path == "/v1/chat/completions"
+        url = f"data:image/png;base64,{PNG}" if source == "base64" else IMAGE_URL
+        assert enc.json["messages"] == [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        consumer_role = "prefill" if topology == "e+p+d" else "pd"
+        consumer = cluster.records(consumer_role)[-1]
+        assert consumer.path == path
+        assert consumer.json.get("messages", consumer.json.get("input")) == body.get("messages", body.get("input"))
+        assert consumer.json["ec_transfer_params"]["ec_items"]
+        stats = cluster.instances(consumer_role)[0].stats
+        assert stats.ec_hits == 1 and stats.local_encodes == 0
+        if topology == "e+p+d":
+            assert cluster.instances("decode")[0].stats.kv_pulls == 1
         metrics = (await client.request("GET", "/metrics")).body
-        assert not_disaggregated(metrics, "media") == 1
+        assert not_disaggregated(metrics, "media") == 0
+        assert b"ec_transfer_params" not in reply.body or b'"ec_transfer_params":null' in reply.body
+
+
+@pytest.mark.parametrize("path", [MESSAGES, RESPONSES])
+async def test_media_rules_hold_and_an_uploaded_file_is_served_whole(path):
+    body = media_body(path, "url")
+    async with stack(sim=sim_config(), encode=1) as (cluster, proxy, client):
         # The operator's media rules hold for these APIs too.
         bad = msgspec.json.decode(msgspec.json.encode(body).replace(b"https://example.com", b"http://127.0.0.1"))
         refused = await client.post(path, bad)
         assert refused.status == 400 and b"media" in refused.body
+        if path == RESPONSES:
+            # An uploaded file's id: no URL an encoder could load; served whole, and counted.
+            part = body["input"][0]["content"][1]
+            del part["image_url"]
+            part["file_id"] = "file-123"
+            reply = await client.post(path, body)
+            async with single(sim_config()) as one:
+                alone = await one.post(path, body)
+            assert (reply.status, reply.body) == (alone.status, alone.body)  # the instance's own answer
+            assert not cluster.records("encode") and not cluster.records("prefill")
+            assert cluster.records("decode")[-1].path == path
+            metrics = (await client.request("GET", "/metrics")).body
+            assert not_disaggregated(metrics, "media") == 1
 
 
 async def test_media_in_p_d_is_disaggregated():
@@ -282,3 +339,18 @@ async def test_in_band_error_after_the_commit_is_in_the_apis_form(path):
         else:
             assert reply.body.endswith(b"data: [DONE]\n\n")
             assert b'data: {"error":' in reply.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", [MESSAGES, RESPONSES])
+async def test_token_metrics_count_these_apis(path, stream):
+    """The token metrics (and the access log, from the same reading) count Messages and
+    Responses answers from their own usage fields."""
+    async with stack(sim=sim_config()) as (cluster, proxy, client):
+        reply = await client.post(path, body_for(path, stream=stream))
+        assert reply.status == 200
+        metrics = (await client.request("GET", "/metrics")).body
+        assert b'epd_proxy_completion_tokens_total{model="sim-model"} 7.0' in metrics, metrics
+        key = b'epd_proxy_prompt_tokens_total{model="sim-model"} '
+        at = metrics.index(key) + len(key)
+        assert float(metrics[at:metrics.index(b"\n", at)]) > 0

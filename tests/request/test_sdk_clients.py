@@ -58,3 +58,38 @@ async def test_openai_responses_create_stream_and_retrieve():
             assert follow.previous_response_id == resp.id and follow.usage.output_tokens == 4
         finally:
             await client.close()
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+LONG = " ".join(f"word{i}" for i in range(80))  # several 16-token blocks
+
+
+async def test_sdks_send_images_through_the_encoders_and_read_the_cached_tokens():
+    """E+P+D: an image block (anthropic) and an input_image (openai) are encoded on the encoder;
+    a repeated long prefix reads as the prefill's prefix hits in each SDK's usage type."""
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, prompt_tokens_details=True)
+    async with stack(encode=1, sim=sim) as (cluster, proxy, _):
+        ac = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="unused", max_retries=0)
+        oc = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+                       {"type": "text", "text": "what is this"}]
+            msg = await ac.messages.create(model="sim-model", max_tokens=4,
+                                           messages=[{"role": "user", "content": content}])
+            assert msg.content[0].text and msg.usage.output_tokens == 4
+            resp = await oc.responses.create(model="sim-model", max_output_tokens=4, input=[
+                {"role": "user", "content": [{"type": "input_image", "image_url": f"data:image/png;base64,{PNG}",
+                                              "detail": "auto"},
+                                             {"type": "input_text", "text": "what is this"}]}])
+            assert resp.output_text and resp.usage.output_tokens == 4
+            assert len(cluster.records("encode")) == 2
+            for tail in ("one", "two"):
+                msg = await ac.messages.create(model="sim-model", max_tokens=4,
+                                               messages=[{"role": "user", "content": LONG + " " + tail}])
+            assert msg.usage.cache_read_input_tokens and msg.usage.cache_read_input_tokens >= 64
+            for tail in ("three", "four"):
+                resp = await oc.responses.create(model="sim-model", max_output_tokens=4, input=LONG + " x " + tail)
+            assert resp.usage.input_tokens_details.cached_tokens >= 64
+        finally:
+            await ac.close()
+            await oc.close()

@@ -167,3 +167,24 @@ async def test_encode_prefill_decode_with_an_image(http):
         rd = await http.post(c.urls("decode")[0], PATH, dict(body, kv_transfer_params=rp.json["kv_transfer_params"]))
         assert text_of(rd) == text_of(alone) == expected_text(to_chat(body))
         assert c.instances("decode")[0].stats.local_encodes == 0
+
+
+async def test_cache_read_tokens_with_prompt_tokens_details(http):
+    """vLLM 0.32 (``_build_anthropic_usage``): with ``--enable-prompt-tokens-details`` the final
+    usage has ``cache_read_input_tokens`` even at 0, and ``input_tokens`` leaves them out;
+    ``message_start`` has the whole prompt and no cache fields; without the flag, none."""
+    long = " ".join(f"word{i}" for i in range(80))
+    async with SimCluster(pd=1, config=fast_config(prompt_tokens_details=True)) as c:
+        url = c.urls("pd")[0]
+        first = await http.post(url, PATH, messages_body(long + " one"))
+        assert first.json["usage"]["cache_read_input_tokens"] == 0
+        second = await http.post(url, PATH, messages_body(long + " two", stream=True))
+        events = named_events(second.data)
+        start = next(d for n, d in events if n == "message_start")["message"]["usage"]
+        end = next(d for n, d in events if n == "message_delta")["usage"]
+        assert set(start) == {"input_tokens", "output_tokens"}
+        assert end["cache_read_input_tokens"] >= 64
+        assert end["input_tokens"] + end["cache_read_input_tokens"] == start["input_tokens"]
+    async with SimCluster(pd=1, config=fast_config()) as c:
+        r = await http.post(c.urls("pd")[0], PATH, messages_body(long))
+        assert "cache_read_input_tokens" not in r.json["usage"]

@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "{prefill0} {decode0} {python}")
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", dest="workloads", type=csv_list, default=None,
-                   help="stream, nonstream, mm, mixed (comma-separated; default: stream,nonstream,mm)")
+                   help="stream, nonstream, mm, mixed, messages, responses (comma-separated; default: "
+                        "stream,nonstream,mm)")
     w.add_argument("--concurrency", "-c", type=int, default=96, help="closed loop: requests in flight")
     w.add_argument("--start", choices=["staggered", "together"], default="staggered",
                    help="closed loop: spread the workers' first requests over the warm-up (staggered), or send "

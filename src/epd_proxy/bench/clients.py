@@ -64,12 +64,14 @@ async def run_stages(pools: dict, prep: Prepared, timeouts: TransportTimeouts, *
     from epd_proxy.encode.ec_match import consumer_ec_params, match_encoder_output, rewrite_media
     from epd_proxy.encode.encoder_plan import encoder_body, new_transfer_id, plan_sub_requests
     from epd_proxy.encode.multimodal import collect_media
+    from epd_proxy.request.apis import GENERATION_APIS
     from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 
     body = prep.obj
     times = {"encode": 0.0, "prefill": 0.0, "decode_ttft": math.nan}
     consumer = body
-    items = collect_media(body) if pools.get("encode") is not None else []
+    # The workloads' other APIs carry text only (workloads.py).
+    items = collect_media(body) if pools.get("encode") is not None and prep.path not in GENERATION_APIS else []
     if items:
         t0 = perf()
         subs = plan_sub_requests(items, [0] * len(items), 0)
@@ -91,7 +93,8 @@ async def run_stages(pools: dict, prep: Prepared, timeouts: TransportTimeouts, *
     kv = None
     if pools.get("prefill") is not None:
         t0 = perf()
-        reply = await _post_json(pools["prefill"], prep.path, prefill_body(consumer, nixl_prefill_request_params()),
+        reply = await _post_json(pools["prefill"], prep.path, prefill_body(consumer, nixl_prefill_request_params(),
+                                                                       GENERATION_APIS.get(prep.path)),
                                  timeouts)
         times["prefill"] = perf() - t0
         kv = reply.get("kv_transfer_params")

@@ -59,6 +59,85 @@ def _content(chunk: _Chunk) -> str | None:
     return None
 
 
+class _TextDelta(msgspec.Struct):
+    text: str | None = None
+
+
+class _MessagesDelta(msgspec.Struct):
+    delta: _TextDelta | None = None
+
+
+class _ResponsesDelta(msgspec.Struct):
+    delta: str | None = None
+
+
+class _Text(msgspec.Struct):
+    text: str | None = None
+
+
+class _MessagesAnswer(msgspec.Struct):
+    content: list[_Text] = []
+
+
+class _OutputItem(msgspec.Struct):
+    content: list[_Text] = []
+
+
+class _ResponsesAnswer(msgspec.Struct):
+    output: list[_OutputItem] = []
+
+
+# Per named-event API (the workload kind): the event carrying text, its decoder and reader,
+# the event that ends a stream, the events that are failures, and the whole answer's text.
+_NAMED = {
+    "messages": (b"content_block_delta", msgspec.json.Decoder(_MessagesDelta).decode,
+                 lambda e: e.delta.text if e.delta is not None else None, b"message_stop", (b"error",),
+                 lambda data: "".join(c.text or "" for c in msgspec.json.decode(data, type=_MessagesAnswer).content)),
+    "responses": (b"response.output_text.delta", msgspec.json.Decoder(_ResponsesDelta).decode,
+                  lambda e: e.delta, b"response.completed", (b"error", b"response.failed"),
+                  lambda data: "".join(c.text or "" for item in msgspec.json.decode(data, type=_ResponsesAnswer).output
+                                       for c in item.content)),
+}
+
+
+def parse_named_sse(pieces: Sequence[tuple[float, bytes]], kind: str) -> tuple[list[tuple[float, str]], bool,
+                                                                                 str | None]:
+    """:func:`parse_sse` for a stream of named events (Messages, Responses): the text events,
+    whether the API's last event came, and an in-band error."""
+    text_event, decode, text_of, last, failures = _NAMED[kind][:5]
+    out: list[tuple[float, str]] = []
+    done = False
+    error: str | None = None
+    buf = b""
+    for t, data in pieces:
+        buf = buf + data if buf else data
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            event = buf[start:end]
+            start = end + 2
+            head, _, payload = event.partition(b"\n")
+            name = head[6:].strip() if head.startswith(b"event:") else b""
+            if name == text_event:
+                try:
+                    text = text_of(decode(payload[5:].lstrip(b" ")))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    error = error or "undecodable SSE event"
+                    continue
+                if text:
+                    out.append((t, text))
+            elif name == last:
+                done = True
+            elif name in failures:
+                error = error or f"in-band error: {payload[5:205].decode('utf-8', 'replace')}"
+        buf = buf[start:]
+    if buf.strip():
+        error = error or "stream ended inside an event"
+    return out, done, error
+
+
 class Outcome:
     """What one request turned into."""
 
@@ -181,7 +260,8 @@ async def send(pool: ConnectionPool, prep: Prepared, timeouts: TransportTimeouts
                 out.error = f"stream broke off: {exc}"[:200]
                 return out
             out.t_end = perf()
-            events, done, error = parse_sse(sink.pieces)
+            named = prep.kind in _NAMED
+            events, done, error = parse_named_sse(sink.pieces, prep.kind) if named else parse_sse(sink.pieces)
             out.nbytes = sum(len(d) for _, d in sink.pieces)
             if events:
                 out.ttft = events[0][0] - out.t_send
@@ -194,7 +274,7 @@ async def send(pool: ConnectionPool, prep: Prepared, timeouts: TransportTimeouts
             if error is not None:
                 out.error = error
             elif not done:
-                out.error = "stream ended without [DONE]"
+                out.error = "stream ended without its last event" if named else "stream ended without [DONE]"
             text = "".join(t for _, t in events)
         else:
             try:
@@ -209,7 +289,7 @@ async def send(pool: ConnectionPool, prep: Prepared, timeouts: TransportTimeouts
                 out.error = f"expected an event stream, got {ctype.decode('latin-1')!r}"
                 return out
             try:
-                text = _content(_decode_chunk(data)) or ""
+                text = _NAMED[prep.kind][5](data) if prep.kind in _NAMED else _content(_decode_chunk(data)) or ""
             except (msgspec.DecodeError, msgspec.ValidationError):
                 out.error = "undecodable JSON answer"
                 return out

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from epd_proxy.bench.procs import Service
 
-ALL_KINDS = frozenset(("stream", "nonstream", "mm"))
-TEXT_KINDS = frozenset(("stream", "nonstream"))
+ALL_KINDS = frozenset(("stream", "nonstream", "mm", "messages", "responses"))
+TEXT_KINDS = frozenset(("stream", "nonstream", "messages", "responses"))
 
 
 @dataclass

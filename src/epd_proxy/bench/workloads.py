@@ -13,6 +13,8 @@ Workloads (``--workload``):
 ``mm``         chat with K images of S KiB each (base64 ``data:`` URLs), streamed:
                exercises E+P+D
 ``mixed``      stream : nonstream : mm = 2 : 1 : 1, interleaved
+``messages``   the stream workload's prompts as Anthropic Messages (``/v1/messages``), streamed
+``responses``  the same as OpenAI Responses (``/v1/responses``, ``store: false``), streamed
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ import msgspec
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+MESSAGES_PATH = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"
 
-WORKLOAD_NAMES = ("stream", "nonstream", "mm", "mixed")
+WORKLOAD_NAMES = ("stream", "nonstream", "mm", "mixed", "messages", "responses")
+# The API each workload speaks, by the kind its requests carry (chat for the rest).
+API_PATHS = {"messages": MESSAGES_PATH, "responses": RESPONSES_PATH}
 
 # A vocabulary for prompts: plain words, so a prompt's byte size is predictable.
 _WORDS = (
@@ -54,6 +60,7 @@ class Workload:
     max_tokens: int = 64
     variants: int = 16
     model: str = "sim-model"
+    api: str = "chat"  # "chat", "messages" or "responses"
 
     @property
     def multimodal(self) -> bool:
@@ -64,6 +71,8 @@ class Workload:
         text = f"{kind}, ~{self.prompt_bytes} B prompt, {self.max_tokens} output tokens"
         if self.images:
             text += f", {self.images} x {self.image_kb:g} KiB image" + ("s" if self.images > 1 else "")
+        if self.api != "chat":
+            text = f"{API_PATHS[self.api]}, " + text
         return text
 
 
@@ -95,6 +104,8 @@ def make_workload(name: str, *, images: int = 1, image_kb: float = 150.0, prompt
                 replace(base, name="stream", stream=True, images=0),
                 replace(base, name="nonstream", stream=False, images=0),
                 replace(base, name="mm", stream=True, images=max(1, images))]
+    if name in API_PATHS:
+        return [replace(base, stream=True, images=0, api=name)]
     raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOAD_NAMES)})")
 
 
@@ -151,10 +162,27 @@ def prepare(workloads: list[Workload], *, seed: int = 0,
             if i >= w.variants:
                 continue
             body = chat_body(w, i, seed)
+            if w.api != "chat":  # the same prompt in that API's spelling; its text is chat's
+                out.append(Prepared(kind=w.api, path=API_PATHS[w.api], body=msgspec.json.encode(api_body(w, body)),
+                                    stream=w.stream, expected=expected(body) if expected is not None else None,
+                                    obj=api_body(w, body)))
+                continue
             kind = "mm" if w.images else ("stream" if w.stream else "nonstream")
             out.append(Prepared(kind=kind, path=CHAT_PATH, body=msgspec.json.encode(body), stream=w.stream,
                                 expected=expected(body) if expected is not None else None, obj=body))
     return out
+
+
+def api_body(w: Workload, chat: dict) -> dict:
+    """A text chat body as a Messages or Responses request (the same prompt and limit: vLLM,
+    and the simulator, turn it back into that chat request)."""
+    text = chat["messages"][0]["content"]
+    if w.api == "messages":
+        return {"model": w.model, "max_tokens": w.max_tokens, "messages": [{"role": "user", "content": text}],
+                "stream": w.stream}
+    # Not stored: a benchmark's responses would only fill the instances' stores.
+    return {"model": w.model, "input": text, "max_output_tokens": w.max_tokens, "stream": w.stream,
+            "store": False}
 
 
 def simulator_expected() -> Callable[[dict], str]:

@@ -87,8 +87,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                    "fan-out and of prefill + decode until its first event.", ()),
     "epd_proxy_retries": ("counter", "Attempts retried before the response was committed.", ()),
     "epd_proxy_not_disaggregated": ("counter", "Generation requests served whole by one decode (or PD) "
-                                    "instance because the proxy cannot split them, by reason: media (an API whose "
-                                    "media the encode stage does not rewrite), previous_response_id (the "
+                                    "instance because the proxy cannot split them, by reason: media (an image no "
+                                    "encoder can be sent, e.g. an uploaded file's id), previous_response_id (the "
                                     "conversation is in one instance's store), background.", ("reason",)),
     "epd_proxy_stream_errors": ("counter", "Committed streams ended with an in-band error event.", ()),
     "epd_proxy_client_disconnects": ("counter", "Requests whose client went away before the end.", ()),

@@ -6,7 +6,8 @@ vLLM 0.32 serves ``/v1/messages`` (Anthropic), ``/v1/responses`` (OpenAI Respons
 is small and lives here, one object per path (:data:`GENERATION_APIS`), so the pipeline
 pays one dict lookup per request for all of them and chat nothing more:
 
-* where its media is, for the operator's media rules and for the encode stage;
+* where its media is, as the chat parts vLLM makes of it, for the operator's media rules
+  and for the encoders (the consumer keeps the API's own parts: both hash the same image);
 * how the one-token prefill is spelled (``max_tokens``, ``max_output_tokens``,
   ``sampling_params.max_tokens``) and what else prefill must not do (store a Responses
   answer, run in the background);
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import msgspec
 
-from epd_proxy.encode.multimodal import MediaItem
+from epd_proxy.encode.multimodal import MediaItem, content_uuid
+from epd_proxy.request.api_usage import messages_usage, responses_usage, rewrite_api_usage, rewrite_usage_events
+from epd_proxy.request.usage import PrefillReport
+from epd_proxy.request.usage import rewrite_usage as rewrite_chat_usage
 from epd_proxy.wire.errors import ProxyError
 
 MESSAGES = "/v1/messages"
@@ -32,7 +36,7 @@ GENERATE = "/inference/v1/generate"
 LEAD, FAILURE, COMMIT = 0, 1, 2
 
 # Why a request is served whole by one instance (``epd_proxy_not_disaggregated_total{reason}``).
-MEDIA = "media"  # media in an API whose items the encode stage does not rewrite
+MEDIA = "media"  # with an encode stage, an image no encoder can be sent (an uploaded file's id)
 PREVIOUS_RESPONSE = "previous_response_id"  # the conversation is in one instance's store
 BACKGROUND = "background"  # answered "queued" at once: no prefill answer to hand over
 
@@ -42,7 +46,12 @@ class GenerationApi:
 
     path = ""
     chat_view = False  # the routing keys are read from ``messages`` (else ``prompt``)
-    rewrite_usage = False  # the P/D usage rewrite (usage.py) reads this API's usage object
+    rewrite_usage = False  # the P/D usage rewrite (usage.py, api_usage.py) reads this API's usage
+    usage_event = b""  # the named stream event that carries the final usage (api_usage.py)
+    # How a read ends when its last event is a text delta: the final usage event is still to
+    # come, so the relay passes such a read on without searching it (vLLM's key order).
+    text_delta_ends: tuple[bytes, ...] = ()
+    cache_after_output = False  # its usage writes prompt fields after the output count (Anthropic)
     stateful = False  # answers are stored on the instance that made them (Responses)
     lead: frozenset[bytes] = frozenset()  # named events read past before the commit
     failures: frozenset[bytes] = frozenset()  # named events that are a failure
@@ -69,6 +78,20 @@ class GenerationApi:
         """A committed stream's failure, in this API's form (``last``: the last bytes relayed)."""
         return err.sse_event()
 
+    def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
+        """The client's usage object from decode's and the prefill's (api_usage.py)."""
+        return None
+
+    def client_answer(self, doc: bytes, report: PrefillReport) -> bytes:
+        """Decode's whole answer with the client's usage (chat's fields by default)."""
+        if not self.usage_event:
+            return rewrite_chat_usage(doc, report)
+        return rewrite_api_usage(doc, report, self.merge_usage, self.cache_after_output)
+
+    def client_events(self, events: bytes, report: PrefillReport) -> bytes:
+        """Whole stream events with the final usage event's usage the client's."""
+        return rewrite_usage_events(events, report, self.usage_event, self.merge_usage, self.cache_after_output)
+
 
 def _with_kv(out: dict, kv: dict | None) -> dict:
     if kv is not None:
@@ -79,8 +102,32 @@ def _with_kv(out: dict, kv: dict | None) -> dict:
 
 
 def _item(index: int, msg: int, part: int, url: object) -> MediaItem:
-    """An image as the chat part the media rules read."""
-    return MediaItem(index, msg, part, "image_url", {"type": "image_url", "image_url": {"url": url}}, "")
+    """An image as the chat part vLLM makes of it: what the media rules read and what the
+    encoder is sent. ``url`` None (an uploaded file's id, a malformed source): not encodable
+    here, the item's ``uuid`` is empty and the request is served whole."""
+    if not isinstance(url, str):
+        return MediaItem(index, msg, part, "image_url", {"type": "image_url", "image_url": {"url": "data:"}}, "")
+    chat_part = {"type": "image_url", "image_url": {"url": url}}
+    return MediaItem(index, msg, part, "image_url", chat_part, content_uuid(chat_part))
+
+
+def encodable(items: list[MediaItem]) -> bool:
+    """Whether the encode stage can take every item (each has the URL vLLM would load)."""
+    return all(item.uuid for item in items)
+
+
+def anthropic_image_url(source: object) -> str | None:
+    """An image block's source as vLLM 0.32 hands it to chat (``anthropic/serving.py``
+    ``_convert_image_source_to_url``): a URL source's URL, else a base64 ``data:`` URL."""
+    if not isinstance(source, dict):
+        return None
+    if source.get("type") == "url":
+        url = source.get("url", "")
+        return url if isinstance(url, str) and url else None
+    media_type, data = source.get("media_type", "image/jpeg"), source.get("data", "")
+    if not isinstance(media_type, str) or not isinstance(data, str) or not data:
+        return None
+    return f"data:{media_type};base64,{data}"
 
 
 class Messages(GenerationApi):
@@ -89,6 +136,10 @@ class Messages(GenerationApi):
 
     path = MESSAGES
     chat_view = True
+    rewrite_usage = True
+    usage_event = b"message_delta"  # message_start's usage is the whole prompt, as decode has it
+    text_delta_ends = (b'},"index":0}\n\n', b'},"index":1}\n\n')  # a text block, after a thinking one
+    cache_after_output = True
     lead = frozenset((b"message_start", b"content_block_start", b"ping"))
     failures = frozenset((b"error",))
 
@@ -103,10 +154,7 @@ class Messages(GenerationApi):
                 continue
             for p, block in enumerate(content):
                 if isinstance(block, dict) and block.get("type") == "image":
-                    source = block.get("source")
-                    url = source.get("url") if isinstance(source, dict) and source.get("type") == "url" else None
-                    # A base64 source is a data: URL to the engine.
-                    items.append(_item(len(items), m, p, url if isinstance(url, str) else "data:"))
+                    items.append(_item(len(items), m, p, anthropic_image_url(block.get("source"))))
         return items
 
     def prefill_body(self, body: dict, kv: dict | None) -> dict:
@@ -114,6 +162,9 @@ class Messages(GenerationApi):
         out["stream"] = False
         out["max_tokens"] = 1
         return _with_kv(out, kv)
+
+    def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
+        return messages_usage(decode, prefill)
 
     def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
         # vLLM's own form (anthropic/serving.py): the event the anthropic SDK raises on.
@@ -127,6 +178,9 @@ class Responses(GenerationApi):
 
     path = RESPONSES
     stateful = True
+    rewrite_usage = True
+    usage_event = b"response.completed"
+    text_delta_ends = (b'"type":"response.output_text.delta"}\n\n',)
     lead = frozenset((b"response.created", b"response.in_progress", b"response.output_item.added",
                       b"response.content_part.added"))
     failures = frozenset((b"error", b"response.failed"))
@@ -144,8 +198,12 @@ class Responses(GenerationApi):
             for p, part in enumerate(parts):
                 if isinstance(part, dict) and part.get("type") == "input_image":
                     url = part.get("image_url")
-                    # A file_id names an uploaded file: no URL to check, still media.
-                    items.append(_item(len(items), m, p, url if isinstance(url, str) else "data:"))
+                    # A file_id names an uploaded file: no URL to send an encoder, still media.
+                    # A client's uuid would key the item on the consumer only (vLLM's chat
+                    # parser reads it on an input_image): served whole too.
+                    if "uuid" in part:
+                        url = None
+                    items.append(_item(len(items), m, p, url))
         return items
 
     def whole(self, body: dict) -> str | None:
@@ -163,6 +221,9 @@ class Responses(GenerationApi):
         out["store"] = False
         out.pop("stream_options", None)
         return _with_kv(out, kv)
+
+    def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
+        return responses_usage(decode, prefill)
 
     def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
         # The Responses stream's ``error`` event (the openai SDK's ResponseErrorEvent).

@@ -52,6 +52,11 @@ class EncoderFanout(UpstreamStage):
     (4xx) or an unreadable answer fails the request at once. Items no encoder can take
     (every one failed them, or none had room before the encode timeout) fail the request,
     or with ``--encoder-fallback local`` go raw to the consumer, which encodes them itself.
+
+    Messages and Responses requests (``ctx.api``): their items are the chat parts vLLM makes
+    of their image blocks, sent without a proxy ``uuid``, and the consumer keeps the API's
+    own parts, so both key the image by its content (never rewritten to ``*_embeds``: these
+    APIs have no such part).
     """
 
     def __init__(self, pool: InstancePool, *, max_batch: int, rewrite: bool, timeout: float,
@@ -98,8 +103,9 @@ class EncoderFanout(UpstreamStage):
         if todo:
             await self._fan_out(ctx, body, todo, subs, failed, error, consumer_zmq, results, handles)
         ctx.timing("encode", time.perf_counter() - t0)
-        out = rewrite_media(body, items, results) if self.rewrite else dict(body)
-        ec = consumer_ec_params(items, results, handles, rewrite=self.rewrite)
+        rewrite = self.rewrite and ctx.api is None
+        out = rewrite_media(body, items, results) if rewrite else dict(body)
+        ec = consumer_ec_params(items, results, handles, rewrite=rewrite)
         if ec is not None:
             out["ec_transfer_params"] = ec
         else:
@@ -252,7 +258,8 @@ class EncoderFanout(UpstreamStage):
         # Fresh transfer ids per item occurrence and per sub-request (never reused on a retry).
         tids = [new_transfer_id() for _ in sub.items]
         payload = encode_json(
-            encoder_body(body, sub, rewrite=self.rewrite, transfer_ids=tids, consumer_zmq=consumer_zmq))
+            encoder_body(body, sub, rewrite=self.rewrite and ctx.api is None, transfer_ids=tids,
+                         consumer_zmq=consumer_zmq))
         rid = encoder_request_id(ctx.request_id, sub.items[0].index, hex_id(24))
         t0 = time.perf_counter()
         data = await self.exchange(ctx, inst, "/v1/chat/completions", payload, ctx.upstream_headers(rid))

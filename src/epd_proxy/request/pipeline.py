@@ -31,7 +31,7 @@ from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
-from epd_proxy.request.apis import GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, response_id
+from epd_proxy.request.apis import GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, encodable, response_id
 from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
@@ -193,7 +193,7 @@ class Pipeline:
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
-            self._api_request(ctx, api, body)
+            items = self._api_request(ctx, api, body)
         if self._keyed:
             ctx.view = RequestView(body, items, path == CHAT or (api is not None and api.chat_view))
         if self.tracing is not None:
@@ -244,7 +244,8 @@ class Pipeline:
                     answer = self.reuse.keep(ctx, body, leg, answer)
                 elif ctx.ids_asked:
                     answer = strip_token_ids(answer)
-                rec.answer = answer if report is None else rewrite_usage(answer, report)
+                rec.answer = (answer if report is None else rewrite_usage(answer, report) if api is None
+                              else api.client_answer(answer, report))
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
                 ok = True
                 rec.outcome = "ok"
@@ -252,7 +253,9 @@ class Pipeline:
             hide = rec.hide_usage  # the client did not ask for the usage event: taken out
             relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
                                        ctx if hide or ((report is not None or leg.companion is not None)
-                                                       and _wants_usage(body)) else None,
+                                                       and (_wants_usage(body) or (api is not None
+                                                                                   and api.usage_event)))
+                                       else None,
                                        HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
@@ -431,20 +434,23 @@ class Pipeline:
             if cap is not None:
                 cap.leave()
 
-    def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> None:
-        """Another generation API (apis.py): its media checked, and whether it is split."""
+    def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> list[MediaItem]:
+        """Another generation API (apis.py): its media checked, whether it is split, and the
+        items the encoders get (docs/protocol.md §2.9)."""
         ctx.api = api
         media = api.media(body)
         if media:
             self.media_policy.check(media)
         reason = api.whole(body)
-        if reason is None and media and (self.encode or self._need_encode):
-            reason = MEDIA  # the encode stage rewrites chat parts only (docs/protocol.md §2.9)
+        if reason is None and media and (self.encode or self._need_encode) and not encodable(media):
+            reason = MEDIA  # an item with no URL to send an encoder (an uploaded file's id)
         ctx.whole = reason
         if reason is not None:
             counts = self.metrics.not_disaggregated
             counts[reason] = counts.get(reason, 0) + 1
             log.debug("request %s: served whole by one instance (%s)", ctx.request_id, reason)
+            return []
+        return media
 
     async def _whole(self, ctx: RequestContext, body: dict) -> DecodeLeg:
         """A request served whole by one decode (or PD) instance: the one that holds its

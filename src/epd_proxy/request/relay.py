@@ -118,13 +118,36 @@ class StreamRelay(FlowListener):
 
 class ApiRelay(StreamRelay):
     """A relay whose in-band error is another API's form (apis.py: Anthropic's ``event:
-    error``, the Responses ``error`` event)."""
+    error``, the Responses ``error`` event); with ``ctx`` (P/D) the usage of the API's final
+    usage event is the client's (api_usage.py), every other byte as received."""
 
-    __slots__ = ("api",)
+    __slots__ = ("api", "ctx", "plain")
 
-    def __init__(self, writer: ResponseWriter, resp: Response, api: GenerationApi) -> None:
+    def __init__(self, writer: ResponseWriter, resp: Response, api: GenerationApi, ctx=None) -> None:
         super().__init__(writer, resp)
         self.api = api
+        self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
+        self.plain = api.text_delta_ends
+
+    def on_data(self, data: bytes) -> None:
+        if self.ctx is None:
+            return super().on_data(data)
+        self.events += 1
+        self.prev, self.last = self.last, data
+        if self._tail:
+            data = self._tail + data
+            self._tail = b""
+        elif data.endswith(self.plain):  # most reads: the usage event is still to come
+            self.writer.write(data)
+            return
+        events = data if data.endswith(b"\n\n") else self._whole_events(data)
+        if not events:
+            return
+        if events.find(b'"usage":{') >= 0:
+            report = self.ctx.prefill_report
+            if report is not None:
+                events = self.api.client_events(events, report)
+        self.writer.write(events)
 
     def error_event(self, error: ProxyError) -> bytes:
         return self.api.in_band_error(error, self.prev + self.last)
@@ -216,7 +239,9 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
     relay: StreamRelay
-    if usage_ctx is not None:
+    if api is not None and api.usage_event:
+        relay = ApiRelay(writer, resp, api, usage_ctx)
+    elif usage_ctx is not None:
         relay = UsageRelay(writer, resp, usage_ctx, hidden, single_choice)
     elif api is not None:
         relay = ApiRelay(writer, resp, api)

@@ -24,6 +24,9 @@ class ApiFormat:
     """One API's spelling of a generation request; the defaults are vLLM's OpenAI ones."""
 
     chat = True  # the request becomes a chat request (else a completions one with token ids)
+    # The answer reports cached prompt tokens without --enable-prompt-tokens-details (vLLM's
+    # Responses usage always has ``input_tokens_details.cached_tokens``).
+    always_cached = False
 
     def translate(self, body: Any) -> dict:
         """The request as the chat (or completions) body the engine runs; raises ApiError."""

@@ -506,7 +506,7 @@ class GenerationHandler:
             # Chunked prefill: the computed tokens go through the engine's steps.
             seq.prefill_tokens = g.computed
             seq.ttft = max(ttft_ms - cfg.ttft_per_token_ms * g.computed, 0.0) / 1000.0
-        if self.config.prompt_tokens_details:
+        if self.config.prompt_tokens_details or (g.api is not None and g.api.always_cached):
             seq.cached_tokens = g.cached_tokens
         if stream and g.chat and g.api is None and g.body.get("return_token_ids") is True:
             # The ids a non-stream answer carries (_openai_body), spread over the chunks.
@@ -563,7 +563,7 @@ class GenerationHandler:
         st.external_cached_tokens += max(ntok - local, 0)
         if cfg.kv_connector != "mooncake":
             st.add_kv_transfer(nblocks * cfg.kv_bytes_per_block)
-        if cfg.prompt_tokens_details:
+        if cfg.prompt_tokens_details or (g.api is not None and g.api.always_cached):
             seq.cached_tokens = _reported_cached_tokens(remote_kv, ntok)
         engine.ready(seq, loop.time() + cfg.kv_load_ms / 1000.0)
         await seq.done  # type: ignore[misc]  # set by _submit's caller

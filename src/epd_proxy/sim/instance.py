@@ -90,7 +90,7 @@ class SimInstance:
         self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens) if role == "encode" else None
         self._generation = GenerationHandler(self)
         self._responses = ResponsesFormat(self.created, cfg.max_model_len, cfg.responses_store)
-        self._messages = MessagesFormat()
+        self._messages = MessagesFormat(cfg.prompt_tokens_details)
         # path -> (a chat request, the API's format; None for chat and completions)
         self._apis = {"/v1/chat/completions": (True, None), "/v1/completions": (False, None),
                       "/v1/messages": (True, self._messages), "/v1/responses": (True, self._responses),

@@ -62,10 +62,9 @@ def _part(block: Any) -> Any:
     if block.get("type") == "text":
         return {"type": "text", "text": block.get("text")}
     if block.get("type") == "image":
-        part: dict = {"type": "image_url", "image_url": {"url": image_url(block.get("source"))}}
-        if isinstance(block.get("uuid"), str):
-            part["uuid"] = block["uuid"]
-        return part
+        # vLLM's AnthropicContentBlock ignores unknown keys (a ``uuid`` too): the image is
+        # keyed by its content.
+        return {"type": "image_url", "image_url": {"url": image_url(block.get("source"))}}
     return block  # tool use, tool results, thinking: one token each, as any other part
 
 
@@ -113,16 +112,21 @@ def stop_reason(finish_reason: str) -> str:
     return "max_tokens" if finish_reason == "length" else "end_turn"
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
-    """Anthropic's usage: ``input_tokens`` are the prompt tokens not read from a cache."""
+def usage(prompt_tokens: int, output_tokens: int, cached: int, details: bool = False) -> dict:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens not read from a cache;
+    ``cache_read_input_tokens`` whenever the instance reports prompt details
+    (``--enable-prompt-tokens-details``: vLLM 0.32 writes it even when it is 0)."""
     out = {"input_tokens": max(prompt_tokens - cached, 0), "output_tokens": output_tokens}
-    if cached:
+    if cached or details:
         out["cache_read_input_tokens"] = cached
     return out
 
 
 class MessagesFormat(ApiFormat):
     """``/v1/messages`` on one instance."""
+
+    def __init__(self, details: bool = False) -> None:
+        self.details = details  # the instance's prompt_tokens_details
 
     def count_tokens(self, raw: bytes) -> tuple[int, bytes]:
         """``POST /v1/messages/count_tokens``: (status, body) with the prompt's ``input_tokens``."""
@@ -158,7 +162,7 @@ class MessagesFormat(ApiFormat):
         out = {"id": g.resp_id, "type": "message", "role": "assistant",
                "content": [{"type": "text", "text": seq.text(0)}], "model": g.model,
                "stop_reason": stop_reason(seq.finish_reason),
-               "usage": usage(seq.prompt_tokens, seq.n, seq.cached_tokens)}
+               "usage": usage(seq.prompt_tokens, seq.n, seq.cached_tokens, self.details)}
         if kv_out is not None:
             out["kv_transfer_params"] = kv_out
         if ec_out is not None:
@@ -183,7 +187,7 @@ class MessagesFormat(ApiFormat):
         head = self._message_start(seq) if seq.n == 0 else _BLOCK_STOP
         delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason(seq.finish_reason),
                                                     "stop_sequence": None},
-                 "usage": usage(seq.prompt_tokens, seq.n, seq.cached_tokens)}
+                 "usage": usage(seq.prompt_tokens, seq.n, seq.cached_tokens, self.details)}
         return head + b"event: message_delta\ndata: " + _encode(delta) + b"\n\n" + _MESSAGE_STOP
 
     def stream_error(self, seq: Sequence) -> bytes | None:

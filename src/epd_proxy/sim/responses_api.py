@@ -95,6 +95,8 @@ def _text_part(text: str, logprobs: Any) -> dict:
 class ResponsesFormat(ApiFormat):
     """``/v1/responses`` on one instance, and that instance's store."""
 
+    always_cached = True
+
     def __init__(self, created: int, max_model_len: int, store: bool) -> None:
         self.created = created
         self.max_model_len = max_model_len
