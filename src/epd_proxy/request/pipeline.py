@@ -30,7 +30,7 @@ from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
-from epd_proxy.request.apis import GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, response_id
+from epd_proxy.request.apis import GENERATE, GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, response_id
 from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
@@ -396,8 +396,9 @@ class Pipeline:
                 if cap is not None:
                     cap.leave()
         turns = self.turns
-        if turns is not None and turns.active and ctx.path == CHAT and ctx.api is None:
-            if body.get("stream") is not True and not body.get("return_token_ids"):
+        if turns is not None and turns.active and (ctx.api is None or ctx.path == GENERATE):
+            # Chat, completions, generate (turn_reuse.py); generate answers with its token ids anyway.
+            if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
                 # The tokens decode will hold: what the next turn's prompt is checked against.
                 body = dict(body, return_token_ids=True)
                 ctx.ids_asked = True

@@ -625,13 +625,17 @@ class GenerationHandler:
                      fingerprint=self.inst.system_fingerprint,
                      usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
                      kv_out=kv_out, ec_out=ec_out)
-        if g.chat and g.body.get("return_token_ids") is True:
+        if g.body.get("return_token_ids") is True:
             # The prompt's ids and each answer's, as the next turn's prompt spells them (what a
-            # bidirectional decode keeps: ``continuation_ids``).
+            # bidirectional decode keeps: ``continuation_ids``); completions carry the prompt's
+            # on each choice, as vLLM does.
             ids = self._token_ids(g, g.body, g.prompt)
-            resp["prompt_token_ids"] = ids
+            if g.chat:
+                resp["prompt_token_ids"] = ids
             for c, choice in enumerate(resp["choices"]):
-                choice["token_ids"] = continuation_ids(g.body, True, ids, seq.tokens[c][:seq.n])[len(ids):]
+                choice["token_ids"] = continuation_ids(g.body, g.chat, ids, seq.tokens[c][:seq.n])[len(ids):]
+                if not g.chat:
+                    choice["prompt_token_ids"] = ids
         return resp
 
     def on_prefilled(self, seq: Sequence) -> None:
