@@ -186,3 +186,55 @@ def test_measure_local_prefill_against_the_prefill_hop(mt, start_proxy, capsys):
               "decode / prefill hop reading from decode")
         for words, a, b in rows:
             print(f"[e2e]   {words:4d} words: {a:7.1f} / {b:7.1f}")
+
+
+# -- /v1/completions: the next prompt is the previous prompt, its answer and something new ----
+
+
+def _completion_body(prompt: str, **kw) -> dict:
+    return {"model": E.MODEL_NAME, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0,
+            "ignore_eos": True, **kw}
+
+
+def _next_prompt(mt, prompt: str, seed: str) -> str:
+    """``prompt`` and a new part of about 80 words, sized as ``_ask_next`` sizes a chat turn."""
+    for extra in range(0, 128):
+        out = prompt + f"\n\nUser: {_user(seed, 80 + extra)}\nAssistant:"
+        r = E.post(mt.decode.url, "/tokenize", {"model": E.MODEL_NAME, "prompt": out})
+        assert r.status == 200, E.describe(r)
+        if 72 <= r.json()["count"] % 128 <= 112:
+            return out
+    raise AssertionError("no size found")
+
+
+def _complete(proxy, prompt: str) -> str:
+    r = E.post(proxy.url, "/v1/completions", _completion_body(prompt))
+    assert r.status == 200, E.describe(r)
+    doc = r.json()
+    assert doc.get("kv_transfer_params") is None, E.describe(r)
+    ch = doc["choices"][0]
+    assert ch.get("token_ids") is None and ch.get("prompt_token_ids") is None, E.describe(r)
+    return ch["text"]
+
+
+def _completion_reference(mt, prompt: str) -> str:
+    ref = E.post(mt.decode.url, "/v1/completions", _completion_body(prompt, cache_salt=f"ref-{uuid.uuid4().hex}"))
+    assert ref.status == 200, E.describe(ref)
+    return ref.json()["choices"][0]["text"]
+
+
+def test_completions_turns_read_the_previous_answer_from_decode(mt, proxy):
+    prompt = _next_prompt(mt, SYSTEM, "c1")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    text = _complete(proxy, prompt)
+    assert text == _completion_reference(mt, prompt)
+    for turn in (2, 3):
+        prompt = _next_prompt(mt, prompt + text, f"c2-{turn}")
+        p0 = mt.prefill.metrics()
+        text = _complete(proxy, prompt)
+        assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN, f"turn {turn}"
+        assert text == _completion_reference(mt, prompt), f"turn {turn}"
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2
+    # The same turn again: the parameters were used; it falls back and answers the same.
+    again = _complete(proxy, prompt)
+    assert again == text

@@ -614,20 +614,6 @@ def strip_params(body: bytes, raw: bytes | None = None) -> bytes:
     return body
 
 
-def strip_stream_params(events: bytes) -> bytes:
-    """Whole SSE events with every ``kv_transfer_params`` object replaced by ``null``: a vLLM
-    that sends decode's parameters in a stream's last event (0.32 does not) never shows them
-    to the client."""
-    if events.find(_KEY + b"{") < 0 and events.find(_KEY + b" {") < 0:
-        return events
-    out = []
-    for event in events.split(b"\n\n"):
-        if event.startswith(b"data: {") and event.find(_KEY) >= 0:
-            event = b"data: " + strip_params(event[6:])
-        out.append(event)
-    return b"\n\n".join(out)
-
-
 # The parameters a decode is sent for a request it prefills itself (the prefill skipped): no
 # transfer either way, but blocks kept at the end as for any bidirectional request, so the
 # conversation's next turn can still read them.

@@ -38,11 +38,12 @@ from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
 from epd_proxy.request.multiturn import LOCAL_PREFILL_PARAMS, NO_PARAMS, NO_PARAMS_TAIL, carries_params, strip_token_ids
-from epd_proxy.request.relay import StreamRelay, relay_stream
+from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
 from epd_proxy.request.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turn_reuse import TurnReuse
+from epd_proxy.request.turn_streams import MARK
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
@@ -241,10 +242,26 @@ class Pipeline:
                 rec.outcome = "ok"
                 return
             hide = rec.hide_usage  # the client did not ask for the usage event: taken out
-            relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
-                                       ctx if hide or ((report is not None or leg.companion is not None)
-                                                       and _wants_usage(body)) else None,
-                                       HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
+            turns = self.turns
+            # Where decodes keep blocks, a stream's last event may carry their parameters
+            # (turn_streams.py): taken out by the relays that look at the ending events.
+            active = turns is not None and turns.active
+            # With the token ids decode holds in the stream (generate's; chat's and completions'
+            # when the client asked), the whole stream is kept to read the answer back.
+            keeping = active and (ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True))
+            usage = hide or (active and api is None) or (
+                (report is not None or leg.companion is not None) and _wants_usage(body))
+            relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
+                                       HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping)
+            if keeping:
+                kept = kept_bytes(relay)
+                if kept is not None and kept.find(MARK) >= 0:
+                    self.reuse.keep_stream(ctx, body, leg, kept)
+            elif (active or (api is not None and turns is not None)) and (relay.prev + relay.last).find(MARK) >= 0:
+                # Parameters that cannot be kept (no token ids in the stream), or the first stream
+                # whose decode says it keeps blocks (vLLM 0.32's Responses stream, in its last
+                # event): reuse is on from here; these blocks are let go at once.
+                self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()

@@ -115,22 +115,27 @@ def read_prompt_answer(body: dict, path: str, answer: bytes) -> HeldTurn:
         params = msgspec.json.decode(bytes(doc.kv_transfer_params))
     except (msgspec.DecodeError, msgspec.ValidationError):
         return HeldTurn(None, None, None, UNKNOWN)
-    if not isinstance(params, dict) or params.get("do_remote_decode") is not True:
-        return HeldTurn(None, None, None, UNKNOWN)
     if len(doc.choices) != 1:
         return HeldTurn(None, None, None, CHOICES)
+    choice = doc.choices[0]
+    return held_turn(body, path, params, choice.text, choice.prompt_token_ids, choice.token_ids)
+
+
+def held_turn(body: dict, path: str, params: object, text: object, prompt_ids: list[int] | None,
+              output: list[int] | None) -> HeldTurn:
+    """What decode holds after a prompt API's answer (``text``; the prompt's ids and the
+    answer's, as decode reported them), if its ``params`` say it holds blocks."""
+    if not isinstance(params, dict) or params.get("do_remote_decode") is not True:
+        return HeldTurn(None, None, None, UNKNOWN)
     material = prompt_material(body, path)
     if material is None:
         return HeldTurn(None, None, None, UNKNOWN)
-    prompt, text = material
-    choice = doc.choices[0]
+    prompt, is_text = material
     tokens = params.get("remote_num_tokens")
-    output = choice.token_ids
-    if text:
-        prompt_ids = choice.prompt_token_ids
-        if not isinstance(choice.text, str) or prompt_ids is None or output is None or type(tokens) is not int:
+    if is_text:
+        if not isinstance(text, str) or prompt_ids is None or output is None or type(tokens) is not int:
             return HeldTurn(None, None, None, NO_IDS)
-        held = prompt + choice.text.encode("utf-8", "surrogatepass")
+        held = prompt + text.encode("utf-8", "surrogatepass")
         ids = array("l", prompt_ids)
     else:
         if output is None or type(tokens) is not int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 
 import msgspec
 
@@ -28,6 +29,7 @@ from epd_proxy.request.multiturn import (
     Entry,
     KVReuse,
     TurnStore,
+    answer_message,
     estimate_new_tokens,
     keep_key,
     lookup_key,
@@ -39,7 +41,9 @@ from epd_proxy.request.multiturn import (
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.turn_prompts import (
     PROMPT_APIS,
+    HeldTurn,
     candidate_keys,
+    held_turn,
     prefix_key,
     prompt_ids,
     prompt_material,
@@ -47,6 +51,7 @@ from epd_proxy.request.turn_prompts import (
     tokenize_prompt_body,
 )
 from epd_proxy.request.turn_prompts import keep_key as prompt_keep_key
+from epd_proxy.request.turn_streams import params_of, read_stream, strip_stream_params
 from epd_proxy.routing.view import EMPTY_VIEW
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
@@ -177,38 +182,86 @@ class TurnReuse:
         now = time.monotonic()
         model = body.get("model")
         if ctx.path in PROMPT_APIS:
-            held = read_prompt_answer(body, ctx.path, answer)
-            material = prompt_material(body, ctx.path) if held.held is not None else None
-            prefix = None if material is None else prefix_key(body, ctx.path, material[0])
-            if held.params is None or held.held is None or prefix is None:
-                turns.fallback(held.reason or TOKENS)
-                return read.body
-            tokens = held.params.get("remote_num_tokens")
-            entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
-                          now + turns.life, prompt_keep_key(body, ctx.path, held.held), model, held.ids, prefix)
-            for old in turns.put(entry.conversation, entry, now):
-                self.release(old)
+            self._keep_prompt(ctx, body, leg, turns, read_prompt_answer(body, ctx.path, answer), now)
             return read.body
         if not chat:
             # Messages and Responses: vLLM 0.32 answers them with decode's parameters but takes no
             # return_token_ids there, so no next prompt can be checked against what decode holds:
             # not reused, and the blocks let go at once (docs/protocol.md §2.10).
-            params = _params_of(answer)
-            turns.fallback(NO_IDS)
-            if params is not None:
-                self.release(Entry(params, leg.inst.url, 0, 0, now + turns.life, b"", model))
+            self._let_go(leg, turns, _params_of(answer), model, now)
             return read.body
         if read.params is None or read.message is None:
             if read.reason:
                 turns.fallback(read.reason)
             return read.body
-        tokens = read.params.get("remote_num_tokens")
-        key, conversation, chars = keep_key(body, read.message, ctx.conversation)
-        entry = Entry(read.params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
-                      conversation, model, read.ids)
+        self._keep_chat(ctx, body, leg, turns, read.params, read.message, read.ids, now)
+        return read.body
+
+    def keep_stream(self, ctx: RequestContext, body: dict, leg: DecodeLeg, stream: bytes) -> None:
+        """Decode's stream ended with its parameters (a later vLLM's chat or completions
+        stream; 0.32's Responses stream): kept for the next turn when the stream carried the
+        token ids decode holds (generate's always, chat's and completions' when the client
+        asked for them), else let go at once."""
+        turns = self.store
+        params = params_of(strip_stream_params(stream)[1])
+        if turns is None or params is None or not isinstance(self.connector, NixlPull):
+            return
+        turns.active = True
+        now = time.monotonic()
+        model = body.get("model")
+        if ctx.api is not None and ctx.path not in PROMPT_APIS:
+            self._let_go(leg, turns, params, model, now)
+            return
+        answer = read_stream(stream)
+        if ctx.path in PROMPT_APIS:
+            held = held_turn(body, ctx.path, params, answer.text, answer.prompt_ids, answer.output) \
+                if not answer.reason else None
+            if held is None or held.params is None:
+                self._let_go(leg, turns, params, model, now, answer.reason or (held.reason if held else ""))
+                return
+            self._keep_prompt(ctx, body, leg, turns, held, now)
+            return
+        tokens = params.get("remote_num_tokens")
+        if answer.reason or answer.prompt_ids is None or answer.output is None or type(tokens) is not int:
+            self._let_go(leg, turns, params, model, now, answer.reason or NO_IDS)
+            return
+        ids = array("l", answer.prompt_ids)
+        ids.extend(answer.output)
+        del ids[tokens:]
+        self._keep_chat(ctx, body, leg, turns, params, answer_message(answer.text, None), ids, now)
+
+    def _keep_chat(self, ctx: RequestContext, body: dict, leg: DecodeLeg, turns: TurnStore, params: dict,
+                   message: bytes | None, ids: array | None, now: float) -> None:
+        if message is None:
+            self._let_go(leg, turns, params, body.get("model"), now, UNKNOWN)
+            return
+        tokens = params.get("remote_num_tokens")
+        key, conversation, chars = keep_key(body, message, ctx.conversation)
+        entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
+                      conversation, body.get("model"), ids)
         for old in turns.put(key, entry, now):
             self.release(old)
-        return read.body
+
+    def _keep_prompt(self, ctx: RequestContext, body: dict, leg: DecodeLeg, turns: TurnStore, held: HeldTurn,
+                     now: float) -> None:
+        material = prompt_material(body, ctx.path) if held.held is not None else None
+        prefix = None if material is None else prefix_key(body, ctx.path, material[0])
+        if held.params is None or held.held is None or prefix is None:
+            turns.fallback(held.reason or TOKENS)
+            return
+        tokens = held.params.get("remote_num_tokens")
+        entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
+                      now + turns.life, prompt_keep_key(body, ctx.path, held.held), body.get("model"), held.ids,
+                      prefix)
+        for old in turns.put(entry.conversation, entry, now):
+            self.release(old)
+
+    def _let_go(self, leg: DecodeLeg, turns: TurnStore, params: dict | None, model: object, now: float,
+                reason: str = NO_IDS) -> None:
+        """Parameters that cannot be kept: counted, and decode's blocks freed at once."""
+        turns.fallback(reason)
+        if params is not None:
+            self.release(Entry(params, leg.inst.url, 0, 0, now + turns.life, b"", model))
 
     def ended(self, ctx: RequestContext) -> None:
         """The request is over: parameters it took for a prefill that never ran are let go."""
