@@ -196,3 +196,19 @@ async def test_messages_and_responses_answers_lose_their_parameters_and_free_the
         assert turns.fallbacks[NO_IDS] == before + 2
         await wait_for(lambda: turns.freed == 2)
         assert d.kv_reuse.kept_requests == kept
+
+
+async def test_a_stored_response_retrieved_never_shows_the_parameters():
+    async with stack(sim=_sim(responses_store=True), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        r = await client.post("/v1/responses", {"model": "sim-model", "input": LONG, "max_output_tokens": 8})
+        assert r.status == 200 and r.json().get("kv_transfer_params") is None, r.body
+        rid = r.json()["id"]
+        got = await client.request("GET", f"/v1/responses/{rid}")
+        assert got.status == 200 and got.json()["id"] == rid and got.json().get("kv_transfer_params") is None
+        # A follow-up by previous_response_id is served whole by the decode that holds the
+        # conversation (its own prefix cache): no prefill, nothing to read.
+        prefills = len(cluster.records("prefill"))
+        r = await client.post("/v1/responses", {"model": "sim-model", "input": "and then?", "max_output_tokens": 8,
+                                                "previous_response_id": rid})
+        assert r.status == 200 and r.json().get("kv_transfer_params") is None, r.body
+        assert len(cluster.records("prefill")) == prefills
