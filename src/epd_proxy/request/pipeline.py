@@ -243,25 +243,17 @@ class Pipeline:
                 return
             hide = rec.hide_usage  # the client did not ask for the usage event: taken out
             turns = self.turns
-            # Where decodes keep blocks, a stream's last event may carry their parameters
-            # (turn_streams.py): taken out by the relays that look at the ending events.
-            active = turns is not None and turns.active
-            # With the token ids decode holds in the stream (generate's; chat's and completions'
-            # when the client asked), the whole stream is kept to read the answer back.
-            keeping = active and (ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True))
-            usage = hide or (active and api is None) or (
-                (report is not None or leg.companion is not None) and _wants_usage(body))
-            relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
-                                       HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping)
-            if keeping:
-                kept = kept_bytes(relay)
-                if kept is not None and kept.find(MARK) >= 0:
-                    self.reuse.keep_stream(ctx, body, leg, kept)
-            elif (active or (api is not None and turns is not None)) and (relay.prev + relay.last).find(MARK) >= 0:
-                # Parameters that cannot be kept (no token ids in the stream), or the first stream
-                # whose decode says it keeps blocks (vLLM 0.32's Responses stream, in its last
-                # event): reuse is on from here; these blocks are let go at once.
-                self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last)
+            if turns is None or not turns.active:
+                relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
+                                           ctx if hide or ((report is not None or leg.companion is not None)
+                                                           and _wants_usage(body)) else None,
+                                           HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
+                if api is not None and turns is not None and (relay.prev + relay.last).find(MARK) >= 0:
+                    # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
+                    # stream, in its last event): reuse is on from here; these blocks are let go.
+                    self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last, whole=False)
+            else:
+                relay = await self._relay_kept(writer, ctx, body, leg, headers, report, hide, api)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
@@ -273,6 +265,24 @@ class Pipeline:
         finally:
             if leg.companion is not None:
                 self._settle(leg.companion, keep=ok)
+
+    async def _relay_kept(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
+                          headers: Headers, report: object, hide: bool, api: GenerationApi | None) -> StreamRelay:
+        """A stream where decodes keep blocks: its last event's parameters (turn_streams.py)
+        taken out by a relay that looks at the ending events, and with the token ids decode
+        holds in the stream (generate's; chat's and completions' when the client asked), the
+        whole stream kept to read the answer back for the next turn."""
+        keeping = ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
+        usage = hide or api is None or ((report is not None or leg.companion is not None) and _wants_usage(body))
+        relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
+                                   HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping)
+        kept = kept_bytes(relay) if keeping else None
+        whole = kept is not None
+        if kept is None:
+            kept = relay.prev + relay.last  # the last event: its parameters, to let them go
+        if kept.find(MARK) >= 0:
+            self.reuse.keep_stream(ctx, body, leg, kept, whole)
+        return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
         """A failure before the commit is the client's status; after it the relay has said it in-band."""

@@ -197,11 +197,13 @@ class TurnReuse:
         self._keep_chat(ctx, body, leg, turns, read.params, read.message, read.ids, now)
         return read.body
 
-    def keep_stream(self, ctx: RequestContext, body: dict, leg: DecodeLeg, stream: bytes) -> None:
+    def keep_stream(self, ctx: RequestContext, body: dict, leg: DecodeLeg, stream: bytes, whole: bool = True
+                    ) -> None:
         """Decode's stream ended with its parameters (a later vLLM's chat or completions
         stream; 0.32's Responses stream): kept for the next turn when the stream carried the
         token ids decode holds (generate's always, chat's and completions' when the client
-        asked for them), else let go at once."""
+        asked for them), else let go at once. Only a ``whole`` stream is read back: the ids of
+        a stream's last events alone are not what decode holds."""
         turns = self.store
         params = params_of(strip_stream_params(stream)[1])
         if turns is None or params is None or not isinstance(self.connector, NixlPull):
@@ -209,7 +211,7 @@ class TurnReuse:
         turns.active = True
         now = time.monotonic()
         model = body.get("model")
-        if ctx.api is not None and ctx.path not in PROMPT_APIS:
+        if not whole or (ctx.api is not None and ctx.path not in PROMPT_APIS):
             self._let_go(leg, turns, params, model, now)
             return
         answer = read_stream(stream)
