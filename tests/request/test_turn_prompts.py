@@ -212,3 +212,25 @@ async def test_a_stored_response_retrieved_never_shows_the_parameters():
                                                 "previous_response_id": rid})
         assert r.status == 200 and r.json().get("kv_transfer_params") is None, r.body
         assert len(cluster.records("prefill")) == prefills
+
+
+async def test_a_generate_stream_is_kept_from_its_last_event_and_read_by_the_next_turn():
+    async with stack(sim=_sim(bidirectional_stream_params=True), local_prefill_max_tokens=0) as (
+            cluster, proxy, client):
+        await _generate(client, {"model": "sim-model", "token_ids": [5, 6], "sampling_params": {"max_tokens": 2}})
+        b1 = {"model": "sim-model", "token_ids": list(range(10, 310)), "sampling_params": {"max_tokens": 100},
+              "stream": True}
+        r = await client.post(GENERATE, b1)
+        assert r.status == 200 and b"remote_block_ids" not in r.body and b'"kv_transfer_params":null' in r.body
+        out1 = []
+        for event in r.body.split(b"\n\n"):
+            if event.startswith(b"data: {"):
+                for c in json.loads(event[6:])["choices"]:
+                    out1 += c["token_ids"]
+        assert len(out1) == 100
+        b2 = {"model": "sim-model", "token_ids": b1["token_ids"] + out1 + list(range(400, 480)),
+              "sampling_params": {"max_tokens": 20}}
+        out2 = await _generate(client, b2)
+        assert len(_reads(cluster)) == 1 and _wrong(cluster) == 0
+        async with stack(sim=_sim(bidirectional=False)) as (_, _, plain):
+            assert await _generate(plain, b2) == out2

@@ -38,6 +38,7 @@ from epd_proxy.sim.ec_store import (
     store_outputs,
 )
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
+from epd_proxy.sim.generate import GenerateFormat
 from epd_proxy.sim.host import SimHost
 from epd_proxy.sim.kv_reuse import ReadResult
 from epd_proxy.sim.prefix_cache import block_hashes
@@ -589,6 +590,11 @@ class GenerationHandler:
                 # A chunk of their own, just before [DONE].
                 tail = (tail[:-len(DONE_EVENT)] + seq.head.partition(b',"choices":')[0]
                         + b',"choices":[],"kv_transfer_params":' + _encode(kv_out) + b"}\n\n" + DONE_EVENT)
+            elif kv_out is not None and isinstance(g.api, GenerateFormat) and self.config.bidirectional_stream_params:
+                # Generate's stream the same way (its chunks carry the token ids anyway).
+                tail = (tail[:-len(DONE_EVENT)] + b'data: {"request_id":' + _encode(g.resp_id)
+                        + b',"output_mode":"tokens","choices":[],"kv_transfer_params":' + _encode(kv_out)
+                        + b"}\n\n" + DONE_EVENT)
             writer.end(tail)
         else:
             if g.api is None:
