@@ -111,6 +111,10 @@ class TurnReuse:
                 if entry is not None or reason != UNKNOWN:
                     new_chars = len(material[0]) - length
                     break
+            else:
+                # No held turn of this prompt here: an opening prompt cannot be told from a turn
+                # another process kept, so neither is counted.
+                return None
             if material[1]:
                 asked = tokenize_prompt_body(body)
             else:
