@@ -14,6 +14,7 @@ served by the decode that holds the conversation.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import pytest
@@ -238,3 +239,33 @@ def test_completions_turns_read_the_previous_answer_from_decode(mt, proxy):
     # The same turn again: the parameters were used; it falls back and answers the same.
     again = _complete(proxy, prompt)
     assert again == text
+
+
+# -- /v1/messages and /v1/responses: not reused (no token ids to check by), never shown ----------
+
+
+def test_messages_and_responses_never_show_the_parameters_and_let_the_blocks_go(mt, proxy):
+    """vLLM 0.32 answers both with decode's parameters (Messages: the non-stream body;
+    Responses: the non-stream body and the stream's response.completed event) but takes no
+    return_token_ids there: the proxy takes them out and frees decode's blocks at once."""
+    no_ids0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="no_token_ids")
+    freed0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="freed")
+    user = _user("r1", 40)
+    r = E.post(proxy.url, "/v1/messages", {"model": E.MODEL_NAME, "max_tokens": 16,
+                                           "messages": [{"role": "user", "content": user}]})
+    assert r.status == 200 and r.json().get("kv_transfer_params") is None, E.describe(r)
+    r = E.post(proxy.url, "/v1/responses", {"model": E.MODEL_NAME, "input": user, "max_output_tokens": 16,
+                                            "store": False})
+    assert r.status == 200 and r.json().get("kv_transfer_params") is None, E.describe(r)
+    r = E.post(proxy.url, "/v1/responses", {"model": E.MODEL_NAME, "input": user, "max_output_tokens": 16,
+                                            "store": False, "stream": True})
+    assert r.status == 200, E.describe(r)
+    completed = [ev for ev in r.events() if isinstance(ev, dict) and ev.get("type") == "response.completed"]
+    assert len(completed) == 1 and completed[0]["response"].get("kv_transfer_params") is None
+    assert b"remote_block_ids" not in r.body
+    # each of the three answers carried parameters on decode's side
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="no_token_ids") - no_ids0 == 3
+    deadline = time.monotonic() + 10
+    while _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="freed") - freed0 < 3:
+        assert time.monotonic() < deadline, "decode's blocks were not let go"
+        time.sleep(0.2)
