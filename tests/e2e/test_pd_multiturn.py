@@ -269,3 +269,45 @@ def test_messages_and_responses_never_show_the_parameters_and_let_the_blocks_go(
     while _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="freed") - freed0 < 3:
         assert time.monotonic() < deadline, "decode's blocks were not let go"
         time.sleep(0.2)
+
+
+# -- /inference/v1/generate: token ids in and out; the check is a token-id prefix -----------------
+
+
+def _generate(base: str, token_ids: list[int], **kw) -> list[int]:
+    body = {"model": E.MODEL_NAME, "token_ids": token_ids,
+            "sampling_params": {"max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True}, **kw}
+    r = E.post(base, "/inference/v1/generate", body)
+    assert r.status == 200, E.describe(r)
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _padded(ids: list[int], pool: list[int]) -> list[int]:
+    """``ids`` and as many of ``pool`` as end the prompt 90 tokens into a 128-token block (as
+    ``_ask_next`` sizes a chat turn), and at least 60 of them."""
+    n = 60
+    while (len(ids) + n) % 128 != 90:
+        n += 1
+    return ids + pool[:n]
+
+
+def test_generate_turns_read_the_previous_answer_from_decode(mt, proxy):
+    words = E.post(mt.decode.url, "/tokenize", {"model": E.MODEL_NAME, "prompt": SYSTEM + " " + _user("g", 400)})
+    assert words.status == 200, E.describe(words)
+    pool = words.json()["tokens"]
+    ids = _padded([], pool)
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    for turn in (1, 2, 3):
+        p0 = mt.prefill.metrics()
+        r = E.post(proxy.url, "/inference/v1/generate", {
+            "model": E.MODEL_NAME, "token_ids": ids,
+            "sampling_params": {"max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True}})
+        assert r.status == 200, E.describe(r)
+        assert r.json().get("kv_transfer_params") is None, E.describe(r)
+        out = r.json()["choices"][0]["token_ids"]
+        if turn > 1:
+            assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN, f"turn {turn}"
+        ref = _generate(mt.decode.url, ids, cache_salt=f"ref-{uuid.uuid4().hex}")
+        assert out == ref, f"turn {turn}"
+        ids = _padded(ids + out, pool[turn * 100:])
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2
