@@ -14,6 +14,7 @@ served by the decode that holds the conversation.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import pytest
@@ -186,3 +187,127 @@ def test_measure_local_prefill_against_the_prefill_hop(mt, start_proxy, capsys):
               "decode / prefill hop reading from decode")
         for words, a, b in rows:
             print(f"[e2e]   {words:4d} words: {a:7.1f} / {b:7.1f}")
+
+
+# -- /v1/completions: the next prompt is the previous prompt, its answer and something new ----
+
+
+def _completion_body(prompt: str, **kw) -> dict:
+    return {"model": E.MODEL_NAME, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0,
+            "ignore_eos": True, **kw}
+
+
+def _next_prompt(mt, prompt: str, seed: str) -> str:
+    """``prompt`` and a new part of about 80 words, sized as ``_ask_next`` sizes a chat turn."""
+    for extra in range(0, 128):
+        out = prompt + f"\n\nUser: {_user(seed, 80 + extra)}\nAssistant:"
+        r = E.post(mt.decode.url, "/tokenize", {"model": E.MODEL_NAME, "prompt": out})
+        assert r.status == 200, E.describe(r)
+        if 72 <= r.json()["count"] % 128 <= 112:
+            return out
+    raise AssertionError("no size found")
+
+
+def _complete(proxy, prompt: str) -> str:
+    r = E.post(proxy.url, "/v1/completions", _completion_body(prompt))
+    assert r.status == 200, E.describe(r)
+    doc = r.json()
+    assert doc.get("kv_transfer_params") is None, E.describe(r)
+    ch = doc["choices"][0]
+    assert ch.get("token_ids") is None and ch.get("prompt_token_ids") is None, E.describe(r)
+    return ch["text"]
+
+
+def _completion_reference(mt, prompt: str) -> str:
+    ref = E.post(mt.decode.url, "/v1/completions", _completion_body(prompt, cache_salt=f"ref-{uuid.uuid4().hex}"))
+    assert ref.status == 200, E.describe(ref)
+    return ref.json()["choices"][0]["text"]
+
+
+def test_completions_turns_read_the_previous_answer_from_decode(mt, proxy):
+    prompt = _next_prompt(mt, SYSTEM, "c1")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    text = _complete(proxy, prompt)
+    assert text == _completion_reference(mt, prompt)
+    for turn in (2, 3):
+        prompt = _next_prompt(mt, prompt + text, f"c2-{turn}")
+        p0 = mt.prefill.metrics()
+        text = _complete(proxy, prompt)
+        assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN, f"turn {turn}"
+        assert text == _completion_reference(mt, prompt), f"turn {turn}"
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2
+    # The same turn again: the parameters were used; it falls back and answers the same.
+    again = _complete(proxy, prompt)
+    assert again == text
+
+
+# -- /v1/messages and /v1/responses: not reused (no token ids to check by), never shown ----------
+
+
+def test_messages_and_responses_never_show_the_parameters_and_let_the_blocks_go(mt, proxy):
+    """vLLM 0.32 answers both with decode's parameters (Messages: the non-stream body;
+    Responses: the non-stream body and the stream's response.completed event) but takes no
+    return_token_ids there: the proxy takes them out and frees decode's blocks at once."""
+    no_ids0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="no_token_ids")
+    freed0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="freed")
+    user = _user("r1", 40)
+    r = E.post(proxy.url, "/v1/messages", {"model": E.MODEL_NAME, "max_tokens": 16,
+                                           "messages": [{"role": "user", "content": user}]})
+    assert r.status == 200 and r.json().get("kv_transfer_params") is None, E.describe(r)
+    r = E.post(proxy.url, "/v1/responses", {"model": E.MODEL_NAME, "input": user, "max_output_tokens": 16,
+                                            "store": False})
+    assert r.status == 200 and r.json().get("kv_transfer_params") is None, E.describe(r)
+    r = E.post(proxy.url, "/v1/responses", {"model": E.MODEL_NAME, "input": user, "max_output_tokens": 16,
+                                            "store": False, "stream": True})
+    assert r.status == 200, E.describe(r)
+    completed = [ev for ev in r.events() if isinstance(ev, dict) and ev.get("type") == "response.completed"]
+    assert len(completed) == 1 and completed[0]["response"].get("kv_transfer_params") is None
+    assert b"remote_block_ids" not in r.body
+    # each of the three answers carried parameters on decode's side
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="no_token_ids") - no_ids0 == 3
+    deadline = time.monotonic() + 10
+    while _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="freed") - freed0 < 3:
+        assert time.monotonic() < deadline, "decode's blocks were not let go"
+        time.sleep(0.2)
+
+
+# -- /inference/v1/generate: token ids in and out; the check is a token-id prefix -----------------
+
+
+def _generate(base: str, token_ids: list[int], **kw) -> list[int]:
+    body = {"model": E.MODEL_NAME, "token_ids": token_ids,
+            "sampling_params": {"max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True}, **kw}
+    r = E.post(base, "/inference/v1/generate", body)
+    assert r.status == 200, E.describe(r)
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _padded(ids: list[int], pool: list[int]) -> list[int]:
+    """``ids`` and as many of ``pool`` as end the prompt 90 tokens into a 128-token block (as
+    ``_ask_next`` sizes a chat turn), and at least 60 of them."""
+    n = 60
+    while (len(ids) + n) % 128 != 90:
+        n += 1
+    return ids + pool[:n]
+
+
+def test_generate_turns_read_the_previous_answer_from_decode(mt, proxy):
+    words = E.post(mt.decode.url, "/tokenize", {"model": E.MODEL_NAME, "prompt": SYSTEM + " " + _user("g", 400)})
+    assert words.status == 200, E.describe(words)
+    pool = words.json()["tokens"]
+    ids = _padded([], pool)
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    for turn in (1, 2, 3):
+        p0 = mt.prefill.metrics()
+        r = E.post(proxy.url, "/inference/v1/generate", {
+            "model": E.MODEL_NAME, "token_ids": ids,
+            "sampling_params": {"max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True}})
+        assert r.status == 200, E.describe(r)
+        assert r.json().get("kv_transfer_params") is None, E.describe(r)
+        out = r.json()["choices"][0]["token_ids"]
+        if turn > 1:
+            assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN, f"turn {turn}"
+        ref = _generate(mt.decode.url, ids, cache_salt=f"ref-{uuid.uuid4().hex}")
+        assert out == ref, f"turn {turn}"
+        ids = _padded(ids + out, pool[turn * 100:])
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2

@@ -332,13 +332,14 @@ def pd_cluster(log_dir: str) -> Cluster:
 
 def multiturn_cluster(log_dir: str) -> Cluster:
     """1 prefill + 1 decode, tiny Llama, NIXL pull with bidirectional transfer on both: decode
-    keeps each finished request's blocks for the next turn's prefill to read."""
+    keeps each finished request's blocks for the next turn's prefill to read
+    (``--enable-scale-out``: ``/inference/v1/generate`` too)."""
     bidir = {"bidirectional_kv_xfer": True}
     return Cluster("mt", {
         "prefill": Vllm("mt-prefill", "tiny-model", 0, max_model_len=2048,
-                        args=["--kv-transfer-config", nixl_config("kv_producer", extra=bidir)]),
+                        args=["--kv-transfer-config", nixl_config("kv_producer", extra=bidir), "--enable-scale-out"]),
         "decode": Vllm("mt-decode", "tiny-model", 1, max_model_len=2048,
-                       args=["--kv-transfer-config", nixl_config("kv_consumer", extra=bidir)]),
+                       args=["--kv-transfer-config", nixl_config("kv_consumer", extra=bidir), "--enable-scale-out"]),
     }, log_dir)
 
 

@@ -30,7 +30,6 @@ from epd_proxy.request.multiturn import (
     read_answer,
     reuse_params,
     strip_params,
-    strip_stream_params,
     tokenize_body,
     tokens_of,
 )
@@ -285,14 +284,6 @@ def test_answer_text_containing_the_key_is_left_alone():
     doc = json.loads(out)
     assert doc["kv_transfer_params"] is None
     assert doc["choices"][0]["message"]["content"] == 'he said "kv_transfer_params":{} once'
-
-
-def test_stream_events_stripped():
-    event = b'data: {"id":"x","choices":[],"kv_transfer_params":' + json.dumps(PARAMS).encode() + b"}\n\n"
-    out = strip_stream_params(b'data: {"choices":[{"delta":{}}]}\n\n' + event + b"data: [DONE]\n\n")
-    assert b"remote_block_ids" not in out and out.endswith(b"data: [DONE]\n\n")
-    plain = b'data: {"choices":[],"kv_transfer_params":null}\n\n'
-    assert strip_stream_params(plain) is plain
 
 
 # -- through the proxy, over the simulator's bidirectional transfer ------------------------------

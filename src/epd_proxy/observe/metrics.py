@@ -183,7 +183,9 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "free decode's blocks early (freed).", ("outcome",)),
     "epd_proxy_kv_reuse_fallbacks": ("counter", "Turns with an earlier answer that did not reuse it, and answers "
                                      "not kept, by reason: unknown, edited, used, expired, decode_gone, "
-                                     "prefill_failed, reasoning, choices, no_pull_prefill.", ("reason",)),
+                                     "prefill_failed, tokens, tokenize_failed, no_token_ids (the answer or "
+                                     "stream carried no token ids to check a next prompt by: Messages, "
+                                     "Responses, a stream), reasoning, choices, no_pull_prefill.", ("reason",)),
     "epd_proxy_kv_reuse_released": ("counter", "Kept parameters let go unused, by reason: superseded, bound, "
                                     "expired, decode_gone; decode frees their blocks at its TTL, or at once when "
                                     "the proxy hands them to a prefill (released).", ("reason",)),

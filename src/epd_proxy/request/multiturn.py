@@ -75,10 +75,11 @@ BOUND = "bound"  # the decode's held tokens passed --kv-reuse-max-held-tokens
 class Entry:
     """One turn's parameters, and what they hold where until when."""
 
-    __slots__ = ("params", "decode", "tokens", "chars", "deadline", "conversation", "model", "ids")
+    __slots__ = ("params", "decode", "tokens", "chars", "deadline", "conversation", "model", "ids", "prefix")
 
     def __init__(self, params: dict, decode: str, tokens: int, chars: int, deadline: float,
-                 conversation: bytes, model: object = None, ids: array | None = None) -> None:
+                 conversation: bytes, model: object = None, ids: array | None = None,
+                 prefix: bytes | None = None) -> None:
         self.params = params  # decode's kv_transfer_params, as it sent them
         self.decode = decode  # the URL of the decode that holds the blocks
         self.tokens = tokens  # remote_num_tokens: the prompt and the answer
@@ -87,6 +88,9 @@ class Entry:
         self.conversation = conversation  # its conversation (turn_keys), for SUPERSEDED and EDITED
         self.model = model  # the body's model (a release call names it)
         self.ids = ids  # the token ids decode holds (prompt, then answer): what a next prompt must start with
+        # A prompt API's turn (turn_prompts.py): its lengths-index key; ``chars`` is then the
+        # bytes of what decode holds, as the next prompt spells them.
+        self.prefix = prefix
 
 
 class TurnStore:
@@ -101,7 +105,9 @@ class TurnStore:
         self.capacity = capacity
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # oldest first
         self._latest: dict[bytes, bytes] = {}  # conversation -> key of its latest entry
-        self._used: OrderedDict[bytes, None] = OrderedDict()
+        self._used: OrderedDict[bytes, tuple[bytes, int] | None] = OrderedDict()
+        # Prompt APIs: prefix key -> {held length: entries and tombstones of that length}.
+        self._lengths: dict[bytes, dict[int, int]] = {}
         self._tombstones = tombstones
         self.held: dict[str, int] = {}  # decode URL -> tokens held for entries kept here
         self.active = False  # some decode answered with parameters: reuse is on in this cluster
@@ -136,6 +142,8 @@ class TurnStore:
                 self._count_release(SUPERSEDED)
         self._entries[key] = entry
         self._latest[entry.conversation] = key
+        if entry.prefix is not None:
+            self._count_length(entry.prefix, entry.chars, 1)
         self.kept += 1
         held = self.held.get(entry.decode, 0) + entry.tokens
         self.held[entry.decode] = held
@@ -161,9 +169,15 @@ class TurnStore:
             return None, EXPIRED, None
         self.expire(now)
         if entry is not None:
-            self._used[key] = None
+            mark = None
+            if entry.prefix is not None:
+                mark = (entry.prefix, entry.chars)
+                self._count_length(entry.prefix, entry.chars, 1)
+            self._used[key] = mark
             if len(self._used) > self._tombstones:
-                self._used.popitem(last=False)
+                _, old = self._used.popitem(last=False)
+                if old is not None:
+                    self._count_length(old[0], old[1], -1)
             return entry, "", None
         if key in self._used:
             return None, USED, None
@@ -201,10 +215,27 @@ class TurnStore:
         self.held.pop(url, None)
         return out
 
+    def lengths(self, prefix: bytes) -> list[int]:
+        """The held lengths of a prompt API's turns (kept or used) under ``prefix``."""
+        found = self._lengths.get(prefix)
+        return list(found) if found else []
+
+    def _count_length(self, prefix: bytes, length: int, delta: int) -> None:
+        counts = self._lengths.setdefault(prefix, {})
+        n = counts.get(length, 0) + delta
+        if n > 0:
+            counts[length] = n
+        else:
+            counts.pop(length, None)
+            if not counts:
+                del self._lengths[prefix]
+
     def _pop(self, key: bytes) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
+        if entry.prefix is not None:
+            self._count_length(entry.prefix, entry.chars, -1)
         if self._latest.get(entry.conversation) == key:
             del self._latest[entry.conversation]
         held = self.held.get(entry.decode, 0) - entry.tokens
@@ -581,20 +612,6 @@ def strip_params(body: bytes, raw: bytes | None = None) -> bytes:
             return body[:pos] + b"null" + body[pos + len(raw):]
         at = body.rfind(_KEY, 0, at)
     return body
-
-
-def strip_stream_params(events: bytes) -> bytes:
-    """Whole SSE events with every ``kv_transfer_params`` object replaced by ``null``: a vLLM
-    that sends decode's parameters in a stream's last event (0.32 does not) never shows them
-    to the client."""
-    if events.find(_KEY + b"{") < 0 and events.find(_KEY + b" {") < 0:
-        return events
-    out = []
-    for event in events.split(b"\n\n"):
-        if event.startswith(b"data: {") and event.find(_KEY) >= 0:
-            event = b"data: " + strip_params(event[6:])
-        out.append(event)
-    return b"\n\n".join(out)
 
 
 # The parameters a decode is sent for a request it prefills itself (the prefill skipped): no

@@ -31,7 +31,15 @@ from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
-from epd_proxy.request.apis import GENERATION_APIS, MEDIA, PREVIOUS_RESPONSE, GenerationApi, encodable, response_id
+from epd_proxy.request.apis import (
+    GENERATE,
+    GENERATION_APIS,
+    MEDIA,
+    PREVIOUS_RESPONSE,
+    GenerationApi,
+    encodable,
+    response_id,
+)
 from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
@@ -39,11 +47,12 @@ from epd_proxy.request.fanout import EncoderFanout
 from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
 from epd_proxy.request.multiturn import LOCAL_PREFILL_PARAMS, NO_PARAMS, NO_PARAMS_TAIL, carries_params, strip_token_ids
-from epd_proxy.request.relay import StreamRelay, relay_stream
+from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
 from epd_proxy.request.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turn_reuse import TurnReuse
+from epd_proxy.request.turn_streams import MARK
 from epd_proxy.request.usage import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
@@ -251,12 +260,20 @@ class Pipeline:
                 rec.outcome = "ok"
                 return
             hide = rec.hide_usage  # the client did not ask for the usage event: taken out
-            relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
-                                       ctx if hide or ((report is not None or leg.companion is not None)
-                                                       and (_wants_usage(body) or (api is not None
-                                                                                   and api.usage_event)))
-                                       else None,
-                                       HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
+            turns = self.turns
+            if turns is None or not turns.active:
+                relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
+                                           ctx if hide or ((report is not None or leg.companion is not None)
+                                                           and (_wants_usage(body) or (api is not None
+                                                                                       and api.usage_event)))
+                                           else None,
+                                           HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
+                if api is not None and turns is not None and (relay.prev + relay.last).find(MARK) >= 0:
+                    # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
+                    # stream, in its last event): reuse is on from here; these blocks are let go.
+                    self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last, whole=False)
+            else:
+                relay = await self._relay_kept(writer, ctx, body, leg, headers, report, hide, api)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
@@ -268,6 +285,25 @@ class Pipeline:
         finally:
             if leg.companion is not None:
                 self._settle(leg.companion, keep=ok)
+
+    async def _relay_kept(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
+                          headers: Headers, report: object, hide: bool, api: GenerationApi | None) -> StreamRelay:
+        """A stream where decodes keep blocks: its last event's parameters (turn_streams.py)
+        taken out by a relay that looks at the ending events, and with the token ids decode
+        holds in the stream (generate's; chat's and completions' when the client asked), the
+        whole stream kept to read the answer back for the next turn."""
+        keeping = ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
+        usage = hide or api is None or ((report is not None or leg.companion is not None)
+                                        and (_wants_usage(body) or api.usage_event))
+        relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
+                                   HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping)
+        kept = kept_bytes(relay) if keeping else None
+        whole = kept is not None
+        if kept is None:
+            kept = relay.prev + relay.last  # the last event: its parameters, to let them go
+        if kept.find(MARK) >= 0:
+            self.reuse.keep_stream(ctx, body, leg, kept, whole)
+        return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
         """A failure before the commit is the client's status; after it the relay has said it in-band."""
@@ -408,8 +444,9 @@ class Pipeline:
                 if cap is not None:
                     cap.leave()
         turns = self.turns
-        if turns is not None and turns.active and ctx.path == CHAT and ctx.api is None:
-            if body.get("stream") is not True and not body.get("return_token_ids"):
+        if turns is not None and turns.active and (ctx.api is None or ctx.path == GENERATE):
+            # Chat, completions, generate (turn_reuse.py); generate answers with its token ids anyway.
+            if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
                 # The tokens decode will hold: what the next turn's prompt is checked against.
                 body = dict(body, return_token_ids=True)
                 ctx.ids_asked = True

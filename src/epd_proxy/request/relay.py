@@ -17,7 +17,7 @@ from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
 from epd_proxy.request.apis import GenerationApi
 from epd_proxy.request.hidden_usage import FINISHED, HiddenUsage
-from epd_proxy.request.multiturn import strip_stream_params
+from epd_proxy.request.turn_streams import MARK, strip_stream_params
 from epd_proxy.request.usage import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
 
@@ -129,28 +129,31 @@ class ApiRelay(StreamRelay):
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
         self.plain = api.text_delta_ends
 
+    def error_event(self, error: ProxyError) -> bytes:
+        return self.api.in_band_error(error, self.prev + self.last)
+
     def on_data(self, data: bytes) -> None:
-        if self.ctx is None:
-            return super().on_data(data)
+        # StreamRelay's, with decode's parameters taken out of the event that carries them
+        # (vLLM 0.32's Responses stream ends with the whole answer, parameters included), and
+        # with ``ctx`` the usage event's usage the client's.
         self.events += 1
         self.prev, self.last = self.last, data
         if self._tail:
             data = self._tail + data
             self._tail = b""
-        elif data.endswith(self.plain):  # most reads: the usage event is still to come
+        elif data.endswith(self.plain):  # most reads: a text delta; the last event is still to come
             self.writer.write(data)
             return
         events = data if data.endswith(b"\n\n") else self._whole_events(data)
         if not events:
             return
-        if events.find(b'"usage":{') >= 0:
+        if events.find(MARK) >= 0:
+            events = strip_stream_params(events)[0]
+        if self.ctx is not None and events.find(b'"usage":{') >= 0:
             report = self.ctx.prefill_report
             if report is not None:
                 events = self.api.client_events(events, report)
         self.writer.write(events)
-
-    def error_event(self, error: ProxyError) -> bytes:
-        return self.api.in_band_error(error, self.prev + self.last)
 
 
 class UsageRelay(StreamRelay):
@@ -202,10 +205,11 @@ class UsageRelay(StreamRelay):
         report = self.ctx.prefill_report
         if report is not None and events.find(b'"usage"') >= 0:
             events = rewrite_final_usage_events(events, report)
-        if events.find(b'"kv_transfer_params":{') >= 0:  # never a client's (multiturn.py)
-            events = strip_stream_params(events)
-        # What the client got, or with ``hidden`` what decode sent: its usage for the access log.
+        # What the client got, or with ``hidden`` what decode sent: its usage for the access
+        # log (and decode's parameters, if it sent them: turn_streams.py).
         self.prev, self.last = self.last, events
+        if events.find(MARK) >= 0:  # never a client's
+            events = strip_stream_params(events)[0]
         if self.hidden is not None:
             events = self.hidden.feed(events)
             if not events:
@@ -228,23 +232,75 @@ class UsageRelay(StreamRelay):
                 self.writer.write(held)
 
 
+class KeepingUsageRelay(UsageRelay):
+    """A UsageRelay that also keeps what decode sent (up to ``MAX_KEPT`` bytes), for the
+    parameters of a stream's last event and the answer they hold (turn_streams.py)."""
+
+    __slots__ = ("reads", "size")
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.reads: list[bytes] | None = []
+        self.size = 0
+
+    def on_data(self, data: bytes) -> None:
+        keep(self, data)
+        UsageRelay.on_data(self, data)
+
+
+class KeepingApiRelay(ApiRelay):
+    """An ApiRelay that keeps what decode sent, as KeepingUsageRelay."""
+
+    __slots__ = ("reads", "size")
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.reads: list[bytes] | None = []
+        self.size = 0
+
+    def on_data(self, data: bytes) -> None:
+        keep(self, data)
+        ApiRelay.on_data(self, data)
+
+
+# What a keeping relay holds of one stream at most (a longer answer is not kept for reuse).
+MAX_KEPT = 8 << 20
+
+
+def keep(relay, data: bytes) -> None:
+    reads = relay.reads
+    if reads is not None:
+        relay.size += len(data)
+        if relay.size > MAX_KEPT:
+            relay.reads = None
+        else:
+            reads.append(data)
+
+
+def kept_bytes(relay: StreamRelay) -> bytes | None:
+    """What a keeping relay kept of decode's stream (None: not a keeping relay, or too long)."""
+    reads = getattr(relay, "reads", None)
+    return None if reads is None else b"".join(reads)
+
+
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
                        companion: asyncio.Future | None = None, usage_ctx=None,
                        hidden: HiddenUsage | None = None, single_choice: bool = False,
-                       api: GenerationApi | None = None) -> StreamRelay:
+                       api: GenerationApi | None = None, keeping: bool = False) -> StreamRelay:
     """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
     With ``usage_ctx`` (a RequestContext) the final usage event is rewritten, and with
     ``hidden`` taken out (UsageRelay; ``single_choice``: the request asked for one choice);
-    with ``api`` an in-band error is in its form (ApiRelay)."""
+    with ``api`` an in-band error is in its form (ApiRelay); ``keeping``: decode's bytes are
+    kept too, for the parameters of its last event (KeepingUsageRelay, KeepingApiRelay)."""
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
     relay: StreamRelay
     if api is not None and api.usage_event:
-        relay = ApiRelay(writer, resp, api, usage_ctx)
+        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, usage_ctx)
     elif usage_ctx is not None:
-        relay = UsageRelay(writer, resp, usage_ctx, hidden, single_choice)
+        relay = (KeepingUsageRelay if keeping else UsageRelay)(writer, resp, usage_ctx, hidden, single_choice)
     elif api is not None:
-        relay = ApiRelay(writer, resp, api)
+        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api)
     else:
         relay = StreamRelay(writer, resp)
     writer.flow = relay

@@ -31,6 +31,7 @@ from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import request_id
 from epd_proxy.request.relay import relay_body
+from epd_proxy.request.turn_streams import MARK, strip_stream_params
 from epd_proxy.request.upstream import UpstreamStage
 from epd_proxy.wire.errors import ProxyError
 
@@ -113,7 +114,12 @@ class StoredResponses:
             inst, resp = found
             try:
                 if b"content-length" in resp.headers:
-                    writer.send(resp.status, await self.stage.read_body(ctx, inst, resp), resp.content_type, out)
+                    data = await self.stage.read_body(ctx, inst, resp)
+                    if data.find(MARK) >= 0:
+                        # vLLM 0.32 stores the answer whole, a bidirectional decode's parameters
+                        # included: never a client's (turn_streams.py).
+                        data = strip_stream_params(data)[0]
+                    writer.send(resp.status, data, resp.content_type, out)
                 else:  # a background response's event stream (``?stream=true``), as it comes
                     await relay_body(writer, resp, out)
             finally:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
+
+import msgspec
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http import Headers
@@ -19,11 +22,14 @@ from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT
 from epd_proxy.request.multiturn import (
     DECODE_GONE,
+    NO_IDS,
     TOKENIZE_FAILED,
     TOKENS,
+    UNKNOWN,
     Entry,
     KVReuse,
     TurnStore,
+    answer_message,
     estimate_new_tokens,
     keep_key,
     lookup_key,
@@ -33,6 +39,19 @@ from epd_proxy.request.multiturn import (
     tokens_of,
 )
 from epd_proxy.request.stages import DecodeLeg
+from epd_proxy.request.turn_prompts import (
+    PROMPT_APIS,
+    HeldTurn,
+    candidate_keys,
+    held_turn,
+    prefix_key,
+    prompt_ids,
+    prompt_material,
+    read_prompt_answer,
+    tokenize_prompt_body,
+)
+from epd_proxy.request.turn_prompts import keep_key as prompt_keep_key
+from epd_proxy.request.turn_streams import params_of, read_stream, strip_stream_params
 from epd_proxy.routing.view import EMPTY_VIEW
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
@@ -68,13 +87,38 @@ class TurnReuse:
         attempt's prefill (``ctx.kv_reuse``); or the decode holding them, when the prefill would
         compute so little that it alone should serve the request."""
         ctx.turn_tried = True
-        found = lookup_key(body, ctx.conversation)
-        if found is None:
-            return None  # nothing answered before: an opening turn
-        key, conversation, _, new_chars = found
-        entry, reason, stale = turns.take(key, conversation, time.monotonic())
-        if stale is not None:
-            self.release(stale)
+        now = time.monotonic()
+        asked: dict | None = None  # the /tokenize request for the new prompt
+        tokens: list[int] | None = None  # or its tokens, when the request spells them
+        if ctx.path == CHAT:
+            found = lookup_key(body, ctx.conversation)
+            if found is None:
+                return None  # nothing answered before: an opening turn
+            key, conversation, _, new_chars = found
+            new_messages = _after_last_answer(body["messages"])  # lookup_key found an answer in them
+            entry, reason, stale = turns.take(key, conversation, now)
+            if stale is not None:
+                self.release(stale)
+            asked = tokenize_body(body)
+        else:  # completions, generate (turn_prompts.py)
+            material = prompt_material(body, ctx.path)
+            prefix = None if material is None else prefix_key(body, ctx.path, material[0])
+            if material is None or prefix is None:
+                return None
+            entry, reason, new_chars, new_messages = None, UNKNOWN, 0, 0
+            for key, length in candidate_keys(body, ctx.path, material[0], turns.lengths(prefix)):
+                entry, reason, _ = turns.take(key, None, now)
+                if entry is not None or reason != UNKNOWN:
+                    new_chars = len(material[0]) - length
+                    break
+            else:
+                # No held turn of this prompt here: an opening prompt cannot be told from a turn
+                # another process kept, so neither is counted.
+                return None
+            if material[1]:
+                asked = tokenize_prompt_body(body)
+            else:
+                tokens = prompt_ids(material[0])
         if entry is None:
             turns.fallback(reason)
             return None
@@ -83,8 +127,7 @@ class TurnReuse:
             turns.fallback(DECODE_GONE)
             return None
         if self.local_prefill_max and self._within_bound(ctx, holder):
-            messages = body["messages"]  # lookup_key found an answer in them
-            new = estimate_new_tokens(entry, new_chars, _after_last_answer(messages))
+            new = estimate_new_tokens(entry, new_chars, new_messages)
             if new <= self.local_prefill_max:
                 # Not released: the turn's own request on that decode shares those blocks
                 # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
@@ -98,8 +141,6 @@ class TurnReuse:
         # vLLM reads what the parameters name without checking that the new prompt's tokens
         # extend them: the prompt is tokenized and only the tokens it shares with what decode
         # holds are read.
-        asked = tokenize_body(body)
-        tokens = None
         if asked is not None:
             # The prefill that will run the prompt tokenizes it; if it cannot be reached, the
             # decode holding the history (the same model, the same tokenizer and template).
@@ -136,23 +177,97 @@ class TurnReuse:
     def keep(self, ctx: RequestContext, body: dict, leg: DecodeLeg, answer: bytes) -> bytes:
         """Decode's answer held blocks for a later reader: the parameters taken out of what
         the client gets, and kept for the conversation's next turn (chat)."""
-        read = read_answer(answer, ctx.path == CHAT and ctx.api is None, ctx.ids_asked)
+        chat = ctx.path == CHAT and ctx.api is None
+        read = read_answer(answer, chat, ctx.ids_asked)
         turns = self.store
         if turns is None or not isinstance(self.connector, NixlPull):
             return read.body  # reuse is for the pull connector (docs/protocol.md §2.10)
         turns.active = True
+        now = time.monotonic()
+        model = body.get("model")
+        if ctx.path in PROMPT_APIS:
+            self._keep_prompt(ctx, body, leg, turns, read_prompt_answer(body, ctx.path, answer), now)
+            return read.body
+        if not chat:
+            # Messages and Responses: vLLM 0.32 answers them with decode's parameters but takes no
+            # return_token_ids there, so no next prompt can be checked against what decode holds:
+            # not reused, and the blocks let go at once (docs/protocol.md §2.10).
+            self._let_go(leg, turns, _params_of(answer), model, now)
+            return read.body
         if read.params is None or read.message is None:
             if read.reason:
                 turns.fallback(read.reason)
             return read.body
-        tokens = read.params.get("remote_num_tokens")
-        key, conversation, chars = keep_key(body, read.message, ctx.conversation)
+        self._keep_chat(ctx, body, leg, turns, read.params, read.message, read.ids, now)
+        return read.body
+
+    def keep_stream(self, ctx: RequestContext, body: dict, leg: DecodeLeg, stream: bytes, whole: bool = True
+                    ) -> None:
+        """Decode's stream ended with its parameters (a later vLLM's chat or completions
+        stream; 0.32's Responses stream): kept for the next turn when the stream carried the
+        token ids decode holds (generate's always, chat's and completions' when the client
+        asked for them), else let go at once. Only a ``whole`` stream is read back: the ids of
+        a stream's last events alone are not what decode holds."""
+        turns = self.store
+        params = params_of(strip_stream_params(stream)[1])
+        if turns is None or params is None or not isinstance(self.connector, NixlPull):
+            return
+        turns.active = True
         now = time.monotonic()
-        entry = Entry(read.params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
-                      conversation, body.get("model"), read.ids)
+        model = body.get("model")
+        if not whole or (ctx.api is not None and ctx.path not in PROMPT_APIS):
+            self._let_go(leg, turns, params, model, now)
+            return
+        answer = read_stream(stream)
+        if ctx.path in PROMPT_APIS:
+            held = held_turn(body, ctx.path, params, answer.text, answer.prompt_ids, answer.output) \
+                if not answer.reason else None
+            if held is None or held.params is None:
+                self._let_go(leg, turns, params, model, now, answer.reason or (held.reason if held else ""))
+                return
+            self._keep_prompt(ctx, body, leg, turns, held, now)
+            return
+        tokens = params.get("remote_num_tokens")
+        if answer.reason or answer.prompt_ids is None or answer.output is None or type(tokens) is not int:
+            self._let_go(leg, turns, params, model, now, answer.reason or NO_IDS)
+            return
+        ids = array("l", answer.prompt_ids)
+        ids.extend(answer.output)
+        del ids[tokens:]
+        self._keep_chat(ctx, body, leg, turns, params, answer_message(answer.text, None), ids, now)
+
+    def _keep_chat(self, ctx: RequestContext, body: dict, leg: DecodeLeg, turns: TurnStore, params: dict,
+                   message: bytes | None, ids: array | None, now: float) -> None:
+        if message is None:
+            self._let_go(leg, turns, params, body.get("model"), now, UNKNOWN)
+            return
+        tokens = params.get("remote_num_tokens")
+        key, conversation, chars = keep_key(body, message, ctx.conversation)
+        entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
+                      conversation, body.get("model"), ids)
         for old in turns.put(key, entry, now):
             self.release(old)
-        return read.body
+
+    def _keep_prompt(self, ctx: RequestContext, body: dict, leg: DecodeLeg, turns: TurnStore, held: HeldTurn,
+                     now: float) -> None:
+        material = prompt_material(body, ctx.path) if held.held is not None else None
+        prefix = None if material is None else prefix_key(body, ctx.path, material[0])
+        if held.params is None or held.held is None or prefix is None:
+            turns.fallback(held.reason or TOKENS)
+            return
+        tokens = held.params.get("remote_num_tokens")
+        entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
+                      now + turns.life, prompt_keep_key(body, ctx.path, held.held), body.get("model"), held.ids,
+                      prefix)
+        for old in turns.put(entry.conversation, entry, now):
+            self.release(old)
+
+    def _let_go(self, leg: DecodeLeg, turns: TurnStore, params: dict | None, model: object, now: float,
+                reason: str = NO_IDS) -> None:
+        """Parameters that cannot be kept: counted, and decode's blocks freed at once."""
+        turns.fallback(reason)
+        if params is not None:
+            self.release(Entry(params, leg.inst.url, 0, 0, now + turns.life, b"", model))
 
     def ended(self, ctx: RequestContext) -> None:
         """The request is over: parameters it took for a prefill that never ran are let go."""
@@ -169,7 +284,7 @@ class TurnReuse:
         (``remote_num_tokens: 0``), in the background; when that cannot be done (no pull
         prefill, the decode gone, too many such calls at once), decode frees them at its TTL."""
         turns = self.store
-        if (turns is None or not entry.ids or not isinstance(self.connector, NixlPull) or not self.prefill
+        if (turns is None or not isinstance(self.connector, NixlPull) or not self.prefill
                 or entry.deadline <= time.monotonic() or self.decode.find(entry.decode) is None
                 or len(self.releases) >= MAX_RELEASES):
             return
@@ -180,12 +295,13 @@ class TurnReuse:
     async def _free(self, entry: Entry, turns: TurnStore) -> None:
         ctx = RequestContext(f"kv-release-{hex_id(48)}", "/v1/completions", self.base_headers)
         connector, ids = self.connector, entry.ids
-        assert isinstance(connector, NixlPull) and ids is not None  # release() checked both
+        assert isinstance(connector, NixlPull)  # release() checked
+        first = ids[0] if ids else 0  # any token: nothing is read (an answer without ids: Messages, Responses)
         try:
             models = self.models.current.route(entry.model if isinstance(entry.model, str) else None)
             p = self.prefill.choose((), EMPTY_VIEW, None if models is None else models.get("prefill"))
             # Two tokens: less than a block (never cached), and a list vLLM reads as token ids.
-            body = {"model": entry.model, "prompt": [ids[0], ids[0]], "max_tokens": 1,
+            body = {"model": entry.model, "prompt": [first, first], "max_tokens": 1,
                     "kv_transfer_params": dict(entry.params, remote_num_tokens=0)}
             await connector.prefill.run(ctx, p, body)
             turns.freed += 1
@@ -208,3 +324,16 @@ def _after_last_answer(messages: list) -> int:
         if isinstance(msg, dict) and msg.get("role") == "assistant":
             return len(messages) - 1 - i
     return len(messages)
+
+
+class _WithParams(msgspec.Struct):
+    kv_transfer_params: dict | None = None
+
+
+def _params_of(answer: bytes) -> dict | None:
+    """Decode's parameters in an answer of any API, if it holds blocks for a later reader."""
+    try:
+        params = msgspec.json.decode(answer, type=_WithParams).kv_transfer_params
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return params if params is not None and params.get("do_remote_decode") is True else None

@@ -38,6 +38,7 @@ from epd_proxy.sim.ec_store import (
     store_outputs,
 )
 from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
+from epd_proxy.sim.generate import GenerateFormat
 from epd_proxy.sim.host import SimHost
 from epd_proxy.sim.kv_reuse import ReadResult
 from epd_proxy.sim.prefix_cache import block_hashes
@@ -598,6 +599,11 @@ class GenerationHandler:
                 # A chunk of their own, just before [DONE].
                 tail = (tail[:-len(DONE_EVENT)] + seq.head.partition(b',"choices":')[0]
                         + b',"choices":[],"kv_transfer_params":' + _encode(kv_out) + b"}\n\n" + DONE_EVENT)
+            elif kv_out is not None and isinstance(g.api, GenerateFormat) and self.config.bidirectional_stream_params:
+                # Generate's stream the same way (its chunks carry the token ids anyway).
+                tail = (tail[:-len(DONE_EVENT)] + b'data: {"request_id":' + _encode(g.resp_id)
+                        + b',"output_mode":"tokens","choices":[],"kv_transfer_params":' + _encode(kv_out)
+                        + b"}\n\n" + DONE_EVENT)
             writer.end(tail)
         else:
             if g.api is None:
@@ -634,13 +640,17 @@ class GenerationHandler:
                      fingerprint=self.inst.system_fingerprint,
                      usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
                      kv_out=kv_out, ec_out=ec_out)
-        if g.chat and g.body.get("return_token_ids") is True:
+        if g.body.get("return_token_ids") is True:
             # The prompt's ids and each answer's, as the next turn's prompt spells them (what a
-            # bidirectional decode keeps: ``continuation_ids``).
+            # bidirectional decode keeps: ``continuation_ids``); completions carry the prompt's
+            # on each choice, as vLLM does.
             ids = self._token_ids(g, g.body, g.prompt)
-            resp["prompt_token_ids"] = ids
+            if g.chat:
+                resp["prompt_token_ids"] = ids
             for c, choice in enumerate(resp["choices"]):
-                choice["token_ids"] = continuation_ids(g.body, True, ids, seq.tokens[c][:seq.n])[len(ids):]
+                choice["token_ids"] = continuation_ids(g.body, g.chat, ids, seq.tokens[c][:seq.n])[len(ids):]
+                if not g.chat:
+                    choice["prompt_token_ids"] = ids
         return resp
 
     def _kv_key(self, g: GenerationRequest) -> str:

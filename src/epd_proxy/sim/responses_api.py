@@ -165,9 +165,11 @@ class ResponsesFormat(ApiFormat):
     def body(self, g, seq: Sequence, kv_out: dict | None, ec_out: dict | None) -> dict:
         text = seq.text(0)
         if seq.stream:
-            # Only the items the stream opened; the stream's response objects carry no params.
+            # Only the items the stream opened. The final response object is the whole answer,
+            # as vLLM 0.32 builds it (responses_full_generator): a bidirectional decode's
+            # parameters included (``response.completed``).
             parts = [_text_part(text, None)] if seq.n else []
-            kv_out = ec_out = None
+            ec_out = None
         else:
             parts = [_text_part(text, None)] if text else []
         output = [{"id": self._item_id(g), "content": parts, "role": "assistant", "status": "completed",
