@@ -108,6 +108,31 @@ def parse_named_sse(pieces: Sequence[tuple[float, bytes]], kind: str) -> tuple[l
     out: list[tuple[float, str]] = []
     done = False
     error: str | None = None
+    events, cut = sse_events(pieces)
+    for t, event in events:
+        head, _, payload = event.partition(b"\n")
+        name = head[6:].strip() if head.startswith(b"event:") else b""
+        if name == text_event:
+            try:
+                text = text_of(decode(payload[5:].lstrip(b" ")))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                error = error or "undecodable SSE event"
+                continue
+            if text:
+                out.append((t, text))
+        elif name == last:
+            done = True
+        elif name in failures:
+            error = error or f"in-band error: {payload[5:205].decode('utf-8', 'replace')}"
+    if cut:
+        error = error or "stream ended inside an event"
+    return out, done, error
+
+
+def sse_events(pieces: Sequence[tuple[float, bytes]]) -> tuple[list[tuple[float, bytes]], bool]:
+    """The whole events of an SSE body received in ``pieces``, each with the time of the piece
+    that completed it, and whether the body ended inside an event."""
+    events: list[tuple[float, bytes]] = []
     buf = b""
     for t, data in pieces:
         buf = buf + data if buf else data
@@ -116,26 +141,10 @@ def parse_named_sse(pieces: Sequence[tuple[float, bytes]], kind: str) -> tuple[l
             end = buf.find(b"\n\n", start)
             if end < 0:
                 break
-            event = buf[start:end]
+            events.append((t, buf[start:end]))
             start = end + 2
-            head, _, payload = event.partition(b"\n")
-            name = head[6:].strip() if head.startswith(b"event:") else b""
-            if name == text_event:
-                try:
-                    text = text_of(decode(payload[5:].lstrip(b" ")))
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    error = error or "undecodable SSE event"
-                    continue
-                if text:
-                    out.append((t, text))
-            elif name == last:
-                done = True
-            elif name in failures:
-                error = error or f"in-band error: {payload[5:205].decode('utf-8', 'replace')}"
         buf = buf[start:]
-    if buf.strip():
-        error = error or "stream ended inside an event"
-    return out, done, error
+    return events, bool(buf.strip())
 
 
 class Outcome:
@@ -175,36 +184,27 @@ def parse_sse(pieces: Sequence[tuple[float, bytes]]) -> tuple[list[tuple[float, 
     out: list[tuple[float, str]] = []
     done = False
     error: str | None = None
-    buf = b""
-    for t, data in pieces:
-        buf = buf + data if buf else data
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            event = buf[start:end]
-            start = end + 2
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].lstrip(b" ")
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                try:
-                    chunk = _decode_chunk(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    error = error or "undecodable SSE event"
-                    continue
-                if chunk.error is not None:
-                    error = error or f"in-band error: {str(chunk.error)[:200]}"
-                    continue
-                text = _content(chunk)
-                if text:
-                    out.append((t, text))
-        buf = buf[start:]
-    if buf.strip():
+    events, cut = sse_events(pieces)
+    for t, event in events:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].lstrip(b" ")
+            if payload == b"[DONE]":
+                done = True
+                continue
+            try:
+                chunk = _decode_chunk(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                error = error or "undecodable SSE event"
+                continue
+            if chunk.error is not None:
+                error = error or f"in-band error: {str(chunk.error)[:200]}"
+                continue
+            text = _content(chunk)
+            if text:
+                out.append((t, text))
+    if cut:
         error = error or "stream ended inside an event"
     return out, done, error
 
