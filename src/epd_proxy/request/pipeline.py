@@ -268,7 +268,7 @@ class Pipeline:
                                                                                        and api.usage_event)))
                                            else None,
                                            HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
-                if turns is not None and (relay.prev + relay.last).find(MARK) >= 0:
+                if turns is not None and (relay.last.find(MARK) >= 0 or relay.prev.find(MARK) >= 0):
                     # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
                     # stream, a later vLLM's chat or completions stream, in its last event): reuse
                     # is on from here; these blocks are let go.
