@@ -299,7 +299,7 @@ class Pipeline:
                                         and (_wants_usage(body) or api.usage_event))
         relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
                                    HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping,
-                                   asked and usage)
+                                   asked)  # with api None: a usage relay
         kept = kept_bytes(relay) if keeping else None
         whole = kept is not None
         if kept is None:

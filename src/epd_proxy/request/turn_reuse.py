@@ -218,8 +218,8 @@ class TurnReuse:
         stream; 0.32's Responses stream): kept for the next turn when the stream carried the
         token ids decode holds (generate's always, chat's and completions' when the client
         asked for them, or the proxy did: a decode seen here to send its parameters in such a
-        stream is asked from then on, asks_stream_ids), else let go at once. Only a ``whole`` stream is read back: the ids of
-        a stream's last events alone are not what decode holds."""
+        stream is asked from then on, asks_stream_ids), else let go at once. Only a ``whole``
+        stream is read back: the ids of a stream's last events alone are not what decode holds."""
         turns = self.store
         params = params_of(strip_stream_params(stream)[1])
         if turns is None or params is None or not isinstance(self.connector, NixlPull):
