@@ -4,8 +4,10 @@ answer read back."""
 from __future__ import annotations
 
 import json
+import re
 
 from epd_proxy.request.multiturn import NO_IDS, REASONING
+from epd_proxy.request.relay import IdStrippingRelay, kept_bytes
 from epd_proxy.request.turn_streams import params_of, read_stream, strip_stream_params
 
 PARAMS = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]],
@@ -156,3 +158,120 @@ async def test_a_responses_stream_never_shows_the_parameters_and_frees_the_block
         assert turns.active and turns.fallbacks[NO_IDS] == 1
         await wait_for(lambda: turns.freed == 1)
         assert d.kv_reuse.kept_requests == 0
+
+
+# -- a decode that sends its parameters in a stream is asked for the stream's token ids ----------
+
+_NORMAL = re.compile(rb'"id":"[^"]*"|"created":\d+')
+
+
+def _normal(data: bytes) -> bytes:
+    """A stream with what differs between two requests (their ids and times) blanked."""
+    return _NORMAL.sub(b"", data)
+
+
+def _asked(cluster) -> list[bool]:
+    """Per decode request: whether it asked for token ids."""
+    return [_body(rec).get("return_token_ids") is True for rec in cluster.records("decode")]
+
+
+def _body(rec) -> dict:
+    return json.loads(rec.body) if isinstance(rec.body, bytes) and rec.body else {}
+
+
+def _clean(data: bytes) -> None:
+    """Nothing of decode's parameters or of the token ids the proxy asked for reaches the client."""
+    assert b"remote_block_ids" not in data and b'"kv_transfer_params":{' not in data
+    assert b'"token_ids":[' not in data and b'"prompt_token_ids":[' not in data
+
+
+async def _conversation(client) -> list[bytes]:
+    """Three streamed turns, each answer as the client got it."""
+    got: list[bytes] = []
+    prev, text = None, ""
+    for user in ("first question", " ".join(f"u{i}" for i in range(100)), " ".join(f"v{i}" for i in range(100))):
+        body = _chat(user, prev, text, stream=True)
+        r = await client.chat(body)
+        assert r.status == 200
+        _clean(r.body)
+        text = _stream_text(r.body)
+        assert text == expected_text(body)
+        got.append(r.body)
+        prev = body
+    return got
+
+
+async def test_streamed_turns_read_from_decode_once_it_sent_stream_parameters():
+    async with stack(sim=_sim(bidirectional_stream_params=True), local_prefill_max_tokens=0) as (
+            cluster, proxy, client):
+        await _warm(client)
+        probe = _chat("warm up", stream=True)
+        plain = await client.chat(probe)  # the first stream with parameters: not asked; learnt from
+        assert plain.status == 200 and _asked(cluster)[-1] is False
+        _clean(plain.body)
+        again = await client.chat(probe)  # asked now, and the client gets the same bytes
+        assert again.status == 200 and _asked(cluster)[-1] is True
+        sent = cluster.records("decode")[-1].response_body
+        assert b'"token_ids":[' in sent and b'"prompt_token_ids":[' in sent
+        assert _normal(again.body) == _normal(plain.body)
+        turns = proxy.app.pipeline.turns
+        reused = await _conversation(client)
+        assert _asked(cluster)[-3:] == [True, True, True]
+        assert _reads(cluster) == 2 and turns.used == 2
+        assert sum(i.stats.wrong_answers for i in cluster.instances("prefill")) == 0
+        # a client that asked for the ids itself gets them
+        mine = await client.chat(_chat("mine", stream=True, return_token_ids=True))
+        assert b'"token_ids":[' in mine.body and b"remote_block_ids" not in mine.body
+    # the answers are those of the path that reads nothing and asks for nothing, byte for byte
+    async with stack(sim=_sim(bidirectional_stream_params=True), kv_reuse=False) as (cluster, proxy, client):
+        plain_turns = await _conversation(client)
+        assert not any(_asked(cluster)) and _reads(cluster) == 0
+    assert [_normal(b) for b in reused] == [_normal(b) for b in plain_turns]
+
+
+async def test_a_decode_that_never_sent_stream_parameters_is_never_asked():
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _chat("first question", stream=True)
+        for _ in range(2):
+            r = await client.chat(b1)
+            assert r.status == 200 and _stream_text(r.body) == expected_text(b1)
+        assert proxy.app.pipeline.turns.active and _asked(cluster) == [False, False, False]
+        assert proxy.app.pipeline.reuse.stream_decodes == set()
+
+
+class _Writer:
+    """What a relay writes to, as bytes (the pure part of IdStrippingRelay)."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def end(self, data: bytes = b"") -> None:
+        self.out += data
+
+
+class _Ctx:
+    prefill_report = None
+
+
+def test_ids_taken_out_of_events_cut_anywhere():
+    events = (b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+              b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[1,2,3],"prompt_text":null}\n\n'
+              + b''.join(b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"t%d"},"logprobs":null,'
+                         b'"finish_reason":null,"token_ids":[%d]}]}\n\n' % (i, 100 + i) for i in range(5))
+              + b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,'
+              b'"finish_reason":"stop","stop_reason":null,"token_ids":[7,8]}]}\n\n'
+              b'data: {"id":"c","choices":[],"kv_transfer_params":null}\n\ndata: [DONE]\n\n')
+    want = events.replace(b'"prompt_token_ids":[1,2,3]', b'"prompt_token_ids":null')
+    want = re.sub(rb'"token_ids":\[[0-9,]*\]', b'"token_ids":null', want)
+    for size in (1, 7, 64, len(events)):
+        w = _Writer()
+        relay = IdStrippingRelay(w, None, _Ctx(), None, True)
+        for i in range(0, len(events), size):
+            relay.on_data(events[i:i + size])
+        relay.on_end()
+        assert bytes(w.out) == want, size
+        assert kept_bytes(relay) == events

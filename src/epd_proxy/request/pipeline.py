@@ -268,9 +268,10 @@ class Pipeline:
                                                                                        and api.usage_event)))
                                            else None,
                                            HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
-                if api is not None and turns is not None and (relay.prev + relay.last).find(MARK) >= 0:
+                if turns is not None and (relay.last.find(MARK) >= 0 or relay.prev.find(MARK) >= 0):
                     # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
-                    # stream, in its last event): reuse is on from here; these blocks are let go.
+                    # stream, a later vLLM's chat or completions stream, in its last event): reuse
+                    # is on from here; these blocks are let go.
                     self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last, whole=False)
             else:
                 relay = await self._relay_kept(writer, ctx, body, leg, headers, report, hide, api)
@@ -292,11 +293,13 @@ class Pipeline:
         taken out by a relay that looks at the ending events, and with the token ids decode
         holds in the stream (generate's; chat's and completions' when the client asked), the
         whole stream kept to read the answer back for the next turn."""
-        keeping = ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
+        asked = ctx.ids_asked  # the proxy asked for them: kept, and taken out of each event
+        keeping = asked or ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
         usage = hide or api is None or ((report is not None or leg.companion is not None)
                                         and (_wants_usage(body) or api.usage_event))
         relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
-                                   HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping)
+                                   HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping,
+                                   asked)  # with api None: a usage relay
         kept = kept_bytes(relay) if keeping else None
         whole = kept is not None
         if kept is None:
@@ -417,6 +420,7 @@ class Pipeline:
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """One attempt builds every handle anew from the untouched client body."""
         ctx.prefill_report = None
+        ctx.ids_asked = False  # this attempt's decode, asked below
         if ctx.api is not None and ctx.whole is not None:
             return await self._whole(ctx, body)
         models = ctx.models  # None (the common case): every instance serves the request's model
@@ -451,6 +455,12 @@ class Pipeline:
                 body = dict(body, return_token_ids=True)
                 ctx.ids_asked = True
             local = None if ctx.turn_tried or items else await self.reuse.previous_turn(ctx, turns, body, p)
+            if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids")
+                    and self.reuse.asks_stream_ids(ctx, body, local or d)):
+                # A decode that sends its parameters in a stream: asked for the token ids the next
+                # turn is checked against, taken out of what the client gets (IdStrippingRelay).
+                body = dict(body, return_token_ids=True)
+                ctx.ids_asked = True
             if local is not None:  # the prefill skipped: the decode holding the rest computes the new part
                 t = time.perf_counter()
                 try:

@@ -17,6 +17,7 @@ from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
 from epd_proxy.request.apis import GenerationApi
 from epd_proxy.request.hidden_usage import FINISHED, HiddenUsage
+from epd_proxy.request.multiturn import strip_token_ids
 from epd_proxy.request.turn_streams import MARK, strip_stream_params
 from epd_proxy.request.usage import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
@@ -263,6 +264,47 @@ class KeepingApiRelay(ApiRelay):
         ApiRelay.on_data(self, data)
 
 
+class IdStrippingRelay(KeepingUsageRelay):
+    """A KeepingUsageRelay for a chat or completions stream whose decode the proxy asked for
+    token ids the client did not ask for (``return_token_ids``: a decode that sends its
+    parameters in a stream, turn_reuse.py). What decode sent is kept, ids and all, for the
+    next turn; the client gets each event with the id lists as vLLM writes them when not
+    asked (``null``: multiturn.strip_token_ids, two byte searches a read, no JSON decode), so
+    it receives the bytes it would have had without them. Reads are cut at event ends first:
+    a list may straddle two reads."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.pending = b""
+
+    def on_data(self, data: bytes) -> None:
+        keep(self, data)
+        if self.pending:
+            data = self.pending + data
+            self.pending = b""
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) <= _MAX_HELD:
+                self.pending = data
+                return
+        elif cut + 2 < len(data):
+            self.pending = data[cut + 2:]
+            data = data[:cut + 2]
+        UsageRelay.on_data(self, strip_token_ids(data))
+
+    def on_end(self) -> None:
+        pending, self.pending = self.pending, b""
+        if pending and not self.ended:
+            UsageRelay.on_data(self, strip_token_ids(pending))
+        super().on_end()
+
+    def fail(self, error: ProxyError) -> None:
+        self.pending = b""
+        super().fail(error)
+
+
 # What a keeping relay holds of one stream at most (a longer answer is not kept for reuse).
 MAX_KEPT = 8 << 20
 
@@ -286,19 +328,23 @@ def kept_bytes(relay: StreamRelay) -> bytes | None:
 async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
                        companion: asyncio.Future | None = None, usage_ctx=None,
                        hidden: HiddenUsage | None = None, single_choice: bool = False,
-                       api: GenerationApi | None = None, keeping: bool = False) -> StreamRelay:
+                       api: GenerationApi | None = None, keeping: bool = False,
+                       strip_ids: bool = False) -> StreamRelay:
     """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
     With ``usage_ctx`` (a RequestContext) the final usage event is rewritten, and with
     ``hidden`` taken out (UsageRelay; ``single_choice``: the request asked for one choice);
     with ``api`` an in-band error is in its form (ApiRelay); ``keeping``: decode's bytes are
-    kept too, for the parameters of its last event (KeepingUsageRelay, KeepingApiRelay)."""
+    kept too, for the parameters of its last event (KeepingUsageRelay, KeepingApiRelay);
+    ``strip_ids`` (with ``usage_ctx``): the token ids the proxy asked for are kept and taken
+    out of what the client gets (IdStrippingRelay)."""
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
     relay: StreamRelay
     if api is not None and api.usage_event:
         relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, usage_ctx)
     elif usage_ctx is not None:
-        relay = (KeepingUsageRelay if keeping else UsageRelay)(writer, resp, usage_ctx, hidden, single_choice)
+        cls = IdStrippingRelay if strip_ids else KeepingUsageRelay if keeping else UsageRelay
+        relay = cls(writer, resp, usage_ctx, hidden, single_choice)
     elif api is not None:
         relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api)
     else:

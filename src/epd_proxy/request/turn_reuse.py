@@ -19,7 +19,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.ingress import CHAT
+from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.request.multiturn import (
     DECODE_GONE,
     NO_IDS,
@@ -80,6 +80,17 @@ class TurnReuse:
         self.models = models
         self.base_headers = base_headers
         self.releases: set[asyncio.Task] = set()
+        # The decodes (URLs) seen to send their parameters in a chat or completions stream's last
+        # event: asked for the stream's token ids from then on (asks_stream_ids). vLLM 0.32 never
+        # sends them there, so its streams are never asked.
+        self.stream_decodes: set[str] = set()
+
+    def asks_stream_ids(self, ctx: RequestContext, body: dict, decode: Instance) -> bool:
+        """Whether a chat or completions stream whose client did not ask for token ids should
+        ask ``decode`` for them: a decode seen to send its parameters in a stream, and one
+        choice without an echo (read_stream reads back nothing else)."""
+        return (decode.url in self.stream_decodes and (ctx.path == CHAT or ctx.path == COMPLETIONS)
+                and body.get("n") in (None, 1) and not body.get("echo"))
 
     async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None
                             ) -> Instance | None:
@@ -206,13 +217,16 @@ class TurnReuse:
         """Decode's stream ended with its parameters (a later vLLM's chat or completions
         stream; 0.32's Responses stream): kept for the next turn when the stream carried the
         token ids decode holds (generate's always, chat's and completions' when the client
-        asked for them), else let go at once. Only a ``whole`` stream is read back: the ids of
-        a stream's last events alone are not what decode holds."""
+        asked for them, or the proxy did: a decode seen here to send its parameters in such a
+        stream is asked from then on, asks_stream_ids), else let go at once. Only a ``whole``
+        stream is read back: the ids of a stream's last events alone are not what decode holds."""
         turns = self.store
         params = params_of(strip_stream_params(stream)[1])
         if turns is None or params is None or not isinstance(self.connector, NixlPull):
             return
         turns.active = True
+        if ctx.api is None and (ctx.path == CHAT or ctx.path == COMPLETIONS):
+            self.stream_decodes.add(leg.inst.url)  # asked for a stream's token ids from now on
         now = time.monotonic()
         model = body.get("model")
         if not whole or (ctx.api is not None and ctx.path not in PROMPT_APIS):
