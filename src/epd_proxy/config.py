@@ -385,8 +385,11 @@ class ProxyConfig:
     kv_reuse_margin: float = 15.0  # parameters are used only until TTL - margin after receipt
     kv_reuse_max_held_tokens: int = 262144  # per decode, what kept parameters hold (0 = no bound)
     # A turn whose prefill would compute at most this many tokens goes to the decode that
-    # holds the rest of its prompt, alone (0 = never).
+    # holds the rest of its prompt, alone (0 = never) ...
     local_prefill_max_tokens: int = 64
+    # ... when that decode runs at most this many other requests: a local prefill lengthens
+    # the steps of every stream batched with it (docs/benchmarks.md, "multiturn").
+    local_prefill_max_streams: int = 0
 
     def validate(self) -> None:
         """Raise ``ConfigErrors`` naming every knob of this config that cannot work (the
@@ -422,6 +425,7 @@ class ProxyConfig:
             ("--kv-reuse-margin", self.kv_reuse_margin, 0, False),
             ("--kv-reuse-max-held-tokens", self.kv_reuse_max_held_tokens, 0, False),
             ("--local-prefill-max-tokens", self.local_prefill_max_tokens, 0, False),
+            ("--local-prefill-max-streams", self.local_prefill_max_streams, 0, False),
             ("--encoder-max-batch-size", self.encoder_max_batch_size, 0, False),
             ("--encoder-max-outstanding", self.encoder_max_outstanding, 0, False),
             ("--ec-consumer-dp-size", self.ec_consumer_dp_size, 1, False),

@@ -29,6 +29,7 @@ from epd_proxy.request.multiturn import (
     lookup_key,
     read_answer,
     reuse_params,
+    skips_prefill,
     strip_params,
     tokenize_body,
     tokens_of,
@@ -216,6 +217,14 @@ def test_estimate_uses_the_conversations_own_ratio():
     entry = Entry({}, "d", tokens=100, chars=400, deadline=0, conversation=b"")
     assert estimate_new_tokens(entry, 40, 1) == 10 + 16
     assert estimate_new_tokens(Entry({}, "d", 0, 0, 0, b""), 40, 1) == 10 + 16
+
+
+def test_a_prefill_is_skipped_only_for_a_few_tokens_on_a_quiet_decode():
+    assert skips_prefill(40, 0, 64, 0)
+    assert not skips_prefill(65, 0, 64, 0)  # too much to compute on decode
+    assert not skips_prefill(40, 1, 64, 0)  # another stream would wait for it
+    assert skips_prefill(40, 2, 64, 2) and not skips_prefill(40, 2.5, 64, 2)
+    assert not skips_prefill(0, 0, 0, 0)  # --local-prefill-max-tokens 0: never
 
 
 # -- decode's answer ----------------------------------------------------------------------------
@@ -447,6 +456,30 @@ async def test_a_short_follow_up_is_served_by_the_holding_decode_alone():
         b3 = _next(b2)
         await _ask(client, b3)
         assert len(_reads(cluster)) == 1 and _wrong(cluster) == 0
+
+
+@pytest.mark.parametrize("max_streams", [0, 1])
+async def test_a_short_follow_up_skips_the_prefill_only_while_its_decode_runs_few_streams(max_streams):
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, bidirectional=True, roles={"decode": {"itl_ms": 5}})
+    async with stack(sim=sim, local_prefill_max_streams=max_streams) as (cluster, proxy, client):
+        await _warm(client)
+        b1 = _t1(answer=20)
+        await _ask(client, b1)
+        decode = proxy.app.pipeline.decode.instances[0]
+        other = asyncio.create_task(_ask(client, _t1("another conversation", answer=100)))  # 0.5 s on decode
+        await wait_for(lambda: decode.inflight == 1)
+        prefills = len(cluster.records("prefill"))
+        await _ask(client, _next(b1, "ok?", answer=4))
+        turns = proxy.app.pipeline.turns
+        if max_streams == 0:  # the other stream would have waited for the local prefill
+            assert (turns.local_prefills, turns.local_busy, turns.used) == (0, 1, 1)
+            assert len(cluster.records("prefill")) > prefills
+        else:
+            assert (turns.local_prefills, turns.local_busy, turns.used) == (1, 0, 0)
+            assert len(cluster.records("prefill")) == prefills
+        assert not other.done()
+        await other
+        assert _wrong(cluster) == 0
 
 
 async def test_no_kv_reuse_still_keeps_the_parameters_from_clients():

@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-max-tokens", type=int, default=defaults.local_prefill_max_tokens,
                    metavar="N", help="a turn whose prefill would compute at most N tokens goes to the decode "
                                      "holding the rest of its prompt, alone (0 = never; default %(default)s)")
+    p.add_argument("--local-prefill-max-streams", type=int, default=defaults.local_prefill_max_streams,
+                   metavar="N", help="... when that decode runs at most N other requests: a local prefill "
+                                     "lengthens every stream's steps on it (default %(default)s)")
     p.add_argument("--encoder-max-batch-size", type=int,
                    default=_env(ENCODER_MAX_BATCH_SIZE_ENV, defaults.encoder_max_batch_size, int),
                    help=f"images per encoder sub-request (0 = unlimited; default ${ENCODER_MAX_BATCH_SIZE_ENV}, "
@@ -355,6 +358,7 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         kv_reuse_margin=args.kv_reuse_margin,
         kv_reuse_max_held_tokens=args.kv_reuse_max_held_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_streams=args.local_prefill_max_streams,
         encoder_max_batch_size=args.encoder_max_batch_size,
         encoder_max_outstanding=args.encoder_max_outstanding,
         encoder_fallback=args.encoder_fallback,

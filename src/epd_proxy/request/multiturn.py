@@ -115,6 +115,7 @@ class TurnStore:
         self.kept = 0
         self.used = 0
         self.local_prefills = 0
+        self.local_busy = 0  # turns short enough to skip the prefill, whose decode ran others
         self.freed = 0  # entries handed to a prefill only to free decode's blocks early
         self.fallbacks: dict[str, int] = {}
         self.released: dict[str, int] = {}
@@ -374,6 +375,14 @@ def estimate_new_tokens(entry: Entry, new_chars: int, new_messages: int = 1) -> 
 TEMPLATE_TOKENS = 8
 
 
+def skips_prefill(new_tokens: int, streams: float, max_tokens: int, max_streams: int) -> bool:
+    """Whether a turn goes to the decode holding its history alone: its prefill would compute
+    at most ``max_tokens``, and that decode runs at most ``max_streams`` other requests. vLLM
+    batches a prefill with the running streams, so each of their steps waits for it: on a busy
+    decode the hop it saves one turn is paid by every other stream in inter-token latency."""
+    return 0 < max_tokens and new_tokens <= max_tokens and streams <= max_streams
+
+
 # -- decode's answer --------------------------------------------------------------------------
 
 
@@ -626,7 +635,8 @@ def turns_collector(store: TurnStore | None) -> Callable[[dict[str, list]], None
         if store is None:
             return
         f["epd_proxy_kv_reuse_turns"] += [["kept", store.kept], ["used", store.used],
-                                          ["local_prefill", store.local_prefills], ["freed", store.freed]]
+                                          ["local_prefill", store.local_prefills],
+                                          ["local_prefill_busy", store.local_busy], ["freed", store.freed]]
         f["epd_proxy_kv_reuse_fallbacks"] += [[r, n] for r, n in store.fallbacks.items()]
         f["epd_proxy_kv_reuse_released"] += [[r, n] for r, n in store.released.items()]
         f["epd_proxy_kv_reuse_held_tokens"] += [[u, n] for u, n in store.held.items()]

@@ -35,6 +35,7 @@ from epd_proxy.request.multiturn import (
     lookup_key,
     read_answer,
     reuse_params,
+    skips_prefill,
     tokenize_body,
     tokens_of,
 )
@@ -72,6 +73,7 @@ class TurnReuse:
         self.store = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
             if config.kv_reuse else None
         self.local_prefill_max = config.local_prefill_max_tokens
+        self.local_prefill_streams = config.local_prefill_max_streams
         self.balance_abs = config.balance_abs
         self.prefill = prefill
         self.decode = decode
@@ -139,11 +141,14 @@ class TurnReuse:
             return None
         if self.local_prefill_max and self._within_bound(ctx, holder):
             new = estimate_new_tokens(entry, new_chars, new_messages)
-            if new <= self.local_prefill_max:
+            if skips_prefill(new, holder.inflight + holder.signals.others, self.local_prefill_max,
+                             self.local_prefill_streams):
                 # Not released: the turn's own request on that decode shares those blocks
                 # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
                 turns.local_prefills += 1
                 return holder
+            if new <= self.local_prefill_max:
+                turns.local_busy += 1
         connector = self.connector
         if p is None or not isinstance(connector, NixlPull):
             turns.fallback("no_pull_prefill")

@@ -68,6 +68,8 @@ def add_arguments(group) -> None:
     group.add_argument("--mt-local-prefill-max-tokens", type=int, default=None,
                        help="multiturn: the reuse-skip target's --local-prefill-max-tokens (default: the proxy's; "
                             "the reuse target runs with 0)")
+    group.add_argument("--mt-local-prefill-max-streams", type=int, default=None,
+                       help="multiturn: the reuse-skip target's --local-prefill-max-streams (default: the proxy's)")
     group.add_argument("--mt-stream", action=argparse.BooleanOptionalAction, default=True,
                        help="multiturn: clients stream (TTFT and ITL measured); --no-mt-stream sends non-stream "
                             "requests, whose TTFT is the whole answer's time and which have no ITL (vLLM 0.32's "
@@ -97,8 +99,9 @@ def proxy_flags(name: str, args) -> list[str] | None:
     if name == "reuse":
         return list(CACHE_AWARE) + ["--local-prefill-max-tokens", "0"]
     if name == "reuse-skip":
-        n = args.mt_local_prefill_max_tokens
-        return list(CACHE_AWARE) + (["--local-prefill-max-tokens", str(n)] if n is not None else [])
+        n, streams = args.mt_local_prefill_max_tokens, args.mt_local_prefill_max_streams
+        return (list(CACHE_AWARE) + (["--local-prefill-max-tokens", str(n)] if n is not None else [])
+                + (["--local-prefill-max-streams", str(streams)] if streams is not None else []))
     raise ValueError(f"unknown multiturn target {name!r} (known: {', '.join(DEFAULT_TARGETS)}, vllm-router:POLICY)")
 
 
@@ -296,7 +299,8 @@ async def run(args) -> dict:
     out: dict = {"targets_run": names, "candidate": cand, "rates": rates, "proxy_has_reuse": proxy_has_reuse(),
                  "counts": {"prefill": args.mt_prefills, "decode": args.mt_decoders}, "ttl_s": args.mt_ttl,
                  "ttft_per_token_ms": args.mt_ttft_per_token_ms, "decode_chunk_tokens": args.mt_decode_chunk_tokens,
-                 "local_prefill_max_tokens": args.mt_local_prefill_max_tokens, "stream": args.mt_stream,
+                 "local_prefill_max_tokens": args.mt_local_prefill_max_tokens,
+                 "local_prefill_max_streams": args.mt_local_prefill_max_streams, "stream": args.mt_stream,
                  "stream_share": args.mt_stream_share if args.mt_stream else 0.0,
                  "workloads": {}}
     partial = getattr(args, "partial", None)
