@@ -310,6 +310,10 @@ async def test_chunked_local_prefill_delays_the_other_streams(http):
         assert inst.engine.prefill_steps == 6 + 1  # the stream's own short prompt took one step
         rec = [r for r in inst.records if r.json and r.json.get("stream")][0]
         assert rec.t_end - rec.t_received >= 6 * 0.025  # 60 tokens alone take 60 ms
+        # the decode's own view of it: the stream's tokens after each long step waited for it
+        gaps = dict((ms, n) for ms, n in (await http.get(url, "/sim/state")).json["itl_model"])
+        assert gaps[26.6] == 5 and gaps[23.1] == 1  # 1 ms + 512 (then 443) tokens at 0.05 ms
+        assert sum(gaps.values()) == 59  # every token of the stream after its first
 
 
 async def test_every_generation_api_carries_decode_params(http):

@@ -31,6 +31,8 @@ def state(inst: SimHost) -> dict:
         "kept_kv": [{"request_id": k.request_id, "blocks": k.block_ids, "tokens": len(k.ids), "expiry": k.expiry}
                     for k in inst.kv_reuse.kept()],
         "running": eng.num_running if eng else 0, "waiting": eng.num_waiting if eng else 0,
+        # [[ms, stream tokens]]: the modelled inter-token latency (Engine.gaps)
+        "itl_model": [[k / 10, n] for k, n in sorted(eng.gaps.items())] if eng else [],
         "stats": inst.stats.as_dict(), "ec_store_entries": len(inst.ec_store),
         "prefix_cache": None if pc is None else {"blocks": len(pc), "queries": pc.queries, "hits": pc.hits},
         "lora": {"adapters": dict(inst.lora.adapters), "active": list(inst.lora.active), "swaps": inst.lora.swaps,

@@ -1,6 +1,6 @@
 """The multiturn scenario's pure parts: counters between snapshots, the targets, the report."""
 
-from epd_proxy.bench.scenarios.multiturn.evaluate import counters, evaluate_targets, mismatches, section
+from epd_proxy.bench.scenarios.multiturn.evaluate import counters, decode_itl, evaluate_targets, mismatches, section
 
 
 def _state(**stats) -> dict:
@@ -23,12 +23,24 @@ def test_counters_sum_roles_between_snapshots():
     assert c["kept_kv_blocks_end"] == 9 and c["prefill"]["requests"] == 5
 
 
-def _cell(computed, p50, p99, itl, verify=0, wrong=0, **kw):
+def test_decode_itl_from_the_decodes_steps_between_snapshots():
+    before = [{"itl_model": [[5.0, 100], [9.0, 2]]}, {"itl_model": []}]
+    after = [{"itl_model": [[5.0, 1100], [9.0, 2], [10.5, 8]]}, {"itl_model": [[5.0, 900], [12.0, 2]]}]
+    got = decode_itl(before, after)  # 1,900 tokens at 5 ms, 8 at 10.5, 2 at 12
+    assert got == {"tokens": 1910, "p50": 5.0, "p99": 5.0, "longer": 10}
+    after[1]["itl_model"] = [[5.0, 900], [12.0, 30]]  # 38 of 1,938 after a longer step: past 1 %
+    assert decode_itl(before, after)["p99"] == 12.0
+    assert decode_itl([], [])["tokens"] == 0
+
+
+def _cell(computed, p50, p99, itl, verify=0, wrong=0, d_itl=None, **kw):
+    d = {"p99": itl if d_itl is None else d_itl, "longer": 0}
     return {"requests": 10, "errors": 0, "verify_errors": verify, "ttft_ms": {"p50": p50, "p99": p99},
             "itl_ms": {"p99": itl}, "held": {"peak_total": 5},
             "counters": {"computed": computed, "computed_prefill": computed, "computed_decode": 0,
                          "read_from_decode": 0, "kv_moved_bytes": 0, "wrong_kv_reads": wrong,
-                         "kept_kv_blocks_end": 1, "local_prefills_on_decode": 0, "prefill": {"requests": 10}}, **kw}
+                         "kept_kv_blocks_end": 1, "local_prefills_on_decode": 0, "prefill": {"requests": 10},
+                         "decode_itl_ms": d}, **kw}
 
 
 def _result(cells: dict, short: dict | None = None) -> dict:
@@ -55,6 +67,11 @@ def test_targets_met_and_missed():
     assert "vllm-router:cache_aware" in by["mt_ttft_p50"]["note"]
     assert by["mt_ttft_p99"]["measured"] == 120 / 200 and by["mt_ttft_p99"]["met"]
     assert by["mt_mismatches"]["measured"] == 1 and not by["mt_mismatches"]["met"]
+    # decode's own ITL is what the target weighs; the client's is reported beside it
+    cells["reuse-skip"] = _cell(500, 40, 120, 6.0, d_itl=7.0)
+    by = {t["key"]: t for t in evaluate_targets(_result(cells))}
+    assert by["mt_itl_p99"]["measured"] == 7.0 / 6.0 and not by["mt_itl_p99"]["met"]
+    assert "client ITL p99 6.00 against 6.00 ms" in by["mt_itl_p99"]["note"]
 
 
 def test_no_targets_without_the_candidate_or_the_baseline():

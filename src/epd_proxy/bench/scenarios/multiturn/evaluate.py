@@ -20,7 +20,8 @@ LIMITS = {
                          "proxy and vllm-router (below 1)", 1.0, "x", "<="),
     "mt_ttft_p99": Limit("multi-turn reuse, long answers: TTFT p99 vs the best of cache-aware, vLLM's multiturn "
                          "proxy and vllm-router (below 1)", 1.0, "x", "<="),
-    "mt_itl_p99": Limit("multi-turn reuse, long answers: ITL p99 vs today's cache-aware", 1.05, "x", "<="),
+    "mt_itl_p99": Limit("multi-turn reuse, long answers: decode ITL p99 (decodes' steps) vs today's cache-aware",
+                        1.05, "x", "<="),
     "mt_mismatches": Limit("multi-turn reuse: mismatched answers (both workloads)", 0, "", "<="),
 }
 
@@ -35,6 +36,34 @@ def role_sums(states: list[dict]) -> dict:
     ph = sum((st.get("prefix_cache") or {}).get("hits", 0) for st in states)
     out["prefix_queries"], out["prefix_hits"] = pq, ph
     out["kept_kv_blocks"] = sum(st.get("kept_kv_blocks", 0) for st in states)
+    return out
+
+
+def decode_itl(before: list[dict], after: list[dict]) -> dict:
+    """Decode's inter-token latency between two snapshots from the decodes' own steps
+    (``itl_model``: stream tokens by the modelled length of the step before them), as vLLM's
+    ITL histogram would show it: what a local prefill costs the other streams, without the
+    timer and scheduling noise a client on a shared machine adds. p50 and p99 over the
+    tokens (nearest rank); ``longer``: tokens after a step lengthened by a prefill chunk."""
+    hist: dict[float, int] = {}
+    for states, sign in ((after, 1), (before, -1)):
+        for st in states:
+            for ms, n in st.get("itl_model") or []:
+                hist[ms] = hist.get(ms, 0) + sign * n
+    total = sum(n for n in hist.values() if n > 0)
+    out: dict = {"tokens": total, "p50": math.nan, "p99": math.nan, "longer": 0}
+    if not total:
+        return out
+    gaps = sorted((ms, n) for ms, n in hist.items() if n > 0)
+    for q in ("p50", "p99"):
+        rank = math.ceil(total * float(q[1:]) / 100)
+        seen = 0
+        for ms, n in gaps:
+            seen += n
+            if seen >= rank:
+                out[q] = ms
+                break
+    out["longer"] = sum(n for ms, n in gaps if ms > gaps[0][0])
     return out
 
 
@@ -55,6 +84,7 @@ def counters(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> dic
     out["local_prefills_on_decode"] = dc["local_prefills"]
     out["wrong_kv_reads"] = p["wrong_answers"]
     out["kept_kv_blocks_end"] = dc["kept_kv_blocks_end"]
+    out["decode_itl_ms"] = decode_itl(before.get("decode", []), after.get("decode", []))
     return out
 
 
@@ -88,9 +118,14 @@ def evaluate_targets(result: dict) -> list[dict]:
             out.append(target_check("mt_computed", LIMITS["mt_computed"],
                                     _ratio(c["counters"]["computed"], base["counters"]["computed"]), "multiturn",
                                     f"{c['counters']['computed']} against {base['counters']['computed']} tokens"))
-            out.append(target_check("mt_itl_p99", LIMITS["mt_itl_p99"],
-                                    _ratio(c["itl_ms"]["p99"], base["itl_ms"]["p99"]), "multiturn",
-                                    f"{fmt(c['itl_ms']['p99'])} against {fmt(base['itl_ms']['p99'])} ms"))
+            # Decode's own ITL: a client's p99 on this 2-core machine moves by more than the 5 %
+            # between two runs of one target (docs/benchmarks.md, "multiturn"); it is reported beside.
+            di, bi = c["counters"].get("decode_itl_ms", {}), base["counters"].get("decode_itl_ms", {})
+            out.append(target_check("mt_itl_p99", LIMITS["mt_itl_p99"], _ratio(di.get("p99"), bi.get("p99")),
+                                    "multiturn",
+                                    f"{fmt(di.get('p99'))} against {fmt(bi.get('p99'))} ms; tokens after a "
+                                    f"lengthened step {di.get('longer')} against {bi.get('longer')}; client ITL "
+                                    f"p99 {fmt(c['itl_ms']['p99'])} against {fmt(base['itl_ms']['p99'])} ms"))
         others = {n: x for n, x in cells.items()
                   if n not in (cand, "reuse", "reuse-skip") and _ok(x)}
         if _ok(c) and others:
@@ -157,21 +192,24 @@ def section(result: dict, plots: dict) -> list[str]:
                 if cell is None:
                     continue
                 if not cell.get("available", True) or cell.get("error"):
-                    rows.append([tname] + ["–"] * 11 + [cell.get("note") or cell.get("error") or "not run"])
+                    rows.append([tname] + ["–"] * 12 + [cell.get("note") or cell.get("error") or "not run"])
                     continue
                 k = cell["counters"]
                 held = cell.get("held", {})
+                di = k.get("decode_itl_ms", {})
                 rows.append([
                     tname, str(cell["requests"]), f"{cell['errors']} / {mismatches(cell)}",
                     f"{k['computed_prefill']:,} + {k['computed_decode']:,} = {k['computed']:,}",
                     f"{k['read_from_decode']:,}", _mib(k["kv_moved_bytes"]),
                     fmt(cell["ttft_ms"]["p50"], 1), fmt(cell["ttft_ms"]["p99"], 1), fmt(cell["itl_ms"]["p99"], 1),
+                    f"{fmt(di.get('p99'), 1)} ({di.get('longer', '–')})",
                     f"{held.get('peak_total', '–')} / {k['kept_kv_blocks_end']}",
                     str(k["local_prefills_on_decode"]), f"{k['prefill']['requests']}", cell.get("note", "")])
             out.append(f"At {fmt(rate)} req/s:")
             out.append("")
             out.append(table(["target", "requests", "errors / mismatches", "prompt tokens computed (P + D = all)",
-                              "tokens read from D", "KV moved MiB", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms",
+                              "tokens read from D", "KV moved MiB", "TTFT p50 ms", "TTFT p99 ms", "client ITL p99 ms",
+                              "D ITL p99 ms (tokens after a longer step)",
                               "D blocks kept (peak / end)", "local prefills on D", "prefill requests", "note"], rows))
             out.append("")
     for name, why in result.get("skipped", {}).items():

@@ -274,7 +274,9 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, ws: dict, name: s
     if args.progress:
         k = res["counters"]
         print(f"multiturn {workload} {name} @ {rate:g} req/s: TTFT p50 {res['ttft_ms']['p50']:.1f} p99 "
-              f"{res['ttft_ms']['p99']:.1f} ms, ITL p99 {res['itl_ms']['p99']:.1f} ms, computed {k['computed']} "
+              f"{res['ttft_ms']['p99']:.1f} ms, ITL p99 {res['itl_ms']['p99']:.1f} ms (decode's "
+              f"{k['decode_itl_ms']['p99']:.1f}, {k['decode_itl_ms']['longer']} tokens after a longer step), "
+              f"computed {k['computed']} "
               f"(P {k['computed_prefill']}, D {k['computed_decode']}), read from D {k['read_from_decode']}, "
               f"errors {res['errors']}, mismatches {res['verify_errors']}+{k['wrong_kv_reads']}",
               file=sys.stderr, flush=True)
