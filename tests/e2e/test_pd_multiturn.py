@@ -137,6 +137,10 @@ def test_short_follow_up_skips_the_prefill(mt, proxy):
     messages = _ask_next(mt, [{"role": "system", "content": SYSTEM}], "s6")
     text, _ = _turn(proxy, mt, messages)
     messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
+    # Only a decode no other stream would wait on prefills locally (--local-prefill-max-streams
+    # 0): vLLM publishes its running count a moment late, so the proxy's scrape of it may
+    # still show the last turn.
+    assert E.wait_for(lambda: _proxy_metric(proxy, "epd_proxy_instance_other_requests", role="decode") == 0, 10)
     p0, d0 = mt.prefill.metrics(), mt.decode.metrics()
     local0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="local_prefill")
     text, _ = _turn(proxy, mt, messages)

@@ -18,13 +18,16 @@ Targets, side by side on fresh clusters:
 ``cache-aware``       epd-proxy, cache-aware prefill, load-aware decode, ``--no-kv-reuse``
                       (today's routing; without that flag when the proxy has no reuse)
 ``reuse``             the same with multi-turn reuse (automatic), ``--local-prefill-max-tokens 0``
-``reuse-skip``        reuse and prefill skipping (``--local-prefill-max-tokens``: the proxy's default, or N)
+``reuse-skip``        reuse and prefill skipping (``--local-prefill-max-tokens`` and
+                      ``--local-prefill-max-streams``: the proxy's defaults, or N)
 ``vllm-multiturn``    vLLM 0.33's ``disagg_proxy_multiturn.py`` (fetched from the vllm sdist on
                       the package index; sent ``conversation_id``)
 ``vllm-router:P``     vllm-router ``--policy P``
 
 Reported per target: prompt tokens computed (on prefills, on decodes, together), tokens
-read from decode, KV moved, TTFT p50/p99, ITL p99, blocks decodes keep (peak while running,
+read from decode, KV moved, TTFT p50/p99, ITL p99 as the client sees it and as the decodes'
+steps set it (``/sim/state`` ``itl_model``: what the ITL target weighs, free of the client's
+scheduling noise), blocks decodes keep (peak while running,
 at the end), errors and mismatches (answers that differ from the simulator's, and prefills
 that read another prompt's KV). The pure parts (counters, targets, the report) are in
 ``evaluate``; the processes and the driver in ``run``.
