@@ -122,10 +122,11 @@ async def test_closed_loop_workers_start_spread_over_the_warmup():
         reqs = prepare(make_workload("stream", max_tokens=40, variants=2), expected=simulator_expected())
         together = await _first_sends(url, reqs, ramp=0.0)
         spread = await _first_sends(url, reqs, ramp=None)  # default: over the warm-up
-        # Together: the 16 first requests leave before the first one can finish (~40 ms).
-        assert together[-1] - together[0] < 0.03
+        # Together: the 16 first requests leave at once (before the first one can finish,
+        # ~40 ms, on an idle machine: a loaded one stretches that, not the spread below).
         # Spread: 16 uniform draws over 0.6 s, far wider than one request.
         assert spread[-1] - spread[0] > 0.2
+        assert together[-1] - together[0] < (spread[-1] - spread[0]) / 4
 
 
 async def test_messages_and_responses_workloads_through_the_proxy():
