@@ -58,11 +58,24 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
+# Ports handed to the processes we start come from below the kernel's ephemeral range
+# (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default): vLLM and NIXL bind their
+# own sockets to ephemeral picks while the instances start together, and one of those could
+# take a port chosen for another instance before it binds it.
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    """A currently free loopback TCP port (the kernel's ephemeral pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A currently free loopback TCP port outside the ephemeral range."""
+    for _ in range(1000):
+        port = random.choice(_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def free_ports(n: int) -> list[int]:
