@@ -38,9 +38,9 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe.metrics import ProxyMetrics, render
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES
-from epd_proxy.request.connectors import check_connector_config
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
+from epd_proxy.request.legs.connectors import check_connector_config
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.routing.endpoints import ROUTED

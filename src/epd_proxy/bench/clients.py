@@ -65,7 +65,7 @@ async def run_stages(pools: dict, prep: Prepared, timeouts: TransportTimeouts, *
     from epd_proxy.encode.encoder_plan import encoder_body, new_transfer_id, plan_sub_requests
     from epd_proxy.encode.multimodal import collect_media
     from epd_proxy.request.apis import GENERATION_APIS
-    from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
+    from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 
     body = prep.obj
     times = {"encode": 0.0, "prefill": 0.0, "decode_ttft": math.nan}

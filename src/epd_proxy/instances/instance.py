@@ -24,7 +24,7 @@ Who moves each edge:
   probes it at the fast interval until a probe answers.
 - (1) failures past ``health.py``'s outlier rules (``instance_failure``,
   ``request_failure``), fed by ``pool.py``'s probes and its ``record_*`` (called from
-  ``request/upstream.py``); ``pool.py`` arms the re-admission timer (``expiry``).
+  ``request/legs/upstream.py``); ``pool.py`` arms the re-admission timer (``expiry``).
 - (2) the ejection time is over: ``pool.py``'s timer (``OutlierRules.expire``).
 - (3) a probe or request success, when probes caused or confirmed the ejection
   (``OutlierRules.success``, through ``pool.py``).

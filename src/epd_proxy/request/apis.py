@@ -23,9 +23,9 @@ from __future__ import annotations
 import msgspec
 
 from epd_proxy.encode.multimodal import MediaItem, content_uuid
-from epd_proxy.request.api_usage import messages_usage, responses_usage, rewrite_api_usage, rewrite_usage_events
-from epd_proxy.request.usage import PrefillReport
-from epd_proxy.request.usage import rewrite_usage as rewrite_chat_usage
+from epd_proxy.request.usage.api_fields import messages_usage, responses_usage, rewrite_api_usage, rewrite_usage_events
+from epd_proxy.request.usage.rewrite import PrefillReport
+from epd_proxy.request.usage.rewrite import rewrite_usage as rewrite_chat_usage
 from epd_proxy.wire.errors import ProxyError
 
 MESSAGES = "/v1/messages"

@@ -12,8 +12,8 @@ from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import RequestTrace
     from epd_proxy.request.apis import GenerationApi
-    from epd_proxy.request.multiturn import KVReuse
-    from epd_proxy.request.usage import PrefillReport
+    from epd_proxy.request.turns.multiturn import KVReuse
+    from epd_proxy.request.usage.rewrite import PrefillReport
 
 _JSON_HEADER = (b"content-type", b"application/json")
 _NONE: frozenset = frozenset()

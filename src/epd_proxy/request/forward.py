@@ -32,9 +32,9 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import request_id
+from epd_proxy.request.legs.upstream import UpstreamStage
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.relay import relay_body
-from epd_proxy.request.upstream import UpstreamStage
 from epd_proxy.routing.endpoints import ROUTED, least_loaded_first, request_model, roles_for
 from epd_proxy.routing.policies import LeastLoaded
 from epd_proxy.wire.errors import ProxyError

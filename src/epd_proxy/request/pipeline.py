@@ -40,20 +40,26 @@ from epd_proxy.request.apis import (
     encodable,
     response_id,
 )
-from epd_proxy.request.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
-from epd_proxy.request.fanout import EncoderFanout
-from epd_proxy.request.hidden_usage import HiddenUsage
 from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
-from epd_proxy.request.multiturn import LOCAL_PREFILL_PARAMS, NO_PARAMS, NO_PARAMS_TAIL, carries_params, strip_token_ids
+from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
+from epd_proxy.request.legs.fanout import EncoderFanout
+from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
+from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
-from epd_proxy.request.stage_bodies import decode_body, stream_options_with_usage
-from epd_proxy.request.stages import DecodeLeg
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
-from epd_proxy.request.turn_reuse import TurnReuse
-from epd_proxy.request.turn_streams import MARK
-from epd_proxy.request.usage import rewrite_usage
+from epd_proxy.request.turns.multiturn import (
+    LOCAL_PREFILL_PARAMS,
+    NO_PARAMS,
+    NO_PARAMS_TAIL,
+    carries_params,
+    strip_token_ids,
+)
+from epd_proxy.request.turns.reuse import TurnReuse
+from epd_proxy.request.turns.streams import MARK
+from epd_proxy.request.usage.hidden import HiddenUsage
+from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
 

@@ -16,10 +16,10 @@ from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
 from epd_proxy.request.apis import GenerationApi
-from epd_proxy.request.hidden_usage import FINISHED, HiddenUsage
-from epd_proxy.request.multiturn import strip_token_ids
-from epd_proxy.request.turn_streams import MARK, strip_stream_params
-from epd_proxy.request.usage import rewrite_final_usage_events
+from epd_proxy.request.turns.multiturn import strip_token_ids
+from epd_proxy.request.turns.streams import MARK, strip_stream_params
+from epd_proxy.request.usage.hidden import FINISHED, HiddenUsage
+from epd_proxy.request.usage.rewrite import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
 
 # A "partial event" larger than this is not SSE framing we understand: pass it on.

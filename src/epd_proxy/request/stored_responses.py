@@ -30,9 +30,9 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import request_id
+from epd_proxy.request.legs.upstream import UpstreamStage
 from epd_proxy.request.relay import relay_body
-from epd_proxy.request.turn_streams import MARK, strip_stream_params
-from epd_proxy.request.upstream import UpstreamStage
+from epd_proxy.request.turns.streams import MARK, strip_stream_params
 from epd_proxy.wire.errors import ProxyError
 
 PREFIX = "/v1/responses/"

@@ -37,12 +37,12 @@ from epd_proxy.instances.sources import RosterSources
 from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.request.admission import Admission, admission_collector
-from epd_proxy.request.connectors import CONNECTORS, DecodeOnly
-from epd_proxy.request.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.forward import Forwarder
-from epd_proxy.request.multiturn import TurnStore, turns_collector
+from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
+from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
+from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
-from epd_proxy.request.stages import DecodeStage, PrefillStage
+from epd_proxy.request.turns.multiturn import TurnStore, turns_collector
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader

@@ -19,8 +19,8 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.apis import COMMIT, FAILURE
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.upstream import UpstreamStage, upstream_message
-from epd_proxy.request.usage import PrefillReport
+from epd_proxy.request.legs.upstream import UpstreamStage, upstream_message
+from epd_proxy.request.usage.rewrite import PrefillReport
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
 

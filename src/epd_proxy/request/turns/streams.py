@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-from epd_proxy.request.multiturn import CHOICES, NO_IDS, REASONING, UNKNOWN
+from epd_proxy.request.turns.multiturn import CHOICES, NO_IDS, REASONING, UNKNOWN
 
 KEY = b'"kv_transfer_params":'
 MARK = b'"kv_transfer_params":{'

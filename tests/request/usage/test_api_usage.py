@@ -8,14 +8,14 @@ import msgspec
 import pytest
 from helpers import stack
 
-from epd_proxy.request.api_usage import (
+from epd_proxy.request.usage.api_fields import (
     messages_usage,
     prompt_side_same,
     responses_usage,
     rewrite_api_usage,
     rewrite_usage_events,
 )
-from epd_proxy.request.usage import PrefillReport
+from epd_proxy.request.usage.rewrite import PrefillReport
 from epd_proxy.sim import SimConfig
 
 MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"

@@ -22,8 +22,8 @@ from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import paired_key
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
-from epd_proxy.request.stages import DecodeLeg, DecodeStage, PrefillStage
+from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
+from epd_proxy.request.legs.stages import DecodeLeg, DecodeStage, PrefillStage
 from epd_proxy.wire.errors import ProxyError
 from epd_proxy.wire.ids import hex_id, uuid4_str
 

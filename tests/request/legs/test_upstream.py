@@ -11,7 +11,7 @@ from epd_proxy.http.transport import UpstreamError, UpstreamTimeout
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.upstream import status_error, transport_error, upstream_message
+from epd_proxy.request.legs.upstream import status_error, transport_error, upstream_message
 
 
 def setup(n=2):

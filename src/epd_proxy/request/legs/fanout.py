@@ -26,7 +26,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import Collector
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.upstream import UpstreamStage
+from epd_proxy.request.legs.upstream import UpstreamStage
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
 from epd_proxy.wire.ids import hex_id

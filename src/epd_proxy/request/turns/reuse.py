@@ -17,10 +17,11 @@ from epd_proxy.http import Headers
 from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
-from epd_proxy.request.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
-from epd_proxy.request.multiturn import (
+from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
+from epd_proxy.request.legs.stages import DecodeLeg
+from epd_proxy.request.turns.multiturn import (
     DECODE_GONE,
     NO_IDS,
     TOKENIZE_FAILED,
@@ -39,8 +40,7 @@ from epd_proxy.request.multiturn import (
     tokenize_body,
     tokens_of,
 )
-from epd_proxy.request.stages import DecodeLeg
-from epd_proxy.request.turn_prompts import (
+from epd_proxy.request.turns.prompts import (
     PROMPT_APIS,
     HeldTurn,
     candidate_keys,
@@ -51,8 +51,8 @@ from epd_proxy.request.turn_prompts import (
     read_prompt_answer,
     tokenize_prompt_body,
 )
-from epd_proxy.request.turn_prompts import keep_key as prompt_keep_key
-from epd_proxy.request.turn_streams import params_of, read_stream, strip_stream_params
+from epd_proxy.request.turns.prompts import keep_key as prompt_keep_key
+from epd_proxy.request.turns.streams import params_of, read_stream, strip_stream_params
 from epd_proxy.routing.view import EMPTY_VIEW
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError

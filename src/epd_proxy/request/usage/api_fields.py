@@ -24,7 +24,7 @@ from __future__ import annotations
 import msgspec
 
 from epd_proxy.observe.tokens import object_end
-from epd_proxy.request.usage import PrefillReport
+from epd_proxy.request.usage.rewrite import PrefillReport
 
 # Anthropic's prompt-side fields, in the order vLLM's AnthropicUsage writes them.
 _ANTHROPIC_FIELDS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")

@@ -5,8 +5,8 @@ client's bytes are decode's own answer to the request without the option."""
 import pytest
 from helpers import Client, chat_body, stack
 
-from epd_proxy.request.hidden_usage import HiddenUsage, split_usage_event, stamp_fingerprint
-from epd_proxy.request.stage_bodies import stream_options_with_usage
+from epd_proxy.request.legs.stage_bodies import stream_options_with_usage
+from epd_proxy.request.usage.hidden import HiddenUsage, split_usage_event, stamp_fingerprint
 from epd_proxy.sim import SimConfig
 
 HEAD = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'

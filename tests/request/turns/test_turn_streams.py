@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import re
 
-from epd_proxy.request.multiturn import NO_IDS, REASONING
 from epd_proxy.request.relay import IdStrippingRelay, kept_bytes
-from epd_proxy.request.turn_streams import params_of, read_stream, strip_stream_params
+from epd_proxy.request.turns.multiturn import NO_IDS, REASONING
+from epd_proxy.request.turns.streams import params_of, read_stream, strip_stream_params
 
 PARAMS = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[1, 2, 3]],
           "remote_engine_id": "e-1", "remote_num_tokens": 120, "remote_host": "h{x}\"y"}

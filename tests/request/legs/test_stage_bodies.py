@@ -1,6 +1,6 @@
 import copy
 
-from epd_proxy.request.stage_bodies import (
+from epd_proxy.request.legs.stage_bodies import (
     NIXL_PREFILL_PARAMS,
     decode_body,
     nixl_prefill_request_params,

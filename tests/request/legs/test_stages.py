@@ -11,8 +11,8 @@ from procs import free_port
 from epd_proxy.config import InstanceSpec
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
-from epd_proxy.request.stages import DecodeStage, PrefillStage
+from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
+from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.sim import SimCluster, SimConfig
 from epd_proxy.wire.errors import ProxyError
 

@@ -9,7 +9,7 @@ from array import array
 import pytest
 from helpers import Reply, stack, wait_for
 
-from epd_proxy.request.multiturn import (
+from epd_proxy.request.turns.multiturn import (
     BOUND,
     EDITED,
     EXPIRED,

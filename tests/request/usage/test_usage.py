@@ -9,7 +9,7 @@ from helpers import chat_body, stack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.request.usage import PrefillReport, merged_usage, rewrite_final_usage_events, rewrite_usage
+from epd_proxy.request.usage.rewrite import PrefillReport, merged_usage, rewrite_final_usage_events, rewrite_usage
 from epd_proxy.sim import SimConfig, expected_text, prompt_tokens
 
 

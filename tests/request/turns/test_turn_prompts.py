@@ -7,8 +7,8 @@ import json
 
 from helpers import stack, wait_for
 
-from epd_proxy.request.multiturn import NO_IDS, UNKNOWN, USED, Entry, TurnStore
-from epd_proxy.request.turn_prompts import (
+from epd_proxy.request.turns.multiturn import NO_IDS, UNKNOWN, USED, Entry, TurnStore
+from epd_proxy.request.turns.prompts import (
     COMPLETIONS,
     GENERATE,
     PREFIX,

@@ -21,7 +21,7 @@ from array import array
 
 import msgspec
 
-from epd_proxy.request.multiturn import CHOICES, NO_IDS, SAMPLING_FIELDS, UNKNOWN, prompt_fields
+from epd_proxy.request.turns.multiturn import CHOICES, NO_IDS, SAMPLING_FIELDS, UNKNOWN, prompt_fields
 
 COMPLETIONS = "/v1/completions"
 GENERATE = "/inference/v1/generate"

@@ -7,7 +7,7 @@ import pytest
 from helpers import chat_body, stack, wait_for
 
 from epd_proxy.config import StageTimeouts
-from epd_proxy.request.connectors import NixlPush
+from epd_proxy.request.legs.connectors import NixlPush
 from epd_proxy.sim import SimConfig, expected_text
 
 
@@ -210,7 +210,7 @@ async def test_mooncake_prefill_without_bootstrap_answer_is_skipped():
 
 def test_the_connector_check_names_the_known_connectors_and_asks_the_connector_about_its_instances():
     from epd_proxy.config import ProxyConfig, parse_instance
-    from epd_proxy.request.connectors import check_connector_config
+    from epd_proxy.request.legs.connectors import check_connector_config
     decode = [parse_instance("http://d:2", "decode")]
     with pytest.raises(ValueError, match="unknown --kv-connector 'tcp' \\(known: nixl, nixl-push, mooncake\\)"):
         check_connector_config(ProxyConfig(decode=decode, kv_connector="tcp"))

@@ -1,0 +1,1 @@
+"""Multi-turn KV reuse: a conversation's next turn reads what decode kept of the last."""
