@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint e2e container bench venv clean system-packages
+.PHONY: run test lint e2e container bench venv clean system-packages instructions-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -45,6 +45,11 @@ e2e: $(STAMP)
 ## The container image from the Dockerfile, built and run in front of a simulated cluster (podman).
 container: $(STAMP)
 	bash e2e/container.sh
+
+## The hot path's guard: instructions per request (callgrind) of a fixed request mix against
+## scripts/instructions-baseline.json; fails past its margin (docs/benchmarks.md, "The guard").
+instructions-check: $(STAMP) system-packages
+	PY=$(PY) $(PY) scripts/instructions_guard.py
 
 ## The benchmark; see docs/benchmarks.md.
 bench: $(STAMP)
