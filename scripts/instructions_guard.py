@@ -28,13 +28,18 @@ FLAGS = ["--shutdown-grace", "0"]
 
 
 def measure(mode: str, n: int, src: Path) -> int:
+    """One workload's count; tried twice, since instructions.sh picks free ports by binding and
+    releasing them, and another process may take one in between."""
     env = dict(os.environ, PY=os.environ.get("PY", sys.executable))
-    out = subprocess.run(["bash", str(HERE / "instructions.sh"), str(src), mode, str(n), *FLAGS],
-                         capture_output=True, text=True, env=env, check=True).stdout
-    found = re.search(r"(\d+) instructions per request", out)
-    if not found:
-        raise SystemExit(f"{mode}: no count in instructions.sh's output:\n{out}")
-    return int(found.group(1))
+    for attempt in (1, 2):
+        run = subprocess.run(["bash", str(HERE / "instructions.sh"), str(src), mode, str(n), *FLAGS],
+                             capture_output=True, text=True, env=env)
+        found = re.search(r"(\d+) instructions per request", run.stdout)
+        if run.returncode == 0 and found:
+            return int(found.group(1))
+        print(f"{mode}: attempt {attempt} failed (exit {run.returncode}):\n{run.stdout[-2000:]}{run.stderr[-2000:]}",
+              file=sys.stderr)
+    raise SystemExit(f"{mode}: instructions.sh failed twice")
 
 
 def compare(baseline: dict, counts: dict[str, int]) -> list[str]:
