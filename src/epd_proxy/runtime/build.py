@@ -19,6 +19,7 @@ from epd_proxy.api.access import AccessPolicy
 from epd_proxy.api.admin import AdminApi
 from epd_proxy.api.app import ProxyApp, log_requests, validate_config
 from epd_proxy.api.client_auth import ClientKeys
+from epd_proxy.api.console import ConsoleApi
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.http import Headers
@@ -97,10 +98,12 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
         membership.subscribe(_drop_held(pipeline.turns))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
+    console = ConsoleApi(config, pools=pools, membership=membership, recent=pipeline.recent, admin=admin,
+                         siblings=siblings)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder,
-                    siblings=siblings)
+                    siblings=siblings, console=console)
 
 
 def build_pools(config: ProxyConfig) -> dict[str, InstancePool]:
