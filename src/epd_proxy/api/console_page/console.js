@@ -103,16 +103,13 @@ function groupByRole(instances) {
 
 function loadText(inst) {
   if (!inst.load) return "not scraped";
-  const parts = [`${num(inst.load.others, 0)} other requests`, `${num(inst.load.waiting, 0)} waiting`];
-  parts.push(`KV cache ${pct(inst.load.kv_usage)}`);
-  return parts.join(", ");
+  return `KV cache ${pct(inst.load.kv_usage)} · ${num(inst.load.waiting, 0)} waiting · ${num(inst.load.others, 0)} not ours`;
 }
 
 function instanceCard(inst, workers) {
   const mark = STATE_MARK[inst.state] || "?";
   const facts = el("dl", { className: "facts" });
   const fact = (name, value) => { if (value !== null && value !== undefined && value !== "") facts.append(el("dt", { text: name }), el("dd", { text: value })); };
-  if (inst.reason) fact("Why", inst.reason);
   if (inst.ejected_until) fact("Back on trial at", clock(inst.ejected_until));
   if (workers > 1) fact("In rotation in", `${inst.workers_in_rotation} of ${inst.workers} workers`);
   fact("Source", inst.source || "–");
@@ -129,6 +126,7 @@ function instanceCard(inst, workers) {
     el("h4", { text: host(inst.url) }),
     el("p", { className: "state" }, el("span", { className: "mark", "aria-hidden": "true", text: mark }), " ",
        el("span", { className: "state-text", text: inst.state_text })),
+    inst.reason ? el("p", { className: "why" }, el("span", { className: "muted", text: "Why: " }), inst.reason) : null,
     facts);
 }
 
