@@ -72,5 +72,7 @@ def test_bounded_and_found_by_id_newest_first():
     assert ring.saturated
     assert [s["id"] for s in ring.records()] == ["y", "x", "z"]
     assert [s["end"] for s in ring.find("x")] == [103.0]
+    assert ring.oldest == 102.0 and [s["id"] for s in ring.records(since=103.0)] == ["x", "z"]
+    assert [s["id"] for s in ring.latest(2)] == ["x", "z"]
     ring.add_refused("q", "POST", "/v1/chat/completions", 429, 0.001)
     assert ring.find("q")[0]["status"] == 429 and ring.find("q")[0]["legs"] == []

@@ -57,7 +57,7 @@ def test_a_ring_that_started_recording_lately_rates_over_what_it_saw():
 
 def test_a_full_ring_covers_back_to_its_oldest_summary():
     ring = [_s(96.0 + i * 0.5) for i in range(8)]  # 4 s of a busy worker
-    t = finish(merge([partial(ring, 100.0, 10.0, saturated=True)]))
+    t = finish(merge([partial(ring, 100.0, 10.0, oldest=ring[0]["end"])]))
     assert t["covered_s"] == 4.0 and t["models"][ALL]["rps"] == 2.0
 
 

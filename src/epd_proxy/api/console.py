@@ -23,7 +23,7 @@ import msgspec
 
 from epd_proxy.api.access import READ
 from epd_proxy.api.admin import AdminApi
-from epd_proxy.api.console_view import instance_view, request_document, state_document
+from epd_proxy.api.console_view import RECENT_SHOWN, instance_view, request_document, state_document
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http.response import Request, ResponseWriter
@@ -111,15 +111,16 @@ class ConsoleApi:
         now, wall = instance_now(), time.time()
         instances = [instance_view(inst, now, wall) for inst in self.membership.instances()]
         instances += [instance_view(inst, now, wall) for inst in self.membership.departing()]
-        records = self.recent.records()
-        traffic = partial(records, wall, self.window, self.recent.since, self.recent.saturated)
+        recent = self.recent
+        traffic = partial(recent.records(wall - self.window), wall, self.window, recent.since,
+                          recent.oldest if recent.saturated else None)
         config = self.config
         return {"generated": round(wall, 3), "window_s": self.window, "pid": os.getpid(),
                 "proxy": {"topology": self.membership.topology,
                           "kv_connector": config.kv_connector if self.pools["prefill"].instances else None,
                           "routing": {role: pool.policy.name for role, pool in self.pools.items()},
                           "admin_key": bool(config.admin_api_key)},
-                "instances": instances, "traffic": traffic, "recent": records[-50:]}
+                "instances": instances, "traffic": traffic, "recent": recent.latest(RECENT_SHOWN)}
 
     async def answer(self, question: str):
         """A sibling worker's question (``siblings.py``), or None if it is not the console's."""

@@ -20,7 +20,7 @@ from typing import Callable
 
 from epd_proxy.observe.record import RequestRecord
 
-CAPACITY = 2048  # summaries kept per process: the traffic window's sample when busy
+CAPACITY = 1024  # summaries kept per process: the traffic window's sample when busy
 WATCH_SECONDS = 30.0  # recording stops this long after the console's last look
 
 
@@ -28,31 +28,43 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float, end: float) -> dict:
+def captured(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float, end: float) -> tuple:
+    """What the ring keeps of a finished request, cheaply (a tuple; :func:`as_summary` reads it)."""
+    ctx = rec.ctx
+    if ctx is None:
+        legs: tuple = ()
+        timings: dict = {}
+    else:
+        excluded = ctx.excluded
+        legs = tuple((inst.role, inst.url, inst in excluded) for inst in ctx.legs)
+        timings = ctx.timings  # the request is over: nothing adds to it any more
+    return (rec.request_id, rec.method, rec.path, rec.model, status, rec.outcome, rec.stream, end, seconds,
+            rec.first_byte, rec.gap, tokens, rec.items, legs, timings, nbytes)
+
+
+def as_summary(kept: tuple) -> dict:
     """One finished request as the console shows it (plain data, JSON-ready). ``end``: wall
     time at its end; ``legs``: each instance called, in order, as ``[role, url, failed]``
     (``failed``: it failed this request, which went on elsewhere or ended in error)."""
-    ctx = rec.ctx
-    legs: list[list] = []
-    stages: dict[str, float] = {}
-    if ctx is not None:
-        excluded = ctx.excluded
-        legs = [[inst.role, inst.url, inst in excluded] for inst in ctx.legs]
-        stages = {stage: round(s * 1000, 3) for stage, s in ctx.timings.items()}
+    (rid, method, path, model, status, outcome, stream, end, seconds, first_byte, gap, tokens, items, legs,
+     timings, nbytes) = kept
     prompt, completion, cached = tokens
-    return {"id": rec.request_id, "method": rec.method, "path": rec.path, "model": rec.model, "status": status,
-            "outcome": rec.outcome, "stream": rec.stream, "end": round(end, 3), "total_ms": _ms(seconds),
-            "first_byte_ms": _ms(rec.first_byte), "itl_ms": _ms(rec.gap), "prompt_tokens": prompt,
-            "completion_tokens": completion, "cached_tokens": cached, "items": rec.items, "legs": legs,
-            "stages_ms": stages, "bytes": nbytes}
+    return {"id": rid, "method": method, "path": path, "model": model, "status": status, "outcome": outcome,
+            "stream": stream, "end": round(end, 3), "total_ms": _ms(seconds), "first_byte_ms": _ms(first_byte),
+            "itl_ms": _ms(gap), "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+            "items": items, "legs": [list(leg) for leg in legs],
+            "stages_ms": {stage: round(s * 1000, 3) for stage, s in timings.items()}, "bytes": nbytes}
 
 
-def refused(request_id: str, method: str, path: str, status: int, seconds: float, end: float) -> dict:
+def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float, end: float) -> dict:
+    """:func:`as_summary` of :func:`captured`."""
+    return as_summary(captured(rec, status, tokens, nbytes, seconds, end))
+
+
+def refused(request_id: str, method: str, path: str, status: int, seconds: float, end: float) -> tuple:
     """A request refused before it was parsed (admission's 429, a 503 while shutting down)."""
-    return {"id": request_id, "method": method, "path": path, "model": None, "status": status, "outcome": "error",
-            "stream": False, "end": round(end, 3), "total_ms": _ms(seconds), "first_byte_ms": None,
-            "itl_ms": None, "prompt_tokens": None, "completion_tokens": None, "cached_tokens": None, "items": 0,
-            "legs": [], "stages_ms": {}, "bytes": 0}
+    return (request_id, method, path, None, status, "error", False, end, seconds, None, None, (None, None, None), 0,
+            (), {}, 0)
 
 
 class RecentRequests:
@@ -66,7 +78,7 @@ class RecentRequests:
         self.watch_seconds = watch_seconds
         self._clock = clock
         self._wall = wall
-        self._ring: deque[dict] = deque(maxlen=capacity)
+        self._ring: deque[tuple] = deque(maxlen=capacity)  # captured(), read as summaries
         self._looked = 0.0
         self.since = 0.0  # wall time recording (re)started: the traffic window starts no earlier
 
@@ -87,7 +99,7 @@ class RecentRequests:
     def add(self, rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float) -> None:
         """A finished request (called only while ``on``)."""
         if self._watched():
-            self._ring.append(summary(rec, status, tokens, nbytes, seconds, self._wall()))
+            self._ring.append(captured(rec, status, tokens, nbytes, seconds, self._wall()))
 
     def add_refused(self, request_id: str, method: str, path: str, status: int, seconds: float) -> None:
         if self._watched():
@@ -98,10 +110,25 @@ class RecentRequests:
         """The ring is full: its oldest summary, not the window, bounds what it covers."""
         return len(self._ring) == self.capacity
 
-    def records(self) -> list[dict]:
-        """Oldest first."""
-        return list(self._ring)
+    @property
+    def oldest(self) -> float | None:
+        """Wall time the oldest request kept ended."""
+        return self._ring[0][7] if self._ring else None
+
+    def records(self, since: float = 0.0) -> list[dict]:
+        """The summaries of the requests that ended at ``since`` (wall time) or later, oldest first."""
+        newest = []
+        for kept in reversed(self._ring):
+            if kept[7] < since:
+                break
+            newest.append(kept)
+        return [as_summary(kept) for kept in reversed(newest)]
+
+    def latest(self, n: int) -> list[dict]:
+        """The ``n`` newest summaries, oldest first."""
+        ring = self._ring
+        return [as_summary(ring[i]) for i in range(max(0, len(ring) - n), len(ring))]
 
     def find(self, request_id: str) -> list[dict]:
         """The summaries with this id, newest first (a client may reuse an id)."""
-        return [s for s in reversed(self._ring) if s["id"] == request_id]
+        return [as_summary(kept) for kept in reversed(self._ring) if kept[0] == request_id]

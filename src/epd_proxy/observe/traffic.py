@@ -62,26 +62,38 @@ def _count(row: dict, s: dict) -> None:
         row["total"].append(s["total_ms"])
 
 
+def _add(into: dict, row: dict) -> None:
+    for name in _COUNTS:
+        into[name] += row[name]
+    for kind, n in row["errors"].items():
+        into["errors"][kind] = into["errors"].get(kind, 0) + n
+    for name in _LATENCIES:
+        into[name] += row[name]
+
+
 def partial(summaries: list[dict], now: float, window: float, since: float = 0.0,
-            saturated: bool = False) -> dict:
+            oldest: float | None = None) -> dict:
     """One worker's numbers over the last ``window`` seconds before ``now`` (wall time):
     per model (and :data:`ALL`), counts as rates per second over the seconds its ring covers,
     and the newest :data:`SAMPLES` latencies (ms). ``since``: when its ring started recording;
-    ``saturated``: the ring is full, so it covers only back to its oldest summary."""
+    ``oldest``: when a full ring's oldest request ended (it covers no further back)."""
     start = max(now - window, since)
-    if saturated and summaries:
-        start = max(start, summaries[0]["end"])
+    if oldest is not None:
+        start = max(start, oldest)
     covered = max(now - start, 1.0)  # a rate over less than a second says little
-    rows: dict[str, dict] = {ALL: _new_row()}
+    rows: dict[str, dict] = {}
     for s in summaries:
         if s["end"] < start:
             continue
-        _count(rows[ALL], s)
         model = s["model"] or "-"
         row = rows.get(model)
         if row is None:
             row = rows[model] = _new_row()
         _count(row, s)
+    every = rows[ALL] = _new_row()
+    for model, row in list(rows.items()):
+        if model != ALL:
+            _add(every, row)
     out = {}
     for model, row in rows.items():
         rated = {name: row[name] / covered for name in _COUNTS}
