@@ -94,3 +94,16 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 assert decode["workers"] == 2 and decode["requests"] == n
                 found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
                 assert len(found["requests"]) == 1
+
+
+async def test_requests_shed_at_admission_count_as_errors_by_kind():
+    sim = SimConfig(itl_ms=0, ttft_ms=200)
+    async with stack(sim=sim, max_inflight=1, queue_size=0) as (_, _proxy, client):
+        await client.request("GET", "/console/api/state")
+        replies = await asyncio.gather(*(client.chat(chat_body(), headers=[(b"x-request-id", b"shed-%d" % i)])
+                                         for i in range(3)))
+        assert sorted(r.status for r in replies) == [200, 429, 429]
+        state = (await client.request("GET", "/console/api/state")).json()
+        assert set(state["traffic"]["models"]["*"]["errors_per_s"]) == {"http_429"}
+        shed = [s for s in state["recent"] if s["status"] == 429]
+        assert len(shed) == 2 and all(s["legs"] == [] and s["id"].startswith("shed-") for s in shed)

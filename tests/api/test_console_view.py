@@ -43,6 +43,17 @@ def test_the_state_document_joins_every_worker_newest_first_read_only():
     assert [s["id"] for s in doc["recent"]] == ["b", "a"]
     assert doc["recent"][0]["waterfall"][0]["stage"] == "decode"
     assert doc["instances"][0]["requests"] == 20
+    assert doc["models"]["m"]["roles"] == {"decode": {"in_rotation": 1, "out": 0}}
+
+
+def test_readiness_per_model_over_the_merged_views():
+    from epd_proxy.api.console_view import readiness
+    views = [_view(), _view("http://d:2", state="ejected"), _view("http://p:1", "prefill", state="ejected")]
+    ready = readiness(views, {"m": None}, ["prefill", "decode"])
+    assert ready["m"]["ready"] is False and "prefill" in ready["m"]["why"]
+    assert ready["m"]["roles"]["decode"] == {"in_rotation": 1, "out": 1}
+    views[2] = _view("http://p:1", "prefill")
+    assert readiness(views, {"m": None}, ["prefill", "decode"])["m"]["ready"] is True
 
 
 def test_the_request_document_finds_an_id_in_every_worker():

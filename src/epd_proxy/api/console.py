@@ -116,6 +116,8 @@ class ConsoleApi:
                           recent.oldest if recent.saturated else None)
         config = self.config
         return {"generated": round(wall, 3), "window_s": self.window, "pid": os.getpid(),
+                "parents": self.pools["decode"].models.current.parents,  # the catalog's: adapter -> base
+                "required": list(self.membership.required_roles()),
                 "proxy": {"topology": self.membership.topology,
                           "kv_connector": config.kv_connector if self.pools["prefill"].instances else None,
                           "routing": {role: pool.policy.name for role, pool in self.pools.items()},

@@ -11,6 +11,7 @@ how many workers an instance is in rotation and calls the state ``mixed`` when t
 
 from __future__ import annotations
 
+from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.health import DRAINING, EJECTED, HALF_OPEN, HEALTHY
 from epd_proxy.instances.instance import LEAVING, Instance
 from epd_proxy.instances.roster import registered_role
@@ -39,7 +40,7 @@ def instance_view(inst: Instance, now: float, wall: float) -> dict:
         "ejected_until": None if until is None else round(wall + until - now, 3),
         "source": inst.source, "inflight": inst.inflight, "requests": inst.requests,
         "errors": dict(h.errors), "consecutive_failures": h.failures, "ejections": h.ejections,
-        "models": sorted(name for name, parent in parents.items() if parent is None),
+        "models": None if served is None else sorted(name for name, parent in parents.items() if parent is None),
         "adapters": sorted(name for name, parent in parents.items() if parent is not None),
         "active_adapters": sorted(sig.adapters),
         "load": None if sig.scraped_at is None else {"others": sig.others, "waiting": sig.waiting,
@@ -72,12 +73,25 @@ def merge_instances(views: list[list[dict]]) -> list[dict]:
             have["reason"] = have["reason"] or v["reason"]
             if v["ejected_until"] is not None:
                 have["ejected_until"] = max(have["ejected_until"] or 0, v["ejected_until"])
-            have["models"] = have["models"] or v["models"]
+            have["models"] = have["models"] if have["models"] is not None else v["models"]
             have["adapters"] = have["adapters"] or v["adapters"]
             have["active_adapters"] = sorted(set(have["active_adapters"]) | set(v["active_adapters"]))
             have["load"] = have["load"] or v["load"]
     order = {role: i for i, role in enumerate(ROLE_ORDER)}
     return sorted(merged.values(), key=lambda v: (order.get(v["role"], len(order)), v["url"]))
+
+
+def readiness(instances: list[dict], parents: dict, required: list[str]) -> dict:
+    """Per model, ``/status``'s readiness (``catalog.model_readiness``) over the merged views:
+    which roles serve it, in rotation or out, and whether a request for it can be served."""
+    pools: dict[str, list[dict]] = {}
+    for v in instances:
+        if v["state"] == LEAVING:
+            continue
+        names = None if v["models"] is None else v["models"] + v["adapters"]
+        pool = "decode" if v["role"] == "prefill_decode" else v["role"]
+        pools.setdefault(pool, []).append({"state": v["state"], "healthy": v["in_rotation"], "models": names})
+    return model_readiness(pools, parents, required)
 
 
 def state_document(local: dict, peers: list[dict], workers_configured: int = 1) -> dict:
@@ -86,9 +100,11 @@ def state_document(local: dict, peers: list[dict], workers_configured: int = 1) 
     parts = [local] + peers
     recent = sorted((s for p in parts for s in p["recent"]), key=lambda s: s["end"], reverse=True)[:RECENT_SHOWN]
     traffic = finish(merge([p["traffic"] for p in parts]))
+    instances = merge_instances([p["instances"] for p in parts])
     return {"read_only": True, "generated": local["generated"], "window_s": local["window_s"],
             "workers": len(parts), "workers_configured": workers_configured, "proxy": local["proxy"],
-            "instances": merge_instances([p["instances"] for p in parts]), "traffic": traffic,
+            "instances": instances, "models": readiness(instances, local.get("parents", {}), local.get("required", [])),
+            "traffic": traffic,
             "recent": [dict(s, waterfall=waterfall(s)) for s in recent]}
 
 

@@ -118,7 +118,7 @@ function instanceCard(inst, workers) {
   fact("Requests", String(inst.requests));
   const errors = Object.entries(inst.errors).map(([k, n]) => `${k} ${n}`).join(", ");
   fact("Errors", errors || "none");
-  fact("Models", inst.models.join(", ") || "not read yet");
+  fact("Models", inst.models === null ? "not read yet" : (inst.models.join(", ") || "none"));
   if (inst.adapters.length) fact("LoRA adapters", inst.adapters.join(", "));
   if (inst.active_adapters.length) fact("Active adapters", inst.active_adapters.join(", "));
   return el("article", { className: "card state-" + inst.state, "data-url": inst.url, "data-state": inst.state,
@@ -130,7 +130,25 @@ function instanceCard(inst, workers) {
     facts);
 }
 
+function drawModels(state) {
+  const names = Object.keys(state.models || {}).sort();
+  const body = $("models").tBodies[0];
+  body.replaceChildren();
+  $("models-wrap").hidden = names.length === 0;
+  for (const name of names) {
+    const m = state.models[name];
+    const roles = Object.entries(m.roles).map(([role, n]) => `${ROLE_SHORT[role] || role} ${n.in_rotation} in, ${n.out} out`);
+    const ready = m.ready ? (m.media === false ? "✓ text only (no encoder)" : "✓ ready") : "✕ not ready";
+    body.append(el("tr", { "data-model": name, className: m.ready ? "" : "failed" },
+      el("th", { scope: "row", text: name + (m.parent ? ` (adapter of ${m.parent})` : "") }),
+      el("td", { text: ready }),
+      el("td", { text: roles.join(" · ") }),
+      el("td", { text: m.why || "–" })));
+  }
+}
+
 function drawCluster(state) {
+  drawModels(state);
   const root = $("cluster");
   root.replaceChildren();
   const byRole = groupByRole(state.instances);
