@@ -99,11 +99,13 @@ async def test_the_console_in_a_browser_shows_the_cluster_the_traffic_and_a_requ
             second.feed((await _chromium(str(tmp_path / "profile"), url, "--dump-dom")).decode())
             shot = tmp_path / "console.png"
             await _chromium(str(tmp_path / "profile"), url, "--window-size=1400,2200", f"--screenshot={shot}")
+            narrow = tmp_path / "console-narrow.png"  # a phone's width: one column, nothing cut off
+            await _chromium(str(tmp_path / "profile"), url, "--window-size=390,2400", f"--screenshot={narrow}")
         finally:
             stop.set()
             await loader
-        print(f"\nconsole screenshot: {shot}")
-        assert shot.stat().st_size > 10_000
+        print(f"\nconsole screenshots: {shot} {narrow}")
+        assert shot.stat().st_size > 10_000 and narrow.stat().st_size > 10_000
 
     for dom in (first, second):
         assert "live: updated" in dom.by_id("live")["text"]

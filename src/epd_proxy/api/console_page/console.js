@@ -21,9 +21,6 @@ const FLOW_TEXT = {
   PD: "Each request goes whole to one combined instance.",
 };
 
-let selected = null;  // the request id whose path is shown
-let lastState = null;
-
 function $(id) { return document.getElementById(id); }
 
 function el(tag, attrs, ...children) {
@@ -279,7 +276,6 @@ function showDetail(s) {
 }
 
 async function showRequest(id, known) {
-  selected = id;
   if (known && known.waterfall) { showDetail(known); $("detail").focus(); return; }
   try {
     const found = await getJson(REQUEST_URL + encodeURIComponent(id));
@@ -308,7 +304,6 @@ function problem(err) {
 }
 
 function draw(state) {
-  lastState = state;
   const p = state.proxy;
   const bits = [`topology ${p.topology}`];
   if (p.kv_connector) bits.push(`KV connector ${p.kv_connector}`);
@@ -345,7 +340,7 @@ document.addEventListener("DOMContentLoaded", () => {
     const id = $("find-id").value.trim();
     if (id) showRequest(id, null);
   });
-  $("detail-close").addEventListener("click", () => { $("detail").hidden = true; selected = null; });
+  $("detail-close").addEventListener("click", () => { $("detail").hidden = true; });
   const fromUrl = new URLSearchParams(location.search).get("id");
   if (fromUrl) { $("find-id").value = fromUrl; showRequest(fromUrl, null); }
   poll();
