@@ -23,6 +23,16 @@ async def test_the_page_is_served_from_the_package_and_holds_no_data():
         assert (await client.request("POST", "/console/api/state")).status == 405  # read-only
 
 
+async def test_nothing_is_recorded_until_a_console_looks():
+    async with stack() as (_, proxy, client):
+        assert (await client.chat(chat_body(), headers=[(b"x-request-id", b"unseen")])).status == 200
+        assert not proxy.app.pipeline.recent.on
+        state = (await client.request("GET", "/console/api/state")).json()
+        assert state["recent"] == [] and state["traffic"]["models"]["*"]["requests"] == 0
+        assert (await client.chat(chat_body(), headers=[(b"x-request-id", b"seen")])).status == 200
+        assert [s["id"] for s in (await client.request("GET", "/console/api/state")).json()["recent"]] == ["seen"]
+
+
 async def test_state_shows_every_instance_the_traffic_and_a_failed_instance():
     async with stack(encode=1, prefill=1, decode=2) as (cluster, _, client):
         first = (await client.request("GET", "/console/api/state")).json()

@@ -317,7 +317,14 @@ function draw(state) {
   $("live").textContent = `live: updated ${clock(state.generated)}`;
 }
 
+let timer = null;
+
+// One poll at a time; none while the tab is hidden (the proxy stops recording 30 s after the
+// last look), and one at once when it shows again or a key was entered.
 async function poll() {
+  clearTimeout(timer);
+  timer = null;
+  if (document.hidden) return;
   try {
     const state = await getJson(STATE_URL);
     $("auth").hidden = true;
@@ -325,7 +332,7 @@ async function poll() {
   } catch (err) {
     problem(err);
   }
-  setTimeout(poll, POLL_MS);
+  if (timer === null) timer = setTimeout(poll, POLL_MS);
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -334,6 +341,7 @@ document.addEventListener("DOMContentLoaded", () => {
     sessionStorage.setItem(KEY_STORE, $("auth-key").value);
     $("auth-key").value = "";
     $("auth").hidden = true;
+    poll();
   });
   $("find").addEventListener("submit", (ev) => {
     ev.preventDefault();
@@ -343,5 +351,6 @@ document.addEventListener("DOMContentLoaded", () => {
   $("detail-close").addEventListener("click", () => { $("detail").hidden = true; });
   const fromUrl = new URLSearchParams(location.search).get("id");
   if (fromUrl) { $("find-id").value = fromUrl; showRequest(fromUrl, null); }
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) poll(); });
   poll();
 });
