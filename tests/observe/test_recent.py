@@ -22,6 +22,7 @@ def _instance(role: str, url: str) -> Instance:
 
 
 def _record(rid: str = "r1") -> RequestRecord:
+    """(Instances hold a connection pool: built inside a running event loop, as in the proxy.)"""
     rec = RequestRecord(rid, "POST", "/v1/chat/completions", 0.0, peer=("10.0.0.9", 5555),
                         headers={b"authorization": b"Bearer secret"}, key="tenant-a")
     rec.model, rec.stream, rec.outcome = "m", True, "ok"
@@ -36,7 +37,7 @@ def _record(rid: str = "r1") -> RequestRecord:
     return rec
 
 
-def test_a_summary_holds_what_the_access_log_shows_and_no_more():
+async def test_a_summary_holds_what_the_access_log_shows_and_no_more():
     s = summary(_record(), 200, (30, 8, 16), 999, 0.05, 1234.5)
     assert s["legs"] == [["prefill", "http://p:1", False], ["decode", "http://d:1", True],
                          ["decode", "http://d:2", False]]
@@ -47,7 +48,7 @@ def test_a_summary_holds_what_the_access_log_shows_and_no_more():
     assert "secret" not in text and "10.0.0.9" not in text and "tenant-a" not in text
 
 
-def test_off_until_a_console_looks_and_off_again_after_the_watch():
+async def test_off_until_a_console_looks_and_off_again_after_the_watch():
     clock = Clock()
     ring = RecentRequests(capacity=4, watch_seconds=30, clock=clock, wall=clock)
     assert not ring.on
@@ -62,7 +63,7 @@ def test_off_until_a_console_looks_and_off_again_after_the_watch():
     assert not ring.on and ring.records() == []
 
 
-def test_bounded_and_found_by_id_newest_first():
+async def test_bounded_and_found_by_id_newest_first():
     clock = Clock()
     ring = RecentRequests(capacity=3, clock=clock, wall=clock)
     ring.look()
