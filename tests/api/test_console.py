@@ -51,6 +51,8 @@ async def test_state_shows_every_instance_the_traffic_and_a_failed_instance():
         assert by_url[broken.url]["state"] == "ejected" and by_url[broken.url]["state_text"] == "out: ejected"
         assert "cannot connect" in by_url[broken.url]["reason"]
         assert all(i["state"] == "healthy" for url, i in by_url.items() if url != broken.url)
+        encoder = by_url[cluster.urls("encode")[0]]
+        assert encoder["media"] == {"items": 6, "repeats_home": 5}  # one image, six times, one encoder
         every = state["traffic"]["models"]["*"]
         assert every["requests"] == 6 and every["rps"] > 0 and every["ttft_ms"]["n"] == 6
         assert every["encoder_items_per_s"] > 0 and every["kv_transfers_per_s"] > 0

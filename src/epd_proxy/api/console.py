@@ -109,7 +109,9 @@ class ConsoleApi:
         Reading it keeps the ring recording."""
         self.recent.look()
         now, wall = instance_now(), time.time()
-        instances = [instance_view(inst, now, wall) for inst in self.membership.instances()]
+        placement = getattr(self.pools["encode"].policy, "encoders", None)  # cache-aware's media counts
+        instances = [instance_view(inst, now, wall, placement if inst.role == "encode" else None)
+                     for inst in self.membership.instances()]
         instances += [instance_view(inst, now, wall) for inst in self.membership.departing()]
         recent = self.recent
         traffic = partial(recent.records(wall - self.window), wall, self.window, recent.since,

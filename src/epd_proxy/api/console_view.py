@@ -24,8 +24,11 @@ ROLE_ORDER = ("encode", "prefill", "decode", "prefill_decode")
 RECENT_SHOWN = 50  # the newest requests in the state document (the lookup searches every ring)
 
 
-def instance_view(inst: Instance, now: float, wall: float) -> dict:
-    """``now``: the instance clock (``instance.now``); ``wall``: the wall time at ``now``."""
+def instance_view(inst: Instance, now: float, wall: float, placement=None) -> dict:
+    """``now``: the instance clock (``instance.now``); ``wall``: the wall time at ``now``;
+    ``placement``: an encoder pool's ``cache-aware`` placement (``routing/encoders.py``), whose
+    counts say how many media items went to the encoder and how many of them were repeats
+    sent to the encoder that had encoded them (likely hits in its cache)."""
     h = inst.health
     state = LEAVING if inst.leaving else h.state
     out = h.state is EJECTED or h.state is HALF_OPEN
@@ -45,6 +48,8 @@ def instance_view(inst: Instance, now: float, wall: float) -> dict:
         "active_adapters": sorted(sig.adapters),
         "load": None if sig.scraped_at is None else {"others": sig.others, "waiting": sig.waiting,
                                                      "kv_usage": round(sig.kv_usage, 4)},
+        "media": None if placement is None else {"items": placement.items.get(inst.url, 0),
+                                                 "repeats_home": placement.hits.get(inst.url, 0)},
     }
 
 
@@ -77,6 +82,9 @@ def merge_instances(views: list[list[dict]]) -> list[dict]:
             have["adapters"] = have["adapters"] or v["adapters"]
             have["active_adapters"] = sorted(set(have["active_adapters"]) | set(v["active_adapters"]))
             have["load"] = have["load"] or v["load"]
+            if v.get("media") is not None:
+                media = have.get("media") or {"items": 0, "repeats_home": 0}
+                have["media"] = {name: media[name] + v["media"][name] for name in media}
     order = {role: i for i, role in enumerate(ROLE_ORDER)}
     return sorted(merged.values(), key=lambda v: (order.get(v["role"], len(order)), v["url"]))
 

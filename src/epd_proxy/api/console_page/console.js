@@ -115,6 +115,10 @@ function instanceCard(inst, workers) {
   fact("Requests", String(inst.requests));
   const errors = Object.entries(inst.errors).map(([k, n]) => `${k} ${n}`).join(", ");
   fact("Errors", errors || "none");
+  if (inst.media) {
+    const share = inst.media.items ? ` (${pct(inst.media.repeats_home / inst.media.items)})` : "";
+    fact("Media items", `${inst.media.items}, ${inst.media.repeats_home} repeats sent back here${share}`);
+  }
   fact("Models", inst.models === null ? "not read yet" : (inst.models.join(", ") || "none"));
   if (inst.adapters.length) fact("LoRA adapters", inst.adapters.join(", "));
   if (inst.active_adapters.length) fact("Active adapters", inst.active_adapters.join(", "));
