@@ -87,7 +87,7 @@ def test_client_keys_without_an_admin_key_close_the_views_to_everyone():
 
 # -- the roster's visibility, as a running proxy answers (real child processes) --------------------
 
-VIEWS = ("/instances", "/status", "/metrics")
+VIEWS = ("/instances", "/status", "/metrics", "/console/api/state")  # the console's JSON: api/console.py
 
 
 def _free_port() -> int:
@@ -150,18 +150,19 @@ def test_who_sees_the_roster(flags, expect):
     with _proxy(*flags) as port:
         for headers, want in expect:
             for path in VIEWS:
+                status = want
                 if path == "/metrics" and want == 403 and "--admin-api-key" in flags:
-                    want = 401  # a wrong key on the scrape: 401 with its Bearer challenge, as before
+                    status = 401  # a wrong key on the scrape: 401 with its Bearer challenge, as before
                 got, body = _get(port, path, headers)
-                assert got == want, (path, headers, body)
-                if want == 200:
+                assert got == status, (path, headers, body)
+                if status == 200:
                     assert b"127.0.0.1" in body  # the views do list the instances' addresses
                 else:
                     err = json.loads(body)["error"]
                     assert set(err) == {"message", "type", "param", "code"}, body
                     assert b"127.0.0.1" not in body
-        # The probes stay open and never list an address.
-        for path in ("/health", "/ready"):
+        # The probes and the console's page (its data is the JSON above) stay open and never list an address.
+        for path in ("/health", "/ready", "/console"):
             got, body = _get(port, path, {})
             assert got == 200 and b"127.0.0.1" not in body and b"http" not in body, (path, body)
 

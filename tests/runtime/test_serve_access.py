@@ -278,3 +278,21 @@ def test_a_port_in_use_with_workers_is_one_line_too():
     text = err.decode()
     assert "Traceback" not in text
     assert text.count(f"epd-proxy: cannot listen on http://127.0.0.1:{port}: address already in use") == 1, text
+
+
+def test_the_start_up_lines_say_where_the_console_is():
+    """What `make run` prints: the console's address, the page there."""
+    port = _free_port()
+    proc = _serve("--simulate", "prefill=1,decode=1", "--port", str(port))
+    try:
+        lines = []
+        while not any("console:" in line for line in lines):
+            line = proc.stdout.readline().decode()
+            assert line, "the proxy ended before announcing itself"
+            lines.append(line)
+        [console] = [line for line in lines if "console:" in line]
+        assert f"http://127.0.0.1:{port}/console" in console
+        page = _get(port, "/console", {})
+        assert b"<title>epd-proxy console</title>" in page
+    finally:
+        _stop(proc)

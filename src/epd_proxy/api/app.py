@@ -21,6 +21,7 @@ from epd_proxy.api.client_auth import (
     admin_key_presented,
     unauthorized,
 )
+from epd_proxy.api.console import ConsoleApi
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ProxyConfig, gather
 from epd_proxy.encode import media_policy
@@ -76,7 +77,7 @@ class ProxyApp:
     def __init__(self, config: ProxyConfig, *, pools: dict[str, InstancePool], membership: Membership,
                  metrics: ProxyMetrics, pipeline: Pipeline, admin: AdminApi, scrapers: list[LoadScraper],
                  client_keys: ClientKeys | None, base_headers: Headers, forwarder: Forwarder,
-                 siblings: SiblingChannel | None = None) -> None:
+                 siblings: SiblingChannel | None = None, console: ConsoleApi | None = None) -> None:
         self.config = config
         self.pools = pools  # every role's, possibly empty: instances may register at run time
         self.membership = membership
@@ -108,6 +109,9 @@ class ProxyApp:
             ("POST", LOAD): self.admin.load_lora,
             ("POST", UNLOAD): self.admin.unload_lora,
         }
+        self.console = console  # the live page and its JSON (console.py)
+        if console is not None:
+            self._routes.update(console.routes())
         self._forwarded = self.forwarder.handle
         for path, endpoint in ROUTED.items():
             self._routes[(endpoint.method, path)] = self._forwarded
@@ -366,6 +370,8 @@ class ProxyApp:
             return self._local_status()
         if question == "ready":
             return list(self._local_ready())
+        if self.console is not None:
+            return await self.console.answer(question)
         return None
 
 

@@ -95,6 +95,10 @@ class Membership:
     def instances(self) -> list[Instance]:
         return [i for pool in self.pools.values() for i in pool.instances]
 
+    def departing(self) -> list[Instance]:
+        """Instances out of their pool, their requests in flight finishing (``leaving``)."""
+        return list(self._leaving)
+
     def find(self, url: str) -> Instance | None:
         url = normalise_url(url)
         for pool in self.pools.values():

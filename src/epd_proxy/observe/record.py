@@ -15,10 +15,12 @@ class RequestRecord:
     access-log line is written; ``key``, the name of the client key it presented; ``model``,
     the body's; ``series``, the metrics' series of its model (``ProxyMetrics.model``), set once the
     cluster's catalog accepted the model (until then, and for a refused one, the no-model
-    series). ``hide_usage``: the proxy asked decode for a usage event the client did not."""
+    series). ``hide_usage``: the proxy asked decode for a usage event the client did not.
+    ``first_byte``: seconds from arrival to the commit (None: never committed); ``gap``: a
+    stream's mean gap between events; ``items``: its media items (the console's, recent.py)."""
 
     __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
-                 "headers", "key", "model", "series", "hide_usage")
+                 "headers", "key", "model", "series", "hide_usage", "first_byte", "gap", "items")
 
     def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
                  key: str | None = None, series: Any = None) -> None:
@@ -36,3 +38,6 @@ class RequestRecord:
         self.model: str | None = None
         self.series = series
         self.hide_usage = False
+        self.first_byte: float | None = None
+        self.gap: float | None = None
+        self.items = 0

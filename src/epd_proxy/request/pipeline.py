@@ -28,6 +28,7 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import TOPOLOGY_ROLES
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
+from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
@@ -74,7 +75,8 @@ class Pipeline:
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
                  fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
                  role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
-                 tracing: Tracing | None = None, adapters: Adapters | None = None) -> None:
+                 tracing: Tracing | None = None, adapters: Adapters | None = None,
+                 recent: RecentRequests | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -114,6 +116,8 @@ class Pipeline:
         self.stopping = False
         self.access_log = access_log  # when on
         self.tracing = tracing  # when OTEL_* turns it on
+        # The console's ring of recent requests (recent.py): filled only while someone looks.
+        self.recent = recent if recent is not None else RecentRequests()
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
         self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
@@ -209,6 +213,8 @@ class Pipeline:
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
             items = self._api_request(ctx, api, body)
+        if items:
+            rec.items = len(items)
         if self._keyed:
             ctx.view = RequestView(body, items, path == CHAT or (api is not None and api.chat_view))
         if self.tracing is not None:
@@ -241,8 +247,8 @@ class Pipeline:
         model = rec.model
         desc = None if model is None else (self._described.get(model) or self._describe(model))
         headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings, desc)
-        self.metrics.observe_commit(rec.path, time.perf_counter() - rec.start, ctx.upstream, leg.body is None,
-                                    rec.series)
+        since = rec.first_byte = time.perf_counter() - rec.start
+        self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
         ok = False
         try:
             report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
@@ -285,6 +291,7 @@ class Pipeline:
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
             if gap is not None:
+                rec.gap = gap
                 self.metrics.observe_gap(gap, rec.series)
             if relay.error is not None:  # not ok
                 self.metrics.stream_errors += 1
@@ -350,6 +357,8 @@ class Pipeline:
         self.metrics.observe_request(rec.path, status, seconds, rec.stream, rec.series)
         if access is not None:
             access.request(rec, status, tokens, writer.bytes_sent, seconds)
+        if self.recent.on:  # a console looked lately (recent.py)
+            self.recent.add(rec, status, tokens, writer.bytes_sent, seconds)
 
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
@@ -384,6 +393,8 @@ class Pipeline:
         if self.access_log is not None:
             self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
                                   seconds, req.peer, req.headers)
+        if self.recent.on:
+            self.recent.add_refused(rid.decode("ascii") if rid else "-", req.method, path, status, seconds)
         return False
 
     def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:

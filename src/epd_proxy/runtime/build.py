@@ -19,6 +19,7 @@ from epd_proxy.api.access import AccessPolicy
 from epd_proxy.api.admin import AdminApi
 from epd_proxy.api.app import ProxyApp, log_requests, validate_config
 from epd_proxy.api.client_auth import ClientKeys
+from epd_proxy.api.console import ConsoleApi
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.http import Headers
@@ -36,6 +37,7 @@ from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.instances.sources import RosterSources
 from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
+from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
@@ -85,7 +87,8 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         directory=config.lora_dir, max_loads=config.max_lora_loads,
                         learn_timeout=config.probe_timeout)
     metrics.register(adapters_collector(adapters))
-    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters,
+    recent = RecentRequests()  # the console's ring: filled only while a console looks
+    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters, recent=recent,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
@@ -97,10 +100,12 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
         membership.subscribe(_drop_held(pipeline.turns))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
+    console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
+                         siblings=siblings)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder,
-                    siblings=siblings)
+                    siblings=siblings, console=console)
 
 
 def build_pools(config: ProxyConfig) -> dict[str, InstancePool]:

@@ -147,6 +147,9 @@ def _announce(proxy: RunningProxy, cluster) -> None:
         lines.append(f"  {spec.role:7s} dns+{spec.url} (every address it resolves to)")
     if app.admin.access.registration_on:
         lines.append("  registration: on (POST /instances)")
+    lines.append(f"  console: open {proxy.url}/console in a browser"
+                 + (" (the admin API key unlocks it)" if app.config.admin_api_key
+                    else " (needs --admin-api-key: client keys are set)" if app.client_keys is not None else ""))
     if cluster is not None:
         lines.append("  (simulated vLLM instances in this process)")
         lines.append("")

@@ -1,0 +1,360 @@
+// The epd-proxy console: polls /console/api/state and draws it. Read-only, no dependencies.
+"use strict";
+
+const STATE_URL = "/console/api/state";
+const REQUEST_URL = "/console/api/request?id=";
+const POLL_MS = 1500;
+const KEY_STORE = "epd-proxy-admin-key";
+
+const ROLE_NAMES = {
+  encode: "Encoders (E)", prefill: "Prefill (P)", decode: "Decode (D)", prefill_decode: "Prefill + decode (PD)",
+};
+const ROLE_SHORT = { encode: "E", prefill: "P", decode: "D", prefill_decode: "PD" };
+// A symbol beside every state's words: the state reads without colour.
+const STATE_MARK = {
+  healthy: "●", ejected: "✕", "half-open": "◐", draining: "⏸", leaving: "→", mixed: "≠",
+};
+const FLOW_TEXT = {
+  "E+P+D": "Media go to the encoders, prefill computes the prompt's KV, the KV moves to a decode, decode streams the answer.",
+  "P+D": "Prefill computes the prompt's KV, the KV moves to a decode, decode streams the answer.",
+  "E+PD": "Media go to the encoders; one combined instance computes the prompt and streams the answer.",
+  PD: "Each request goes whole to one combined instance.",
+};
+
+function $(id) { return document.getElementById(id); }
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (name === "text") node.textContent = value;
+    else if (name.startsWith("data-") || name.startsWith("aria-") || name === "role" || name === "scope") {
+      node.setAttribute(name, value);
+    } else node[name] = value;
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function ms(value) {
+  if (value === null || value === undefined) return "–";
+  if (value >= 10000) return (value / 1000).toFixed(1) + " s";
+  if (value >= 100) return Math.round(value) + " ms";
+  return value.toFixed(1) + " ms";
+}
+
+function num(value, digits) {
+  if (value === null || value === undefined) return "–";
+  return Number(value).toFixed(digits === undefined ? 1 : digits);
+}
+
+function pct(value) { return value === null || value === undefined ? "–" : (value * 100).toFixed(0) + " %"; }
+
+function host(url) { return url.replace(/^https?:\/\//, ""); }
+
+function clock(ts) { return new Date(ts * 1000).toLocaleTimeString([], { hour12: false }); }
+
+async function getJson(url) {
+  const headers = {};
+  const key = sessionStorage.getItem(KEY_STORE);
+  if (key) headers["X-API-Key"] = key;
+  const resp = await fetch(url, { headers, cache: "no-store" });
+  if (resp.status === 401 || resp.status === 403) {
+    let message = "";
+    try { message = (await resp.json()).error.message; } catch (e) { /* not the envelope */ }
+    const err = new Error(message || "refused");
+    err.auth = true;
+    throw err;
+  }
+  if (!resp.ok) throw new Error("HTTP " + resp.status);
+  return resp.json();
+}
+
+// -- the cluster ---------------------------------------------------------------------------
+function drawFlow(state) {
+  const topology = state.proxy.topology;
+  $("flow-text").textContent = FLOW_TEXT[topology] || "No instances yet.";
+  const byRole = groupByRole(state.instances);
+  const flow = $("flow");
+  flow.replaceChildren();
+  for (const role of ["encode", "prefill", "decode", "prefill_decode"]) {
+    const list = byRole[role];
+    if (!list || !list.length) continue;
+    const inRotation = list.filter((i) => i.in_rotation).length;
+    const inflight = list.reduce((n, i) => n + i.inflight, 0);
+    flow.append(el("li", { className: "flow-step" + (inRotation < list.length ? " degraded" : "") },
+      el("strong", { text: ROLE_NAMES[role] }),
+      el("span", { text: `${inRotation} of ${list.length} in rotation` }),
+      el("span", { text: `${inflight} in flight` })));
+  }
+}
+
+function groupByRole(instances) {
+  const out = {};
+  for (const inst of instances) (out[inst.role] = out[inst.role] || []).push(inst);
+  return out;
+}
+
+function loadText(inst) {
+  if (!inst.load) return "not scraped";
+  return `KV cache ${pct(inst.load.kv_usage)} · ${num(inst.load.waiting, 0)} waiting · ${num(inst.load.others, 0)} not ours`;
+}
+
+function instanceCard(inst, workers) {
+  const mark = STATE_MARK[inst.state] || "?";
+  const facts = el("dl", { className: "facts" });
+  const fact = (name, value) => { if (value !== null && value !== undefined && value !== "") facts.append(el("dt", { text: name }), el("dd", { text: value })); };
+  if (inst.ejected_until) fact("Back on trial at", clock(inst.ejected_until));
+  if (workers > 1) fact("In rotation in", `${inst.workers_in_rotation} of ${inst.workers} workers`);
+  fact("Source", inst.source || "–");
+  fact("In flight", String(inst.inflight));
+  fact("Load", loadText(inst));
+  fact("Requests", String(inst.requests));
+  const errors = Object.entries(inst.errors).map(([k, n]) => `${k} ${n}`).join(", ");
+  fact("Errors", errors || "none");
+  if (inst.media) {
+    const share = inst.media.items ? ` (${pct(inst.media.repeats_home / inst.media.items)})` : "";
+    fact("Media items", `${inst.media.items}, ${inst.media.repeats_home} repeats sent back here${share}`);
+  }
+  fact("Models", inst.models === null ? "not read yet" : (inst.models.join(", ") || "none"));
+  if (inst.adapters.length) fact("LoRA adapters", inst.adapters.join(", "));
+  if (inst.active_adapters.length) fact("Active adapters", inst.active_adapters.join(", "));
+  return el("article", { className: "card state-" + inst.state, "data-url": inst.url, "data-state": inst.state,
+                         "data-role": inst.role },
+    el("h4", { text: host(inst.url) }),
+    el("p", { className: "state" }, el("span", { className: "mark", "aria-hidden": "true", text: mark }), " ",
+       el("span", { className: "state-text", text: inst.state_text })),
+    inst.reason ? el("p", { className: "why" }, el("span", { className: "muted", text: "Why: " }), inst.reason) : null,
+    facts);
+}
+
+function drawModels(state) {
+  const names = Object.keys(state.models || {}).sort();
+  const body = $("models").tBodies[0];
+  body.replaceChildren();
+  $("models-wrap").hidden = names.length === 0;
+  for (const name of names) {
+    const m = state.models[name];
+    const roles = Object.entries(m.roles).map(([role, n]) => `${ROLE_SHORT[role] || role} ${n.in_rotation} in, ${n.out} out`);
+    const ready = m.ready ? (m.media === false ? "✓ text only (no encoder)" : "✓ ready") : "✕ not ready";
+    body.append(el("tr", { "data-model": name, className: m.ready ? "" : "failed" },
+      el("th", { scope: "row", text: name + (m.parent ? ` (adapter of ${m.parent})` : "") }),
+      el("td", { text: ready }),
+      el("td", { text: roles.join(" · ") }),
+      el("td", { text: m.why || "–" })));
+  }
+}
+
+function drawCluster(state) {
+  drawModels(state);
+  const root = $("cluster");
+  root.replaceChildren();
+  const byRole = groupByRole(state.instances);
+  if (!state.instances.length) {
+    root.append(el("p", { className: "muted", text: "No instances in the roster." }));
+    return;
+  }
+  for (const [role, list] of Object.entries(byRole)) {
+    const routing = state.proxy.routing[role === "prefill_decode" ? "decode" : role];
+    const section = el("section", { className: "role", "data-role": role, "aria-label": ROLE_NAMES[role] || role },
+      el("h3", {}, ROLE_NAMES[role] || role, " ", el("span", { className: "muted", text: routing ? `routing: ${routing}` : "" })));
+    const grid = el("div", { className: "cards" });
+    for (const inst of list) grid.append(instanceCard(inst, state.workers));
+    section.append(grid);
+    root.append(section);
+  }
+}
+
+// -- the traffic ---------------------------------------------------------------------------
+function errorText(row) {
+  const kinds = Object.entries(row.errors_per_s);
+  if (!kinds.length) return "none";
+  return kinds.map(([k, r]) => `${k} ${num(r, 2)}/s`).join(", ") + ` (${pct(row.error_ratio)})`;
+}
+
+function drawTraffic(state) {
+  const t = state.traffic;
+  $("traffic-window").textContent = `(last ${num(Math.min(state.window_s, t.covered_s), 0)} s)`;
+  const all = t.models["*"];
+  const tiles = $("tiles");
+  tiles.replaceChildren();
+  const tile = (name, value, id) => tiles.append(el("div", { className: "tile", "data-tile": id },
+    el("span", { className: "tile-value", text: value }), el("span", { className: "tile-name", text: name })));
+  tile("requests / s", num(all.rps, 1), "rps");
+  tile("errors / s", num(Object.values(all.errors_per_s).reduce((a, b) => a + b, 0), 2), "errors");
+  tile("TTFT p50", ms(all.ttft_ms.p50), "ttft");
+  tile("ITL p50", ms(all.itl_ms.p50), "itl");
+  tile("tokens out / s", num(all.completion_tokens_per_s, 0), "tokens");
+  const body = $("traffic").tBodies[0];
+  body.replaceChildren();
+  const models = Object.keys(t.models).filter((m) => m !== "*").sort();
+  for (const model of models.length > 1 ? ["*", ...models] : (models.length ? models : ["*"])) {
+    const r = t.models[model];
+    body.append(el("tr", { "data-model": model },
+      el("th", { scope: "row", text: model === "*" ? "all models" : model }),
+      el("td", { text: num(r.rps, 2) }),
+      el("td", { text: errorText(r) }),
+      el("td", { text: `${ms(r.ttft_ms.p50)} / ${ms(r.ttft_ms.p90)} / ${ms(r.ttft_ms.p99)}` }),
+      el("td", { text: `${ms(r.itl_ms.p50)} / ${ms(r.itl_ms.p99)}` }),
+      el("td", { text: num(r.prompt_tokens_per_s, 0) }),
+      el("td", { text: num(r.completion_tokens_per_s, 0) }),
+      el("td", { text: pct(r.cached_ratio) }),
+      el("td", { text: num(r.encoder_items_per_s, 2) }),
+      el("td", { text: num(r.kv_transfers_per_s, 2) }),
+      el("td", { text: num(r.retried_per_s, 2) })));
+  }
+}
+
+// -- requests ------------------------------------------------------------------------------
+function resultText(s) {
+  if (s.outcome === "ok") return `${s.status} ok`;
+  if (s.outcome === "in_band_error") return `${s.status} error in the stream`;
+  if (s.status === 499) return "499 client went away";
+  return `${s.status} ${s.outcome.replace("_", " ")}`;
+}
+
+function legsText(s) {
+  return s.legs.map(([role, url, failed]) => `${ROLE_SHORT[role] || role} ${host(url)}${failed ? " (failed)" : ""}`).join(", ") || "–";
+}
+
+function drawRecent(state) {
+  const body = $("recent").tBodies[0];
+  body.replaceChildren();
+  $("recent-empty").hidden = state.recent.length > 0;
+  for (const s of state.recent) {
+    const show = el("button", { type: "button", className: "link", text: s.id, "aria-label": `Show the path of request ${s.id}` });
+    show.addEventListener("click", () => showRequest(s.id, s));
+    body.append(el("tr", { "data-request-id": s.id, className: s.outcome === "ok" ? "" : "failed" },
+      el("td", { text: clock(s.end) }),
+      el("td", {}, show),
+      el("td", { text: s.model || "–" }),
+      el("td", { text: s.path }),
+      el("td", { text: resultText(s) }),
+      el("td", { text: ms(s.total_ms) }),
+      el("td", { text: ms(s.first_byte_ms) }),
+      el("td", { text: `${s.prompt_tokens ?? "–"} / ${s.completion_tokens ?? "–"}` }),
+      el("td", { text: legsText(s) })));
+  }
+}
+
+function drawWaterfall(s) {
+  const list = $("waterfall");
+  list.replaceChildren();
+  const total = Math.max(s.total_ms || 0, ...s.waterfall.map((w) => w.end_ms), 0.001);
+  for (const w of s.waterfall) {
+    const bar = el("span", { className: "bar bar-" + w.stage, "aria-hidden": "true" });
+    bar.style.marginLeft = (100 * w.start_ms / total) + "%";
+    bar.style.width = Math.max(0.5, 100 * (w.end_ms - w.start_ms) / total) + "%";
+    const where = w.instances.map(host).join(", ");
+    const failed = w.failed.length ? ` — failed on ${w.failed.map(host).join(", ")}` : "";
+    const when = w.start_ms === w.end_ms ? `at ${ms(w.start_ms)}` : `${ms(w.start_ms)} → ${ms(w.end_ms)} (${ms(w.end_ms - w.start_ms)})`;
+    list.append(el("li", { "data-stage": w.stage },
+      el("span", { className: "wf-label" }, el("strong", { text: w.label }), where ? ` on ${where}` : "", failed),
+      el("span", { className: "wf-time", text: when }),
+      el("span", { className: "track" }, bar)));
+  }
+  if (!s.waterfall.length) list.append(el("li", { text: "No stage finished for this request." }));
+}
+
+function showDetail(s) {
+  $("detail-h").textContent = `Request ${s.id}`;
+  const facts = $("detail-facts");
+  facts.replaceChildren();
+  const fact = (name, value) => facts.append(el("dt", { text: name }), el("dd", { text: value }));
+  fact("Result", resultText(s));
+  fact("Model", s.model || "–");
+  fact("API", `${s.method} ${s.path}${s.stream ? " (stream)" : ""}`);
+  fact("Total", ms(s.total_ms));
+  fact("First byte", ms(s.first_byte_ms));
+  if (s.itl_ms !== null) fact("Mean gap between events", ms(s.itl_ms));
+  fact("Tokens in / out / cached", `${s.prompt_tokens ?? "–"} / ${s.completion_tokens ?? "–"} / ${s.cached_tokens ?? "–"}`);
+  if (s.items) fact("Media items", String(s.items));
+  fact("Instances, in order", legsText(s));
+  drawWaterfall(s);
+  const detail = $("detail");
+  detail.hidden = false;
+  detail.dataset.requestId = s.id;
+}
+
+async function showRequest(id, known) {
+  if (known && known.waterfall) { showDetail(known); $("detail").focus(); return; }
+  try {
+    const found = await getJson(REQUEST_URL + encodeURIComponent(id));
+    if (!found.requests.length) {
+      $("detail-h").textContent = `No recent request with id ${id}`;
+      $("detail-facts").replaceChildren();
+      $("waterfall").replaceChildren();
+      $("detail").hidden = false;
+      delete $("detail").dataset.requestId;
+      return;
+    }
+    showDetail(found.requests[0]);
+    $("detail").focus();
+  } catch (err) { problem(err); }
+}
+
+// -- the loop ------------------------------------------------------------------------------
+function problem(err) {
+  if (err.auth) {
+    $("auth").hidden = false;
+    if (err.message) $("auth-why").textContent = err.message;
+    $("live").textContent = "waiting for the admin API key";
+  } else {
+    $("live").textContent = `not updated: ${err.message} (retrying)`;
+  }
+}
+
+function draw(state) {
+  const p = state.proxy;
+  const bits = [`topology ${p.topology}`];
+  if (p.kv_connector) bits.push(`KV connector ${p.kv_connector}`);
+  bits.push(`${state.instances.length} instances`);
+  bits.push(state.workers_configured > 1 ? `${state.workers} of ${state.workers_configured} workers answered` : "1 process");
+  $("summary").textContent = bits.join(" · ");
+  drawFlow(state);
+  drawCluster(state);
+  drawTraffic(state);
+  drawRecent(state);
+  $("live").textContent = `live: updated ${clock(state.generated)}`;
+}
+
+let timer = null;
+
+// One poll at a time; none while the tab is hidden (the proxy stops recording 30 s after the
+// last look), and one at once when it shows again or a key was entered.
+async function poll() {
+  clearTimeout(timer);
+  timer = null;
+  if (document.hidden) return;
+  try {
+    const state = await getJson(STATE_URL);
+    $("auth").hidden = true;
+    draw(state);
+  } catch (err) {
+    problem(err);
+  }
+  if (timer === null) timer = setTimeout(poll, POLL_MS);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("auth-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem(KEY_STORE, $("auth-key").value);
+    $("auth-key").value = "";
+    $("auth").hidden = true;
+    poll();
+  });
+  $("find").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    const id = $("find-id").value.trim();
+    if (id) showRequest(id, null);
+  });
+  $("detail-close").addEventListener("click", () => { $("detail").hidden = true; });
+  const fromUrl = new URLSearchParams(location.search).get("id");
+  if (fromUrl) { $("find-id").value = fromUrl; showRequest(fromUrl, null); }
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) poll(); });
+  poll();
+});

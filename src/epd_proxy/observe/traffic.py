@@ -1,0 +1,226 @@
+"""Pure: the console's numbers from recent request summaries (``recent.py``).
+
+Three steps, so that ``--workers`` can answer for the whole proxy: each worker turns its own
+ring into a :func:`partial` (rates per second over what its ring covers, and bounded samples
+of the latencies), the worker a console asked :func:`merge`\\ s every worker's partials (rates
+add up, samples join), and :func:`finish` turns the result into percentiles and ratios.
+:func:`waterfall` lays one request's stage times out on a time line.
+"""
+
+from __future__ import annotations
+
+ALL = "*"  # the row of every model together
+SAMPLES = 1000  # latency samples kept per model and measure in a partial (the newest)
+_LATENCIES = ("ttft", "itl", "total")
+_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "items", "kv_transfers", "retried",
+           "streams")
+
+
+def error_kind(s: dict) -> str | None:
+    """What went wrong with a request, as the console counts it (None: it did not fail):
+    ``in_band`` (a committed stream ended with an error event), ``client_gone`` (499),
+    ``http_<status>`` otherwise (429: shed; 503: no instance, shutting down; 504: a timeout)."""
+    if s["outcome"] == "in_band_error":
+        return "in_band"
+    status = s["status"]
+    if status == 499:
+        return "client_gone"
+    if status >= 400:
+        return f"http_{status}"
+    return None
+
+
+def _new_row() -> dict:
+    row: dict = {name: 0 for name in _COUNTS}
+    row["errors"] = {}
+    for name in _LATENCIES:
+        row[name] = []
+    return row
+
+
+def _count(row: dict, s: dict) -> None:
+    row["requests"] += 1
+    kind = error_kind(s)
+    if kind is not None:
+        row["errors"][kind] = row["errors"].get(kind, 0) + 1
+    for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+        if s[name]:
+            row[name] += s[name]
+    row["items"] += s["items"]
+    roles = [leg[0] for leg in s["legs"]]
+    if "prefill" in roles and "decode" in roles:
+        row["kv_transfers"] += 1  # a prefill's KV handed to a decode (P/D)
+    if kind is None and any(leg[2] for leg in s["legs"]):
+        row["retried"] += 1  # answered after an instance failed it
+    if s["stream"] and kind is None:
+        row["streams"] += 1
+        if s["first_byte_ms"] is not None:
+            row["ttft"].append(s["first_byte_ms"])
+        if s["itl_ms"] is not None:
+            row["itl"].append(s["itl_ms"])
+    if kind is None and s["total_ms"] is not None:
+        row["total"].append(s["total_ms"])
+
+
+def _add(into: dict, row: dict) -> None:
+    for name in _COUNTS:
+        into[name] += row[name]
+    for kind, n in row["errors"].items():
+        into["errors"][kind] = into["errors"].get(kind, 0) + n
+    for name in _LATENCIES:
+        into[name] += row[name]
+
+
+def partial(summaries: list[dict], now: float, window: float, since: float = 0.0,
+            oldest: float | None = None) -> dict:
+    """One worker's numbers over the last ``window`` seconds before ``now`` (wall time):
+    per model (and :data:`ALL`), counts as rates per second over the seconds its ring covers,
+    and the newest :data:`SAMPLES` latencies (ms). ``since``: when its ring started recording;
+    ``oldest``: when a full ring's oldest request ended (it covers no further back)."""
+    start = max(now - window, since)
+    if oldest is not None:
+        start = max(start, oldest)
+    covered = max(now - start, 1.0)  # a rate over less than a second says little
+    rows: dict[str, dict] = {}
+    for s in summaries:
+        if s["end"] < start:
+            continue
+        model = s["model"] or "-"
+        row = rows.get(model)
+        if row is None:
+            row = rows[model] = _new_row()
+        _count(row, s)
+    every = rows[ALL] = _new_row()
+    for model, row in list(rows.items()):
+        if model != ALL:
+            _add(every, row)
+    out = {}
+    for model, row in rows.items():
+        rated = {name: row[name] / covered for name in _COUNTS}
+        rated["errors"] = {kind: n / covered for kind, n in row["errors"].items()}
+        for name in _LATENCIES:
+            rated[name] = row[name][-SAMPLES:]
+        rated["count"] = row["requests"]
+        out[model] = rated
+    return {"covered_s": round(covered, 3), "models": out}
+
+
+def merge(partials: list[dict]) -> dict:
+    """Every worker's partial as one: rates add up, samples join, errors add up by kind."""
+    models: dict[str, dict] = {}
+    for p in partials:
+        for model, row in p["models"].items():
+            have = models.get(model)
+            if have is None:
+                have = models[model] = _new_row()
+                have["count"] = 0
+            for name in _COUNTS:
+                have[name] += row[name]
+            have["count"] += row["count"]
+            for kind, rate in row["errors"].items():
+                have["errors"][kind] = have["errors"].get(kind, 0.0) + rate
+            for name in _LATENCIES:
+                have[name] = have[name] + row[name]
+    covered = min((p["covered_s"] for p in partials), default=0.0)
+    return {"covered_s": covered, "models": models}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) by the nearest rank; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 1))  # ceil(n * q), at least 1
+    return ordered[int(min(rank, len(ordered))) - 1]
+
+
+def _quantiles(values: list[float]) -> dict:
+    return {"p50": percentile(values, 0.5), "p90": percentile(values, 0.9), "p99": percentile(values, 0.99),
+            "n": len(values)}
+
+
+def finish(merged: dict) -> dict:
+    """Per model: requests and errors per second, the error share, TTFT / ITL / duration
+    percentiles (ms), tokens per second, the share of prompt tokens served from a cache,
+    encoder items, P/D KV hand-offs and retried requests per second."""
+    out = {}
+    for model, row in merged["models"].items():
+        rps = row["requests"]
+        errors = sum(row["errors"].values())
+        prompt = row["prompt_tokens"]
+        out[model] = {
+            "requests": row["count"],
+            "rps": round(rps, 3),
+            "errors_per_s": {kind: round(rate, 3) for kind, rate in sorted(row["errors"].items())},
+            "error_ratio": round(errors / rps, 4) if rps else 0.0,
+            "ttft_ms": _quantiles(row["ttft"]),
+            "itl_ms": _quantiles(row["itl"]),
+            "duration_ms": _quantiles(row["total"]),
+            "prompt_tokens_per_s": round(prompt, 2),
+            "completion_tokens_per_s": round(row["completion_tokens"], 2),
+            "cached_tokens_per_s": round(row["cached_tokens"], 2),
+            "cached_ratio": round(row["cached_tokens"] / prompt, 4) if prompt else None,
+            "encoder_items_per_s": round(row["items"], 3),
+            "kv_transfers_per_s": round(row["kv_transfers"], 3),
+            "retried_per_s": round(row["retried"], 3),
+        }
+    return {"covered_s": merged["covered_s"], "models": out}
+
+
+def waterfall(s: dict) -> list[dict]:
+    """One request's stages on a time line from its arrival (ms), each with the instances
+    that served it and those that failed it. The stage times are the request's
+    ``Server-Timing`` (durations summed over attempts), laid out in the order the legs run:
+    encode, then prefill; decode's wait for its first event after the prefill (pull
+    connectors: the KV is read then) or beside it (push connectors: ``kv_handoff`` is
+    decode's wait once the prefill answered); then the first byte to the client and, for a
+    stream, the relay until the last byte."""
+    stages = s["stages_ms"]
+    legs = s["legs"]
+    total = s["total_ms"] or 0.0
+
+    def on(role: str) -> tuple[list[str], list[str]]:
+        served = [leg[1] for leg in legs if leg[0] == role and not leg[2]]
+        failed = [leg[1] for leg in legs if leg[0] == role and leg[2]]
+        return served, failed
+
+    out: list[dict] = []
+
+    def add(name: str, label: str, start: float, length: float, role: str | None) -> float:
+        end = min(start + length, total) if total else start + length
+        served, failed = on(role) if role else ([], [])
+        out.append({"stage": name, "label": label, "start_ms": round(start, 3), "end_ms": round(max(end, start), 3),
+                    "instances": served, "failed": failed})
+        return start + length
+
+    t = 0.0
+    if "encode" in stages:
+        t = add("encode", f"encode ({s['items']} item{'s' if s['items'] != 1 else ''})", 0.0, stages["encode"],
+                "encode")
+    prefill = stages.get("prefill")
+    handoff = stages.get("kv_handoff")
+    first = stages.get("decode_first")
+    whole = stages.get("decode")
+    decode = first if first is not None else whole
+    label = "decode to its first event" if first is not None else "decode (whole answer)"
+    if prefill is not None and handoff is not None:  # push: prefill and decode run side by side
+        add("prefill", "prefill (KV pushed to decode)", t, prefill, "prefill")
+        add("kv_handoff", "decode waits for the KV", t + prefill, handoff, None)
+        if decode is not None:
+            add("decode", label, t, decode, "decode")
+    else:
+        if prefill is not None:
+            t = add("prefill", "prefill", t, prefill, "prefill")
+            label += ", KV read from the prefill" if first is not None or whole is not None else ""
+        if decode is not None:
+            add("decode", label, t, decode, "decode")
+        elif not stages and legs:  # failed before any stage finished: where it went
+            add("decode", "no stage finished", 0.0, total, legs[-1][0])
+    if s["first_byte_ms"] is not None:
+        fb = s["first_byte_ms"]
+        out.append({"stage": "first_byte", "label": "first byte to the client", "start_ms": round(fb, 3),
+                    "end_ms": round(fb, 3), "instances": [], "failed": []})
+        if s["stream"] and total > fb:
+            out.append({"stage": "stream", "label": "stream relayed until the last byte", "start_ms": round(fb, 3),
+                        "end_ms": round(total, 3), "instances": [], "failed": []})
+    return out

@@ -1,0 +1,121 @@
+"""The console's routes (console.py) over real sockets: the page, the state JSON in front of a
+simulated cluster, an instance made to fail, a request found by its id, the roster's access
+rule, and --workers answering for the whole proxy."""
+
+import asyncio
+
+import msgspec
+from helpers import JSON, chat_body, stack
+from procs import child_proxy, fresh_request
+
+from epd_proxy.sim import SimCluster, SimConfig
+
+
+async def test_the_page_is_served_from_the_package_and_holds_no_data():
+    async with stack() as (_, proxy, client):
+        page = await client.request("GET", "/console")
+        assert page.status == 200 and page.headers[b"content-type"].startswith(b"text/html")
+        assert b"/console/console.js" in page.body and proxy.url.encode() not in page.body
+        assert b"default-src 'self'" in page.headers[b"content-security-policy"]
+        for asset, kind in (("/console/console.js", b"text/javascript"), ("/console/console.css", b"text/css")):
+            reply = await client.request("GET", asset)
+            assert reply.status == 200 and reply.headers[b"content-type"].startswith(kind) and reply.body
+        assert (await client.request("POST", "/console/api/state")).status == 405  # read-only
+
+
+async def test_nothing_is_recorded_until_a_console_looks():
+    async with stack() as (_, proxy, client):
+        assert (await client.chat(chat_body(), headers=[(b"x-request-id", b"unseen")])).status == 200
+        assert not proxy.app.pipeline.recent.on
+        state = (await client.request("GET", "/console/api/state")).json()
+        assert state["recent"] == [] and state["traffic"]["models"]["*"]["requests"] == 0
+        assert (await client.chat(chat_body(), headers=[(b"x-request-id", b"seen")])).status == 200
+        assert [s["id"] for s in (await client.request("GET", "/console/api/state")).json()["recent"]] == ["seen"]
+
+
+async def test_state_shows_every_instance_the_traffic_and_a_failed_instance():
+    async with stack(encode=1, prefill=1, decode=2) as (cluster, _, client):
+        first = (await client.request("GET", "/console/api/state")).json()
+        assert first["read_only"] and first["proxy"]["topology"] == "E+P+D"
+        assert first["recent"] == []  # nothing recorded before a console looked
+        assert {(i["role"], i["state"]) for i in first["instances"]} == {
+            ("encode", "healthy"), ("prefill", "healthy"), ("decode", "healthy")}
+        broken = cluster.instances("decode")[1]
+        await broken.crash()
+        replies = await asyncio.gather(*(
+            client.chat(chat_body(stream=True, images=["https://example.com/cat.png"]),
+                        headers=[(b"x-request-id", b"console-%d" % i)]) for i in range(6)))
+        assert [r.status for r in replies] == [200] * 6
+        state = (await client.request("GET", "/console/api/state")).json()
+        by_url = {i["url"]: i for i in state["instances"]}
+        assert by_url[broken.url]["state"] == "ejected" and by_url[broken.url]["state_text"] == "out: ejected"
+        assert "cannot connect" in by_url[broken.url]["reason"]
+        assert all(i["state"] == "healthy" for url, i in by_url.items() if url != broken.url)
+        encoder = by_url[cluster.urls("encode")[0]]
+        assert encoder["media"] == {"items": 6, "repeats_home": 5}  # one image, six times, one encoder
+        every = state["traffic"]["models"]["*"]
+        assert every["requests"] == 6 and every["rps"] > 0 and every["ttft_ms"]["n"] == 6
+        assert every["encoder_items_per_s"] > 0 and every["kv_transfers_per_s"] > 0
+        assert every["retried_per_s"] > 0  # the requests the crashed decode failed, answered elsewhere
+        assert state["traffic"]["models"]["sim-model"]["requests"] == 6
+        assert {s["id"] for s in state["recent"]} == {f"console-{i}" for i in range(6)}
+
+        found = (await client.request("GET", "/console/api/request?id=console-3")).json()
+        [one] = found["requests"]
+        assert [leg[0] for leg in one["legs"] if not leg[2]] == ["encode", "prefill", "decode"]
+        assert [w["stage"] for w in one["waterfall"]][:3] == ["encode", "prefill", "decode"]
+        assert (await client.request("GET", "/console/api/request?id=nobody")).json()["requests"] == []
+
+
+async def test_the_json_is_the_roster_s_the_page_is_open():
+    async with stack(admin_api_key="adm") as (_, _proxy, client):
+        assert (await client.request("GET", "/console")).status == 200
+        refused = await client.request("GET", "/console/api/state")
+        assert refused.status == 401 and b"admin API key" in refused.body
+        assert (await client.request("GET", "/console/api/request?id=x")).status == 401
+        wrong = await client.request("GET", "/console/api/state", headers=[(b"x-api-key", b"nope")])
+        assert wrong.status == 403
+        ok = await client.request("GET", "/console/api/state", headers=[(b"x-api-key", b"adm")])
+        assert ok.status == 200 and ok.json()["proxy"]["admin_key"] is True
+    async with stack(api_keys=("client",)) as (_, _proxy, client):  # client keys, no admin key
+        assert (await client.request("GET", "/console/api/state",
+                                     headers=[(b"authorization", b"Bearer client")])).status == 403
+
+
+async def test_with_workers_the_state_answers_for_the_whole_proxy():
+    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+        async with child_proxy(cluster, "--workers", "2") as (_, url):
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 10
+            while (await fresh_request(url, "GET", "/console/api/state")).json()["workers"] != 2:
+                assert loop.time() < end, "the workers never all answered"
+                await asyncio.sleep(0.05)
+            for _ in range(4):  # fresh connections: each worker is asked, and each starts recording
+                await fresh_request(url, "GET", "/console/api/state")
+            body = msgspec.json.encode(chat_body(max_tokens=2))
+            n = 12
+            replies = await asyncio.gather(*(fresh_request(url, "POST", "/v1/chat/completions", body,
+                                                           JSON + [(b"x-request-id", b"w-%d" % i)])
+                                             for i in range(n)))
+            assert [r.status for r in replies] == [200] * n
+            for _ in range(4):
+                state = (await fresh_request(url, "GET", "/console/api/state")).json()
+                assert state["workers"] == 2 and state["traffic"]["models"]["*"]["requests"] == n
+                assert {s["id"] for s in state["recent"]} == {f"w-{i}" for i in range(n)}
+                decode = [i for i in state["instances"] if i["role"] == "decode"][0]
+                assert decode["workers"] == 2 and decode["requests"] == n
+                found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
+                assert len(found["requests"]) == 1
+
+
+async def test_requests_shed_at_admission_count_as_errors_by_kind():
+    sim = SimConfig(itl_ms=0, ttft_ms=200)
+    async with stack(sim=sim, max_inflight=1, queue_size=0) as (_, _proxy, client):
+        await client.request("GET", "/console/api/state")
+        replies = await asyncio.gather(*(client.chat(chat_body(), headers=[(b"x-request-id", b"shed-%d" % i)])
+                                         for i in range(3)))
+        assert sorted(r.status for r in replies) == [200, 429, 429]
+        state = (await client.request("GET", "/console/api/state")).json()
+        assert set(state["traffic"]["models"]["*"]["errors_per_s"]) == {"http_429"}
+        shed = [s for s in state["recent"] if s["status"] == 429]
+        assert len(shed) == 2 and all(s["legs"] == [] and s["id"].startswith("shed-") for s in shed)

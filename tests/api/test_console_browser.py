@@ -1,0 +1,134 @@
+"""The console as a person sees it: headless Chromium (Debian's ``chromium``; installed by
+scripts/ensure-system-packages.sh) opens ``/console`` in front of a simulated cluster under
+load, with one decode made to fail, and the DOM it built is checked: every instance with its
+state in words, the live numbers moving, a request sent with a known id shown with its legs.
+The screenshot is kept (its path is printed)."""
+
+import asyncio
+import os
+import re
+import shutil
+from html.parser import HTMLParser
+
+import pytest
+from helpers import chat_body, stack
+
+from epd_proxy.sim import SimConfig
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/ensure-system-"
+                                                          "packages.sh installs it when run as root)")
+KNOWN = "console-browser-42"
+
+
+class Dom(HTMLParser):
+    """The elements with a ``data-*`` hook, with their text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: list[dict] = []  # attrs + "text"
+        self._open: list[dict] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("br", "input", "meta", "link", "img"):
+            return
+        node = dict(attrs, tag=tag, text="")
+        self._open.append(node)
+        if any(k.startswith("data-") or k == "id" for k, _ in attrs):
+            self.elements.append(node)
+
+    def handle_endtag(self, tag):
+        if tag in ("br", "input", "meta", "link", "img"):
+            return
+        while self._open:
+            node = self._open.pop()
+            if self._open:
+                self._open[-1]["text"] += node["text"]
+            if node["tag"] == tag:
+                break
+
+    def handle_data(self, data):
+        if self._open:
+            self._open[-1]["text"] += data
+
+    def find(self, **attrs) -> list[dict]:
+        return [e for e in self.elements if all(e.get(k.replace("_", "-")) == v for k, v in attrs.items())]
+
+    def by_id(self, value: str) -> dict:
+        [node] = [e for e in self.elements if e.get("id") == value]
+        return node
+
+
+async def _chromium(profile: str, url: str, *args: str) -> bytes:
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run", "--disable-extensions",
+        "--hide-scrollbars", f"--user-data-dir={profile}", "--virtual-time-budget=4000", *args, url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    out, _ = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode == 0, "chromium failed"
+    return out
+
+
+async def test_the_console_in_a_browser_shows_the_cluster_the_traffic_and_a_request_s_path(tmp_path):
+    sim = SimConfig(itl_ms=2, ttft_ms=3)
+    async with stack(encode=1, prefill=1, decode=2, sim=sim) as (cluster, proxy, client):
+        await client.request("GET", "/console/api/state")  # a console is open: requests are recorded
+        broken = cluster.instances("decode")[1]
+        await broken.crash()
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            i = 0
+            while not stop.is_set():
+                await client.chat(chat_body(f"load {i}", stream=True, max_tokens=8),
+                                  headers=[(b"x-request-id", b"load-%d" % i)])
+                i += 1
+                await asyncio.sleep(0.02)
+
+        known = await client.chat(chat_body("the known one", stream=True, images=["https://example.com/cat.png"]),
+                                  headers=[(b"x-request-id", KNOWN.encode())])
+        assert known.status == 200
+        loader = asyncio.get_running_loop().create_task(load())
+        try:
+            await asyncio.sleep(0.3)
+            url = f"{proxy.url}/console?id={KNOWN}"
+            first = Dom()
+            first.feed((await _chromium(str(tmp_path / "profile"), url, "--dump-dom")).decode())
+            await asyncio.sleep(0.5)
+            second = Dom()
+            second.feed((await _chromium(str(tmp_path / "profile"), url, "--dump-dom")).decode())
+            shot = tmp_path / "console.png"
+            await _chromium(str(tmp_path / "profile"), url, "--window-size=1400,2200", f"--screenshot={shot}")
+            narrow = tmp_path / "console-narrow.png"  # a phone's width: one column, nothing cut off
+            await _chromium(str(tmp_path / "profile"), url, "--window-size=390,2400", f"--screenshot={narrow}")
+        finally:
+            stop.set()
+            await loader
+        print(f"\nconsole screenshots: {shot} {narrow}")
+        assert shot.stat().st_size > 10_000 and narrow.stat().st_size > 10_000
+
+    for dom in (first, second):
+        assert "live: updated" in dom.by_id("live")["text"]
+        # Every instance, with its state in words (and a symbol), the failed one out.
+        cards = {c["data-url"]: c for c in dom.find(tag="article")}
+        assert set(cards) == {i.url for i in cluster.all_instances()}
+        assert cards[broken.url]["data-state"] == "ejected" and "out: ejected" in cards[broken.url]["text"]
+        assert "cannot connect" in cards[broken.url]["text"]
+        for inst_url, card in cards.items():
+            if inst_url != broken.url:
+                assert card["data-state"] == "healthy" and "in rotation" in card["text"]
+        # The known request's path: its legs, each with the instance that served it.
+        detail = dom.by_id("detail")
+        assert detail.get("data-request-id") == KNOWN and "hidden" not in detail
+        stages = {s["data-stage"]: s["text"] for s in dom.find(tag="li") if "data-stage" in s}
+        assert {"encode", "prefill", "decode", "first_byte", "stream"} <= set(stages)
+        assert cluster.urls("encode")[0].split("//")[1] in stages["encode"]
+        assert cluster.urls("prefill")[0].split("//")[1] in stages["prefill"]
+        assert "encode (1 item)" in stages["encode"]
+        # The live numbers: requests per second under load.
+        rps = float(re.search(r"[\d.]+", dom.find(data_tile="rps")[0]["text"]).group())
+        assert rps > 0
+    # The page polled again and again: the second look shows requests the first could not.
+    ids = [{r["data-request-id"] for r in dom.find(tag="tr") if "data-request-id" in r} for dom in (first, second)]
+    assert ids[1] - ids[0]
+    assert os.path.getsize(shot) > 0
