@@ -106,7 +106,7 @@ class AccessLog:
                     f"{'stream' if stream else 'whole'} {chosen or '-'} {stages or '-'} total={seconds * 1000:.1f}ms "
                     f"tokens={'-' if p is None else p}/{'-' if c is None else c} "
                     f"cached={'-' if cached is None else cached} bytes={nbytes} client={client} "
-                    f"model={text_field(rec.model)} key={text_field(rec.key)} kv={kv or '-'} {outcome}\n")
+                    f"model={text_field(rec.model)} key={text_field(rec.key)}{f' kv={kv}' if kv else ''} {outcome}\n")
 
     def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float, peer=None,
               headers=None, model: str | None = None, key: str | None = None) -> None:
