@@ -532,8 +532,10 @@ async def test_a_decode_that_leaves_takes_its_kept_parameters_with_it():
         await _ask(client, _t1())
         turns = proxy.app.pipeline.turns
         (url,) = set(turns.held)
+        assert proxy.app.pipeline.reuse.decodes == {url: True}
         proxy.app.membership.unregister(url, source="static")
         assert not turns.held and len(turns) == 0 and turns.released["decode_gone"] == 1
+        assert proxy.app.pipeline.reuse.decodes == {}  # one joining at that URL is asked anew
 
 
 async def test_parameters_a_refused_prefill_never_got_go_to_the_retry():

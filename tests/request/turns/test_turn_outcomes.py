@@ -13,18 +13,22 @@ from test_multiturn import _ask, _next, _reads, _sim, _t1, _wrong
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.observe.access_log import AccessLog
+from epd_proxy.request.context import RequestContext
 from epd_proxy.request.turns.multiturn import (
     BOUND,
     EXPIRED,
     SUPERSEDED,
     UNKNOWN,
     Entry,
+    KVReuse,
     TurnStore,
     answer_message,
     earlier_keys,
     keep_key,
     lookup_key,
 )
+from epd_proxy.request.turns.outcomes import RETRIED, REUSED
+from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimConfig, expected_text
 
@@ -86,6 +90,19 @@ def test_holding_counts_tokens_and_conversations_per_decode():
     _keep(store, _body("q1"), "a1", tokens=40)
     _keep(store, _body("other"), "b1", tokens=60)
     assert store.holding() == {"http://d1": (100, 2)}
+
+
+def test_a_later_attempt_whose_read_was_spent_is_retried():
+    ctx = RequestContext("r", "/v1/chat/completions", [])
+    ctx.kv_outcome, ctx.kv_reuse = REUSED, KVReuse({}, None)
+    TurnReuse.again(ctx)  # the prefill never got them (refused): still this attempt's to read
+    assert ctx.kv_outcome == REUSED
+    ctx.kv_reuse = None  # read by a prefill on the failed attempt
+    TurnReuse.again(ctx)
+    assert ctx.kv_outcome == RETRIED
+    ctx.kv_outcome = "not_held"
+    TurnReuse.again(ctx)
+    assert ctx.kv_outcome == "not_held"
 
 
 # -- through the proxy, over the simulator's bidirectional transfer ------------------------------
