@@ -210,3 +210,15 @@ async def test_405_carries_allow_and_an_unknown_path_is_a_404_envelope():
         assert reply.status == 404 and b"allow" not in reply.headers
         assert reply.json()["error"] == {"message": "no route for POST /v1/nothing-here", "type": "NotFoundError",
                                          "param": None, "code": 404}
+
+
+def test_merged_status_adds_each_workers_held_kv_per_decode():
+    def held(keeps, tokens, conversations):
+        return {"keeps_blocks": keeps, "held_tokens": tokens, "held_conversations": conversations}
+    one = {"decode": [_inst("http://d0", True, kv_reuse=held(None, 0, 0)),
+                      _inst("http://d1", True, kv_reuse=held(True, 300, 2))]}
+    two = {"decode": [_inst("http://d0", True, kv_reuse=held(True, 120, 1)),
+                      _inst("http://d1", True, kv_reuse=held(None, 0, 0))]}
+    merged = {i["url"]: i["kv_reuse"] for i in merge_pool_status([one, two])["decode"]}
+    assert merged == {"http://d0": held(True, 120, 1), "http://d1": held(True, 300, 2)}
+    assert one["decode"][0]["kv_reuse"] == held(None, 0, 0)  # the workers' own answers untouched

@@ -36,12 +36,12 @@ READ_MIN = 64
 def proxy(mt, start_proxy):
     p = start_proxy("mt", prefill=[mt.prefill.url], decode=[mt.decode.url],
                     extra=["--local-prefill-max-tokens", "64"])
-    # The proxy learns from decode's first answer with parameters that decode keeps blocks;
-    # from then on it asks decode for the token ids it checks next prompts against.
+    # The proxy asks a decode it has not heard from for the token ids of its first answer: that
+    # answer comes with parameters (decode keeps blocks) and is kept like any other.
     r = E.post(p.url, "/v1/chat/completions", _body([{"role": "user", "content": _user("warm", 8)}]))
     assert r.status == 200, E.describe(r)
-    assert r.json().get("kv_transfer_params") is None, E.describe(r)
-    assert _proxy_metric(p, "epd_proxy_kv_reuse_fallbacks_total", reason="no_token_ids") == 1
+    assert r.json().get("kv_transfer_params") is None and r.json().get("prompt_token_ids") is None, E.describe(r)
+    assert _proxy_metric(p, "epd_proxy_kv_reuse_answers_total", result="kept") == 1
     return p
 
 
@@ -100,7 +100,7 @@ def _proxy_metric(proxy, name: str, **labels: str) -> float:
 
 def test_three_turns_read_the_previous_answer_from_decode(mt, proxy):
     messages = _ask_next(mt, [{"role": "system", "content": SYSTEM}], "s1")
-    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused")
     text, _ = _turn(proxy, mt, messages)
     assert text == _reference(mt, messages)
     for turn in (2, 3):
@@ -110,7 +110,7 @@ def test_three_turns_read_the_previous_answer_from_decode(mt, proxy):
         # The prefill read the previous answer (and what of the prompt its own cache lacked) from decode.
         assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN, f"turn {turn}"
         assert text == _reference(mt, messages), f"turn {turn}"
-    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused") - used0 == 2
     # A stream turn: 0.32's decode stream carries no parameters, but the turn reads the last
     # non-streamed answer's blocks and answers the same.
     messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], "s3")
@@ -120,6 +120,22 @@ def test_three_turns_read_the_previous_answer_from_decode(mt, proxy):
     assert streamed == _reference(mt, messages)
 
 
+def test_the_first_conversation_through_a_fresh_proxy_reads_on_turn_2(mt, proxy, start_proxy):
+    """A proxy that has seen no answer yet asks decode for the token ids of its first one (it
+    does not know yet whether decode keeps blocks): that conversation's second turn reads too."""
+    fresh = start_proxy("mt-first", prefill=[mt.prefill.url], decode=[mt.decode.url],
+                        extra=["--local-prefill-max-tokens", "0"])
+    messages = _ask_next(mt, [{"role": "system", "content": SYSTEM}], "f1")
+    text, _ = _turn(fresh, mt, messages)
+    messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], "f2")
+    p0 = mt.prefill.metrics()
+    text, r = _turn(fresh, mt, messages)
+    assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN
+    assert text == _reference(mt, messages)
+    assert _proxy_metric(fresh, "epd_proxy_kv_reuse_turns_total", outcome="reused") == 1
+    assert 'kv;desc="reused"' in r.headers.get("server-timing", ""), r.headers
+
+
 def test_retry_of_a_turn_does_not_reuse_twice(mt, proxy):
     """The same turn sent again (a client's retry) must not get the parameters a second time:
     vLLM would answer it wrongly. It falls back and still answers the same."""
@@ -127,10 +143,10 @@ def test_retry_of_a_turn_does_not_reuse_twice(mt, proxy):
     text, _ = _turn(proxy, mt, messages)
     messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], "s5")
     first, _ = _turn(proxy, mt, messages)
-    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="used")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="already_used")
     again, _ = _turn(proxy, mt, messages)
     assert first == again == _reference(mt, messages)
-    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="used") - used0 == 1
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="already_used") - used0 == 1
 
 
 def test_short_follow_up_skips_the_prefill(mt, proxy):
@@ -153,9 +169,9 @@ def test_short_follow_up_skips_the_prefill(mt, proxy):
     # The locally prefilled turn kept its blocks too (decode answered with parameters): the
     # next turn's prefill gets them.
     messages = _ask_next(mt, messages + [{"role": "assistant", "content": text}], "s7")
-    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused")
     text, _ = _turn(proxy, mt, messages)
-    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 1
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused") - used0 == 1
     assert text == _reference(mt, messages)
 
 
@@ -230,7 +246,7 @@ def _completion_reference(mt, prompt: str) -> str:
 
 def test_completions_turns_read_the_previous_answer_from_decode(mt, proxy):
     prompt = _next_prompt(mt, SYSTEM, "c1")
-    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused")
     text = _complete(proxy, prompt)
     assert text == _completion_reference(mt, prompt)
     for turn in (2, 3):
@@ -239,7 +255,7 @@ def test_completions_turns_read_the_previous_answer_from_decode(mt, proxy):
         text = _complete(proxy, prompt)
         assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN, f"turn {turn}"
         assert text == _completion_reference(mt, prompt), f"turn {turn}"
-    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused") - used0 == 2
     # The same turn again: the parameters were used; it falls back and answers the same.
     again = _complete(proxy, prompt)
     assert again == text
@@ -252,8 +268,8 @@ def test_messages_and_responses_never_show_the_parameters_and_let_the_blocks_go(
     """vLLM 0.32 answers both with decode's parameters (Messages: the non-stream body;
     Responses: the non-stream body and the stream's response.completed event) but takes no
     return_token_ids there: the proxy takes them out and frees decode's blocks at once."""
-    no_ids0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="no_token_ids")
-    freed0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="freed")
+    no_ids0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_answers_total", result="no_token_ids")
+    freed0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_freed_total")
     user = _user("r1", 40)
     r = E.post(proxy.url, "/v1/messages", {"model": E.MODEL_NAME, "max_tokens": 16,
                                            "messages": [{"role": "user", "content": user}]})
@@ -268,9 +284,9 @@ def test_messages_and_responses_never_show_the_parameters_and_let_the_blocks_go(
     assert len(completed) == 1 and completed[0]["response"].get("kv_transfer_params") is None
     assert b"remote_block_ids" not in r.body
     # each of the three answers carried parameters on decode's side
-    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_fallbacks_total", reason="no_token_ids") - no_ids0 == 3
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_answers_total", result="no_token_ids") - no_ids0 == 3
     deadline = time.monotonic() + 10
-    while _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="freed") - freed0 < 3:
+    while _proxy_metric(proxy, "epd_proxy_kv_reuse_freed_total") - freed0 < 3:
         assert time.monotonic() < deadline, "decode's blocks were not let go"
         time.sleep(0.2)
 
@@ -300,7 +316,7 @@ def test_generate_turns_read_the_previous_answer_from_decode(mt, proxy):
     assert words.status == 200, E.describe(words)
     pool = words.json()["tokens"]
     ids = _padded([], pool)
-    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used")
+    used0 = _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused")
     for turn in (1, 2, 3):
         p0 = mt.prefill.metrics()
         r = E.post(proxy.url, "/inference/v1/generate", {
@@ -314,4 +330,4 @@ def test_generate_turns_read_the_previous_answer_from_decode(mt, proxy):
         ref = _generate(mt.decode.url, ids, cache_salt=f"ref-{uuid.uuid4().hex}")
         assert out == ref, f"turn {turn}"
         ids = _padded(ids + out, pool[turn * 100:])
-    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="used") - used0 == 2
+    assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused") - used0 == 2

@@ -1,5 +1,5 @@
 """Multi-turn KV reuse with --workers N: the kept parameters are per worker process, so a
-conversation whose next turn lands on another worker falls back (counted ``unknown``) and
+conversation whose next turn lands on another worker falls back (counted ``not_held``) and
 answers the same; decode frees what nobody reads at its TTL."""
 
 import json
@@ -21,13 +21,13 @@ def _chat(user: str, prev: dict | None = None, answer: str = "") -> dict:
 
 
 def _unknown(metrics: bytes) -> float:
-    m = re.search(rb'^epd_proxy_kv_reuse_fallbacks_total\{reason="unknown"\} (\S+)$', metrics, re.M)
+    m = re.search(rb'^epd_proxy_kv_reuse_turns_total\{outcome="not_held"\} (\S+)$', metrics, re.M)
     return float(m.group(1)) if m else 0.0
 
 
 async def _turn(proxy: ProxyProcess, body: dict, avoid: int | None = None) -> tuple[int, str, float]:
     """``body`` over a new connection to a worker other than ``avoid`` (one connection: one
-    worker): that worker's pid, the answer, and the ``unknown`` fallbacks after the turn."""
+    worker): that worker's pid, the answer, and the ``not_held`` turns after the turn."""
     for _ in range(200):
         client = Client(proxy.url)
         try:

@@ -44,6 +44,7 @@ from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
 from epd_proxy.request.legs.connectors import check_connector_config
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
+from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
 from epd_proxy.wire.errors import ProxyError
 
@@ -326,6 +327,7 @@ class ProxyApp:
 
     def _local_status(self) -> dict:
         pools = {role: pool.snapshot() for role, pool in self.pools.items()}
+        _with_held_kv(pools, self.pipeline.reuse)
         return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
                 else None, "pools": pools, "models": self._model_status(pools),
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
@@ -412,7 +414,35 @@ def merge_pool_status(views: list[dict]) -> dict:
                 have["models"] = have.get("models") or inst.get("models")  # a worker that has read them
                 if inst["ejected_until"] is not None:
                     have["ejected_until"] = max(have["ejected_until"] or 0, inst["ejected_until"])
+                _merge_held_kv(have, inst)
     return {role: list(merged.values()) for role, merged in out.items()}
+
+
+def _with_held_kv(pools: dict[str, list[dict]], reuse: TurnReuse) -> None:
+    """Each decode's multi-turn KV reuse (``kv_reuse``, unless --no-kv-reuse): whether it keeps
+    blocks (null: not known yet), and the tokens and conversations this process keeps for a
+    next turn there (architecture.md, "Multi-turn KV reuse")."""
+    if reuse.store is None:
+        return
+    held = reuse.status()
+    for inst in pools.get("decode", ()):
+        inst["kv_reuse"] = held.get(inst["url"]) or {"keeps_blocks": None, "held_tokens": 0, "held_conversations": 0}
+
+
+def _merge_held_kv(have: dict, inst: dict) -> None:
+    """Another worker's ``kv_reuse`` of the same decode: held counts add up; it keeps blocks if
+    any worker saw it do so."""
+    mine, theirs = have.get("kv_reuse"), inst.get("kv_reuse")
+    if theirs is None:
+        return
+    if mine is None:
+        have["kv_reuse"] = dict(theirs)
+        return
+    mine = have["kv_reuse"] = dict(mine)
+    mine["held_tokens"] += theirs["held_tokens"]
+    mine["held_conversations"] += theirs["held_conversations"]
+    if theirs["keeps_blocks"] is not None and mine["keeps_blocks"] is not True:
+        mine["keeps_blocks"] = theirs["keeps_blocks"]
 
 
 def log_requests(handler):

@@ -72,16 +72,22 @@ class AccessLog:
 
     def request(self, rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float) -> None:
         """A generation request (``record.py``); the instances it used, in order (a retry adds
-        some), and its stages' times are its context's. ``tokens``: (prompt, completion, cached)."""
+        some), and its stages' times are its context's. ``tokens``: (prompt, completion, cached).
+        Multi-turn KV reuse adds the turn's outcome (``kv=``) and the instances that tokenized
+        its prompt for the token check (``tok=``: not a prefill leg, so not read as a retry)."""
         ctx = rec.ctx
         legs = ctx.legs if ctx is not None else ()
         timings = ctx.timings if ctx is not None else {}
+        kv = ctx.kv_outcome if ctx is not None else None
+        tokenized = ctx.tokenized if ctx is not None else None
         rid, method, path, stream, outcome = rec.request_id, rec.method, rec.path, rec.stream, rec.outcome
         client = self.client(rec.peer, rec.headers)
         p, c, cached = tokens
         now, stamp = self._now()
         if self.json:
             instances: dict[str, list[str]] = {}
+            if tokenized:
+                instances["tokenize"] = [_address(inst.url) for inst in tokenized]
             for inst in legs:
                 instances.setdefault(inst.role, []).append(_address(inst.url))
             self._write(msgspec.json.encode({
@@ -90,15 +96,17 @@ class AccessLog:
                 "stages_ms": {k: round(v * 1000, 2) for k, v in timings.items()},
                 "duration_ms": round(seconds * 1000, 2), "prompt_tokens": p, "completion_tokens": c,
                 "cached_tokens": cached, "bytes": nbytes, "client": client, "model": rec.model, "key": rec.key,
-                "outcome": outcome}).decode() + "\n")
+                "kv": kv, "outcome": outcome}).decode() + "\n")
             return
         chosen = " ".join(f"{inst.role[0]}={_address(inst.url)}" for inst in legs)
+        if tokenized:
+            chosen = " ".join([f"tok={_address(inst.url)}" for inst in tokenized] + ([chosen] if chosen else []))
         stages = " ".join(f"{k}={v * 1000:.1f}ms" for k, v in timings.items())
         self._write(f"{stamp} INFO {ACCESS_LOGGER}: {rid} {method} {path} {status} "
                     f"{'stream' if stream else 'whole'} {chosen or '-'} {stages or '-'} total={seconds * 1000:.1f}ms "
                     f"tokens={'-' if p is None else p}/{'-' if c is None else c} "
                     f"cached={'-' if cached is None else cached} bytes={nbytes} client={client} "
-                    f"model={text_field(rec.model)} key={text_field(rec.key)} {outcome}\n")
+                    f"model={text_field(rec.model)} key={text_field(rec.key)}{f' kv={kv}' if kv else ''} {outcome}\n")
 
     def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float, peer=None,
               headers=None, model: str | None = None, key: str | None = None) -> None:

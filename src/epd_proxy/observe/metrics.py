@@ -176,16 +176,20 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                       "(--encoder-max-outstanding bounds it per process).", ("url",)),
     "epd_proxy_encoder_failovers": ("counter", "Media items moved to another encoder after this one failed "
                                     "them (no connection, 5xx, timeout).", ("url",)),
-    "epd_proxy_kv_reuse_turns": ("counter", "Multi-turn KV reuse: decode answers whose kv_transfer_params were "
-                                 "kept for the next turn (kept), turns whose prefill read the previous turn's KV "
-                                 "from decode (used), turns served by the decode holding their history alone, the "
-                                 "prefill skipped (local_prefill), kept parameters handed to a prefill only to "
-                                 "free decode's blocks early (freed).", ("outcome",)),
-    "epd_proxy_kv_reuse_fallbacks": ("counter", "Turns with an earlier answer that did not reuse it, and answers "
-                                     "not kept, by reason: unknown, edited, used, expired, decode_gone, "
-                                     "prefill_failed, tokens, tokenize_failed, no_token_ids (the answer or "
-                                     "stream carried no token ids to check a next prompt by: Messages, "
-                                     "Responses, a stream), reasoning, choices, no_pull_prefill.", ("reason",)),
+    "epd_proxy_kv_reuse_turns": ("counter", "Multi-turn KV reuse: requests by their turn's one outcome: reused "
+                                 "(the prefill read the previous turn's KV from decode), local_prefill (the decode "
+                                 "holding it computed the new part alone), opening, or why it fell back: "
+                                 "unmatched, not_keyed, not_held, older_turn, edited, already_used, expired, "
+                                 "evicted, superseded, decode_gone, tokens, tokenize_failed, prefill_failed, "
+                                 "no_pull_prefill, media, retried, request_failed.", ("outcome",)),
+    "epd_proxy_kv_reuse_answers": ("counter", "Decode answers that held blocks for a later reader: kept for the "
+                                   "next turn (kept), or why not: no_token_ids (Messages, Responses, a stream "
+                                   "without token ids), reasoning, choices, unknown, short.", ("result",)),
+    "epd_proxy_kv_reuse_local_prefill_declined": ("counter", "Turns short enough to skip the prefill whose "
+                                                  "decode ran more than --local-prefill-max-streams other "
+                                                  "requests (the prefill ran).", ()),
+    "epd_proxy_kv_reuse_freed": ("counter", "Kept parameters handed to a prefill only to free decode's blocks "
+                                 "early.", ()),
     "epd_proxy_kv_reuse_released": ("counter", "Kept parameters let go unused, by reason: superseded, bound, "
                                     "expired, decode_gone; decode frees their blocks at its TTL, or at once when "
                                     "the proxy hands them to a prefill (released).", ("reason",)),

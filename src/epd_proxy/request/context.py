@@ -29,7 +29,7 @@ class RequestContext:
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
                  "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models",
-                 "conversation", "turn_tried", "kv_reuse", "ids_asked")
+                 "conversation", "turn_tried", "kv_reuse", "ids_asked", "kv_outcome", "tokenized")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -61,6 +61,8 @@ class RequestContext:
         self.turn_tried = False
         self.kv_reuse: KVReuse | None = None
         self.ids_asked = False  # decode was asked for token ids the client did not ask for
+        self.kv_outcome: str | None = None  # the turn's outcome (turns/outcomes.py), once looked up
+        self.tokenized: list[Instance] | None = None  # instances that tokenized the prompt for the token check
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]

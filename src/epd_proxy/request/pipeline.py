@@ -246,6 +246,8 @@ class Pipeline:
         """The commit: the whole answer sent, or the stream relayed; then the companion leg settled."""
         model = rec.model
         desc = None if model is None else (self._described.get(model) or self._describe(model))
+        if ctx.kv_outcome is not None:  # the turn's reuse outcome (turns/outcomes.py)
+            desc = (desc or b"") + b', kv;desc="%s"' % ctx.kv_outcome.encode()
         headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings, desc)
         since = rec.first_byte = time.perf_counter() - rec.start
         self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
@@ -265,6 +267,7 @@ class Pipeline:
                     answer = self.reuse.keep(ctx, body, leg, answer)
                 elif ctx.ids_asked:
                     answer = strip_token_ids(answer)
+                    self.reuse.answered_plain(ctx, leg.inst)  # a decode that keeps no blocks: not asked again
                 rec.answer = (answer if report is None else rewrite_usage(answer, report) if api is None
                               else api.client_answer(answer, report))
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
@@ -345,7 +348,7 @@ class Pipeline:
             self.metrics.observe_tokens(rec.series, tokens)
         ctx = rec.ctx
         if ctx is not None:
-            if ctx.kv_reuse is not None:  # taken for a prefill that never ran
+            if ctx.kv_outcome is not None:  # the turn's outcome counted; what it took and never ran let go
                 self.reuse.ended(ctx)
             if ctx.trace is not None:
                 ctx.trace.finish(status, rec.stream, tokens, rec.outcome)
@@ -465,13 +468,20 @@ class Pipeline:
                 if cap is not None:
                     cap.leave()
         turns = self.turns
-        if turns is not None and turns.active and (ctx.api is None or ctx.path == GENERATE):
-            # Chat, completions, generate (turn_reuse.py); generate answers with its token ids anyway.
+        if turns is not None and (ctx.api is None or ctx.path == GENERATE) and (
+                turns.active or (p is not None and self.reuse.probes(d))):
+            # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
+            # Before any decode has answered with parameters, a decode not heard from yet is asked
+            # too: its first answer may be kept (the first conversation's second turn reuses).
             if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
                 # The tokens decode will hold: what the next turn's prompt is checked against.
                 body = dict(body, return_token_ids=True)
                 ctx.ids_asked = True
-            local = None if ctx.turn_tried or items else await self.reuse.previous_turn(ctx, turns, body, p)
+            local = None
+            if ctx.turn_tried:
+                self.reuse.again(ctx)
+            elif turns.active:
+                local = await self.reuse.previous_turn(ctx, turns, body, p, bool(items))
             if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids")
                     and self.reuse.asks_stream_ids(ctx, body, local or d)):
                 # A decode that sends its parameters in a stream: asked for the token ids the next

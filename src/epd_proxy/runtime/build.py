@@ -44,7 +44,7 @@ from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
-from epd_proxy.request.turns.multiturn import TurnStore, turns_collector
+from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader
@@ -94,10 +94,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
                         if access_log.enabled(config) else None,
                         tracing=tracing.from_environment())
-    metrics.register(turns_collector(pipeline.turns))
+    metrics.register(pipeline.reuse.collector())
     membership.subscribe(_forget_departed(connector))
-    if pipeline.turns is not None:
-        membership.subscribe(_drop_held(pipeline.turns))
+    membership.subscribe(_drop_held(pipeline.reuse))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
@@ -140,12 +139,12 @@ def _forget_departed(connector):
     return changed
 
 
-def _drop_held(turns: TurnStore):
+def _drop_held(reuse: TurnReuse):
     """Parameters kept for a decode that left (or joined anew: a new engine) name blocks
-    nobody can read."""
+    nobody can read, and what it said of keeping blocks may no longer hold."""
     def changed(change) -> None:
         if change.spec.role == "decode" and change.event in ("registered", "removed", "forgotten"):
-            turns.drop_decode(change.spec.url)
+            reuse.forget(change.spec.url)
     return changed
 
 

@@ -348,17 +348,12 @@ def _wrong(cluster) -> int:
 
 
 def _counts(proxy) -> dict:
-    return proxy.app.pipeline.turns.fallbacks
-
-
-async def _warm(client) -> None:
-    """The proxy learns that decode keeps blocks from its first answer that says so."""
-    await _ask(client, _t1("warm up"))
+    """The turns' outcomes so far (turns/outcomes.py)."""
+    return proxy.app.pipeline.reuse.counts.turns
 
 
 async def test_turns_read_the_previous_answer_from_decode():
     async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         b2 = _next(b1)
@@ -373,26 +368,23 @@ async def test_turns_read_the_previous_answer_from_decode():
         r = await client.chat(b4)
         assert r.text() == expected_text(b4) and b"remote_block_ids" not in r.body
         assert len(_reads(cluster)) == 3 and _wrong(cluster) == 0
-        turns = proxy.app.pipeline.turns
-        assert turns.used == 3 and not turns.fallbacks.get("edited")
+        assert _counts(proxy)["reused"] == 3 and "edited" not in _counts(proxy)
 
 
 async def test_two_requests_of_one_turn_at_once_only_one_reads():
     async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         b2 = _next(b1)
         await asyncio.gather(_ask(client, b2), _ask(client, b2))
-        assert len(_reads(cluster)) == 1 and _counts(proxy)["used"] == 1
+        assert len(_reads(cluster)) == 1 and _counts(proxy)["already_used"] == 1 and _counts(proxy)["reused"] == 1
         await _ask(client, b2)  # a retry of the turn later: no second read either
-        assert len(_reads(cluster)) == 1 and _counts(proxy)["used"] == 2
+        assert len(_reads(cluster)) == 1 and _counts(proxy)["already_used"] == 2
         assert _wrong(cluster) == 0
 
 
 async def test_edited_history_and_a_fork_do_not_read():
     async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         edited = _next(b1)
@@ -406,7 +398,6 @@ async def test_edited_history_and_a_fork_do_not_read():
 async def test_expired_parameters_are_not_used():
     async with stack(sim=_sim(), local_prefill_max_tokens=0, kv_reuse_ttl=0.5, kv_reuse_margin=0.2) as (
             cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         await asyncio.sleep(0.35)
@@ -416,7 +407,6 @@ async def test_expired_parameters_are_not_used():
 
 async def test_a_restarted_decode_fails_the_read_and_the_prefill_runs_again_without():
     async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         d = cluster.instances("decode")[0]
@@ -424,12 +414,11 @@ async def test_a_restarted_decode_fails_the_read_and_the_prefill_runs_again_with
         await d.restart()
         await _ask(client, _next(b1))  # prefill answers 500 with the parameters; the request is served
         assert len(_reads(cluster)) == 1 and _counts(proxy)["prefill_failed"] == 1
-        assert proxy.app.pipeline.turns.used == 0 and _wrong(cluster) == 0
+        assert "reused" not in _counts(proxy) and _wrong(cluster) == 0
 
 
 async def test_a_decode_out_of_rotation_is_not_read_from():
     async with stack(sim=_sim(), decode=2, local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         pool = proxy.app.pipeline.decode
@@ -442,14 +431,13 @@ async def test_a_decode_out_of_rotation_is_not_read_from():
 
 async def test_a_short_follow_up_is_served_by_the_holding_decode_alone():
     async with stack(sim=_sim()) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         prefills = len(cluster.records("prefill"))
         b2 = _next(b1, "ok?", answer=40)
         await _ask(client, b2)
         assert len(cluster.records("prefill")) == prefills  # no prefill leg at all
-        assert proxy.app.pipeline.turns.local_prefills == 1
+        assert _counts(proxy)["local_prefill"] == 1
         last = cluster.records("decode")[-1]
         assert _body_of(last)["kv_transfer_params"] == {"do_remote_decode": False, "do_remote_prefill": False}
         # the locally prefilled turn kept its blocks too: the next turn reads them
@@ -462,7 +450,6 @@ async def test_a_short_follow_up_is_served_by_the_holding_decode_alone():
 async def test_a_short_follow_up_skips_the_prefill_only_while_its_decode_runs_few_streams(max_streams):
     sim = SimConfig(itl_ms=0, ttft_ms=0.5, bidirectional=True, roles={"decode": {"itl_ms": 5}})
     async with stack(sim=sim, local_prefill_max_streams=max_streams) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1(answer=20)
         await _ask(client, b1)
         decode = proxy.app.pipeline.decode.instances[0]
@@ -470,12 +457,12 @@ async def test_a_short_follow_up_skips_the_prefill_only_while_its_decode_runs_fe
         await wait_for(lambda: decode.inflight == 1)
         prefills = len(cluster.records("prefill"))
         await _ask(client, _next(b1, "ok?", answer=4))
-        turns = proxy.app.pipeline.turns
+        c, declined = _counts(proxy), proxy.app.pipeline.reuse.counts.declined
         if max_streams == 0:  # the other stream would have waited for the local prefill
-            assert (turns.local_prefills, turns.local_busy, turns.used) == (0, 1, 1)
+            assert (c.get("local_prefill", 0), declined, c.get("reused", 0)) == (0, 1, 1)
             assert len(cluster.records("prefill")) > prefills
         else:
-            assert (turns.local_prefills, turns.local_busy, turns.used) == (1, 0, 0)
+            assert (c.get("local_prefill", 0), declined, c.get("reused", 0)) == (1, 0, 0)
             assert len(cluster.records("prefill")) == prefills
         assert not other.done()
         await other
@@ -493,7 +480,6 @@ async def test_no_kv_reuse_still_keeps_the_parameters_from_clients():
 
 async def test_conversation_id_is_a_hint_never_forwarded():
     async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = dict(_t1(), conversation_id="conv-1")
         await _ask(client, b1)
         b2 = dict(_next(b1), conversation_id="conv-1")
@@ -504,7 +490,6 @@ async def test_conversation_id_is_a_hint_never_forwarded():
 
 async def test_parameters_that_will_not_be_used_free_decodes_blocks_early():
     async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         d = cluster.instances("decode")[0]
@@ -512,9 +497,9 @@ async def test_parameters_that_will_not_be_used_free_decodes_blocks_early():
         edited = _next(b1)
         edited["messages"][2] = {"role": "assistant", "content": "something else"}
         await _ask(client, edited)  # turn 1's parameters can no longer be used
-        turns = proxy.app.pipeline.turns
-        await wait_for(lambda: turns.freed == 1)
-        # turn 1's blocks were freed; the warm-up's and the edited turn's are still kept
+        counts = proxy.app.pipeline.reuse.counts
+        await wait_for(lambda: counts.freed == 1)
+        # turn 1's blocks were freed; the edited turn's are still kept
         assert d.kv_reuse.kept_requests == kept
         assert _wrong(cluster) == 0
 
@@ -544,34 +529,33 @@ def test_cut_blocks_refuses_what_it_cannot_tell():
 
 async def test_a_decode_that_leaves_takes_its_kept_parameters_with_it():
     async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         await _ask(client, _t1())
         turns = proxy.app.pipeline.turns
         (url,) = set(turns.held)
+        assert proxy.app.pipeline.reuse.decodes == {url: True}
         proxy.app.membership.unregister(url, source="static")
         assert not turns.held and len(turns) == 0 and turns.released["decode_gone"] == 1
+        assert proxy.app.pipeline.reuse.decodes == {}  # one joining at that URL is asked anew
 
 
 async def test_parameters_a_refused_prefill_never_got_go_to_the_retry():
     async with stack(sim=_sim(), prefill=2, local_prefill_max_tokens=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         home = cluster.records("prefill")[-1].instance  # cache-aware sends the next turn there first
         dead = next(i for i in cluster.instances("prefill") if i.name == home)
         await dead.crash()
         await _ask(client, _next(b1))
-        assert len(_reads(cluster)) == 1 and proxy.app.pipeline.turns.used == 1
+        assert len(_reads(cluster)) == 1 and _counts(proxy)["reused"] == 1
         assert _wrong(cluster) == 0
 
 
 async def test_parameters_taken_for_a_prefill_that_never_ran_are_freed():
     async with stack(sim=_sim(), local_prefill_max_tokens=0, decode_retries=0) as (cluster, proxy, client):
-        await _warm(client)
         b1 = _t1()
         await _ask(client, b1)
         await cluster.instances("prefill")[0].crash()
         r = await client.chat(_next(b1))
         assert r.status == 503
         turns = proxy.app.pipeline.turns
-        assert turns.used == 0 and not turns.held
+        assert _counts(proxy)["request_failed"] == 1 and "reused" not in _counts(proxy) and not turns.held

@@ -141,10 +141,10 @@ async def test_completions_turns_read_the_previous_answer_from_decode():
         await _complete(client, b3)
         assert len(_reads(cluster)) == 2 and _wrong(cluster) == 0
         assert cluster.instances("prefill")[0].stats.external_cached_tokens >= 2 * 64
-        turns = proxy.app.pipeline.turns
-        assert turns.used == 2
+        outcomes = proxy.app.pipeline.reuse.counts.turns
+        assert outcomes["reused"] == 2
         await _complete(client, b3)  # the same turn again: the parameters are gone
-        assert len(_reads(cluster)) == 2 and turns.fallbacks[USED] == 1 and _wrong(cluster) == 0
+        assert len(_reads(cluster)) == 2 and outcomes["already_used"] == 1 and _wrong(cluster) == 0
 
 
 async def test_a_short_completions_follow_up_is_served_by_the_holding_decode_alone():
@@ -155,7 +155,7 @@ async def test_a_short_completions_follow_up_is_served_by_the_holding_decode_alo
         prefills = len(cluster.records("prefill"))
         await _complete(client, {"model": "sim-model", "prompt": LONG + a1 + "\nok?\n", "max_tokens": 20})
         assert len(cluster.records("prefill")) == prefills
-        assert proxy.app.pipeline.turns.local_prefills == 1
+        assert proxy.app.pipeline.reuse.counts.turns["local_prefill"] == 1
 
 
 async def _generate(client, body) -> list[int]:
@@ -185,16 +185,16 @@ async def test_messages_and_responses_answers_lose_their_parameters_and_free_the
         await _complete(client, {"model": "sim-model", "prompt": "warm up", "max_tokens": 4})
         d = cluster.instances("decode")[0]
         kept = d.kv_reuse.kept_requests
-        turns = proxy.app.pipeline.turns
-        before = turns.fallbacks.get(NO_IDS, 0)  # the warm-up's answer (token ids not asked yet)
+        counts = proxy.app.pipeline.reuse.counts
+        before = counts.answers.get(NO_IDS, 0)
         r = await client.post("/v1/messages", {"model": "sim-model", "max_tokens": 8,
                                                "messages": [{"role": "user", "content": LONG}]})
         assert r.status == 200 and r.json().get("kv_transfer_params") is None, r.body
         r = await client.post("/v1/responses", {"model": "sim-model", "input": LONG, "max_output_tokens": 8,
                                                 "store": False})
         assert r.status == 200 and r.json().get("kv_transfer_params") is None, r.body
-        assert turns.fallbacks[NO_IDS] == before + 2
-        await wait_for(lambda: turns.freed == 2)
+        assert counts.answers[NO_IDS] == before + 2
+        await wait_for(lambda: counts.freed == 2)
         assert d.kv_reuse.kept_requests == kept
 
 

@@ -128,7 +128,7 @@ class NixlPull(KVConnector):
                 raise
             if err.status < 500 or prefill in ctx.timed_out:
                 raise
-            reuse.failed()
+            reuse.failed(ctx)
             ctx.excluded.discard(prefill)  # the parameters failed, not the instance
             log.info("request %s: prefill %s failed reading the previous turn's KV (%s); computing it",
                      ctx.request_id, prefill.url, err.message)

@@ -28,10 +28,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Callable
+from typing import Protocol
 
 import msgspec
 
+from epd_proxy.request.turns.outcomes import PREFILL_FAILED
 from epd_proxy.wire.blobs import encode_json
 
 # Body fields that do not change the prompt's tokens (sampling and output options, and what
@@ -52,20 +53,18 @@ SAMPLING_FIELDS = frozenset((
 # What decode's parameters carry when it holds blocks for a later reader.
 _KEEP_MARK = b'"do_remote_decode"'
 
-# Why a turn's parameters were not used (``epd_proxy_kv_reuse_fallbacks_total{reason}``).
-UNKNOWN = "unknown"  # no parameters for the previous turn here (another worker, a stream, a restart)
-EDITED = "edited"  # the conversation's previous turn is known, but this history differs from it
+# Why the store has no parameters for a key (TurnStore.take; the turn's outcome is named from
+# it, outcomes.py).
+UNKNOWN = "unknown"  # none for the previous turn here (another worker, a stream, a restart)
+EDITED = "edited"  # the conversation's latest turn is known, but this history differs from it
 USED = "used"  # already given to a prefill (a retry, a regeneration, a concurrent request)
 EXPIRED = "expired"  # past their deadline on the proxy's clock
 DECODE_GONE = "decode_gone"  # the decode holding the blocks left, or is out of rotation
-PREFILL_FAILED = "prefill_failed"  # the prefill failed with them; run again without
-# Why an answer's parameters were not kept (the same family): its text is not what the next
-# prompt will carry, or there is no single answer to continue.
+# Why an answer's parameters were not kept (epd_proxy_kv_reuse_answers_total{result}): its text
+# is not what the next prompt will carry, or there is no single answer to continue.
 REASONING = "reasoning"
 CHOICES = "choices"
-NO_IDS = "no_token_ids"  # the answer came without the token ids the check needs (a stream, the first answer)
-TOKENS = "tokens"  # the new prompt's tokens do not extend what decode holds far enough to read
-TOKENIZE_FAILED = "tokenize_failed"
+NO_IDS = "no_token_ids"  # the answer came without the token ids the check needs (a stream, Messages)
 
 # Why kept parameters were let go before use (``epd_proxy_kv_reuse_released_total{reason}``).
 SUPERSEDED = "superseded"  # the conversation's next turn was kept, or came without them
@@ -75,11 +74,12 @@ BOUND = "bound"  # the decode's held tokens passed --kv-reuse-max-held-tokens
 class Entry:
     """One turn's parameters, and what they hold where until when."""
 
-    __slots__ = ("params", "decode", "tokens", "chars", "deadline", "conversation", "model", "ids", "prefix")
+    __slots__ = ("params", "decode", "tokens", "chars", "deadline", "conversation", "model", "ids", "prefix",
+                 "key")
 
     def __init__(self, params: dict, decode: str, tokens: int, chars: int, deadline: float,
                  conversation: bytes, model: object = None, ids: array | None = None,
-                 prefix: bytes | None = None) -> None:
+                 prefix: bytes | None = None, key: bytes | None = None) -> None:
         self.params = params  # decode's kv_transfer_params, as it sent them
         self.decode = decode  # the URL of the decode that holds the blocks
         self.tokens = tokens  # remote_num_tokens: the prompt and the answer
@@ -91,6 +91,7 @@ class Entry:
         # A prompt API's turn (turn_prompts.py): its lengths-index key; ``chars`` is then the
         # bytes of what decode holds, as the next prompt spells them.
         self.prefix = prefix
+        self.key = key  # a chat turn's key: whether a later request extends it (earlier_keys)
 
 
 class TurnStore:
@@ -111,20 +112,20 @@ class TurnStore:
         self._tombstones = tombstones
         self.held: dict[str, int] = {}  # decode URL -> tokens held for entries kept here
         self.active = False  # some decode answered with parameters: reuse is on in this cluster
-        # Counters for /metrics.
-        self.kept = 0
-        self.used = 0
-        self.local_prefills = 0
-        self.local_busy = 0  # turns short enough to skip the prefill, whose decode ran others
-        self.freed = 0  # entries handed to a prefill only to free decode's blocks early
-        self.fallbacks: dict[str, int] = {}
-        self.released: dict[str, int] = {}
+        self.released: dict[str, int] = {}  # for /metrics
+        # Keys let go unused, and why (a later take names it: expired, bound, ...), as many as _used.
+        self._gone: OrderedDict[bytes, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def fallback(self, reason: str) -> None:
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+    def holding(self) -> dict[str, tuple[int, int]]:
+        """Per decode URL: the tokens the kept entries hold there, and their conversations
+        (``/status``)."""
+        convs: dict[str, set[bytes]] = {}
+        for entry in self._entries.values():
+            convs.setdefault(entry.decode, set()).add(entry.conversation)
+        return {url: (self.held.get(url, 0), len(c)) for url, c in convs.items()}
 
     def put(self, key: bytes, entry: Entry, now: float) -> list[Entry]:
         """Keep ``entry`` under ``key``; returns the entries let go to make room for it or
@@ -140,12 +141,12 @@ class TurnStore:
             sup = self._pop(prev)
             if sup is not None:
                 out.append(sup)
-                self._count_release(SUPERSEDED)
+                self._count_release(SUPERSEDED, prev)
+        self._gone.pop(key, None)
         self._entries[key] = entry
         self._latest[entry.conversation] = key
         if entry.prefix is not None:
             self._count_length(entry.prefix, entry.chars, 1)
-        self.kept += 1
         held = self.held.get(entry.decode, 0) + entry.tokens
         self.held[entry.decode] = held
         if self.max_held and held > self.max_held:
@@ -153,10 +154,11 @@ class TurnStore:
                 if self.held[entry.decode] <= self.max_held or k == key:
                     break
                 out.append(self._pop(k))  # type: ignore[arg-type]  # k is a key of _entries
-                self._count_release(BOUND)
+                self._count_release(BOUND, k)
         while len(self._entries) > self.capacity:
-            out.append(self._pop(next(iter(self._entries))))  # type: ignore[arg-type]
-            self._count_release(BOUND)
+            k = next(iter(self._entries))
+            out.append(self._pop(k))  # type: ignore[arg-type]
+            self._count_release(BOUND, k)
         return out
 
     def take(self, key: bytes, conversation: bytes | None, now: float) -> tuple[Entry | None, str, Entry | None]:
@@ -165,7 +167,7 @@ class TurnStore:
         removed too, to be let go."""
         entry = self._pop(key)
         if entry is not None and entry.deadline <= now:
-            self._count_release(EXPIRED)
+            self._count_release(EXPIRED, key)
             self.expire(now)
             return None, EXPIRED, None
         self.expire(now)
@@ -182,13 +184,16 @@ class TurnStore:
             return entry, "", None
         if key in self._used:
             return None, USED, None
+        gone = self._gone.get(key)
+        if gone is not None:
+            return None, gone, None
         stale = None
         if conversation is not None:
             prev = self._latest.get(conversation)
             if prev is not None:
                 stale = self._pop(prev)
                 if stale is not None:
-                    self._count_release(SUPERSEDED)
+                    self._count_release(SUPERSEDED, prev)
                 return None, EDITED, stale
         return None, UNKNOWN, None
 
@@ -202,7 +207,7 @@ class TurnStore:
                 break
             self._pop(key)
             out.append(entry)
-            self._count_release(EXPIRED)
+            self._count_release(EXPIRED, key)
         return out
 
     def drop_decode(self, url: str) -> list[Entry]:
@@ -212,7 +217,7 @@ class TurnStore:
             entry = self._pop(key)
             if entry is not None:
                 out.append(entry)
-                self._count_release(DECODE_GONE)
+                self._count_release(DECODE_GONE, key)
         self.held.pop(url, None)
         return out
 
@@ -246,24 +251,30 @@ class TurnStore:
             self.held.pop(entry.decode, None)
         return entry
 
-    def _count_release(self, reason: str) -> None:
+    def _count_release(self, reason: str, key: bytes | None = None) -> None:
         self.released[reason] = self.released.get(reason, 0) + 1
+        if key is not None:  # a later request of that turn is told why (take)
+            self._gone[key] = reason
+            if len(self._gone) > self._tombstones:
+                self._gone.popitem(last=False)
 
 
 class KVReuse:
     """A request's use of its previous turn's parameters: what its prefill gets, and where a
     prefill that failed with them says so (it then runs again without: PREFILL_FAILED)."""
 
-    __slots__ = ("params", "store", "entry")
+    __slots__ = ("params", "entry")
 
-    def __init__(self, params: dict, store: TurnStore, entry: Entry | None = None) -> None:
+    def __init__(self, params: dict, entry: Entry | None = None) -> None:
         self.params = params
-        self.store = store
         self.entry = entry  # what they came from (freed early when no prefill got them)
 
-    def failed(self) -> None:
-        self.store.used -= 1
-        self.store.fallback(PREFILL_FAILED)
+    def failed(self, ctx: _Outcome) -> None:
+        ctx.kv_outcome = PREFILL_FAILED
+
+
+class _Outcome(Protocol):
+    kv_outcome: str | None  # RequestContext's: the turn's outcome
 
 
 # -- turn keys ------------------------------------------------------------------------------
@@ -336,6 +347,32 @@ def lookup_key(body: dict, hint: str | None = None) -> tuple[bytes, bytes, int, 
         conversation = hashlib.blake2b(hint.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     before = _chars(messages, last + 1)
     return key, conversation, before, _chars(messages, len(messages)) - before
+
+
+def earlier_keys(body: dict) -> set[bytes]:
+    """The keys of the turns before the previous one that this chat request carries (one per
+    earlier assistant message): a held turn among them is an older turn of this history, not
+    an edit of it. Computed only when the store holds another turn of the conversation."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return set()
+    last = len(messages) - 1
+    while last >= 0 and not (isinstance(messages[last], dict) and messages[last].get("role") == "assistant"):
+        last -= 1
+    keys = set()
+    h = hashlib.blake2b(prompt_fields(body), digest_size=16)
+    for i in range(last):
+        msg = messages[i]
+        if isinstance(msg, dict) and msg.get("role") == "assistant":
+            carried = _carried_answer(msg)
+            if carried is not None:
+                turn = h.copy()
+                turn.update(b"\x1d")
+                turn.update(carried)
+                keys.add(turn.digest())
+        h.update(encode_json(msg))
+        h.update(b"\x1e")
+    return keys
 
 
 def keep_key(body: dict, answer: bytes, hint: str | None = None) -> tuple[bytes, bytes, int]:
@@ -627,17 +664,3 @@ def strip_params(body: bytes, raw: bytes | None = None) -> bytes:
 # transfer either way, but blocks kept at the end as for any bidirectional request, so the
 # conversation's next turn can still read them.
 LOCAL_PREFILL_PARAMS = {"do_remote_decode": False, "do_remote_prefill": False}
-
-
-def turns_collector(store: TurnStore | None) -> Callable[[dict[str, list]], None]:
-    """What the store tells ``/metrics`` (``epd_proxy_kv_reuse_*``)."""
-    def collect(f: dict[str, list]) -> None:
-        if store is None:
-            return
-        f["epd_proxy_kv_reuse_turns"] += [["kept", store.kept], ["used", store.used],
-                                          ["local_prefill", store.local_prefills],
-                                          ["local_prefill_busy", store.local_busy], ["freed", store.freed]]
-        f["epd_proxy_kv_reuse_fallbacks"] += [[r, n] for r, n in store.fallbacks.items()]
-        f["epd_proxy_kv_reuse_released"] += [[r, n] for r, n in store.released.items()]
-        f["epd_proxy_kv_reuse_held_tokens"] += [[u, n] for u, n in store.held.items()]
-    return collect

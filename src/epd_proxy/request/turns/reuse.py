@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from array import array
+from typing import Callable
 
 import msgspec
 
@@ -22,15 +23,16 @@ from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.turns.multiturn import (
-    DECODE_GONE,
+    BOUND,
+    EDITED,
     NO_IDS,
-    TOKENIZE_FAILED,
-    TOKENS,
     UNKNOWN,
+    USED,
     Entry,
     KVReuse,
     TurnStore,
     answer_message,
+    earlier_keys,
     estimate_new_tokens,
     keep_key,
     lookup_key,
@@ -39,6 +41,27 @@ from epd_proxy.request.turns.multiturn import (
     skips_prefill,
     tokenize_body,
     tokens_of,
+)
+from epd_proxy.request.turns.outcomes import (
+    ALREADY_USED,
+    DECODE_GONE,
+    EVICTED,
+    KEPT,
+    LOCAL_PREFILL,
+    MEDIA,
+    NO_PULL_PREFILL,
+    NOT_HELD,
+    NOT_KEYED,
+    OLDER_TURN,
+    OPENING,
+    REQUEST_FAILED,
+    RETRIED,
+    REUSED,
+    SHORT,
+    TOKENIZE_FAILED,
+    TOKENS,
+    UNMATCHED,
+    TurnCounts,
 )
 from epd_proxy.request.turns.prompts import (
     PROMPT_APIS,
@@ -63,6 +86,10 @@ log = logging.getLogger("epd_proxy.pipeline")
 # Background calls that free kept KV on decode early (``TurnReuse.release``) at once.
 MAX_RELEASES = 64
 
+# A turn's outcome (outcomes.py) from why the store had nothing for it (TurnStore.take); the
+# other reasons (expired, superseded, decode_gone, edited) are their own outcome's name.
+_OUTCOME_OF = {UNKNOWN: NOT_HELD, USED: ALREADY_USED, BOUND: EVICTED}
+
 
 class TurnReuse:
     """Multi-turn KV reuse for one proxy process (docs/architecture.md, "Multi-turn KV reuse").
@@ -82,10 +109,65 @@ class TurnReuse:
         self.models = models
         self.base_headers = base_headers
         self.releases: set[asyncio.Task] = set()
+        self.pull = isinstance(connector, NixlPull)  # reuse is for the pull connector (protocol.md §2.10)
+        self.counts = TurnCounts()
         # The decodes (URLs) seen to send their parameters in a chat or completions stream's last
         # event: asked for the stream's token ids from then on (asks_stream_ids). vLLM 0.32 never
         # sends them there, so its streams are never asked.
         self.stream_decodes: set[str] = set()
+        # Per decode URL, whether its answers through the pull connector hold blocks for a later
+        # reader (True: one came with parameters; False: one came without). A decode not in it is
+        # asked for token ids (probes) until it answers, so the first answer it gives this process
+        # can be kept too. Forgotten when the decode joins anew or leaves (forget).
+        self.decodes: dict[str, bool] = {}
+
+    def probes(self, decode: Instance) -> bool:
+        """Whether a P/D answer from ``decode`` should carry the token ids the next turn is
+        checked against before any decode has answered with parameters: it has not answered
+        this process yet (reuse on, the pull connector). Costs decode's ids in one answer per
+        decode and process when decode keeps no blocks (docs/protocol.md §2.10)."""
+        return self.store is not None and self.pull and decode.url not in self.decodes
+
+    def answered_plain(self, ctx: RequestContext, decode: Instance) -> None:
+        """Decode's whole answer, through the pull connector's prefill (``ctx.prefill_report``),
+        came without parameters: it keeps no blocks, and is not asked for token ids to learn it."""
+        if ctx.prefill_report is not None and decode.url not in self.decodes and self.pull:
+            self.decodes[decode.url] = False
+
+    def forget(self, url: str) -> None:
+        """The decode at ``url`` left or joined anew (maybe another engine, another config)."""
+        self.decodes.pop(url, None)
+        self.stream_decodes.discard(url)
+        if self.store is not None:
+            self.store.drop_decode(url)
+
+    def status(self) -> dict[str, dict]:
+        """Per decode URL, what ``/status`` shows of its reuse: whether it keeps blocks (None:
+        not known yet), and the tokens and conversations kept here for a next turn."""
+        if self.store is None:
+            return {}
+        held = self.store.holding()
+        out = {}
+        for url in set(held) | set(self.decodes):
+            tokens, conversations = held.get(url, (0, 0))
+            out[url] = {"keeps_blocks": self.decodes.get(url), "held_tokens": tokens,
+                        "held_conversations": conversations}
+        return out
+
+    def collector(self) -> Callable[[dict[str, list]], None]:
+        """What multi-turn KV reuse tells ``/metrics`` (``epd_proxy_kv_reuse_*``)."""
+        store, counts = self.store, self.counts
+
+        def collect(f: dict[str, list]) -> None:
+            if store is None:
+                return
+            f["epd_proxy_kv_reuse_turns"] += [[o, n] for o, n in counts.turns.items()]
+            f["epd_proxy_kv_reuse_answers"] += [[r, n] for r, n in counts.answers.items()]
+            f["epd_proxy_kv_reuse_local_prefill_declined"].append([counts.declined])
+            f["epd_proxy_kv_reuse_freed"].append([counts.freed])
+            f["epd_proxy_kv_reuse_released"] += [[r, n] for r, n in store.released.items()]
+            f["epd_proxy_kv_reuse_held_tokens"] += [[u, n] for u, n in store.held.items()]
+        return collect
 
     def asks_stream_ids(self, ctx: RequestContext, body: dict, decode: Instance) -> bool:
         """Whether a chat or completions stream whose client did not ask for token ids should
@@ -94,29 +176,39 @@ class TurnReuse:
         return (decode.url in self.stream_decodes and (ctx.path == CHAT or ctx.path == COMPLETIONS)
                 and body.get("n") in (None, 1) and not body.get("echo"))
 
-    async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None
-                            ) -> Instance | None:
+    async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None,
+                            media: bool = False) -> Instance | None:
         """The previous turn's parameters, taken (once per request: never on a retry) for this
         attempt's prefill (``ctx.kv_reuse``); or the decode holding them, when the prefill would
-        compute so little that it alone should serve the request."""
+        compute so little that it alone should serve the request. The turn's outcome goes to
+        ``ctx.kv_outcome`` (outcomes.py)."""
         ctx.turn_tried = True
+        if media:
+            ctx.kv_outcome = MEDIA
+            return None
         now = time.monotonic()
         asked: dict | None = None  # the /tokenize request for the new prompt
         tokens: list[int] | None = None  # or its tokens, when the request spells them
         if ctx.path == CHAT:
             found = lookup_key(body, ctx.conversation)
             if found is None:
-                return None  # nothing answered before: an opening turn
+                messages = body.get("messages")
+                answered = isinstance(messages, list) and _after_last_answer(messages) < len(messages)
+                ctx.kv_outcome = NOT_KEYED if answered else OPENING
+                return None
             key, conversation, _, new_chars = found
             new_messages = _after_last_answer(body["messages"])  # lookup_key found an answer in them
             entry, reason, stale = turns.take(key, conversation, now)
             if stale is not None:
+                if reason == EDITED and stale.key is not None and stale.key in earlier_keys(body):
+                    reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
                 self.release(stale)
             asked = tokenize_body(body)
         else:  # completions, generate (turn_prompts.py)
             material = prompt_material(body, ctx.path)
             prefix = None if material is None else prefix_key(body, ctx.path, material[0])
             if material is None or prefix is None:
+                ctx.kv_outcome = NOT_KEYED
                 return None
             entry, reason, new_chars, new_messages = None, UNKNOWN, 0, 0
             for key, length in candidate_keys(body, ctx.path, material[0], turns.lengths(prefix)):
@@ -126,18 +218,19 @@ class TurnReuse:
                     break
             else:
                 # No held turn of this prompt here: an opening prompt cannot be told from a turn
-                # another process kept, so neither is counted.
+                # another process kept.
+                ctx.kv_outcome = UNMATCHED
                 return None
             if material[1]:
                 asked = tokenize_prompt_body(body)
             else:
                 tokens = prompt_ids(material[0])
         if entry is None:
-            turns.fallback(reason)
+            ctx.kv_outcome = _OUTCOME_OF.get(reason, reason)
             return None
         holder = self.decode.find(entry.decode)
         if holder is None or not holder.healthy or holder in ctx.excluded:
-            turns.fallback(DECODE_GONE)
+            ctx.kv_outcome = DECODE_GONE
             return None
         if self.local_prefill_max and self._within_bound(ctx, holder):
             new = estimate_new_tokens(entry, new_chars, new_messages)
@@ -145,13 +238,13 @@ class TurnReuse:
                              self.local_prefill_streams):
                 # Not released: the turn's own request on that decode shares those blocks
                 # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
-                turns.local_prefills += 1
+                ctx.kv_outcome = LOCAL_PREFILL
                 return holder
             if new <= self.local_prefill_max:
-                turns.local_busy += 1
+                self.counts.declined += 1
         connector = self.connector
         if p is None or not isinstance(connector, NixlPull):
-            turns.fallback("no_pull_prefill")
+            ctx.kv_outcome = NO_PULL_PREFILL
             self.release(entry)
             return None
         # vLLM reads what the parameters name without checking that the new prompt's tokens
@@ -161,6 +254,7 @@ class TurnReuse:
             # The prefill that will run the prompt tokenizes it; if it cannot be reached, the
             # decode holding the history (the same model, the same tokenizer and template).
             for stage, inst in ((connector.prefill, p), (self.decode_only.decode, holder)):
+                called, t = len(ctx.legs), time.perf_counter()
                 try:
                     data = await stage.exchange(ctx, inst, "/tokenize", encode_json(asked), ctx.upstream_headers())
                     tokens = tokens_of(data)
@@ -168,18 +262,27 @@ class TurnReuse:
                 except ProxyError as err:
                     if not err.unsent:
                         break
+                finally:
+                    _tokenize_leg(ctx, called, time.perf_counter() - t)
             if tokens is None:
-                turns.fallback(TOKENIZE_FAILED)
+                ctx.kv_outcome = TOKENIZE_FAILED
                 self.release(entry)
                 return None
         params = reuse_params(entry, tokens) if tokens is not None else None
         if params is None:
-            turns.fallback(TOKENS)
+            ctx.kv_outcome = TOKENS
             self.release(entry)
             return None
-        turns.used += 1
-        ctx.kv_reuse = KVReuse(params, turns, entry)
+        ctx.kv_outcome = REUSED
+        ctx.kv_reuse = KVReuse(params, entry)
         return None
+
+    @staticmethod
+    def again(ctx: RequestContext) -> None:
+        """A later attempt of a request that looked for its previous turn: a read or a skipped
+        prefill already spent on a failed attempt is not this attempt's (it computes the history)."""
+        if ctx.kv_reuse is None and (ctx.kv_outcome == REUSED or ctx.kv_outcome == LOCAL_PREFILL):
+            ctx.kv_outcome = RETRIED
 
     def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
         """Whether the decode holding a conversation is within the load bound routing keeps
@@ -196,9 +299,10 @@ class TurnReuse:
         chat = ctx.path == CHAT and ctx.api is None
         read = read_answer(answer, chat, ctx.ids_asked)
         turns = self.store
-        if turns is None or not isinstance(self.connector, NixlPull):
+        if turns is None or not self.pull:
             return read.body  # reuse is for the pull connector (docs/protocol.md §2.10)
         turns.active = True
+        self.decodes[leg.inst.url] = True
         now = time.monotonic()
         model = body.get("model")
         if ctx.path in PROMPT_APIS:
@@ -212,7 +316,7 @@ class TurnReuse:
             return read.body
         if read.params is None or read.message is None:
             if read.reason:
-                turns.fallback(read.reason)
+                self.counts.answer(read.reason)
             return read.body
         self._keep_chat(ctx, body, leg, turns, read.params, read.message, read.ids, now)
         return read.body
@@ -227,9 +331,10 @@ class TurnReuse:
         stream is read back: the ids of a stream's last events alone are not what decode holds."""
         turns = self.store
         params = params_of(strip_stream_params(stream)[1])
-        if turns is None or params is None or not isinstance(self.connector, NixlPull):
+        if turns is None or params is None or not self.pull:
             return
         turns.active = True
+        self.decodes[leg.inst.url] = True
         if ctx.api is None and (ctx.path == CHAT or ctx.path == COMPLETIONS):
             self.stream_decodes.add(leg.inst.url)  # asked for a stream's token ids from now on
         now = time.monotonic()
@@ -263,7 +368,8 @@ class TurnReuse:
         tokens = params.get("remote_num_tokens")
         key, conversation, chars = keep_key(body, message, ctx.conversation)
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
-                      conversation, body.get("model"), ids)
+                      conversation, body.get("model"), ids, key=key)
+        self.counts.answer(KEPT)
         for old in turns.put(key, entry, now):
             self.release(old)
 
@@ -272,28 +378,32 @@ class TurnReuse:
         material = prompt_material(body, ctx.path) if held.held is not None else None
         prefix = None if material is None else prefix_key(body, ctx.path, material[0])
         if held.params is None or held.held is None or prefix is None:
-            turns.fallback(held.reason or TOKENS)
+            self.counts.answer(held.reason or SHORT)
             return
         tokens = held.params.get("remote_num_tokens")
         entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
                       now + turns.life, prompt_keep_key(body, ctx.path, held.held), body.get("model"), held.ids,
                       prefix)
+        self.counts.answer(KEPT)
         for old in turns.put(entry.conversation, entry, now):
             self.release(old)
 
     def _let_go(self, leg: DecodeLeg, turns: TurnStore, params: dict | None, model: object, now: float,
                 reason: str = NO_IDS) -> None:
         """Parameters that cannot be kept: counted, and decode's blocks freed at once."""
-        turns.fallback(reason)
+        self.counts.answer(reason)
         if params is not None:
             self.release(Entry(params, leg.inst.url, 0, 0, now + turns.life, b"", model))
 
     def ended(self, ctx: RequestContext) -> None:
-        """The request is over: parameters it took for a prefill that never ran are let go."""
+        """The request is over: its turn's outcome counted, and parameters it took for a
+        prefill that never ran let go."""
         reuse = ctx.kv_reuse
         if reuse is not None and reuse.entry is not None:
-            reuse.store.used -= 1
+            ctx.kv_outcome = REQUEST_FAILED
             self.release(reuse.entry)
+        if ctx.kv_outcome is not None:
+            self.counts.turn(ctx.kv_outcome)
 
     def release(self, entry: Entry) -> None:
         """Kept parameters that will not be used. vLLM 0.32 has one way to free a finished
@@ -303,7 +413,7 @@ class TurnReuse:
         (``remote_num_tokens: 0``), in the background; when that cannot be done (no pull
         prefill, the decode gone, too many such calls at once), decode frees them at its TTL."""
         turns = self.store
-        if (turns is None or not isinstance(self.connector, NixlPull) or not self.prefill
+        if (turns is None or not self.pull or not self.prefill
                 or entry.deadline <= time.monotonic() or self.decode.find(entry.decode) is None
                 or len(self.releases) >= MAX_RELEASES):
             return
@@ -323,7 +433,7 @@ class TurnReuse:
             body = {"model": entry.model, "prompt": [first, first], "max_tokens": 1,
                     "kv_transfer_params": dict(entry.params, remote_num_tokens=0)}
             await connector.prefill.run(ctx, p, body)
-            turns.freed += 1
+            self.counts.freed += 1
         except ProxyError as err:
             log.debug("kept KV on %s not released early: %s", entry.decode, err.message)
         finally:
@@ -334,6 +444,15 @@ class TurnReuse:
             task.cancel()
         if self.releases:
             await asyncio.gather(*self.releases, return_exceptions=True)
+
+
+def _tokenize_leg(ctx: RequestContext, called: int, seconds: float) -> None:
+    """A ``/tokenize`` call made for the token check: its instance named apart from the
+    stages' (the access log's ``tok=``: it is no prefill, nor a retry), its time a stage's."""
+    ctx.tokenized = (ctx.tokenized or []) + ctx.legs[called:]
+    del ctx.legs[called:]
+    ctx.timing("tokenize", seconds)
+    ctx.upstream += seconds
 
 
 def _after_last_answer(messages: list) -> int:
