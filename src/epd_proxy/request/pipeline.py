@@ -39,6 +39,7 @@ from epd_proxy.request.apis import (
     GenerationApi,
     encodable,
     response_id,
+    speaks_anthropic,
 )
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
@@ -115,8 +116,11 @@ class Pipeline:
         self.access_log = access_log  # when on
         self.tracing = tracing  # when OTEL_* turns it on
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
-        self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
-        self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
+        # The refusals are built once, in each envelope (indexed by speaks_anthropic(path)).
+        shed = shed_error(f"--max-inflight {config.max_inflight}")
+        closing = ProxyError(503, "the proxy is shutting down; retry the request")
+        self._429 = (shed.body(), shed.body(anthropic=True))
+        self._503_closing = (closing.body(), closing.body(anthropic=True))
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
         # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
@@ -171,7 +175,7 @@ class Pipeline:
             self._answer_error(writer, err, rec)
         except asyncio.CancelledError:
             rec.outcome = "shutdown"
-            if not (self.stopping and self._end_at_shutdown(writer, rec.request_id)):
+            if not (self.stopping and self._end_at_shutdown(writer, rec.request_id, rec.path)):
                 rec.outcome = "client_gone"
                 self.metrics.disconnects += 1
                 raise
@@ -321,7 +325,7 @@ class Pipeline:
             headers = [(b"x-request-id", rec.request_id.encode())]
             if err.status in _RETRY_AFTER:
                 headers.append((b"retry-after", _RETRY_AFTER[err.status]))
-            writer.send(err.status, err.body(), err.content_type(), headers)
+            writer.send(err.status, err.body(speaks_anthropic(rec.path)), err.content_type(), headers)
         if err.status >= 500:
             log.warning("request %s failed: %s", rec.request_id, err.message)
 
@@ -354,8 +358,9 @@ class Pipeline:
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
         Runs before the body is parsed: a refused request costs a prebuilt response."""
+        anthropic = speaks_anthropic(path)
         if self.closing:
-            status, body, retry = 503, self._503_closing, b"1"
+            status, body, retry = 503, self._503_closing[anthropic], b"1"
         else:
             admission = self.admission
             verdict = admission.try_enter()
@@ -369,11 +374,11 @@ class Pipeline:
                 if admitted:
                     admission.leave()  # the proxy began shutting down meanwhile: the slot goes unused
                 if self.closing:
-                    status, body, retry = 503, self._503_closing, b"1"
+                    status, body, retry = 503, self._503_closing[anthropic], b"1"
                 else:
-                    status, body, retry = 429, self._429, b"1"
+                    status, body, retry = 429, self._429[anthropic], b"1"
             else:
-                status, body, retry = 429, self._429, b"1"
+                status, body, retry = 429, self._429[anthropic], b"1"
         headers = [(b"retry-after", retry)]
         rid = client_request_id(req)
         if rid is not None:
@@ -386,7 +391,7 @@ class Pipeline:
                                   seconds, req.peer, req.headers)
         return False
 
-    def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
+    def _end_at_shutdown(self, writer: ResponseWriter, rid: str, path: str) -> bool:
         """The shutdown timeout cancelled this request (not its client): end it properly.
         Before the commit: 503 with the envelope; a committed stream: the in-band error
         event and ``[DONE]``. Returns False when nothing can be said any more."""
@@ -395,7 +400,7 @@ class Pipeline:
         err = ProxyError(503, "the proxy shut down before the response was complete")
         if not writer.started:
             writer.keep_alive = False
-            writer.send(503, err.body(), b"application/json", [(b"retry-after", b"1")])
+            writer.send(503, err.body(speaks_anthropic(path)), b"application/json", [(b"retry-after", b"1")])
         elif isinstance(writer.flow, StreamRelay):
             writer.flow.fail(err)
         else:
