@@ -66,27 +66,43 @@ def anthropic_body(status: int, message: str) -> bytes:
     return msgspec.json.encode({"type": "error", "error": {"type": anthropic_type_for(status), "message": message}})
 
 
+# Every type Anthropic's API reference lists: a relayed body already typed with one passes as is.
+_ANTHROPIC_KNOWN = frozenset(_ANTHROPIC_TYPES.values()) | {"invalid_request_error", "api_error", "billing_error",
+                                                          "timeout_error"}
+
+
 class _OpenAIError(msgspec.Struct):
     message: str | None = None
+    type: str | None = None
 
 
 class _OpenAIEnvelope(msgspec.Struct):
     error: _OpenAIError | str | None = None
     type: str | None = None
+    object: str | None = None  # older vLLM's flat ErrorResponse: ``{"object": "error", "message", ...}``
+    message: str | None = None
 
 
 def as_anthropic(status: int, body: bytes) -> bytes:
-    """An upstream's error body for an Anthropic client: Anthropic's own as received; one in
-    OpenAI's envelope (what vLLM's request-schema handler answers on every route, its
-    ``/v1/messages`` included) rewritten to Anthropic's with its message, typed by ``status``."""
+    """An upstream's error body for an Anthropic client: Anthropic's envelope with one of
+    Anthropic's types as received; otherwise rewritten to Anthropic's envelope with its message,
+    typed by ``status``. vLLM 0.32 needs both: its request-schema handler answers in OpenAI's
+    envelope on every route, ``/v1/messages`` included, and its Messages handler puts its own
+    type names (``NotFoundError``, ``BadRequestError``) in Anthropic's envelope, which Anthropic's
+    clients, deciding by ``error.type``, do not know. Only error answers pay for the reading."""
     try:
         doc = msgspec.json.decode(body, type=_OpenAIEnvelope)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return body  # not JSON we know: as received
     err = doc.error
-    if doc.type == "error" or err is None:
-        return body  # already Anthropic's (or no error at all)
-    message = err if isinstance(err, str) else err.message
+    if doc.type == "error" and isinstance(err, _OpenAIError) and err.type in _ANTHROPIC_KNOWN:
+        return body  # already Anthropic's
+    if err is not None:
+        message = err if isinstance(err, str) else err.message
+    elif doc.object == "error":
+        message = doc.message
+    else:
+        return body  # no error we know of
     return anthropic_body(status, message if message else f"HTTP {status}")
 
 
