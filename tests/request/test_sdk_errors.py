@@ -324,3 +324,38 @@ async def test_vllms_openai_shaped_schema_error_reaches_anthropic_clients_in_ant
         reply = await raw.chat({"model": "sim-model", "max_tokens": "many",
                                 "messages": [{"role": "user", "content": PROMPT}]})
         assert reply.status == 400 and set(reply.json()) == {"error"}
+
+
+# -- errors made before any handler or route ---------------------------------------------------
+
+async def test_a_refused_client_key_is_anthropics_401_on_messages_and_openais_elsewhere():
+    async with stack(sim=SIM, api_keys=("k",)) as (cluster, proxy, _):
+        ac = anthropic.AsyncAnthropic(base_url=proxy.url, auth_token="wrong", max_retries=2)
+        oc = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="wrong", max_retries=2)
+        try:
+            with pytest.raises(anthropic.AuthenticationError) as info:
+                await call(ac, MESSAGES)
+            assert info.value.body["error"]["type"] == "authentication_error"
+            with pytest.raises(anthropic.AuthenticationError) as info:
+                await call(ac, COUNT_TOKENS)
+            assert info.value.body["error"]["type"] == "authentication_error"
+            with pytest.raises(openai.AuthenticationError) as oinfo:
+                await call(oc, CHAT)
+            assert oinfo.value.body["code"] == "invalid_api_key"
+        finally:
+            await ac.close()
+            await oc.close()
+        assert cluster.records("decode") == []
+
+
+async def test_bad_json_and_a_wrong_method_on_messages_are_anthropics():
+    async with stack(sim=SIM) as (cluster, proxy, client):
+        reply = await client.post(MESSAGES, b"{not json")
+        assert reply.status == 400 and reply.json()["type"] == "error"
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+        reply = await client.request("GET", MESSAGES)
+        assert reply.status == 405 and reply.json()["error"]["type"] == "invalid_request_error"
+        reply = await client.post("/v1/messages/batches", {})
+        assert reply.status == 404 and reply.json()["error"]["type"] == "not_found_error"
+        reply = await client.post(CHAT, b"{not json")
+        assert reply.status == 400 and reply.json()["error"]["type"] == "BadRequestError"
