@@ -3,8 +3,8 @@
 Nothing reaches the client until encode and prefill have succeeded and
 decode's first event has been checked (the *commit point*). Before it, any
 failure can still be retried (fresh handles, other instances) or answered
-with a real status; after it, a failure is an in-band SSE error event
-followed by ``data: [DONE]``.
+with a real status, in the envelope of the request's API; after it, a failure
+is an in-band error in the stream's own form (``request/apis.py``).
 """
 
 from __future__ import annotations

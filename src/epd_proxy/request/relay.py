@@ -3,8 +3,8 @@
 Bytes go out as they arrive, with one exception: a trailing partial event is
 held back until its end arrives (usually in the next TCP read). The byte
 stream is unchanged, but a failure can then always be reported as a clean,
-separate ``data: {"error": ...}`` event followed by ``data: [DONE]`` instead of
-being glued to half an event.
+separate error event in the API's form (``data: {"error": ...}`` and ``data: [DONE]``
+for chat; ``apis.py`` for the others) instead of being glued to half an event.
 """
 
 from __future__ import annotations
