@@ -359,3 +359,14 @@ async def test_bad_json_and_a_wrong_method_on_messages_are_anthropics():
         assert reply.status == 404 and reply.json()["error"]["type"] == "not_found_error"
         reply = await client.post(CHAT, b"{not json")
         assert reply.status == 400 and reply.json()["error"]["type"] == "BadRequestError"
+
+
+async def test_a_proxy_shutting_down_is_503_overloaded_for_anthropic_clients():
+    async with stack(sim=SIM) as (cluster, proxy, _):
+        proxy.app.pipeline.close_admission()
+        client = sdk_client(proxy, MESSAGES)
+        try:
+            await expect_error(proxy, client, MESSAGES, 503, True)
+        finally:
+            await client.close()
+        assert cluster.records("prefill") == []

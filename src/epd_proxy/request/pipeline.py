@@ -358,14 +358,14 @@ class Pipeline:
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
         Runs before the body is parsed: a refused request costs a prebuilt response."""
-        anthropic = speaks_anthropic(path)
         if self.closing:
-            status, body, retry = 503, self._503_closing[anthropic], b"1"
+            status, refusals = 503, self._503_closing
         else:
             admission = self.admission
             verdict = admission.try_enter()
             if verdict == ADMIT:
                 return True
+            status, refusals = 429, self._429
             if verdict != SHED:
                 admitted = await admission.wait()
                 self.metrics.queue_wait.observe(time.perf_counter() - t0)
@@ -374,11 +374,8 @@ class Pipeline:
                 if admitted:
                     admission.leave()  # the proxy began shutting down meanwhile: the slot goes unused
                 if self.closing:
-                    status, body, retry = 503, self._503_closing[anthropic], b"1"
-                else:
-                    status, body, retry = 429, self._429[anthropic], b"1"
-            else:
-                status, body, retry = 429, self._429[anthropic], b"1"
+                    status, refusals = 503, self._503_closing
+        body, retry = refusals[speaks_anthropic(path)], b"1"  # the path's envelope, only when refused
         headers = [(b"retry-after", retry)]
         rid = client_request_id(req)
         if rid is not None:
