@@ -80,3 +80,16 @@ def test_chat_completions_and_generate_end_with_the_envelope_then_done(api):
     events = sse(api.in_band_error(ProxyError(504, "stalled"), b""))
     assert events == [(None, {"error": {"message": "stalled", "type": "GatewayTimeoutError", "param": None,
                                         "code": 504}}), (None, b"[DONE]")]
+
+
+def test_decodes_own_messages_error_is_retyped_and_nothing_else_changes():
+    api = GENERATION_APIS[MESSAGES]
+    event = b'event: error\ndata: {"type":"error","error":{"type":"internal_error","message":"boom"}}\n\n'
+    assert event.find(api.foreign_error) >= 0
+    assert sse(api.own_error_event(event)) == [("error", {"type": "error",
+                                                          "error": {"type": "api_error", "message": "boom"}})]
+    # A model's text spelling it is escaped in its JSON string: never matched.
+    delta = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":'
+             b'{"type":"text_delta","text":"\\"type\\":\\"internal_error\\""}}\n\n')
+    assert delta.find(api.foreign_error) < 0
+    assert not GENERATION_APIS[RESPONSES].foreign_error and not GENERATION_APIS[GENERATE].foreign_error

@@ -370,3 +370,18 @@ async def test_a_proxy_shutting_down_is_503_overloaded_for_anthropic_clients():
         finally:
             await client.close()
         assert cluster.records("prefill") == []
+
+
+async def test_vllms_own_messages_stream_error_reaches_the_client_with_anthropics_type():
+    """vLLM's in-stream failure on /v1/messages says ``internal_error``: relayed with its
+    message, typed ``api_error`` (what Anthropic's clients know)."""
+    async with stack(sim=SIM, decode_retries=0) as (cluster, proxy, _):
+        cluster.instances("decode")[0].inject("error-after=2")
+        client = sdk_client(proxy, MESSAGES)
+        try:
+            with pytest.raises(anthropic.APIStatusError) as info:
+                await call(client, MESSAGES, stream=True)
+        finally:
+            await client.close()
+        error = info.value.body["error"]
+        assert error["type"] == "api_error" and "validation errors" in error["message"], info.value.body

@@ -57,6 +57,9 @@ class GenerationApi:
     stateful = False  # answers are stored on the instance that made them (Responses)
     lead: frozenset[bytes] = frozenset()  # named events read past before the commit
     failures: frozenset[bytes] = frozenset()  # named events that are a failure
+    # What marks an in-band error of decode's own whose type this API's clients do not know
+    # (looked for only in reads that are not a text delta; :meth:`own_error_event`).
+    foreign_error = b""
 
     def media(self, body: dict) -> list[MediaItem]:
         """The media the body carries, as chat parts (for the operator's media rules)."""
@@ -80,6 +83,10 @@ class GenerationApi:
         """A committed stream's failure, in this API's form (``last``: the last bytes relayed,
         ``head``: the stream's first read, its leading events)."""
         return err.sse_event()
+
+    def own_error_event(self, events: bytes) -> bytes:
+        """``events`` with decode's in-band error typed as this API's clients know it."""
+        return events
 
     def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
         """The client's usage object from decode's and the prefill's (api_usage.py)."""
@@ -145,6 +152,9 @@ class Messages(GenerationApi):
     cache_after_output = True
     lead = frozenset((b"message_start", b"content_block_start", b"ping"))
     failures = frozenset((b"error",))
+    # vLLM 0.32's in-stream failure (anthropic/serving.py): ``internal_error``, no type of
+    # Anthropic's; a model's text cannot spell it (its quotes would be escaped).
+    foreign_error = b'"type":"internal_error"'
 
     def media(self, body: dict) -> list[MediaItem]:
         items: list[MediaItem] = []
@@ -173,6 +183,10 @@ class Messages(GenerationApi):
         # vLLM's own form (anthropic/serving.py), typed as Anthropic types its status (vLLM
         # says ``internal_error``, a type Anthropic's clients do not know): the SDKs raise on it.
         return err.anthropic_event()
+
+    def own_error_event(self, events: bytes) -> bytes:
+        # Anthropic's type for a server's failure mid-stream, vLLM's message kept.
+        return events.replace(self.foreign_error, b'"type":"api_error"')
 
 
 class Responses(GenerationApi):

@@ -152,6 +152,9 @@ class ApiRelay(StreamRelay):
             return
         if events.find(MARK) >= 0:
             events = strip_stream_params(events)[0]
+        foreign = self.api.foreign_error
+        if foreign and events.find(foreign) >= 0:  # decode's own in-band error, in the API's types
+            events = self.api.own_error_event(events)
         if self.ctx is not None and events.find(b'"usage":{') >= 0:
             report = self.ctx.prefill_report
             if report is not None:
