@@ -191,3 +191,42 @@ def test_cached_tokens_are_the_prefills_prefix_hits_as_on_a_single_instance(api,
     assert usage == final_usage(path, alone), (usage, final_usage(path, alone))
     assert text_of(path, resp) == text_of(path, alone)
     no_transfer_params(resp)
+
+
+ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                   "request_too_large", "rate_limit_error", "api_error", "overloaded_error"}
+
+
+def test_messages_errors_reach_anthropic_clients_in_anthropics_envelope(api, proxy):
+    """vLLM 0.32's own /v1/messages errors: request-schema errors in OpenAI's envelope, its
+    handler's in Anthropic's with vLLM's type names. Through the proxy both are Anthropic's
+    envelope with Anthropic's type for the status, the message kept; the proxy's own 404 too.
+    What OpenAI's clients get stays as vLLM sent it."""
+    anthropic = pytest.importorskip("anthropic")
+    no_max_tokens = {"model": E.MODEL_NAME, "messages": [{"role": "user", "content": E.unique_prompt()}]}
+    too_long = body_for(MESSAGES, E.unique_prompt(words=3000), stream=False, n=4)
+    for body, status in ((no_max_tokens, 400), (too_long, 400)):
+        alone = E.post(api.single.url, MESSAGES, body)
+        resp = E.post(proxy.url, MESSAGES, body)
+        assert alone.status == resp.status == status, (E.describe(alone), E.describe(resp))
+        doc, own = resp.json(), alone.json()
+        assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", E.describe(resp)
+        # vLLM's message (the proxy's leg, e.g. with kv_transfer_params, may differ in details).
+        assert doc["error"]["message"][:30] == own["error"]["message"][:30], (doc, own)
+        # What vLLM itself answers: not what an Anthropic client recognises.
+        assert own.get("type") != "error" or own["error"]["type"] not in ANTHROPIC_TYPES, own
+    for path in (MESSAGES, "/v1/messages/count_tokens"):
+        resp = E.post(proxy.url, path, dict(no_max_tokens, model="gpt-4o", max_tokens=4))
+        assert resp.status == 404 and resp.json()["error"]["type"] == "not_found_error", E.describe(resp)
+    chat = E.post(proxy.url, "/v1/chat/completions", {"model": E.MODEL_NAME, "messages": "not a list"})
+    assert chat.status == 400 and set(chat.json()) == {"error"}, E.describe(chat)
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=2)
+    try:
+        with pytest.raises(anthropic.BadRequestError) as info:
+            client.messages.create(model=E.MODEL_NAME, max_tokens=4, messages=too_long["messages"])
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+        with pytest.raises(anthropic.NotFoundError) as info:
+            client.messages.create(model="gpt-4o", max_tokens=4, messages=too_long["messages"])
+        assert info.value.body["error"]["type"] == "not_found_error"
+    finally:
+        client.close()

@@ -65,7 +65,8 @@ async def http_server():
     servers: list[HttpServer] = []
 
     async def start(handler, **limits) -> HttpServer:
-        srv = HttpServer(handler, error_body=error_body, limits=ServerLimits(**limits) if limits else None)
+        srv = HttpServer(handler, error_body=lambda status, message, path: error_body(status, message),
+                         limits=ServerLimits(**limits) if limits else None)
         await srv.start("127.0.0.1", 0)
         servers.append(srv)
         return srv

@@ -14,8 +14,8 @@ from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
 
 
-def tagged(status: int, message: str) -> bytes:
-    return b'{"status":%d,"said":"%s"}' % (status, message.encode())
+def tagged(status: int, message: str, path: str = "") -> bytes:
+    return b'{"status":%d,"said":"%s","path":"%s"}' % (status, message.encode(), path.encode())
 
 
 async def test_the_servers_own_answers_use_its_error_body():
@@ -33,13 +33,13 @@ async def test_the_servers_own_answers_use_its_error_body():
         r, w = await connect(srv.port)
         w.write(request_bytes("POST", "/", body=b"x" * 11))
         resp = await asyncio.wait_for(read_response(r), 2)
-        assert resp.status == 413 and resp.body == tagged(413, "request body larger than 10 bytes")
+        assert resp.status == 413 and resp.body == tagged(413, "request body larger than 10 bytes", "/")
         w.close()
 
         r, w = await connect(srv.port)
         w.write(request_bytes("GET", "/boom"))
         resp = await asyncio.wait_for(read_response(r), 2)
-        assert resp.status == 500 and resp.body == tagged(500, "internal proxy error")
+        assert resp.status == 500 and resp.body == tagged(500, "internal proxy error", "/boom")
         w.close()
 
         held = []

@@ -329,13 +329,18 @@ async def test_in_band_error_after_the_commit_is_in_the_apis_form(path):
         assert reply.status == 200
         if path == MESSAGES:
             name, data = named(reply.body)[-1]
-            assert name == "error" and data["type"] == "error" and data["error"]["type"] == "internal_error"
+            # Anthropic's type for the proxy's 502 (vLLM's own says ``internal_error``).
+            assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
             assert b"[DONE]" not in reply.body
         elif path == RESPONSES:
             events = named(reply.body)
-            name, data = events[-1]
-            assert name == "error" and data["type"] == "error" and data["code"] == "502"
-            assert data["sequence_number"] == events[-2][1]["sequence_number"] + 1
+            (name, data), (failed, end) = events[-2:]
+            assert name == "error" and data["type"] == "error" and data["code"] == "server_error"
+            assert data["sequence_number"] == events[-3][1]["sequence_number"] + 1
+            created = events[0][1]["response"]
+            assert failed == "response.failed" and end["sequence_number"] == data["sequence_number"] + 1
+            assert end["response"]["id"] == created["id"] and end["response"]["status"] == "failed"
+            assert end["response"]["error"] == {"code": "server_error", "message": data["message"]}
         else:
             assert reply.body.endswith(b"data: [DONE]\n\n")
             assert b'data: {"error":' in reply.body

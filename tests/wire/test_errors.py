@@ -3,7 +3,14 @@
 import msgspec
 import pytest
 
-from epd_proxy.wire.errors import ProxyError, bad_request, error_type_for
+from epd_proxy.wire.errors import (
+    ProxyError,
+    anthropic_type_for,
+    as_anthropic,
+    bad_request,
+    error_body,
+    error_type_for,
+)
 
 
 def test_the_envelope_has_exactly_the_openai_fields():
@@ -75,3 +82,62 @@ def test_bad_request_names_the_param():
     err = bad_request("messages must be a list", "messages")
     assert (err.status, err.param, err.message) == (400, "messages", "messages must be a list")
     assert str(err) == "messages must be a list"
+
+
+# -- Anthropic's envelope (the /v1/messages family's clients) ---------------------------------
+
+@pytest.mark.parametrize("status, kind", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+    (404, "not_found_error"), (405, "invalid_request_error"), (408, "invalid_request_error"),
+    (413, "request_too_large"), (429, "rate_limit_error"), (431, "invalid_request_error"),
+    (500, "api_error"), (502, "api_error"), (503, "overloaded_error"), (504, "api_error"),
+    (529, "overloaded_error"),
+])
+def test_anthropic_types_follow_anthropics_status_table(status, kind):
+    assert anthropic_type_for(status) == kind
+    doc = msgspec.json.decode(ProxyError(status, "said").body(anthropic=True))
+    assert doc == {"type": "error", "error": {"type": kind, "message": "said"}}
+
+
+def test_the_anthropic_in_band_form_is_one_error_event_and_no_done():
+    event = ProxyError(503, "the proxy shut down").anthropic_event()
+    assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n") and event.count(b"\n\n") == 1
+    assert msgspec.json.decode(event[len(b"event: error\ndata: "):]) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "the proxy shut down"}}
+
+
+def test_an_anthropic_upstream_body_is_relayed_as_received_to_anthropic_clients():
+    raw = b'{"type":"error","error":{"type":"not_found_error","message":"The model `x` does not exist."}}'
+    err = ProxyError(404, "x", upstream_body=raw)
+    assert err.body(anthropic=True) is raw and err.body() is raw
+
+
+def test_vllms_own_type_names_in_anthropics_envelope_are_retyped_by_status():
+    # vLLM 0.32's Messages handler: Anthropic's envelope, its ErrorResponse's type names.
+    raw = b'{"type":"error","error":{"type":"NotFoundError","message":"The model `x` does not exist."}}'
+    assert msgspec.json.decode(ProxyError(404, "x", upstream_body=raw).body(anthropic=True)) == {
+        "type": "error", "error": {"type": "not_found_error", "message": "The model `x` does not exist."}}
+
+
+@pytest.mark.parametrize("raw", [
+    # vLLM's request-schema handler: OpenAI's envelope on every route, /v1/messages included.
+    b'{"error":{"message":"Field required","type":"Bad Request","param":null,"code":400}}',
+    b'{"object":"error","message":"Field required","type":"BadRequestError","param":null,"code":400}',
+])
+def test_an_openai_shaped_upstream_body_is_translated_for_anthropic_clients(raw):
+    err = ProxyError(400, "Field required", upstream_body=raw)
+    assert err.body() is raw  # OpenAI's clients: as received
+    assert msgspec.json.decode(err.body(anthropic=True)) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "Field required"}}
+    assert as_anthropic(413, raw).find(b'"request_too_large"') > 0
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1,2]", b'{"detail":"Not Found"}', b""])
+def test_an_unknown_upstream_body_stays_as_received(raw):
+    assert as_anthropic(404, raw) is raw
+
+
+def test_the_front_door_body_in_either_envelope():
+    assert msgspec.json.decode(error_body(413, "too big"))["error"]["type"] == "RequestEntityTooLargeError"
+    assert msgspec.json.decode(error_body(413, "too big", anthropic=True)) == {
+        "type": "error", "error": {"type": "request_too_large", "message": "too big"}}

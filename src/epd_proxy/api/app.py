@@ -38,7 +38,7 @@ from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe.metrics import ProxyMetrics, render
-from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES
+from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES, speaks_anthropic
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
 from epd_proxy.request.legs.connectors import check_connector_config
@@ -46,7 +46,7 @@ from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
-from epd_proxy.wire.errors import ProxyError
+from epd_proxy.wire.errors import ProxyError, as_anthropic
 
 log = logging.getLogger("epd_proxy.app")
 
@@ -174,6 +174,8 @@ class ProxyApp:
             if key is None:
                 # Before the route: an unauthenticated caller learns nothing about the API's paths.
                 body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
+                if speaks_anthropic(req.path):
+                    body = _ANTHROPIC_401[body]
                 writer.send(401, body, b"application/json", CHALLENGE)
                 self._served(req, writer, time.perf_counter())
                 return
@@ -202,10 +204,10 @@ class ProxyApp:
             allow = self._allow.get(req.path)
             if allow is not None:
                 err = ProxyError(405, f"method {req.method} not allowed on {req.path}")
-                writer.send(err.status, err.body(), headers=[(b"allow", allow)])
+                writer.send(err.status, err.body(speaks_anthropic(req.path)), headers=[(b"allow", allow)])
             else:
                 err = ProxyError(404, f"no route for {req.method} {req.path}")
-                writer.send(err.status, err.body())
+                writer.send(err.status, err.body(speaks_anthropic(req.path)))
             self.metrics.observe_request("other", err.status, time.perf_counter() - t0)
         else:
             await handler(req, writer)
@@ -378,6 +380,8 @@ class ProxyApp:
 
 
 _READY = b'{"status":"ready"}'
+# The refused API call's answers for Anthropic's clients (/v1/messages), encoded once.
+_ANTHROPIC_401 = {body: as_anthropic(401, body) for body in (MISSING_KEY_BODY, INVALID_KEY_BODY)}
 
 
 def allowed_methods(routes) -> dict[str, bytes]:

@@ -21,7 +21,9 @@ from epd_proxy.http.timers import ConnectionTimer
 log = logging.getLogger("epd_proxy.http")
 
 Handler = Callable[[Request, ResponseWriter], Awaitable[None]]
-ErrorBody = Callable[[int, str], bytes]  # (status, message) -> a JSON body
+# (status, message, path) -> a JSON body; the path is the request's when the request line was
+# read ("" before it), so that the owner can answer in the envelope of that path's API.
+ErrorBody = Callable[[int, str, str], bytes]
 
 # Input is parsed in slices of at most this many bytes (a Content-Length body in one
 # go), so that a read full of pipelined requests stops being parsed once enough of them
@@ -492,12 +494,12 @@ class HttpServerProtocol(asyncio.Protocol):
             log.exception("unhandled error in request handler for %s %s", request.method, request.path)
             if not writer.started:
                 writer.keep_alive = False
-                writer.send(500, self._error_body(500, "internal proxy error"))
+                writer.send(500, self._error_body(500, "internal proxy error", request.path))
             elif not writer.finished:
                 writer.abort()
         else:
             if not writer.started:
-                writer.send(500, self._error_body(500, "no response produced"))
+                writer.send(500, self._error_body(500, "no response produced", request.path))
             elif not writer.finished:
                 writer.abort()
 
@@ -585,7 +587,9 @@ class HttpServerProtocol(asyncio.Protocol):
 
     def _answer_error(self, status: int, message: str) -> None:
         """Write the error with the envelope and close (no handler is running)."""
-        body = self._error_body(status, message)
+        # The path of the message being parsed (its request line read, or part of it).
+        path = self._url.partition(b"?")[0].decode("latin-1") if self._parsing else ""
+        body = self._error_body(status, message, path)
         extra = b"retry-after: 1\r\n" if status == 503 else b""
         self.transport.write(status_line(status) + date_cache.get() + extra +
                              b"content-type: application/json\r\ncontent-length: %d\r\n"

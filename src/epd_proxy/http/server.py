@@ -7,9 +7,10 @@ docs/architecture.md for the measurements). Here a response chunk is one
 back-pressure is the transport's own pause/resume signal.
 
 The server says nothing of its own in any particular error format: whoever builds
-it passes ``error_body(status, message) -> bytes`` (the proxy its OpenAI envelope,
-the simulator vLLM's), used for the errors it answers itself (unparsable or
-oversized requests, timeouts, a handler that fails).
+it passes ``error_body(status, message, path) -> bytes`` (the proxy the envelope of
+the path's API, the simulator vLLM's), used for the errors it answers itself
+(unparsable or oversized requests, timeouts, a handler that fails); ``path`` is ""
+when no request line was read.
 
 Each client connection is an ``HttpServerProtocol`` (``http/protocol.py``); the limits
 and the body budget they share are in ``http/limits.py``.
@@ -29,7 +30,7 @@ _TRIM_DELAY = 0.5
 
 def _refusal(error_body: ErrorBody) -> bytes:
     """The whole answer to a connection beyond the cap, written once without reading."""
-    body = error_body(503, "the proxy has too many client connections; retry shortly")
+    body = error_body(503, "the proxy has too many client connections; retry shortly", "")
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
 

@@ -13,7 +13,8 @@ pays one dict lookup per request for all of them and chat nothing more:
   answer, run in the background);
 * when a request is served whole by one instance instead (:meth:`GenerationApi.whole`);
 * which leading stream events say nothing yet and which are failures (the commit point);
-* the in-band error of a committed stream, in the API's own form.
+* the in-band error of a committed stream, in the API's own form, and which error envelope
+  a path's clients read (:func:`speaks_anthropic`).
 
 Pure: plain dicts and bytes in, the same out.
 """
@@ -26,9 +27,10 @@ from epd_proxy.encode.multimodal import MediaItem, content_uuid
 from epd_proxy.request.usage.api_fields import messages_usage, responses_usage, rewrite_api_usage, rewrite_usage_events
 from epd_proxy.request.usage.rewrite import PrefillReport
 from epd_proxy.request.usage.rewrite import rewrite_usage as rewrite_chat_usage
-from epd_proxy.wire.errors import ProxyError
+from epd_proxy.wire.errors import ProxyError, error_body
 
 MESSAGES = "/v1/messages"
+MESSAGES_PREFIX = MESSAGES + "/"  # count_tokens, and whatever else an Anthropic client asks under it
 RESPONSES = "/v1/responses"
 GENERATE = "/inference/v1/generate"
 
@@ -55,6 +57,9 @@ class GenerationApi:
     stateful = False  # answers are stored on the instance that made them (Responses)
     lead: frozenset[bytes] = frozenset()  # named events read past before the commit
     failures: frozenset[bytes] = frozenset()  # named events that are a failure
+    # What marks an in-band error of decode's own whose type this API's clients do not know
+    # (looked for only in reads that are not a text delta; :meth:`own_error_event`).
+    foreign_error = b""
 
     def media(self, body: dict) -> list[MediaItem]:
         """The media the body carries, as chat parts (for the operator's media rules)."""
@@ -74,9 +79,14 @@ class GenerationApi:
             return LEAD
         return FAILURE if name in self.failures else COMMIT
 
-    def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
-        """A committed stream's failure, in this API's form (``last``: the last bytes relayed)."""
+    def in_band_error(self, err: ProxyError, last: bytes, head: bytes = b"") -> bytes:
+        """A committed stream's failure, in this API's form (``last``: the last bytes relayed,
+        ``head``: the stream's first read, its leading events)."""
         return err.sse_event()
+
+    def own_error_event(self, events: bytes) -> bytes:
+        """``events`` with decode's in-band error typed as this API's clients know it."""
+        return events
 
     def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
         """The client's usage object from decode's and the prefill's (api_usage.py)."""
@@ -142,6 +152,9 @@ class Messages(GenerationApi):
     cache_after_output = True
     lead = frozenset((b"message_start", b"content_block_start", b"ping"))
     failures = frozenset((b"error",))
+    # vLLM 0.32's in-stream failure (anthropic/serving.py): ``internal_error``, no type of
+    # Anthropic's; a model's text cannot spell it (its quotes would be escaped).
+    foreign_error = b'"type":"internal_error"'
 
     def media(self, body: dict) -> list[MediaItem]:
         items: list[MediaItem] = []
@@ -166,10 +179,14 @@ class Messages(GenerationApi):
     def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
         return messages_usage(decode, prefill)
 
-    def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
-        # vLLM's own form (anthropic/serving.py): the event the anthropic SDK raises on.
-        data = msgspec.json.encode({"type": "error", "error": {"type": "internal_error", "message": err.message}})
-        return b"event: error\ndata: " + data + b"\n\n"
+    def in_band_error(self, err: ProxyError, last: bytes, head: bytes = b"") -> bytes:
+        # vLLM's own form (anthropic/serving.py), typed as Anthropic types its status (vLLM
+        # says ``internal_error``, a type Anthropic's clients do not know): the SDKs raise on it.
+        return err.anthropic_event()
+
+    def own_error_event(self, events: bytes) -> bytes:
+        # Anthropic's type for a server's failure mid-stream, vLLM's message kept.
+        return events.replace(self.foreign_error, b'"type":"api_error"')
 
 
 class Responses(GenerationApi):
@@ -225,11 +242,21 @@ class Responses(GenerationApi):
     def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
         return responses_usage(decode, prefill)
 
-    def in_band_error(self, err: ProxyError, last: bytes) -> bytes:
-        # The Responses stream's ``error`` event (the openai SDK's ResponseErrorEvent).
-        data = msgspec.json.encode({"type": "error", "code": str(err.status), "message": err.message,
-                                    "param": None, "sequence_number": next_sequence_number(last)})
-        return b"event: error\ndata: " + data + b"\n\n"
+    def in_band_error(self, err: ProxyError, last: bytes, head: bytes = b"") -> bytes:
+        # The Responses stream's ``error`` event (the openai SDK's ResponseErrorEvent), then
+        # ``response.failed`` with the response ``response.created`` began (same id: the SDK's
+        # stream helper checks it), ``status: failed`` and its ``error``, as OpenAI ends a
+        # failed response: clients that watch the response's lifecycle see it end.
+        seq = next_sequence_number(last)
+        code = "rate_limit_exceeded" if err.status == 429 else "server_error"
+        out = b"event: error\ndata: " + msgspec.json.encode(
+            {"type": "error", "code": code, "message": err.message, "param": None, "sequence_number": seq}) + b"\n\n"
+        response = created_response(head)
+        if response is None:
+            return out
+        response.update(status="failed", error={"code": code, "message": err.message}, incomplete_details=None)
+        return out + b"event: response.failed\ndata: " + msgspec.json.encode(
+            {"type": "response.failed", "response": response, "sequence_number": seq + 1}) + b"\n\n"
 
 
 def next_sequence_number(last: bytes) -> int:
@@ -243,6 +270,35 @@ def next_sequence_number(last: bytes) -> int:
     while end < len(last) and 0x30 <= last[end] <= 0x39:
         end += 1
     return int(last[at:end]) + 1 if end > at else 0
+
+
+def created_response(head: bytes) -> dict | None:
+    """The response object of the ``response.created`` event in ``head`` (None if absent)."""
+    at = head.find(b"event: response.created\n")
+    if at < 0:
+        return None
+    start = head.find(b"data: ", at)
+    end = head.find(b"\n\n", start)
+    if start < 0 or end < 0:
+        return None
+    try:
+        event = msgspec.json.decode(head[start + 6:end])
+    except msgspec.DecodeError:
+        return None
+    response = event.get("response") if isinstance(event, dict) else None
+    return response if isinstance(response, dict) else None
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a path's clients read Anthropic's error envelope (``/v1/messages`` and what is
+    under it); every other path's read OpenAI's (vLLM's ``ErrorResponse``)."""
+    return path == MESSAGES or path.startswith(MESSAGES_PREFIX)
+
+
+def front_door_error_body(status: int, message: str, path: str) -> bytes:
+    """An error answered before any handler ran (the HTTP server's: 400, 408, 413, 431, ...)
+    in the envelope of the path's API (OpenAI's when no request line was read)."""
+    return error_body(status, message, speaks_anthropic(path))
 
 
 class _Created(msgspec.Struct):

@@ -30,6 +30,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ProxyMetrics
+from epd_proxy.request.apis import speaks_anthropic
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import request_id
 from epd_proxy.request.legs.upstream import UpstreamStage
@@ -82,7 +83,7 @@ class Forwarder:
                 headers = [(b"x-request-id", ctx.request_id.encode())]
                 if err.status == 503:
                     headers.append((b"retry-after", b"5"))
-                writer.send(err.status, err.body(), err.content_type(), headers)
+                writer.send(err.status, err.body(speaks_anthropic(path)), err.content_type(), headers)
         finally:
             ctx.release_all()
             self.pipeline.leave()

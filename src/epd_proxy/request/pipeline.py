@@ -3,8 +3,8 @@
 Nothing reaches the client until encode and prefill have succeeded and
 decode's first event has been checked (the *commit point*). Before it, any
 failure can still be retried (fresh handles, other instances) or answered
-with a real status; after it, a failure is an in-band SSE error event
-followed by ``data: [DONE]``.
+with a real status, in the envelope of the request's API; after it, a failure
+is an in-band error in the stream's own form (``request/apis.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from epd_proxy.request.apis import (
     GenerationApi,
     encodable,
     response_id,
+    speaks_anthropic,
 )
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
@@ -119,8 +120,11 @@ class Pipeline:
         # The console's ring of recent requests (recent.py): filled only while someone looks.
         self.recent = recent if recent is not None else RecentRequests()
         self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
-        self._429 = shed_error(f"--max-inflight {config.max_inflight}").body()
-        self._503_closing = ProxyError(503, "the proxy is shutting down; retry the request").body()
+        # The refusals are built once, in each envelope (indexed by speaks_anthropic(path)).
+        shed = shed_error(f"--max-inflight {config.max_inflight}")
+        closing = ProxyError(503, "the proxy is shutting down; retry the request")
+        self._429 = (shed.body(), shed.body(anthropic=True))
+        self._503_closing = (closing.body(), closing.body(anthropic=True))
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
         # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
@@ -175,7 +179,7 @@ class Pipeline:
             self._answer_error(writer, err, rec)
         except asyncio.CancelledError:
             rec.outcome = "shutdown"
-            if not (self.stopping and self._end_at_shutdown(writer, rec.request_id)):
+            if not (self.stopping and self._end_at_shutdown(writer, rec.request_id, rec.path)):
                 rec.outcome = "client_gone"
                 self.metrics.disconnects += 1
                 raise
@@ -331,7 +335,7 @@ class Pipeline:
             headers = [(b"x-request-id", rec.request_id.encode())]
             if err.status in _RETRY_AFTER:
                 headers.append((b"retry-after", _RETRY_AFTER[err.status]))
-            writer.send(err.status, err.body(), err.content_type(), headers)
+            writer.send(err.status, err.body(speaks_anthropic(rec.path)), err.content_type(), headers)
         if err.status >= 500:
             log.warning("request %s failed: %s", rec.request_id, err.message)
 
@@ -367,12 +371,13 @@ class Pipeline:
         """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
         Runs before the body is parsed: a refused request costs a prebuilt response."""
         if self.closing:
-            status, body, retry = 503, self._503_closing, b"1"
+            status, refusals = 503, self._503_closing
         else:
             admission = self.admission
             verdict = admission.try_enter()
             if verdict == ADMIT:
                 return True
+            status, refusals = 429, self._429
             if verdict != SHED:
                 admitted = await admission.wait()
                 self.metrics.queue_wait.observe(time.perf_counter() - t0)
@@ -381,11 +386,8 @@ class Pipeline:
                 if admitted:
                     admission.leave()  # the proxy began shutting down meanwhile: the slot goes unused
                 if self.closing:
-                    status, body, retry = 503, self._503_closing, b"1"
-                else:
-                    status, body, retry = 429, self._429, b"1"
-            else:
-                status, body, retry = 429, self._429, b"1"
+                    status, refusals = 503, self._503_closing
+        body, retry = refusals[speaks_anthropic(path)], b"1"  # the path's envelope, only when refused
         headers = [(b"retry-after", retry)]
         rid = client_request_id(req)
         if rid is not None:
@@ -400,7 +402,7 @@ class Pipeline:
             self.recent.add_refused(rid.decode("ascii") if rid else "-", req.method, path, status, seconds)
         return False
 
-    def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
+    def _end_at_shutdown(self, writer: ResponseWriter, rid: str, path: str) -> bool:
         """The shutdown timeout cancelled this request (not its client): end it properly.
         Before the commit: 503 with the envelope; a committed stream: the in-band error
         event and ``[DONE]``. Returns False when nothing can be said any more."""
@@ -409,7 +411,7 @@ class Pipeline:
         err = ProxyError(503, "the proxy shut down before the response was complete")
         if not writer.started:
             writer.keep_alive = False
-            writer.send(503, err.body(), b"application/json", [(b"retry-after", b"1")])
+            writer.send(503, err.body(speaks_anthropic(path)), b"application/json", [(b"retry-after", b"1")])
         elif isinstance(writer.flow, StreamRelay):
             writer.flow.fail(err)
         else:

@@ -3,8 +3,8 @@
 Bytes go out as they arrive, with one exception: a trailing partial event is
 held back until its end arrives (usually in the next TCP read). The byte
 stream is unchanged, but a failure can then always be reported as a clean,
-separate ``data: {"error": ...}`` event followed by ``data: [DONE]`` instead of
-being glued to half an event.
+separate error event in the API's form (``data: {"error": ...}`` and ``data: [DONE]``
+for chat; ``apis.py`` for the others) instead of being glued to half an event.
 """
 
 from __future__ import annotations
@@ -122,16 +122,18 @@ class ApiRelay(StreamRelay):
     error``, the Responses ``error`` event); with ``ctx`` (P/D) the usage of the API's final
     usage event is the client's (api_usage.py), every other byte as received."""
 
-    __slots__ = ("api", "ctx", "plain")
+    __slots__ = ("api", "ctx", "plain", "head")
 
-    def __init__(self, writer: ResponseWriter, resp: Response, api: GenerationApi, ctx=None) -> None:
+    def __init__(self, writer: ResponseWriter, resp: Response, api: GenerationApi, ctx=None,
+                 head: bytes = b"") -> None:
         super().__init__(writer, resp)
         self.api = api
         self.ctx = ctx  # its prefill_report may arrive while streaming (push mode's prefill)
         self.plain = api.text_delta_ends
+        self.head = head  # the stream's first read: the response an in-band error ends (Responses)
 
     def error_event(self, error: ProxyError) -> bytes:
-        return self.api.in_band_error(error, self.prev + self.last)
+        return self.api.in_band_error(error, self.prev + self.last, self.head)
 
     def on_data(self, data: bytes) -> None:
         # StreamRelay's, with decode's parameters taken out of the event that carries them
@@ -150,6 +152,9 @@ class ApiRelay(StreamRelay):
             return
         if events.find(MARK) >= 0:
             events = strip_stream_params(events)[0]
+        foreign = self.api.foreign_error
+        if foreign and events.find(foreign) >= 0:  # decode's own in-band error, in the API's types
+            events = self.api.own_error_event(events)
         if self.ctx is not None and events.find(b'"usage":{') >= 0:
             report = self.ctx.prefill_report
             if report is not None:
@@ -341,12 +346,12 @@ async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, hea
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
     relay: StreamRelay
     if api is not None and api.usage_event:
-        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, usage_ctx)
+        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, usage_ctx, first)
     elif usage_ctx is not None:
         cls = IdStrippingRelay if strip_ids else KeepingUsageRelay if keeping else UsageRelay
         relay = cls(writer, resp, usage_ctx, hidden, single_choice)
     elif api is not None:
-        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api)
+        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, None, first)
     else:
         relay = StreamRelay(writer, resp)
     writer.flow = relay

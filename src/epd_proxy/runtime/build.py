@@ -39,6 +39,7 @@ from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.request.admission import Admission, admission_collector
+from epd_proxy.request.apis import front_door_error_body
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
@@ -50,7 +51,6 @@ from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
-from epd_proxy.wire.errors import error_body
 
 
 def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None) -> ProxyApp:
@@ -188,7 +188,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     await app.start()
     handler = log_requests(app) if config.log_requests else app
     try:
-        server = await HttpServer(handler, error_body=error_body, limits=server_limits(config),
+        server = await HttpServer(handler, error_body=front_door_error_body, limits=server_limits(config),
                                   on_large_release=trim_heap).start(host, port, backlog=backlog,
                                                                     reuse_port=reuse_port, ssl=tls)
     except OSError as exc:

@@ -48,7 +48,7 @@ def api_error_body(exc: ApiError) -> bytes:
                               "code": exc.status}})
 
 
-def server_error_body(status: int, message: str) -> bytes:
+def server_error_body(status: int, message: str, path: str = "") -> bytes:
     """What vLLM's server answers to a request it cannot take (the HTTP server's ``error_body``)."""
     return api_error_body(refusal(status, message))
 

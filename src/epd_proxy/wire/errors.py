@@ -1,7 +1,12 @@
-"""Errors the proxy answers with, in the OpenAI error envelope.
+"""Errors the proxy answers with, in the envelope of the API the client speaks.
 
 Every failure that reaches a client goes through :class:`ProxyError`, so the
-status, the envelope and the in-band SSE form stay consistent everywhere.
+status, the envelope and the in-band SSE form stay consistent everywhere. Two
+envelopes exist: OpenAI's (vLLM's ``ErrorResponse``: chat, completions,
+Responses, generate and the routed endpoints) and Anthropic's (``/v1/messages``
+and its ``count_tokens``), whose ``error.type`` is what Anthropic clients decide
+retries by. Which one a request gets is its path's (``request/apis.py``); the
+body is built only when an error is answered, never on the success path.
 """
 
 from __future__ import annotations
@@ -32,6 +37,73 @@ def error_type_for(status: int) -> str:
     if status in _TYPES:
         return _TYPES[status]
     return "BadRequestError" if 400 <= status < 500 else "InternalServerError"
+
+
+# Anthropic's ``error.type`` per status (its API reference, "HTTP errors"): every other 4xx is
+# ``invalid_request_error``, every other 5xx ``api_error``. The proxy keeps its own statuses
+# (503, not Anthropic's 529: load balancers, dashboards and the proxy's metrics read 503, and
+# the anthropic SDKs retry both alike) and says "overloaded" with the type.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_type_for(status: int) -> str:
+    """Anthropic's ``error.type`` for an HTTP status."""
+    if status in _ANTHROPIC_TYPES:
+        return _ANTHROPIC_TYPES[status]
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+def anthropic_body(status: int, message: str) -> bytes:
+    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+    return msgspec.json.encode({"type": "error", "error": {"type": anthropic_type_for(status), "message": message}})
+
+
+# Every type Anthropic's API reference lists: a relayed body already typed with one passes as is.
+_ANTHROPIC_KNOWN = frozenset(_ANTHROPIC_TYPES.values()) | {"invalid_request_error", "api_error", "billing_error",
+                                                          "timeout_error"}
+
+
+class _OpenAIError(msgspec.Struct):
+    message: str | None = None
+    type: str | None = None
+
+
+class _OpenAIEnvelope(msgspec.Struct):
+    error: _OpenAIError | str | None = None
+    type: str | None = None
+    object: str | None = None  # older vLLM's flat ErrorResponse: ``{"object": "error", "message", ...}``
+    message: str | None = None
+
+
+def as_anthropic(status: int, body: bytes) -> bytes:
+    """An upstream's error body for an Anthropic client: Anthropic's envelope with one of
+    Anthropic's types as received; otherwise rewritten to Anthropic's envelope with its message,
+    typed by ``status``. vLLM 0.32 needs both: its request-schema handler answers in OpenAI's
+    envelope on every route, ``/v1/messages`` included, and its Messages handler puts its own
+    type names (``NotFoundError``, ``BadRequestError``) in Anthropic's envelope, which Anthropic's
+    clients, deciding by ``error.type``, do not know. Only error answers pay for the reading."""
+    try:
+        doc = msgspec.json.decode(body, type=_OpenAIEnvelope)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return body  # not JSON we know: as received
+    err = doc.error
+    if doc.type == "error" and isinstance(err, _OpenAIError) and err.type in _ANTHROPIC_KNOWN:
+        return body  # already Anthropic's
+    if err is not None:
+        message = err if isinstance(err, str) else err.message
+    elif doc.object == "error":
+        message = doc.message
+    else:
+        return body  # no error we know of
+    return anthropic_body(status, message if message else f"HTTP {status}")
 
 
 class ProxyError(Exception):
@@ -80,10 +152,13 @@ class ProxyError(Exception):
             }
         }
 
-    def body(self) -> bytes:
-        """The response body: the upstream's bytes if relayed, else our envelope."""
+    def body(self, anthropic: bool = False) -> bytes:
+        """The response body: the upstream's bytes if relayed, else our envelope; with
+        ``anthropic``, Anthropic's envelope (an upstream's OpenAI-shaped one rewritten)."""
         if self.upstream_body is not None:
-            return self.upstream_body
+            return as_anthropic(self.status, self.upstream_body) if anthropic else self.upstream_body
+        if anthropic:
+            return anthropic_body(self.status, self.message)
         return msgspec.json.encode(self.envelope())
 
     def content_type(self) -> bytes:
@@ -92,16 +167,23 @@ class ProxyError(Exception):
         return b"application/json"
 
     def sse_event(self) -> bytes:
-        """The in-band form for a stream that is already committed."""
+        """The in-band form for a chat, completions or generate stream that is already
+        committed: the envelope as one ``data:`` event, then ``[DONE]``."""
         return b"data: " + msgspec.json.encode(self.envelope()) + b"\n\ndata: [DONE]\n\n"
+
+    def anthropic_event(self) -> bytes:
+        """The in-band form for a committed Messages stream: Anthropic's ``error`` event
+        (the anthropic SDKs raise on it), no ``message_stop``."""
+        return b"event: error\ndata: " + anthropic_body(self.status, self.message) + b"\n\n"
 
     def __repr__(self) -> str:
         return f"ProxyError({self.status}, {self.message!r})"
 
 
-def error_body(status: int, message: str) -> bytes:
-    """The envelope of an error the HTTP server answers by itself (its ``error_body``)."""
-    return ProxyError(status, message).body()
+def error_body(status: int, message: str, anthropic: bool = False) -> bytes:
+    """The envelope of an error answered before any handler ran (the HTTP server's own, a
+    refused client key, admission)."""
+    return anthropic_body(status, message) if anthropic else ProxyError(status, message).body()
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:
