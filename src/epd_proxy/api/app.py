@@ -244,8 +244,7 @@ class ProxyApp:
         if card is not None:
             writer.send(200, msgspec.json.encode(card))
             return
-        err = ProxyError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        writer.send(404, err.body())
+        writer.send(404, catalog.not_found(name).body())
 
     async def _models_of_one(self, writer: ResponseWriter | None) -> None:
         """A live decode instance's model list: learnt (pool.py), and relayed to ``writer`` if given."""
