@@ -37,6 +37,7 @@ from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe.metrics import ProxyMetrics, render
+from epd_proxy.observe.version import VERSION
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
@@ -324,6 +325,7 @@ class ProxyApp:
         return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
                 else None, "pools": pools, "models": self._model_status(pools),
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
+                "proxy": {"version": VERSION},  # the proxy's own (GET /version answers an instance's)
                 "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
