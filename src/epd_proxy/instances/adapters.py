@@ -270,8 +270,7 @@ class Adapters:
     async def _load_now(self, name: str) -> None:
         found = source_of(name, self.sources, self.directory)
         if found is None:
-            raise ProxyError(404, f"The model `{name}` does not exist.", type="NotFoundError", param="model",
-                             code="model_not_found")
+            raise self.catalog.not_found(name)
         path, wanted = found
         async with self._slots:
             if self.catalog.parents.get(name) is not None:
