@@ -227,6 +227,13 @@ def test_a_mistyped_instance_url_is_named_for_what_it_is(text, message):
     assert "http://http" not in str(err.value)  # not read as a host named "http" with a path
 
 
+def test_a_registration_says_the_same_of_a_mistyped_url():
+    from epd_proxy.instances.roster import RegistrationError, parse_registration
+
+    with pytest.raises(RegistrationError, match="no ':' after the scheme: write http://h:1"):
+        parse_registration(b'{"role": "decode", "url": "http//h:1"}')
+
+
 @pytest.mark.parametrize("text, url", [("host:1", "http://host:1"), ("https://h:2/", "https://h:2"),
                                        ("[::1]:8000", "http://[::1]:8000"), ("http:8000", "http://http:8000")])
 def test_plain_addresses_are_no_mistake(text, url):

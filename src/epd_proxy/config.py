@@ -108,7 +108,8 @@ _SCHEME_TYPO = re.compile(r"(?i)(https?)(//|:/(?!/)|:(?![/\d])|;//)(.*)")
 def url_mistake(text: str) -> str | None:
     """What is wrong with an instance's address ``text`` (before any ``;key=value``), said so an
     operator can fix it (``http//h:1`` lacks the ``:`` after its scheme: it is not host "http"
-    with a path); None when it is a plain ``[http[s]://]host[:port][/]``. Pure."""
+    with a path); None when its scheme, host and port are right (a path is ``parse_instance``'s
+    to refuse). Pure."""
     typo = _SCHEME_TYPO.fullmatch(text)
     if typo is not None:
         scheme, sep, rest = typo.group(1).lower(), typo.group(2), typo.group(3).lstrip("/").split(";")[0]
