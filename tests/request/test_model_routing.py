@@ -497,3 +497,24 @@ async def test_a_model_whose_only_instance_is_down_is_503_not_404():
         assert "decode" in r.json()["error"]["message"]
         assert pool.panics >= 1  # b's only decode is out: panic routing over b's instances, each attempt
         assert (await client.chat(chat_body(model="a"))).status == 200
+
+
+async def test_a_model_nobody_lists_while_no_decode_has_answered_is_503_not_ready():
+    """The cold start: the prefill has said what it serves, no decode has yet (the only one never
+    answers): a model the prefill does not list may still be the decodes', so not 404 but 503
+    with Retry-After, naming the role that has not answered; nothing is routed."""
+    async with SimCluster(prefill=1, decode=0, config=sim("tiny")) as cluster:
+        dead = InstanceSpec(refusing_url(), "decode")
+        config = config_for_cluster(cluster, ProxyConfig(probe_interval=0.1, scrape_interval=0)).replace(
+            decode=[dead])
+        async with await start_proxy(config) as proxy:
+            client = Client(proxy.url)
+            try:
+                await wait_for(lambda: proxy.app.pipeline.models.current.waiting == ("decode",)
+                               and "tiny" in proxy.app.pipeline.models.current.parents, timeout=10)
+                r = await client.chat(chat_body(model="gpt-4o"))
+                assert r.status == 503 and r.headers[b"retry-after"] == b"5", r.body
+                assert "no decode instance has said which models it serves yet" in r.json()["error"]["message"]
+                assert panics(proxy) == 0 and count(cluster) == 0
+            finally:
+                await client.close()
