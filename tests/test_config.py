@@ -3,7 +3,7 @@ import pytest
 from epd_proxy.api.app import validate_config
 from epd_proxy.cli import build_parser
 from epd_proxy.cli.serve import config_from_args
-from epd_proxy.config import ProxyConfig, parse_instance, split_instances
+from epd_proxy.config import ProxyConfig, parse_instance, split_instances, url_mistake
 
 
 def test_instance_attributes_parse():
@@ -21,7 +21,7 @@ def test_bare_host_port_gets_a_scheme():
 @pytest.mark.parametrize("text, fragment", [
     ("http://p1:8100;colour=blue", "unknown attribute"),
     ("http://p1:8100;kv_port=abc", "must be an integer"),
-    ("ftp://p1:8100", "expected http"),
+    ("ftp://p1:8100", "the scheme 'ftp' is not http or https: write http://p1:8100"),
     ("http://p1:notaport", "invalid port"),
 ])
 def test_bad_instances_are_explained(text, fragment):
@@ -206,6 +206,38 @@ def test_an_instance_url_with_a_path_is_refused(text):
     with pytest.raises(ValueError, match="without a path"):
         parse_instance(text, "decode")
     assert parse_instance("http://d:1/", "decode").url == "http://d:1"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("http//host:1", "no ':' after the scheme: write http://host:1"),
+    ("HTTPS//host:1", "no ':' after the scheme: write https://host:1"),
+    ("http:/host:1", "the scheme needs '://': write http://host:1"),
+    ("http:host:1", "the scheme needs '://': write http://host:1"),
+    ("http;//host:1;models=a", "';' where the scheme's ':' belongs: write http://host:1"),
+    ("htp://host:1", "the scheme 'htp' is not http or https: write http://host:1"),
+    ("://host:1", "no scheme before '://': write http://host:1"),
+    ("http:///host:1", "no host after http://: write http://host:port"),
+    ("http://:1", "no host after http://"),
+    ("http://host:99999", "invalid port"),
+])
+def test_a_mistyped_instance_url_is_named_for_what_it_is(text, message):
+    with pytest.raises(ValueError) as err:
+        parse_instance(text, "decode")
+    assert str(err.value) == f"decode instance {text!r}: {message}" or message in str(err.value)
+    assert "http://http" not in str(err.value)  # not read as a host named "http" with a path
+
+
+def test_a_registration_says_the_same_of_a_mistyped_url():
+    from epd_proxy.instances.roster import RegistrationError, parse_registration
+
+    with pytest.raises(RegistrationError, match="no ':' after the scheme: write http://h:1"):
+        parse_registration(b'{"role": "decode", "url": "http//h:1"}')
+
+
+@pytest.mark.parametrize("text, url", [("host:1", "http://host:1"), ("https://h:2/", "https://h:2"),
+                                       ("[::1]:8000", "http://[::1]:8000"), ("http:8000", "http://http:8000")])
+def test_plain_addresses_are_no_mistake(text, url):
+    assert url_mistake(text) is None and parse_instance(text, "decode").url == url
 
 
 def test_every_mistake_of_a_config_is_named_at_once():

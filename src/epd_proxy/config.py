@@ -102,21 +102,51 @@ class InstanceSpec:
         return urlsplit(self.url).hostname or ""
 
 
+_SCHEME_TYPO = re.compile(r"(?i)(https?)(//|:/(?!/)|:(?![/\d])|;//)(.*)")
+
+
+def url_mistake(text: str) -> str | None:
+    """What is wrong with an instance's address ``text`` (before any ``;key=value``), said so an
+    operator can fix it (``http//h:1`` lacks the ``:`` after its scheme: it is not host "http"
+    with a path); None when its scheme, host and port are right (a path is ``parse_instance``'s
+    to refuse). Pure."""
+    typo = _SCHEME_TYPO.fullmatch(text)
+    if typo is not None:
+        scheme, sep, rest = typo.group(1).lower(), typo.group(2), typo.group(3).lstrip("/").split(";")[0]
+        what = {"//": "no ':' after the scheme", ";//": "';' where the scheme's ':' belongs"}.get(
+            sep, "the scheme needs '://'")
+        return f"{what}: write {scheme}://{rest}"
+    if text.startswith("://"):
+        return f"no scheme before '://': write http{text}"
+    if "://" not in text:
+        text = "http://" + text
+    u = urlsplit(text)
+    if u.scheme not in ("http", "https"):
+        where = u.netloc or "host:port"
+        return f"the scheme {u.scheme!r} is not http or https: write http://{where}"
+    if not u.hostname:
+        return f"no host after {u.scheme}://: write {u.scheme}://host:port"
+    try:
+        u.port  # noqa: B018  (reading it checks the port)
+    except ValueError:
+        return "invalid port: write host:port, the port a number in 1..65535"
+    return None
+
+
 def parse_instance(text: str, role: str) -> InstanceSpec:
     """Parse ``URL[;key=value...]``; raise ValueError with a message an operator can act on."""
+    if re.match(r"(?i)\s*https?;//", text):  # the scheme's ':' typed ';': no attribute follows
+        raise ValueError(f"{role} instance {text!r}: {url_mistake(text.strip())}")
     parts = [p.strip() for p in text.split(";") if p.strip()]
     if not parts:
         raise ValueError(f"empty {role} instance")
     url = parts[0]
+    mistake = url_mistake(url)
+    if mistake is not None:
+        raise ValueError(f"{role} instance {text!r}: {mistake}")
     if "://" not in url:
         url = "http://" + url
     u = urlsplit(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise ValueError(f"{role} instance {text!r}: expected http://host:port")
-    try:
-        u.port  # noqa: B018  (reading it checks the port)
-    except ValueError:
-        raise ValueError(f"{role} instance {text!r}: invalid port") from None
     if u.path not in ("", "/") or u.query or u.fragment:
         # Requests go to URL + /v1/...: a path would make every one of them vLLM's 404 while the
         # instance's probes still pass.

@@ -171,3 +171,9 @@ def test_profiling_refusal_speaks_of_profiling_not_the_roster():
     err = AccessPolicy().check(ADMIN, None, "10.0.0.1")
     assert err is not None and err.status == 403
     assert "profiling" in err.message and "roster" not in err.message
+
+
+def test_the_admin_refusal_names_lora_loads_too():
+    """The same key guards POST /v1/load_lora_adapter: its refusal must not speak of profiling alone."""
+    err = AccessPolicy().check(ADMIN, None, "10.0.0.1")
+    assert err is not None and "LoRA adapter loads and unloads" in err.message

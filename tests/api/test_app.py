@@ -222,3 +222,20 @@ def test_merged_status_adds_each_workers_held_kv_per_decode():
     merged = {i["url"]: i["kv_reuse"] for i in merge_pool_status([one, two])["decode"]}
     assert merged == {"http://d0": held(True, 120, 1), "http://d1": held(True, 300, 2)}
     assert one["decode"][0]["kv_reuse"] == held(None, 0, 0)  # the workers' own answers untouched
+
+
+async def test_the_proxys_own_version_is_in_status_and_metrics_and_version_stays_the_instances():
+    from pathlib import Path
+
+    import epd_proxy
+    from epd_proxy.observe.version import VERSION
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert f'\nversion = "{VERSION}"\n' in pyproject and epd_proxy.__version__ == VERSION  # one version
+    async with stack() as (cluster, proxy, client):
+        assert (await client.request("GET", "/status")).json()["proxy"] == {"version": VERSION}
+        metrics = (await client.request("GET", "/metrics")).body.decode()
+        assert f'epd_proxy_build_info{{version="{VERSION}"}} 1.0' in metrics
+        version = await client.request("GET", "/version")  # what vLLM clients read: the instance's
+        assert version.status == 200 and version.json() == {"version": "0.32.0+sim"}, version.body
+        assert b"server" not in version.headers  # no header on every answer: /status and /metrics tell it

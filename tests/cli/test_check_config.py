@@ -40,7 +40,6 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     (["--prefill", "http://127.0.0.1:9"], "http://127.0.0.1:9 is given as both prefill and decode instance"),
     (["--encode", "http://127.0.0.1:9"], "http://127.0.0.1:9 is given as both encode and decode instance"),
     (["--prefill", "http://127.0.0.1:8101", "--kv-connector", "nixl-push"], "--kv-connector nixl-push needs"),
-    (["--simulate", "decode=1", "--workers", "2"], "--workers > 1 cannot be combined with --simulate"),
 ])
 def test_serve_refuses_what_cannot_work_naming_the_flag(flags, message):
     proc = _run("serve", "--decode", D, *flags)

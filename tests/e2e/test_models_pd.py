@@ -121,3 +121,21 @@ def test_the_operators_view_per_model(models, proxy):
     time.sleep(2.5)  # two more probes (--probe-interval 1), each reading /v1/models again
     log = open(proxy.proc.log_path, encoding="utf-8", errors="replace").read()
     assert " serves " not in log, log[-2000:]
+
+
+def test_a_lora_load_where_runtime_updating_is_off_names_the_variable(models, start_proxy):
+    """These instances run without VLLM_ALLOW_RUNTIME_LORA_UPDATING: vLLM has no runtime LoRA
+    routes, so FastAPI answers a bare 404; the proxy's answer says what is missing."""
+    key = {"X-API-Key": "e2e-models-admin"}
+    p = start_proxy("models-admin", decode=[models.alpha.url],
+                    extra=["--probe-interval", "1", "--admin-api-key", key["X-API-Key"]])
+    assert E.wait_for(lambda: "alpha" in E.request(p.url, "GET", "/status", headers=key).json()["models"], 30)
+    body = {"lora_name": "lora-b", "lora_path": f"{E.LORAS}/lora-b", "base_model": "alpha"}
+    own = E.request(models.alpha.url, "POST", "/v1/load_lora_adapter", body)
+    assert own.status == 404 and own.json() == {"detail": "Not Found"}  # what vLLM itself answers
+    r = E.request(p.url, "POST", "/v1/load_lora_adapter", body, headers=key)
+    assert r.status == 404, r.body
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in r.json()["error"]["message"]
+    # A mistyped model: the proxy's 404 naming what the cluster serves, at once.
+    r = E.request(p.url, "POST", "/v1/completions", {"model": "gpt-4o", "prompt": "x", "max_tokens": 1})
+    assert r.status == 404 and "This cluster serves: alpha (GET /v1/models lists them)" in r.json()["error"]["message"]

@@ -108,11 +108,29 @@ def test_without_model_the_only_one_or_400_naming_the_choices():
     assert err.value.status == 400 and "a, b" in err.value.message
 
 
-def test_unknown_instances_serve_anything_until_known():
+def test_a_model_nobody_listed_is_404_even_while_an_instance_has_not_answered():
     cat = catalog_of([served("a"), None])
-    assert cat.open and cat.route("a") is None
-    assert cat.route("b") == {"decode": "b", "prefill": "b", "encode": "b"}  # only the unknown one
+    assert cat.open and cat.route("a") is None  # the unknown instance may take a's requests
+    with pytest.raises(ProxyError) as err:
+        cat.route("b")  # but b is nobody's: 404 at once, no instance tried
+    assert err.value.status == 404 and err.value.code == "model_not_found"
+    assert "This cluster serves: a (GET /v1/models lists them)" in err.value.message
+    assert catalog_of([None, None]).route("x") is None  # nothing known at all: the instances answer
     assert catalog_of([]).route("x") is None  # no instance at all: the pools answer 503
+
+
+def test_a_role_none_of_whose_instances_has_answered_is_not_ready_for_an_unlisted_model():
+    cat = catalog_of([served("a"), None], waiting=("decode",))  # the prefill answered, no decode yet
+    assert cat.route("a") is None
+    with pytest.raises(ProxyError) as err:
+        cat.route("b")
+    assert err.value.status == 503 and "no decode instance has said which models it serves yet" in err.value.message
+
+
+def test_the_404_names_at_most_twenty_models():
+    cat = catalog_of([served(*[f"m{k}" for k in range(25)])])
+    message = cat.not_found("x").message
+    assert "m19 and 5 more (GET /v1/models lists them)" in message and "m20" not in message
 
 
 def test_union_lists_each_id_once_in_order():
@@ -156,6 +174,36 @@ async def test_pool_panics_within_the_model_and_503_when_none_serves_it():
     with pytest.raises(ProxyError) as err:
         pool.choose(model="a")
     assert err.value.status == 503 and "model `a`" in err.value.message
+
+
+async def test_directory_says_which_deciding_roles_have_not_answered():
+    directory = ModelDirectory()
+    spec = InstanceSpec("http://127.0.0.1:9000", "decode")
+    decode = InstancePool("decode", [spec], models=directory)
+    prefill = InstancePool("prefill", [InstanceSpec("http://127.0.0.1:9001", "prefill")], models=directory)
+    InstancePool("encode", [InstanceSpec("http://127.0.0.1:9002", "encode")], models=directory)
+    assert directory.current.waiting == ("decode", "prefill")  # encoders never decide
+    prefill.learned(prefill.instances[0], listing(card("a")))
+    assert directory.current.waiting == ("decode",)
+    decode.drain(decode.instances[0])  # a draining instance serves nothing new: no decode left to wait for
+    assert directory.current.waiting == ()
+    with pytest.raises(ProxyError) as err:
+        directory.current.route("b")
+    assert err.value.status == 404
+
+
+async def test_panic_is_counted_only_over_instances_known_to_serve_the_model():
+    """The decodes in rotation serve a, the one out has not said what it serves: a request for b
+    (which a prefill lists, say) may try it, but no decode serving b is out: no panic."""
+    pool, _ = make_pools(["a"], ["a"], None)
+    unknown = pool.instances[2]
+    pool.record_failure(unknown, "down")
+    assert not unknown.healthy
+    assert pool.choose(model="b") is unknown and pool.panics == 0
+    for inst in pool.instances[:2]:  # a's own instances out too (failed probes: no cap): panic for a
+        pool._probe_failed(inst, "connection", "health probe: refused")
+    assert pool.choose(model="a") in pool.instances and pool.panics == 1
+    assert pool.choose(model="b") is unknown and pool.panics == 2  # the whole role is out: panic, whatever the model
 
 
 async def test_model_leaves_the_catalog_with_its_instance():

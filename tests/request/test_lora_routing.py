@@ -141,6 +141,20 @@ async def test_load_failure_is_aggregated_in_vllms_envelope():
         err = r.json()
         assert "succeeded on 1 of 2" in err["error"]["message"]
         assert sorted(i["status"] for i in err["instances"]) == [200, 404]
+        # FastAPI's bare 404 says only that the route is missing: the answer says why it is.
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in err["error"]["message"]
+        assert [i["message"] for i in err["instances"] if i["status"] == 404] == [
+            "HTTP 404: Not Found (the instance has no runtime LoRA routes: start vLLM with "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (and --enable-lora))"]
+
+
+async def test_a_load_on_demand_where_runtime_updating_is_off_says_so(tmp_path):
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    async with SimCluster(decode=1, config=sim()) as c, proxy_for(c, lora_dir=str(tmp_path)) as (proxy, client):
+        body, r = await ask(client, "z")
+        assert r.status == 502, r.body
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in r.json()["error"]["message"]
 
 
 async def test_adapter_loaded_on_demand_once_on_both_legs(tmp_path):

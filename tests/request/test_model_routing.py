@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import socket
 
 import msgspec
 from dnsmasq import dnsmasq  # noqa: F401  (fixture)
@@ -433,3 +434,87 @@ def test_the_model_in_server_timing_is_one_safe_line():
     for odd in ('a"b', "a\\b", "a b\r\nx: y", "modèle"):
         value = _server_timing({}, _model_timing(odd))[0][1]
         assert value.isascii() and b"\r" not in value and b"\n" not in value and value.count(b'"') == 2, value
+
+
+def refusing_url() -> str:
+    """An address where nothing listens: an instance that never answers, /v1/models included."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def panics(proxy) -> int:
+    return sum(pool.panics for pool in proxy.app.pools.values())
+
+
+async def test_a_mistyped_model_is_404_at_once_while_a_decode_has_never_answered():
+    """One prefill and two decodes serving `tiny`, a third decode that never answers (its models
+    unknown, ejected by its probes): a model nobody listed is the client's mistake, 404 at once
+    naming what the cluster serves; no instance is tried and no panic routing is counted."""
+    async with SimCluster(prefill=1, decode=2, config=sim("tiny")) as cluster:
+        dead = InstanceSpec(refusing_url(), "decode")
+        base = ProxyConfig(probe_interval=0.1, scrape_interval=0)
+        config = config_for_cluster(cluster, base)
+        config = config.replace(decode=[*config.decode, dead])
+        async with await start_proxy(config) as proxy:
+            client = Client(proxy.url)
+            try:
+                pool = proxy.app.pools["decode"]
+                await wait_for(lambda: not pool.find(dead.url).healthy
+                               and all(i.served is not None for i in proxy.app.pools["prefill"].instances)
+                               and sum(i.served is not None for i in pool.instances) == 2, timeout=10)
+                before = count(cluster)
+                r = await client.chat(chat_body(model="gpt-4o"))
+                assert r.status == 404, r.body
+                error = r.json()["error"]
+                assert error["code"] == "model_not_found" and error["param"] == "model"
+                assert error["message"] == ("The model `gpt-4o` does not exist. This cluster serves: tiny "
+                                            "(GET /v1/models lists them).")
+                assert b"retry-after" not in r.headers
+                assert (await client.post("/tokenize", {"model": "gpt-4o", "prompt": "x"})).status == 404
+                assert count(cluster) == before and panics(proxy) == 0
+                assert (await client.chat(chat_body(model="tiny"))).status == 200
+                assert panics(proxy) == 0
+                metrics = (await client.request("GET", "/metrics")).body.decode()
+                assert 'epd_proxy_panic_routing_total{role="decode"} 0' in metrics
+            finally:
+                await client.close()
+
+
+async def test_a_model_whose_only_instance_is_down_is_503_not_404():
+    """Its only instance is out (ejected by its probes): the model was listed and may come back,
+    so its requests are 503 with Retry-After (panic routing over its own instance, which is true),
+    never the 404 of a model that does not exist."""
+    a, b = await two_clusters(0, 0, 1)
+    async with a, b, proxy_over(a, b) as (proxy, client):
+        await wait_for(lambda: known(proxy))
+        inst = b.instances("pd")[0]
+        await inst.stop()
+        pool = proxy.app.pools["decode"]
+        await wait_for(lambda: not pool.find(inst.url).healthy, timeout=10)
+        r = await client.chat(chat_body(model="b"))
+        assert r.status == 503 and r.headers[b"retry-after"] == b"5", r.body
+        assert "decode" in r.json()["error"]["message"]
+        assert pool.panics >= 1  # b's only decode is out: panic routing over b's instances, each attempt
+        assert (await client.chat(chat_body(model="a"))).status == 200
+
+
+async def test_a_model_nobody_lists_while_no_decode_has_answered_is_503_not_ready():
+    """The cold start: the prefill has said what it serves, no decode has yet (the only one never
+    answers): a model the prefill does not list may still be the decodes', so not 404 but 503
+    with Retry-After, naming the role that has not answered; nothing is routed."""
+    async with SimCluster(prefill=1, decode=0, config=sim("tiny")) as cluster:
+        dead = InstanceSpec(refusing_url(), "decode")
+        config = config_for_cluster(cluster, ProxyConfig(probe_interval=0.1, scrape_interval=0)).replace(
+            decode=[dead])
+        async with await start_proxy(config) as proxy:
+            client = Client(proxy.url)
+            try:
+                await wait_for(lambda: proxy.app.pipeline.models.current.waiting == ("decode",)
+                               and "tiny" in proxy.app.pipeline.models.current.parents, timeout=10)
+                r = await client.chat(chat_body(model="gpt-4o"))
+                assert r.status == 503 and r.headers[b"retry-after"] == b"5", r.body
+                assert "no decode instance has said which models it serves yet" in r.json()["error"]["message"]
+                assert panics(proxy) == 0 and count(cluster) == 0
+            finally:
+                await client.close()

@@ -30,7 +30,7 @@ from epd_proxy.wire.errors import ProxyError
 
 READ = "read"  # GET /instances, /status, /metrics
 REGISTER = "register"  # roster changes: keyless from an allowed network
-ADMIN = "admin"  # profiling: the key only
+ADMIN = "admin"  # profiling, LoRA loads and unloads: the key only
 
 
 class AccessPolicy:
@@ -69,8 +69,8 @@ class AccessPolicy:
         if action == REGISTER and self._nets:
             return ProxyError(403, "registration is not allowed from this address")
         if action == ADMIN:
-            return ProxyError(403, "profiling is off: it needs the admin API key, and none is configured "
-                                   "(--admin-api-key)", type="PermissionDeniedError")
+            return ProxyError(403, "profiling and LoRA adapter loads and unloads are off: they need the admin API "
+                                   "key, and none is configured (--admin-api-key)", type="PermissionDeniedError")
         return ProxyError(403, "roster changes are off: no admin API key is configured (--admin-api-key)",
                           type="PermissionDeniedError")
 

@@ -38,6 +38,7 @@ from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.observe.metrics import ProxyMetrics, render
+from epd_proxy.observe.version import VERSION
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES, speaks_anthropic
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
@@ -251,8 +252,7 @@ class ProxyApp:
         if card is not None:
             writer.send(200, msgspec.json.encode(card))
             return
-        err = ProxyError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        writer.send(404, err.body())
+        writer.send(404, catalog.not_found(name).body())
 
     async def _models_of_one(self, writer: ResponseWriter | None) -> None:
         """A live decode instance's model list: learnt (pool.py), and relayed to ``writer`` if given."""
@@ -333,6 +333,7 @@ class ProxyApp:
         return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
                 else None, "pools": pools, "models": self._model_status(pools),
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
+                "proxy": {"version": VERSION},  # the proxy's own (GET /version answers an instance's)
                 "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:

@@ -280,7 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=process.workers,
                    help="processes sharing the port (SO_REUSEPORT; default %(default)s)")
     p.add_argument("--simulate", metavar="SPEC", default=None,
-                   help="start simulated vLLM instances in-process, e.g. 'encode=2,prefill=1,decode=2'")
+                   help="start simulated vLLM instances in-process (with --workers, in one process of "
+                        "their own that every worker uses), e.g. 'encode=2,prefill=1,decode=2'")
     p.add_argument("--log-level", default=process.log_level, choices=LOG_LEVELS,
                    help="(default %(default)s)")
     p.add_argument("--config", metavar="FILE", default=None,
@@ -493,10 +494,7 @@ class ServeSettings:
         errors: list[str] = []
         cfg = config_from_args(args, errors)
         errors += serve_options(args).problems()
-        if args.simulate:
-            if args.workers > 1:
-                errors.append("--workers > 1 cannot be combined with --simulate")
-        else:
+        if not args.simulate:
             from epd_proxy.api.app import validate_config
 
             try:

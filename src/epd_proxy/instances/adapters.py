@@ -42,6 +42,10 @@ LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 ADAPTER_ROLES = ("prefill", "decode")  # the roles that run an adapter (encoders run the base model)
 FAILED_TTL = 5.0  # seconds a failed load on demand is answered from memory
 MAX_PENDING = 1024  # adapters waiting for a load on demand at once (beyond: 503)
+# What an instance without the runtime LoRA routes means: vLLM registers them only with this
+# variable in its environment, and FastAPI answers any route it lacks 404 {"detail": "Not Found"}.
+NO_RUNTIME_LORA = ("the instance has no runtime LoRA routes: start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                   "in its environment (and --enable-lora)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,8 @@ class Outcome:
                 if isinstance(err, dict) and isinstance(err.get("message"), str):
                     return err["message"]
                 if isinstance(data.get("detail"), str):
+                    if self.status == 404 and data["detail"] == "Not Found":  # the route itself is missing
+                        return f"HTTP 404: Not Found ({NO_RUNTIME_LORA})"
                     return f"HTTP {self.status}: {data['detail']}"
         except msgspec.DecodeError:
             pass
@@ -264,8 +270,7 @@ class Adapters:
     async def _load_now(self, name: str) -> None:
         found = source_of(name, self.sources, self.directory)
         if found is None:
-            raise ProxyError(404, f"The model `{name}` does not exist.", type="NotFoundError", param="model",
-                             code="model_not_found")
+            raise self.catalog.not_found(name)
         path, wanted = found
         async with self._slots:
             if self.catalog.parents.get(name) is not None:

@@ -9,11 +9,13 @@ from typing import Protocol, Sequence
 
 from epd_proxy.instances.health import DRAINING
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import NOTHING_KNOWN, Catalog, card_key, catalog_of
+from epd_proxy.instances.models import DECIDING_ROLES, NOTHING_KNOWN, Catalog, card_key, catalog_of
 
 
 class Members(Protocol):
     """A pool, as far as the catalog reads it."""
+
+    role: str
 
     @property
     def instances(self) -> Sequence[Instance]: ...
@@ -39,12 +41,22 @@ class ModelDirectory:
         self.changed()
 
     def changed(self) -> None:
-        self.current = catalog_of(inst.served for pool in self._pools for inst in pool.instances
-                                  if inst.health.state is not DRAINING)
+        self.current = catalog_of((inst.served for pool in self._pools for inst in pool.instances
+                                   if inst.health.state is not DRAINING), self._waiting())
         served = [inst.served for pool in self._pools for inst in pool.instances if inst.served is not None]
         held = {id(card): card for s in served for card in s.cards}
         if len(self.cards) > 2 * len(held) + 64:  # stale cards: rebuilt from the ones held
             self.cards = {card_key(card): card for card in held.values()}
+
+    def _waiting(self) -> tuple[str, ...]:
+        """The deciding roles that have instances (not draining), none of which has said what it serves."""
+        out = []
+        for pool in self._pools:
+            if pool.role in DECIDING_ROLES and pool.role not in out:
+                live = [i for i in pool.instances if i.health.state is not DRAINING]
+                if live and all(i.served is None for i in live):
+                    out.append(pool.role)
+        return tuple(out)
 
 
 def model_readiness(pools: dict[str, list[dict]], parents: dict[str, str | None],

@@ -2,11 +2,14 @@
 
 An instance's models come from its own ``GET /v1/models`` (served names, and LoRA
 adapters with ``parent``), optionally restricted by its ``models`` attribute; until it
-has answered, it counts as serving anything (``None``), so a cluster that has just
-started is not refused. The cluster's :class:`Catalog` is rebuilt when an instance's
-models or the roster change, never per request: a request asks it once which filter
-key its legs use (``route``), and with one set of models everywhere (the common case)
-the answer is "none" and the pools route as if models did not exist.
+has answered, it may take a request for any model the cluster serves (``None``), so a
+cluster that has just started is not refused. A model no instance has listed is 404 at
+once (the request's fault, never a reason to try instances that are out), unless a role
+a request needs has not answered at all yet (503, not ready). The cluster's
+:class:`Catalog` is rebuilt when an instance's models or the roster change, never per
+request: a request asks it once which filter key its legs use (``route``), and with one
+set of models everywhere (the common case) the answer is "none" and the pools route as
+if models did not exist.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ from epd_proxy.wire.errors import ProxyError
 # other leg's instance showed which base the adapter sits on (KV computed with an
 # adapter is valid only with that adapter on that base).
 ModelKey = Union[str, tuple[str, str]]
+
+# The roles whose models decide whether a request's model exists (an encoder serves a base
+# its decodes list too).
+DECIDING_ROLES = ("prefill", "decode")
+# Model ids a 404 names at most.
+NAMED_IN_404 = 20
 
 _MISSING = object()
 
@@ -109,6 +118,7 @@ class Catalog:
     cards: tuple[dict, ...] = ()  # the union, each id once
     open: bool = True  # an instance whose models are not known yet (or no instance at all)
     uniform: bool = True  # every known instance serves the same ids on the same bases
+    waiting: tuple[str, ...] = ()  # DECIDING_ROLES with instances none of which has answered yet
 
     @property
     def bases(self) -> list[str]:
@@ -118,14 +128,18 @@ class Catalog:
         """The key each role's candidates must serve for a request naming ``model`` (the
         body's, None when it has none); None when every candidate serves it anyway and it is
         no adapter (an adapter's key is what its placement reads: ``routing/lora_affinity.py``).
-        404 for a model no instance serves, 400 without a model when there is a choice."""
+        404 for a model no instance serves, 400 without a model when there is a choice; 503
+        for a model not listed while a role has not said what it serves yet."""
         if type(model) is str:
             if model in self.parents:  # an adapter's legs are keyed even so: its placement reads the key
                 return None if self.uniform and self.parents[model] is None else self._keys(model)
-            if self.open:  # the instances not known yet may serve it (when nothing is known: all of them)
-                return self._keys(model) if self.parents else None
-            raise ProxyError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
-                             code="model_not_found")
+            if not self.parents:  # nothing known at all: every instance may serve it, and answers
+                return None
+            if self.waiting:
+                roles = " or ".join(self.waiting)
+                raise ProxyError(503, f"not ready: no {roles} instance has said which models it serves yet, "
+                                      f"and none that has lists `{model}`; retry shortly", param="model")
+            raise self.not_found(model)
         if model is not None:
             return None  # not a string: the instance's validation answers it
         bases = self.bases
@@ -133,6 +147,16 @@ class Catalog:
             return None if self.uniform or not bases else self._keys(bases[0])
         raise ProxyError(400, f"the request names no model and this cluster serves several: "
                               f"{', '.join(bases)}; give one in 'model'", param="model")
+
+    def not_found(self, model: str) -> ProxyError:
+        """vLLM's 404 for ``model``, naming (the first ``NAMED_IN_404`` of) the ids served."""
+        names = list(self.parents)
+        served = ", ".join(names[:NAMED_IN_404])
+        if len(names) > NAMED_IN_404:
+            served += f" and {len(names) - NAMED_IN_404} more"
+        listed = f" This cluster serves: {served} (GET /v1/models lists them)." if names else ""
+        return ProxyError(404, f"The model `{model}` does not exist.{listed}", type="NotFoundError", param="model",
+                          code="model_not_found")
 
     def _keys(self, model: str) -> dict[str, ModelKey]:
         """Per role: decode and prefill serve the id itself; an encoder, its base."""
@@ -149,8 +173,9 @@ class Catalog:
 NOTHING_KNOWN = Catalog()
 
 
-def catalog_of(served: Iterable[Served | None]) -> Catalog:
-    """The catalog over the live instances' models (None: not known yet)."""
+def catalog_of(served: Iterable[Served | None], waiting: tuple[str, ...] = ()) -> Catalog:
+    """The catalog over the live instances' models (None: not known yet); ``waiting``: the
+    deciding roles none of whose instances has answered yet."""
     parents: dict[str, str | None] = {}
     cards: list[dict] = []
     open_ = False
@@ -172,7 +197,7 @@ def catalog_of(served: Iterable[Served | None]) -> Catalog:
                 cards.append(card)
         for name, parent in s.parents.items():  # pinned names without a card
             parents.setdefault(name, parent)
-    return Catalog(parents, tuple(cards), open_ or count == 0, uniform)
+    return Catalog(parents, tuple(cards), open_ or count == 0, uniform, waiting)
 
 
 def models_list(cards: Iterable[dict]) -> bytes:

@@ -192,15 +192,23 @@ class InstancePool:
         return None
 
     def _panic(self, exclude, panic_set: list[Instance], model: ModelKey | None) -> list[Instance]:
+        """Routing over instances out of rotation. It is panic routing (counted, logged) only when
+        the instances it covers are out: the role's, or the model's own (those known to serve it).
+        Instances whose models are not known yet, the only ones left when the role's instances in
+        rotation serve other models, may be tried, but their being out says nothing of the role
+        or the model."""
+        name = None if model is None else model if isinstance(model, str) else model[0]
         if not panic_set:  # none at all, or every one draining
-            serving = "" if model is None else f" serving model `{model if isinstance(model, str) else model[0]}`"
+            serving = "" if name is None else f" serving model `{name}`"
             raise ProxyError(503, f"no {self.role} instance{serving} available", retryable=False)
-        self.panics += 1
-        now = time.monotonic()
-        if now - self._last_panic_log >= PANIC_LOG_INTERVAL:
-            self._last_panic_log = now
-            log.warning("no %s instance in rotation: routing over all %d of them (panic routing; "
-                        "%d times so far)", self.role, len(panic_set), self.panics)
+        if model is None or not self._healthy or any(i.served is not None for i in panic_set):
+            self.panics += 1
+            now = time.monotonic()
+            if now - self._last_panic_log >= PANIC_LOG_INTERVAL:
+                self._last_panic_log = now
+                serving = "" if name is None else f" serving model `{name}`"
+                log.warning("no %s instance%s in rotation: routing over all %d of them (panic routing; "
+                            "%d times so far)", self.role, serving, len(panic_set), self.panics)
         preferred = [i for i in panic_set if i not in exclude] if exclude else panic_set
         return preferred or panic_set
 

@@ -25,6 +25,8 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from epd_proxy.observe.version import VERSION
+
 _STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -150,6 +152,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_reloads": ("counter", "Reloads (SIGHUP or a changed cluster file), by result (failed: the running "
                           "configuration was kept).", ("result",)),
     "epd_proxy_workers": ("gauge", "Worker processes whose numbers this scrape includes.", ()),
+    "epd_proxy_build_info": ("gauge", "1, labelled with the proxy's own version (GET /version answers an "
+                             "instance's, as vLLM clients expect).", ("version",)),
     "epd_proxy_model_requests": ("counter", "Generation and routed requests answered, by the request's model "
                                  "(\"-\": it named none, or one no instance serves; \"other\": past "
                                  "--metrics-max-models) and status.", ("model", "status")),
@@ -210,7 +214,8 @@ _BOUNDS = {"epd_proxy_request_tokens": _TOKEN_BUCKETS}
 # them, and each reads what every instance serves: across workers these take the largest
 # value, not the sum.
 _MAX_ACROSS_WORKERS = {"epd_proxy_roster_instances", "epd_proxy_registrations", "epd_proxy_removals",
-                       "epd_proxy_reloads", "epd_proxy_instance_model_info", "epd_proxy_instance_adapters"}
+                       "epd_proxy_reloads", "epd_proxy_instance_model_info", "epd_proxy_instance_adapters",
+                       "epd_proxy_build_info"}
 
 # The process_* and python_* families (prometheus_client's own collectors), per process.
 _RUNTIME = CollectorRegistry(auto_describe=False)
@@ -378,6 +383,7 @@ class ProxyMetrics:
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]
         f["epd_proxy_inflight_requests"] = [[self.inflight]]
         f["epd_proxy_workers"] = [[1]]
+        f["epd_proxy_build_info"] = [[VERSION, 1]]
         self._model_rows(f)
         for collect in self._collectors:
             collect(f)

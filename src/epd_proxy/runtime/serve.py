@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - not POSIX
     resource = None  # type: ignore[assignment]
 
 from epd_proxy.api.siblings import SiblingChannel
-from epd_proxy.config import InstanceSpec, ProxyConfig
+from epd_proxy.config import ProxyConfig
 from epd_proxy.http import event_loop
 
 # The wiring's names, also importable from here as before.
@@ -37,6 +37,7 @@ from epd_proxy.runtime.build import (  # noqa: F401
     tls_context,
 )
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url  # noqa: F401
+from epd_proxy.runtime.simulated import SimulatorProcess, addresses_of, config_for_addresses
 from epd_proxy.runtime.workers import Carry, PeerLink, supervise
 
 log = logging.getLogger("epd_proxy")
@@ -60,25 +61,20 @@ def raise_fd_limit() -> int:
 def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfig:
     """The proxy configuration for a simulated cluster: its instances, with each
     prefill's identity (for push connectors), and its KV connector."""
-    encode = [InstanceSpec(u, "encode") for u in cluster.urls("encode")]
-    prefill = [InstanceSpec(i["url"], "prefill", engine_id=i["engine_id"], kv_host=i["kv_host"],
-                            kv_port=i["kv_port"], tp=i["tp"], pp=i["pp"], bootstrap_port=i.get("bootstrap_port"))
-               for i in cluster.prefill_identities()]
-    decode = [InstanceSpec(u, "decode") for u in cluster.urls("decode") + cluster.urls("pd")]
-    base = config or ProxyConfig()
-    return base.replace(encode=encode, prefill=prefill, decode=decode, kv_connector=cluster.config.kv_connector)
+    return config_for_addresses(addresses_of(cluster), config)
 
 
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
                          simulate: str | None, announce: bool, worker: bool = False, settings=None,
                          link: PeerLink | None = None, watch: bool = True,
-                         siblings: SiblingChannel | None = None) -> None:
+                         siblings: SiblingChannel | None = None, simulated: str | None = None) -> None:
     """Serve until a signal, then shut down gracefully; SIGHUP reloads (reload.py).
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
     As a ``--workers`` worker, SIGTERM starts it (again and again: a service manager that
     signals the whole group must not count twice) and SIGQUIT, which the parent sends on
-    a second signal, exits at once.
+    a second signal, exits at once. ``simulated``: where the simulated instances run when
+    another process runs them (``--workers``), for the announcement.
     """
     cluster = None
     if simulate:
@@ -117,7 +113,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         except (NotImplementedError, RuntimeError):  # pragma: no cover
             pass
     if announce:
-        _announce(proxy, cluster)
+        _announce(proxy, "in this process" if cluster is not None else simulated)
     try:
         await stop.wait()
         await proxy.shutdown(config.shutdown_grace, config.shutdown_timeout)
@@ -132,7 +128,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
             await cluster.stop()
 
 
-def _announce(proxy: RunningProxy, cluster) -> None:
+def _announce(proxy: RunningProxy, simulated: str | None) -> None:
     app = proxy.app
     topology = app.topology + (" pinned" if app.config.topology != "auto" else "")
     if app.topology == "none":
@@ -150,8 +146,8 @@ def _announce(proxy: RunningProxy, cluster) -> None:
     lines.append(f"  console: open {proxy.url}/console in a browser"
                  + (" (the admin API key unlocks it)" if app.config.admin_api_key
                     else " (needs --admin-api-key: client keys are set)" if app.client_keys is not None else ""))
-    if cluster is not None:
-        lines.append("  (simulated vLLM instances in this process)")
+    if simulated is not None:
+        lines.append(f"  (simulated vLLM instances {simulated})")
         lines.append("")
         lines.append("Try:")
         lines.append(f"  curl -sN {proxy.url}/v1/chat/completions -H 'Content-Type: application/json' \\")
@@ -193,8 +189,15 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
             print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
             return 1
         return 0
-    if simulate:
-        raise ValueError("--workers > 1 cannot be combined with --simulate")
+    simulator = None
+    if simulate:  # one cluster for every worker, started before any fork (simulated.py)
+        try:
+            simulator = SimulatorProcess.start(simulate)
+        except ValueError as exc:
+            print(f"epd-proxy: {exc}", file=sys.stderr, flush=True)
+            return 1
+        config = config_for_addresses(simulator.addresses, config)
+    simulated = None if simulator is None else f"in process {simulator.pid}"
     signal.signal(signal.SIGHUP, _early_sighup)  # a reload asked for before the parent supervises
     # Where the workers' sockets for each other live (siblings.py); removed when they are gone.
     channel_dir = tempfile.mkdtemp(prefix="epd-proxy-workers-")
@@ -214,7 +217,7 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                                           announce=index == 0 and not carry.replacement, worker=True,
                                           settings=settings, link=PeerLink(channel, carry.roster), watch=False,
                                           siblings=SiblingChannel(channel_dir, index, workers,
-                                                                  carried=carry.counters)))
+                                                                  carried=carry.counters), simulated=simulated))
             code = 0
         except ListenError as exc:
             if index == 0:  # every worker fails alike: one line is enough
@@ -229,6 +232,8 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                          reload_now=bool(_EARLY_SIGHUP))
     finally:
         shutil.rmtree(channel_dir, ignore_errors=True)
+        if simulator is not None:  # after every worker: their requests in flight end first
+            simulator.stop()
 
 
 if __name__ == "__main__":  # pragma: no cover
