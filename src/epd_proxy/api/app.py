@@ -325,7 +325,8 @@ class ProxyApp:
         return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
                 else None, "pools": pools, "models": self._model_status(pools),
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
-                "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
+                "routing": {role: pool.policy.name for role, pool in self.pools.items()},
+                "state_store": self.pipeline.state.status() if self.pipeline.state is not None else None}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
         """Per model: its roles' instances in rotation and out, ready or not and why (catalog.py)."""

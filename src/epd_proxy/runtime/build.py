@@ -48,10 +48,13 @@ from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
+from epd_proxy.state.configured import open_store
+from epd_proxy.state.guard import state_collector
 from epd_proxy.wire.errors import error_body
 
 
-def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None) -> ProxyApp:
+def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None,
+              link: PeerLink | None = None) -> ProxyApp:
     """A process's pools, roster, metrics and their sources, load scrapers, pipeline and admin
     API, wired into the app that routes to them (``worker``: this process's index)."""
     validate_config(config)
@@ -85,7 +88,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         directory=config.lora_dir, max_loads=config.max_lora_loads,
                         learn_timeout=config.probe_timeout)
     metrics.register(adapters_collector(adapters))
-    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters,
+    state = open_store(config, link)  # shared by replicas (--state-store) or --workers (the parent)
+    metrics.register(state_collector(state))
+    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters, state=state,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
@@ -180,8 +185,9 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     ``--workers`` ``link`` (the shared roster) and ``siblings``, and ``reloads`` (SIGHUP, and
     with ``watch`` a changed cluster file; ``settings``: serve_command.ServeSettings)."""
     tls = tls_context(config)
-    app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings)
+    app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings, link=link)
     await app.start()
+    app.pipeline.reuse.start()
     handler = log_requests(app) if config.log_requests else app
     try:
         server = await HttpServer(handler, error_body=error_body, limits=server_limits(config),
