@@ -218,6 +218,12 @@ class TurnReuse:
         if self.writes:
             await asyncio.gather(*list(self.writes), return_exceptions=True)
 
+    def _activate(self, turns: TurnStore) -> None:
+        """A decode answered with parameters: reuse is on here, and (shared) for every replica."""
+        turns.active = True
+        if self.shared is not None:
+            self.shared.announce()
+
     def start(self) -> None:
         """With a shared store: learn from it that reuse is on (``SharedTurns.watch``)."""
         if self.shared is not None:
@@ -240,7 +246,7 @@ class TurnReuse:
         turns = self.store
         if turns is None or not isinstance(self.connector, NixlPull):
             return read.body  # reuse is for the pull connector (docs/protocol.md §2.10)
-        turns.active = True
+        self._activate(turns)
         now = time.monotonic()
         model = body.get("model")
         if ctx.path in PROMPT_APIS:
@@ -271,7 +277,7 @@ class TurnReuse:
         params = params_of(strip_stream_params(stream)[1])
         if turns is None or params is None or not isinstance(self.connector, NixlPull):
             return
-        turns.active = True
+        self._activate(turns)
         if ctx.api is None and (ctx.path == CHAT or ctx.path == COMPLETIONS):
             self.stream_decodes.add(leg.inst.url)  # asked for a stream's token ids from now on
         now = time.monotonic()

@@ -81,6 +81,15 @@ class SharedTurns:
         if self._watch is None and not self.turns.active:
             self._watch = asyncio.get_running_loop().create_task(self._watch_on())
 
+    def announce(self) -> None:
+        """Tell every replica that reuse is on (at most every ON_REFRESH seconds)."""
+        wall = time.time()
+        if wall - self._on_written > ON_REFRESH:
+            self._on_written = wall
+            task = asyncio.get_running_loop().create_task(self.store.put(self.store.key(b"on", b""), b"1", ON_TTL))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+
     async def _watch_on(self) -> None:
         key = self.store.key(b"on", b"")
         while not self.turns.active:
@@ -139,9 +148,6 @@ class SharedTurns:
         self._own[key] = (entry.decode, entry.deadline)
         if len(self._own) > OWN:
             self._own.popitem(last=False)
-        if wall - self._on_written > ON_REFRESH:
-            self._on_written = wall
-            await store.put(k(b"on", b""), b"1", ON_TTL)
         if entry.prefix is not None:
             await store.add(k(b"l", entry.prefix), entry.chars, self.life)
         if entry.conversation != key:

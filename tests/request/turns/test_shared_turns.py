@@ -1,0 +1,127 @@
+"""Multi-turn KV reuse across proxy replicas sharing one state store (a real redis-server):
+turns alternate between two proxies over one simulated cluster with bidirectional transfer,
+and every later turn reads the previous answer from decode; the store killed and restarted
+mid-conversation costs reuse, never an answer, and reuse comes back by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from helpers import Client
+from redis_server import redis_server  # noqa: F401  (the fixture)
+from test_multiturn import _next, _reads, _sim, _t1, _wrong
+
+from epd_proxy import ProxyConfig, start_proxy
+from epd_proxy.runtime.serve import config_for_cluster
+from epd_proxy.sim import SimCluster, SimConfig, expected_text
+
+RESPONSES = "/v1/responses"
+
+
+@contextlib.asynccontextmanager
+async def _replicas(url: str, n: int = 2, decode: int = 1, sim=None):
+    """``n`` proxies over one cluster, sharing the store at ``url``; yields (cluster, proxies, clients)."""
+    async with SimCluster(prefill=1, decode=decode, config=sim or _sim()) as cluster:
+        base = ProxyConfig(probe_interval=0, scrape_interval=0, local_prefill_max_tokens=0, state_store=url,
+                           state_store_prefix="t:")
+        proxies = [await start_proxy(config_for_cluster(cluster, base)) for _ in range(n)]
+        clients = [Client(p.url) for p in proxies]
+        try:
+            yield cluster, proxies, clients
+        finally:
+            for c in clients:
+                await c.close()
+            for p in proxies:
+                await p.close()
+
+
+async def _chat(client: Client, body: dict) -> None:
+    r = await client.chat(body)
+    assert r.status == 200, r.body
+    doc = r.json()
+    assert doc["kv_transfer_params"] is None and doc["choices"][0].get("token_ids") is None
+    assert r.text() == expected_text(body)
+
+
+def _turns(proxy):
+    return proxy.app.pipeline.turns
+
+
+async def _until(check, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_turns_alternating_between_replicas_read_every_previous_answer(redis_server):  # noqa: F811
+    async with _replicas(redis_server.url) as (cluster, (a, b), (ca, cb)):
+        await _chat(ca, _t1("warm up"))  # A learns that decode keeps blocks ...
+        await _until(lambda: _turns(b).active)  # ... and B learns it from the store
+        convs = [_t1(f"conversation {i} opens") for i in range(3)]
+        for turn in range(4):
+            for i, body in enumerate(convs):
+                await _chat((ca, cb)[(turn + i) % 2], body)
+            convs = [_next(body) for body in convs]
+        assert len(_reads(cluster)) == 3 * 3 and _wrong(cluster) == 0
+        used = _turns(a).used + _turns(b).used
+        fallbacks = {**_turns(a).fallbacks, **_turns(b).fallbacks}
+        assert used == 9 and fallbacks == {"no_token_ids": 1}, fallbacks  # the warm-up's answer: no ids asked
+        status = (await ca.request("GET", "/status")).json()
+        assert status["state_store"]["kind"] == "redis" and status["state_store"]["up"] is True
+        # Two requests of one turn at once, one on each replica: one reads.
+        b1 = _t1("raced")
+        await _chat(ca, b1)
+        reads = len(_reads(cluster))
+        b2 = _next(b1)
+        await asyncio.gather(_chat(ca, b2), _chat(cb, b2))
+        assert len(_reads(cluster)) == reads + 1
+        assert _turns(a).fallbacks.get("used", 0) + _turns(b).fallbacks.get("used", 0) == 1
+
+
+async def test_the_store_lost_and_back_costs_reuse_never_an_answer(redis_server):  # noqa: F811
+    async with _replicas(redis_server.url) as (cluster, (a, b), (ca, cb)):
+        await _chat(ca, _t1("warm up"))
+        await _until(lambda: _turns(b).active)
+        b1 = _t1("before the loss")
+        await _chat(ca, b1)
+        b2 = _next(b1)
+        await _chat(cb, b2)
+        assert len(_reads(cluster)) == 1
+        redis_server.stop()
+        b3 = _next(b2)
+        await _chat(ca, b3)  # kept by B in the store that is gone: the plain path, the same answer
+        b4 = _next(b3)
+        await _chat(cb, b4)
+        assert len(_reads(cluster)) == 1
+        metrics = (await ca.request("GET", "/metrics")).body
+        assert b"epd_proxy_state_store_errors_total{op=" in metrics
+        assert b'epd_proxy_state_store_up{store="redis"} 0' in metrics
+        redis_server.start()  # back, empty
+        await _until(lambda: a.app.pipeline.state.up and b.app.pipeline.state.up)
+        c1 = _t1("after the return")
+        await _chat(cb, c1)
+        c2 = _next(c1)
+        await _chat(ca, c2)
+        c3 = _next(c2)
+        await _chat(cb, c3)
+        assert len(_reads(cluster)) == 3 and _wrong(cluster) == 0
+
+
+async def test_a_responses_follow_up_on_another_replica_goes_to_the_owner(redis_server):  # noqa: F811
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, record_responses=True)
+    async with _replicas(redis_server.url, decode=3, sim=sim) as (cluster, (a, b), (ca, cb)):
+        first = await ca.post(RESPONSES, {"model": "sim-model", "input": "kept somewhere", "max_output_tokens": 7})
+        assert first.status == 200, first.body
+        rid = first.json()["id"]
+        await a.app.pipeline.stored.owners.written()
+        owner = next(i for i in cluster.instances("decode") if i.records and i.records[-1].path == RESPONSES)
+        asked = {i.url: len(i.records) for i in cluster.instances("decode")}
+        follow = await cb.post(RESPONSES, {"model": "sim-model", "input": "more", "max_output_tokens": 7,
+                                           "previous_response_id": rid})
+        assert follow.status == 200, follow.body
+        assert owner.records[-1].json["previous_response_id"] == rid
+        # B asked no other decode for the id: the store named the owner.
+        assert all(len(i.records) == asked[i.url] for i in cluster.instances("decode") if i is not owner)
