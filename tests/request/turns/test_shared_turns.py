@@ -69,6 +69,12 @@ async def test_turns_alternating_between_replicas_read_every_previous_answer(red
         used = _turns(a).used + _turns(b).used
         fallbacks = {**_turns(a).fallbacks, **_turns(b).fallbacks}
         assert used == 9 and fallbacks == {"no_token_ids": 1}, fallbacks  # the warm-up's answer: no ids asked
+        # An opening turn (a stream: nothing kept from it either) makes no call to the store.
+        calls = a.app.pipeline.state.calls
+        opening = dict(_t1("a new conversation"), stream=True)
+        r = await ca.chat(opening)
+        assert r.status == 200 and r.text() == expected_text(opening)
+        assert a.app.pipeline.state.calls == calls
         status = (await ca.request("GET", "/status")).json()
         assert status["state_store"]["kind"] == "redis" and status["state_store"]["up"] is True
         # Two requests of one turn at once, one on each replica: one reads.
