@@ -76,6 +76,10 @@ async def test_counters_and_sets(store):
     await store.add(b"s", 300, 10)
     assert await store.members(b"s") == [200, 300]
     assert await store.members(b"none") == []
+    assert await store.claim(b"a", b"1", 10) is True
+    assert await store.claim(b"a", b"1", 10) is False  # claimed: the others wait
+    assert (await store.take(b"a"))[0] == b"1"
+    assert await store.claim(b"a", b"1", 10) is True
     await store.ping()
 
 

@@ -84,12 +84,12 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     decode = DecodeStage(pools["decode"], first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                          connect_timeout=t.connect)
     connector = connector_class(prefill, decode)
-    adapters = Adapters(pools, base_headers, timeout=config.lora_load_timeout, sources=config.lora_sources,
-                        directory=config.lora_dir, max_loads=config.max_lora_loads,
-                        learn_timeout=config.probe_timeout)
-    metrics.register(adapters_collector(adapters))
     state = open_store(config, link)  # shared by replicas (--state-store) or --workers (the parent)
     metrics.register(state_collector(state))
+    adapters = Adapters(pools, base_headers, timeout=config.lora_load_timeout, sources=config.lora_sources,
+                        directory=config.lora_dir, max_loads=config.max_lora_loads,
+                        learn_timeout=config.probe_timeout, shared=state)
+    metrics.register(adapters_collector(adapters))
     pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters, state=state,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,

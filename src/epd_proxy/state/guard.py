@@ -99,6 +99,10 @@ class GuardedStore:
     async def incr(self, key: bytes, delta: int, ttl: float) -> int | None:
         return await self._call("incr", lambda: self.store.incr(key, delta, ttl), None)
 
+    async def claim(self, key: bytes, value: bytes, ttl: float) -> bool:
+        """Whether this call set ``key``; True when the store cannot say (each goes on by itself)."""
+        return await self._call("claim", lambda: self.store.claim(key, value, ttl), True)
+
     async def add(self, key: bytes, member: int, ttl: float) -> None:
         await self._call("add", lambda: self.store.add(key, member, ttl), None)
 

@@ -68,6 +68,12 @@ class MemoryTable:
         self._set(key, n, ttl, now)
         return n
 
+    def claim(self, key: bytes, value: bytes, ttl: float, now: float) -> bool:
+        if self._live(key, now) is not None:
+            return False
+        self._set(key, value, ttl, now)
+        return True
+
     def add(self, key: bytes, member: int, ttl: float, now: float) -> None:
         value = self._live(key, now)
         members = value if isinstance(value, set) else set()
@@ -102,6 +108,9 @@ class MemoryStore:
 
     async def incr(self, key: bytes, delta: int, ttl: float) -> int:
         return self.table.incr(key, delta, ttl, time.monotonic())
+
+    async def claim(self, key: bytes, value: bytes, ttl: float) -> bool:
+        return self.table.claim(key, value, ttl, time.monotonic())
 
     async def add(self, key: bytes, member: int, ttl: float) -> None:
         self.table.add(key, member, ttl, time.monotonic())

@@ -62,6 +62,9 @@ class ParentStore:
     async def incr(self, key: bytes, delta: int, ttl: float) -> int:
         return await self._call("incr", key, delta, ttl)  # type: ignore[return-value]
 
+    async def claim(self, key: bytes, value: bytes, ttl: float) -> bool:
+        return bool(await self._call("claim", key, value, ttl))
+
     async def add(self, key: bytes, member: int, ttl: float) -> None:
         await self._call("add", key, member, ttl)
 
@@ -75,7 +78,7 @@ class ParentStore:
         return None
 
 
-_OPS = frozenset(("get", "get_many", "put", "take", "incr", "add", "members"))
+_OPS = frozenset(("get", "get_many", "put", "take", "incr", "claim", "add", "members"))
 
 
 def answer(table: MemoryTable, request: bytes, now: float | None = None) -> bytes:

@@ -73,6 +73,9 @@ class RedisStore:
             n, _ = await pipe.incrby(key, delta).pexpire(key, _ms(ttl)).execute()
         return int(n)
 
+    async def claim(self, key: bytes, value: bytes, ttl: float) -> bool:
+        return bool(await self.client.set(key, value, px=_ms(ttl), nx=True))
+
     async def add(self, key: bytes, member: int, ttl: float) -> None:
         async with self.client.pipeline(transaction=True) as pipe:
             await pipe.sadd(key, member).pexpire(key, _ms(ttl)).execute()

@@ -4,7 +4,8 @@ Derived from its uses: a conversation's kept parameters are ``put`` with a TTL a
 at most once (a mark remembers the take, so a second use is told from an unknown history);
 the conversation's latest turn is swapped (``put`` returning the old value); a prompt API's
 held lengths are a set (``add``, ``members``); held tokens per decode are counters
-(``incr``, ``get_many``); a Responses id's owner is ``put`` and ``get``. Values are bytes;
+(``incr``, ``get_many``); a Responses id's owner is ``put`` and ``get``; an adapter load in
+flight on an instance is a ``claim`` (set only if not set), ``take``-n when it is done. Values are bytes;
 keys are bytes the proxy derives (digests, never a client's text). Every method may raise
 :class:`StoreError` (or the client's own errors): ``guard.GuardedStore`` turns any failure
 into "not known", so a lost store costs reuse, never an answer.
@@ -39,6 +40,9 @@ class StateStore(Protocol):
         whether ``mark`` is set (an earlier take)."""
 
     async def incr(self, key: bytes, delta: int, ttl: float) -> int: ...
+
+    async def claim(self, key: bytes, value: bytes, ttl: float) -> bool:
+        """Set ``key`` for ``ttl`` only if it is not set; whether this call set it."""
 
     async def add(self, key: bytes, member: int, ttl: float) -> None: ...
 

@@ -131,3 +131,28 @@ async def test_a_responses_follow_up_on_another_replica_goes_to_the_owner(redis_
         assert owner.records[-1].json["previous_response_id"] == rid
         # B asked no other decode for the id: the store named the owner.
         assert all(len(i.records) == asked[i.url] for i in cluster.instances("decode") if i is not owner)
+
+
+async def test_three_replicas_asking_for_an_unloaded_adapter_load_it_once_per_instance(redis_server):  # noqa: F811
+    from helpers import chat_body
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, ttft_per_token_ms=0, allow_runtime_lora=True, lora_swap_ms=20.0)
+    async with SimCluster(prefill=1, decode=1, config=sim) as cluster:
+        base = ProxyConfig(probe_interval=0.1, scrape_interval=0, state_store=redis_server.url,
+                           state_store_prefix="l:", lora_sources={"ondemand": "/ad/ondemand"})
+        proxies = [await start_proxy(config_for_cluster(cluster, base)) for _ in range(3)]
+        clients = [Client(p.url) for p in proxies]
+        try:
+            await _until(lambda: all(i.served is not None for p in proxies for pool in p.app.pools.values()
+                                     for i in pool.instances))
+            bodies = [chat_body(f"burst {i}", model="ondemand", max_tokens=4) for i in range(6)]
+            replies = await asyncio.gather(*(clients[i % 3].chat(b) for i, b in enumerate(bodies)))
+            for body, r in zip(bodies, replies):
+                assert r.status == 200, r.body
+                assert r.text() == expected_text(body, lora_path="/ad/ondemand")
+            loads = [r for r in cluster.records() if r.path == "/v1/load_lora_adapter"]
+            assert len(loads) == 2, [r.instance for r in loads]  # one per instance (prefill, decode), not six
+        finally:
+            for c in clients:
+                await c.close()
+            for p in proxies:
+                await p.close()
