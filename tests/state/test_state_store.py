@@ -88,6 +88,13 @@ def test_the_table_is_bounded():
     for i in range(5):
         t.put(b"%d" % i, b"v", 10, False, 0.0)
     assert len(t) == 3 and t.get(b"0", 0.0) is None and t.get(b"4", 0.0) == b"v"
+    t = MemoryTable(max_bytes=250)
+    for i in range(5):
+        t.put(b"%d" % i, b"x" * 100, 10, False, 0.0)
+    assert len(t) == 2 and t.bytes == 200 and t.get(b"4", 0.0) is not None
+    assert t.take(b"4", None, 0, 0.0)[0] is not None and t.bytes == 100
+    t.put(b"3", b"y", 10, False, 0.0)
+    assert t.bytes == 1
 
 
 def test_urls_are_shown_without_credentials():

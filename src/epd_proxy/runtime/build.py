@@ -187,7 +187,6 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     tls = tls_context(config)
     app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings, link=link)
     await app.start()
-    app.pipeline.reuse.start()
     handler = log_requests(app) if config.log_requests else app
     try:
         server = await HttpServer(handler, error_body=error_body, limits=server_limits(config),
@@ -207,6 +206,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
                             dns_interval=config.dns_interval, dns_server=config.dns_server,
                             register=app.metrics.register)
     sources.follow_dns(config.discover)
+    app.pipeline.reuse.start()  # after the channel to the parent is read (SharedRoster)
     reloader = None
     if reloads:
         reloader = Reloader(settings, sources.apply_config, args=settings.started if settings is not None else None,

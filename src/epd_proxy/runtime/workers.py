@@ -154,11 +154,10 @@ class PeerLink:
             self._asks.pop(n, None)
 
     async def store_call(self, request: bytes) -> bytes | None:
-        """One state-store call answered by the parent (the caller bounds the wait)."""
-        if self._loop is None:
-            return None
+        """One state-store call answered by the parent (the caller bounds the wait; the answer
+        is read once ``start`` has registered the channel with the loop)."""
         n = next(self._ids).to_bytes(8, "big")
-        future = self._calls[n] = self._loop.create_future()
+        future = self._calls[n] = asyncio.get_running_loop().create_future()
         try:
             try:
                 self.sock.send(_STORE + n + request)

@@ -9,11 +9,20 @@ import time
 
 class MemoryTable:
     """Keys to values (bytes, ints or sets of ints), each until its deadline; at most
-    ``capacity`` keys (expired ones swept first, then the oldest written)."""
+    ``capacity`` keys and ``max_bytes`` of byte values (expired ones swept first, then the
+    oldest written)."""
 
-    def __init__(self, capacity: int = 262144) -> None:
+    def __init__(self, capacity: int = 262144, max_bytes: int = 512 << 20) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0  # of the byte values held
         self._data: dict[bytes, tuple[object, float]] = {}
+
+    def _drop(self, key: bytes) -> object:
+        value, _ = self._data.pop(key)
+        if isinstance(value, bytes):
+            self.bytes -= len(value)
+        return value
 
     def __len__(self) -> int:
         return len(self._data)
@@ -23,19 +32,22 @@ class MemoryTable:
         if item is None:
             return None
         if item[1] <= now:
-            del self._data[key]
+            self._drop(key)
             return None
         return item[0]
 
     def _set(self, key: bytes, value: object, ttl: float, now: float) -> None:
         data = self._data
-        data.pop(key, None)  # written last: the last to go
+        if key in data:
+            self._drop(key)  # written last: the last to go
         data[key] = (value, now + ttl)
-        if len(data) > self.capacity:
+        if isinstance(value, bytes):
+            self.bytes += len(value)
+        if len(data) > self.capacity or self.bytes > self.max_bytes:
             for k in [k for k, (_, d) in data.items() if d <= now]:
-                del data[k]
-            while len(data) > self.capacity:
-                del data[next(iter(data))]
+                self._drop(k)
+            while data and (len(data) > self.capacity or self.bytes > self.max_bytes):
+                self._drop(next(iter(data)))
 
     def get(self, key: bytes, now: float) -> bytes | None:
         value = self._live(key, now)
@@ -56,7 +68,7 @@ class MemoryTable:
     def take(self, key: bytes, mark: bytes | None, mark_ttl: float, now: float) -> tuple[bytes | None, bool]:
         value = self._live(key, now)
         if isinstance(value, bytes):
-            del self._data[key]
+            self._drop(key)
             if mark is not None:
                 self._set(mark, b"1", mark_ttl, now)
             return value, False

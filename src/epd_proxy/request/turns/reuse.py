@@ -208,8 +208,7 @@ class TurnReuse:
         task.add_done_callback(self.writes.discard)
 
     async def _put_shared(self, shared: SharedTurns, key: bytes, entry: Entry, now: float) -> None:
-        for old in await shared.put(key, entry, now):
-            self.release(old)
+        await shared.put(key, entry, now, self.release)
 
     async def written(self) -> None:
         """Wait until the turns kept so far are in the shared store (before the answer that

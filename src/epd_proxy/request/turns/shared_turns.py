@@ -29,6 +29,7 @@ import collections
 import hashlib
 import time
 from array import array
+from typing import Callable
 
 import msgspec
 
@@ -53,7 +54,7 @@ class _Stored(msgspec.Struct, array_like=True):
     expires: float  # wall clock
     conversation: bytes
     model: object
-    ids: bytes | None  # array('l') as bytes
+    ids: bytes | None  # array('I') as bytes (token ids, 4 bytes each)
     prefix: bytes | None
     quarter: int
 
@@ -129,25 +130,34 @@ class SharedTurns:
         return await self.store.members(self.store.key(b"l", prefix))
 
     # -- put ------------------------------------------------------------------------------
-    async def put(self, key: bytes, entry: Entry, now: float) -> list[Entry]:
-        """As ``TurnStore.put``: kept; returns the entries let go for it (superseded, past
-        the bound)."""
-        out: list[Entry] = []
-        turns, store, k = self.turns, self.store, self.store.key
+    async def put(self, key: bytes, entry: Entry, now: float, release: Callable[[Entry], None]) -> bool:
+        """As ``TurnStore.put``: the entry kept (awaited: the next turn may come at once, to
+        any replica); then, in the background, the conversation's previous turn superseded,
+        the held tokens counted and the bound kept, what they let go handed to ``release``."""
         ttl = entry.deadline - now
         if ttl <= 0:
-            return out
+            return False
         wall = time.time()
         quarter = int(wall // self.width)
+        ids = array("I", entry.ids).tobytes() if entry.ids is not None else None
         stored = _Stored(entry.params, entry.decode, entry.tokens, entry.chars, wall + ttl, entry.conversation,
-                         entry.model, entry.ids.tobytes() if entry.ids is not None else None, entry.prefix, quarter)
-        ok, _ = await store.put(k(b"t", key), msgspec.msgpack.encode(stored), ttl)
+                         entry.model, ids, entry.prefix, quarter)
+        ok, _ = await self.store.put(self.store.key(b"t", key), msgspec.msgpack.encode(stored), ttl)
         if not ok:
-            return out
-        turns.kept += 1
+            return False
+        self.turns.kept += 1
         self._own[key] = (entry.decode, entry.deadline)
         if len(self._own) > OWN:
             self._own.popitem(last=False)
+        task = asyncio.get_running_loop().create_task(self._after_put(key, entry, now, quarter, ttl, release))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+        return True
+
+    async def _after_put(self, key: bytes, entry: Entry, now: float, quarter: int, ttl: float,
+                         release: Callable[[Entry], None]) -> None:
+        out: list[Entry] = []
+        turns, store, k = self.turns, self.store, self.store.key
         if entry.prefix is not None:
             await store.add(k(b"l", entry.prefix), entry.chars, self.life)
         if entry.conversation != key:
@@ -169,7 +179,8 @@ class SharedTurns:
                     out.append(old)
                     total -= old.tokens
                     self._count(BOUND)
-        return out
+        for old in out:
+            release(old)
 
     async def held(self, decode: str) -> int:
         """The tokens all replicas' kept parameters hold on ``decode`` (within a quarter)."""
@@ -210,8 +221,9 @@ class SharedTurns:
             return None, 0
         ids = None
         if s.ids is not None:
-            ids = array("l")
-            ids.frombytes(s.ids)
+            packed = array("I")
+            packed.frombytes(s.ids)
+            ids = array("l", packed)
         deadline = now + (s.expires - time.time())  # on this process's clock
         return Entry(s.params, s.decode, s.tokens, s.chars, deadline, s.conversation, s.model, ids, s.prefix), \
             s.quarter
