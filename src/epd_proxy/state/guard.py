@@ -35,6 +35,7 @@ class GuardedStore:
         self.down_since: float | None = None  # wall clock, for /status
         self.errors: dict[str, int] = {}
         self.calls = 0
+        self.closed = False  # the proxy is stopping: background writes still due are dropped
         self._probe: asyncio.Task | None = None
 
     def key(self, kind: bytes, digest: bytes) -> bytes:
@@ -42,7 +43,7 @@ class GuardedStore:
         return self.prefix + kind + b":" + digest.hex().encode()
 
     async def _call(self, op: str, call: Callable[[], Awaitable[T]], default: T) -> T:
-        if not self.up:
+        if not self.up or self.closed:
             return default
         self.calls += 1
         try:
@@ -55,6 +56,8 @@ class GuardedStore:
             return default
 
     def _failed(self, op: str, exc: BaseException) -> None:
+        if self.closed:
+            return
         self.errors[op] = self.errors.get(op, 0) + 1
         if self.up:
             self.up = False
@@ -115,6 +118,7 @@ class GuardedStore:
                 "timeout": self.timeout, "errors": dict(self.errors)}
 
     async def close(self) -> None:
+        self.closed = True
         if self._probe is not None:
             self._probe.cancel()
             try:
