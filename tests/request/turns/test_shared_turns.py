@@ -156,3 +156,42 @@ async def test_three_replicas_asking_for_an_unloaded_adapter_load_it_once_per_in
                 await c.close()
             for p in proxies:
                 await p.close()
+
+
+async def test_held_tokens_are_counted_across_replicas_and_the_bound_lets_the_putters_oldest_go():
+    from epd_proxy.request.turns.multiturn import Entry, TurnStore
+    from epd_proxy.request.turns.shared_turns import SharedTurns
+    from epd_proxy.state.guard import GuardedStore
+    from epd_proxy.state.memory import MemoryStore
+    store = GuardedStore(MemoryStore(), "h:", 1.0)
+    a = SharedTurns(store, TurnStore(480, 15, 300))
+    b = SharedTurns(store, TurnStore(480, 15, 300))
+    released: list[Entry] = []
+    now = time.monotonic()
+
+    def entry(conv: bytes, tokens: int, decode: str = "http://d1") -> Entry:
+        return Entry({"do_remote_decode": True, "remote_num_tokens": tokens}, decode, tokens, 10, now + 100, conv)
+
+    assert await a.put(b"k1", entry(b"c1", 100), now, released.append)
+    assert await b.put(b"k2", entry(b"c2", 100), now, released.append)
+    assert await a.put(b"k3", entry(b"c3", 50, "http://d2"), now, released.append)
+    await asyncio.sleep(0.05)  # the counters are written in the background
+    assert await a.held("http://d1") == 200 and await b.held("http://d2") == 50
+    # b takes a's turn: the count goes down wherever it was kept
+    got, reason, _ = await b.take(b"k1", b"c1", now)
+    assert got is not None and got.tokens == 100 and reason == ""
+    await asyncio.sleep(0.05)
+    assert await a.held("http://d1") == 100
+    # a second take of it: used
+    assert (await a.take(b"k1", b"c1", now))[1] == "used"
+    # past the bound (300) on d1: the replica that crossed it lets its own oldest go
+    assert await a.put(b"k4", entry(b"c4", 150), now, released.append)
+    assert await a.put(b"k5", entry(b"c5", 150), now, released.append)
+    await asyncio.sleep(0.05)
+    assert [e.conversation for e in released] == [b"c4"] and a.turns.released == {"bound": 1}
+    assert await a.held("http://d1") == 250  # b's 100 and a's newest 150
+    # a conversation's next turn supersedes its previous one
+    assert await b.put(b"k6", entry(b"c2", 20), now, released.append)
+    await asyncio.sleep(0.05)
+    assert released[-1].conversation == b"c2" and released[-1].tokens == 100
+    await store.close()
