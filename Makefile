@@ -22,7 +22,7 @@ SIM ?= encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20
 run: $(STAMP)
 	$(PY) -m epd_proxy serve --port $(PORT) --simulate '$(SIM)'
 
-## Programs the tests run as real servers (dnsmasq) or checkers (promtool), installed when missing and root.
+## Programs the tests run as real servers (dnsmasq, redis-server) or checkers (promtool), installed when missing and root.
 system-packages:
 	@bash scripts/ensure-system-packages.sh
 

@@ -420,6 +420,13 @@ class ProxyConfig:
     # ... when that decode runs at most this many other requests: a local prefill lengthens
     # the steps of every stream batched with it (docs/benchmarks.md, "multiturn").
     local_prefill_max_streams: int = 0
+    # The shared state store (docs/architecture.md, "What is known, and where it lives"):
+    # redis://host:port/db or rediss:// (Redis or Valkey); none: this process's memory (with
+    # --workers, the parent's). The password from the file or $EPD_PROXY_STATE_STORE_PASSWORD.
+    state_store: str = ""
+    state_store_password_file: str | None = None
+    state_store_prefix: str = "epd-proxy:"  # every key's prefix (several proxies may share one server)
+    state_store_timeout: float = 0.05  # seconds a call may take before it counts as failed
 
     def validate(self) -> None:
         """Raise ``ConfigErrors`` naming every knob of this config that cannot work (the
@@ -447,6 +454,13 @@ class ProxyConfig:
                     ipaddress.ip_network(cidr, strict=False)
                 except ValueError:
                     add(f"{flag} {cidr!r}: not a network (e.g. 10.0.0.0/8)")
+        if self.state_store:
+            parts = urlsplit(self.state_store)
+            if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+                add(f"--state-store must be redis://HOST:PORT/DB or rediss://..., not {self.state_store!r}")
+            elif parts.password:
+                add("--state-store: no password in the URL; use --state-store-password-file or "
+                    "$EPD_PROXY_STATE_STORE_PASSWORD")
         t = self.timeouts
         # (flag, value, lowest, exclusive): every number a flag sets.
         for flag, value, low, above in (
@@ -456,6 +470,7 @@ class ProxyConfig:
             ("--kv-reuse-max-held-tokens", self.kv_reuse_max_held_tokens, 0, False),
             ("--local-prefill-max-tokens", self.local_prefill_max_tokens, 0, False),
             ("--local-prefill-max-streams", self.local_prefill_max_streams, 0, False),
+            ("--state-store-timeout", self.state_store_timeout, 0, True),
             ("--encoder-max-batch-size", self.encoder_max_batch_size, 0, False),
             ("--encoder-max-outstanding", self.encoder_max_outstanding, 0, False),
             ("--ec-consumer-dp-size", self.ec_consumer_dp_size, 1, False),

@@ -334,7 +334,8 @@ class ProxyApp:
                 else None, "pools": pools, "models": self._model_status(pools),
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
                 "proxy": {"version": VERSION},  # the proxy's own (GET /version answers an instance's)
-                "routing": {role: pool.policy.name for role, pool in self.pools.items()}}
+                "routing": {role: pool.policy.name for role, pool in self.pools.items()},
+                "state_store": self.pipeline.state.status() if self.pipeline.state is not None else None}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
         """Per model: its roles' instances in rotation and out, ready or not and why (catalog.py)."""

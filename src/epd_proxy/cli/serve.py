@@ -107,6 +107,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-max-streams", type=int, default=defaults.local_prefill_max_streams,
                    metavar="N", help="... when that decode runs at most N other requests: a local prefill "
                                      "lengthens every stream's steps on it (default %(default)s)")
+    p.add_argument("--state-store", default=defaults.state_store, metavar="URL",
+                   help="the state store every replica and worker shares (conversations' kept KV parameters, "
+                        "Responses owners): redis://HOST:PORT/DB or rediss:// (TLS), Redis or Valkey "
+                        "(default: this process's memory; with --workers, the parent's)")
+    p.add_argument("--state-store-password-file", default=defaults.state_store_password_file, metavar="FILE",
+                   help="the store's password (default: $EPD_PROXY_STATE_STORE_PASSWORD, else none)")
+    p.add_argument("--state-store-prefix", default=defaults.state_store_prefix, metavar="PREFIX",
+                   help="every store key's prefix (default %(default)s)")
+    p.add_argument("--state-store-timeout", type=float, default=defaults.state_store_timeout, metavar="SECONDS",
+                   help="a store call taking longer counts as failed: the request goes on without reuse "
+                        "(default %(default)g)")
     p.add_argument("--encoder-max-batch-size", type=int,
                    default=_env(ENCODER_MAX_BATCH_SIZE_ENV, defaults.encoder_max_batch_size, int),
                    help=f"images per encoder sub-request (0 = unlimited; default ${ENCODER_MAX_BATCH_SIZE_ENV}, "
@@ -360,6 +371,10 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         kv_reuse_max_held_tokens=args.kv_reuse_max_held_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_max_streams=args.local_prefill_max_streams,
+        state_store=args.state_store,
+        state_store_password_file=args.state_store_password_file,
+        state_store_prefix=args.state_store_prefix,
+        state_store_timeout=args.state_store_timeout,
         encoder_max_batch_size=args.encoder_max_batch_size,
         encoder_max_outstanding=args.encoder_max_outstanding,
         encoder_fallback=args.encoder_fallback,

@@ -19,6 +19,7 @@ next requests go too.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import Catalog
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.routing.lora_affinity import AdapterAffinity
+from epd_proxy.state.guard import GuardedStore
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.adapters")
@@ -46,6 +48,8 @@ MAX_PENDING = 1024  # adapters waiting for a load on demand at once (beyond: 503
 # variable in its environment, and FastAPI answers any route it lacks 404 {"detail": "Not Found"}.
 NO_RUNTIME_LORA = ("the instance has no runtime LoRA routes: start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
                    "in its environment (and --enable-lora)")
+
+CLAIM_POLL = 0.05  # seconds between looks at another proxy's load in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +170,11 @@ class Adapters:
 
     def __init__(self, pools: dict[str, InstancePool], headers: Headers, *, timeout: float = 30.0,
                  sources: dict[str, str] | None = None, directory: str | None = None, max_loads: int = 4,
-                 learn_timeout: float = 2.0) -> None:
+                 learn_timeout: float = 2.0, shared: GuardedStore | None = None) -> None:
         self.pools = {r: pools[r] for r in ADAPTER_ROLES if r in pools}
+        # Loads in flight per instance, claimed in the state store every replica and worker
+        # shares: of several proxies asking for one unloaded adapter, one loads it per instance.
+        self.shared = shared
         self._headers = [(b"content-type", b"application/json"), *headers]
         self.timeout = timeout
         self.sources = dict(sources or {})
@@ -277,7 +284,7 @@ class Adapters:
                 return  # loaded meanwhile (another request, an operator)
             base = base_for(self.catalog, wanted)
             targets = self.targets(name, base)
-            outcomes = await self.call(LOAD, {"lora_name": name, "lora_path": path}, targets, "on_demand")
+            outcomes = await self._load_claimed(name, {"lora_name": name, "lora_path": path}, targets)
         bad = [o for o in outcomes if not o.ok and not _already(o)]
         if bad:
             o = bad[0]
@@ -286,6 +293,38 @@ class Adapters:
                              retryable=False)
         self.loads_on_demand += 1
         log.info("LoRA adapter %s loaded on demand from %s on %d instance(s)", name, path, len(outcomes))
+
+    async def _load_claimed(self, name: str, body: dict, targets: list[tuple[str, Instance]]) -> list[Outcome]:
+        """Load on ``targets``; with a shared store, only where this process claims the load
+        (``a:``, for the load's timeout) and, where another proxy claimed it, wait for that load
+        (the instance's models read again until the adapter shows, or the claim is gone and the
+        load is this process's after all)."""
+        shared = self.shared
+        if shared is None:
+            return await self.call(LOAD, body, targets, "on_demand")
+        keys = [shared.key(b"a", hashlib.blake2b(f"{name}\x1f{inst.url}".encode(), digest_size=16).digest())
+                for _, inst in targets]
+        claimed = await asyncio.gather(*(shared.claim(k, b"1", self.timeout) for k in keys))
+        mine = [t for t, c in zip(targets, claimed) if c]
+        try:
+            outcomes = await self.call(LOAD, body, mine, "on_demand") if mine else []
+        finally:
+            await asyncio.gather(*(shared.take(k) for k, c in zip(keys, claimed) if c))
+        waits = [self._wait_for_load(name, body, role, inst, k)
+                 for (role, inst), k, c in zip(targets, keys, claimed) if not c]
+        return outcomes + list(await asyncio.gather(*waits))
+
+    async def _wait_for_load(self, name: str, body: dict, role: str, inst: Instance, key: bytes) -> Outcome:
+        assert self.shared is not None
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            await asyncio.sleep(CLAIM_POLL)
+            if await self.shared.get(key) is None:  # that load ended (or the store cannot say)
+                await self.pools[role].learn_models(inst, self._learn_timeout)
+                if inst.served is not None and name in inst.served.parents:
+                    return Outcome(role, inst.url, 200, b"loaded by another proxy")
+                return (await self.call(LOAD, body, [(role, inst)], "on_demand"))[0]
+        return Outcome(role, inst.url, None, b"another proxy's load did not end within --lora-load-timeout")
 
     def targets(self, name: str, base: str) -> list[tuple[str, Instance]]:
         """One instance per role with instances: the first of the adapter's affinity order among

@@ -199,6 +199,13 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                     "the proxy hands them to a prefill (released).", ("reason",)),
     "epd_proxy_kv_reuse_held_tokens": ("gauge", "Tokens of KV that parameters kept by this proxy hold on the "
                                        "decode (what decode pins for them until read or expired).", ("url",)),
+    "epd_proxy_state_store_errors": ("counter", "Calls to the shared state store (--state-store, or the --workers "
+                                     "parent) that failed or took longer than --state-store-timeout, by "
+                                     "operation (ping: the background probe while it is down); each cost "
+                                     "reuse, never an answer.", ("op",)),
+    "epd_proxy_state_store_up": ("gauge", "1 while the shared state store answers (0: down, calls skipped until "
+                                 "a probe succeeds), by kind (redis, parent); summed over --workers.",
+                                 ("store",)),
     "epd_proxy_lora_calls": ("counter", "LoRA adapter loads and unloads this proxy made on instances, one per "
                              "instance: by trigger (admin: POST /v1/load_lora_adapter or /v1/unload_lora_adapter "
                              "through the proxy; on_demand: a request named an adapter a source knows), verb and "

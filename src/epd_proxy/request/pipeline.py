@@ -63,6 +63,7 @@ from epd_proxy.request.turns.streams import MARK
 from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
+from epd_proxy.state.guard import GuardedStore
 from epd_proxy.wire.errors import ProxyError
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class Pipeline:
                  fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
                  role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
                  tracing: Tracing | None = None, adapters: Adapters | None = None,
-                 recent: RecentRequests | None = None) -> None:
+                 recent: RecentRequests | None = None, state: GuardedStore | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -126,10 +127,12 @@ class Pipeline:
         self._429 = (shed.body(), shed.body(anthropic=True))
         self._503_closing = (closing.body(), closing.body(anthropic=True))
         # Responses stored on the decode instance that made them (stored_responses.py).
-        self.stored = StoredResponses(config, self.decode, ResponseOwners(), metrics, base_headers)
+        self.state = state  # the shared state store, if any (state/)
+        self.stored = StoredResponses(config, self.decode, ResponseOwners(shared=state), metrics, base_headers)
         # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
         self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
-                               decode_only=decode_only, models=self.models, base_headers=base_headers)
+                               decode_only=decode_only, models=self.models, base_headers=base_headers,
+                               shared=state)
         self.turns = self.reuse.store
         self._described: dict[str, bytes] = {}  # model -> its Server-Timing part (_describe)
 
@@ -269,6 +272,8 @@ class Pipeline:
                 # non-stream answer passes here; multiturn.carries_params is the whole test).
                 if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
                     answer = self.reuse.keep(ctx, body, leg, answer)
+                    if self.reuse.writes:  # a shared store: in it before the client can send the next turn
+                        await self.reuse.written()
                 elif ctx.ids_asked:
                     answer = strip_token_ids(answer)
                     self.reuse.answered_plain(ctx, leg.inst)  # a decode that keeps no blocks: not asked again
@@ -587,6 +592,9 @@ class Pipeline:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.reuse.close()
+        await self.stored.owners.written()
+        if self.state is not None:
+            await self.state.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:

@@ -12,11 +12,16 @@ So the proxy remembers, for each response it relayed, the decode that made it
 there. An id it does not know (another ``--workers`` process or proxy replica relayed it, or
 it was forgotten) is asked of every decode instance in turn: the first answer that is not
 404 is the client's, and the owner is remembered. Only when every instance says 404 is the
-404 the answer: a response the cluster holds is always found.
+404 the answer: a response the cluster holds is always found. With a shared state store
+(``--state-store``, or the ``--workers`` parent) the owner is also kept there (under a
+digest of the id, for :data:`OWNER_TTL`), so another replica or worker sends a follow-up
+straight to it instead of asking every decode.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
 from collections import OrderedDict
 
@@ -33,6 +38,7 @@ from epd_proxy.request.ingress import request_id
 from epd_proxy.request.legs.upstream import UpstreamStage
 from epd_proxy.request.relay import relay_body
 from epd_proxy.request.turns.streams import MARK, strip_stream_params
+from epd_proxy.state.guard import GuardedStore
 from epd_proxy.wire.errors import ProxyError
 
 PREFIX = "/v1/responses/"
@@ -40,6 +46,9 @@ CANCEL = "/cancel"
 # The metric's endpoint labels (one per route, not per id).
 RETRIEVE_ENDPOINT = "/v1/responses/{id}"
 CANCEL_ENDPOINT = "/v1/responses/{id}/cancel"
+# How long the shared store keeps an owner (vLLM keeps the answer until it restarts; an owner
+# forgotten costs only the search of every decode).
+OWNER_TTL = 86400.0
 
 
 def parse_path(method: str, path: str) -> tuple[str, str] | None:
@@ -56,13 +65,21 @@ def parse_path(method: str, path: str) -> tuple[str, str] | None:
 
 
 class ResponseOwners:
-    """Response id → the URL of the decode instance that holds it; at most ``limit`` ids."""
+    """Response id → the URL of the decode instance that holds it; at most ``limit`` ids here,
+    and every one in the ``shared`` store when there is one."""
 
-    def __init__(self, limit: int = 65536) -> None:
+    def __init__(self, limit: int = 65536, shared: GuardedStore | None = None) -> None:
         self.limit = limit
+        self.shared = shared
         self._owners: OrderedDict[str, str] = OrderedDict()
+        self._writes: set[asyncio.Task] = set()
 
     def remember(self, response_id: str, url: str) -> None:
+        if self.shared is not None and self._owners.get(response_id) != url:
+            task = asyncio.get_running_loop().create_task(
+                self.shared.put(self._key(response_id), url.encode(), OWNER_TTL))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
         owners = self._owners
         owners[response_id] = url
         owners.move_to_end(response_id)
@@ -74,6 +91,30 @@ class ResponseOwners:
         if url is not None:
             self._owners.move_to_end(response_id)
         return url
+
+    async def find(self, response_id: str) -> str | None:
+        """The owner known here, else in the shared store (remembered here when found)."""
+        url = self.owner(response_id)
+        if url is not None or self.shared is None:
+            return url
+        found = await self.shared.get(self._key(response_id))
+        if found is None:
+            return None
+        url = found.decode()
+        self._owners[response_id] = url
+        if len(self._owners) > self.limit:
+            self._owners.popitem(last=False)
+        return url
+
+    def _key(self, response_id: str) -> bytes:
+        assert self.shared is not None
+        digest = hashlib.blake2b(response_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        return self.shared.key(b"r", digest)
+
+    async def written(self) -> None:
+        """Wait for the owners on their way to the shared store."""
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -134,7 +175,7 @@ class StoredResponses:
     async def locate(self, ctx: RequestContext, response_id: str) -> Instance | None:
         """The decode instance holding ``response_id`` (for a follow-up that names it), asked
         with ``GET`` when this proxy does not know it; None when none holds it."""
-        owner = self.owners.owner(response_id)
+        owner = await self.owners.find(response_id)
         for inst in self.stage.pool.instances:
             if inst.url == owner:
                 return inst
@@ -155,7 +196,7 @@ class StoredResponses:
         remembered), its body unread; else the last 404, read. 503 when none could be asked."""
         headers = ctx.upstream_headers()
         last: _Answered | None = None
-        for inst in candidates(self.stage.pool, self.owners.owner(response_id)):
+        for inst in candidates(self.stage.pool, await self.owners.find(response_id)):
             try:
                 resp = await self.stage.call(ctx, inst, target, body, headers, method)
             except ProxyError:

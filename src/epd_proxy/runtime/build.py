@@ -51,9 +51,12 @@ from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
+from epd_proxy.state.configured import open_store
+from epd_proxy.state.guard import state_collector
 
 
-def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None) -> ProxyApp:
+def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None,
+              link: PeerLink | None = None) -> ProxyApp:
     """A process's pools, roster, metrics and their sources, load scrapers, pipeline and admin
     API, wired into the app that routes to them (``worker``: this process's index)."""
     validate_config(config)
@@ -83,12 +86,15 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     decode = DecodeStage(pools["decode"], first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                          connect_timeout=t.connect)
     connector = connector_class(prefill, decode)
+    state = open_store(config, link)  # shared by replicas (--state-store) or --workers (the parent)
+    metrics.register(state_collector(state))
     adapters = Adapters(pools, base_headers, timeout=config.lora_load_timeout, sources=config.lora_sources,
                         directory=config.lora_dir, max_loads=config.max_lora_loads,
-                        learn_timeout=config.probe_timeout)
+                        learn_timeout=config.probe_timeout, shared=state)
     metrics.register(adapters_collector(adapters))
     recent = RecentRequests()  # the console's ring: filled only while a console looks
     pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters, recent=recent,
+                        state=state,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
@@ -184,7 +190,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     ``--workers`` ``link`` (the shared roster) and ``siblings``, and ``reloads`` (SIGHUP, and
     with ``watch`` a changed cluster file; ``settings``: serve_command.ServeSettings)."""
     tls = tls_context(config)
-    app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings)
+    app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings, link=link)
     await app.start()
     handler = log_requests(app) if config.log_requests else app
     try:
@@ -205,6 +211,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
                             dns_interval=config.dns_interval, dns_server=config.dns_server,
                             register=app.metrics.register)
     sources.follow_dns(config.discover)
+    app.pipeline.reuse.start()  # after the channel to the parent is read (SharedRoster)
     reloader = None
     if reloads:
         reloader = Reloader(settings, sources.apply_config, args=settings.started if settings is not None else None,

@@ -33,6 +33,12 @@ answered ``!``) for that slot's kept numbers; the parent reads everything
 queued on every channel before it answers. So whatever a scrape has shown was
 kept first, and no later scrape shows less. What a SIGKILL can lose is what
 no scrape has seen: at most the last second of counting.
+
+Without ``--state-store`` the parent is the workers' shared state store
+(``state/parent.py``): a worker's call is one ``S`` datagram, answered at once
+with one ``s`` datagram from the parent's ``MemoryTable``, so a conversation's
+next turn on another worker finds what the first kept. The parent's table
+outlives any worker: a worker killed mid-conversation loses nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from typing import Callable
 import msgspec
 
 from epd_proxy.runtime.reload import WATCH_INTERVAL, FileWatch
+from epd_proxy.state.memory import MemoryTable
+from epd_proxy.state.parent import answer as answer_store
 
 log = logging.getLogger("epd_proxy.workers")
 
@@ -72,6 +80,8 @@ _COUNTERS = b"M"  # worker -> parent: this slot's counters (JSON families)
 _UP = b"U"  # worker -> parent: serving
 _ASK = b"?"  # worker -> parent: {"id", "slots"}
 _ANSWER = b"!"  # parent -> worker: {"id", "workers", "kept"}
+_STORE = b"S"  # worker -> parent: 8-byte call id, a state-store call (state/parent.py)
+_STORED = b"s"  # parent -> worker: 8-byte call id, its answer
 
 
 @dataclasses.dataclass
@@ -98,6 +108,7 @@ class PeerLink:
         self._backlog = list(backlog or ())  # changes made before this worker started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._asks: dict[int, asyncio.Future] = {}
+        self._calls: dict[bytes, asyncio.Future] = {}  # state-store calls awaiting the parent
         self._ids = itertools.count(1)
         self._warned = False
 
@@ -142,6 +153,20 @@ class PeerLink:
         finally:
             self._asks.pop(n, None)
 
+    async def store_call(self, request: bytes) -> bytes | None:
+        """One state-store call answered by the parent (the caller bounds the wait; the answer
+        is read once ``start`` has registered the channel with the loop)."""
+        n = next(self._ids).to_bytes(8, "big")
+        future = self._calls[n] = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                self.sock.send(_STORE + n + request)
+            except OSError:
+                return None
+            return await future
+        finally:
+            self._calls.pop(n, None)
+
     def _control(self, data: bytes) -> bool:
         try:
             self.sock.send(data)
@@ -166,6 +191,11 @@ class PeerLink:
             self._deliver(data)
 
     def _deliver(self, data: bytes) -> None:
+        if data[:1] == _STORED:
+            call = self._calls.get(data[1:9])
+            if call is not None and not call.done():
+                call.set_result(data[9:])
+            return
         if data[:1] == _ANSWER:
             answer = msgspec.json.decode(data[1:])
             future = self._asks.get(answer.get("id"))
@@ -253,6 +283,7 @@ class _Supervisor:
         self.wake_r, self.wake_w = socket.socketpair()
         self.watch = FileWatch(watch_path) if watch_path else None
         self.roster: dict[str, list[bytes]] = {}  # url -> its shared changes since it registered
+        self.table = MemoryTable()  # the workers' shared state (state/parent.py)
         self.stopping = 0  # SIGINT/SIGTERM received
         self.status = 0
         self.previous: dict = {}
@@ -386,6 +417,8 @@ class _Supervisor:
                 slot.up = slot.ever_up = True
             elif kind == _ASK:
                 asks.append((slot, data[1:]))
+            elif kind == _STORE:
+                self.send(slot, _STORED + data[1:9] + answer_store(self.table, data[9:]))
         return asks
 
     def relay(self, source: _Slot, data: bytes) -> None:

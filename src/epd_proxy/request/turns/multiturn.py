@@ -135,13 +135,13 @@ class TurnStore:
         old = self._pop(key)
         if old is not None:  # the same turn answered again (a regeneration): the older answer's go
             out.append(old)
-            self._count_release(SUPERSEDED)
+            self.count_release(SUPERSEDED)
         prev = self._latest.get(entry.conversation)
         if prev is not None:
             sup = self._pop(prev)
             if sup is not None:
                 out.append(sup)
-                self._count_release(SUPERSEDED, prev)
+                self.count_release(SUPERSEDED, prev)
         self._gone.pop(key, None)
         self._entries[key] = entry
         self._latest[entry.conversation] = key
@@ -154,11 +154,11 @@ class TurnStore:
                 if self.held[entry.decode] <= self.max_held or k == key:
                     break
                 out.append(self._pop(k))  # type: ignore[arg-type]  # k is a key of _entries
-                self._count_release(BOUND, k)
+                self.count_release(BOUND, k)
         while len(self._entries) > self.capacity:
             k = next(iter(self._entries))
             out.append(self._pop(k))  # type: ignore[arg-type]
-            self._count_release(BOUND, k)
+            self.count_release(BOUND, k)
         return out
 
     def take(self, key: bytes, conversation: bytes | None, now: float) -> tuple[Entry | None, str, Entry | None]:
@@ -167,7 +167,7 @@ class TurnStore:
         removed too, to be let go."""
         entry = self._pop(key)
         if entry is not None and entry.deadline <= now:
-            self._count_release(EXPIRED, key)
+            self.count_release(EXPIRED, key)
             self.expire(now)
             return None, EXPIRED, None
         self.expire(now)
@@ -193,7 +193,7 @@ class TurnStore:
             if prev is not None:
                 stale = self._pop(prev)
                 if stale is not None:
-                    self._count_release(SUPERSEDED, prev)
+                    self.count_release(SUPERSEDED, prev)
                 return None, EDITED, stale
         return None, UNKNOWN, None
 
@@ -207,7 +207,7 @@ class TurnStore:
                 break
             self._pop(key)
             out.append(entry)
-            self._count_release(EXPIRED, key)
+            self.count_release(EXPIRED, key)
         return out
 
     def drop_decode(self, url: str) -> list[Entry]:
@@ -217,7 +217,7 @@ class TurnStore:
             entry = self._pop(key)
             if entry is not None:
                 out.append(entry)
-                self._count_release(DECODE_GONE, key)
+                self.count_release(DECODE_GONE, key)
         self.held.pop(url, None)
         return out
 
@@ -251,7 +251,12 @@ class TurnStore:
             self.held.pop(entry.decode, None)
         return entry
 
-    def _count_release(self, reason: str, key: bytes | None = None) -> None:
+    def gone(self, key: bytes) -> str | None:
+        """Why the turn under ``key`` was let go unused, if this process let it go."""
+        return self._gone.get(key)
+
+    def count_release(self, reason: str, key: bytes | None = None) -> None:
+        """Counted for /metrics; with ``key`` remembered, so that a later take names the reason."""
         self.released[reason] = self.released.get(reason, 0) + 1
         if key is not None:  # a later request of that turn is told why (take)
             self._gone[key] = reason

@@ -75,8 +75,10 @@ from epd_proxy.request.turns.prompts import (
     tokenize_prompt_body,
 )
 from epd_proxy.request.turns.prompts import keep_key as prompt_keep_key
+from epd_proxy.request.turns.shared_turns import SharedTurns
 from epd_proxy.request.turns.streams import params_of, read_stream, strip_stream_params
 from epd_proxy.routing.view import EMPTY_VIEW
+from epd_proxy.state.guard import GuardedStore
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
 from epd_proxy.wire.ids import hex_id
@@ -93,12 +95,17 @@ _OUTCOME_OF = {UNKNOWN: NOT_HELD, USED: ALREADY_USED, BOUND: EVICTED}
 
 class TurnReuse:
     """Multi-turn KV reuse for one proxy process (docs/architecture.md, "Multi-turn KV reuse").
-    ``store`` is None with ``--no-kv-reuse``: answers still lose their parameters."""
+    ``store`` is None with ``--no-kv-reuse``: answers still lose their parameters. With a
+    ``shared`` state store (``--state-store``, the ``--workers`` parent) the kept parameters
+    live there (``shared_turns.py``) and ``store`` keeps this process's counters."""
 
     def __init__(self, config: ProxyConfig, *, prefill: InstancePool, decode: InstancePool, connector: KVConnector,
-                 decode_only: DecodeOnly, models: ModelDirectory, base_headers: Headers) -> None:
+                 decode_only: DecodeOnly, models: ModelDirectory, base_headers: Headers,
+                 shared: GuardedStore | None = None) -> None:
         self.store = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
             if config.kv_reuse else None
+        self.shared = SharedTurns(shared, self.store) if shared is not None and self.store is not None else None
+        self.writes: set[asyncio.Task] = set()  # kept turns on their way to the shared store
         self.local_prefill_max = config.local_prefill_max_tokens
         self.local_prefill_streams = config.local_prefill_max_streams
         self.balance_abs = config.balance_abs
@@ -198,7 +205,7 @@ class TurnReuse:
                 return None
             key, conversation, _, new_chars = found
             new_messages = _after_last_answer(body["messages"])  # lookup_key found an answer in them
-            entry, reason, stale = turns.take(key, conversation, now)
+            entry, reason, stale = await self._take(turns, key, conversation, now)
             if stale is not None:
                 if reason == EDITED and stale.key is not None and stale.key in earlier_keys(body):
                     reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
@@ -211,8 +218,9 @@ class TurnReuse:
                 ctx.kv_outcome = NOT_KEYED
                 return None
             entry, reason, new_chars, new_messages = None, UNKNOWN, 0, 0
-            for key, length in candidate_keys(body, ctx.path, material[0], turns.lengths(prefix)):
-                entry, reason, _ = turns.take(key, None, now)
+            lengths = turns.lengths(prefix) if self.shared is None else await self.shared.lengths(prefix)
+            for key, length in candidate_keys(body, ctx.path, material[0], lengths):
+                entry, reason, _ = await self._take(turns, key, None, now)
                 if entry is not None or reason != UNKNOWN:
                     new_chars = len(material[0]) - length
                     break
@@ -284,6 +292,45 @@ class TurnReuse:
         if ctx.kv_reuse is None and (ctx.kv_outcome == REUSED or ctx.kv_outcome == LOCAL_PREFILL):
             ctx.kv_outcome = RETRIED
 
+    async def _take(self, turns: TurnStore, key: bytes, conversation: bytes | None, now: float
+                    ) -> tuple[Entry | None, str, Entry | None]:
+        """The kept turn under ``key``, from this process (popped before any await) or the
+        shared store (taken atomically there)."""
+        if self.shared is None:
+            return turns.take(key, conversation, now)
+        return await self.shared.take(key, conversation, now)
+
+    def _put(self, turns: TurnStore, key: bytes, entry: Entry, now: float) -> None:
+        """Keep ``entry`` for the next turn; what it supersedes or pushes past the bound is let go."""
+        if self.shared is None:
+            for old in turns.put(key, entry, now):
+                self.release(old)
+            return
+        task = asyncio.get_running_loop().create_task(self._put_shared(self.shared, key, entry, now))
+        self.writes.add(task)
+        task.add_done_callback(self.writes.discard)
+
+    async def _put_shared(self, shared: SharedTurns, key: bytes, entry: Entry, now: float) -> None:
+        await shared.put(key, entry, now, self.release)
+
+    async def written(self) -> None:
+        """Wait until the turns kept so far are in the shared store (before the answer that
+        made them is sent, so that a next turn on another replica finds them); each write
+        is bounded by the store's budget."""
+        if self.writes:
+            await asyncio.gather(*list(self.writes), return_exceptions=True)
+
+    def _activate(self, turns: TurnStore) -> None:
+        """A decode answered with parameters: reuse is on here, and (shared) for every replica."""
+        turns.active = True
+        if self.shared is not None:
+            self.shared.announce()
+
+    def start(self) -> None:
+        """With a shared store: learn from it that reuse is on (``SharedTurns.watch``)."""
+        if self.shared is not None:
+            self.shared.watch()
+
     def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
         """Whether the decode holding a conversation is within the load bound routing keeps
         (``--balance-abs`` requests beyond the least-loaded candidate)."""
@@ -301,7 +348,7 @@ class TurnReuse:
         turns = self.store
         if turns is None or not self.pull:
             return read.body  # reuse is for the pull connector (docs/protocol.md §2.10)
-        turns.active = True
+        self._activate(turns)
         self.decodes[leg.inst.url] = True
         now = time.monotonic()
         model = body.get("model")
@@ -333,7 +380,7 @@ class TurnReuse:
         params = params_of(strip_stream_params(stream)[1])
         if turns is None or params is None or not self.pull:
             return
-        turns.active = True
+        self._activate(turns)
         self.decodes[leg.inst.url] = True
         if ctx.api is None and (ctx.path == CHAT or ctx.path == COMPLETIONS):
             self.stream_decodes.add(leg.inst.url)  # asked for a stream's token ids from now on
@@ -370,8 +417,7 @@ class TurnReuse:
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
                       conversation, body.get("model"), ids, key=key)
         self.counts.answer(KEPT)
-        for old in turns.put(key, entry, now):
-            self.release(old)
+        self._put(turns, key, entry, now)
 
     def _keep_prompt(self, ctx: RequestContext, body: dict, leg: DecodeLeg, turns: TurnStore, held: HeldTurn,
                      now: float) -> None:
@@ -385,8 +431,7 @@ class TurnReuse:
                       now + turns.life, prompt_keep_key(body, ctx.path, held.held), body.get("model"), held.ids,
                       prefix)
         self.counts.answer(KEPT)
-        for old in turns.put(entry.conversation, entry, now):
-            self.release(old)
+        self._put(turns, entry.conversation, entry, now)
 
     def _let_go(self, leg: DecodeLeg, turns: TurnStore, params: dict | None, model: object, now: float,
                 reason: str = NO_IDS) -> None:
@@ -440,10 +485,12 @@ class TurnReuse:
             ctx.release_all()
 
     async def close(self) -> None:
-        for task in list(self.releases):
+        if self.shared is not None:
+            await self.shared.close()
+        for task in list(self.releases | self.writes):
             task.cancel()
-        if self.releases:
-            await asyncio.gather(*self.releases, return_exceptions=True)
+        if self.releases or self.writes:
+            await asyncio.gather(*self.releases, *self.writes, return_exceptions=True)
 
 
 def _tokenize_leg(ctx: RequestContext, called: int, seconds: float) -> None:

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import shutil
 
 import pytest
 
@@ -32,6 +33,17 @@ async def test_tiny_multiturn_run_today_s_routing_keeps_decode_blocks(tmp_path):
     # nothing reads what decodes keep: every finished request's blocks are still held
     assert k["read_from_decode"] == 0 and k["kept_kv_blocks_end"] > 0 and k["decode"]["kv_reuse_reads"] == 0
     assert cell["itl_ms"]["count"] > 0 and cell["held"]["samples"] >= 1
+
+
+@pytest.mark.skipif(not (shutil.which("redis-server") or shutil.which("valkey-server")),
+                    reason="redis-server is not installed (scripts/ensure-system-packages.sh installs it)")
+async def test_replicas_taking_turns_reuse_only_with_the_shared_store(tmp_path):
+    out = await run_multiturn(_args(tmp_path, "reuse-x3,reuse-x3-store"))
+    cells = {n: out["workloads"]["long"]["targets"][n]["rates"]["30.0"] for n in ("reuse-x3", "reuse-x3-store")}
+    for cell in cells.values():
+        assert "error" not in cell and cell["ok"] == 18 and cell["verify_errors"] == 0, cell
+    assert cells["reuse-x3"]["counters"]["read_from_decode"] == 0  # each turn on a replica that kept nothing
+    assert cells["reuse-x3-store"]["counters"]["read_from_decode"] > 0
 
 
 def _cached_reference() -> str | None:

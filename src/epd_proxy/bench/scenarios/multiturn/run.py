@@ -7,6 +7,9 @@ import argparse
 import asyncio
 import functools
 import math
+import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +20,7 @@ from epd_proxy.bench import targets as T
 from epd_proxy.bench.conversations import ChatSpec, make_conversations, working_set
 from epd_proxy.bench.exchange import Outcome
 from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings
+from epd_proxy.bench.procs import Service
 from epd_proxy.bench.reference_proxy import reference_target
 from epd_proxy.bench.scenarios.base import Scenario, csv_list, float_list
 from epd_proxy.bench.scenarios.cluster.drive import ProxyClient, drive, instance_states
@@ -30,6 +34,11 @@ perf = time.perf_counter
 
 DEFAULT_TARGETS = ("cache-aware", "reuse", "reuse-skip", "vllm-multiturn", "vllm-router:cache_aware",
                    "vllm-router:power_of_two", "vllm-router:consistent_hash")
+# Turns spread per request over several processes, as a Service spreads them (ProxyClient: turn t to
+# replica t % n): `reuse` on REPLICAS replicas each with its own memory, the same sharing one
+# redis-server (--state-store), and one replica of WORKERS workers (the parent's table).
+REPLICAS, WORKERS = 3, 4
+SPREAD = {"reuse-x3": (REPLICAS, 1, False), "reuse-x3-store": (REPLICAS, 1, True), "reuse-w4": (1, WORKERS, False)}
 WORKLOADS = ("long", "short")
 # Today's routing: cache-aware prefill, load-aware decode (the proxy's per-role defaults, spelled out).
 CACHE_AWARE = ("--prefill-policy", "cache-aware", "--decode-policy", "load-aware")
@@ -38,8 +47,9 @@ CACHE_AWARE = ("--prefill-policy", "cache-aware", "--decode-policy", "load-aware
 def add_arguments(group) -> None:
     group.add_argument("--mt-targets", type=csv_list, default=list(DEFAULT_TARGETS),
                        help="multiturn: cache-aware (today's, --no-kv-reuse), reuse, reuse-skip "
-                            "(--local-prefill-max-tokens), vllm-multiturn (vLLM 0.33's reference proxy), "
-                            "vllm-router:POLICY")
+                            "(--local-prefill-max-tokens), reuse-x3 / reuse-x3-store (reuse on 3 replicas, "
+                            "turns spread per request; -store: sharing one redis-server), reuse-w4 (--workers 4), "
+                            "vllm-multiturn (vLLM 0.33's reference proxy), vllm-router:POLICY")
     group.add_argument("--mt-candidate", default="reuse-skip", help="multiturn: the target the issue's targets are "
                                                                      "checked for")
     group.add_argument("--mt-workloads", type=csv_list, default=list(WORKLOADS),
@@ -96,7 +106,7 @@ def proxy_flags(name: str, args) -> list[str] | None:
         return list(CACHE_AWARE) + (["--no-kv-reuse"] if proxy_has_reuse() else [])
     if not proxy_has_reuse():
         return None
-    if name == "reuse":
+    if name == "reuse" or name in SPREAD:
         return list(CACHE_AWARE) + ["--local-prefill-max-tokens", "0"]
     if name == "reuse-skip":
         n, streams = args.mt_local_prefill_max_tokens, args.mt_local_prefill_max_streams
@@ -215,6 +225,48 @@ class HeldSampler:
                 "mean_total": sum(totals) / len(totals) if totals else None}
 
 
+def _start_redis(lab: Lab, settings) -> str | None:
+    """A redis-server (or valkey-server) for the replicas to share, stopped with the lab's targets;
+    None when there is none on this machine."""
+    server = shutil.which("valkey-server") or shutil.which("redis-server")
+    if server is None:
+        return None
+    port = T.free_port()
+    svc = Service("state-store", [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no", "--protected-mode", "no"],
+                  cpus=settings.proxy_cpus, log_path=os.path.join(settings.log_dir, "state-store.log"))
+    svc.start()
+    lab.targets.append(T.Target("state-store", "", svc))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    return None
+
+
+def _start_spread(lab: Lab, name: str, sim: T.SimInfo, args, settings) -> tuple[list[str], str]:
+    """The replicas of a SPREAD target (and their store): their URLs, or none and why."""
+    replicas, workers, shared = SPREAD[name]
+    flags = proxy_flags(name, args) or []
+    if shared:
+        url = _start_redis(lab, settings)
+        if url is None:
+            return [], "no redis-server or valkey-server on this machine"
+        flags = flags + ["--state-store", url]
+    urls = []
+    for i in range(replicas):
+        t = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir, workers=workers,
+                                       name=f"epd-proxy-{name}-{i}", extra=flags))
+        if not t.available:
+            return [], t.note
+        urls.append(t.url)
+    how = f"{replicas} replicas" if replicas > 1 else f"--workers {workers}"
+    return urls, f"python -m epd_proxy serve: {how}, turns spread per request" + (", --state-store" if shared else "")
+
+
 def _start_target(lab: Lab, name: str, sim: T.SimInfo, args, settings) -> tuple[T.Target | None, str]:
     cpus, log_dir = settings.proxy_cpus, settings.log_dir
     if name.startswith("vllm-router:"):
@@ -243,12 +295,16 @@ async def run_cell(args, workload: str, spec: ChatSpec, convs, ws: dict, name: s
     with Lab(settings) as lab:
         lab.pin_self()
         sim = lab.start_sim()
-        target, note = _start_target(lab, name, sim, args, settings)
+        if name in SPREAD:
+            urls, note = _start_spread(lab, name, sim, args, settings)
+        else:
+            target, note = _start_target(lab, name, sim, args, settings)
+            urls = [target.url] if target is not None else []
         res["note"] = note
-        if target is None:
+        if not urls:
             res.update({"available": False})
             return res
-        client = RecordingClient(ProxyClient([target.url]), conversation_id=name == "vllm-multiturn",
+        client = RecordingClient(ProxyClient(urls), conversation_id=name == "vllm-multiturn",
                                  stream=args.mt_stream, stream_share=args.mt_stream_share)
         await client.start()
         try:
