@@ -15,10 +15,11 @@ class RequestRecord:
     access-log line is written; ``key``, the name of the client key it presented; ``model``,
     the body's; ``series``, the metrics' series of its model (``ProxyMetrics.model``), set once the
     cluster's catalog accepted the model (until then, and for a refused one, the no-model
-    series). ``hide_usage``: the proxy asked decode for a usage event the client did not."""
+    series). ``hide_usage``: the proxy asked decode for a usage event the client did not.
+    ``ticket``: its key's tenancy (tenants/limiter.py: the class the access log shows), if any."""
 
     __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
-                 "headers", "key", "model", "series", "hide_usage")
+                 "headers", "key", "model", "series", "hide_usage", "ticket")
 
     def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
                  key: str | None = None, series: Any = None) -> None:
@@ -36,3 +37,4 @@ class RequestRecord:
         self.model: str | None = None
         self.series = series
         self.hide_usage = False
+        self.ticket: Any = None

@@ -35,6 +35,7 @@ from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
     MEDIA,
+    MESSAGES,
     PREVIOUS_RESPONSE,
     GenerationApi,
     encodable,
@@ -61,6 +62,7 @@ from epd_proxy.request.turns.streams import MARK
 from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
+from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError
 
 if TYPE_CHECKING:
@@ -74,7 +76,8 @@ class Pipeline:
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
                  fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
                  role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
-                 tracing: Tracing | None = None, adapters: Adapters | None = None) -> None:
+                 tracing: Tracing | None = None, adapters: Adapters | None = None,
+                 tenants: Tenants | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -124,6 +127,9 @@ class Pipeline:
                                decode_only=decode_only, models=self.models, base_headers=base_headers)
         self.turns = self.reuse.store
         self._described: dict[str, bytes] = {}  # model -> its Server-Timing part (_describe)
+        # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,
+        # no aliases) without the cluster file's tables: two attribute tests per request.
+        self.tenants = tenants if tenants is not None else Tenants.off()
 
     def _describe(self, model: str) -> bytes:
         """``model``'s part of the ``Server-Timing`` header, kept for the next request naming it
@@ -153,9 +159,17 @@ class Pipeline:
     async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
         """``key``: the name of the client key the request presented (client_auth.py)."""
         t0 = time.perf_counter()
-        if self._gated and not await self._admit(req, writer, path, t0):
+        ticket = None
+        if self.tenants.active:  # the key's limits, before it may take a queue place
+            ticket = await self.enter_tenant(req, writer, path, t0, key)
+            if ticket is None:
+                return
+        if self._gated and not await self._admit(req, writer, path, t0, ticket):
+            if ticket is not None:
+                self.tenants.leave(ticket, 429, _NO_TOKENS)
             return
         rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key, self.metrics.no_model)
+        rec.ticket = ticket
         self.metrics.inflight += 1
         try:
             try:
@@ -198,13 +212,22 @@ class Pipeline:
         if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
             hint = body.pop("conversation_id")
             ctx.conversation = hint if type(hint) is str else None
-        model = body.get("model")
+        model = asked = body.get("model")
+        tenants = self.tenants
+        if tenants.aliases is not None:  # an alias (or a name no instance serves) to its served model
+            model = tenants.aliases.resolve(model, self.models.current)
+            if model is not asked:
+                body["model"] = model
+                rec.model = model if type(model) is str else None
         models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
+        ticket = rec.ticket
+        if ticket is not None and ticket.policy.models is not None:
+            tenants.check_model(ticket, asked, model)  # 403: a model the key may not use
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
@@ -241,6 +264,8 @@ class Pipeline:
         model = rec.model
         desc = None if model is None else (self._described.get(model) or self._describe(model))
         headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings, desc)
+        if rec.ticket is not None:
+            headers += rec.ticket.headers(self.tenants.clock())  # the rate-limit headers its SDK reads
         self.metrics.observe_commit(rec.path, time.perf_counter() - rec.start, ctx.upstream, leg.body is None,
                                     rec.series)
         ok = False
@@ -319,7 +344,9 @@ class Pipeline:
         _drop_traceback(err)
         if not writer.started:
             headers = [(b"x-request-id", rec.request_id.encode())]
-            if err.status in _RETRY_AFTER:
+            if err.headers is not None:
+                headers += err.headers
+            elif err.status in _RETRY_AFTER:
                 headers.append((b"retry-after", _RETRY_AFTER[err.status]))
             writer.send(err.status, err.body(), err.content_type(), headers)
         if err.status >= 500:
@@ -346,23 +373,41 @@ class Pipeline:
             self.metrics.observe_stages(ctx.timings)
         if self.admission.limit:
             self.admission.leave()
+        if rec.ticket is not None:
+            self.tenants.leave(rec.ticket, status, tokens)  # its tokens settled from the usage
         seconds = time.perf_counter() - rec.start
         self.metrics.observe_request(rec.path, status, seconds, rec.stream, rec.series)
         if access is not None:
             access.request(rec, status, tokens, writer.bytes_sent, seconds)
 
-    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
-        """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
-        Runs before the body is parsed: a refused request costs a prebuilt response."""
+    async def enter_tenant(self, req: Request, writer: ResponseWriter, path: str, t0: float,
+                           key: str | None) -> Ticket | None:
+        """The request's ticket against its key's limits (tenants/limiter.py), or None when it
+        was refused (429 over a limit, 503 with the store failed closed: answered here)."""
+        tenants = self.tenants
+        header = tenants.table.priority_header
+        try:
+            return await tenants.enter(key, path == MESSAGES, len(req.body),
+                                       req.headers.get(header) if header is not None else None)
+        except ProxyError as err:
+            self._refused(req, writer, path, t0, err.status, err.body(), err.headers or [], key)
+            return None
+
+    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float,
+                     ticket: Ticket | None = None) -> bool:
+        """Take a slot (waiting in the queue if need be: by class and key with a ``ticket``), or
+        answer 429/503 and return False. Runs before the body is parsed: a refused request
+        costs a prebuilt response."""
         if self.closing:
             status, body, retry = 503, self._503_closing, b"1"
         else:
             admission = self.admission
-            verdict = admission.try_enter()
+            flow, rank, weight, sheddable, name = _FIFO if ticket is None else ticket.queueing()
+            verdict = admission.try_enter(rank, sheddable, name)
             if verdict == ADMIT:
                 return True
             if verdict != SHED:
-                admitted = await admission.wait()
+                admitted = await admission.wait(flow, rank, weight)
                 self.metrics.queue_wait.observe(time.perf_counter() - t0)
                 if admitted and not self.closing:
                     return True
@@ -374,17 +419,22 @@ class Pipeline:
                     status, body, retry = 429, self._429, b"1"
             else:
                 status, body, retry = 429, self._429, b"1"
-        headers = [(b"retry-after", retry)]
+        self._refused(req, writer, path, t0, status, body, [(b"retry-after", retry)],
+                      ticket.key if ticket is not None else None)
+        return False
+
+    def _refused(self, req: Request, writer: ResponseWriter, path: str, t0: float, status: int, body: bytes,
+                 headers: list, key: str | None) -> None:
+        """A request answered before it was admitted (admission, or its key's limits)."""
         rid = client_request_id(req)
         if rid is not None:
-            headers.append((b"x-request-id", rid))
+            headers = headers + [(b"x-request-id", rid)]
         writer.send(status, body, b"application/json", headers)
         seconds = time.perf_counter() - t0
         self.metrics.observe_request(path, status, seconds)
         if self.access_log is not None:
             self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
-                                  seconds, req.peer, req.headers)
-        return False
+                                  seconds, req.peer, req.headers, key=key if key != "-" else None)
 
     def _end_at_shutdown(self, writer: ResponseWriter, rid: str) -> bool:
         """The shutdown timeout cancelled this request (not its client): end it properly.
@@ -564,6 +614,7 @@ class Pipeline:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.reuse.close()
+        await self.tenants.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
@@ -590,6 +641,8 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
+_NO_TOKENS = (None, None, None)
+_FIFO = ("", 0, 1.0, False, None)  # a request without a ticket: one flow, one class
 
 
 def _wants_usage(body: dict) -> bool:

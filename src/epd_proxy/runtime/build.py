@@ -48,6 +48,7 @@ from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
+from epd_proxy.tenants.limiter import build_tenants
 from epd_proxy.wire.errors import error_body
 
 
@@ -70,6 +71,8 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
                  for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}
     metrics.register(admission_collector(admission, role_caps, metrics.queue_wait))
+    tenants = build_tenants(config)  # per-key limits, classes, aliases (off without their tables)
+    metrics.register(tenants.collect)
     base_headers = upstream_headers(config)
     t = config.timeouts
     fanout = EncoderFanout(pools["encode"], max_batch=config.encoder_max_batch_size, rewrite=config.rewrite,
@@ -90,7 +93,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
                         if access_log.enabled(config) else None,
-                        tracing=tracing.from_environment())
+                        tracing=tracing.from_environment(), tenants=tenants)
     metrics.register(turns_collector(pipeline.turns))
     membership.subscribe(_forget_departed(connector))
     if pipeline.turns is not None:
@@ -208,6 +211,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         reloader.start()
         if config.api_key_file:
             reloader.on_reload(app.reload)  # the client key file (client_auth.py)
+        reloader.on_config(app.pipeline.tenants.apply_config)  # the [tenants] and [model_aliases] tables
         app.metrics.register(reloader.collect)
     if siblings is not None:
         siblings.parent = link  # counters kept, the supervisor's view (workers.py)

@@ -57,6 +57,7 @@ class ProxyError(Exception):
         retryable: bool = False,
         upstream_body: bytes | None = None,
         upstream_content_type: bytes | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -69,6 +70,8 @@ class ProxyError(Exception):
         # (e.g. vLLM's 400 for a validation error) instead of our envelope.
         self.upstream_body = upstream_body
         self.upstream_content_type = upstream_content_type
+        # Response headers of its own (a 429's Retry-After and rate-limit headers), sent with it.
+        self.headers = headers
 
     def envelope(self) -> dict:
         return {
