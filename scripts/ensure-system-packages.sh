@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System programs the test suite starts as real servers (dnsmasq: a DNS server
-# for the DNS-discovery tests) or runs as checkers (promtool, from Debian's
+# for the DNS-discovery tests; redis-server: the shared rate-limit counters) or runs as checkers (promtool, from Debian's
 # prometheus package: the exposition format). Installed with apt-get when missing
 # and this user may install them; otherwise the tests that need them are skipped
 # with the reason.
@@ -8,6 +8,7 @@ set -u
 missing=()
 command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "note: ${missing[*]} not installed (needs root and apt-get); the tests that use it will be skipped" >&2
