@@ -178,3 +178,20 @@ def test_check_config_reports_every_mistake_of_the_tables(tmp_path, capsys):
     assert check_config.run(argparse.Namespace(file=str(path))) == 2
     err = capsys.readouterr().err
     assert "3 mistakes" in err and "store_failure" in err and "needs a 'name'" in err and "listed" in err
+
+
+async def test_the_routed_endpoints_keep_the_limits_and_resolve_aliases(tmp_path):
+    tenants = {"keys": [{"name": "team-a", "requests_per_minute": 2, "models": ["emb"]}]}
+    async with stack(sim=SIM, api_key_file=key_file(tmp_path), tenants=tenants,
+                     model_aliases={"names": {"emb": "sim-model"}}) as (cluster, proxy, client):
+        body = {"model": "emb", "input": "hello world"}
+        ok = await client.post("/v1/embeddings", body, bearer("secret-a"))
+        assert ok.status == 200, ok.body
+        forwarded = [r for r in cluster.records() if r.path == "/v1/embeddings"]
+        assert b'"model":"sim-model"' in forwarded[-1].body
+        refused = await client.post("/v1/embeddings", {"model": "sim-model", "input": "x"}, bearer("secret-a"))
+        assert refused.status == 403
+        limited = await client.post("/v1/embeddings", body, bearer("secret-a"))
+        assert limited.status == 429 and limited.headers[b"x-ratelimit-limit-requests"] == b"2"
+        used = (await proxy.app.pipeline.tenants.status())["keys"]["team-a"]["limits"]
+        assert used["requests_per_minute"]["used"] == 2

@@ -29,7 +29,7 @@ from epd_proxy.instances.roster import TOPOLOGY_ROLES
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.record import RequestRecord
-from epd_proxy.observe.tokens import usage_of
+from epd_proxy.observe.tokens import NO_TOKENS, usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import (
     GENERATE,
@@ -145,10 +145,11 @@ class Pipeline:
         self._gated = True
         self.admission.close()
 
-    async def admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
+    async def admit(self, req: Request, writer: ResponseWriter, path: str, t0: float,
+                    ticket: Ticket | None = None) -> bool:
         """The same slots and queue for a request the pipeline does not run (forward.py):
         True with a slot taken (give it back with :meth:`leave`), else answered 429/503."""
-        return not self._gated or await self._admit(req, writer, path, t0)
+        return not self._gated or await self._admit(req, writer, path, t0, ticket)
 
     def leave(self) -> None:
         """Give back the slot :meth:`admit` took."""
@@ -166,7 +167,7 @@ class Pipeline:
                 return
         if self._gated and not await self._admit(req, writer, path, t0, ticket):
             if ticket is not None:
-                self.tenants.leave(ticket, 429, _NO_TOKENS)
+                self.tenants.leave(ticket, 429, NO_TOKENS)
             return
         rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key, self.metrics.no_model)
         rec.ticket = ticket
@@ -641,7 +642,6 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
-_NO_TOKENS = (None, None, None)
 _FIFO = ("", 0, 1.0, False, None)  # a request without a ticket: one flow, one class
 
 
