@@ -58,10 +58,18 @@ async def test_a_critical_key_goes_ahead_of_a_flood_and_a_sheddable_one_is_refus
             # A sheddable request finds no free slot: refused at once, not queued.
             shed = await client_for().chat(chat_body("batch", max_tokens=2), bearer("s-batch"))
             assert shed.status == 429 and adm.shed_by_class == {"sheddable": 1}
+            # A client that leaves while queued gives its key's place back.
+            gone = client_for()
+            left = await _queued(proxy, lambda: gone, 1, "s-heavy", "gone")
+            assert proxy.app.pipeline.tenants.concurrent["heavy"] == 1
+            left[0].cancel()  # its connection is closed
+            await wait_for(lambda: "heavy" not in proxy.app.pipeline.tenants.concurrent)
+            assert adm.waiting == 11
             adm.leave()  # the slot goes to the queue
             replies = await asyncio.gather(*flood, *agent)
             assert all(r.status == 200 for r in replies)
             assert order(cluster)[0] == "agent"  # not behind the flood's ten
+            await wait_for(lambda: proxy.app.pipeline.tenants.concurrent == {})
         finally:
             for c in clients:
                 await c.close()

@@ -73,9 +73,7 @@ class Forwarder:
         ticket = await self.pipeline.enter_tenant(req, writer, path, t0, key) if tenants.active else None
         if tenants.active and ticket is None:
             return  # over its key's limits: answered
-        if not await self.pipeline.admit(req, writer, path, t0, ticket):
-            if ticket is not None:
-                tenants.leave(ticket, 429, NO_TOKENS)
+        if not await self.pipeline.admit(req, writer, path, t0, ticket):  # refused: the ticket given back
             return
         ctx = RequestContext(request_id(req), path, self._base_headers)
         get = ROUTED[path].method == "GET"  # names no model: any instance of its pools answers

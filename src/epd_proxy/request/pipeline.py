@@ -166,8 +166,6 @@ class Pipeline:
             if ticket is None:
                 return
         if self._gated and not await self._admit(req, writer, path, t0, ticket):
-            if ticket is not None:
-                self.tenants.leave(ticket, 429, NO_TOKENS)
             return
         rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key, self.metrics.no_model)
         rec.ticket = ticket
@@ -226,9 +224,8 @@ class Pipeline:
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
-        ticket = rec.ticket
-        if ticket is not None and ticket.policy.models is not None:
-            tenants.check_model(ticket, asked, model)  # 403: a model the key may not use
+        if rec.ticket is not None:
+            tenants.check_model(rec.ticket, asked, model)  # 403: a model the key may not use
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
@@ -383,22 +380,17 @@ class Pipeline:
 
     async def enter_tenant(self, req: Request, writer: ResponseWriter, path: str, t0: float,
                            key: str | None) -> Ticket | None:
-        """The request's ticket against its key's limits (tenants/limiter.py), or None when it
-        was refused (429 over a limit, 503 with the store failed closed: answered here)."""
-        tenants = self.tenants
-        header = tenants.table.priority_header
+        """The request's ticket against its key's limits (tenants/limiter.py), or None: refused, answered."""
         try:
-            return await tenants.enter(key, path == MESSAGES, len(req.body),
-                                       req.headers.get(header) if header is not None else None)
+            return await self.tenants.enter(key, path == MESSAGES, len(req.body), req.headers)
         except ProxyError as err:
             self._refused(req, writer, path, t0, err.status, err.body(), err.headers or [], key)
             return None
 
     async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float,
                      ticket: Ticket | None = None) -> bool:
-        """Take a slot (waiting in the queue if need be: by class and key with a ``ticket``), or
-        answer 429/503 and return False. Runs before the body is parsed: a refused request
-        costs a prebuilt response."""
+        """Take a slot (waiting in the queue: by class and key with a ``ticket``), or answer 429/503
+        and return False (the ticket given back). Before the body is parsed: a prebuilt answer."""
         if self.closing:
             status, body, retry = 503, self._503_closing, b"1"
         else:
@@ -408,7 +400,12 @@ class Pipeline:
             if verdict == ADMIT:
                 return True
             if verdict != SHED:
-                admitted = await admission.wait(flow, rank, weight)
+                try:
+                    admitted = await admission.wait(flow, rank, weight)
+                except asyncio.CancelledError:
+                    if ticket is not None:  # the client left while queued
+                        self.tenants.leave(ticket, 499, NO_TOKENS)
+                    raise
                 self.metrics.queue_wait.observe(time.perf_counter() - t0)
                 if admitted and not self.closing:
                     return True
@@ -420,6 +417,8 @@ class Pipeline:
                     status, body, retry = 429, self._429, b"1"
             else:
                 status, body, retry = 429, self._429, b"1"
+        if ticket is not None:
+            self.tenants.leave(ticket, status, NO_TOKENS)
         self._refused(req, writer, path, t0, status, body, [(b"retry-after", retry)],
                       ticket.key if ticket is not None else None)
         return False

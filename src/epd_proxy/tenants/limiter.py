@@ -132,14 +132,16 @@ class Tenants:
             counts = self.counts[label] = KeyCounts()
         return counts
 
-    async def enter(self, key: str | None, anthropic: bool, body_bytes: int, priority: bytes | None) -> Ticket:
+    async def enter(self, key: str | None, anthropic: bool, body_bytes: int, headers: dict) -> Ticket:
         """The request's ticket, or ProxyError: 429 over a limit, 503 with the store failed closed.
-        ``priority``: its priority header's value, if the table names one."""
+        ``headers``: the request's (its priority header, if the table names one)."""
         table = self.table
         policy = table.policy(key)
         name = NO_KEY if key is None else key
         label = NO_KEY if key is None else policy.label
-        ticket = Ticket(name, label, policy, table.traffic(policy, priority), anthropic)
+        header = table.priority_header
+        traffic = table.traffic(policy, headers.get(header) if header is not None else None)
+        ticket = Ticket(name, label, policy, traffic, anthropic)
         counts = self._counts(label)
         cap = policy.limits.get("concurrent")
         held = self.concurrent.get(name, 0)
