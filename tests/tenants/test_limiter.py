@@ -195,3 +195,20 @@ async def test_the_routed_endpoints_keep_the_limits_and_resolve_aliases(tmp_path
         assert limited.status == 429 and limited.headers[b"x-ratelimit-limit-requests"] == b"2"
         used = (await proxy.app.pipeline.tenants.status())["keys"]["team-a"]["limits"]
         assert used["requests_per_minute"]["used"] == 2
+
+
+def test_check_config_prints_the_tables(tmp_path, capsys):
+    import argparse
+
+    from epd_proxy.cli import check_config
+
+    path = tmp_path / "cluster.toml"
+    path.write_text('decode = ["http://d:1"]\n[tenants.default]\nrequests_per_minute = 60\n'
+                    '[[tenants.keys]]\nname = "a"\nclass = "critical"\nmodels = ["m"]\n'
+                    '[model_aliases.names]\n"gpt-4o" = "m"\n')
+    assert check_config.run(argparse.Namespace(file=str(path))) == 0
+    out = capsys.readouterr().out
+    assert "tenants: counters in-process, store failure open" in out
+    assert "  (default): requests_per_minute=60; class standard, weight 1" in out
+    assert "  a: requests_per_minute=60; class critical, weight 1; models m" in out
+    assert "model aliases: gpt-4o -> m; /v1/models lists served" in out

@@ -62,8 +62,8 @@ async def test_openai_sees_its_rate_limit_error_and_retries_after_retry_after(tm
 
 async def test_anthropic_sees_its_rate_limit_error_and_retries_after_retry_after(tmp_path):
     async with stack(sim=SIM, api_key_file=keys(tmp_path), tenants=TENANTS) as (cluster, proxy, _):
-        # Anthropic's SDK sends X-Api-Key; the proxy's client keys are Bearer tokens.
-        bare = anthropic.AsyncAnthropic(base_url=proxy.url, auth_token="secret-a", max_retries=0)
+        # The SDK's api_key goes as X-Api-Key, its auth_token as Authorization: Bearer: both are keys.
+        bare = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="secret-a", max_retries=0)
         patient = anthropic.AsyncAnthropic(base_url=proxy.url, auth_token="secret-a", max_retries=2)
         try:
             await _second_start()

@@ -166,8 +166,8 @@ class ProxyApp:
         keys = self.client_keys
         key = None  # the name of the client key presented (the access log's)
         if keys is not None and req.path.startswith("/v1/") and req.path not in (LOAD, UNLOAD):  # admin's
-            authorization = req.headers.get(b"authorization")
-            key = keys.identify(authorization)
+            authorization = req.headers.get(b"authorization") or req.headers.get(b"x-api-key")
+            key = keys.identify(req.headers.get(b"authorization"), req.headers.get(b"x-api-key"))
             if key is None:
                 # Before the route: an unauthenticated caller learns nothing about the API's paths.
                 body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
