@@ -94,6 +94,8 @@ class Tenants:
         self.active = True  # limits and classes apply (a [tenants] table); aliases apply whenever set
         self.counters: Counters = counters if counters is not None else LocalCounters(clock)
         self.shared = counters is not None and not isinstance(counters, LocalCounters)
+        # In-process counters are asked without a coroutine (the common case pays no await).
+        self.local = self.counters if isinstance(self.counters, LocalCounters) else None
         self.clock = clock
         self.concurrent: dict[str, int] = {}  # key -> requests in progress here
         self.seen: set[str] = set()  # the keys that asked (names from the key file: bounded by it)
@@ -153,7 +155,8 @@ class Tenants:
             now = self.clock()
             estimate = ticket.estimate = estimate_input_tokens(body_bytes)
             wanted = hits(policy, key_digest(key), estimate, now)
-            taken = await self._take(wanted, now)
+            local = self.local
+            taken = local.take_now(wanted) if local is not None else await self._take(wanted, now)
             if taken is not None:
                 ok, values = taken
                 if not ok:
@@ -228,8 +231,8 @@ class Tenants:
         adds = settlement(ticket.hits, ticket.estimate, tokens)
         if not adds:
             return
-        if isinstance(self.counters, LocalCounters):
-            self.counters.add_now(adds)
+        if self.local is not None:
+            self.local.add_now(adds)
             return
         task = asyncio.get_running_loop().create_task(self._settle(adds))
         self._settling.add(task)

@@ -64,7 +64,7 @@ def fits(current: int, amount: int, limit: int) -> bool:
     return current < limit and (current == 0 or current + amount <= limit)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per limit per request, and a frozen one's __init__ costs more
 class Hit:
     """One counter a request touches: the limit's field, the counter's key in the store,
     what the request adds now, the limit, when the window ends and how long to keep it."""
@@ -79,8 +79,17 @@ class Hit:
 
 def key_digest(key: str | None) -> str:
     """The counters' name for a client key: a digest, so no name a client's credential maps to
-    is stored as it is (``-`` is the requests without a key)."""
-    return hashlib.sha256(("-" if key is None else key).encode()).hexdigest()[:16]
+    is stored as it is (``-`` is the requests without a key). Kept per name (the names are the
+    key file's: bounded by it)."""
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        if len(_DIGESTS) > 4096:
+            _DIGESTS.clear()
+        digest = _DIGESTS[key] = hashlib.sha256(("-" if key is None else key).encode()).hexdigest()[:16]
+    return digest
+
+
+_DIGESTS: dict[str | None, str] = {}
 
 
 def hits(policy: KeyPolicy, digest: str, estimate: int, now: float) -> list[Hit]:
