@@ -10,8 +10,9 @@ Which waiter: the queue is a fair queue (tenants/fair_queue.py): the highest
 priority class first, and within a class the client keys in weighted fair
 order; with no tenants configured every request is one flow of one class, a
 plain FIFO. A request of a sheddable class never waits (no free slot: 429 at
-once), and a full queue gives up its lowest-class waiter for a newcomer of a
-higher class.
+once), a full queue gives up its lowest-class waiter for a newcomer of a
+higher class, and ``reserve`` slots are kept for the top class (the others use
+at most ``limit - reserve``), so its requests need not wait for one to free.
 
 ``limit == 0`` means unlimited: the fast path is then one comparison.
 """
@@ -29,11 +30,11 @@ ADMIT, QUEUE, SHED = 0, 1, 2
 
 
 def decide(active: int, waiting: int, limit: int, queue_size: int, sheddable: bool = False,
-           displaces: bool = False) -> int:
+           displaces: bool = False, ahead: int | None = None) -> int:
     """What happens to a request arriving now (pure: the whole policy). ``sheddable``: its
     class never waits; ``displaces``: a full queue holds a waiter of a lower class, which it
-    gives up for this request."""
-    if limit <= 0 or (active < limit and not waiting):
+    gives up for this request; ``ahead``: the waiters it may not overtake (default: all)."""
+    if limit <= 0 or (active < limit and not (waiting if ahead is None else ahead)):
         return ADMIT
     if sheddable:
         return SHED
@@ -51,7 +52,7 @@ class Admission:
     """Slots for requests in progress, and the queue of requests waiting for one."""
 
     __slots__ = ("limit", "queue_size", "queue_timeout", "active", "_waiters", "shed", "queued",
-                 "timed_out", "displaced", "shed_by_class")
+                 "timed_out", "displaced", "shed_by_class", "reserve", "top")
 
     def __init__(self, limit: int = 0, queue_size: int = 0, queue_timeout: float = 0.0) -> None:
         self.limit = limit
@@ -64,6 +65,12 @@ class Admission:
         self.timed_out = 0  # of those, shed after queue_timeout
         self.displaced = 0  # of those, given up for a newcomer of a higher class
         self.shed_by_class: dict[str, int] = {}  # class name -> shed (with tenants)
+        self.reserve = 0  # slots only the top class's requests may take (tenants' reserved_slots)
+        self.top = 0  # that class's rank
+
+    def reserve_for(self, top: int, slots: int) -> None:
+        """Keep ``slots`` of the limit for requests of rank ``top`` (0: none kept)."""
+        self.top, self.reserve = top, max(0, min(slots, self.limit - 1)) if self.limit > 0 else 0
 
     @property
     def waiting(self) -> int:
@@ -74,7 +81,11 @@ class Admission:
         ``sheddable``: the request's class (``traffic``: its name, for the count of sheds)."""
         waiting = len(self._waiters)
         displaces = waiting >= self.queue_size and waiting > 0 and self._waiters.lowest_below(rank) is not None
-        verdict = decide(self.active, waiting, self.limit, self.queue_size, sheddable, displaces)
+        limit, ahead = self.limit, None
+        if self.reserve:  # the top class may use the reserved slots, and overtakes the classes below it
+            limit = limit if rank >= self.top else limit - self.reserve
+            ahead = self._waiters.waiting_from(rank)
+        verdict = decide(self.active, waiting, limit, self.queue_size, sheddable, displaces, ahead)
         if verdict == ADMIT:
             self.active += 1
         elif verdict == SHED:
@@ -130,6 +141,8 @@ class Admission:
         """A request is over: its slot goes to the next live waiter (fair_queue.py), or is freed."""
         waiters = self._waiters
         while waiters:
+            if self.reserve and self.active > self.limit - self.reserve and (waiters.top_rank() or 0) < self.top:
+                break  # a reserved slot: the classes below the top one wait for another
             fut = waiters.pop()
             if not fut.done():
                 fut.set_result(True)  # the slot changes hands; ``active`` is unchanged

@@ -73,6 +73,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     metrics.register(admission_collector(admission, role_caps, metrics.queue_wait))
     tenants = build_tenants(config)  # per-key limits, classes, aliases (off without their tables)
     metrics.register(tenants.collect)
+    admission.reserve_for(tenants.table.top_rank, tenants.table.reserved_slots)
     base_headers = upstream_headers(config)
     t = config.timeouts
     fanout = EncoderFanout(pools["encode"], max_batch=config.encoder_max_batch_size, rewrite=config.rewrite,
@@ -127,6 +128,15 @@ def upstream_headers(config: ProxyConfig) -> Headers:
     if config.upstream_api_key:
         return [(b"authorization", b"Bearer " + config.upstream_api_key.encode())]
     return []
+
+
+def _reload_tenants(pipeline):
+    """A reloaded file's tenants' tables, and the admission slots kept for the top class."""
+    def apply(config) -> None:
+        pipeline.tenants.apply_config(config)
+        table = pipeline.tenants.table
+        pipeline.admission.reserve_for(table.top_rank, table.reserved_slots)
+    return apply
 
 
 def _forget_departed(connector):
@@ -211,7 +221,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         reloader.start()
         if config.api_key_file:
             reloader.on_reload(app.reload)  # the client key file (client_auth.py)
-        reloader.on_config(app.pipeline.tenants.apply_config)  # the [tenants] and [model_aliases] tables
+        reloader.on_config(_reload_tenants(app.pipeline))  # the [tenants] and [model_aliases] tables
         app.metrics.register(reloader.collect)
     if siblings is not None:
         siblings.parent = link  # counters kept, the supervisor's view (workers.py)

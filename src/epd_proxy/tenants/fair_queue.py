@@ -47,6 +47,15 @@ class FairQueue:
         band = self._bands.get(rank)
         return 0 if band is None else band.waiting
 
+    def waiting_from(self, rank: int) -> int:
+        """Waiters of ``rank`` and above: those a request of ``rank`` may not overtake."""
+        return sum(band.waiting for r, band in self._bands.items() if r >= rank)
+
+    def top_rank(self) -> int | None:
+        """The highest rank with a waiter (the next to be served), None when empty."""
+        ranks = [r for r, band in self._bands.items() if band.waiting]
+        return max(ranks) if ranks else None
+
     def push(self, item: Any, flow: str = "", rank: int = 0, weight: float = 1.0) -> None:
         band = self._bands.get(rank)
         if band is None:

@@ -85,6 +85,11 @@ class TenantTable:
     priority_header: bytes | None = None
     store: str | None = None  # a redis:// URL for counters shared between replicas (None: in-process)
     store_timeout: float = 0.25
+    reserved_slots: int = 0  # admission slots only the top class may take
+
+    @property
+    def top_rank(self) -> int:
+        return max(c.rank for c in self.classes.values())
 
     def policy(self, key: str | None) -> KeyPolicy:
         """The policy of the key named ``key`` (None: a request without one)."""
@@ -104,7 +109,8 @@ class TenantTable:
 
 
 _KEY_FIELDS = set(LIMIT_FIELDS) | {"name", "class", "weight", "models"}
-_TOP_FIELDS = {"default", "keys", "classes", "store_failure", "priority_header", "store", "store_timeout"}
+_TOP_FIELDS = {"default", "keys", "classes", "store_failure", "priority_header", "store", "store_timeout",
+               "reserved_slots"}
 
 
 def read_tenants(table: object, source: str = "tenants") -> TenantTable:
@@ -149,11 +155,14 @@ def read_tenants(table: object, source: str = "tenants") -> TenantTable:
     timeout = table.get("store_timeout", 0.25)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 10:
         errors.append(f"{source}.store_timeout must be a number of seconds in (0, 10], got {timeout!r}")
+    reserved = table.get("reserved_slots", 0)
+    if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+        errors.append(f"{source}.reserved_slots must be a whole number >= 0, got {reserved!r}")
     if errors:
         raise ConfigErrors(errors)
     return TenantTable(default=default, keys=keys, classes=classes, store_failure=failure,
                        priority_header=header.lower().encode() if header else None, store=store,
-                       store_timeout=float(timeout))
+                       store_timeout=float(timeout), reserved_slots=reserved)
 
 
 def _classes(table: object, source: str, errors: list[str]) -> dict[str, TrafficClass]:
