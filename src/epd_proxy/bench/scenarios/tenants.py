@@ -43,7 +43,7 @@ def add_arguments(group) -> None:
                        help="tenants: tokens per answer (few, slow ones: the load generator's own work stays small)")
     group.add_argument("--tenants-itl-ms", type=float, default=20.0, help="tenants: the simulator's token delay")
     group.add_argument("--tenants-replicas", type=int, default=3, help="tenants: replicas sharing one store")
-    group.add_argument("--tenants-flood-limit", type=int, default=40,
+    group.add_argument("--tenants-flood-limit", type=int, default=20,
                        help="tenants: the flooding key's requests per second in the fair cell")
     group.add_argument("--tenants-reserved", type=int, default=4,
                        help="tenants: the fair cell's reserved_slots (admission slots only the critical key takes)")
