@@ -113,3 +113,32 @@ async def test_a_store_that_fails_fails_open_by_default_and_closed_when_asked(tm
                     assert proxy.app.pipeline.tenants.store_failures[mode] == 5
                 finally:
                     await client.close()
+
+
+async def test_the_workers_of_a_serve_process_share_the_store(tmp_path, redis_server):
+    from proxy_process import ProxyProcess
+
+    keys = tmp_path / "keys"
+    keys.write_text("team-a:secret-a\n")
+    async with SimCluster(decode=1, config=SIM) as cluster:
+        path = tmp_path / "cluster.toml"
+        path.write_text(f'probe_interval = 0\nworkers = 2\napi_key_file = "{keys}"\nadmin_api_key = "adm"\n'
+                        f'decode = ["{cluster.instances("decode")[0].url}"]\n'
+                        f'[tenants]\nstore = "{redis_server.url}"\n'
+                        '[[tenants.keys]]\nname = "team-a"\nrequests_per_minute = 5\n')
+        async with ProxyProcess(["--config", str(path)]) as proxy:
+            statuses, pids = [], set()
+            for _ in range(12):
+                client = Client(proxy.url)  # a new connection each: the kernel spreads them over the workers
+                try:
+                    reply = await client.chat(chat_body(), _bearer("secret-a"))
+                    statuses.append(reply.status)
+                    pids.add((await client.request("GET", "/status", headers=[(b"x-api-key", b"adm")]))
+                             .json()["pid"])
+                finally:
+                    await client.close()
+            assert statuses.count(200) == 5 and statuses.count(429) == 7, statuses
+            assert len(pids) == 2  # both workers answered (12 connections; the kernel's hash spreads them)
+            metrics = (await proxy.fresh_get("/metrics", headers=[(b"x-api-key", b"adm")])).body.decode()
+            assert 'epd_proxy_tenant_requests_total{key="team-a",result="admitted"} 5.0' in metrics
+            assert 'result="limited_requests_per_minute"} 7.0' in metrics
