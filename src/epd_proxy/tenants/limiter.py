@@ -96,6 +96,7 @@ class Tenants:
         self.shared = counters is not None and not isinstance(counters, LocalCounters)
         # In-process counters are asked without a coroutine (the common case pays no await).
         self.local = self.counters if isinstance(self.counters, LocalCounters) else None
+        self.store_url = table.store if self.shared else None  # the store in use (read at start only)
         self.clock = clock
         self.concurrent: dict[str, int] = {}  # key -> requests in progress here
         self.seen: set[str] = set()  # the keys that asked (names from the key file: bounded by it)
@@ -115,8 +116,9 @@ class Tenants:
         """A reload (a validated config): the new tables for the requests from now on (those
         in flight keep theirs). A changed ``store`` needs a restart."""
         table, aliases = read_config(config)
-        if table is not None and table.store != self.table.store and self.active:
-            log.warning("reload: tenants.store changed: applied at the next restart only")
+        if table is not None and table.store != self.store_url:
+            log.warning("reload: tenants.store changed: applied at the next restart only (counters %s)",
+                        "shared" if self.shared else "in-process")
         self.apply(table, aliases)
 
     def apply(self, table: TenantTable | None, aliases: ModelAliases | None) -> None:
