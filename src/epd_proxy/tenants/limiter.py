@@ -153,29 +153,45 @@ class Tenants:
             self._refused(counts, "concurrent")
             raise ProxyError(429, f"key {label!r} has {cap} requests in progress, its concurrent limit; "
                                   f"retry when one ends", code="rate_limit_exceeded", headers=[(b"retry-after", b"1")])
+        self.concurrent[name] = held + 1  # taken before any await: two requests cannot both take the last
         if len(policy.limits) > (cap is not None):
-            now = self.clock()
-            estimate = ticket.estimate = estimate_input_tokens(body_bytes)
-            wanted = hits(policy, key_digest(key), estimate, now)
-            local = self.local
-            taken = local.take_now(wanted) if local is not None else await self._take(wanted, now)
-            if taken is not None:
-                ok, values = taken
-                if not ok:
-                    hit = refused_by(wanted, values)
-                    assert hit is not None  # refused: some counter had no room
-                    self._refused(counts, hit.name)
-                    wait = retry_after(hit, now)
-                    raise ProxyError(
-                        429, f"key {label!r} reached its limit of {hit.limit} {hit.name.replace('_', ' ')}; "
-                             f"retry in {wait} s", code="rate_limit_exceeded",
-                        headers=[(b"retry-after", b"%d" % wait)] + rate_headers(wanted, values, now, anthropic))
-                ticket.hits, ticket.values = wanted, values
-        self.concurrent[name] = held + 1
+            try:
+                await self._count(ticket, key, body_bytes, counts)
+            except BaseException:
+                self._release(name)
+                raise
         self.seen.add(name)
         counts.admitted += 1
         counts.inflight += 1
         return ticket
+
+    async def _count(self, ticket: Ticket, key: str | None, body_bytes: int, counts: KeyCounts) -> None:
+        """The request counted in its key's windows (``ticket.hits``), or ProxyError 429 (503)."""
+        now = self.clock()
+        estimate = ticket.estimate = estimate_input_tokens(body_bytes)
+        wanted = hits(ticket.policy, key_digest(key), estimate, now)
+        local = self.local
+        taken = local.take_now(wanted) if local is not None else await self._take(wanted, now)
+        if taken is None:
+            return  # the store failed open: uncounted
+        ok, values = taken
+        if not ok:
+            hit = refused_by(wanted, values)
+            assert hit is not None  # refused: some counter had no room
+            self._refused(counts, hit.name)
+            wait = retry_after(hit, now)
+            raise ProxyError(429, f"key {ticket.label!r} reached its limit of {hit.limit} "
+                                  f"{hit.name.replace('_', ' ')}; retry in {wait} s", code="rate_limit_exceeded",
+                             headers=[(b"retry-after", b"%d" % wait)] + rate_headers(wanted, values, now,
+                                                                                    ticket.anthropic))
+        ticket.hits, ticket.values = wanted, values
+
+    def _release(self, name: str) -> None:
+        held = self.concurrent.get(name, 1) - 1
+        if held > 0:
+            self.concurrent[name] = held
+        else:
+            self.concurrent.pop(name, None)
 
     def _refused(self, counts: KeyCounts, limit: str) -> None:
         counts.limited[limit] = counts.limited.get(limit, 0) + 1
@@ -215,12 +231,7 @@ class Tenants:
 
     def leave(self, ticket: Ticket, status: int, tokens: tuple) -> None:
         """The request is over: its concurrent slot freed, its tokens settled in the background."""
-        name = ticket.key
-        held = self.concurrent.get(name, 1) - 1
-        if held > 0:
-            self.concurrent[name] = held
-        else:
-            self.concurrent.pop(name, None)
+        self._release(ticket.key)
         counts = self._counts(ticket.label)
         counts.inflight -= 1
         prompt, completion = tokens[0], tokens[1]
