@@ -382,7 +382,7 @@ class Pipeline:
                            key: str | None) -> Ticket | None:
         """The request's ticket against its key's limits (tenants/limiter.py), or None: refused, answered."""
         try:
-            return await self.tenants.enter(key, path == MESSAGES, len(req.body), req.headers)
+            return await self.tenants.enter(key, path.startswith(MESSAGES), len(req.body), req.headers)
         except ProxyError as err:
             self._refused(req, writer, path, t0, err.status, err.body(), err.headers or [], key)
             return None
