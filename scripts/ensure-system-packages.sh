@@ -3,7 +3,7 @@
 # apt-get when missing and this user may install them; otherwise the tests that need them are
 # skipped with the reason:
 #   dnsmasq       a DNS server for the DNS-discovery tests
-#   redis-server  the shared state store's tests (valkey-server is taken where it is installed)
+#   redis-server  the shared state store's and the shared rate-limit counters' tests (valkey-server is taken where it is installed)
 #   promtool      (Debian's prometheus package) the exposition format and the alert rules
 #   valgrind      the instruction counts of `make instructions-check`
 #   chromium      headless: the console's page as a browser shows it (tests/api/test_console_browser.py)

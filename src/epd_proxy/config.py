@@ -408,6 +408,10 @@ class ProxyConfig:
     # The access log's client: X-Forwarded-For's when the peer is one of these (CIDRs).
     trusted_proxies: tuple[str, ...] = ()
     metrics_max_models: int = 32  # per-model metric labels (adapters included) per process; later: "other"
+    # Tenants (docs/architecture.md, "Tenants"): the cluster file's [tenants] and [model_aliases]
+    # tables as read from TOML; checked and read by tenants/ (policy.py, aliases.py). Reloadable.
+    tenants: dict | None = None
+    model_aliases: dict | None = None
     # Multi-turn KV reuse (docs/architecture.md, "Multi-turn KV reuse"): on when decode answers
     # with kv_transfer_params (vLLM's bidirectional_kv_xfer); --no-kv-reuse turns it off.
     kv_reuse: bool = True

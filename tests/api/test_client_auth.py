@@ -164,3 +164,11 @@ def test_keys_have_names_the_key_never_shows(tmp_path):
     f.write_text("team-a:\n")
     with pytest.raises(ValueError, match="needs both"):
         read_key_file(str(f))
+
+
+def test_x_api_key_is_a_client_key_too_and_authorization_wins():
+    keys = ClientKeys(("k1", "k2"))
+    assert keys.identify(None, b"k2") == "key2"
+    assert keys.identify(b"Bearer k1", b"k2") == "key1"
+    assert keys.identify(b"Bearer nope", b"k2") is None
+    assert keys.identify(None, b"nope") is None and keys.identify(None, None) is None

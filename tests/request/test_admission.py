@@ -199,3 +199,25 @@ def test_role_caps_on_the_command_line():
     args = build_parser().parse_args(["serve", "--decode", "http://d:1", "--max-inflight-per-role", "decode=1"])
     with pytest.raises(ValueError, match="encode or prefill"):
         config_from_args(args).validate()
+
+
+async def test_reserved_slots_are_the_top_classs_and_it_overtakes_the_classes_below():
+    adm = Admission(limit=2, queue_size=8)
+    adm.reserve_for(top=2, slots=1)
+    assert adm.try_enter(0) == ADMIT  # a standard request: the one unreserved slot
+    assert adm.try_enter(0) == QUEUE  # the reserved slot is not a standard request's
+    low = asyncio.ensure_future(adm.wait("a", 0))
+    await wait_for(lambda: adm.waiting == 1)
+    assert adm.try_enter(2) == ADMIT  # a critical one takes it at once, past the standard waiter
+    assert adm.try_enter(2) == QUEUE  # both slots taken: it waits, ahead of the standard one
+    high = asyncio.ensure_future(adm.wait("b", 2))
+    await wait_for(lambda: adm.waiting == 2)
+    adm.leave()
+    assert await high is True and not low.done()
+    adm.leave()  # a critical request ends: its slot is reserved, the standard waiter keeps waiting
+    await asyncio.sleep(0)
+    assert not low.done() and adm.active == 1
+    adm.leave()  # the standard request ends: its slot goes to the standard waiter
+    assert await low is True and adm.active == 1
+    adm.leave()
+    assert adm.active == 0

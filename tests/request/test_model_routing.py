@@ -16,7 +16,8 @@ from helpers import Client, chat_body, wait_for
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.config import InstanceSpec
 from epd_proxy.observe.access_log import AccessLog
-from epd_proxy.request.pipeline import _model_timing, _server_timing
+from epd_proxy.observe.server_timing import model_timing as _model_timing
+from epd_proxy.observe.server_timing import server_timing as _server_timing
 from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 

@@ -47,6 +47,7 @@ from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
+from epd_proxy.tenants.limiter import check_config as check_tenants
 from epd_proxy.wire.errors import ProxyError, as_anthropic
 
 log = logging.getLogger("epd_proxy.app")
@@ -69,6 +70,7 @@ def validate_config(config: ProxyConfig) -> None:
         lambda: ClientKeys.from_config(config),  # the key file can be read
         lambda: check_connector_config(config),
         lambda: check_pinned_topology(config),
+        lambda: check_tenants(config),  # the [tenants] and [model_aliases] tables
     ))
 
 
@@ -170,8 +172,8 @@ class ProxyApp:
         keys = self.client_keys
         key = None  # the name of the client key presented (the access log's)
         if keys is not None and req.path.startswith("/v1/") and req.path not in (LOAD, UNLOAD):  # admin's
-            authorization = req.headers.get(b"authorization")
-            key = keys.identify(authorization)
+            authorization = req.headers.get(b"authorization") or req.headers.get(b"x-api-key")
+            key = keys.identify(req.headers.get(b"authorization"), req.headers.get(b"x-api-key"))
             if key is None:
                 # Before the route: an unauthenticated caller learns nothing about the API's paths.
                 body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
@@ -237,7 +239,8 @@ class ProxyApp:
         relayed as received."""
         cards = self.pipeline.models.current.cards
         if cards:
-            writer.send(200, models_list(cards))
+            aliases = self.pipeline.tenants.aliases  # listed as the operator chose (tenants/aliases.py)
+            writer.send(200, models_list(cards if aliases is None else aliases.cards(cards)))
             return
         await self._models_of_one(writer)
 
@@ -249,6 +252,9 @@ class ProxyApp:
             await self._models_of_one(None)
             catalog = self.pipeline.models.current
         card = catalog.card(name)
+        aliases = self.pipeline.tenants.aliases
+        if card is None and aliases is not None:
+            card = next((c for c in aliases.cards(catalog.cards) if c.get("id") == name), None)
         if card is not None:
             writer.send(200, msgspec.json.encode(card))
             return
@@ -345,6 +351,8 @@ class ProxyApp:
         if not self.admin.allowed(req, writer, READ):  # internal addresses: access.py says who sees them
             return
         body = self._local_status()
+        if self.pipeline.tenants.active:  # each key's use of its limits (with --workers: this worker's view)
+            body["tenants"] = await self.pipeline.tenants.status()
         if self.siblings is not None:
             peers, supervisor = await asyncio.gather(self.siblings.ask("status"), self.siblings.supervisor())
             pools = merge_pool_status([body["pools"]] + [p["pools"] for p in peers])

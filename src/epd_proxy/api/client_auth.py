@@ -1,8 +1,9 @@
 """Who may call the proxy's API: the client keys (``--api-key``, ``--api-key-file``).
 
 Clients send ``Authorization: Bearer KEY``, as with vLLM's ``--api-key`` and the
-OpenAI API. Keys are compared in constant time, all of them on every check, so
-neither a key's content nor its position in the list shows in the answer's timing.
+OpenAI API, or ``X-Api-Key: KEY``, as Anthropic's SDK and the agents built on it do.
+Keys are compared in constant time, all of them on every check, so neither a key's
+content nor its position in the list shows in the answer's timing.
 
 The key file holds one key per line (blank lines and ``#`` comments ignored), as
 ``name:key`` to give it the name the access log shows (never the key itself); a line
@@ -96,10 +97,11 @@ class ClientKeys:
         """Whether the header carries a valid key (every key is compared, in constant time)."""
         return self.identify(authorization) is not None
 
-    def identify(self, authorization: bytes | None) -> str | None:
-        """The name of the valid key the header carries, None if it carries none. Every key is
-        compared, in constant time, and the match found without a branch (keys are unique)."""
-        token = bearer_token(authorization)
+    def identify(self, authorization: bytes | None, api_key: bytes | None = None) -> str | None:
+        """The name of the valid key the headers carry (``Authorization: Bearer``, else
+        ``X-Api-Key``), None if they carry none. Every key is compared, in constant time, and
+        the match found without a branch (keys are unique)."""
+        token = bearer_token(authorization) if authorization is not None else api_key
         if token is None:
             return None
         hit = 0

@@ -47,7 +47,27 @@ def describe(cfg: ProxyConfig, args: argparse.Namespace) -> str:
                 lines.append(f"  {role:7s} {spec_text(spec)} (every address of {spec.host}, re-resolved "
                              f"at most every {cfg.dns_interval:g} s via "
                              f"{cfg.dns_server or 'the system resolver'})")
-    return "\n".join(lines)
+    return "\n".join(lines + tenant_lines(cfg))
+
+
+def tenant_lines(cfg: ProxyConfig) -> list[str]:
+    """The tenants' tables as they will apply: each key's limits and class, the aliases."""
+    from epd_proxy.tenants.limiter import read_config
+
+    table, aliases = read_config(cfg)
+    lines = []
+    if table is not None:
+        lines.append(f"tenants: counters {'in ' + table.store.split('@')[-1] if table.store else 'in-process'}, "
+                     f"store failure {table.store_failure}")
+        for name, policy in [("(default)", table.default), *table.keys.items()]:
+            limits = ", ".join(f"{k}={v}" for k, v in policy.limits.items()) or "no limits"
+            models = f"; models {', '.join(sorted(policy.models))}" if policy.models is not None else ""
+            lines.append(f"  {name}: {limits}; class {policy.traffic.name}, weight {policy.weight:g}{models}")
+    if aliases is not None:
+        lines.append("model aliases: " + (", ".join(f"{a} -> {t}" for a, t in aliases.names.items()) or "none")
+                     + (f"; unknown names -> {aliases.default}" if aliases.default else "")
+                     + f"; /v1/models lists {aliases.listed}")
+    return lines
 
 
 def spec_text(spec: InstanceSpec) -> str:

@@ -29,6 +29,8 @@ from typing import Callable
 from epd_proxy.config import ConfigErrors
 
 ROLE_KEYS = ("encode", "prefill", "decode")
+# Tables that are no flag: kept as read, checked by their owners (tenants/policy.py, tenants/aliases.py).
+TABLE_KEYS = ("tenants", "model_aliases")
 
 
 class ClusterFileError(ConfigErrors):
@@ -64,6 +66,11 @@ def read_cluster_file(text: str, options: dict[str, Option], *, source: str = "c
         try:
             if dest in ROLE_KEYS:
                 out[dest] = _instances(dest, value, source)
+                continue
+            if dest in TABLE_KEYS:
+                if not isinstance(value, dict):
+                    raise ClusterFileError(f"{source}: {key} must be a table ([{key}]), got {value!r}")
+                out[dest] = value
                 continue
             option = options.get(dest)
             if option is None:
@@ -157,5 +164,5 @@ def _instances(role: str, value: object, source: str) -> list[str]:
 def _suggest(dest: str, options: dict[str, Option]) -> str:
     import difflib
 
-    close = difflib.get_close_matches(dest, list(options) + list(ROLE_KEYS), n=1)
+    close = difflib.get_close_matches(dest, list(options) + list(ROLE_KEYS) + list(TABLE_KEYS), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -439,6 +439,8 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         log_format=args.log_format,
         trusted_proxies=tuple(split_instances(args.trusted_proxies)),
         metrics_max_models=args.metrics_max_models,
+        tenants=getattr(args, "tenants", None),  # cluster-file tables, no flags
+        model_aliases=getattr(args, "model_aliases", None),
     )
     if errors is not None:
         errors.extend(found)

@@ -96,7 +96,9 @@ class AccessLog:
                 "stages_ms": {k: round(v * 1000, 2) for k, v in timings.items()},
                 "duration_ms": round(seconds * 1000, 2), "prompt_tokens": p, "completion_tokens": c,
                 "cached_tokens": cached, "bytes": nbytes, "client": client, "model": rec.model, "key": rec.key,
-                "kv": kv, "outcome": outcome}).decode() + "\n")
+                "kv": kv,
+                "class": rec.ticket.traffic.name if rec.ticket is not None else None,
+                "outcome": outcome}).decode() + "\n")
             return
         chosen = " ".join(f"{inst.role[0]}={_address(inst.url)}" for inst in legs)
         if tokenized:
@@ -106,7 +108,8 @@ class AccessLog:
                     f"{'stream' if stream else 'whole'} {chosen or '-'} {stages or '-'} total={seconds * 1000:.1f}ms "
                     f"tokens={'-' if p is None else p}/{'-' if c is None else c} "
                     f"cached={'-' if cached is None else cached} bytes={nbytes} client={client} "
-                    f"model={text_field(rec.model)} key={text_field(rec.key)}{f' kv={kv}' if kv else ''} {outcome}\n")
+                    f"model={text_field(rec.model)} key={text_field(rec.key)}{f' kv={kv}' if kv else ''}"
+                    f"{'' if rec.ticket is None else ' class=' + rec.ticket.traffic.name} {outcome}\n")
 
     def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float, peer=None,
               headers=None, model: str | None = None, key: str | None = None) -> None:

@@ -214,6 +214,22 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                      ()),
     "epd_proxy_encoder_fallbacks": ("counter", "Media items sent raw to the consumer, which encoded them "
                                     "itself (--encoder-fallback local).", ()),
+    # Tenants (tenants/limiter.py): labelled by the key's name when the [tenants] table gives it an
+    # entry, "default" for the other keys, "-" without a key: bounded by the cluster file.
+    "epd_proxy_tenant_requests": ("counter", "Requests of each key by result: admitted, forbidden (403: a model "
+                                  "it may not use), limited_<limit> (429 by that limit, e.g. "
+                                  "limited_requests_per_minute, limited_concurrent).", ("key", "result")),
+    "epd_proxy_tenant_tokens": ("counter", "Tokens of each key's answers, as their usage says, by kind (input, "
+                                "output).", ("key", "kind")),
+    "epd_proxy_tenant_inflight": ("gauge", "Requests of each key in progress.", ("key",)),
+    "epd_proxy_tenant_store_failures": ("counter", "Requests the shared counters' store could not count (an "
+                                        "error, no answer in time, or within a second of one), by how they "
+                                        "went on: open (admitted uncounted), closed (503).", ("mode",)),
+    "epd_proxy_tenant_shed_requests": ("counter", "Requests shed by admission control (queue full, queue "
+                                       "timeout, a sheddable class finding no free slot), by priority class.",
+                                       ("class",)),
+    "epd_proxy_tenant_displaced_requests": ("counter", "Waiting requests a full admission queue gave up "
+                                            "(429) for a newcomer of a higher class.", ()),
 }
 # Histograms whose buckets are not _STAGE_BUCKETS.
 _BOUNDS = {"epd_proxy_request_tokens": _TOKEN_BUCKETS}

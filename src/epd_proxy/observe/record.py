@@ -17,10 +17,12 @@ class RequestRecord:
     cluster's catalog accepted the model (until then, and for a refused one, the no-model
     series). ``hide_usage``: the proxy asked decode for a usage event the client did not.
     ``first_byte``: seconds from arrival to the commit (None: never committed); ``gap``: a
-    stream's mean gap between events; ``items``: its media items (the console's, recent.py)."""
+    stream's mean gap between events; ``items``: its media items (the console's, recent.py);
+    ``ticket``: its key's tenancy (tenants/limiter.py: the class the access log shows), if any."""
 
     __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
-                 "headers", "key", "model", "series", "hide_usage", "first_byte", "gap", "items")
+                 "headers", "key", "model", "series", "hide_usage", "first_byte", "gap", "items",
+                 "ticket")
 
     def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
                  key: str | None = None, series: Any = None) -> None:
@@ -41,3 +43,4 @@ class RequestRecord:
         self.first_byte: float | None = None
         self.gap: float | None = None
         self.items = 0
+        self.ticket: Any = None

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
@@ -30,6 +32,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ProxyMetrics
+from epd_proxy.observe.tokens import NO_TOKENS, usage_of
 from epd_proxy.request.apis import speaks_anthropic
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import request_id
@@ -67,17 +70,29 @@ class Forwarder:
         """``key``: the name of the client key the request presented (the access log's)."""
         path = req.path
         t0 = time.perf_counter()
-        if not await self.pipeline.admit(req, writer, path, t0):
+        tenants = self.pipeline.tenants
+        ticket = await self.pipeline.enter_tenant(req, writer, path, t0, key) if tenants.active else None
+        if tenants.active and ticket is None:
+            return  # over its key's limits: answered
+        if not await self.pipeline.admit(req, writer, path, t0, ticket):  # refused: the ticket given back
             return
         ctx = RequestContext(request_id(req), path, self._base_headers)
         get = ROUTED[path].method == "GET"  # names no model: any instance of its pools answers
         model = None if get else request_model(req.body, req.headers.get(b"content-type"))
         series = self.metrics.no_model
+        answer = None
         try:
             if not get:
+                asked = model
+                if tenants.aliases is not None:
+                    model, body = _aliased(req, tenants.aliases.resolve(model, self.models.current), asked)
+                    if body is not None:
+                        req.body = body  # the served model's name in a JSON body (a form's stays)
                 ctx.models = self.models.current.route(model)  # 404 / 400 before any upstream work
+                if ticket is not None:
+                    tenants.check_model(ticket, asked, model)  # 403: a model the key may not use
                 series = self.metrics.model(model)
-            await self._forward_once(ctx, req, writer)
+            answer = await self._forward_once(ctx, req, writer)
         except ProxyError as err:
             if not writer.started:
                 headers = [(b"x-request-id", ctx.request_id.encode())]
@@ -89,13 +104,16 @@ class Forwarder:
             self.pipeline.leave()
             seconds = time.perf_counter() - t0
             status = writer.status or 499
+            if ticket is not None:
+                tenants.leave(ticket, status, usage_of(answer) if answer is not None else NO_TOKENS)
             self.metrics.observe_request(path, status, seconds, series=series)
             access = self.pipeline.access_log
             if access is not None:
                 access.other(ctx.request_id, req.method, path, status, writer.bytes_sent, seconds, req.peer,
                              req.headers, model=model if type(model) is str else None, key=key)
 
-    async def _forward_once(self, ctx: RequestContext, req: Request, writer: ResponseWriter) -> None:
+    async def _forward_once(self, ctx: RequestContext, req: Request, writer: ResponseWriter) -> bytes | None:
+        """The instance's answer relayed; its body when it came whole (its usage is settled)."""
         path = ctx.path
         method = ROUTED[path].method  # HEAD on a GET route asks GET: the writer drops the body
         target = f"{path}?{req.query}" if req.query else path
@@ -117,9 +135,11 @@ class Forwarder:
             stage.pool.record_success(inst)
             out = [(b"x-request-id", ctx.request_id.encode())]
             if b"content-length" in resp.headers:
-                writer.send(resp.status, await stage.read_body(ctx, inst, resp), resp.content_type, out)
-            else:
-                await relay_body(writer, resp, out)
+                data = await stage.read_body(ctx, inst, resp)
+                writer.send(resp.status, data, resp.content_type, out)
+                return data
+            await relay_body(writer, resp, out)
+            return None
         finally:
             resp.close()
             ctx.release(inst)
@@ -164,6 +184,19 @@ class Forwarder:
         headers += self._base_headers
         headers += [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
         return headers
+
+
+def _aliased(req: Request, model: object, asked: object) -> tuple[object, bytes | None]:
+    """The model an alias resolved to, and a JSON body naming it instead (None: unchanged, or
+    a multipart form, whose field is passed as sent)."""
+    if model == asked or not req.body.startswith(b"{"):
+        return model, None
+    try:
+        body = msgspec.json.decode(req.body)
+    except msgspec.DecodeError:
+        return asked, None
+    body["model"] = model
+    return model, msgspec.json.encode(body)
 
 
 def _serving(models: dict[str, ModelKey] | None) -> str:

@@ -14,7 +14,6 @@ import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.encode.media_policy import MediaPolicy
@@ -30,12 +29,14 @@ from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
-from epd_proxy.observe.tokens import usage_of
+from epd_proxy.observe.server_timing import ServerTiming
+from epd_proxy.observe.tokens import NO_TOKENS, usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
     MEDIA,
+    MESSAGES,
     PREVIOUS_RESPONSE,
     GenerationApi,
     encodable,
@@ -64,7 +65,8 @@ from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.state.guard import GuardedStore
-from epd_proxy.wire.errors import ProxyError
+from epd_proxy.tenants.limiter import Tenants, Ticket
+from epd_proxy.wire.errors import ProxyError, drop_traceback
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
@@ -78,7 +80,8 @@ class Pipeline:
                  fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
                  role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
                  tracing: Tracing | None = None, adapters: Adapters | None = None,
-                 recent: RecentRequests | None = None, state: GuardedStore | None = None) -> None:
+                 recent: RecentRequests | None = None, state: GuardedStore | None = None,
+                 tenants: Tenants | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -134,15 +137,10 @@ class Pipeline:
                                decode_only=decode_only, models=self.models, base_headers=base_headers,
                                shared=state)
         self.turns = self.reuse.store
-        self._described: dict[str, bytes] = {}  # model -> its Server-Timing part (_describe)
-
-    def _describe(self, model: str) -> bytes:
-        """``model``'s part of the ``Server-Timing`` header, kept for the next request naming it
-        (at most ``_DESCRIBED`` of them: clients may name anything)."""
-        if len(self._described) >= _DESCRIBED:
-            self._described.clear()
-        desc = self._described[model] = _model_timing(model)
-        return desc
+        self.server_timing = ServerTiming()
+        # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,
+        # no aliases) without the cluster file's tables: two attribute tests per request.
+        self.tenants = tenants if tenants is not None else Tenants.off()
 
     def close_admission(self) -> None:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
@@ -150,10 +148,11 @@ class Pipeline:
         self._gated = True
         self.admission.close()
 
-    async def admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
+    async def admit(self, req: Request, writer: ResponseWriter, path: str, t0: float,
+                    ticket: Ticket | None = None) -> bool:
         """The same slots and queue for a request the pipeline does not run (forward.py):
         True with a slot taken (give it back with :meth:`leave`), else answered 429/503."""
-        return not self._gated or await self._admit(req, writer, path, t0)
+        return not self._gated or await self._admit(req, writer, path, t0, ticket)
 
     def leave(self) -> None:
         """Give back the slot :meth:`admit` took."""
@@ -164,9 +163,15 @@ class Pipeline:
     async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
         """``key``: the name of the client key the request presented (client_auth.py)."""
         t0 = time.perf_counter()
-        if self._gated and not await self._admit(req, writer, path, t0):
+        ticket = None
+        if self.tenants.active:  # the key's limits, before it may take a queue place
+            ticket = await self.enter_tenant(req, writer, path, t0, key)
+            if ticket is None:
+                return
+        if self._gated and not await self._admit(req, writer, path, t0, ticket):
             return
         rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key, self.metrics.no_model)
+        rec.ticket = ticket
         self.metrics.inflight += 1
         try:
             try:
@@ -209,13 +214,21 @@ class Pipeline:
         if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
             hint = body.pop("conversation_id")
             ctx.conversation = hint if type(hint) is str else None
-        model = body.get("model")
+        model = asked = body.get("model")
+        tenants = self.tenants
+        if tenants.aliases is not None:  # an alias (or a name no instance serves) to its served model
+            model = tenants.aliases.resolve(model, self.models.current)
+            if model is not asked:
+                body["model"] = model
+                rec.model = model if type(model) is str else None
         models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
+        if rec.ticket is not None:
+            tenants.check_model(rec.ticket, asked, model)  # 403: a model the key may not use
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
@@ -251,11 +264,10 @@ class Pipeline:
     async def _answer(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                       rec: RequestRecord) -> None:
         """The commit: the whole answer sent, or the stream relayed; then the companion leg settled."""
-        model = rec.model
-        desc = None if model is None else (self._described.get(model) or self._describe(model))
-        if ctx.kv_outcome is not None:  # the turn's reuse outcome (turns/outcomes.py)
-            desc = (desc or b"") + b', kv;desc="%s"' % ctx.kv_outcome.encode()
-        headers = [(b"x-request-id", rec.request_id.encode())] + _server_timing(ctx.timings, desc)
+        headers = [(b"x-request-id", rec.request_id.encode())] + \
+            self.server_timing.header(ctx.timings, rec.model, ctx.kv_outcome)
+        if rec.ticket is not None:
+            headers += rec.ticket.headers(self.tenants.clock())  # the rate-limit headers its SDK reads
         since = rec.first_byte = time.perf_counter() - rec.start
         self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
         ok = False
@@ -335,10 +347,12 @@ class Pipeline:
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
         """A failure before the commit is the client's status; after it the relay has said it in-band."""
-        _drop_traceback(err)
+        drop_traceback(err)
         if not writer.started:
             headers = [(b"x-request-id", rec.request_id.encode())]
-            if err.status in _RETRY_AFTER:
+            if err.headers is not None:
+                headers += err.headers
+            elif err.status in _RETRY_AFTER:
                 headers.append((b"retry-after", _RETRY_AFTER[err.status]))
             writer.send(err.status, err.body(speaks_anthropic(rec.path)), err.content_type(), headers)
         if err.status >= 500:
@@ -365,6 +379,8 @@ class Pipeline:
             self.metrics.observe_stages(ctx.timings)
         if self.admission.limit:
             self.admission.leave()
+        if rec.ticket is not None:
+            self.tenants.leave(rec.ticket, status, tokens)  # its tokens settled from the usage
         seconds = time.perf_counter() - rec.start
         self.metrics.observe_request(rec.path, status, seconds, rec.stream, rec.series)
         if access is not None:
@@ -372,19 +388,35 @@ class Pipeline:
         if self.recent.on:  # a console looked lately (recent.py)
             self.recent.add(rec, status, tokens, writer.bytes_sent, seconds)
 
-    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float) -> bool:
-        """Take a slot (waiting in the queue if need be), or answer 429/503 and return False.
-        Runs before the body is parsed: a refused request costs a prebuilt response."""
+    async def enter_tenant(self, req: Request, writer: ResponseWriter, path: str, t0: float,
+                           key: str | None) -> Ticket | None:
+        """The request's ticket against its key's limits (tenants/limiter.py), or None: refused, answered."""
+        try:
+            return await self.tenants.enter(key, path.startswith(MESSAGES), len(req.body), req.headers)
+        except ProxyError as err:
+            self._refused(req, writer, path, t0, err.status, err.body(speaks_anthropic(path)), err.headers or [], key)
+            return None
+
+    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float,
+                     ticket: Ticket | None = None) -> bool:
+        """Take a slot (waiting in the queue: by class and key with a ``ticket``), or answer 429/503
+        and return False (the ticket given back). Before the body is parsed: a prebuilt answer."""
         if self.closing:
             status, refusals = 503, self._503_closing
         else:
             admission = self.admission
-            verdict = admission.try_enter()
+            flow, rank, weight, sheddable, name = _FIFO if ticket is None else ticket.queueing()
+            verdict = admission.try_enter(rank, sheddable, name)
             if verdict == ADMIT:
                 return True
             status, refusals = 429, self._429
             if verdict != SHED:
-                admitted = await admission.wait()
+                try:
+                    admitted = await admission.wait(flow, rank, weight)
+                except asyncio.CancelledError:
+                    if ticket is not None:  # the client left while queued
+                        self.tenants.leave(ticket, 499, NO_TOKENS)
+                    raise
                 self.metrics.queue_wait.observe(time.perf_counter() - t0)
                 if admitted and not self.closing:
                     return True
@@ -393,19 +425,26 @@ class Pipeline:
                 if self.closing:
                     status, refusals = 503, self._503_closing
         body, retry = refusals[speaks_anthropic(path)], b"1"  # the path's envelope, only when refused
-        headers = [(b"retry-after", retry)]
+        if ticket is not None:
+            self.tenants.leave(ticket, status, NO_TOKENS)
+        self._refused(req, writer, path, t0, status, body, [(b"retry-after", retry)],
+                      ticket.key if ticket is not None else None)
+        return False
+
+    def _refused(self, req: Request, writer: ResponseWriter, path: str, t0: float, status: int, body: bytes,
+                 headers: list, key: str | None) -> None:
+        """A request answered before it was admitted (admission, or its key's limits)."""
         rid = client_request_id(req)
         if rid is not None:
-            headers.append((b"x-request-id", rid))
+            headers = headers + [(b"x-request-id", rid)]
         writer.send(status, body, b"application/json", headers)
         seconds = time.perf_counter() - t0
         self.metrics.observe_request(path, status, seconds)
         if self.access_log is not None:
             self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
-                                  seconds, req.peer, req.headers)
+                                  seconds, req.peer, req.headers, key=key if key != "-" else None)
         if self.recent.on:
             self.recent.add_refused(rid.decode("ascii") if rid else "-", req.method, path, status, seconds)
-        return False
 
     def _end_at_shutdown(self, writer: ResponseWriter, rid: str, path: str) -> bool:
         """The shutdown timeout cancelled this request (not its client): end it properly.
@@ -434,7 +473,7 @@ class Pipeline:
             except ProxyError as err:
                 if not err.retryable or attempt >= self.retries or not self._may_retry(ctx, err):
                     raise
-                _drop_traceback(err)
+                drop_traceback(err)
                 attempt += 1
                 self.metrics.retries += 1
                 retried = self.metrics.instance_retries
@@ -595,6 +634,7 @@ class Pipeline:
         await self.stored.owners.written()
         if self.state is not None:
             await self.state.close()
+        await self.tenants.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
@@ -621,6 +661,7 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
+_FIFO = ("", 0, 1.0, False, None)  # a request without a ticket: one flow, one class
 
 
 def _wants_usage(body: dict) -> bool:
@@ -645,34 +686,3 @@ async def _take_slot(role: str, cap: Admission) -> None:
     if verdict == ADMIT or (verdict != SHED and await cap.wait()):
         return
     raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
-
-
-def _drop_traceback(err: BaseException) -> None:
-    """An answered error's traceback is of no further use, and its frames often hold the
-    error itself (``err = ...; raise err``) or a group containing it: a reference cycle
-    that would keep the request's objects alive until a full collection."""
-    err.__traceback__ = None
-    err.__context__ = None
-    err.__cause__ = None
-
-
-_DESCRIBED = 1024  # models whose Server-Timing part is kept
-
-
-def _model_timing(model: str) -> bytes:
-    """``, model;desc="<model>"``: a name outside printable ASCII, or with a quote or a
-    backslash, percent-encoded, so the header stays one safe line."""
-    if not (model.isascii() and model.isprintable()) or '"' in model or "\\" in model:
-        model = quote(model, safe="")
-    return b', model;desc="%s"' % model.encode()
-
-
-def _server_timing(timings: dict, model: bytes | None) -> Headers:
-    """The stages' times and the model that answered (``model``: its ``_model_timing``),
-    e.g. ``prefill;dur=12.0, decode_first;dur=3.1, model;desc="llama"``."""
-    # %-formatting of bytes: this runs once per request, and an f-string per stage, joined
-    # and encoded, cost twice as much.
-    value = b", ".join([b"%s;dur=%.1f" % (k.encode(), v * 1000) for k, v in timings.items()])
-    if model is not None:
-        value = value + model if value else model[2:]
-    return [(b"server-timing", value)] if value else []

@@ -53,6 +53,7 @@ from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
 from epd_proxy.state.configured import open_store
 from epd_proxy.state.guard import state_collector
+from epd_proxy.tenants.limiter import build_tenants
 
 
 def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None,
@@ -75,6 +76,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
                  for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}
     metrics.register(admission_collector(admission, role_caps, metrics.queue_wait))
+    tenants = build_tenants(config)  # per-key limits, classes, aliases (off without their tables)
+    metrics.register(tenants.collect)
+    admission.reserve_for(tenants.table.top_rank, tenants.table.reserved_slots)
     base_headers = upstream_headers(config)
     t = config.timeouts
     fanout = EncoderFanout(pools["encode"], max_batch=config.encoder_max_batch_size, rewrite=config.rewrite,
@@ -99,7 +103,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
                         if access_log.enabled(config) else None,
-                        tracing=tracing.from_environment())
+                        tracing=tracing.from_environment(), tenants=tenants)
     metrics.register(pipeline.reuse.collector())
     membership.subscribe(_forget_departed(connector))
     membership.subscribe(_drop_held(pipeline.reuse))
@@ -134,6 +138,15 @@ def upstream_headers(config: ProxyConfig) -> Headers:
     if config.upstream_api_key:
         return [(b"authorization", b"Bearer " + config.upstream_api_key.encode())]
     return []
+
+
+def _reload_tenants(pipeline):
+    """A reloaded file's tenants' tables, and the admission slots kept for the top class."""
+    def apply(config) -> None:
+        pipeline.tenants.apply_config(config)
+        table = pipeline.tenants.table
+        pipeline.admission.reserve_for(table.top_rank, table.reserved_slots)
+    return apply
 
 
 def _forget_departed(connector):
@@ -219,6 +232,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         reloader.start()
         if config.api_key_file:
             reloader.on_reload(app.reload)  # the client key file (client_auth.py)
+        reloader.on_config(_reload_tenants(app.pipeline))  # the [tenants] and [model_aliases] tables
         app.metrics.register(reloader.collect)
     if siblings is not None:
         siblings.parent = link  # counters kept, the supervisor's view (workers.py)

@@ -21,6 +21,9 @@ from typing import Callable
 
 from epd_proxy.config import ROLES, ProxyConfig
 
+# Besides the instances, what a reload applies at once (tenants/limiter.py's hook).
+RELOADED = (*ROLES, "tenants", "model_aliases")
+
 log = logging.getLogger("epd_proxy.reload")
 
 # How often the cluster file's modification time and size are compared.
@@ -28,10 +31,11 @@ WATCH_INTERVAL = 1.0
 
 
 def restart_needed(old: argparse.Namespace, new: argparse.Namespace) -> list[str]:
-    """The settings that changed but are only read at start (everything but the instances)."""
+    """The settings that changed but are only read at start (everything but the instances
+    and the tenants' tables)."""
     before, after = vars(old), vars(new)
     return sorted(key for key in before.keys() | after.keys()
-                  if key not in ROLES and before.get(key) != after.get(key))
+                  if key not in RELOADED and before.get(key) != after.get(key))
 
 
 def file_stamp(path: str) -> tuple[int, int, int] | None:
@@ -71,11 +75,16 @@ class Reloader:
         self.reloads = 0  # reloads run (tests wait on it)
         self.failures = 0  # of which failed (a bad file, a failed hook): the running configuration kept
         self._hooks: list[Callable[[], None]] = []
+        self._config_hooks: list[Callable[[ProxyConfig], None]] = []
         self._task: asyncio.Task | None = None
         self._pending = False
 
     def on_reload(self, hook: Callable[[], None]) -> None:
         self._hooks.append(hook)
+
+    def on_config(self, hook: Callable[[ProxyConfig], None]) -> None:
+        """``hook(config)`` with each reloaded file's validated config (what it applies of it)."""
+        self._config_hooks.append(hook)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -132,12 +141,14 @@ class Reloader:
         if changed:
             log.warning("reload: %s changed %s: applied at the next restart only", path, ", ".join(changed))
         self._apply(config)
+        for hook in self._config_hooks:
+            hook(config)
         log.info("reload: %s applied (%s)", path, ", ".join(
             f"{len(getattr(config, r))} {r}" for r in ROLES)
             + (f", {len(config.discover)} DNS name(s)" if config.discover else ""))
         # What runs: the instances from this file; the rest as started.
-        for role in ROLES:
-            setattr(self.args, role, getattr(args, role))
+        for dest in RELOADED:
+            setattr(self.args, dest, getattr(args, dest, None))
         return True
 
     async def _watch(self, watch: FileWatch) -> None:

@@ -129,6 +129,7 @@ class ProxyError(Exception):
         retryable: bool = False,
         upstream_body: bytes | None = None,
         upstream_content_type: bytes | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -141,6 +142,8 @@ class ProxyError(Exception):
         # (e.g. vLLM's 400 for a validation error) instead of our envelope.
         self.upstream_body = upstream_body
         self.upstream_content_type = upstream_content_type
+        # Response headers of its own (a 429's Retry-After and rate-limit headers), sent with it.
+        self.headers = headers
 
     def envelope(self) -> dict:
         return {
@@ -188,3 +191,12 @@ def error_body(status: int, message: str, anthropic: bool = False) -> bytes:
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, param=param)
+
+
+def drop_traceback(err: BaseException) -> None:
+    """An answered error's traceback is of no further use, and its frames often hold the
+    error itself (``err = ...; raise err``) or a group containing it: a reference cycle
+    that would keep the request's objects alive until a full collection."""
+    err.__traceback__ = None
+    err.__context__ = None
+    err.__cause__ = None

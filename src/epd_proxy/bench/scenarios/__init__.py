@@ -14,6 +14,7 @@ lora        LoRA adapter placement: adapter swaps and TTFT, affinity against rou
 push        TTFT in NIXL push mode against pull mode
 overload    a burst of slow streams past the admission limit, slowloris and normal traffic alongside
 soak        a mixed workload for a long time: RSS growth, errors, mismatches
+tenants     three keys at saturation: first come first served against the fair queue; replicas sharing a store
 cluster     routing policies on a simulated cluster with caches
 multiturn   multi-turn KV reuse between decode and prefill, prefill skipped for short remainders
 url         ``--url``: load against one endpoint only
@@ -31,6 +32,7 @@ from epd_proxy.bench.scenarios import (
     push,
     scale,
     soak,
+    tenants,
     throughput,
     url,
     workers,
@@ -41,12 +43,13 @@ from epd_proxy.bench.scenarios.multiturn import run as multiturn
 
 # In the order of the help text and of ``--scenario all``.
 SCENARIOS: dict[str, Scenario] = {m.SCENARIO.name: m.SCENARIO for m in (
-    compare, latency, throughput, scale, workers, media, encoders, lora, push, overload, soak, cluster, multiturn, url)}
+    compare, latency, throughput, scale, workers, media, encoders, lora, push, overload, soak, cluster, multiturn,
+    tenants, url)}
 
 # The report's targets table lists the checks in the issue's order of its targets, not in
 # the order the scenarios ran; a scenario not named here comes after these, in SCENARIOS' order.
 TARGETS_ORDER = ("compare", "throughput", "latency", "workers", "scale", "soak", "media", "encoders", "lora", "cluster",
-                 "multiturn")
+                 "multiturn", "tenants")
 
 
 def by_name() -> list[str]:

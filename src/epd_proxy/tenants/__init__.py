@@ -1,0 +1,1 @@
+"""Tenants: per-key limits and budgets, priority classes and fair shares, model aliases."""
