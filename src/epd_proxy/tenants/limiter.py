@@ -329,13 +329,16 @@ def check_config(config) -> None:
 
 def build_tenants(config) -> Tenants:
     """A process's tenants: off (``active`` False) without a ``[tenants]`` table; counters in
-    Redis when the table names a ``store``, else in this process."""
+    Redis when the table names a ``store``, else in the replicas' state store (``--state-store``,
+    with its password) when there is one, else in this process."""
     table, aliases = read_config(config)
     counters = None
-    if table is not None and table.store:
+    if table is not None and (table.store or config.state_store):
+        from epd_proxy.state.configured import password
         from epd_proxy.tenants.redis_counters import RedisCounters, redis_client
 
-        counters = RedisCounters(redis_client(table.store, table.store_timeout), table.store_timeout)
+        url, secret = (table.store, None) if table.store else (config.state_store, password(config))
+        counters = RedisCounters(redis_client(url, table.store_timeout, secret), table.store_timeout)
     tenants = Tenants(table or TenantTable(), aliases, counters)
     tenants.active = table is not None
     return tenants

@@ -53,12 +53,12 @@ return 1
 """
 
 
-def redis_client(url: str, timeout: float) -> Any:
+def redis_client(url: str, timeout: float, password: str | None = None) -> Any:
     """A ``redis.asyncio`` client for ``url``, every call bounded by ``timeout`` seconds."""
     import redis.asyncio as redis
 
     return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                health_check_interval=0, retry_on_timeout=False)
+                                health_check_interval=0, retry_on_timeout=False, password=password)
 
 
 class RedisCounters:
