@@ -199,6 +199,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                      ()),
     "epd_proxy_encoder_fallbacks": ("counter", "Media items sent raw to the consumer, which encoded them "
                                     "itself (--encoder-fallback local).", ()),
+    "epd_proxy_encode_item_failures": ("counter", "Media items two encoders failed alike, taken as the request's "
+                                       "fault, not the encoders' (item_timeout: both timed out; item_error: "
+                                       "vLLM's 500); the request failed at once, or the item went raw to the "
+                                       "consumer (--encoder-fallback local).", ("reason",)),
 }
 # Histograms whose buckets are not _STAGE_BUCKETS.
 _BOUNDS = {"epd_proxy_request_tokens": _TOKEN_BUCKETS}

@@ -318,6 +318,7 @@ class Pipeline:
         """A failure before the commit is the client's status; after it the relay has said it in-band."""
         _drop_traceback(err)
         if not writer.started:
+            rec.outcome = err.outcome
             headers = [(b"x-request-id", rec.request_id.encode())]
             if err.status in _RETRY_AFTER:
                 headers.append((b"retry-after", _RETRY_AFTER[err.status]))

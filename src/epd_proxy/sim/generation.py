@@ -215,7 +215,8 @@ class GenerationHandler(AnswerWriter):
             await _forever()
         if plan.delay:
             await asyncio.sleep(plan.delay)
-        if plan.hang:
+        if plan.hang or (plan.hang_item is not None and isinstance(body, dict)
+                         and _faults.media_matches(body, plan.hang_item)):
             await _forever()
         if plan.status is not None:
             raise refusal(plan.status, f"sim: injected fault status={plan.status} on {inst.name}")
