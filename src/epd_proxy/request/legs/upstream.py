@@ -10,7 +10,10 @@ a refused connection with no other instance of the role in rotation a
 On the way, each failure tells the instance pool what it says about the
 instance (``health.py``): an instance signal, a request signal, or nothing;
 the pool's ``record_*`` call with the request's ``ctx`` also marks the
-instance failed for this request, so a retry prefers another.
+instance failed for this request, so a retry prefers another. A stage that
+``holds_signals`` (the encode stage) gets a failure the work itself may have
+caused (a timeout, vLLM's 500) as a :class:`HeldFailure` instead: the instance
+out of the request, its signal recorded or let go on the stage's verdict.
 """
 
 from __future__ import annotations
