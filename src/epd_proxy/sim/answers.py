@@ -5,7 +5,6 @@ and the chat and completions bodies. The steps that lead there are ``generation.
 from __future__ import annotations
 
 import logging
-import time
 
 import msgspec
 
@@ -112,11 +111,9 @@ class AnswerWriter:
                 resp = self._openai_body(g, seq, kv_out, ec_out, ncomp)
             writer.send(200, _encode(resp), headers=g.headers)
             if rec is not None:
-                rec.t_headers = time.monotonic()
-                rec.status = 200
+                rec.answered(200)
         if rec is not None:
-            rec.t_end = time.monotonic()
-            rec.bytes_sent = writer.bytes_sent
+            rec.ended(writer.bytes_sent)
             rec.kv = kv_out
             if not self.config.record_responses:
                 rec.response_chunks = None
@@ -194,18 +191,15 @@ class AnswerWriter:
             writer.send(500, responses.GENERATION_ERROR_BODY if api is None else api.generation_error_body(),
                         headers=seq.ctx.headers)
             if rec is not None:
-                rec.t_headers = time.monotonic()
-                rec.status = 500
+                rec.answered(500)
         if rec is not None:
-            rec.t_end = time.monotonic()
-            rec.bytes_sent = writer.bytes_sent
+            rec.ended(writer.bytes_sent)
             rec.error = message
 
     def on_reset(self, seq: Sequence) -> None:
         seq.ctx.reset = True
         rec = seq.rec
         if rec is not None:
-            rec.t_end = time.monotonic()
-            rec.bytes_sent = seq.writer.bytes_sent
+            rec.ended(seq.writer.bytes_sent)
             rec.error = f"sim: connection reset after {seq.emitted} tokens (injected)"
         seq.writer.abort()

@@ -88,8 +88,7 @@ class GenerationHandler(AnswerWriter):
                 if seq is not None and inst.engine is not None:  # a sequence was submitted to it
                     inst.engine.retire(seq)
                 if rec is not None:
-                    rec.t_end = time.monotonic()
-                    rec.bytes_sent = writer.bytes_sent
+                    rec.ended(writer.bytes_sent)
                 if inst.crashed:
                     if rec is not None:
                         rec.error = f"{inst.name} crashed"
@@ -153,8 +152,7 @@ class GenerationHandler(AnswerWriter):
         if checked.stream:
             writer.start(200, SSE, g.headers)
             if rec is not None:
-                rec.t_headers = time.monotonic()
-                rec.status = 200
+                rec.answered(200)
             if g.api is not None:
                 writer.write(g.api.stream_open(g))
         if gen_error is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,16 @@ class SimRecord:
     @property
     def done(self) -> bool:
         return self.t_end is not None
+
+    def answered(self, status: int) -> None:
+        """The status line went out now."""
+        self.t_headers = time.monotonic()
+        self.status = status
+
+    def ended(self, bytes_sent: int) -> None:
+        """The response ended now (or was reset, or the client went away)."""
+        self.t_end = time.monotonic()
+        self.bytes_sent = bytes_sent
 
     @property
     def response_body(self) -> bytes | None:
