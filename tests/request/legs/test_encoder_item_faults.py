@@ -113,3 +113,17 @@ async def test_one_encoder_hanging_is_still_that_encoders_fault():
         assert by_url[hung.url].health.failures == 1
         assert by_url[good.url].health.failures == 0 and not by_url[good.url].health.errors
         assert proxy.app.pipeline.fanout.item_failures == {}
+
+
+async def test_a_video_sub_request_is_given_four_times_an_images_timeout():
+    async with stack(encode=1, timeouts=StageTimeouts(encode=0.4)) as (cluster, proxy, client):
+        encoder = cluster.instances("encode")[0]
+        video = chat_body()
+        video["messages"][0]["content"] = [{"type": "text", "text": "What happens?"},
+                                           {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]
+        encoder.inject("delay=0.8", times=1)
+        reply = await client.chat(video)
+        assert reply.status == 200, reply.body  # within 1.6 s
+        encoder.inject("delay=0.8", times=1)
+        reply = await client.chat(chat_body(images=["https://example.com/slow.png"]))
+        assert reply.status == 504, reply.body  # past 0.4 s
