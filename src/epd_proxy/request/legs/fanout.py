@@ -245,8 +245,9 @@ class EncoderFanout(UpstreamStage):
         log.warning("request %s: two %s instances %s media item(s) %s: taken as the items' fault, not the "
                     "instances'", ctx.request_id, self.role, what, named)
         if not self.fallback_local:
-            fault = ProxyError(err.status, f"two {self.role} instances {what} media item {named} of the request; "
-                                           f"the item is the likely cause", retryable=False)
+            items_named = f"media item {named}" if len(bad) == 1 else f"media items {named}"
+            fault = ProxyError(err.status, f"two {self.role} instances {what} {items_named} of the request (by "
+                                           f"position); the item is the likely cause", retryable=False)
             fault.outcome = reason
             raise fault
         gone = set(bad)
