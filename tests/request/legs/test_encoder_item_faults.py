@@ -6,6 +6,7 @@ encodes is still that encoder's fault, and the item goes to the other."""
 
 from __future__ import annotations
 
+import gc
 import io
 import time
 
@@ -14,6 +15,7 @@ from helpers import StageTimeouts, chat_body, stack
 
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.sim import SimConfig, expected_text
+from epd_proxy.wire.errors import ProxyError
 
 POISON = "https://example.com/poison.png"
 # Every encoder hangs on an item whose URL holds "poison" (the proxy sends encoders only the
@@ -89,7 +91,14 @@ async def test_an_item_every_encoder_fails_with_a_500_is_answered_at_once():
     async with stack(encode=3, encoder_max_batch_size=1) as (cluster, proxy, client):
         for inst in cluster.instances("encode"):
             inst.inject("status=500", times=1)
-        reply = await client.chat(chat_body(images=[POISON]))
+        gc.collect()
+        gc.disable()  # the failures and the request's error leave no reference cycle behind
+        try:
+            reply = await client.chat(chat_body(images=[POISON]))
+            left = [o for o in gc.get_objects() if isinstance(o, ProxyError)]
+        finally:
+            gc.enable()
+        assert not left, left
         assert reply.status == 502, reply.body
         assert "media item 0" in reply.json()["error"]["message"]
         # Two encoders asked, not three; neither one's failure rate hears of it.
