@@ -244,7 +244,7 @@ class StageTimeouts:
     """
 
     connect: float = 5.0
-    encode: float = 60.0
+    encode: float = 10.0  # one image's sub-request; others scale it (encoder_plan.sub_request_timeout)
     prefill: float = 120.0  # until prefill's whole answer
     decode_first: float = 120.0  # until decode's headers and first event
     stream_idle: float = 600.0  # longest silence inside decode's stream

@@ -231,3 +231,41 @@ def test_epd_encoder_400_is_relayed(epd, proxies, stream):
     assert resp.status == 400, E.describe(resp)
     assert resp.body == direct.body, (f"\nproxy:  {resp.body[:500]!r}"
                                       f"\nvLLM:   {direct.body[:500]!r}")
+
+
+def test_epd_image_url_that_never_answers(epd, start_proxy):
+    """An image URL whose server accepts and never answers: vLLM's encoder keeps fetching it
+    (VLLM_IMAGE_FETCH_TIMEOUT 5 s, then retries at 20 s and 80 s: about 110 s), an item that
+    hangs every encoder. The proxy, with the one vLLM encoder under two addresses (two
+    instances to it), answers 504 after two encode timeouts (10 s each by default), counts
+    the item, and blames neither instance (docs/architecture.md, "The encode stage")."""
+    import socket
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # connections wait in its backlog: accepted by the kernel, never answered
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/never.png"
+        body = E.image_chat_body(url)
+        with pytest.raises(TimeoutError):  # vLLM is still retrying its fetch
+            E.post(epd.encode.url, "/v1/chat/completions", body, timeout=12)
+
+        port = epd.encode.url.rsplit(":", 1)[1]
+        proxy = start_proxy("epd-never-answers", encode=[epd.encode.url, f"http://localhost:{port}"],
+                            prefill=[epd.prefill.url], decode=[epd.decode.url],
+                            extra=["--allowed-media-hosts", "127.0.0.1"])
+        t0 = time.monotonic()
+        resp = E.post(proxy.url, "/v1/chat/completions", body, timeout=60)
+        elapsed = time.monotonic() - t0
+        print(f"\n[e2e] through the proxy: HTTP {resp.status} after {elapsed:.2f} s: {resp.body[:200]!r}")
+        assert resp.status == 504 and "media item 0" in resp.body.decode(), E.describe(resp)
+        assert 19 < elapsed < 30, elapsed  # two encode timeouts of 10 s, not vLLM's 110 s
+        metrics = E.request(proxy.url, "GET", "/metrics").body.decode()
+        assert 'epd_proxy_encode_item_failures_total{reason="item_timeout"} 1' in metrics
+        timeouts = [line for line in metrics.splitlines()
+                    if line.startswith("epd_proxy_instance_failures_total") and 'kind="timeout"' in line
+                    and 'role="encode"' in line]
+        assert len(timeouts) == 2 and all(line.rsplit(" ", 1)[1] in ("0", "0.0") for line in timeouts), timeouts
+    finally:
+        listener.close()

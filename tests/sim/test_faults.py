@@ -20,7 +20,7 @@ from simhelpers import (
 
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError, UpstreamTimeout
 from epd_proxy.sim import SimCluster, SimConfig, expected_text, parse_faults
-from epd_proxy.sim.faults import FaultSource, FaultSyntaxError
+from epd_proxy.sim.faults import FaultSource, FaultSyntaxError, media_matches
 
 
 def test_fault_syntax():
@@ -108,6 +108,36 @@ async def test_hang_never_sends_headers(http):
         await asyncio.sleep(0.02)
         rec = c.instances("decode")[0].records[-1]
         assert rec.t_headers is None and rec.aborted and rec.fault == "hang"
+
+
+def test_hang_item_matches_a_media_items_url_or_uuid():
+    fs = parse_faults("encode:hang-item=poison")
+    assert [(f.role, f.name, f.arg) for f in fs] == [("encode", "hang-item", "poison")]
+    with pytest.raises(FaultSyntaxError):
+        parse_faults("hang-item=")
+
+    def body(*parts: dict) -> dict:
+        return chat_body([{"type": "text", "text": "look"}, *parts])
+    assert media_matches(body({"type": "image_url", "image_url": {"url": "https://x/poison.png"}}), "poison")
+    assert media_matches(body({"type": "image_url", "image_url": "https://x/poison.png"}), "poison")
+    assert media_matches(body({"type": "video_url", "video_url": {"url": "https://x/v.mp4"}, "uuid": "poison-1"}),
+                         "poison")
+    assert not media_matches(body({"type": "image_url", "image_url": {"url": "https://x/fine.png"}}), "poison")
+    assert not media_matches(chat_body("a poison text is no item"), "poison")
+
+
+async def test_hang_item_hangs_only_on_a_matching_item(http):
+    config = SimConfig(itl_ms=0, roles={"encode": {"fault_rate": 1.0, "fault_kinds": ("hang-item=poison",)}})
+    async with SimCluster(encode=1, config=config) as c:
+        e = c.urls("encode")[0]
+
+        def image(url: str) -> dict:
+            return chat_body([{"type": "image_url", "image_url": {"url": url}}], max_tokens=1)
+        r = await http.chat(e, image("https://example.com/fine.png"))
+        assert r.status == 200
+        with pytest.raises(UpstreamTimeout):
+            await http.chat(e, image("https://example.com/poison.png"),
+                            timeouts=TransportTimeouts(connect=1, headers=0.1, idle=1))
 
 
 async def test_delay_before_headers(http):

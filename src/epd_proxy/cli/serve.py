@@ -195,7 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=timeouts.connect,
                    help=f"to open a connection to an instance (default {timeouts.connect:g} s)")
     p.add_argument("--encode-timeout", type=float, default=timeouts.encode,
-                   help=f"(default {timeouts.encode:g} s)")
+                   help=f"an encoder sub-request of one image: vLLM's image fetch (VLLM_IMAGE_FETCH_TIMEOUT 5 s), "
+                        f"its encoding (well under a second on a GPU) and a queue; a batch adds a tenth per further "
+                        f"image, audio takes 2x and video 4x (vLLM's fetch limits 10 s and 30 s). An item two "
+                        f"encoders time out on fails the request at once (default {timeouts.encode:g} s)")
     p.add_argument("--prefill-timeout", type=float, default=timeouts.prefill,
                    help=f"(default {timeouts.prefill:g} s)")
     p.add_argument("--decode-timeout", type=float, default=timeouts.decode_first,

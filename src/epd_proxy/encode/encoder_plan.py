@@ -154,3 +154,19 @@ def encoder_request_id(request_id: str, first_index: int, rand6: str) -> str:
 def new_transfer_id() -> str:
     """A fresh 32-hex transfer id; one per item occurrence and attempt (docs/protocol.md §4.6)."""
     return hex_id()
+
+
+# How long a sub-request may take, in ``--encode-timeout`` units, by the kind of its items
+# (docs/architecture.md, "The encode stage"). vLLM fetches a URL's media within its own limits
+# before it encodes it (VLLM_IMAGE_FETCH_TIMEOUT 5 s, VLLM_AUDIO_FETCH_TIMEOUT 10 s,
+# VLLM_VIDEO_FETCH_TIMEOUT 30 s) and a video's frames are many images' work; an image after the
+# first of a batch adds its encoding, well under a second on a GPU.
+KIND_UNITS = {"image_url": 1.0, "audio_url": 2.0, "input_audio": 2.0, "video_url": 4.0}
+BATCHED_IMAGE_UNITS = 0.1
+
+
+def sub_request_timeout(items: Sequence[MediaItem], unit: float) -> float:
+    """The timeout of one encoder sub-request of ``items`` (one audio or video item, or a
+    batch of images), ``unit`` being ``--encode-timeout``: one image's."""
+    kind = max(KIND_UNITS.get(i.type, 1.0) for i in items)
+    return unit * (kind + BATCHED_IMAGE_UNITS * (len(items) - 1))

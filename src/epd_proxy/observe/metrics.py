@@ -230,6 +230,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                        ("class",)),
     "epd_proxy_tenant_displaced_requests": ("counter", "Waiting requests a full admission queue gave up "
                                             "(429) for a newcomer of a higher class.", ()),
+    "epd_proxy_encode_item_failures": ("counter", "Media items two encoders failed alike, taken as the request's "
+                                       "fault, not the encoders' (item_timeout: both timed out; item_error: "
+                                       "vLLM's 500); the request failed at once, or the item went raw to the "
+                                       "consumer (--encoder-fallback local).", ("reason",)),
 }
 # Histograms whose buckets are not _STAGE_BUCKETS.
 _BOUNDS = {"epd_proxy_request_tokens": _TOKEN_BUCKETS}

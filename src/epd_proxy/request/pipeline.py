@@ -349,6 +349,7 @@ class Pipeline:
         """A failure before the commit is the client's status; after it the relay has said it in-band."""
         drop_traceback(err)
         if not writer.started:
+            rec.outcome = err.outcome
             headers = [(b"x-request-id", rec.request_id.encode())]
             if err.headers is not None:
                 headers += err.headers

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from time import perf_counter
+from typing import Callable, TypeVar
 
 from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
@@ -238,35 +239,47 @@ class UsageRelay(StreamRelay):
                 self.writer.write(held)
 
 
-class KeepingUsageRelay(UsageRelay):
-    """A UsageRelay that also keeps what decode sent (up to ``MAX_KEPT`` bytes), for the
-    parameters of a stream's last event and the answer they hold (turn_streams.py)."""
-
-    __slots__ = ("reads", "size")
-
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.reads: list[bytes] | None = []
-        self.size = 0
-
-    def on_data(self, data: bytes) -> None:
-        keep(self, data)
-        UsageRelay.on_data(self, data)
+_OnData = TypeVar("_OnData", bound=Callable)
 
 
-class KeepingApiRelay(ApiRelay):
-    """An ApiRelay that keeps what decode sent, as KeepingUsageRelay."""
+class Keeping:
+    """What makes a relay keep what decode sent (up to ``MAX_KEPT`` bytes), for the
+    parameters of a stream's last event and the answer they hold (turn_streams.py): first
+    among the bases of a relay class that names the slots ``reads`` and ``size`` and takes
+    its ``on_data`` from :func:`keeping_on_data`."""
 
-    __slots__ = ("reads", "size")
+    __slots__ = ()
+    reads: list[bytes] | None
+    size: int
 
     def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.reads: list[bytes] | None = []
-        self.size = 0
+        super().__init__(*args)  # the relay's, next in the class's order
+        # The slots are the relay class's (a mixin's own would clash with the relay's layout).
+        self.reads = []  # type: ignore[misc]
+        self.size = 0  # type: ignore[misc]
 
+
+def keeping_on_data(relay_data: _OnData) -> _OnData:
+    """A relay's ``on_data`` (``relay_data``) that keeps each read first. The relay's own is
+    called through this closure, as directly as a call naming its class: nothing added per read."""
     def on_data(self, data: bytes) -> None:
         keep(self, data)
-        ApiRelay.on_data(self, data)
+        relay_data(self, data)
+    return on_data  # type: ignore[return-value]  # the same signature
+
+
+class KeepingUsageRelay(Keeping, UsageRelay):
+    """A UsageRelay that also keeps what decode sent."""
+
+    __slots__ = ("reads", "size")
+    on_data = keeping_on_data(UsageRelay.on_data)
+
+
+class KeepingApiRelay(Keeping, ApiRelay):
+    """An ApiRelay that also keeps what decode sent."""
+
+    __slots__ = ("reads", "size")
+    on_data = keeping_on_data(ApiRelay.on_data)
 
 
 class IdStrippingRelay(KeepingUsageRelay):

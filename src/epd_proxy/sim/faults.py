@@ -11,6 +11,8 @@ Syntax (header ``X-Sim-Fault``, the top-level body field ``sim_fault``,
                            ``data: [DONE]``; non-stream: HTTP 500 after N tokens' time
 ``reset-after=N``          abort the connection (TCP reset) after N tokens
 ``hang``                   never send headers (until the client gives up)
+``hang-item=TEXT``          ``hang``, when a media item's URL or ``uuid`` holds TEXT (an
+                           item that hangs the encoder, wherever it goes)
 ``delay=SECONDS``          wait before handling the request (slow headers)
 ``stall-after=N:SECONDS``  after N tokens, send nothing for SECONDS, then go on
 ``slow-body=SECONDS``      one token (SSE event) every SECONDS
@@ -47,7 +49,10 @@ from epd_proxy.sim.config import ROLES
 _NO_ARG = {"hang", "drop-kv", "crash"}
 _INT_ARG = {"status", "error-after", "reset-after"}
 _FLOAT_ARG = {"delay", "slow-body", "unhealthy"}
-NAMES = _NO_ARG | _INT_ARG | _FLOAT_ARG | {"stall-after", "crash"}
+_TEXT_ARG = {"hang-item"}
+NAMES = _NO_ARG | _INT_ARG | _FLOAT_ARG | _TEXT_ARG | {"stall-after", "crash"}
+# The content parts that carry a media item (vLLM's chat parts), by the field holding its URL.
+_MEDIA_PARTS = ("image_url", "video_url", "audio_url", "input_audio")
 
 
 class FaultSyntaxError(ValueError):
@@ -58,7 +63,7 @@ class FaultSyntaxError(ValueError):
 class Fault:
     role: str | None
     name: str
-    arg: float | int | None = None
+    arg: float | int | str | None = None
     arg2: float | None = None  # stall seconds
     text: str = ""
 
@@ -88,6 +93,10 @@ def parse(spec: str) -> list[Fault]:
                 out.append(Fault(role, name, int(arg), None, item))
             elif name in _FLOAT_ARG:
                 out.append(Fault(role, name, float(arg), None, item))
+            elif name in _TEXT_ARG:
+                if not arg:
+                    raise ValueError
+                out.append(Fault(role, name, arg, None, item))
             elif name == "crash":
                 out.append(Fault(role, name, float(arg) if sep else None, None, item))
             else:
@@ -102,7 +111,7 @@ def parse(spec: str) -> list[Fault]:
 class FaultPlan:
     """The faults that apply to one request on one instance."""
 
-    __slots__ = ("status", "error_after", "reset_after", "hang", "delay", "stall_after",
+    __slots__ = ("status", "error_after", "reset_after", "hang", "hang_item", "delay", "stall_after",
                  "stall_seconds", "slow_body", "drop_kv", "unhealthy", "crash", "crash_restart",
                  "texts")
 
@@ -111,6 +120,7 @@ class FaultPlan:
         self.error_after: int | None = None
         self.reset_after: int | None = None
         self.hang = False
+        self.hang_item: str | None = None
         self.delay = 0.0
         self.stall_after: int | None = None
         self.stall_seconds = 0.0
@@ -133,6 +143,8 @@ class FaultPlan:
             self.reset_after = int(arg)
         elif n == "hang":
             self.hang = True
+        elif n == "hang-item":
+            self.hang_item = str(arg)
         elif n == "delay":
             self.delay = float(arg)
         elif n == "stall-after":
@@ -146,7 +158,7 @@ class FaultPlan:
             self.unhealthy = float(arg)
         elif n == "crash":
             self.crash = True
-            self.crash_restart = f.arg
+            self.crash_restart = None if arg is None else float(arg)
 
     @property
     def describe(self) -> str:
@@ -157,6 +169,22 @@ class FaultPlan:
         """Whether the engine has per-token work to do for this plan."""
         return (self.error_after is not None or self.reset_after is not None
                 or self.stall_after is not None or self.slow_body > 0)
+
+
+def media_matches(body: dict, text: str) -> bool:
+    """Whether a media item of a chat body (its URL, data URL included, or its ``uuid``) holds ``text``."""
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict) or part.get("type") not in _MEDIA_PARTS:
+                continue
+            payload = part.get(part["type"])
+            url = payload.get("url", payload.get("data")) if isinstance(payload, dict) else payload
+            uuid = part.get("uuid")
+            if (isinstance(url, str) and text in url) or (isinstance(uuid, str) and text in uuid):
+                return True
+    return False
 
 
 def applicable(faults: list[Fault], role: str) -> list[Fault]:

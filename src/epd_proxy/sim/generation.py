@@ -1,6 +1,7 @@
 """Generation requests (``POST /v1/chat/completions`` and ``/v1/completions``, and through an
 :class:`~epd_proxy.sim.api_format.ApiFormat` the other generation APIs) on one simulated
-instance: validation, the role's behaviour, and the answer.
+instance: validation, the role's behaviour, and the sequence that answers (its callbacks,
+which write the answer, are ``answers.py``'s ``AnswerWriter``).
 
 A request goes through named steps, in vLLM's order:
 
@@ -13,9 +14,10 @@ A request goes through named steps, in vLLM's order:
 6. :meth:`~GenerationHandler._sequence` -- the engine sequence that writes the answer;
 7. :meth:`~GenerationHandler._run` -- into the engine, after loading remote KV if any.
 
-The engine then calls back :meth:`~GenerationHandler.on_prefilled` (KV exists),
-:meth:`~GenerationHandler.on_complete`, :meth:`~GenerationHandler.on_error` or
-:meth:`~GenerationHandler.on_reset`.
+The engine then calls back :meth:`~epd_proxy.sim.answers.AnswerWriter.on_prefilled` (KV
+exists), :meth:`~epd_proxy.sim.answers.AnswerWriter.on_complete`,
+:meth:`~epd_proxy.sim.answers.AnswerWriter.on_error` or
+:meth:`~epd_proxy.sim.answers.AnswerWriter.on_reset`.
 """
 
 from __future__ import annotations
@@ -29,31 +31,22 @@ import msgspec
 
 from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import responses
+from epd_proxy.sim.answers import AnswerWriter, GenerationRequest
 from epd_proxy.sim.api_format import ApiFormat, EventSequence, NullWriter
-from epd_proxy.sim.ec_store import (
-    empty_embeds_refusal,
-    encode_groups,
-    load_for_consumer,
-    mixing_refusal,
-    store_outputs,
-)
-from epd_proxy.sim.engine import DONE, DONE_EVENT, Sequence
-from epd_proxy.sim.generate import GenerateFormat
+from epd_proxy.sim.ec_store import empty_embeds_refusal, encode_groups, load_for_consumer, mixing_refusal
+from epd_proxy.sim.engine import DONE, Sequence
 from epd_proxy.sim.host import SimHost
-from epd_proxy.sim.kv_reuse import ReadResult
 from epd_proxy.sim.prefix_cache import block_hashes
-from epd_proxy.sim.records import SimRecord
-from epd_proxy.sim.responses import JSON, SSE, refusal
+from epd_proxy.sim.records import SimRecord, TeeWriter
+from epd_proxy.sim.responses import SSE, refusal
 from epd_proxy.sim.tokens import (
     Prompt,
     PromptError,
     _seed_bytes,
     analyze,
     answer_chunk_ids,
-    continuation_ids,
     media_tokens,
     output_tokens,
-    prompt_token_ids,
 )
 from epd_proxy.sim.validation import (
     UNSUPPORTED_MEDIA_TYPE,
@@ -70,99 +63,11 @@ _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
 
-class TeeWriter:
-    """A ResponseWriter that also keeps what it writes in the request's record."""
-
-    __slots__ = ("_w", "_parts")
-
-    def __init__(self, writer, rec: SimRecord) -> None:
-        self._w = writer
-        self._parts: list[bytes] = []
-        rec.response_chunks = self._parts
-
-    @property
-    def started(self) -> bool:
-        return self._w.started
-
-    @property
-    def finished(self) -> bool:
-        return self._w.finished
-
-    @property
-    def bytes_sent(self) -> int:
-        return self._w.bytes_sent
-
-    @property
-    def disconnected(self) -> bool:
-        return self._w.disconnected
-
-    def send(self, status, body=b"", content_type=JSON, headers=None) -> None:
-        if body:
-            self._parts.append(body)
-        self._w.send(status, body, content_type=content_type, headers=headers)
-
-    def start(self, status, content_type=SSE, headers=None) -> None:
-        self._w.start(status, content_type=content_type, headers=headers)
-
-    def write(self, data: bytes) -> None:
-        if data and not self._w.disconnected:
-            self._parts.append(data)
-        self._w.write(data)
-
-    def end(self, data: bytes = b"") -> None:
-        if data and not self._w.disconnected and not self._w.finished:
-            self._parts.append(data)
-        self._w.end(data)
-
-    def abort(self) -> None:
-        self._w.abort()
-
-    async def drain(self) -> None:
-        await self._w.drain()
-
-
-class GenerationRequest:
-    """One generation request's state, shared by the steps and the engine callbacks."""
-
-    __slots__ = ("chat", "resp_id", "internal_id", "model", "prompt", "hold_kv", "transfer_id",
-                 "drop_kv", "headers", "n_choices", "ec_groups", "kv_out", "reset", "body", "seq",
-                 "cached_tokens", "api", "final", "reuse", "ids", "read", "computed",
-                 "lora")
-    # Set once the request is validated.
-    model: str
-    prompt: Prompt
-    n_choices: int
-    body: dict
-
-    def __init__(self, chat: bool, api: ApiFormat | None = None) -> None:
-        self.chat = chat
-        self.api = api  # None for chat and completions
-        self.final: dict | None = None  # an ApiFormat's final answer
-        self.resp_id = "?"
-        self.internal_id = ""
-        self.headers: list | None = None  # the X-Request-Id echo, on every answer
-        self.hold_kv = False
-        self.transfer_id: str | None = None
-        self.drop_kv = False
-        self.ec_groups: dict | None = None
-        self.kv_out: dict | None = None
-        self.reset = False
-        self.seq: Sequence | None = None  # once there is one
-        self.cached_tokens = 0  # prompt tokens found in this instance's prefix cache
-        self.reuse: dict | None = None  # a prefill's decode parameters to read the last turn from
-        self.ids: list[int] | None = None  # the prompt's token ids, once derived
-        self.read = ReadResult()  # what it read from that decode
-        self.computed = 0  # prompt tokens computed here
-        self.lora: str | None = None  # the LoRA adapter it runs with (holding one of its slots)
-
-
-class GenerationHandler:
+class GenerationHandler(AnswerWriter):
     """Serves the generation routes of one instance."""
 
     def __init__(self, inst: SimHost) -> None:
-        self.inst = inst
-        self.config = inst.config
-        self.stats = inst.stats
+        super().__init__(inst)
         self._counter = 0
 
     async def serve(self, req, writer, chat: bool, api: ApiFormat | None = None) -> None:
@@ -183,8 +88,7 @@ class GenerationHandler:
                 if seq is not None and inst.engine is not None:  # a sequence was submitted to it
                     inst.engine.retire(seq)
                 if rec is not None:
-                    rec.t_end = time.monotonic()
-                    rec.bytes_sent = writer.bytes_sent
+                    rec.ended(writer.bytes_sent)
                 if inst.crashed:
                     if rec is not None:
                         rec.error = f"{inst.name} crashed"
@@ -248,8 +152,7 @@ class GenerationHandler:
         if checked.stream:
             writer.start(200, SSE, g.headers)
             if rec is not None:
-                rec.t_headers = time.monotonic()
-                rec.status = 200
+                rec.answered(200)
             if g.api is not None:
                 writer.write(g.api.stream_open(g))
         if gen_error is not None:
@@ -310,7 +213,8 @@ class GenerationHandler:
             await _forever()
         if plan.delay:
             await asyncio.sleep(plan.delay)
-        if plan.hang:
+        if plan.hang or (plan.hang_item is not None and isinstance(body, dict)
+                         and _faults.media_matches(body, plan.hang_item)):
             await _forever()
         if plan.status is not None:
             raise refusal(plan.status, f"sim: injected fault status={plan.status} on {inst.name}")
@@ -408,11 +312,6 @@ class GenerationHandler:
             st.ec_failures += 1
         extra = cfg.local_encode_ms_per_item * ec.local_encodes
         return cfg.ttft_ms + cfg.ttft_per_token_ms * computed + extra, ec.error
-
-    def _token_ids(self, g: GenerationRequest, body: dict, prompt: Prompt) -> list[int]:
-        if g.ids is None:
-            g.ids = prompt_token_ids(body, g.chat, prompt)
-        return g.ids
 
     def _cached_prefix(self, g: GenerationRequest, body: dict, prompt: Prompt) -> int:
         """Look the prompt up in the prefix cache and keep its blocks there (vLLM caches a
@@ -569,144 +468,6 @@ class GenerationHandler:
         engine.ready(seq, loop.time() + cfg.kv_load_ms / 1000.0)
         await seq.done  # type: ignore[misc]  # set by _submit's caller
 
-    # -- engine callbacks ----------------------------------------------------------------
-    def on_complete(self, seq: Sequence) -> None:
-        inst = self.inst
-        g: GenerationRequest = seq.ctx
-        st = self.stats
-        kv_out = g.kv_out
-        ec_out = None
-        if g.ec_groups is not None:
-            out, items = store_outputs(inst.ec_store, g.ec_groups, example=self.config.ec_connector == "example",
-                                       hidden_size=self.config.hidden_size, producer=inst.name,
-                                       host=inst.host, port=inst.port)
-            st.encoded_items += items
-            ec_out = out or None
-        if self.config.bidirectional and inst.role == "decode":
-            kv_out = self._keep(g, seq)
-        ncomp = seq.n * g.n_choices
-        st.success[seq.finish_reason] += 1
-        st.prompt_tokens += seq.prompt_tokens
-        st.generation_tokens += ncomp
-        writer = seq.writer
-        rec = seq.rec
-        if g.api is not None:
-            g.final = resp = g.api.body(g, seq, kv_out, ec_out)
-            g.api.finished(g, resp)
-        if seq.stream:
-            tail = seq.stream_tail()
-            if kv_out is not None and g.api is None and seq.head and self.config.bidirectional_stream_params:
-                # A chunk of their own, just before [DONE].
-                tail = (tail[:-len(DONE_EVENT)] + seq.head.partition(b',"choices":')[0]
-                        + b',"choices":[],"kv_transfer_params":' + _encode(kv_out) + b"}\n\n" + DONE_EVENT)
-            elif kv_out is not None and isinstance(g.api, GenerateFormat) and self.config.bidirectional_stream_params:
-                # Generate's stream the same way (its chunks carry the token ids anyway).
-                tail = (tail[:-len(DONE_EVENT)] + b'data: {"request_id":' + _encode(g.resp_id)
-                        + b',"output_mode":"tokens","choices":[],"kv_transfer_params":' + _encode(kv_out)
-                        + b"}\n\n" + DONE_EVENT)
-            writer.end(tail)
-        else:
-            if g.api is None:
-                resp = self._openai_body(g, seq, kv_out, ec_out, ncomp)
-            writer.send(200, _encode(resp), headers=g.headers)
-            if rec is not None:
-                rec.t_headers = time.monotonic()
-                rec.status = 200
-        if rec is not None:
-            rec.t_end = time.monotonic()
-            rec.bytes_sent = writer.bytes_sent
-            rec.kv = kv_out
-            if not self.config.record_responses:
-                rec.response_chunks = None
-
-    def _keep(self, g: GenerationRequest, seq: Sequence) -> dict:
-        """Bidirectional transfer, on a decode: the finished request's blocks (prompt and
-        answer) stay pinned for the next turn and in the prefix cache; its parameters."""
-        inst = self.inst
-        ids = continuation_ids(g.body, g.chat, self._token_ids(g, g.body, g.prompt), seq.tokens[0][:seq.n])
-        cache = inst.prefix_cache
-        hashes = None
-        if cache is not None:
-            hashes = block_hashes(ids, cache.block_size)
-            cache.store(hashes)
-        return inst.kv_reuse.keep(g.internal_id, ids, hashes)
-
-    def _openai_body(self, g: GenerationRequest, seq: Sequence, kv_out: dict | None, ec_out: dict | None,
-                     ncomp: int) -> dict:
-        """vLLM 0.32's chat or completions response model, dumped whole (``model.model_dump()``)."""
-        build = responses.chat_response if g.chat else responses.completion_response
-        resp = build(resp_id=g.resp_id, created=self.inst.created, model=g.model,
-                     texts=[seq.text(c) for c in range(g.n_choices)], finish_reason=seq.finish_reason,
-                     fingerprint=self.inst.system_fingerprint,
-                     usage=responses.usage(seq.prompt_tokens, ncomp, seq.cached_tokens),
-                     kv_out=kv_out, ec_out=ec_out)
-        if g.body.get("return_token_ids") is True:
-            # The prompt's ids and each answer's, as the next turn's prompt spells them (what a
-            # bidirectional decode keeps: ``continuation_ids``); completions carry the prompt's
-            # on each choice, as vLLM does.
-            ids = self._token_ids(g, g.body, g.prompt)
-            if g.chat:
-                resp["prompt_token_ids"] = ids
-            for c, choice in enumerate(resp["choices"]):
-                choice["token_ids"] = continuation_ids(g.body, g.chat, ids, seq.tokens[c][:seq.n])[len(ids):]
-                if not g.chat:
-                    choice["prompt_token_ids"] = ids
-        return resp
-
-    def _kv_key(self, g: GenerationRequest) -> str:
-        """What held KV is checked against on load: the prompt, and the adapter's weights it was
-        computed with (KV of another adapter, or of none, is refused like another prompt's)."""
-        if g.lora is None:
-            return g.prompt.hash_hex
-        return f"{g.prompt.hash_hex}+lora:{self.inst.lora.path(g.lora)}"
-
-    def on_prefilled(self, seq: Sequence) -> None:
-        """The prompt's KV exists: hold it for (or push it to) the decoder. This happens when
-        the prefill is computed, before the response is written, so faults on the response
-        (error-after, stall-after, reset-after) leave the KV held or pushed, as with vLLM."""
-        g: GenerationRequest = seq.ctx
-        g.kv_out = self.inst.kv.produce(g.internal_id, g.prompt.tokens, self._kv_key(g), g.transfer_id,
-                                        g.cached_tokens, g.read.wrong)
-        if seq.rec is not None:
-            seq.rec.kv = g.kv_out
-
-    def on_error(self, seq: Sequence, message: str) -> None:
-        """A generation failure (finish_reason "error"): 500, or in-band once streaming. vLLM
-        says only "Internal server error" on the wire; the reason goes to the record and log."""
-        self.stats.errors += 1
-        self.stats.success["error"] += 1
-        writer = seq.writer
-        rec = seq.rec
-        log.warning("%s: request %s failed: %s", self.inst.name, getattr(seq.ctx, "resp_id", "?"), message)
-        api: ApiFormat | None = seq.ctx.api
-        if api is not None:
-            api.failed(seq.ctx)
-        if writer.started:
-            tail = (seq.error_head() + responses.STREAM_GENERATION_ERROR + DONE_EVENT if api is None
-                    else api.stream_error(seq))
-            if tail is None:
-                writer.abort()
-            else:
-                writer.end(tail)
-        else:
-            writer.send(500, responses.GENERATION_ERROR_BODY if api is None else api.generation_error_body(),
-                        headers=seq.ctx.headers)
-            if rec is not None:
-                rec.t_headers = time.monotonic()
-                rec.status = 500
-        if rec is not None:
-            rec.t_end = time.monotonic()
-            rec.bytes_sent = writer.bytes_sent
-            rec.error = message
-
-    def on_reset(self, seq: Sequence) -> None:
-        seq.ctx.reset = True
-        rec = seq.rec
-        if rec is not None:
-            rec.t_end = time.monotonic()
-            rec.bytes_sent = seq.writer.bytes_sent
-            rec.error = f"sim: connection reset after {seq.emitted} tokens (injected)"
-        seq.writer.abort()
 
 
 def _reported_cached_tokens(kv: dict, loaded: int) -> int:

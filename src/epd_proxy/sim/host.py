@@ -1,8 +1,8 @@
 """What a simulated instance's request handlers read of the instance that holds them.
 
-``generation.py`` and ``observability.py`` are given the whole ``SimInstance`` but name
-it through ``SimHost``, the part of it they use, so that neither imports the instance
-module that builds them. (``kv_channel.py`` reads less, the instance's identity, and
+``generation.py`` (with ``answers.py``) and ``observability.py`` are given the whole
+``SimInstance`` but name it through ``SimHost``, the part of it they use, so that none
+imports the instance module that builds them. (``kv_channel.py`` reads less, the instance's identity, and
 names that beside itself: ``KvOwner``; this module types the instance's ``kv``.)
 """
 

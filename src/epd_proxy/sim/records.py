@@ -1,9 +1,12 @@
-"""What each simulated instance saw: request records and counters."""
+"""What each simulated instance saw: request records, counters, and the writer that records answers."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from epd_proxy.sim.responses import JSON, SSE
 
 
 @dataclass(slots=True)
@@ -41,6 +44,16 @@ class SimRecord:
     @property
     def done(self) -> bool:
         return self.t_end is not None
+
+    def answered(self, status: int) -> None:
+        """The status line went out now."""
+        self.t_headers = time.monotonic()
+        self.status = status
+
+    def ended(self, bytes_sent: int) -> None:
+        """The response ended now (or was reset, or the client went away)."""
+        self.t_end = time.monotonic()
+        self.bytes_sent = bytes_sent
 
     @property
     def response_body(self) -> bytes | None:
@@ -118,3 +131,54 @@ class Stats:
             if nbytes <= le:
                 self.kv_bytes_buckets[i] += 1
                 return
+
+
+class TeeWriter:
+    """A ResponseWriter that also keeps what it writes in the request's record."""
+
+    __slots__ = ("_w", "_parts")
+
+    def __init__(self, writer, rec: SimRecord) -> None:
+        self._w = writer
+        self._parts: list[bytes] = []
+        rec.response_chunks = self._parts
+
+    @property
+    def started(self) -> bool:
+        return self._w.started
+
+    @property
+    def finished(self) -> bool:
+        return self._w.finished
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._w.bytes_sent
+
+    @property
+    def disconnected(self) -> bool:
+        return self._w.disconnected
+
+    def send(self, status, body=b"", content_type=JSON, headers=None) -> None:
+        if body:
+            self._parts.append(body)
+        self._w.send(status, body, content_type=content_type, headers=headers)
+
+    def start(self, status, content_type=SSE, headers=None) -> None:
+        self._w.start(status, content_type=content_type, headers=headers)
+
+    def write(self, data: bytes) -> None:
+        if data and not self._w.disconnected:
+            self._parts.append(data)
+        self._w.write(data)
+
+    def end(self, data: bytes = b"") -> None:
+        if data and not self._w.disconnected and not self._w.finished:
+            self._parts.append(data)
+        self._w.end(data)
+
+    def abort(self) -> None:
+        self._w.abort()
+
+    async def drain(self) -> None:
+        await self._w.drain()

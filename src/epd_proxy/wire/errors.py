@@ -117,6 +117,9 @@ class ProxyError(Exception):
     """
 
     unsent = False
+    # The access log's word for a request this error ends (e.g. ``item_timeout``: its own
+    # media item, not an instance, failed it).
+    outcome = "error"
 
     def __init__(
         self,

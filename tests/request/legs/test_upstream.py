@@ -92,3 +92,29 @@ async def test_the_proxys_own_shortage_is_a_503_and_not_the_instances_fault():
     assert (err.status, err.retryable) == (503, False)
     assert err.message == "the proxy is short of local resources (Too many open files); retry later"
     assert pool.local_errors == 1 and inst.errors == 0 and not ctx.excluded
+
+
+async def test_a_held_timeout_or_500_excludes_the_instance_and_blames_it_only_on_the_verdict():
+    from epd_proxy.request.legs.upstream import HeldFailure
+
+    pool, inst, ctx = setup()
+    timeout = transport_error(pool, inst, ctx, "encode", UpstreamTimeout("no answer within 5 s"), "sending",
+                              hold=True)
+    assert isinstance(timeout, HeldFailure) and (timeout.status, timeout.retryable) == (504, True)
+    assert inst in ctx.excluded and inst in ctx.timed_out
+    assert inst.errors == 0 and inst.health.failures == 0  # nothing recorded yet
+    timeout.settle(pool, blame=True)
+    assert inst.health.errors == {"timeout": 1} and inst.health.failures == 1
+    timeout.settle(pool, blame=True)  # once
+    assert inst.health.failures == 1
+
+    other = pool.instances[1]
+    error = status_error(pool, other, ctx, "encode", 500, b'{"error": {"message": "boom"}}', None, hold=True)
+    assert isinstance(error, HeldFailure) and (error.status, error.retryable) == (502, True)
+    error.settle(pool, blame=False)  # the item's fault: nothing on the instance
+    assert other.errors == 0 and not other.health.errors and other in ctx.excluded
+
+    # An instance this request already blamed holds nothing: a signal counts once per request.
+    again = transport_error(pool, inst, ctx, "encode", UpstreamTimeout("again"), "sending", hold=True)
+    again.settle(pool, blame=True)
+    assert inst.health.failures == 1

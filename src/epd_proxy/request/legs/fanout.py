@@ -18,15 +18,17 @@ from epd_proxy.encode.encoder_plan import (
     encoder_request_id,
     new_transfer_id,
     plan_sub_requests,
+    sub_request_timeout,
     within_bound,
 )
+from epd_proxy.encode.item_faults import EncodeFailures
 from epd_proxy.encode.multimodal import MediaItem
 from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import Collector
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.legs.upstream import UpstreamStage
+from epd_proxy.request.legs.upstream import HeldFailure, UpstreamStage
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
 from epd_proxy.wire.ids import hex_id
@@ -52,6 +54,9 @@ class EncoderFanout(UpstreamStage):
     (4xx) or an unreadable answer fails the request at once. Items no encoder can take
     (every one failed them, or none had room before the encode timeout) fail the request,
     or with ``--encoder-fallback local`` go raw to the consumer, which encodes them itself.
+    An item two encoders time out on (or fail with vLLM's 500) is taken as the cause
+    (item_faults.py): the request fails at once (or the item goes raw to the consumer), and
+    neither encoder's health hears of it.
 
     Messages and Responses requests (``ctx.api``): their items are the chat parts vLLM makes
     of their image blocks, sent without a proxy ``uuid``, and the consumer keeps the API's
@@ -59,13 +64,18 @@ class EncoderFanout(UpstreamStage):
     APIs have no such part).
     """
 
+    holds_signals = True  # a timeout or a 500 may be the item's: EncodeFailures decides
+
     def __init__(self, pool: InstancePool, *, max_batch: int, rewrite: bool, timeout: float,
                  connect_timeout: float, max_outstanding: int = 0, fallback: str = "none",
                  observe_sub_request: Callable[[float], None] | None = None) -> None:
         super().__init__(pool, TransportTimeouts(connect=connect_timeout, headers=timeout, idle=timeout))
         self.max_batch = max_batch
         self.rewrite = rewrite
-        self.timeout = timeout  # also how long an item may wait for an encoder with room
+        # One image's sub-request (others scale it: sub_request_timeout); also how long an item
+        # may wait for an encoder with room.
+        self.timeout = timeout
+        self._scaled: dict[float, TransportTimeouts] = {}  # the transport's, per scaled timeout
         self.max_outstanding = max_outstanding
         self.fallback_local = fallback == "local"
         self.observe_sub_request = observe_sub_request  # metrics: each sub-request's duration
@@ -74,34 +84,39 @@ class EncoderFanout(UpstreamStage):
         self.outstanding: dict[str, int] = {}
         self.failovers: dict[str, int] = {}
         self.fallbacks = 0
+        self.item_failures: dict[str, int] = {}  # items two encoders failed alike, by reason
         self._room: list[asyncio.Future] = []  # requests waiting for an encoder with room
 
     async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
         t0 = time.perf_counter()
         results: list[ItemResult | None] = [None] * len(items)
         handles: dict = {}
-        failed: set[Instance] = set()  # encoders that failed an item of this run
+        failed = EncodeFailures()  # encoders that failed an item of this run, and how
         todo = items
         error: ProxyError | None = None  # the last failure an item was moved off
-        subs = self._place(ctx, todo, failed)
-        if subs is not None and len(subs) == 1 and len(subs[0].items) == len(items):
-            # The common case: one sub-request, awaited here (no task, one loop turn saved).
-            sub = subs[0]
-            try:
-                self._reserve(sub)
+        try:
+            subs = self._place(ctx, todo, failed.encoders)
+            if subs is not None and len(subs) == 1 and len(subs[0].items) == len(items):
+                # The common case: one sub-request, awaited here (no task, one loop turn saved).
+                sub = subs[0]
                 try:
-                    self._keep(sub, await self._one(ctx, body, sub, consumer_zmq), results, handles)
-                finally:
-                    self._release(sub)
-                todo = []
-            except ProxyError as err:
-                if not _encoder_failed(err):
-                    raise
-                todo = self._failed_over(sub, failed)
-                err.__traceback__ = None  # kept past this frame: no cycle through it
-                subs, error = None, err
-        if todo:
-            await self._fan_out(ctx, body, todo, subs, failed, error, consumer_zmq, results, handles)
+                    self._reserve(sub)
+                    try:
+                        self._keep(sub, await self._one(ctx, body, sub, consumer_zmq), results, handles)
+                    finally:
+                        self._release(sub)
+                    todo = []
+                except ProxyError as err:
+                    if not _encoder_failed(err):
+                        raise
+                    err.__traceback__ = None  # kept past this frame: no cycle through it
+                    todo = self._failed_over(ctx, sub, failed, err)
+                    subs, error = None, err
+            if todo:
+                await self._fan_out(ctx, body, todo, subs, failed, error, consumer_zmq, results, handles)
+        finally:
+            for held in failed.blamed():
+                held.settle(self.pool, blame=True)
         ctx.timing("encode", time.perf_counter() - t0)
         rewrite = self.rewrite and ctx.api is None
         out = rewrite_media(body, items, results) if rewrite else dict(body)
@@ -113,7 +128,7 @@ class EncoderFanout(UpstreamStage):
         return out
 
     async def _fan_out(self, ctx: RequestContext, body: dict, todo: list[MediaItem], subs: list[SubRequest] | None,
-                       failed: set[Instance], error: ProxyError | None, consumer_zmq: str | None, results: list,
+                       failed: EncodeFailures, error: ProxyError | None, consumer_zmq: str | None, results: list,
                        handles: dict) -> None:
         """Every item encoded (or given up to the fallback): sub-requests run concurrently,
         a failed one's items placed again, items without room wait for it until the timeout."""
@@ -123,7 +138,7 @@ class EncoderFanout(UpstreamStage):
         try:
             while True:
                 if not subs and todo:
-                    subs = self._place(ctx, todo, failed)
+                    subs = self._place(ctx, todo, failed.encoders)
                     if subs is None:  # no encoder left that has not failed these items
                         todo = self._give_up(todo, error)
                 if subs:
@@ -165,7 +180,7 @@ class EncoderFanout(UpstreamStage):
                     elif isinstance(err, ProxyError) and _encoder_failed(err):
                         err.__traceback__ = None
                         error = err
-                        todo = sorted(todo + self._failed_over(sub, failed), key=_index)
+                        todo = sorted(todo + self._failed_over(ctx, sub, failed, err), key=_index)
                     else:
                         raise _first([e for t in done if not t.cancelled() and (e := t.exception()) is not None])
                 done = None  # type: ignore[assignment]
@@ -202,13 +217,42 @@ class EncoderFanout(UpstreamStage):
         return plan_sub_requests([i for i, ok in zip(todo, fits) if ok], [c for c, ok in zip(placed, fits) if ok],
                                  self.max_batch)
 
-    def _failed_over(self, sub: SubRequest, failed: set[Instance]) -> list[MediaItem]:
-        """A sub-request failed for its encoder: its items are to be placed again elsewhere."""
+    def _failed_over(self, ctx: RequestContext, sub: SubRequest, failed: EncodeFailures,
+                     err: ProxyError) -> list[MediaItem]:
+        """A sub-request failed for its encoder: its items are to be placed again elsewhere,
+        but for those another encoder failed alike (item_faults.py): the request's fault."""
         inst = sub.encoder
-        failed.add(inst)
-        self.failovers[inst.url] = self.failovers.get(inst.url, 0) + len(sub.items)
-        log.info("encoder %s failed %d item(s); placing them on another encoder", inst.url, len(sub.items))
-        return sub.items
+        items = sub.items
+        bad = failed.failed(inst, [i.index for i in items], err if isinstance(err, HeldFailure) else None)
+        if bad:
+            items = self._item_fault(ctx, items, bad, err)
+            if not items:
+                return items
+        self.failovers[inst.url] = self.failovers.get(inst.url, 0) + len(items)
+        log.info("encoder %s failed %d item(s); placing them on another encoder", inst.url, len(items))
+        return items
+
+    def _item_fault(self, ctx: RequestContext, items: list[MediaItem], bad: list[int],
+                    err: ProxyError) -> list[MediaItem]:
+        """Two encoders failed these items alike: the items are the likely cause. No encoder is
+        blamed; the request fails at once (not retried: any encoder would fail it again), or with
+        the fallback the items go raw to the consumer. Returns the sub-request's other items."""
+        timed_out = err.status == 504
+        reason = "item_timeout" if timed_out else "item_error"
+        self.item_failures[reason] = self.item_failures.get(reason, 0) + len(bad)
+        what = "timed out on" if timed_out else "failed with an engine error on"
+        named = ", ".join(map(str, bad))
+        log.warning("request %s: two %s instances %s media item(s) %s: taken as the items' fault, not the "
+                    "instances'", ctx.request_id, self.role, what, named)
+        if not self.fallback_local:
+            items_named = f"media item {named}" if len(bad) == 1 else f"media items {named}"
+            fault = ProxyError(err.status, f"two {self.role} instances {what} {items_named} of the request (by "
+                                           f"position); the item is the likely cause", retryable=False)
+            fault.outcome = reason
+            raise fault
+        gone = set(bad)
+        self._fall_back([i for i in items if i.index in gone], f"two encode instances {what} them")
+        return [i for i in items if i.index not in gone]
 
     def _give_up(self, todo: list[MediaItem], error: ProxyError | None) -> list[MediaItem]:
         """Every encoder failed these items (or there is none): the fallback, or the failure."""
@@ -246,6 +290,16 @@ class EncoderFanout(UpstreamStage):
                 if not w.done():
                     w.set_result(None)
 
+    def _timeouts(self, items: list[MediaItem]) -> TransportTimeouts:
+        """The transport's timeouts for a sub-request of ``items`` (one image's: the stage's)."""
+        seconds = sub_request_timeout(items, self.timeout)
+        if seconds == self.timeout:
+            return self.timeouts
+        found = self._scaled.get(seconds)
+        if found is None:
+            found = self._scaled[seconds] = TransportTimeouts(self.timeouts.connect, seconds, seconds)
+        return found
+
     @staticmethod
     def _keep(sub: SubRequest, outcome: tuple, results: list, handles: dict) -> None:
         sub_results, sub_handles = outcome
@@ -262,7 +316,8 @@ class EncoderFanout(UpstreamStage):
                          consumer_zmq=consumer_zmq))
         rid = encoder_request_id(ctx.request_id, sub.items[0].index, hex_id(24))
         t0 = time.perf_counter()
-        data = await self.exchange(ctx, inst, "/v1/chat/completions", payload, ctx.upstream_headers(rid))
+        data = await self.exchange(ctx, inst, "/v1/chat/completions", payload, ctx.upstream_headers(rid),
+                                   self._timeouts(sub.items))
         if self.observe_sub_request is not None:
             self.observe_sub_request(time.perf_counter() - t0)
         try:
@@ -291,7 +346,13 @@ def encoder_collector(fanout: EncoderFanout) -> Collector:
         f["epd_proxy_encoder_outstanding"] += [[u, out.get(u, 0)] for u in {**urls, **out}]
         f["epd_proxy_encoder_failovers"] += [[u, failovers.get(u, 0)] for u in {**urls, **failovers}]
         f["epd_proxy_encoder_fallbacks"].append([fanout.fallbacks])
+        faults = fanout.item_failures
+        f["epd_proxy_encode_item_failures"] += [[r, faults.get(r, 0)] for r in {**_ITEM_REASONS, **faults}]
     return collect
+
+
+# Why an item failed the request (or fell back): every series from the start, at 0.
+_ITEM_REASONS = dict.fromkeys(("item_timeout", "item_error"))
 
 
 def _encoder_failed(err: ProxyError) -> bool:

@@ -10,7 +10,10 @@ a refused connection with no other instance of the role in rotation a
 On the way, each failure tells the instance pool what it says about the
 instance (``health.py``): an instance signal, a request signal, or nothing;
 the pool's ``record_*`` call with the request's ``ctx`` also marks the
-instance failed for this request, so a retry prefers another.
+instance failed for this request, so a retry prefers another. A stage that
+``holds_signals`` (the encode stage) gets a failure the work itself may have
+caused (a timeout, vLLM's 500) as a :class:`HeldFailure` instead: the instance
+out of the request, its signal recorded or let go on the stage's verdict.
 """
 
 from __future__ import annotations
@@ -56,9 +59,10 @@ def upstream_message(body: bytes) -> str:
 
 
 def status_error(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, status: int, body: bytes,
-                 content_type: bytes | None) -> ProxyError:
+                 content_type: bytes | None, hold: bool = False) -> ProxyError:
     """An upstream answered with a non-200 status: what it says about the instance is
-    recorded, and the error the client should see is returned."""
+    recorded, and the error the client should see is returned. With ``hold``, vLLM's 500
+    (which the work itself may cause) is a :class:`HeldFailure` instead of a recorded signal."""
     if 400 <= status < 500:
         # The request itself is wrong: the client gets the engine's own answer, and the
         # instance, which answered properly, is not blamed.
@@ -73,7 +77,10 @@ def status_error(pool: InstancePool, inst: Instance, ctx: RequestContext, stage:
         pool.record_failure(inst, f"HTTP {status}: {message}", f"http_{status}", ctx)
     else:
         # vLLM's 500: this request failed on it (e.g. one odd image), not the instance.
-        pool.record_request_failure(inst, f"HTTP {status}: {message}", f"http_{status}", ctx)
+        reason, text = f"HTTP {status}: {message}", f"{stage} instance failed with HTTP {status}: {message}"
+        if hold:
+            return held_failure(pool, inst, ctx, 502, text, reason, f"http_{status}", request_signal=True)
+        pool.record_request_failure(inst, reason, f"http_{status}", ctx)
     return ProxyError(502, f"{stage} instance failed with HTTP {status}: {message}", retryable=True)
 
 
@@ -81,9 +88,10 @@ _GATEWAY_STATUSES = frozenset({502, 503, 504})
 
 
 def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, stage: str, exc: UpstreamError,
-                    doing: str) -> ProxyError:
+                    doing: str, hold: bool = False) -> ProxyError:
     """A failure below HTTP talking to an instance, as the client should see it. The
-    address goes to the log line only: clients learn the role, never our topology."""
+    address goes to the log line only: clients learn the role, never our topology. With
+    ``hold``, a timeout (which the work itself may cause) is a :class:`HeldFailure`."""
     kind = exc.kind
     if kind == "local":
         # This process is short of descriptors, buffers or memory: nothing the instance did.
@@ -97,8 +105,10 @@ def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, sta
         # An instance signal of its own kind. The instance is out of this request for good
         # (no retry goes back to it: it may still be hung), so with no other instance of the
         # role to try, the timeout is the answer, at the stage timeout.
-        pool.record_failure(inst, f"{doing}: {exc}", TIMEOUT, ctx)
         ctx.timed_out_on(inst)
+        if hold:
+            return held_failure(pool, inst, ctx, 504, f"{stage} instance timed out: {exc}", f"{doing}: {exc}", TIMEOUT)
+        pool.record_failure(inst, f"{doing}: {exc}", TIMEOUT, ctx)
         return ProxyError(504, f"{stage} instance timed out: {exc}",
                           retryable=pool.spare(ctx.excluded, ctx.model_for(pool.role)))
     pool.record_failure(inst, f"{doing}: {exc}", kind, ctx)
@@ -117,6 +127,41 @@ def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, sta
     return ProxyError(502, f"{stage} instance broke off the connection while {doing}", retryable=True)
 
 
+class HeldFailure(ProxyError):
+    """A failure the work may have caused as much as the instance (a timeout, vLLM's 500 on
+    one request), its health signal held: the caller knows whether another instance failed
+    the same work alike (then the work is the cause, and no instance is blamed) and
+    :meth:`settle` records it or lets it go. The instance is out of the request either way."""
+
+    def __init__(self, status: int, message: str, retryable: bool, inst: Instance | None, reason: str, kind: str,
+                 request_signal: bool) -> None:
+        super().__init__(status, message, retryable=retryable)
+        self.inst = inst  # None: the request had already blamed it (a signal counts once per request)
+        self.reason = reason
+        self.kind = kind
+        self.request_signal = request_signal  # a request signal (vLLM's 500), else an instance signal
+
+    def settle(self, pool: InstancePool, blame: bool) -> None:
+        """The verdict: ``blame`` records the held signal against the instance."""
+        inst, self.inst = self.inst, None
+        if inst is None or not blame:
+            return
+        if self.request_signal:
+            pool.record_request_failure(inst, self.reason, self.kind)
+        else:
+            pool.record_failure(inst, self.reason, self.kind)
+
+
+def held_failure(pool: InstancePool, inst: Instance, ctx: RequestContext, status: int, message: str, reason: str,
+                 kind: str, request_signal: bool = False) -> HeldFailure:
+    """What ``record_*`` with the request's ``ctx`` does but the signal: the instance out of
+    the request (a retry prefers others), a timeout retryable while another instance is left."""
+    fresh = inst not in ctx.excluded
+    ctx.failed(inst)
+    retryable = request_signal or pool.spare(ctx.excluded, ctx.model_for(pool.role))
+    return HeldFailure(status, message, retryable, inst if fresh else None, reason, kind, request_signal)
+
+
 def _reason(exc: UpstreamError) -> str:
     """The OS's words from a connect failure, without the address before them."""
     return str(exc).rsplit(": ", 1)[-1]
@@ -127,22 +172,28 @@ class UpstreamStage:
     stage in errors and logs), their transport timeouts, and the calls to one of the pool's
     instances, whose failures take the one path above."""
 
+    # Whether a failure the work may cause (a timeout, vLLM's 500) is held for the caller's
+    # verdict (HeldFailure) rather than recorded at once: the encode stage's, per item.
+    holds_signals = False
+
     def __init__(self, pool: InstancePool, timeouts: TransportTimeouts) -> None:
         self.pool = pool
         self.role = pool.role
         self.timeouts = timeouts
 
     async def call(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers,
-                   method: str = "POST") -> Response:
-        """A request (POST unless ``method`` says otherwise) to one instance; a transport failure
-        becomes a ProxyError and counts against it."""
+                   method: str = "POST", timeouts: TransportTimeouts | None = None) -> Response:
+        """A request (POST unless ``method`` says otherwise) to one instance, within the
+        stage's timeouts unless ``timeouts`` says otherwise; a transport failure becomes a
+        ProxyError and counts against it."""
         inst.requests += 1
         ctx.hold(inst)
         trace = ctx.trace
         if trace is not None:
             headers = trace.leg(inst, self.role, headers)
         try:
-            resp = await inst.connections.request(method, path, body=body, headers=headers, timeouts=self.timeouts)
+            resp = await inst.connections.request(method, path, body=body, headers=headers,
+                                                  timeouts=timeouts or self.timeouts)
             if trace is not None:
                 trace.status(inst, resp.status)
             return resp
@@ -163,10 +214,11 @@ class UpstreamStage:
         except UpstreamError as exc:
             raise self.transport_error(ctx, inst, exc, "reading its answer") from None
 
-    async def exchange(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers) -> bytes:
+    async def exchange(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers,
+                       timeouts: TransportTimeouts | None = None) -> bytes:
         """A whole request/response with one instance; a non-200 answer raises (and a
         5xx is retryable elsewhere)."""
-        resp = await self.call(ctx, inst, path, body, headers)
+        resp = await self.call(ctx, inst, path, body, headers, timeouts=timeouts)
         try:
             data = await self.read_body(ctx, inst, resp)
         finally:
@@ -179,7 +231,7 @@ class UpstreamStage:
 
     def status_error(self, ctx: RequestContext, inst: Instance, status: int, body: bytes,
                      content_type: bytes | None) -> ProxyError:
-        return status_error(self.pool, inst, ctx, self.role, status, body, content_type)
+        return status_error(self.pool, inst, ctx, self.role, status, body, content_type, self.holds_signals)
 
     def transport_error(self, ctx: RequestContext, inst: Instance, exc: UpstreamError, doing: str) -> ProxyError:
-        return transport_error(self.pool, inst, ctx, self.role, exc, doing)
+        return transport_error(self.pool, inst, ctx, self.role, exc, doing, self.holds_signals)
