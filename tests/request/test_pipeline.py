@@ -23,13 +23,16 @@ async def test_client_gets_exactly_decodes_bytes(stream, prefill):
             cluster, proxy, client):
         body = chat_body(CJK_PROMPT, stream=stream, max_tokens=24, seed=7,
                          **({"stream_options": {"include_usage": True}} if stream else {}))
-        if prefill and not stream:
-            # The proxy's first answer from a decode asks it for token ids (whether it keeps blocks
-            # for the next turn: protocol.md §2.10, "The first answer"): the client gets the bytes
-            # decode sends unasked. From then on, decode's bytes as they are.
+        if prefill:
+            # The proxy's first answer (and first stream) from a decode asks it for token ids
+            # (whether it keeps blocks for the next turn: protocol.md §2.10, "The first answer"):
+            # the client gets the bytes decode sends unasked. From then on, decode's bytes as they are.
             reply = await client.chat(body)
             asked = cluster.records("decode")[-1].response_body
-            assert b'"prompt_token_ids":[' in asked and reply.body == strip_token_ids(asked)
+            assert b'"prompt_token_ids":[' in asked and reply.text() == expected_text(body)
+            assert b'"token_ids":[' not in reply.body and b'"prompt_token_ids":[' not in reply.body
+            if not stream:
+                assert reply.body == strip_token_ids(asked)
         reply = await client.chat(body)
         assert reply.status == 200
         consumer = cluster.records("decode" if prefill else "pd")[-1]

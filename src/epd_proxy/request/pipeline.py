@@ -297,7 +297,7 @@ class Pipeline:
                 return
             hide = rec.hide_usage  # the client did not ask for the usage event: taken out
             turns = self.turns
-            if turns is None or not turns.active:
+            if turns is None or not (turns.active or ctx.ids_asked):
                 relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
                                            ctx if hide or ((report is not None or leg.companion is not None)
                                                            and (_wants_usage(body) or (api is not None
@@ -343,6 +343,8 @@ class Pipeline:
             kept = relay.prev + relay.last  # the last event: its parameters, to let them go
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
+        elif relay.error is None and api is None:
+            self.reuse.stream_ended_plain(ctx, leg.inst)
         return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
@@ -529,7 +531,7 @@ class Pipeline:
                 self.reuse.again(ctx)
             elif turns.active:
                 local = await self.reuse.previous_turn(ctx, turns, body, p, bool(items))
-            if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids")
+            if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids") and not items
                     and self.reuse.asks_stream_ids(ctx, body, local or d)):
                 # A decode that sends its parameters in a stream: asked for the token ids the next
                 # turn is checked against, taken out of what the client gets (IdStrippingRelay).

@@ -137,6 +137,9 @@ async def test_a_streams_parameters_without_token_ids_are_stripped_and_freed():
         kept = d.kv_reuse.kept_requests
         counts = proxy.app.pipeline.reuse.counts
         before = counts.answers.get(NO_IDS, 0)
+        # Learnt already (as after a first stream) that this decode's streams end without
+        # parameters, so this one is not asked for its token ids; it ends with parameters.
+        proxy.app.pipeline.reuse.stream_plain.add(d.url)
         b1 = _chat("first question", stream=True)
         r = await client.chat(b1)
         assert r.status == 200 and b"remote_block_ids" not in r.body and _stream_text(r.body) == expected_text(b1)
@@ -206,14 +209,15 @@ async def test_streamed_turns_read_from_decode_once_it_sent_stream_parameters():
             cluster, proxy, client):
         await _warm(client)
         probe = _chat("warm up", stream=True)
-        plain = await client.chat(probe)  # the first stream with parameters: not asked; learnt from
-        assert plain.status == 200 and _asked(cluster)[-1] is False
-        _clean(plain.body)
-        again = await client.chat(probe)  # asked now, and the client gets the same bytes
+        first = await client.chat(probe)  # a decode not seen to end a stream yet: asked, to learn it
+        assert first.status == 200 and _asked(cluster)[-1] is True
+        _clean(first.body)
+        assert proxy.app.pipeline.reuse.stream_decodes == {cluster.instances("decode")[0].url}
+        again = await client.chat(probe)  # asked again (it sends parameters), the client gets the same bytes
         assert again.status == 200 and _asked(cluster)[-1] is True
         sent = cluster.records("decode")[-1].response_body
         assert b'"token_ids":[' in sent and b'"prompt_token_ids":[' in sent
-        assert _normal(again.body) == _normal(plain.body)
+        assert _normal(again.body) == _normal(first.body)
         reused = await _conversation(client)
         assert _asked(cluster)[-3:] == [True, True, True]
         assert _reads(cluster) == 2 and proxy.app.pipeline.reuse.counts.turns["reused"] == 2
@@ -235,9 +239,12 @@ async def test_a_decode_that_never_sent_stream_parameters_is_never_asked():
         for _ in range(2):
             r = await client.chat(b1)
             assert r.status == 200 and _stream_text(r.body) == expected_text(b1)
-        # the warm-up, non-stream, was asked for token ids (its decode had not answered yet)
-        assert proxy.app.pipeline.turns.active and _asked(cluster) == [True, False, False]
+        # the warm-up, non-stream, was asked for token ids (its decode had not answered yet), and
+        # the first stream, to learn whether the decode sends parameters in streams: it does not,
+        # so the second is not asked
+        assert proxy.app.pipeline.turns.active and _asked(cluster) == [True, True, False]
         assert proxy.app.pipeline.reuse.stream_decodes == set()
+        assert proxy.app.pipeline.reuse.stream_plain == {cluster.instances("decode")[0].url}
 
 
 class _Writer:

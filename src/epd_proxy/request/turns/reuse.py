@@ -122,6 +122,10 @@ class TurnReuse:
         # event: asked for the stream's token ids from then on (asks_stream_ids). vLLM 0.32 never
         # sends them there, so its streams are never asked.
         self.stream_decodes: set[str] = set()
+        # The decodes seen to end such a stream without parameters, when asked for its token ids
+        # to learn it (asks_stream_ids): not asked again. A decode in neither set is asked once,
+        # so that the first stream it gives this process can be kept too.
+        self.stream_plain: set[str] = set()
         # Per decode URL, whether its answers through the pull connector hold blocks for a later
         # reader (True: one came with parameters; False: one came without). A decode not in it is
         # asked for token ids (probes) until it answers, so the first answer it gives this process
@@ -145,6 +149,7 @@ class TurnReuse:
         """The decode at ``url`` left or joined anew (maybe another engine, another config)."""
         self.decodes.pop(url, None)
         self.stream_decodes.discard(url)
+        self.stream_plain.discard(url)
         if self.store is not None:
             self.store.drop_decode(url)
 
@@ -178,10 +183,20 @@ class TurnReuse:
 
     def asks_stream_ids(self, ctx: RequestContext, body: dict, decode: Instance) -> bool:
         """Whether a chat or completions stream whose client did not ask for token ids should
-        ask ``decode`` for them: a decode seen to send its parameters in a stream, and one
-        choice without an echo (read_stream reads back nothing else)."""
-        return (decode.url in self.stream_decodes and (ctx.path == CHAT or ctx.path == COMPLETIONS)
+        ask ``decode`` for them: a decode seen to send its parameters in a stream, or one not
+        seen to end such a stream yet (the pull connector: its first stream may be kept; vLLM
+        0.32's streams carry no parameters, so it costs one stream's ids per decode and
+        process), and one choice without an echo (read_stream reads back nothing else)."""
+        url = decode.url
+        return ((url in self.stream_decodes or (self.pull and url not in self.stream_plain))
+                and (ctx.path == CHAT or ctx.path == COMPLETIONS)
                 and body.get("n") in (None, 1) and not body.get("echo"))
+
+    def stream_ended_plain(self, ctx: RequestContext, decode: Instance) -> None:
+        """A stream whose token ids the proxy asked for ended without parameters: ``decode``
+        sends none in its streams, and is not asked again (until it joins anew)."""
+        if ctx.ids_asked and decode.url not in self.stream_decodes:
+            self.stream_plain.add(decode.url)
 
     async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None,
                             media: bool = False) -> Instance | None:
