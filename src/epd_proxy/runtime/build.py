@@ -34,6 +34,8 @@ from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.instances.sources import RosterSources
+from epd_proxy.kvcache.feed import EventFeed
+from epd_proxy.kvcache.index import BlockIndex
 from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.request.admission import Admission, admission_collector
@@ -95,12 +97,15 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     membership.subscribe(_forget_departed(connector))
     if pipeline.turns is not None:
         membership.subscribe(_drop_held(pipeline.turns))
+    kv_events = EventFeed(BlockIndex(config.kv_index_max_blocks), config.kv_events_port)
+    membership.subscribe(kv_events.changed)  # an instance that joins is subscribed, one that leaves dropped
+    metrics.register(lambda f: kv_events.collect(f, str(worker)))
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder,
-                    siblings=siblings)
+                    siblings=siblings, kv_events=kv_events)
 
 
 def build_pools(config: ProxyConfig) -> dict[str, InstancePool]:

@@ -62,9 +62,13 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
     prefill's identity (for push connectors), and its KV connector."""
     encode = [InstanceSpec(u, "encode") for u in cluster.urls("encode")]
     prefill = [InstanceSpec(i["url"], "prefill", engine_id=i["engine_id"], kv_host=i["kv_host"],
-                            kv_port=i["kv_port"], tp=i["tp"], pp=i["pp"], bootstrap_port=i.get("bootstrap_port"))
+                            kv_port=i["kv_port"], tp=i["tp"], pp=i["pp"], bootstrap_port=i.get("bootstrap_port"),
+                            kv_events=i.get("kv_events"), kv_events_replay=i.get("kv_events_replay"))
                for i in cluster.prefill_identities()]
-    decode = [InstanceSpec(u, "decode") for u in cluster.urls("decode") + cluster.urls("pd")]
+    # With kv_events on, every instance names its KV event sockets.
+    decode = [InstanceSpec(i.url, "decode", kv_events=i.kv_events and i.kv_events.endpoint,
+                           kv_events_replay=i.kv_events and i.kv_events.replay_endpoint)
+              for i in cluster.instances("decode") + cluster.instances("pd")]
     base = config or ProxyConfig()
     return base.replace(encode=encode, prefill=prefill, decode=decode, kv_connector=cluster.config.kv_connector)
 

@@ -420,9 +420,9 @@ class GenerationHandler:
         cache = self.inst.prefix_cache
         if cache is None:
             return 0
-        hashes = block_hashes(self._token_ids(g, body, prompt), cache.block_size)
+        hashes = block_hashes(ids := self._token_ids(g, body, prompt), cache.block_size)
         cached = cache.lookup(hashes, prompt.tokens)
-        cache.store(hashes)
+        cache.store(hashes, ids, g.lora)
         return cached
 
     async def _read_decode_kv(self, g: GenerationRequest, body: dict, prompt: Prompt) -> None:
@@ -628,7 +628,7 @@ class GenerationHandler:
         hashes = None
         if cache is not None:
             hashes = block_hashes(ids, cache.block_size)
-            cache.store(hashes)
+            cache.store(hashes, ids, g.lora)
         return inst.kv_reuse.keep(g.internal_id, ids, hashes)
 
     def _openai_body(self, g: GenerationRequest, seq: Sequence, kv_out: dict | None, ec_out: dict | None,
