@@ -153,6 +153,13 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                   "(--kv-index-max-blocks bounds them).", ()),
     "epd_proxy_kv_index_evictions": ("counter", "(instance, block) pairs the KV block index forgot for its "
                                      "bound.", ()),
+    "epd_proxy_kv_lookups": ("counter", "Requests and the KV block index: indexed (the prompt's tokens looked up), "
+                             "not_live (no instance's events live), media and api (approximate routing for "
+                             "requests with media and for Messages, Responses, generate), no_prompt, "
+                             "tokenize_failed.", ("outcome",)),
+    "epd_proxy_kv_tokenize_seconds": ("counter", "Time spent in /tokenize calls for the block index.", ()),
+    "epd_proxy_routing_exact": ("counter", "cache-aware picks made on the KV block index (every candidate's "
+                                "events live).", ("role",)),
     "epd_proxy_routing_spills": ("counter", "cache-aware picks that passed over the preferred instance for its "
                                  "load.", ("role",)),
     "epd_proxy_instance_other_requests": ("gauge", "Requests on the instance that are not this worker's, as "

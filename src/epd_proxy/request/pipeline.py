@@ -65,6 +65,7 @@ from epd_proxy.wire.errors import ProxyError
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
+    from epd_proxy.request.kv_lookup import KvLookup
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -74,7 +75,8 @@ class Pipeline:
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
                  fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
                  role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
-                 tracing: Tracing | None = None, adapters: Adapters | None = None) -> None:
+                 tracing: Tracing | None = None, adapters: Adapters | None = None,
+                 kv: KvLookup | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -124,6 +126,7 @@ class Pipeline:
                                decode_only=decode_only, models=self.models, base_headers=base_headers)
         self.turns = self.reuse.store
         self._described: dict[str, bytes] = {}  # model -> its Server-Timing part (_describe)
+        self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
 
     def _describe(self, model: str) -> bytes:
         """``model``'s part of the ``Server-Timing`` header, kept for the next request naming it
@@ -430,6 +433,9 @@ class Pipeline:
         if ctx.api is not None and ctx.whole is not None:
             return await self._whole(ctx, body)
         models = ctx.models  # None (the common case): every instance serves the request's model
+        kv = self.kv
+        if kv is not None:
+            await kv.prepare(ctx, body, bool(items))
         d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
         # Every instance left has failed this request: never one that timed out on it.
         if ctx.timed_out:
@@ -440,6 +446,8 @@ class Pipeline:
             if self.prefill or self._need_prefill else None
         if ctx.timed_out and p is not None:
             p = _not_timed_out(self.prefill, p, ctx)
+        if kv is not None:
+            kv.chosen(p if p is not None else d, ctx)
         dp_headers, consumer_zmq = self._ec_consumer(d)
         caps = self.role_caps
         if items and (self.encode or self._need_encode):

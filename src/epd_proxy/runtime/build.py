@@ -40,6 +40,7 @@ from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.forward import Forwarder
+from epd_proxy.request.kv_lookup import KvLookup
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
@@ -87,7 +88,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         directory=config.lora_dir, max_loads=config.max_lora_loads,
                         learn_timeout=config.probe_timeout)
     metrics.register(adapters_collector(adapters))
-    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters,
+    kv_events = EventFeed(BlockIndex(config.kv_index_max_blocks), config.kv_events_port)
+    kv = KvLookup(kv_events, pools["decode"], base_headers)
+    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters, kv=kv,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
@@ -97,9 +100,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     membership.subscribe(_forget_departed(connector))
     if pipeline.turns is not None:
         membership.subscribe(_drop_held(pipeline.turns))
-    kv_events = EventFeed(BlockIndex(config.kv_index_max_blocks), config.kv_events_port)
     membership.subscribe(kv_events.changed)  # an instance that joins is subscribed, one that leaves dropped
     metrics.register(lambda f: kv_events.collect(f, str(worker)))
+    metrics.register(kv.collect)
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
