@@ -81,3 +81,28 @@ async def test_an_evicted_prefix_is_no_longer_preferred():
         metrics = (await client.request("GET", "/metrics")).body
         assert b'epd_proxy_routing_exact_total{role="prefill"} 4.0' in metrics
         assert b'epd_proxy_kv_lookups_total{outcome="indexed"} 4.0' in metrics
+
+
+async def test_a_decode_holding_nearly_all_of_the_prompt_computes_it_alone():
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, kv_events=True)
+    async with stack(prefill=1, decode=1, sim=sim) as (cluster, proxy, client):
+        await _live(proxy, 2)
+        (d,) = cluster.urls("decode")
+        feed = proxy.app.kv_events
+        prompt = _prompt(7)
+        plain = Client(d)
+        try:  # the decode computes a prompt of its own (no prefill involved)
+            reply = await plain.post("/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 1})
+            assert reply.status == 200, reply.body
+        finally:
+            await plain.close()
+        await wait_for(lambda: feed.index.longest_prefix(prompt).get(d) == 96)
+        prefill = cluster.instances("prefill")[0]
+        before = len(prefill.records)
+        for tail, alone in (([1, 2, 3], True), (list(range(200, 300)), False)):
+            reply = await client.post("/v1/completions", {"model": "sim-model", "prompt": prompt + tail,
+                                                          "max_tokens": 2})
+            assert reply.status == 200, reply.body
+            assert (len(prefill.records) == before) is alone, tail
+        metrics = (await client.request("GET", "/metrics")).body
+        assert b'epd_proxy_not_disaggregated_total{reason="cached"} 1.0' in metrics

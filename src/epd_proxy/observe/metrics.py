@@ -89,7 +89,9 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_not_disaggregated": ("counter", "Generation requests served whole by one decode (or PD) "
                                     "instance because the proxy cannot split them, by reason: media (an image no "
                                     "encoder can be sent, e.g. an uploaded file's id), previous_response_id (the "
-                                    "conversation is in one instance's store), background.", ("reason",)),
+                                    "conversation is in one instance's store), background, cached (the KV block index "
+                                    "says the chosen decode holds all but --local-prefill-max-tokens of the prompt).",
+                                    ("reason",)),
     "epd_proxy_stream_errors": ("counter", "Committed streams ended with an in-band error event.", ()),
     "epd_proxy_client_disconnects": ("counter", "Requests whose client went away before the end.", ()),
     "epd_proxy_inflight_requests": ("gauge", "Client requests in progress.", ()),

@@ -11,6 +11,10 @@ some instance (KV events on and live). Requests with media, and the APIs the pro
 rewrites (Messages, Responses, generate), keep approximate routing: their tokens are not
 what a text-only tokenization gives. Anything that fails costs the lookup, never the
 request: the view stays without ``held`` and the policy routes as before.
+
+With the index's answer, a P/D request whose chosen decode already holds all but a few of
+its tokens is sent to that decode alone (``decode_alone``): the prefill hop would cost more
+than the decode computing the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from epd_proxy.kvcache.endpoints import instance_of
 from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
+from epd_proxy.request.turns.multiturn import skips_prefill
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.kv_events")
@@ -98,6 +103,16 @@ class KvLookup:
         view.tokens = len(ids)
         view.kv_keys = [k for chain in keys.values() for k in chain]
         outcomes["indexed"] += 1
+
+    def decode_alone(self, ctx: RequestContext, d: Instance, max_tokens: int, max_streams: int) -> bool:
+        """Disaggregate only when it pays: whether ``d``, which holds all but at most
+        ``max_tokens`` of the prompt (the index says), computes it alone, under the busy-decode
+        rule of the multi-turn prefill skip (``turns.multiturn.skips_prefill``)."""
+        view = ctx.view
+        if view is None or view.held is None or d.url not in view.live or not view.tokens:
+            return False
+        missing = view.tokens - view.held.get(d.url, 0)
+        return skips_prefill(missing, d.inflight + d.signals.others, max_tokens, max_streams)
 
     def chosen(self, inst: Instance, ctx: RequestContext) -> None:
         """``inst`` computes the prompt: its blocks count as held there until its events

@@ -446,8 +446,6 @@ class Pipeline:
             if self.prefill or self._need_prefill else None
         if ctx.timed_out and p is not None:
             p = _not_timed_out(self.prefill, p, ctx)
-        if kv is not None:
-            kv.chosen(p if p is not None else d, ctx)
         dp_headers, consumer_zmq = self._ec_consumer(d)
         caps = self.role_caps
         if items and (self.encode or self._need_encode):
@@ -482,6 +480,13 @@ class Pipeline:
                                                                     None, local, dp_headers))
                 finally:
                     ctx.upstream += time.perf_counter() - t
+        if kv is not None:
+            if p is not None and not items and kv.decode_alone(ctx, d, self.config.local_prefill_max_tokens,
+                                                               self.config.local_prefill_max_streams):
+                p = None  # the decode holds nearly all of the prompt: it computes the rest alone
+                counts = self.metrics.not_disaggregated
+                counts["cached"] = counts.get("cached", 0) + 1
+            kv.chosen(p if p is not None else d, ctx)
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:
