@@ -433,7 +433,7 @@ class Pipeline:
         if ctx.api is not None and ctx.whole is not None:
             return await self._whole(ctx, body)
         models = ctx.models  # None (the common case): every instance serves the request's model
-        kv = self.kv
+        kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
         d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
