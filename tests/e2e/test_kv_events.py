@@ -66,3 +66,6 @@ def test_a_prefix_one_prefill_holds_is_routed_there(kv, proxy):
     received = {lab["url"]: v for name, lab, v in m.samples if name == "epd_proxy_kv_events_received_total"}
     assert all(received.get(u, 0) > 0 for u in urls), received
     assert m.get("epd_proxy_routing_exact_total", role="prefill") >= PROMPTS
+    # Through the live socket, not only the heartbeat's replays.
+    streams = E.request(proxy.url, "GET", "/status").json()["kv_events"]["instances"]
+    assert all(streams[u][0]["live_received"] > 0 for u in urls), streams

@@ -235,7 +235,8 @@ class Vllm:
             self.events_port, self.replay_port = free_ports(2)
             events = ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-                "endpoint": f"tcp://127.0.0.1:{self.events_port}",
+                # vLLM binds only a wildcard endpoint (its PUB connects to any other address)
+                "endpoint": f"tcp://*:{self.events_port}",
                 "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"})]
         argv = [os.path.join(VENV, "bin", "vllm"), "serve", os.path.join(MODELS, self.model),
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),

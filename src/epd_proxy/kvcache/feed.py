@@ -74,6 +74,8 @@ class StreamReader:
         self.restarts = 0  # engine restarts seen
         self.lost = 0  # gaps no replay could fill (the instance cleared)
         self.errors = 0  # messages that were not vLLM's event batches
+        self.live_received = 0  # batches that came through the live socket
+        self.fetched = 0  # batches the heartbeat brought that the live socket had not
         self.last_event: float | None = None  # wall clock of the last batch applied
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
@@ -142,6 +144,7 @@ class StreamReader:
         if self.stream.replay is None:
             self.connected = True
         self._apply(seq, frames[2])
+        self.live_received += 1
 
     def _apply(self, seq: int, payload: bytes) -> None:
         events = wire.decode_batch(payload)
@@ -177,6 +180,12 @@ class StreamReader:
             self._restarted(f"its replay no longer has message {last} as applied")
             await self._replay(0)
             return
+        if len(frames) > 1:
+            self.fetched += len(frames) - 1
+            if not self.live_received and self.fetched >= 3 and self.fetched - len(frames) + 1 < 3:
+                log.warning("KV events of %s: nothing arrives on %s, only through the replay socket (every %g s): "
+                            "does the instance bind it? vLLM binds only a wildcard endpoint (tcp://*:PORT) and "
+                            "connects to any other", self.stream.name, self.stream.endpoint, self.heartbeat)
         self._replayed(frames[1:])
 
     async def _replay(self, start: int) -> None:
@@ -245,6 +254,7 @@ class StreamReader:
                 "blocks": self.index.blocks_of(self.stream.name), "received": self.received,
                 "expected_seq": self.tracker.expected, "gaps": self.gaps, "replays": self.replays,
                 "restarts": self.restarts, "lost": self.lost, "errors": self.errors,
+                "live_received": self.live_received, "fetched": self.fetched,
                 "last_event": None if self.last_event is None else round(self.last_event, 3)}
 
 
