@@ -65,15 +65,22 @@ atexit.register(_stop_all_at_exit)
 _PORTS = range(20000, 32000)
 
 
+_GIVEN: set[int] = set()  # handed out already: free now, but another process may be about to bind it
+
+
 def free_port() -> int:
-    """A currently free loopback TCP port outside the ephemeral range."""
+    """A currently free loopback TCP port outside the ephemeral range, never one handed out
+    before in this run (instances starting together bind theirs late)."""
     for _ in range(1000):
         port = random.choice(_PORTS)
+        if port in _GIVEN:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return port
     raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
