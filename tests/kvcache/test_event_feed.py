@@ -8,6 +8,8 @@ import asyncio
 
 from tests.helpers import Client, wait_for
 
+from epd_proxy import ProxyConfig, start_proxy
+from epd_proxy.config import InstanceSpec
 from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.kvcache.index import BlockIndex
 from epd_proxy.runtime.serve import config_for_cluster
@@ -120,3 +122,23 @@ async def test_evictions_and_leaving():
             assert feed.index.longest_prefix(_prompt(2)) == {} and not feed.readers
         finally:
             await feed.close()
+
+
+async def test_the_feed_follows_the_roster():
+    """An instance registered with its event sockets is subscribed; one that leaves is dropped."""
+    config = SimConfig(itl_ms=0, ttft_ms=0, kv_events=True)
+    async with SimCluster(prefill=1, decode=1, config=config) as cluster, \
+            SimCluster(prefill=1, config=config) as extra:
+        base = ProxyConfig(probe_interval=0, scrape_interval=0)
+        async with await start_proxy(config_for_cluster(cluster, base)) as proxy:
+            feed = proxy.app.kv_events
+            await wait_for(lambda: len(feed.live()) == 2)
+            ident = extra.prefill_identities()[0]
+            spec = InstanceSpec(ident["url"], "prefill", engine_id=ident["engine_id"], kv_host=ident["kv_host"],
+                                kv_port=ident["kv_port"], kv_events=ident["kv_events"],
+                                kv_events_replay=ident["kv_events_replay"])
+            proxy.app.membership.register(spec)
+            await wait_for(lambda: spec.url in feed.live())
+            proxy.app.membership.unregister(spec.url)
+            await wait_for(lambda: spec.url not in feed.readers)
+            assert len(feed.live()) == 2
