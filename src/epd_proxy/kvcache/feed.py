@@ -92,6 +92,19 @@ class StreamReader:
         self.connected = False
 
     async def _run(self) -> None:
+        """Read until closed; an unforeseen error is logged, shown as not connected, and the
+        stream read again from new sockets a moment later (its sequence kept)."""
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV events of %s: reader failed; starting again", self.stream.name)
+                self.connected = False
+                await asyncio.sleep(self.heartbeat)
+
+    async def _session(self) -> None:
         s = self.stream
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -112,11 +125,6 @@ class StreamReader:
                     except wire.WireError as exc:
                         self.errors += 1
                         log.warning("KV events of %s: %s", s.name, exc)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # never let a stream die silently: logged, shown as not connected
-            log.exception("KV events of %s: reader stopped", s.name)
-            self.connected = False
         finally:
             sub.close(linger=0)
             self._drop_dealer()
