@@ -106,3 +106,46 @@ async def test_a_decode_holding_nearly_all_of_the_prompt_computes_it_alone():
             assert (len(prefill.records) == before) is alone, tail
         metrics = (await client.request("GET", "/metrics")).body
         assert b'epd_proxy_not_disaggregated_total{reason="cached"} 1.0' in metrics
+
+
+async def test_two_replicas_agree_without_talking():
+    """Turns of chat conversations alternate between two proxies; each proxy's own index, read
+    from the same events, sends every later turn where the other placed the earlier ones, and
+    both decide on the index (chat prompts tokenized by the instances). At this low load the
+    approximate policy keeps these turns together too (openings go to the rendezvous-top
+    instance that both compute); the tests above place prefixes where it cannot know them."""
+    from epd_proxy import ProxyConfig, start_proxy
+    from epd_proxy.runtime.serve import config_for_cluster
+    from epd_proxy.sim import SimCluster
+
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, kv_events=True)
+    async with SimCluster(prefill=3, decode=1, config=sim) as cluster:
+        config = config_for_cluster(cluster, ProxyConfig(probe_interval=0, scrape_interval=0))
+        async with await start_proxy(config) as one, await start_proxy(config) as two:
+            await _live(one, 4)
+            await _live(two, 4)
+            proxies = (one, two)
+            clients = [Client(one.url), Client(two.url)]
+            try:
+                for n in range(8):
+                    words = " ".join(f"c{n}w{i}" for i in range(200))  # beyond the decode-alone bound
+                    messages = [{"role": "user", "content": words}]
+                    home = None
+                    for turn in range(3):
+                        k = (n + turn) % 2
+                        reply = await clients[k].chat({"model": "sim-model", "messages": messages, "max_tokens": 4})
+                        assert reply.status == 200, reply.body
+                        served = [inst.url for inst in cluster.instances("prefill") for rec in inst.records
+                                  if rec.json and rec.json.get("messages") == messages]
+                        if home is None:
+                            home = served
+                        assert served == home, (n, turn)
+                        messages = messages + [{"role": "assistant", "content": reply.text()},
+                                               {"role": "user", "content": f"and then {turn} more words please"}]
+                        # The other proxy learns from the events where this turn's blocks are.
+                        other = proxies[1 - k].app.kv_events.index
+                        await wait_for(lambda o=other, h=home[0]: o.blocks_of(h) > 0)
+            finally:
+                for c in clients:
+                    await c.close()
+        assert one.app.pools["prefill"].policy.exact and two.app.pools["prefill"].policy.exact
