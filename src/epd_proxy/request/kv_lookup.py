@@ -42,7 +42,7 @@ log = logging.getLogger("epd_proxy.kv_events")
 TOKENIZE_TIMEOUT = 2.0
 # The chat fields that shape the prompt's tokens (vLLM's tokenize request takes them all).
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
-                "chat_template_kwargs", "tools", "documents")
+                "chat_template_kwargs", "tools", "add_special_tokens")
 _JSON = [(b"content-type", b"application/json")]
 # What a lookup came to (``epd_proxy_kv_lookups``).
 OUTCOMES = ("indexed", "not_live", "media", "api", "no_prompt", "tokenize_failed")
@@ -132,6 +132,8 @@ class KvLookup:
                 self.outcomes["no_prompt"] += 1
                 return None
             ask: dict = {"model": body.get("model"), "prompt": prompt}
+            if "add_special_tokens" in body:
+                ask["add_special_tokens"] = body["add_special_tokens"]
         else:
             ask = {k: body[k] for k in _CHAT_FIELDS if k in body}
             ask["model"] = body.get("model")
