@@ -69,3 +69,25 @@ def test_a_prefix_one_prefill_holds_is_routed_there(kv, proxy):
     # Through the live socket, not only the heartbeat's replays.
     streams = E.request(proxy.url, "GET", "/status").json()["kv_events"]["instances"]
     assert all(streams[u][0]["live_received"] > 0 for u in urls), streams
+
+
+def test_a_chat_prefix_is_found_through_the_instances_tokenizer(kv, proxy):
+    """Chat: the proxy's /tokenize call applies the model's chat template as the generation
+    request will, so the next turn of a conversation opened on one prefill (directly) finds it."""
+    holders = [kv.prefill_b, kv.prefill]
+    for n in range(2):
+        holder = holders[n % 2]
+        first = [{"role": "user", "content": E.unique_prompt(words=200)}]
+        held = _held(proxy, holder.url)
+        r = E.post(holder.url, "/v1/chat/completions", {"model": E.MODEL_NAME, "messages": first, "max_tokens": 1})
+        E.assert_ok(r, False)
+        assert E.wait_for(lambda h=holder, b=held: _held(proxy, h.url) > b, 20), "no BlockStored reached the proxy"
+        before = holder.metrics()
+        requests = _prefill_requests(proxy)
+        turn = first + [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Go on."}]
+        r = E.post(proxy.url, "/v1/chat/completions", {"model": E.MODEL_NAME, "messages": turn, "max_tokens": 4})
+        E.assert_ok(r, False)
+        after = _prefill_requests(proxy)
+        assert after[holder.url] == requests[holder.url] + 1, (n, holder.url, requests, after)
+        hits = E.delta(holder, HITS, before, 2 * BLOCK)
+        assert hits >= 2 * BLOCK, f"chat {n}: {hits} cached tokens on {holder.url}"
