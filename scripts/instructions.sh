@@ -19,12 +19,22 @@ PY=${PY:-$REPO/.venv/bin/python}
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/epd-instructions.XXXXXX")
 port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 SP=$(port); PP=$(port)  # the simulator takes SP and SP + 1
+# KV_EVENTS=1: the simulated instances publish vLLM's KV cache events and the proxy subscribes
+# (each request then pays its /tokenize call and the block index lookup).
+EVENTS=()
+[ "${KV_EVENTS:-0}" = 1 ] && EVENTS=(--set kv_events=true)
 PYTHONPATH=$REPO/src "$PY" -m epd_proxy sim --prefill 1 --decode 1 --ttft-ms 0 --itl-ms 0 --no-records \
-    --base-port "$SP" > "$OUT/sim.log" 2>&1 &
+    --base-port "$SP" "${EVENTS[@]}" > "$OUT/sim.log" 2>&1 &
 SIM=$!
+P="http://127.0.0.1:$SP"; D="http://127.0.0.1:$((SP + 1))"
+if [ "${KV_EVENTS:-0}" = 1 ]; then
+    for _ in $(seq 100); do grep -q "^kv events: decode" "$OUT/sim.log" && break; sleep 0.1; done
+    P=$(awk '/^kv events: prefill/ {print $4 ";kv_events=" $5 ";kv_events_replay=" $6}' "$OUT/sim.log")
+    D=$(awk '/^kv events: decode/ {print $4 ";kv_events=" $5 ";kv_events_replay=" $6}' "$OUT/sim.log")
+fi
 PYTHONPATH=$SRC valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$OUT/callgrind.%p" \
-    "$PY" -m epd_proxy serve --host 127.0.0.1 --port "$PP" --prefill "http://127.0.0.1:$SP" \
-    --decode "http://127.0.0.1:$((SP + 1))" --log-level warning "$@" > "$OUT/proxy.log" 2>&1 &
+    "$PY" -m epd_proxy serve --host 127.0.0.1 --port "$PP" --prefill "$P" \
+    --decode "$D" --log-level warning "$@" > "$OUT/proxy.log" 2>&1 &
 PROXY=$!
 trap 'kill $PROXY $SIM 2>/dev/null || true' EXIT
 for _ in $(seq 600); do curl -sf "http://127.0.0.1:$PP/ready" > /dev/null && break; sleep 0.5; done

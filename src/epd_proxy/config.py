@@ -29,7 +29,7 @@ TOPOLOGIES = ("auto", "PD", "E+PD", "P+D", "E+P+D")
 ROLE_POLICY_DEFAULTS = {"encode": "cache-aware", "prefill": "cache-aware", "decode": "load-aware"}
 
 _INT_ATTRS = {"kv_port", "tp", "pp", "bootstrap_port", "dp_size"}
-_KNOWN_ATTRS = {"engine_id", "kv_host", "models"} | _INT_ATTRS
+_KNOWN_ATTRS = {"engine_id", "kv_host", "models", "kv_events", "kv_events_replay"} | _INT_ATTRS
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Client headers every stage gets (trace context), whatever --forward-header adds.
@@ -96,6 +96,12 @@ class InstanceSpec:
     # The models it may serve (``;models=a|b``): routed only those, and of what its
     # /v1/models reports only those (and their adapters); () = whatever it reports.
     models: tuple[str, ...] = ()
+    # Where it publishes vLLM's KV cache events (``;kv_events=tcp://host:5557``, its
+    # ``--kv-events-config`` endpoint as reached from the proxy) and its replay socket
+    # (``;kv_events_replay=tcp://host:5558``; default: the events port + 1; ``none``: no
+    # replay). ``kv_events=none``: no events from it even with ``--kv-events-port``.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
     @property
     def host(self) -> str:
@@ -177,9 +183,29 @@ def parse_instance(text: str, role: str) -> InstanceSpec:
             if not names:
                 raise ValueError(f"{role} instance {text!r}: models needs at least one name (models=a|b)")
             attrs[key] = names
+        elif key in ("kv_events", "kv_events_replay"):
+            attrs[key] = check_zmq_endpoint(value, f"{role} instance {text!r}: {key}")
         else:
             attrs[key] = value
     return InstanceSpec(url=url.rstrip("/"), role=role, **attrs)  # type: ignore[arg-type]
+
+
+def check_zmq_endpoint(value: str, what: str) -> str:
+    """A KV events endpoint as an instance attribute gives it: ``tcp://host:port`` (or
+    ``ipc://path``), or ``none``; ValueError otherwise."""
+    if value == "none":
+        return value
+    if value.startswith("ipc://") and len(value) > 6:
+        return value
+    u = urlsplit(value)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme != "tcp" or not u.hostname or port is None or u.hostname == "*":
+        raise ValueError(f"{what} must be tcp://host:port (the address the proxy connects to), "
+                         f"ipc://path or none, not {value!r}")
+    return value
 
 
 DNS_PREFIX = "dns+"  # ``dns+http://NAME:PORT``: every address NAME resolves to is an instance
@@ -343,6 +369,12 @@ class ProxyConfig:
     balance_abs: float = 4.0  # cache-aware passes over an instance loaded beyond the least loaded + this ...
     balance_rel: float = 1.5  # ... and beyond the least loaded x this
     scrape_interval: float = 1.0  # the background /metrics scrape of load signals (0 = off)
+    # vLLM's KV cache events (docs/architecture.md, "KV events and the block index"): the port
+    # every prefill/decode instance without its own ``kv_events`` attribute publishes on (its
+    # replay socket on the next port); None = only instances that name theirs. The block
+    # index's bound, in (instance, block) pairs.
+    kv_events_port: int | None = None
+    kv_index_max_blocks: int = 1_000_000
     # LoRA adapters (docs/architecture.md, "LoRA adapters"): an adapter's requests placed with
     # affinity (routing/lora_affinity.py); where an adapter no instance has may be loaded from
     # (name -> path as the instances see it, and a directory of adapters by name, as vLLM's
@@ -449,6 +481,11 @@ class ProxyConfig:
         if self.dynamic_registration and not (self.admin_api_key or self.registration_allow):
             add("--dynamic-registration needs --admin-api-key (or $ADMIN_API_KEY) or "
                 "--registration-allow CIDR: otherwise nothing may register")
+        if self.kv_events_port is not None and not 1 <= self.kv_events_port <= 65534:
+            add(f"--kv-events-port must be in 1..65534 (its replay socket is on the next port), "
+                f"not {self.kv_events_port}")
+        if self.kv_index_max_blocks < 1:
+            add(f"--kv-index-max-blocks must be >= 1, not {self.kv_index_max_blocks}")
         if self.topology not in TOPOLOGIES:
             add(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
         for flag, cidrs in (("--registration-allow", self.registration_allow),

@@ -159,6 +159,11 @@ def lora(clusters):
     return clusters.get("lora")
 
 
+@pytest.fixture(scope="module")
+def kv(clusters):
+    return clusters.get("kv")
+
+
 @pytest.fixture(scope="session")
 def proxy_ready():
     ok, detail = E.proxy_available()

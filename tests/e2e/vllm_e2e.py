@@ -65,15 +65,22 @@ atexit.register(_stop_all_at_exit)
 _PORTS = range(20000, 32000)
 
 
+_GIVEN: set[int] = set()  # handed out already: free now, but another process may be about to bind it
+
+
 def free_port() -> int:
-    """A currently free loopback TCP port outside the ephemeral range."""
+    """A currently free loopback TCP port outside the ephemeral range, never one handed out
+    before in this run (instances starting together bind theirs late)."""
     for _ in range(1000):
         port = random.choice(_PORTS)
+        if port in _GIVEN:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return port
     raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
@@ -216,8 +223,11 @@ class Vllm:
     max_model_len: int = 512
     engine_id: str | None = None  # pinned in its kv-transfer-config (push prefill)
     env: dict[str, str] = field(default_factory=dict)  # added to its environment
+    kv_events: bool = False  # publish vLLM's KV cache events (ZMQ) on ports of its own
     port: int = 0
     side_channel_port: int = 0
+    events_port: int = 0
+    replay_port: int = 0
     proc: Proc | None = None
     ready_after: float = 0.0
 
@@ -227,11 +237,19 @@ class Vllm:
 
     def start(self, log_dir: str) -> None:
         self.port, self.side_channel_port = free_ports(2)
+        events: list[str] = []
+        if self.kv_events:
+            self.events_port, self.replay_port = free_ports(2)
+            events = ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                # vLLM binds only a wildcard endpoint (its PUB connects to any other address)
+                "endpoint": f"tcp://*:{self.events_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"})]
         argv = [os.path.join(VENV, "bin", "vllm"), "serve", os.path.join(MODELS, self.model),
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
                 "--max-model-len", str(self.max_model_len), "--dtype", "float32", "--enforce-eager",
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-                "--uvicorn-log-level", "warning", *self.args]
+                "--uvicorn-log-level", "warning", *events, *self.args]
         self.proc = Proc(f"vllm-{self.name}", argv,
                          vllm_env(self.core, self.side_channel_port, self.debug, self.env), log_dir)
 
@@ -248,6 +266,11 @@ class Vllm:
 
     def metrics(self) -> "Metrics":
         return Metrics.scrape(self.url)
+
+    def events_spec(self) -> str:
+        """This instance as epd-proxy takes it with its KV event sockets."""
+        return (f"{self.url};kv_events=tcp://127.0.0.1:{self.events_port};"
+                f"kv_events_replay=tcp://127.0.0.1:{self.replay_port}")
 
     def push_spec(self) -> str:
         """This (push prefill) instance as epd-proxy's --prefill takes it: URL + NIXL identity."""
@@ -447,12 +470,26 @@ def api_cluster(log_dir: str) -> Cluster:
     }, log_dir)
 
 
+def kv_events_cluster(log_dir: str) -> Cluster:
+    """2 prefills + 1 decode, tiny Llama, NIXL pull, each publishing vLLM's KV cache events
+    (block size 32: the CPU backend's smallest)."""
+    events = ["--block-size", "32", "--enable-prompt-tokens-details"]
+    return Cluster("kv", {
+        "prefill": Vllm("kv-prefill-a", "tiny-model", 0, max_model_len=2048, kv_events=True,
+                        args=["--kv-transfer-config", nixl_config("kv_producer"), *events]),
+        "prefill_b": Vllm("kv-prefill-b", "tiny-model", 1, max_model_len=2048, kv_events=True,
+                          args=["--kv-transfer-config", nixl_config("kv_producer"), *events]),
+        "decode": Vllm("kv-decode", "tiny-model", 1, max_model_len=2048, kv_events=True,
+                       args=["--kv-transfer-config", nixl_config("kv_consumer"), *events]),
+    }, log_dir)
+
+
 CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_cluster,
                                                   "epd": epd_cluster, "models": models_cluster,
                                                   "mt": multiturn_cluster,
                                                   "lora": lora_cluster,
-                                                  "api": api_cluster}
-CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt", "lora", "api"]
+                                                  "api": api_cluster, "kv": kv_events_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt", "lora", "api", "kv"]
 
 
 # ---------------------------------------------------------------------------------------------

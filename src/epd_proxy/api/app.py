@@ -37,6 +37,7 @@ from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
+from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.observe.metrics import ProxyMetrics, render
 from epd_proxy.observe.version import VERSION
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES, speaks_anthropic
@@ -81,8 +82,10 @@ class ProxyApp:
     def __init__(self, config: ProxyConfig, *, pools: dict[str, InstancePool], membership: Membership,
                  metrics: ProxyMetrics, pipeline: Pipeline, admin: AdminApi, scrapers: list[LoadScraper],
                  client_keys: ClientKeys | None, base_headers: Headers, forwarder: Forwarder,
-                 siblings: SiblingChannel | None = None, console: ConsoleApi | None = None) -> None:
+                 siblings: SiblingChannel | None = None, console: ConsoleApi | None = None,
+                 kv_events: EventFeed | None = None) -> None:
         self.config = config
+        self.kv_events = kv_events  # vLLM's KV cache events into the block index (kvcache/feed.py)
         self.pools = pools  # every role's, possibly empty: instances may register at run time
         self.membership = membership
         self.metrics = metrics
@@ -155,10 +158,14 @@ class ProxyApp:
         self.membership.start()
         for scraper in self.scrapers:
             scraper.start()
+        if self.kv_events is not None:
+            self.kv_events.start(i.spec for pool in self.pools.values() for i in pool.instances)
 
     async def close(self) -> None:
         for scraper in self.scrapers:
             await scraper.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         await self.membership.close()
         await self.pipeline.close()
         if self.pipeline.tracing is not None:
@@ -341,7 +348,9 @@ class ProxyApp:
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
                 "proxy": {"version": VERSION},  # the proxy's own (GET /version answers an instance's)
                 "routing": {role: pool.policy.name for role, pool in self.pools.items()},
-                "state_store": self.pipeline.state.status() if self.pipeline.state is not None else None}
+                "state_store": self.pipeline.state.status() if self.pipeline.state is not None else None,
+                **({"kv_events": self.kv_events.status()} if self.kv_events is not None and self.kv_events.active
+                   else {})}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
         """Per model: its roles' instances in rotation and out, ready or not and why (catalog.py)."""

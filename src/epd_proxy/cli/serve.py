@@ -183,6 +183,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"longest wait for an adapter load on an instance (default {defaults.lora_load_timeout:g} s)")
     p.add_argument("--max-lora-loads", type=int, default=defaults.max_lora_loads,
                    help=f"adapters loaded on demand at once (default {defaults.max_lora_loads})")
+    p.add_argument("--kv-events-port", type=int, default=defaults.kv_events_port, metavar="PORT",
+                   help="subscribe to vLLM's KV cache events (--kv-events-config, publisher zmq) of every "
+                        "prefill and decode instance on tcp://HOST:PORT, its replay socket on PORT+1, unless "
+                        "the instance names its own (;kv_events=tcp://host:port); routing then follows the "
+                        "blocks instances hold (default: only instances that name theirs)")
+    p.add_argument("--kv-index-max-blocks", type=int, default=defaults.kv_index_max_blocks, metavar="N",
+                   help="bound of the KV block index, in (instance, block) pairs, about 243 bytes each "
+                        f"(default {defaults.kv_index_max_blocks})")
     p.add_argument("--scrape-interval", type=float, default=defaults.scrape_interval,
                    help="seconds between background scrapes of each instance's /metrics for load signals "
                         f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; up to "
@@ -398,6 +406,8 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         balance_abs=args.balance_abs,
         balance_rel=args.balance_rel,
         scrape_interval=args.scrape_interval,
+        kv_events_port=args.kv_events_port,
+        kv_index_max_blocks=args.kv_index_max_blocks,
         lora_affinity=args.lora_affinity,
         lora_sources=_lora_sources(args.lora_source, found),
         lora_dir=args.lora_dir or None,

@@ -47,6 +47,7 @@ def pool_collector(pools: dict[str, InstancePool], worker: int) -> Collector:
                             adapters += 1
                     f["epd_proxy_instance_adapters"].append([role, url, adapters])
             f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
+            f["epd_proxy_routing_exact"].append([role, getattr(pool.policy, "exact", 0)])
             f["epd_proxy_panic_routing"].append([role, pool.panics])
             f["epd_proxy_local_errors"].append([role, pool.local_errors])
     return collect

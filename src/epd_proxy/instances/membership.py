@@ -240,7 +240,7 @@ class Membership:
              "dp_size": s.dp_size}
         if s.ec_zmq_addrs:
             d["ec_zmq_addrs"] = list(s.ec_zmq_addrs)
-        for name in ("engine_id", "kv_host", "kv_port", "bootstrap_port"):
+        for name in ("engine_id", "kv_host", "kv_port", "bootstrap_port", "kv_events", "kv_events_replay"):
             if getattr(s, name) is not None:
                 d[name] = getattr(s, name)
         if s.models:

@@ -12,7 +12,7 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from epd_proxy.config import ROLES, InstanceSpec, ProxyConfig, parse_instance
+from epd_proxy.config import ROLES, InstanceSpec, ProxyConfig, check_zmq_endpoint, parse_instance
 
 # The roles an instance may announce (vLLM's names). ``prefill_decode`` is one
 # instance doing both: it routes as decode, and cannot be mixed with split P/D.
@@ -37,7 +37,7 @@ class MembershipConflict(ValueError):
 
 
 _INT_FIELDS = ("dp_size", "kv_port", "tp", "pp", "bootstrap_port")
-_STR_FIELDS = ("engine_id", "kv_host")
+_STR_FIELDS = ("engine_id", "kv_host", "kv_events", "kv_events_replay")
 
 
 def parse_registration(body: bytes) -> InstanceSpec:
@@ -47,7 +47,8 @@ def parse_registration(body: bytes) -> InstanceSpec:
     reference proxy's launchers the same, maybe with ``metadata``. The optional
     ``engine_id``, ``kv_host``, ``kv_port``, ``tp``, ``pp``, ``bootstrap_port``
     are what push and Mooncake connectors need (the ``;key=value`` attributes of
-    the flags); ``models`` (a list of names) restricts what it is sent. Unknown
+    the flags); ``kv_events`` and ``kv_events_replay`` where it publishes its KV cache
+    events; ``models`` (a list of names) restricts what it is sent. Unknown
     keys are ignored, as the reference does."""
     try:
         data = msgspec.json.decode(body)
@@ -83,6 +84,11 @@ def parse_registration(body: bytes) -> InstanceSpec:
             continue
         if not isinstance(value, str) or not value:
             raise RegistrationError(f"'{name}' must be a non-empty string", name)
+        if name.startswith("kv_events"):
+            try:
+                value = check_zmq_endpoint(value, f"'{name}'")
+            except ValueError as exc:
+                raise RegistrationError(str(exc), name) from None
         attrs[name] = value
     addrs = data.get("ec_zmq_addrs")
     if addrs is not None:

@@ -91,7 +91,9 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_not_disaggregated": ("counter", "Generation requests served whole by one decode (or PD) "
                                     "instance because the proxy cannot split them, by reason: media (an image no "
                                     "encoder can be sent, e.g. an uploaded file's id), previous_response_id (the "
-                                    "conversation is in one instance's store), background.", ("reason",)),
+                                    "conversation is in one instance's store), background, cached (the KV block index "
+                                    "says the chosen decode holds all but --local-prefill-max-tokens of the prompt).",
+                                    ("reason",)),
     "epd_proxy_stream_errors": ("counter", "Committed streams ended with an in-band error event.", ()),
     "epd_proxy_client_disconnects": ("counter", "Requests whose client went away before the end.", ()),
     "epd_proxy_inflight_requests": ("gauge", "Client requests in progress.", ()),
@@ -136,6 +138,32 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                 "in rotation.", ("role",)),
     "epd_proxy_local_errors": ("counter", "Upstream connects that failed for lack of the proxy's own "
                                "resources (EMFILE, ENOBUFS, memory); never blamed on an instance.", ("role",)),
+    "epd_proxy_kv_events_received": ("counter", "KV cache event batches applied to the block index from the "
+                                     "instance's engine (data-parallel rank), live or replayed.", ("url", "rank")),
+    "epd_proxy_kv_events_gaps": ("counter", "Live KV event batches that came after a gap in the sequence (a "
+                                 "replay was asked for).", ("url", "rank")),
+    "epd_proxy_kv_events_replays": ("counter", "Replay requests the instance's replay socket answered (on "
+                                    "connect, on gaps, and every heartbeat).", ("url", "rank")),
+    "epd_proxy_kv_events_restarts": ("counter", "Engine restarts seen in the KV events (the instance's blocks "
+                                     "cleared).", ("url", "rank")),
+    "epd_proxy_kv_events_lost": ("counter", "KV event gaps no replay could fill (the instance's blocks "
+                                 "cleared).", ("url", "rank")),
+    "epd_proxy_kv_events_connected": ("gauge", "1 while the instance's KV event stream answers (its replay "
+                                      "socket, every heartbeat); 0: routing on its blocks is off.",
+                                      ("url", "rank", "worker")),
+    "epd_proxy_kv_index_instance_blocks": ("gauge", "KV blocks the index holds for the instance.",
+                                           ("url", "rank")),
+    "epd_proxy_kv_index_blocks": ("gauge", "(instance, block) pairs in the KV block index "
+                                  "(--kv-index-max-blocks bounds them).", ()),
+    "epd_proxy_kv_index_evictions": ("counter", "(instance, block) pairs the KV block index forgot for its "
+                                     "bound.", ()),
+    "epd_proxy_kv_lookups": ("counter", "Requests and the KV block index: indexed (the prompt's tokens looked up), "
+                             "not_live (no instance's events live), media and api (approximate routing for "
+                             "requests with media and for Messages, Responses, generate), no_prompt, "
+                             "tokenize_failed.", ("outcome",)),
+    "epd_proxy_kv_tokenize_seconds": ("counter", "Time spent in /tokenize calls for the block index.", ()),
+    "epd_proxy_routing_exact": ("counter", "cache-aware picks made on the KV block index (every candidate's "
+                                "events live).", ("role",)),
     "epd_proxy_routing_spills": ("counter", "cache-aware picks that passed over the preferred instance for its "
                                  "load.", ("role",)),
     "epd_proxy_instance_other_requests": ("gauge", "Requests on the instance that are not this worker's, as "

@@ -70,6 +70,7 @@ from epd_proxy.wire.errors import ProxyError, drop_traceback
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
+    from epd_proxy.request.kv_lookup import KvLookup
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -81,7 +82,7 @@ class Pipeline:
                  role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
                  tracing: Tracing | None = None, adapters: Adapters | None = None,
                  recent: RecentRequests | None = None, state: GuardedStore | None = None,
-                 tenants: Tenants | None = None) -> None:
+                 tenants: Tenants | None = None, kv: KvLookup | None = None) -> None:
         t = config.timeouts
         self.config = config
         self.metrics = metrics
@@ -141,6 +142,7 @@ class Pipeline:
         # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,
         # no aliases) without the cluster file's tables: two attribute tests per request.
         self.tenants = tenants if tenants is not None else Tenants.off()
+        self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
 
     def close_admission(self) -> None:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
@@ -493,6 +495,9 @@ class Pipeline:
         if ctx.api is not None and ctx.whole is not None:
             return await self._whole(ctx, body)
         models = ctx.models  # None (the common case): every instance serves the request's model
+        kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
+        if kv is not None:
+            await kv.prepare(ctx, body, bool(items))
         d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
         # Every instance left has failed this request: never one that timed out on it.
         if ctx.timed_out:
@@ -544,6 +549,9 @@ class Pipeline:
                                                                     None, local, dp_headers))
                 finally:
                     ctx.upstream += time.perf_counter() - t
+        if kv is not None:  # disaggregated only when it pays (kv_lookup.py)
+            p = kv.place(ctx, p, d, bool(items), self.config.local_prefill_max_tokens,
+                         self.config.local_prefill_max_streams, self.metrics.not_disaggregated)
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:

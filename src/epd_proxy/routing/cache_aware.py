@@ -46,6 +46,11 @@ class CacheAware:
     turn any of them could not see (the same turn sent again keeps its home too). The
     homes are bounded (``HOMES``, oldest forgotten).
 
+    With KV events (the view's ``held``, exact for every candidate), what an instance
+    holds replaces the guess: the candidate holding the longest prefix of the prompt goes
+    first, within the same load bound, its slack scaled by the share of the prompt that
+    prefix is (``_exact``); none holding anything is an opening turn.
+
     Encoders (``assign``) place media items per item: new content level by estimated work,
     repeats on the encoder that holds them (``routing.encoders.EncoderPlacement``).
     """
@@ -63,6 +68,7 @@ class CacheAware:
         self._homes: dict[int, tuple[str, int]] = {}  # anchor -> (URL, mark) of the last turn routed
         self.spills = 0  # picks that passed over the preferred instance (for load, or an opening's count)
         self.encoders: EncoderPlacement | None = None  # media items' placement, on first assign
+        self.exact = 0  # picks made on the block index (KV events)
 
     def seed(self, url: str) -> int:
         seed = self._seeds.get(url)
@@ -73,6 +79,10 @@ class CacheAware:
     def choose(self, candidates: list[C], view: RequestView = EMPTY_VIEW) -> C:
         if len(candidates) == 1:
             return candidates[0]
+        if view.held is not None and view.exact([c.url for c in candidates]):
+            inst = candidates[self._exact(candidates, view)]
+            self._home(view, inst)
+            return inst
         key = view.anchor
         if not key:
             return self._fallback.choose(candidates)
@@ -86,13 +96,47 @@ class CacheAware:
             if home is not None and home[1] != view.previous and home[1] != mark:
                 home = None  # another turn came between (not this proxy's): rendezvous, as any replica
             inst = candidates[self._pick(candidates, key, loads, reuse, home[0] if home is not None else None)]
-        if mark:
+        self._home(view, inst)
+        return inst
+
+    def _home(self, view: RequestView, inst: C) -> None:
+        """The conversation's last turn went to ``inst`` (kept for its next turn)."""
+        mark = view.mark
+        key = view.anchor if mark else 0
+        if key:
             homes = self._homes
             homes.pop(key, None)  # re-inserted last: the dict's order is the turns' recency
             homes[key] = (inst.url, mark)
             if len(homes) > HOMES:
                 del homes[next(iter(homes))]
-        return inst
+
+    def _exact(self, candidates: list[C], view: RequestView) -> int:
+        """The index of the candidate holding the longest prefix of the prompt (the block
+        index says), within the load bound scaled by that prefix's share of the prompt;
+        ties in rendezvous order. Nothing held anywhere: an opening turn."""
+        self.exact += 1
+        held = view.held
+        assert held is not None
+        loads = [c.inflight + c.signals.others for c in candidates]
+        tokens = [held.get(c.url, 0) for c in candidates]
+        most = max(tokens)
+        key = view.anchor
+        if not most:
+            if key:
+                return self._open(candidates, key, loads)
+            return candidates.index(self._fallback.choose(candidates))
+        low = min(loads)
+        share = most / max(view.tokens, most)
+        bound = low + share * max(self.balance_abs, low * (self.balance_rel - 1.0))
+        best, top = -1, (-1, -1)
+        for i, c in enumerate(candidates):
+            if loads[i] <= bound:
+                score = (tokens[i], mix64(key ^ self.seed(c.url)))
+                if score > top:
+                    best, top = i, score
+        if top[0] < most:
+            self.spills += 1  # the instance holding the most was passed over for its load
+        return best
 
     def assign(self, candidates: list[C], items: Sequence[MediaItem]) -> list[C]:
         """Encoders: new content level by work, repeats where they went

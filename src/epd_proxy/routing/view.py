@@ -68,9 +68,13 @@ class RequestView:
     ``reuse``: the share of the conversation that earlier turns left in a cache (0..1).
     ``mark`` / ``previous``: the prompt's shape, and that of the turn before it (see
     :attr:`mark`).
+    ``held``: with KV events, the prompt tokens each instance holds (by URL, from the block
+    index: ``request/kv_lookup.py``), over ``live``, the instances the index speaks for;
+    ``tokens`` the prompt's length in tokens. None without (approximate routing).
     """
 
-    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_reuse", "_mark", "_previous")
+    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_reuse", "_mark", "_previous", "held", "live",
+                 "tokens", "kv_keys")
 
     def __init__(self, body: dict | None = None, media: Sequence[MediaItem] = (), chat: bool = True, *,
                  anchor: int | None = None) -> None:
@@ -81,6 +85,14 @@ class RequestView:
         self._items: list[str] | None = None
         self._reuse: float | None = None if body is not None else 1.0
         self._mark = self._previous = 0
+        self.held: dict[str, int] | None = None
+        self.live: frozenset[str] = frozenset()
+        self.tokens = 0
+        self.kv_keys: list[int] = []  # the prompt's block keys (the speculative entries of the choice)
+
+    def exact(self, urls) -> bool:
+        """Whether the block index speaks for every one of ``urls`` (then ``held`` is exact)."""
+        return self.held is not None and all(u in self.live for u in urls)
 
     @property
     def anchor(self) -> int:

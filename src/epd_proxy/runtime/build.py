@@ -35,12 +35,15 @@ from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.instances.sources import RosterSources
+from epd_proxy.kvcache.feed import EventFeed
+from epd_proxy.kvcache.index import BlockIndex
 from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.apis import front_door_error_body
 from epd_proxy.request.forward import Forwarder
+from epd_proxy.request.kv_lookup import KvLookup
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
@@ -96,9 +99,11 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         directory=config.lora_dir, max_loads=config.max_lora_loads,
                         learn_timeout=config.probe_timeout, shared=state)
     metrics.register(adapters_collector(adapters))
+    kv_events = EventFeed(BlockIndex(config.kv_index_max_blocks), config.kv_events_port)
+    kv = KvLookup(kv_events, pools["decode"], base_headers)
     recent = RecentRequests()  # the console's ring: filled only while a console looks
     pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters, recent=recent,
-                        state=state,
+                        kv=kv, state=state,
                         decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
                         base_headers=base_headers,
                         access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
@@ -107,6 +112,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     metrics.register(pipeline.reuse.collector())
     membership.subscribe(_forget_departed(connector))
     membership.subscribe(_drop_held(pipeline.reuse))
+    membership.subscribe(kv_events.changed)  # an instance that joins is subscribed, one that leaves dropped
+    metrics.register(lambda f: kv_events.collect(f, str(worker)))
+    metrics.register(kv.collect)
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
@@ -114,7 +122,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder,
-                    siblings=siblings, console=console)
+                    siblings=siblings, console=console, kv_events=kv_events)
 
 
 def build_pools(config: ProxyConfig) -> dict[str, InstancePool]:

@@ -33,18 +33,25 @@ STOP_TIMEOUT = 10.0  # seconds the parent waits for the simulator to stop, befor
 
 def addresses_of(cluster) -> dict:
     """What a proxy needs of a simulated cluster (``SimCluster``), as plain data: each role's
-    URLs (PD instances with the decodes), each prefill's identity, the KV connector."""
+    URLs (PD instances with the decodes), each prefill's identity, each decode's KV event
+    sockets, the KV connector."""
+    # With kv_events on, every prefill and decode names its KV event sockets.
+    decode = [{"url": i.url, "kv_events": i.kv_events and i.kv_events.endpoint,
+               "kv_events_replay": i.kv_events and i.kv_events.replay_endpoint}
+              for i in cluster.instances("decode") + cluster.instances("pd")]
     return {"encode": cluster.urls("encode"), "prefill": cluster.prefill_identities(),
-            "decode": cluster.urls("decode") + cluster.urls("pd"), "kv_connector": cluster.config.kv_connector}
+            "decode": decode, "kv_connector": cluster.config.kv_connector}
 
 
 def config_for_addresses(addresses: dict, config: ProxyConfig | None = None) -> ProxyConfig:
     """``config`` with the cluster's instances (``addresses_of``) and its KV connector."""
     encode = [InstanceSpec(u, "encode") for u in addresses["encode"]]
     prefill = [InstanceSpec(i["url"], "prefill", engine_id=i["engine_id"], kv_host=i["kv_host"],
-                            kv_port=i["kv_port"], tp=i["tp"], pp=i["pp"], bootstrap_port=i.get("bootstrap_port"))
+                            kv_port=i["kv_port"], tp=i["tp"], pp=i["pp"], bootstrap_port=i.get("bootstrap_port"),
+                            kv_events=i.get("kv_events"), kv_events_replay=i.get("kv_events_replay"))
                for i in addresses["prefill"]]
-    decode = [InstanceSpec(u, "decode") for u in addresses["decode"]]
+    decode = [InstanceSpec(d["url"], "decode", kv_events=d.get("kv_events"), kv_events_replay=d.get("kv_events_replay"))
+              for d in addresses["decode"]]
     base = config or ProxyConfig()
     return base.replace(encode=encode, prefill=prefill, decode=decode, kv_connector=addresses["kv_connector"])
 

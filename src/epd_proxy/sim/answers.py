@@ -127,7 +127,7 @@ class AnswerWriter:
         hashes = None
         if cache is not None:
             hashes = block_hashes(ids, cache.block_size)
-            cache.store(hashes)
+            cache.store(hashes, ids, g.lora)
         return inst.kv_reuse.keep(g.internal_id, ids, hashes)
 
     def _openai_body(self, g: GenerationRequest, seq: Sequence, kv_out: dict | None, ec_out: dict | None,

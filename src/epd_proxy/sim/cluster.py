@@ -191,4 +191,8 @@ class SimCluster:
             extra = f" bootstrap={ident['bootstrap_addr']}" if "bootstrap_addr" in ident else ""
             lines.append(f"prefill identity: engine_id={ident['engine_id']} kv_host={ident['kv_host']} "
                          f"kv_port={ident['kv_port']} tp={ident['tp']} pp={ident['pp']}{extra}")
+        for inst in self.all_instances():
+            if inst.kv_events is not None:
+                lines.append(f"kv events: {inst.role} {inst.url} {inst.kv_events.endpoint} "
+                             f"{inst.kv_events.replay_endpoint}")
         return "\n".join(lines)

@@ -108,6 +108,12 @@ class SimConfig:
     # block_size blocks, LRU beyond prefix_cache_blocks blocks (None = num_gpu_blocks).
     enable_prefix_caching: bool = True
     prefix_cache_blocks: int | None = None
+    # vLLM's KV cache events (--kv-events-config, publisher zmq; kv_events.py) from every
+    # instance with a prefix cache: a PUB and a replay ROUTER socket on loopback ports of
+    # their own, the last kv_events_buffer batches kept for replay.
+    kv_events: bool = False
+    kv_events_buffer: int = 10_000
+    kv_events_topic: str = "kv"
     # An encoder's cache of its outputs, keyed by the item's hash: a hit costs nothing; it
     # holds this many placeholder tokens of outputs (0 = no cache, every item is encoded).
     encoder_cache_tokens: int = 16384

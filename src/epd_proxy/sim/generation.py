@@ -319,9 +319,9 @@ class GenerationHandler(AnswerWriter):
         cache = self.inst.prefix_cache
         if cache is None:
             return 0
-        hashes = block_hashes(self._token_ids(g, body, prompt), cache.block_size)
+        hashes = block_hashes(ids := self._token_ids(g, body, prompt), cache.block_size)
         cached = cache.lookup(hashes, prompt.tokens)
-        cache.store(hashes)
+        cache.store(hashes, ids, g.lora)
         return cached
 
     async def _read_decode_kv(self, g: GenerationRequest, body: dict, prompt: Prompt) -> None:

@@ -17,6 +17,7 @@ from epd_proxy.sim.encoder_cache import EncoderCache
 from epd_proxy.sim.engine import Engine
 from epd_proxy.sim.faults import FaultSource
 from epd_proxy.sim.kv_channel import KvSideChannel
+from epd_proxy.sim.kv_events import KvEventPublisher
 from epd_proxy.sim.kv_reuse import KvReuse
 from epd_proxy.sim.lora import LoraSlots
 from epd_proxy.sim.prefix_cache import PrefixCache
@@ -46,6 +47,7 @@ class SimHost(Protocol):
     kv_reuse: KvReuse
     lora: LoraSlots
     prefix_cache: PrefixCache | None
+    kv_events: KvEventPublisher | None
     encoder_cache: EncoderCache | None
     ec_store: EcStore
     faults: FaultSource

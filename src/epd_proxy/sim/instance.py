@@ -32,6 +32,7 @@ from epd_proxy.sim.engine import Engine
 from epd_proxy.sim.generate import DISABLED_BODY, GenerateFormat
 from epd_proxy.sim.generation import GenerationHandler
 from epd_proxy.sim.kv_channel import KvSideChannel
+from epd_proxy.sim.kv_events import KvEventPublisher
 from epd_proxy.sim.kv_reuse import KvReuse
 from epd_proxy.sim.lora import LoraSlots
 from epd_proxy.sim.messages import MessagesFormat
@@ -87,6 +88,12 @@ class SimInstance:
             capacity = cfg.num_gpu_blocks if cfg.prefix_cache_blocks is None else cfg.prefix_cache_blocks
             self.prefix_cache = PrefixCache(cfg.block_size, capacity)
         self.kv_reuse.cache = self.prefix_cache
+        # vLLM's KV cache events of the prefix cache (kv_events.py), when asked for.
+        self.kv_events: KvEventPublisher | None = None
+        if self.prefix_cache is not None and cfg.kv_events:
+            self.kv_events = KvEventPublisher(host, topic=cfg.kv_events_topic, buffer_steps=cfg.kv_events_buffer,
+                                              block_size=cfg.block_size)
+            self.prefix_cache.listener = self.kv_events.stored
         self.encoder_cache = EncoderCache(cfg.encoder_cache_tokens) if role == "encode" else None
         self._generation = GenerationHandler(self)
         self._responses = ResponsesFormat(self.created, cfg.max_model_len, cfg.responses_store)
@@ -153,6 +160,9 @@ class SimInstance:
                  "tp": self.config.tp_size, "pp": self.config.pp_size,
                  "tp_size": self.config.tp_size, "pp_size": self.config.pp_size, "url": self.url,
                  "kv_connector": self.config.kv_connector}
+        if self.kv_events is not None:
+            ident["kv_events"] = self.kv_events.endpoint
+            ident["kv_events_replay"] = self.kv_events.replay_endpoint
         if self.bootstrap_addr:
             ident["bootstrap_port"] = self.bootstrap_port
             ident["bootstrap_addr"] = self.bootstrap_addr
@@ -209,6 +219,8 @@ class SimInstance:
             self.bootstrap_server = await HttpServer(self._handle, error_body=server_error_body, limits=limits).start(
                 self.host, self.bootstrap_port)
             self.bootstrap_port = self.bootstrap_server.port
+        if self.kv_events is not None:
+            self.kv_events.start()
         self.crashed = False
         return self
 
@@ -232,6 +244,8 @@ class SimInstance:
         """Shut down: listener closed, connections reset, held KV dropped."""
         self.crashed = True
         await self._close_servers()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         self.kv.drop()
         self.kv_reuse.drop()
         await self.kv.close_pools()
@@ -246,6 +260,8 @@ class SimInstance:
         lose the KV held for decoders. ``restart()`` brings it back on the same port."""
         self.crashed = True
         await self._close_servers()
+        if self.kv_events is not None:  # a new process publishes anew, its sequence from 0
+            await self.kv_events.close()
         self.kv.drop()
         self.kv_reuse.drop()
         self._forget_caches()

@@ -26,6 +26,7 @@ request still holds.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 # The parent of a prompt's first block (vLLM seeds the chain with a fixed value too).
 ROOT_HASH = 0
@@ -51,6 +52,8 @@ class PrefixCache:
         self._pinned: dict[int, int] = {}  # block hash -> how many holders pin it
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of those, tokens found cached
+        # Told of each store (token ids, hashes, stored, evicted, adapter): the KV events' publisher.
+        self.listener: Callable[[list[int], list[int], list[int], list[int], str | None], None] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -95,10 +98,11 @@ class PrefixCache:
             else:
                 pinned.pop(h, None)
 
-    def store(self, hashes: list[int]) -> tuple[list[int], list[int]]:
-        """The prompt's blocks are computed: keep them (most recently used), evicting the
-        least recently used beyond capacity. Returns the hashes newly stored and those
-        evicted."""
+    def store(self, hashes: list[int], token_ids: list[int] | None = None,
+              adapter: str | None = None) -> tuple[list[int], list[int]]:
+        """The prompt's blocks (over ``token_ids``) are computed: keep them (most recently
+        used), evicting the least recently used beyond capacity. Returns the hashes newly
+        stored and those evicted; the listener hears of both."""
         blocks = self._blocks
         stored: list[int] = []
         for h in reversed(hashes):
@@ -112,6 +116,8 @@ class PrefixCache:
         while len(blocks) > self.capacity:
             h, _ = blocks.popitem(last=False)
             removed.append(h)
+        if self.listener is not None and token_ids is not None and (stored or removed):
+            self.listener(token_ids, hashes, stored, removed, adapter)
         return stored, removed
 
     def clear(self) -> int:

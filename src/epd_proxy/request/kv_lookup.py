@@ -1,0 +1,179 @@
+"""The block index consulted for one request: the prompt's tokens as the engine will see
+them, and the prefix each instance holds of them (``RequestView.held``), before the
+policy chooses; the blocks the chosen instance is about to compute counted as held there
+for a while after (speculative entries).
+
+The tokens: a completions prompt of token ids is used as it is; a text prompt or a chat
+is tokenized by one instance of the model (vLLM's ``POST /tokenize``, the chat template
+applied there, exactly as the generation request will be), the least loaded one. That
+costs one round trip to an instance per request, paid only while the index speaks for
+some instance (KV events on and live). Requests with media, and the APIs the proxy
+rewrites (Messages, Responses, generate), keep approximate routing: their tokens are not
+what a text-only tokenization gives. Anything that fails costs the lookup, never the
+request: the view stays without ``held`` and the policy routes as before.
+
+With the index's answer, a P/D request whose chosen decode already holds all but a few of
+its tokens is sent to that decode alone (``decode_alone``): the prefill hop would cost more
+than the decode computing the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import msgspec
+
+from epd_proxy.http import Headers
+from epd_proxy.http.transport import TransportTimeouts, UpstreamError
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.kvcache.endpoints import instance_of
+from epd_proxy.kvcache.feed import EventFeed
+from epd_proxy.request.context import RequestContext
+from epd_proxy.request.ingress import CHAT, COMPLETIONS
+from epd_proxy.request.turns.multiturn import skips_prefill
+from epd_proxy.wire.errors import ProxyError
+
+log = logging.getLogger("epd_proxy.kv_events")
+
+# A /tokenize call's bound: past it the request routes approximately.
+TOKENIZE_TIMEOUT = 2.0
+# The chat fields that shape the prompt's tokens (vLLM's tokenize request takes them all).
+_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                "chat_template_kwargs", "tools", "add_special_tokens")
+_JSON = [(b"content-type", b"application/json")]
+# What a lookup came to (``epd_proxy_kv_lookups``).
+OUTCOMES = ("indexed", "not_live", "media", "api", "no_prompt", "tokenize_failed")
+
+
+class _Tokens(msgspec.Struct):
+    tokens: list[int]
+
+
+_decode_tokens = msgspec.json.Decoder(_Tokens).decode
+
+
+class KvLookup:
+    """Per request: the prompt's tokens and what each live instance holds of them."""
+
+    def __init__(self, feed: EventFeed, tokenizers: InstancePool, headers: Headers, *,
+                 timeout: float = TOKENIZE_TIMEOUT, clock: Callable[[], float] = time.monotonic) -> None:
+        self.feed = feed
+        self.index = feed.index
+        self.tokenizers = tokenizers  # the pool whose instances tokenize (decode: every topology has it)
+        self._headers = _JSON + list(headers)
+        self._timeouts = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
+        self._clock = clock
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.tokenized = 0  # /tokenize calls that answered
+        self.tokenize_seconds = 0.0  # their time, summed
+
+    async def prepare(self, ctx: RequestContext, body: dict, media: bool) -> None:
+        """Fill ``ctx.view``'s ``held``, ``live``, ``tokens`` and ``kv_keys`` (once)."""
+        view = ctx.view
+        if view is None or view.held is not None or not self.feed.readers:
+            return
+        live = self.feed.live()
+        outcomes = self.outcomes
+        if not live:
+            outcomes["not_live"] += 1
+            return
+        if media:
+            outcomes["media"] += 1
+            return
+        if ctx.api is not None or ctx.path not in (CHAT, COMPLETIONS):
+            outcomes["api"] += 1
+            return
+        ids = await self._tokens(ctx, body)
+        if ids is None:
+            return
+        model = body.get("model")
+        # An adapter's blocks are keyed under its name (the events' lora_name).
+        adapter = model if isinstance(model, str) and self.tokenizers.models.current.parents.get(model) else None
+        keys: dict[int, list[int]] = {}
+        held: dict[str, int] = {}
+        for source, tokens in self.index.longest_prefix(ids, adapter, self._clock(), keys).items():
+            url = instance_of(source)
+            if tokens > held.get(url, 0):
+                held[url] = tokens
+        view.held = held
+        view.live = live
+        view.tokens = len(ids)
+        view.kv_keys = [k for chain in keys.values() for k in chain]
+        outcomes["indexed"] += 1
+
+    def decode_alone(self, ctx: RequestContext, d: Instance, max_tokens: int, max_streams: int) -> bool:
+        """Disaggregate only when it pays: whether ``d``, which holds all but at most
+        ``max_tokens`` of the prompt (the index says), computes it alone, under the busy-decode
+        rule of the multi-turn prefill skip (``turns.multiturn.skips_prefill``)."""
+        view = ctx.view
+        if view is None or view.held is None or d.url not in view.live or not view.tokens:
+            return False
+        missing = view.tokens - view.held.get(d.url, 0)
+        return skips_prefill(missing, d.inflight + d.signals.others, max_tokens, max_streams)
+
+    def place(self, ctx: RequestContext, p: Instance | None, d: Instance, media: bool, max_tokens: int,
+              max_streams: int, counts: dict[str, int]) -> Instance | None:
+        """After the pick: the prefill the request keeps (None when ``d`` holds nearly all of the
+        prompt and computes the rest alone, counted in ``counts["cached"]``), and the chosen
+        instance's blocks counted as held (``chosen``)."""
+        if p is not None and not media and self.decode_alone(ctx, d, max_tokens, max_streams):
+            p = None
+            counts["cached"] = counts.get("cached", 0) + 1
+        self.chosen(p if p is not None else d, ctx)
+        return p
+
+    def chosen(self, inst: Instance, ctx: RequestContext) -> None:
+        """``inst`` computes the prompt: its blocks count as held there until its events
+        say so (or the entry expires)."""
+        view = ctx.view
+        if view is not None and view.held is not None and view.kv_keys:
+            self.index.speculate(inst.url, view.kv_keys, self._clock())
+
+    async def _tokens(self, ctx: RequestContext, body: dict) -> list[int] | None:
+        if ctx.path == COMPLETIONS:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                return prompt
+            if not isinstance(prompt, str):
+                self.outcomes["no_prompt"] += 1
+                return None
+            ask: dict = {"model": body.get("model"), "prompt": prompt}
+            if "add_special_tokens" in body:
+                ask["add_special_tokens"] = body["add_special_tokens"]
+        else:
+            ask = {k: body[k] for k in _CHAT_FIELDS if k in body}
+            ask["model"] = body.get("model")
+        return await self._tokenize(ctx, ask)
+
+    async def _tokenize(self, ctx: RequestContext, ask: dict) -> list[int] | None:
+        try:
+            candidates = self.tokenizers.candidates((), ctx.model_for("decode"))
+        except ProxyError:  # none serves it: the request's own routing says so
+            return None
+        inst = min(candidates, key=lambda i: i.inflight)
+        t = time.perf_counter()
+        try:
+            status, _, data = await inst.connections.fetch("POST", "/tokenize", headers=self._headers,
+                                                           body=msgspec.json.encode(ask), timeouts=self._timeouts)
+            if status != 200:
+                raise ValueError(f"HTTP {status}: {data[:200]!r}")
+            ids = _decode_tokens(data).tokens
+        except (UpstreamError, OSError, ValueError, msgspec.DecodeError) as exc:
+            self.outcomes["tokenize_failed"] += 1
+            log.debug("request %s: /tokenize on %s failed (%s): routed without the block index",
+                      ctx.request_id, inst.url, exc)
+            return None
+        finally:
+            self.tokenize_seconds += time.perf_counter() - t
+        self.tokenized += 1
+        return ids
+
+    def collect(self, f: dict[str, list]) -> None:
+        for outcome, n in self.outcomes.items():
+            f["epd_proxy_kv_lookups"].append([outcome, n])
+        f["epd_proxy_kv_tokenize_seconds"].append([self.tokenize_seconds])
