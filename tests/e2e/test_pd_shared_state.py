@@ -52,7 +52,7 @@ def _turn(proxy, messages: list) -> str:
 
 def test_a_turn_through_the_other_replica_reads_the_previous_answer_from_decode(mt, replicas):
     a, b = replicas
-    used = [E.Metrics.scrape(p.url).get("epd_proxy_kv_reuse_turns_total", outcome="used") for p in (a, b)]
+    used = [E.Metrics.scrape(p.url).get("epd_proxy_kv_reuse_turns_total", outcome="reused") for p in (a, b)]
     messages = _ask_next(mt, [{"role": "system", "content": SYSTEM}], "shared-1")
     text = _turn(a, messages)
     assert text == _reference(mt, messages)
@@ -62,7 +62,7 @@ def test_a_turn_through_the_other_replica_reads_the_previous_answer_from_decode(
         text = _turn(replica, messages)
         assert E.delta(mt.prefill, E.EXT_HITS, p0, READ_MIN) >= READ_MIN, f"turn {turn}"
         assert text == _reference(mt, messages), f"turn {turn}"
-    after = [E.Metrics.scrape(p.url).get("epd_proxy_kv_reuse_turns_total", outcome="used") for p in (a, b)]
+    after = [E.Metrics.scrape(p.url).get("epd_proxy_kv_reuse_turns_total", outcome="reused") for p in (a, b)]
     assert after[0] - used[0] == 1 and after[1] - used[1] == 1
     for p in (a, b):
         m = E.Metrics.scrape(p.url)
