@@ -34,7 +34,8 @@ def _part(recent, instances):
 
 def _summary(rid, end):
     return {"id": rid, "end": end, "status": 200, "outcome": "ok", "stream": False, "total_ms": 5.0,
-            "first_byte_ms": 4.0, "items": 0, "legs": [["decode", "http://d:1", False]], "stages_ms": {"decode": 3.0}}
+            "first_byte_ms": 4.0, "items": 0, "legs": [["decode", "http://d:1", False]], "stages_ms": {"decode": 3.0},
+            "kv_outcome": None}
 
 
 def test_the_state_document_joins_every_worker_newest_first_read_only():
