@@ -130,8 +130,9 @@ function kvEventsText(kv, workers) {
 
 function heldText(held) {
   if (held.keeps_blocks === false) return "keeps no blocks after an answer: no multi-turn reuse here";
+  if (held.keeps_blocks === null && !held.held_tokens) return "none yet (no answer from it has kept blocks)";
   const text = `${held.held_tokens} tokens of ${plural(held.held_conversations, "conversation")} kept for a next turn`;
-  return held.keeps_blocks === null ? text + " (whether it keeps blocks is not known yet)" : text;
+  return text;
 }
 
 function instanceCard(inst, workers) {
