@@ -194,7 +194,9 @@ function drawPanel(state) {
   facts.replaceChildren();
   const fact = (name, value, attrs) => facts.append(el("dt", { text: name }), el("dd", Object.assign({ text: value }, attrs || {})));
   const p = state.proxy;
-  fact("Routing", Object.entries(p.routing).map(([role, name]) => `${ROLE_SHORT[role] || role} ${name}`).join(" · "));
+  const present = new Set(state.instances.map((i) => (i.role === "prefill_decode" ? "decode" : i.role)));
+  const routing = Object.entries(p.routing).filter(([role]) => present.has(role));
+  fact("Routing", routing.map(([role, name]) => `${ROLE_SHORT[role] || role} ${name}`).join(" · ") || "no instances");
   const store = panel.state_store;
   if (store) {
     const since = store.up || !store.down_since ? "" : ` since ${clock(store.down_since)}`;
