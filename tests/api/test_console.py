@@ -7,6 +7,7 @@ import asyncio
 import msgspec
 from helpers import JSON, chat_body, stack, wait_for
 from procs import child_proxy, fresh_request
+from redis_server import redis_server  # noqa: F401  (the fixture)
 
 from epd_proxy.sim import SimCluster, SimConfig, expected_text
 
@@ -182,3 +183,18 @@ async def test_without_kv_events_an_instance_says_not_configured_and_tenants_sho
         [rpm] = [lim for lim in key["limits"] if lim["limit_name"] == "requests_per_minute"]
         assert (rpm["used"], rpm["limit"]) == (1, 10)
         assert "secret-a" not in repr(state)
+
+
+async def test_the_proxy_panel_shows_the_shared_store_up_then_down(redis_server):  # noqa: F811
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, bidirectional=True)
+    async with stack(sim=sim, state_store=redis_server.url, local_prefill_max_tokens=0) as (_, _p, client):
+        panel = (await client.request("GET", "/console/api/state")).json()["panel"]
+        store = panel["state_store"]
+        assert (store["kind"], store["up"], store["down_since"], store["state_text"]) == ("redis", True, None, "up")
+        assert redis_server.url not in repr(panel)  # the store's address is not shown
+        redis_server.stop()
+        first, second = _turns(2)
+        for body in (first, second):  # keeping and looking up the turn: the store does not answer
+            assert (await client.chat(body)).status == 200
+        store = (await client.request("GET", "/console/api/state")).json()["panel"]["state_store"]
+        assert store["up"] is False and store["down_since"] > 0 and store["state_text"].startswith("down")
