@@ -84,7 +84,7 @@ async def test_the_json_is_the_roster_s_the_page_is_open():
 
 
 async def test_with_workers_the_state_answers_for_the_whole_proxy():
-    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5, kv_events=True)) as cluster:
         async with child_proxy(cluster, "--workers", "2") as (_, url):
             loop = asyncio.get_running_loop()
             end = loop.time() + 10
@@ -105,6 +105,9 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 assert {s["id"] for s in state["recent"]} == {f"w-{i}" for i in range(n)}
                 decode = [i for i in state["instances"] if i["role"] == "decode"][0]
                 assert decode["workers"] == 2 and decode["requests"] == n
+                kv = decode["kv_events"]  # each worker subscribes itself: connected in both
+                assert (kv["state"], kv["workers"], kv["workers_connected"]) == ("connected", 2, 2), kv
+                assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0}
                 found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
                 assert len(found["requests"]) == 1
 
