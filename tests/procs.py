@@ -39,12 +39,21 @@ async def fresh_request(url: str, method: str, path: str, body: bytes = b"", hea
         await client.close()
 
 
+def _with_kv_events(inst) -> str:
+    """An instance's address, with its KV event sockets when the simulator publishes them."""
+    events = getattr(inst, "kv_events", None)
+    if events is None:
+        return inst.url
+    return f"{inst.url};kv_events={events.endpoint};kv_events_replay={events.replay_endpoint}"
+
+
 @contextlib.asynccontextmanager
 async def child_proxy(cluster, *extra: str, stderr=asyncio.subprocess.DEVNULL):
     """Yields (process, url) once ``/health`` answers; the process group is killed after."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [SRC, os.environ.get("PYTHONPATH", "")] if p))
-    args = ["--prefill", cluster.urls("prefill")[0], "--decode", cluster.urls("decode")[0]]
+    args = ["--prefill", _with_kv_events(cluster.instances("prefill")[0]),
+            "--decode", _with_kv_events(cluster.instances("decode")[0])]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "epd_proxy", "serve", "--port", str(port), "--probe-interval", "0",
         "--shutdown-grace", "0", *args, *extra, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,

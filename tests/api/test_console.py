@@ -5,10 +5,11 @@ rule, and --workers answering for the whole proxy."""
 import asyncio
 
 import msgspec
-from helpers import JSON, chat_body, stack
+from helpers import JSON, chat_body, stack, wait_for
 from procs import child_proxy, fresh_request
+from redis_server import redis_server  # noqa: F401  (the fixture)
 
-from epd_proxy.sim import SimCluster, SimConfig
+from epd_proxy.sim import SimCluster, SimConfig, expected_text
 
 
 async def test_the_page_is_served_from_the_package_and_holds_no_data():
@@ -83,7 +84,7 @@ async def test_the_json_is_the_roster_s_the_page_is_open():
 
 
 async def test_with_workers_the_state_answers_for_the_whole_proxy():
-    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5, kv_events=True)) as cluster:
         async with child_proxy(cluster, "--workers", "2") as (_, url):
             loop = asyncio.get_running_loop()
             end = loop.time() + 10
@@ -104,6 +105,9 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 assert {s["id"] for s in state["recent"]} == {f"w-{i}" for i in range(n)}
                 decode = [i for i in state["instances"] if i["role"] == "decode"][0]
                 assert decode["workers"] == 2 and decode["requests"] == n
+                kv = decode["kv_events"]  # each worker subscribes itself: connected in both
+                assert (kv["state"], kv["workers"], kv["workers_connected"]) == ("connected", 2, 2), kv
+                assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0}
                 found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
                 assert len(found["requests"]) == 1
 
@@ -119,3 +123,81 @@ async def test_requests_shed_at_admission_count_as_errors_by_kind():
         assert set(state["traffic"]["models"]["*"]["errors_per_s"]) == {"http_429"}
         shed = [s for s in state["recent"] if s["status"] == 429]
         assert len(shed) == 2 and all(s["legs"] == [] and s["id"].startswith("shed-") for s in shed)
+
+
+LONG_SYSTEM = " ".join(f"w{i}" for i in range(300))  # a prompt long enough to keep decode's blocks
+
+
+def _turns(n: int) -> list[dict]:
+    """A conversation's first ``n`` turns, each extending the last with the simulator's answer."""
+    body = {"model": "sim-model", "max_tokens": 120,
+            "messages": [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "first question"}]}
+    out = [body]
+    for i in range(n - 1):
+        body = dict(body, messages=body["messages"] + [{"role": "assistant", "content": expected_text(body)},
+                                                       {"role": "user", "content": f"next question {i}"}])
+        out.append(body)
+    return out
+
+
+async def test_kv_events_held_kv_and_each_turn_s_reuse_outcome():
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, bidirectional=True, kv_events=True)
+    async with stack(sim=sim, local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await client.request("GET", "/console/api/state")  # a console looks: requests are recorded
+        await wait_for(lambda: len(proxy.app.kv_events.live()) == 2)
+        first, second = _turns(2)
+        for rid, body in ((b"turn-1", first), (b"turn-2", second)):
+            assert (await client.chat(body, headers=[(b"x-request-id", rid)])).status == 200
+        state = (await client.request("GET", "/console/api/state")).json()
+        by_role = {i["role"]: i for i in state["instances"]}
+        for role in ("prefill", "decode"):
+            kv = by_role[role]["kv_events"]
+            assert kv["state"] == "connected" and kv["state_text"].startswith("connected"), kv
+        assert by_role["decode"]["kv_events"]["blocks"] > 0  # decode's blocks, from its own events
+        held = by_role["decode"]["kv_reuse"]
+        assert held["keeps_blocks"] is True and held["held_tokens"] > 0 and held["held_conversations"] == 1
+        assert by_role["prefill"]["kv_reuse"] is None
+        outcomes = {s["id"]: s["kv_outcome"] for s in state["recent"]}
+        # (the first request of the proxy's life: no decode had answered with parameters yet)
+        assert outcomes == {"turn-1": None, "turn-2": "reused"}
+        turn = next(s for s in state["recent"] if s["id"] == "turn-2")
+        assert turn["waterfall"][0]["stage"] == "kv_reuse" and turn["waterfall"][0]["instances"] == [
+            by_role["decode"]["url"]]
+        every = state["traffic"]["models"]["*"]
+        assert (every["kv_turns"], every["reused_turns"]) == (1, 1)
+        assert state["panel"] == {"state_store": None, "tenants": None, "tenants_store": None}
+
+
+async def test_without_kv_events_an_instance_says_not_configured_and_tenants_show_their_use(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("team-a:secret-a\n")
+    tenants = {"keys": [{"name": "team-a", "requests_per_minute": 10}]}
+    async with stack(encode=1, api_key_file=str(keys), tenants=tenants, admin_api_key="admin") as (_, _p, client):
+        auth = [(b"authorization", b"Bearer secret-a")]
+        assert (await client.chat(chat_body(), auth)).status == 200
+        state = (await client.request("GET", "/console/api/state", headers=[(b"x-api-key", b"admin")])).json()
+        for inst in state["instances"]:
+            if inst["role"] == "encode":
+                assert inst["kv_events"] is None  # encoders hold no KV blocks
+            else:
+                assert inst["kv_events"]["state"] == "off" and inst["kv_events"]["state_text"].startswith(
+                    "not configured")
+        [key] = [k for k in state["panel"]["tenants"] if k["key"] == "team-a"]
+        [rpm] = [lim for lim in key["limits"] if lim["limit_name"] == "requests_per_minute"]
+        assert (rpm["used"], rpm["limit"]) == (1, 10)
+        assert "secret-a" not in repr(state)
+
+
+async def test_the_proxy_panel_shows_the_shared_store_up_then_down(redis_server):  # noqa: F811
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, bidirectional=True)
+    async with stack(sim=sim, state_store=redis_server.url, local_prefill_max_tokens=0) as (_, _p, client):
+        panel = (await client.request("GET", "/console/api/state")).json()["panel"]
+        store = panel["state_store"]
+        assert (store["kind"], store["up"], store["down_since"], store["state_text"]) == ("redis", True, None, "up")
+        assert redis_server.url not in repr(panel)  # the store's address is not shown
+        redis_server.stop()
+        first, second = _turns(2)
+        for body in (first, second):  # keeping and looking up the turn: the store does not answer
+            assert (await client.chat(body)).status == 200
+        store = (await client.request("GET", "/console/api/state")).json()["panel"]["state_store"]
+        assert store["up"] is False and store["down_since"] > 0 and store["state_text"].startswith("down")

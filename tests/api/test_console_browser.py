@@ -11,9 +11,9 @@ import shutil
 from html.parser import HTMLParser
 
 import pytest
-from helpers import chat_body, stack
+from helpers import chat_body, stack, wait_for
 
-from epd_proxy.sim import SimConfig
+from epd_proxy.sim import SimConfig, expected_text
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/ensure-system-"
@@ -132,3 +132,60 @@ async def test_the_console_in_a_browser_shows_the_cluster_the_traffic_and_a_requ
     ids = [{r["data-request-id"] for r in dom.find(tag="tr") if "data-request-id" in r} for dom in (first, second)]
     assert ids[1] - ids[0]
     assert os.path.getsize(shot) > 0
+
+
+def _conversation(turns: int) -> list[dict]:
+    system = " ".join(f"w{i}" for i in range(300))  # long enough for decode to keep its blocks
+    body = {"model": "sim-model", "max_tokens": 120,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]}
+    out = [body]
+    for i in range(turns - 1):
+        body = dict(body, messages=body["messages"] + [{"role": "assistant", "content": expected_text(body)},
+                                                       {"role": "user", "content": f"next question {i}"}])
+        out.append(body)
+    return out
+
+
+async def test_the_console_shows_kv_events_held_kv_and_a_turn_s_reuse(tmp_path):
+    """KV events published by the simulator and a conversation whose turns reuse decode's KV
+    (bidirectional transfer): each card says whether its events are live, in words; the decode
+    says what it holds for a next turn; a reused turn says so in the table and its waterfall.
+    One prefill is stopped: its events go stale, and its card says so."""
+    sim = SimConfig(itl_ms=1, ttft_ms=1, bidirectional=True, kv_events=True)
+    async with stack(prefill=2, decode=1, sim=sim, local_prefill_max_tokens=0) as (cluster, proxy, client):
+        await client.request("GET", "/console/api/state")  # a console is open: requests are recorded
+        await wait_for(lambda: len(proxy.app.kv_events.live()) == 3)
+        for i, body in enumerate(_conversation(3)):
+            assert (await client.chat(body, headers=[(b"x-request-id", b"turn-%d" % i)])).status == 200
+        stopped = cluster.instances("prefill")[1]
+        await stopped.crash()
+        await wait_for(lambda: stopped.url not in proxy.app.kv_events.live(), timeout=10)
+        url = f"{proxy.url}/console?id=turn-2"
+        dom = Dom()
+        dom.feed((await _chromium(str(tmp_path / "profile"), url, "--dump-dom")).decode())
+        shot = tmp_path / "console-kv.png"
+        await _chromium(str(tmp_path / "profile"), url, "--window-size=1400,2600", f"--screenshot={shot}")
+        print(f"\nconsole screenshot: {shot}")
+        decode = cluster.urls("decode")[0]
+
+    cards = {c["data-url"]: c for c in dom.find(tag="article")}
+    assert set(cards) == {i.url for i in cluster.all_instances()}
+    assert sorted(e["data-kv-events"] for e in dom.elements if e.get("data-kv-events")) == [
+        "connected", "connected", "stale"]
+    assert "KV events" in cards[decode]["text"] and "connected: its events are live" in cards[decode]["text"]
+    assert "stale: its replay socket does not answer" in cards[stopped.url]["text"]
+    assert "blocks indexed" in cards[decode]["text"]
+    assert "kept for a next turn" in cards[decode]["text"]  # the held KV, in words
+    held = [e for e in dom.find(tag="dd") if "data-held-tokens" in e]
+    assert len(held) == 1 and int(held[0]["data-held-tokens"]) > 0
+    # The turns' outcomes in the table: the later turns reused decode's KV.
+    outcomes = {r["data-request-id"]: r for r in dom.find(tag="tr") if "data-request-id" in r}
+    assert "reused" in outcomes["turn-2"]["text"] and "reused" in outcomes["turn-1"]["text"]
+    cells = [e for e in dom.find(tag="td") if e.get("data-kv-outcome") == "reused"]
+    assert len(cells) == 2
+    # ... and in the request's waterfall, with the decode it was held on.
+    assert dom.by_id("detail").get("data-request-id") == "turn-2"
+    stages = {s["data-stage"]: s["text"] for s in dom.find(tag="li") if "data-stage" in s}
+    assert "multi-turn KV reused" in stages["kv_reuse"] and decode.split("//")[1] in stages["kv_reuse"]
+    assert "2 of 2" in dom.find(data_tile="reused")[0]["text"]
+    assert shot.stat().st_size > 10_000

@@ -44,6 +44,10 @@ async def test_a_summary_holds_what_the_access_log_shows_and_no_more():
     assert s["stages_ms"] == {"prefill": 10.0, "decode_first": 5.0}
     assert (s["first_byte_ms"], s["itl_ms"], s["total_ms"]) == (20.0, 2.0, 50.0)
     assert (s["prompt_tokens"], s["completion_tokens"], s["cached_tokens"], s["items"]) == (30, 8, 16, 2)
+    assert s["kv_outcome"] is None  # not looked up for multi-turn KV reuse
+    rec = _record()
+    rec.ctx.kv_outcome = "reused"
+    assert summary(rec, 200, (30, 8, 16), 999, 0.05, 1234.5)["kv_outcome"] == "reused"
     text = repr(s)
     assert "secret" not in text and "10.0.0.9" not in text and "tenant-a" not in text
 

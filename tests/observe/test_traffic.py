@@ -6,12 +6,13 @@ from epd_proxy.observe.traffic import ALL, error_kind, finish, merge, partial, p
 
 def _s(end: float, *, model="m", status=200, outcome="ok", stream=True, ttft=10.0, itl=1.0, total=50.0,
        legs=(("prefill", "http://p", False), ("decode", "http://d", False)), stages=None, items=0,
-       tokens=(100, 20, 40)) -> dict:
+       tokens=(100, 20, 40), kv=None) -> dict:
     return {"id": f"r{end}", "method": "POST", "path": "/v1/chat/completions", "model": model, "status": status,
             "outcome": outcome, "stream": stream, "end": end, "total_ms": total, "first_byte_ms": ttft,
             "itl_ms": itl if stream else None, "prompt_tokens": tokens[0], "completion_tokens": tokens[1],
             "cached_tokens": tokens[2], "items": items, "legs": [list(leg) for leg in legs],
-            "stages_ms": stages if stages is not None else {"prefill": 4.0, "decode_first": 5.0}, "bytes": 10}
+            "stages_ms": stages if stages is not None else {"prefill": 4.0, "decode_first": 5.0}, "bytes": 10,
+            "kv_outcome": kv}
 
 
 def test_error_kinds():
@@ -96,3 +97,26 @@ def test_waterfall_of_a_request_that_failed_before_any_stage():
            legs=(("decode", "http://d", True),))
     w = waterfall(s)
     assert [seg["stage"] for seg in w] == ["decode"] and w[0]["failed"] == ["http://d"]
+
+
+def test_reused_turns_are_counted_per_model_over_the_window_and_across_workers():
+    a = partial([_s(99.0, kv="opening"), _s(99.2, kv="reused"), _s(99.4, kv="local_prefill"), _s(99.6)],
+                100.0, 10.0)
+    b = partial([_s(99.1, kv="reused", model="n"), _s(99.3, kv="edited", model="n"), _s(80.0, kv="reused")],
+                100.0, 10.0)  # the last ended before the window
+    t = finish(merge([a, b]))
+    m, n, every = t["models"]["m"], t["models"]["n"], t["models"][ALL]
+    assert (m["kv_turns"], m["reused_turns"]) == (3, 2)  # the request without an outcome was not looked up
+    assert (n["kv_turns"], n["reused_turns"]) == (2, 1)
+    assert (every["kv_turns"], every["reused_turns"], every["reused_turns_per_s"]) == (5, 3, 0.3)
+
+
+def test_waterfall_starts_with_the_turn_s_reuse_outcome():
+    s = _s(1.0, kv="reused", stages={"prefill": 6.0, "decode_first": 9.0})
+    w = waterfall(s)
+    assert w[0]["stage"] == "kv_reuse" and w[0]["outcome"] == "reused" and w[0]["instances"] == ["http://d"]
+    assert w[0]["label"].startswith("multi-turn KV reused") and "read the previous turn" in w[0]["label"]
+    assert "previous turn's KV" in w[1]["label"]
+    w = waterfall(_s(1.0, kv="edited"))
+    assert w[0]["outcome"] == "edited" and "not reused" in w[0]["label"] and w[0]["instances"] == []
+    assert [seg["stage"] for seg in waterfall(_s(1.0))][0] == "prefill"  # not looked up: no mark

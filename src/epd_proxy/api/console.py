@@ -23,15 +23,19 @@ import msgspec
 
 from epd_proxy.api.access import READ
 from epd_proxy.api.admin import AdminApi
-from epd_proxy.api.console_view import RECENT_SHOWN, instance_view, request_document, state_document
+from epd_proxy.api.console_view import RECENT_SHOWN, instance_view, proxy_panel, request_document, state_document
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.instance import now as instance_now
 from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.traffic import partial
+from epd_proxy.request.turns.reuse import TurnReuse
+from epd_proxy.state.guard import GuardedStore
+from epd_proxy.tenants.limiter import Tenants
 
 PAGE = "/console"
 STATE = "/console/api/state"
@@ -51,6 +55,8 @@ _PAGE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-content-type-options", b"
                  (b"referrer-policy", b"no-referrer"), (b"x-frame-options", b"DENY"),
                  (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'")]
 _JSON_HEADERS = [(b"cache-control", b"no-store")]
+# A decode multi-turn reuse knows nothing of yet (as /status shows it).
+_NOT_HELD = {"keeps_blocks": None, "held_tokens": 0, "held_conversations": 0}
 
 
 def _load_assets() -> dict[str, bytes]:
@@ -63,7 +69,8 @@ class ConsoleApi:
 
     def __init__(self, config: ProxyConfig, *, pools: dict[str, InstancePool], membership: Membership,
                  recent: RecentRequests, admin: AdminApi, siblings: SiblingChannel | None = None,
-                 window: float = WINDOW) -> None:
+                 window: float = WINDOW, kv_events: EventFeed | None = None, reuse: TurnReuse | None = None,
+                 state: GuardedStore | None = None, tenants: Tenants | None = None) -> None:
         self.config = config
         self.pools = pools
         self.membership = membership
@@ -71,6 +78,10 @@ class ConsoleApi:
         self.admin = admin  # its access policy: who may read the roster
         self.siblings = siblings
         self.window = window
+        self.kv_events = kv_events  # each instance's KV event streams (kvcache/feed.py)
+        self.reuse = reuse  # the KV each decode keeps for a next turn (request/turns/reuse.py)
+        self.state_store = state  # the shared state store, if any (state/)
+        self.tenants = tenants  # each key's use of its limits, with a [tenants] table
         self._files = _load_assets()
 
     def routes(self) -> dict:
@@ -88,6 +99,9 @@ class ConsoleApi:
         if not self.admin.allowed(req, writer, READ):
             return
         local = self.local_state()
+        tenants = self.tenants
+        local["panel"] = proxy_panel(self.state_store.status() if self.state_store is not None else None,
+                                     await tenants.status() if tenants is not None and tenants.active else None)
         peers: list = []
         count = 1
         if self.siblings is not None:
@@ -110,7 +124,12 @@ class ConsoleApi:
         self.recent.look()
         now, wall = instance_now(), time.time()
         placement = getattr(self.pools["encode"].policy, "encoders", None)  # cache-aware's media counts
-        instances = [instance_view(inst, now, wall, placement if inst.role == "encode" else None)
+        feed = self.kv_events
+        streams = feed.status()["instances"] if feed is not None and feed.active else {}
+        held = self.reuse.status() if self.reuse is not None and self.reuse.store is not None else None
+        instances = [instance_view(inst, now, wall, placement if inst.role == "encode" else None,
+                                   streams.get(inst.url),
+                                   None if held is None or inst.role != "decode" else held.get(inst.url, _NOT_HELD))
                      for inst in self.membership.instances()]
         instances += [instance_view(inst, now, wall) for inst in self.membership.departing()]
         recent = self.recent

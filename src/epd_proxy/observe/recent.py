@@ -8,8 +8,8 @@ per request forever, for a page nobody may open. So the ring is off until a cons
 ``watch_seconds``: the request path pays one attribute test (``recent.on``) while it is off.
 
 A summary holds what the access log already shows of a request (id, path, model, status,
-outcome, the instances of its legs, its stage times, tokens) and nothing more: no client
-address, no key, no body.
+outcome, the instances of its legs, its stage times, tokens, the turn's multi-turn KV reuse
+outcome) and nothing more: no client address, no key, no body.
 """
 
 from __future__ import annotations
@@ -34,26 +34,30 @@ def captured(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, second
     if ctx is None:
         legs: tuple = ()
         timings: dict = {}
+        kv = None
     else:
+        kv = ctx.kv_outcome  # multi-turn KV reuse (request/turns/outcomes.py), None: not looked up
         excluded = ctx.excluded
         legs = tuple((inst.role, inst.url, inst in excluded) for inst in ctx.legs)
         timings = ctx.timings  # the request is over: nothing adds to it any more
     return (rec.request_id, rec.method, rec.path, rec.model, status, rec.outcome, rec.stream, end, seconds,
-            rec.first_byte, rec.gap, tokens, rec.items, legs, timings, nbytes)
+            rec.first_byte, rec.gap, tokens, rec.items, legs, timings, nbytes, kv)
 
 
 def as_summary(kept: tuple) -> dict:
     """One finished request as the console shows it (plain data, JSON-ready). ``end``: wall
     time at its end; ``legs``: each instance called, in order, as ``[role, url, failed]``
-    (``failed``: it failed this request, which went on elsewhere or ended in error)."""
+    (``failed``: it failed this request, which went on elsewhere or ended in error); ``kv_outcome``:
+    what became of the turn's chance to reuse decode's KV (``turns/outcomes.py``; None: not looked up)."""
     (rid, method, path, model, status, outcome, stream, end, seconds, first_byte, gap, tokens, items, legs,
-     timings, nbytes) = kept
+     timings, nbytes, kv) = kept
     prompt, completion, cached = tokens
     return {"id": rid, "method": method, "path": path, "model": model, "status": status, "outcome": outcome,
             "stream": stream, "end": round(end, 3), "total_ms": _ms(seconds), "first_byte_ms": _ms(first_byte),
             "itl_ms": _ms(gap), "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
             "items": items, "legs": [list(leg) for leg in legs],
-            "stages_ms": {stage: round(s * 1000, 3) for stage, s in timings.items()}, "bytes": nbytes}
+            "stages_ms": {stage: round(s * 1000, 3) for stage, s in timings.items()}, "bytes": nbytes,
+            "kv_outcome": kv}
 
 
 def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float, end: float) -> dict:
@@ -64,7 +68,7 @@ def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds
 def refused(request_id: str, method: str, path: str, status: int, seconds: float, end: float) -> tuple:
     """A request refused before it was parsed (admission's 429, a 503 while shutting down)."""
     return (request_id, method, path, None, status, "error", False, end, seconds, None, None, (None, None, None), 0,
-            (), {}, 0)
+            (), {}, 0, None)
 
 
 class RecentRequests:

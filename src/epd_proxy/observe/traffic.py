@@ -13,7 +13,33 @@ ALL = "*"  # the row of every model together
 SAMPLES = 1000  # latency samples kept per model and measure in a partial (the newest)
 _LATENCIES = ("ttft", "itl", "total")
 _COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "items", "kv_transfers", "retried",
-           "streams")
+           "streams", "turns", "reused_turns")
+_TALLIES = ("turns", "reused_turns")  # also kept as counts over the window, not only as rates
+# Multi-turn KV reuse outcomes (request/turns/outcomes.py) in which the turn used decode's KV.
+REUSED_OUTCOMES = ("reused", "local_prefill")
+# Each outcome in words, for the waterfall (the labels are request/turns/outcomes.py's).
+KV_OUTCOME_TEXT = {
+    "reused": "reused: the prefill read the previous turn's KV from the decode holding it",
+    "local_prefill": "reused: the decode holding the previous turn computed the new part alone (no prefill)",
+    "opening": "opening turn: nothing to reuse",
+    "unmatched": "nothing to reuse: the prompt extends no turn held here",
+    "not_keyed": "not reusable: the earlier answer holds what decode never held",
+    "not_held": "not reused: nothing held here for the earlier answer",
+    "older_turn": "not reused: only an older turn of the conversation is held here",
+    "edited": "not reused: the history differs from the turn held",
+    "already_used": "not reused: already given to a prefill (a retry or a second request)",
+    "expired": "not reused: the held KV expired",
+    "evicted": "not reused: the held KV was let go (capacity)",
+    "superseded": "not reused: a newer turn replaced it",
+    "decode_gone": "not reused: the decode holding it left, is draining or failed",
+    "tokens": "not reused: too few tokens shared with what decode holds",
+    "tokenize_failed": "not reused: no instance tokenized the prompt",
+    "prefill_failed": "not reused: the prefill failed reading it and ran again without",
+    "no_pull_prefill": "not reused: no prefill instance to read it",
+    "media": "not looked up: the request has media",
+    "retried": "not reused: the attempt that had it failed; the retry computed the history",
+    "request_failed": "not reused: the request ended before its prefill ran",
+}
 
 
 def error_kind(s: dict) -> str | None:
@@ -52,6 +78,11 @@ def _count(row: dict, s: dict) -> None:
         row["kv_transfers"] += 1  # a prefill's KV handed to a decode (P/D)
     if kind is None and any(leg[2] for leg in s["legs"]):
         row["retried"] += 1  # answered after an instance failed it
+    kv = s["kv_outcome"]
+    if kv is not None:
+        row["turns"] += 1  # looked up for multi-turn KV reuse
+        if kv in REUSED_OUTCOMES:
+            row["reused_turns"] += 1
     if s["stream"] and kind is None:
         row["streams"] += 1
         if s["first_byte_ms"] is not None:
@@ -101,6 +132,8 @@ def partial(summaries: list[dict], now: float, window: float, since: float = 0.0
         for name in _LATENCIES:
             rated[name] = row[name][-SAMPLES:]
         rated["count"] = row["requests"]
+        for name in _TALLIES:
+            rated[name + "_count"] = row[name]
         out[model] = rated
     return {"covered_s": round(covered, 3), "models": out}
 
@@ -114,9 +147,13 @@ def merge(partials: list[dict]) -> dict:
             if have is None:
                 have = models[model] = _new_row()
                 have["count"] = 0
+                for name in _TALLIES:
+                    have[name + "_count"] = 0
             for name in _COUNTS:
                 have[name] += row[name]
             have["count"] += row["count"]
+            for name in _TALLIES:
+                have[name + "_count"] += row[name + "_count"]
             for kind, rate in row["errors"].items():
                 have["errors"][kind] = have["errors"].get(kind, 0.0) + rate
             for name in _LATENCIES:
@@ -142,7 +179,8 @@ def _quantiles(values: list[float]) -> dict:
 def finish(merged: dict) -> dict:
     """Per model: requests and errors per second, the error share, TTFT / ITL / duration
     percentiles (ms), tokens per second, the share of prompt tokens served from a cache,
-    encoder items, P/D KV hand-offs and retried requests per second."""
+    encoder items, P/D KV hand-offs and retried requests per second; the turns looked up
+    for multi-turn KV reuse and those that reused decode's KV, counted over the window."""
     out = {}
     for model, row in merged["models"].items():
         rps = row["requests"]
@@ -163,6 +201,9 @@ def finish(merged: dict) -> dict:
             "encoder_items_per_s": round(row["items"], 3),
             "kv_transfers_per_s": round(row["kv_transfers"], 3),
             "retried_per_s": round(row["retried"], 3),
+            "kv_turns": row["turns_count"],
+            "reused_turns": row["reused_turns_count"],
+            "reused_turns_per_s": round(row["reused_turns"], 3),
         }
     return {"covered_s": merged["covered_s"], "models": out}
 
@@ -174,7 +215,8 @@ def waterfall(s: dict) -> list[dict]:
     encode, then prefill; decode's wait for its first event after the prefill (pull
     connectors: the KV is read then) or beside it (push connectors: ``kv_handoff`` is
     decode's wait once the prefill answered); then the first byte to the client and, for a
-    stream, the relay until the last byte."""
+    stream, the relay until the last byte. A turn looked up for multi-turn KV reuse starts
+    with its outcome (``kv_reuse``, a mark at 0, with the decode it was held on when reused)."""
     stages = s["stages_ms"]
     legs = s["legs"]
     total = s["total_ms"] or 0.0
@@ -193,6 +235,11 @@ def waterfall(s: dict) -> list[dict]:
                     "instances": served, "failed": failed})
         return start + length
 
+    kv = s["kv_outcome"]
+    if kv is not None:
+        held = on("decode")[0] if kv in REUSED_OUTCOMES else []
+        out.append({"stage": "kv_reuse", "label": "multi-turn KV " + KV_OUTCOME_TEXT.get(kv, kv), "start_ms": 0.0,
+                    "end_ms": 0.0, "instances": held, "failed": [], "outcome": kv})
     t = 0.0
     if "encode" in stages:
         t = add("encode", f"encode ({s['items']} item{'s' if s['items'] != 1 else ''})", 0.0, stages["encode"],
@@ -210,7 +257,8 @@ def waterfall(s: dict) -> list[dict]:
             add("decode", label, t, decode, "decode")
     else:
         if prefill is not None:
-            t = add("prefill", "prefill", t, prefill, "prefill")
+            t = add("prefill", "prefill, the previous turn's KV read from decode" if kv == "reused" else "prefill",
+                    t, prefill, "prefill")
             label += ", KV read from the prefill" if first is not None or whole is not None else ""
         if decode is not None:
             add("decode", label, t, decode, "decode")

@@ -118,7 +118,8 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
-                         siblings=siblings)
+                         siblings=siblings, kv_events=kv_events, reuse=pipeline.reuse, state=state,
+                         tenants=pipeline.tenants)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder,

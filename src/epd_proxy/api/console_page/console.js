@@ -14,6 +14,13 @@ const ROLE_SHORT = { encode: "E", prefill: "P", decode: "D", prefill_decode: "PD
 const STATE_MARK = {
   healthy: "●", ejected: "✕", "half-open": "◐", draining: "⏸", leaving: "→", mixed: "≠",
 };
+// KV events: a symbol beside the words too.
+const KV_EVENTS_MARK = { connected: "●", stale: "◌", off: "–" };
+// A turn's multi-turn KV reuse outcome, short (the waterfall has the long words).
+const KV_OUTCOME_SHORT = {
+  reused: "reused (prefill read it)", local_prefill: "reused (no prefill)", opening: "opening turn",
+  unmatched: "nothing to reuse",
+};
 const FLOW_TEXT = {
   "E+P+D": "Media go to the encoders, prefill computes the prompt's KV, the KV moves to a decode, decode streams the answer.",
   "P+D": "Prefill computes the prompt's KV, the KV moves to a decode, decode streams the answer.",
@@ -103,10 +110,38 @@ function loadText(inst) {
   return `KV cache ${pct(inst.load.kv_usage)} · ${num(inst.load.waiting, 0)} waiting · ${num(inst.load.others, 0)} not ours`;
 }
 
+function plural(n, word) { return `${n} ${word}${n === 1 ? "" : "s"}`; }
+
+function kvEventsText(kv, workers) {
+  const bits = [kv.state_text];
+  if (kv.state !== "off") {
+    bits.push(`${kv.blocks ?? 0} blocks indexed`);
+    if (kv.streams > 1) bits.push(`${kv.connected} of ${kv.streams} ranks connected`);
+    if (workers > 1) bits.push(`connected in ${kv.workers_connected} of ${kv.workers} workers`);
+    const trouble = [];
+    if (kv.restarts) trouble.push(plural(kv.restarts, "engine restart"));
+    if (kv.gaps) trouble.push(plural(kv.gaps, "gap"));
+    if (kv.lost) trouble.push(`${kv.lost} lost`);
+    bits.push(trouble.length ? trouble.join(", ") : "no gaps or restarts");
+    if (kv.last_event) bits.push(`last event ${clock(kv.last_event)}`);
+  }
+  return bits.join(" · ");
+}
+
+function heldText(held) {
+  if (held.keeps_blocks === false) return "keeps no blocks after an answer: no multi-turn reuse here";
+  if (held.keeps_blocks === null && !held.held_tokens) return "none yet (no answer from it has kept blocks)";
+  const text = `${held.held_tokens} tokens of ${plural(held.held_conversations, "conversation")} kept for a next turn`;
+  return text;
+}
+
 function instanceCard(inst, workers) {
   const mark = STATE_MARK[inst.state] || "?";
   const facts = el("dl", { className: "facts" });
-  const fact = (name, value) => { if (value !== null && value !== undefined && value !== "") facts.append(el("dt", { text: name }), el("dd", { text: value })); };
+  const fact = (name, value, attrs) => {
+    if (value === null || value === undefined || value === "") return;
+    facts.append(el("dt", { text: name }), el("dd", Object.assign({ text: value }, attrs || {})));
+  };
   if (inst.ejected_until) fact("Back on trial at", clock(inst.ejected_until));
   if (workers > 1) fact("In rotation in", `${inst.workers_in_rotation} of ${inst.workers} workers`);
   fact("Source", inst.source || "–");
@@ -122,6 +157,11 @@ function instanceCard(inst, workers) {
   fact("Models", inst.models === null ? "not read yet" : (inst.models.join(", ") || "none"));
   if (inst.adapters.length) fact("LoRA adapters", inst.adapters.join(", "));
   if (inst.active_adapters.length) fact("Active adapters", inst.active_adapters.join(", "));
+  if (inst.kv_events) {
+    fact("KV events", `${KV_EVENTS_MARK[inst.kv_events.state] || ""} ${kvEventsText(inst.kv_events, workers)}`.trim(),
+         { className: "kv-events kv-" + inst.kv_events.state, "data-kv-events": inst.kv_events.state });
+  }
+  if (inst.kv_reuse) fact("Held KV", heldText(inst.kv_reuse), { "data-held-tokens": String(inst.kv_reuse.held_tokens) });
   return el("article", { className: "card state-" + inst.state, "data-url": inst.url, "data-state": inst.state,
                          "data-role": inst.role },
     el("h4", { text: host(inst.url) }),
@@ -145,6 +185,41 @@ function drawModels(state) {
       el("td", { text: ready }),
       el("td", { text: roles.join(" · ") }),
       el("td", { text: m.why || "–" })));
+  }
+}
+
+function drawPanel(state) {
+  const panel = state.panel || { state_store: null, tenants: null };
+  const facts = $("proxy-facts");
+  facts.replaceChildren();
+  const fact = (name, value, attrs) => facts.append(el("dt", { text: name }), el("dd", Object.assign({ text: value }, attrs || {})));
+  const p = state.proxy;
+  const present = new Set(state.instances.map((i) => (i.role === "prefill_decode" ? "decode" : i.role)));
+  const routing = Object.entries(p.routing).filter(([role]) => present.has(role));
+  fact("Routing", routing.map(([role, name]) => `${ROLE_SHORT[role] || role} ${name}`).join(" · ") || "no instances");
+  const store = panel.state_store;
+  if (store) {
+    const since = store.up || !store.down_since ? "" : ` since ${clock(store.down_since)}`;
+    const errors = Object.entries(store.errors).map(([k, n]) => `${k} ${n}`).join(", ");
+    fact("State store", `${store.up ? "●" : "✕"} ${store.kind}: ${store.state_text}${since}${errors ? ` (errors: ${errors})` : ""}`,
+         { "data-store": store.up ? "up" : "down" });
+  } else {
+    fact("State store", "none: each process keeps its own (multi-turn reuse, Responses ids)", { "data-store": "none" });
+  }
+  fact("Admin key", p.admin_key ? "configured" : "none");
+  const tenants = panel.tenants;
+  $("tenants-wrap").hidden = !tenants;
+  const body = $("tenants").tBodies[0];
+  body.replaceChildren();
+  if (!tenants) return;
+  $("tenants-store").textContent = panel.tenants_store ? `(counters ${panel.tenants_store}${state.workers > 1 ? ", as the worker that answered sees them" : ""})` : "";
+  for (const key of tenants) {
+    const limits = key.limits.map((l) => `${l.limit_name} ${l.used ?? "?"} of ${l.limit}${l.share === null ? "" : ` (${pct(l.share)})`}`);
+    body.append(el("tr", { "data-tenant": key.key },
+      el("th", { scope: "row", text: key.key }),
+      el("td", { text: key.policy === key.key ? "own entry" : key.policy }),
+      el("td", { text: key.class }),
+      el("td", { text: limits.join(" · ") || "no limits" })));
   }
 }
 
@@ -188,6 +263,7 @@ function drawTraffic(state) {
   tile("TTFT p50", ms(all.ttft_ms.p50), "ttft");
   tile("ITL p50", ms(all.itl_ms.p50), "itl");
   tile("tokens out / s", num(all.completion_tokens_per_s, 0), "tokens");
+  tile("turns that reused KV", all.kv_turns ? `${all.reused_turns} of ${all.kv_turns}` : "–", "reused");
   const body = $("traffic").tBodies[0];
   body.replaceChildren();
   const models = Object.keys(t.models).filter((m) => m !== "*").sort();
@@ -204,7 +280,8 @@ function drawTraffic(state) {
       el("td", { text: pct(r.cached_ratio) }),
       el("td", { text: num(r.encoder_items_per_s, 2) }),
       el("td", { text: num(r.kv_transfers_per_s, 2) }),
-      el("td", { text: num(r.retried_per_s, 2) })));
+      el("td", { text: num(r.retried_per_s, 2) }),
+      el("td", { text: r.kv_turns ? `${r.reused_turns} of ${r.kv_turns}` : "–", "data-reused": String(r.reused_turns) })));
   }
 }
 
@@ -214,6 +291,11 @@ function resultText(s) {
   if (s.outcome === "in_band_error") return `${s.status} error in the stream`;
   if (s.status === 499) return "499 client went away";
   return `${s.status} ${s.outcome.replace("_", " ")}`;
+}
+
+function kvText(s) {
+  if (!s.kv_outcome) return "–";
+  return KV_OUTCOME_SHORT[s.kv_outcome] || ("not reused: " + s.kv_outcome.replaceAll("_", " "));
 }
 
 function legsText(s) {
@@ -236,6 +318,7 @@ function drawRecent(state) {
       el("td", { text: ms(s.total_ms) }),
       el("td", { text: ms(s.first_byte_ms) }),
       el("td", { text: `${s.prompt_tokens ?? "–"} / ${s.completion_tokens ?? "–"}` }),
+      el("td", { text: kvText(s), "data-kv-outcome": s.kv_outcome || "" }),
       el("td", { text: legsText(s) })));
   }
 }
@@ -272,6 +355,7 @@ function showDetail(s) {
   if (s.itl_ms !== null) fact("Mean gap between events", ms(s.itl_ms));
   fact("Tokens in / out / cached", `${s.prompt_tokens ?? "–"} / ${s.completion_tokens ?? "–"} / ${s.cached_tokens ?? "–"}`);
   if (s.items) fact("Media items", String(s.items));
+  if (s.kv_outcome) fact("Multi-turn KV", kvText(s));
   fact("Instances, in order", legsText(s));
   drawWaterfall(s);
   const detail = $("detail");
@@ -316,6 +400,7 @@ function draw(state) {
   $("summary").textContent = bits.join(" · ");
   drawFlow(state);
   drawCluster(state);
+  drawPanel(state);
   drawTraffic(state);
   drawRecent(state);
   $("live").textContent = `live: updated ${clock(state.generated)}`;
