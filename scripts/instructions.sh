@@ -26,6 +26,12 @@ EVENTS=()
 PYTHONPATH=$REPO/src "$PY" -m epd_proxy sim --prefill 1 --decode 1 --ttft-ms 0 --itl-ms 0 --no-records \
     --base-port "$SP" "${EVENTS[@]}" > "$OUT/sim.log" 2>&1 &
 SIM=$!
+# The simulated instances answer before the proxy starts: a proxy whose first probe found them
+# closed would answer the first requests 503 (no instance accepts connections).
+for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$SP/health" > /dev/null && curl -sf "http://127.0.0.1:$((SP + 1))/health" > /dev/null && break
+    sleep 0.1
+done
 P="http://127.0.0.1:$SP"; D="http://127.0.0.1:$((SP + 1))"
 if [ "${KV_EVENTS:-0}" = 1 ]; then
     for _ in $(seq 100); do grep -q "^kv events: decode" "$OUT/sim.log" && break; sleep 0.1; done
