@@ -30,13 +30,12 @@ from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
-from epd_proxy.observe.tokens import NO_TOKENS, usage_of
-from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
+from epd_proxy.observe.tokens import usage_of
+from epd_proxy.request.admission import ADMIT, SHED, Admission
 from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
     MEDIA,
-    MESSAGES,
     PREVIOUS_RESPONSE,
     GenerationApi,
     encodable,
@@ -45,7 +44,8 @@ from epd_proxy.request.apis import (
 )
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
-from epd_proxy.request.ingress import CHAT, client_request_id, parse_body, request_id
+from epd_proxy.request.entry_gate import EntryGate
+from epd_proxy.request.ingress import CHAT, parse_body, request_id
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
@@ -118,18 +118,10 @@ class Pipeline:
         self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
         # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
-        self.closing = False
         self.stopping = False
-        self.access_log = access_log  # when on
         self.tracing = tracing  # when OTEL_* turns it on
         # The console's ring of recent requests (recent.py): filled only while someone looks.
         self.recent = recent if recent is not None else RecentRequests()
-        self._gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
-        # The refusals are built once, in each envelope (indexed by speaks_anthropic(path)).
-        shed = shed_error(f"--max-inflight {config.max_inflight}")
-        closing = ProxyError(503, "the proxy is shutting down; retry the request")
-        self._429 = (shed.body(), shed.body(anthropic=True))
-        self._503_closing = (closing.body(), closing.body(anthropic=True))
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.state = state  # the shared state store, if any (state/)
         self.stored = StoredResponses(config, self.decode, ResponseOwners(shared=state), metrics, base_headers)
@@ -142,24 +134,36 @@ class Pipeline:
         # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,
         # no aliases) without the cluster file's tables: two attribute tests per request.
         self.tenants = tenants if tenants is not None else Tenants.off()
+        # The key's limits and the slot, before the body is read (entry_gate.py).
+        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log)
         self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
+
+    @property
+    def access_log(self) -> AccessLog | None:
+        return self.gate.access_log
+
+    @access_log.setter
+    def access_log(self, log: AccessLog | None) -> None:
+        self.gate.access_log = log
 
     def close_admission(self) -> None:
         """Shutting down: every new request is answered 503 at once (in-flight ones go on)."""
-        self.closing = True
-        self._gated = True
-        self.admission.close()
+        self.gate.close()
 
     async def admit(self, req: Request, writer: ResponseWriter, path: str, t0: float,
                     ticket: Ticket | None = None) -> bool:
         """The same slots and queue for a request the pipeline does not run (forward.py):
         True with a slot taken (give it back with :meth:`leave`), else answered 429/503."""
-        return not self._gated or await self._admit(req, writer, path, t0, ticket)
+        return not self.gate.gated or await self.gate.admit(req, writer, path, t0, ticket)
 
     def leave(self) -> None:
         """Give back the slot :meth:`admit` took."""
-        if self.admission.limit:
-            self.admission.leave()
+        self.gate.leave()
+
+    async def enter_tenant(self, req: Request, writer: ResponseWriter, path: str, t0: float,
+                           key: str | None) -> Ticket | None:
+        """The request's ticket against its key's limits, or None: refused, answered (entry_gate.py)."""
+        return await self.gate.enter_tenant(req, writer, path, t0, key)
 
     # -- the request path -------------------------------------------------------------------
     async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
@@ -167,10 +171,11 @@ class Pipeline:
         t0 = time.perf_counter()
         ticket = None
         if self.tenants.active:  # the key's limits, before it may take a queue place
-            ticket = await self.enter_tenant(req, writer, path, t0, key)
+            ticket = await self.gate.enter_tenant(req, writer, path, t0, key)
             if ticket is None:
                 return
-        if self._gated and not await self._admit(req, writer, path, t0, ticket):
+        gate = self.gate
+        if gate.gated and not await gate.admit(req, writer, path, t0, ticket):
             return
         rec = RequestRecord(request_id(req), req.method, path, t0, req.peer, req.headers, key, self.metrics.no_model)
         rec.ticket = ticket
@@ -393,64 +398,6 @@ class Pipeline:
         if self.recent.on:  # a console looked lately (recent.py)
             self.recent.add(rec, status, tokens, writer.bytes_sent, seconds)
 
-    async def enter_tenant(self, req: Request, writer: ResponseWriter, path: str, t0: float,
-                           key: str | None) -> Ticket | None:
-        """The request's ticket against its key's limits (tenants/limiter.py), or None: refused, answered."""
-        try:
-            return await self.tenants.enter(key, path.startswith(MESSAGES), len(req.body), req.headers)
-        except ProxyError as err:
-            self._refused(req, writer, path, t0, err.status, err.body(speaks_anthropic(path)), err.headers or [], key)
-            return None
-
-    async def _admit(self, req: Request, writer: ResponseWriter, path: str, t0: float,
-                     ticket: Ticket | None = None) -> bool:
-        """Take a slot (waiting in the queue: by class and key with a ``ticket``), or answer 429/503
-        and return False (the ticket given back). Before the body is parsed: a prebuilt answer."""
-        if self.closing:
-            status, refusals = 503, self._503_closing
-        else:
-            admission = self.admission
-            flow, rank, weight, sheddable, name = _FIFO if ticket is None else ticket.queueing()
-            verdict = admission.try_enter(rank, sheddable, name)
-            if verdict == ADMIT:
-                return True
-            status, refusals = 429, self._429
-            if verdict != SHED:
-                try:
-                    admitted = await admission.wait(flow, rank, weight)
-                except asyncio.CancelledError:
-                    if ticket is not None:  # the client left while queued
-                        self.tenants.leave(ticket, 499, NO_TOKENS)
-                    raise
-                self.metrics.queue_wait.observe(time.perf_counter() - t0)
-                if admitted and not self.closing:
-                    return True
-                if admitted:
-                    admission.leave()  # the proxy began shutting down meanwhile: the slot goes unused
-                if self.closing:
-                    status, refusals = 503, self._503_closing
-        body, retry = refusals[speaks_anthropic(path)], b"1"  # the path's envelope, only when refused
-        if ticket is not None:
-            self.tenants.leave(ticket, status, NO_TOKENS)
-        self._refused(req, writer, path, t0, status, body, [(b"retry-after", retry)],
-                      ticket.key if ticket is not None else None)
-        return False
-
-    def _refused(self, req: Request, writer: ResponseWriter, path: str, t0: float, status: int, body: bytes,
-                 headers: list, key: str | None) -> None:
-        """A request answered before it was admitted (admission, or its key's limits)."""
-        rid = client_request_id(req)
-        if rid is not None:
-            headers = headers + [(b"x-request-id", rid)]
-        writer.send(status, body, b"application/json", headers)
-        seconds = time.perf_counter() - t0
-        self.metrics.observe_request(path, status, seconds)
-        if self.access_log is not None:
-            self.access_log.other(rid.decode("ascii") if rid else "-", req.method, path, status, writer.bytes_sent,
-                                  seconds, req.peer, req.headers, key=key if key != "-" else None)
-        if self.recent.on:
-            self.recent.add_refused(rid.decode("ascii") if rid else "-", req.method, path, status, seconds)
-
     def _end_at_shutdown(self, writer: ResponseWriter, rid: str, path: str) -> bool:
         """The shutdown timeout cancelled this request (not its client): end it properly.
         Before the commit: 503 with the envelope; a committed stream: the in-band error
@@ -672,7 +619,6 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
-_FIFO = ("", 0, 1.0, False, None)  # a request without a ticket: one flow, one class
 
 
 def _wants_usage(body: dict) -> bool:
