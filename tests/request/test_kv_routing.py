@@ -108,6 +108,41 @@ async def test_a_decode_holding_nearly_all_of_the_prompt_computes_it_alone():
         assert b'epd_proxy_not_disaggregated_total{reason="cached"} 1.0' in metrics
 
 
+async def test_the_decode_holding_the_prompt_computes_it_alone_whichever_the_policy_picks():
+    """Two decodes, each holding prompts of its own (computed without the proxy): a follow-up
+    of each goes to the decode that holds it, alone, though decode's policy (load-aware)
+    knows nothing of them; a prompt no decode holds closely goes through the prefill."""
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, kv_events=True)
+    async with stack(prefill=1, decode=2, sim=sim) as (cluster, proxy, client):
+        await _live(proxy, 3)
+        feed = proxy.app.kv_events
+        decodes = cluster.instances("decode")
+        prefill = cluster.instances("prefill")[0]
+        for seed in range(6):
+            holder = decodes[(seed // 2) % 2]  # not the alternation load-aware ties fall into
+            prompt = _prompt(20 + seed)
+            plain = Client(holder.url)
+            try:
+                reply = await plain.post("/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 1})
+                assert reply.status == 200, reply.body
+            finally:
+                await plain.close()
+            await wait_for(lambda p=prompt, h=holder.url: feed.index.longest_prefix(p).get(h) == 96)
+            before = len(prefill.records)
+            follow = prompt + [1, 2, 3]
+            reply = await client.post("/v1/completions", {"model": "sim-model", "prompt": follow, "max_tokens": 2})
+            assert reply.status == 200, reply.body
+            assert len(prefill.records) == before, seed  # no prefill hop
+            served = [d.url for d in decodes for rec in d.records if rec.json and rec.json.get("prompt") == follow]
+            assert served == [holder.url], seed
+        before = len(prefill.records)
+        reply = await client.post("/v1/completions", {"model": "sim-model", "prompt": _prompt(40), "max_tokens": 2})
+        assert reply.status == 200, reply.body
+        assert len(prefill.records) > before  # held nowhere: disaggregated
+        metrics = (await client.request("GET", "/metrics")).body
+        assert b'epd_proxy_not_disaggregated_total{reason="cached"} 6.0' in metrics
+
+
 async def test_two_replicas_agree_without_talking():
     """Turns of chat conversations alternate between two proxies; each proxy's own index, read
     from the same events, sends every later turn where the other placed the earlier ones, and

@@ -12,9 +12,11 @@ rewrites (Messages, Responses, generate), keep approximate routing: their tokens
 what a text-only tokenization gives. Anything that fails costs the lookup, never the
 request: the view stays without ``held`` and the policy routes as before.
 
-With the index's answer, a P/D request whose chosen decode already holds all but a few of
-its tokens is sent to that decode alone (``decode_alone``): the prefill hop would cost more
-than the decode computing the rest.
+With the index's answer, a P/D request some decode already holds all but a few tokens of
+is sent to that decode alone, the one holding the longest prefix within the load bounds
+(``decode_alone``, the rule in ``routing/disaggregation.py``): the prefill hop would cost
+more than the decode computing the rest. The same index tells the multi-turn reuse whether
+the decode holding a conversation's previous turn still holds its blocks (``holds``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable
 
 import msgspec
 
+from epd_proxy.config import ProxyConfig
 from epd_proxy.http import Headers
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
@@ -33,7 +36,7 @@ from epd_proxy.kvcache.endpoints import instance_of
 from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
-from epd_proxy.request.turns.multiturn import skips_prefill
+from epd_proxy.routing.disaggregation import decode_alone
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.kv_events")
@@ -104,26 +107,35 @@ class KvLookup:
         view.kv_keys = [k for chain in keys.values() for k in chain]
         outcomes["indexed"] += 1
 
-    def decode_alone(self, ctx: RequestContext, d: Instance, max_tokens: int, max_streams: int) -> bool:
-        """Disaggregate only when it pays: whether ``d``, which holds all but at most
-        ``max_tokens`` of the prompt (the index says), computes it alone, under the busy-decode
-        rule of the multi-turn prefill skip (``turns.multiturn.skips_prefill``)."""
+    def decode_alone(self, ctx: RequestContext, d: Instance, config: ProxyConfig) -> Instance | None:
+        """Disaggregate only when it pays: the decode (``d``, the policy's pick, or another
+        candidate) that holds all but at most ``--local-prefill-max-tokens`` of the prompt (the
+        index says) and computes it alone, under the busy-decode rule of the multi-turn prefill
+        skip and the load bound (``routing/disaggregation.py``); None: disaggregate with ``d``."""
         view = ctx.view
-        if view is None or view.held is None or d.url not in view.live or not view.tokens:
-            return False
-        missing = view.tokens - view.held.get(d.url, 0)
-        return skips_prefill(missing, d.inflight + d.signals.others, max_tokens, max_streams)
+        if view is None or view.held is None or not view.tokens or config.local_prefill_max_tokens <= 0:
+            return None
+        candidates = self.tokenizers.candidates(ctx.excluded, ctx.model_for("decode"))
+        if ctx.timed_out:
+            candidates = [c for c in candidates if c not in ctx.timed_out]
+        return decode_alone(candidates, view.held, view.live, view.tokens, d, view.anchor,
+                            max_tokens=config.local_prefill_max_tokens,
+                            max_streams=config.local_prefill_max_streams,
+                            balance_abs=config.balance_abs, balance_rel=config.balance_rel)
 
-    def place(self, ctx: RequestContext, p: Instance | None, d: Instance, media: bool, max_tokens: int,
-              max_streams: int, counts: dict[str, int]) -> Instance | None:
-        """After the pick: the prefill the request keeps (None when ``d`` holds nearly all of the
-        prompt and computes the rest alone, counted in ``counts["cached"]``), and the chosen
-        instance's blocks counted as held (``chosen``)."""
-        if p is not None and not media and self.decode_alone(ctx, d, max_tokens, max_streams):
-            p = None
-            counts["cached"] = counts.get("cached", 0) + 1
+    def place(self, ctx: RequestContext, p: Instance | None, d: Instance, media: bool, config: ProxyConfig,
+              counts: dict[str, int]) -> tuple[Instance | None, Instance]:
+        """After the pick: the prefill and the decode the request keeps (no prefill, and the
+        decode holding nearly all of the prompt, when it computes the rest alone: counted in
+        ``counts["cached"]``), and the chosen instance's blocks counted as held (``chosen``).
+        A turn whose prefill reads the previous turn from a decode (``ctx.kv_reuse``) keeps it."""
+        if p is not None and not media and ctx.kv_reuse is None:
+            alone = self.decode_alone(ctx, d, config)
+            if alone is not None:
+                p, d = None, alone
+                counts["cached"] = counts.get("cached", 0) + 1
         self.chosen(p if p is not None else d, ctx)
-        return p
+        return p, d
 
     def chosen(self, inst: Instance, ctx: RequestContext) -> None:
         """``inst`` computes the prompt: its blocks count as held there until its events

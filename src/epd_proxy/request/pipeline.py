@@ -497,8 +497,10 @@ class Pipeline:
                 finally:
                     ctx.upstream += time.perf_counter() - t
         if kv is not None:  # disaggregated only when it pays (kv_lookup.py)
-            p = kv.place(ctx, p, d, bool(items), self.config.local_prefill_max_tokens,
-                         self.config.local_prefill_max_streams, self.metrics.not_disaggregated)
+            p, alone = kv.place(ctx, p, d, bool(items), self.config, self.metrics.not_disaggregated)
+            if alone is not d:  # the decode holding the prompt computes it: its own data-parallel rank
+                d = alone
+                dp_headers = self._ec_consumer(d)[0]
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:
