@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgspec
 
@@ -137,6 +137,22 @@ class KvLookup:
         self.chosen(p if p is not None else d, ctx)
         return p, d
 
+    def holds(self, url: str, ids: Sequence[int], model: object) -> tuple[int, int] | None:
+        """What the instance at ``url`` holds of ``ids`` (tokens of their longest prefix, and its
+        block size), the index says; None when its events are not live or it never stored a block
+        (the index cannot speak for it). No speculative entries: only what its events said."""
+        readers = self.feed.readers.get(url)
+        if not readers or not all(r.connected for r in readers):
+            return None
+        index = self.index
+        sizes = [size for src in index.sources() if instance_of(src.name) == url for size in src.block_sizes]
+        if not sizes:
+            return None
+        adapter = model if isinstance(model, str) and self.tokenizers.models.current.parents.get(model) else None
+        held = max((tokens for source, tokens in index.longest_prefix(ids, adapter).items()
+                    if instance_of(source) == url), default=0)
+        return held, max(sizes)
+
     def chosen(self, inst: Instance, ctx: RequestContext) -> None:
         """``inst`` computes the prompt: its blocks count as held there until its events
         say so (or the entry expires)."""
@@ -189,3 +205,10 @@ class KvLookup:
         for outcome, n in self.outcomes.items():
             f["epd_proxy_kv_lookups"].append([outcome, n])
         f["epd_proxy_kv_tokenize_seconds"].append([self.tokenize_seconds])
+
+
+def holds_turn(held: int, ids: int, block_size: int) -> bool:
+    """Whether a decode holding ``held`` tokens of a kept turn's ``ids`` tokens (the index
+    says) still holds the turn: every full block of them but the last token's (the engine
+    never computes the KV of the last token it sampled, so that block may never be stored)."""
+    return held >= (ids - 1) // block_size * block_size

@@ -128,7 +128,7 @@ class Pipeline:
         # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
         self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
                                decode_only=decode_only, models=self.models, base_headers=base_headers,
-                               shared=state)
+                               shared=state, kv=kv)
         self.turns = self.reuse.store
         self.server_timing = ServerTiming()
         # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,

@@ -28,6 +28,7 @@ EXPIRED = "expired"  # past its deadline (--kv-reuse-ttl - --kv-reuse-margin aft
 EVICTED = "evicted"  # let go for --kv-reuse-max-held-tokens or the store's capacity
 SUPERSEDED = "superseded"  # a newer turn of the conversation, or the same turn answered again, replaced it
 DECODE_GONE = "decode_gone"  # the decode holding it left, is draining, or failed this request
+DECODE_DROPPED = "decode_dropped"  # the decode's own KV events say it no longer holds the blocks (evicted, restarted)
 TOKENS = "tokens"  # the new prompt shares too few tokens with what decode holds (or they cannot be checked)
 TOKENIZE_FAILED = "tokenize_failed"  # no instance tokenized the new prompt
 PREFILL_FAILED = "prefill_failed"  # the prefill failed reading it (5xx) and ran again without
@@ -37,8 +38,8 @@ RETRIED = "retried"  # the attempt that had it failed after its read; the retry 
 REQUEST_FAILED = "request_failed"  # the request ended before its prefill ran: decode's blocks freed
 
 OUTCOMES = (REUSED, LOCAL_PREFILL, OPENING, UNMATCHED, NOT_KEYED, NOT_HELD, OLDER_TURN, EDITED, ALREADY_USED,
-            EXPIRED, EVICTED, SUPERSEDED, DECODE_GONE, TOKENS, TOKENIZE_FAILED, PREFILL_FAILED, NO_PULL_PREFILL,
-            MEDIA, RETRIED, REQUEST_FAILED)
+            EXPIRED, EVICTED, SUPERSEDED, DECODE_GONE, DECODE_DROPPED, TOKENS, TOKENIZE_FAILED, PREFILL_FAILED,
+            NO_PULL_PREFILL, MEDIA, RETRIED, REQUEST_FAILED)
 
 # -- a decode answer that held blocks (epd_proxy_kv_reuse_answers_total{result}) ----------------
 KEPT = "kept"  # kept for the conversation's next turn

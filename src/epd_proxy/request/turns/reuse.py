@@ -20,6 +20,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
+from epd_proxy.request.kv_lookup import KvLookup, holds_turn
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.turns.multiturn import (
@@ -44,6 +45,7 @@ from epd_proxy.request.turns.multiturn import (
 )
 from epd_proxy.request.turns.outcomes import (
     ALREADY_USED,
+    DECODE_DROPPED,
     DECODE_GONE,
     EVICTED,
     KEPT,
@@ -101,7 +103,7 @@ class TurnReuse:
 
     def __init__(self, config: ProxyConfig, *, prefill: InstancePool, decode: InstancePool, connector: KVConnector,
                  decode_only: DecodeOnly, models: ModelDirectory, base_headers: Headers,
-                 shared: GuardedStore | None = None) -> None:
+                 shared: GuardedStore | None = None, kv: KvLookup | None = None) -> None:
         self.store = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
             if config.kv_reuse else None
         self.shared = SharedTurns(shared, self.store) if shared is not None and self.store is not None else None
@@ -118,6 +120,8 @@ class TurnReuse:
         self.releases: set[asyncio.Task] = set()
         self.pull = isinstance(connector, NixlPull)  # reuse is for the pull connector (protocol.md §2.10)
         self.counts = TurnCounts()
+        # The KV block index (KV events): whether the decode holding a turn still holds its blocks.
+        self.kv = kv
         # The decodes (URLs) seen to send their parameters in a chat or completions stream's last
         # event: asked for the stream's token ids from then on (asks_stream_ids). vLLM 0.32 never
         # sends them there, so its streams are never asked.
@@ -255,6 +259,9 @@ class TurnReuse:
         if holder is None or not holder.healthy or holder in ctx.excluded:
             ctx.kv_outcome = DECODE_GONE
             return None
+        if self.kv is not None and entry.ids is not None and self.kv.feed.readers and self._dropped(entry, holder):
+            ctx.kv_outcome = DECODE_DROPPED
+            return None
         if self.local_prefill_max and self._within_bound(ctx, holder):
             new = estimate_new_tokens(entry, new_chars, new_messages)
             if skips_prefill(new, holder.inflight + holder.signals.others, self.local_prefill_max,
@@ -345,6 +352,20 @@ class TurnReuse:
         """With a shared store: learn from it that reuse is on (``SharedTurns.watch``)."""
         if self.shared is not None:
             self.shared.watch()
+
+    def _dropped(self, entry: Entry, holder: Instance) -> bool:
+        """Whether ``holder``'s own KV events (live) say it no longer holds ``entry``'s blocks
+        (it evicted them, restarted, cleared its cache): the turn is not sent to read them.
+        What it still holds of them is let go (``release``); when it holds none of them there
+        is nothing pinned left to free (a restarted engine would fail the release call on the
+        prefill, and vLLM clears a cache only when no block is in use)."""
+        assert self.kv is not None and entry.ids is not None
+        said = self.kv.holds(holder.url, entry.ids, entry.model)
+        if said is None or holds_turn(said[0], len(entry.ids), said[1]):
+            return False
+        if said[0]:
+            self.release(entry)
+        return True
 
     def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
         """Whether the decode holding a conversation is within the load bound routing keeps
