@@ -259,7 +259,9 @@ class TurnReuse:
         if holder is None or not holder.healthy or holder in ctx.excluded:
             ctx.kv_outcome = DECODE_GONE
             return None
-        if self.kv is not None and entry.ids is not None and self.kv.feed.readers and self._dropped(entry, holder):
+        # A cache_salt's blocks are keyed with it in the index, where a lookup of tokens never finds them.
+        if (self.kv is not None and entry.ids is not None and self.kv.feed.readers and "cache_salt" not in body
+                and self._dropped(entry, holder)):
             ctx.kv_outcome = DECODE_DROPPED
             return None
         if self.local_prefill_max and self._within_bound(ctx, holder):
