@@ -47,6 +47,10 @@ TOKENIZE_TIMEOUT = 2.0
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
                 "chat_template_kwargs", "tools", "add_special_tokens")
 _JSON = [(b"content-type", b"application/json")]
+# A kept turn younger than this (past the feed's heartbeat) is not judged by the index: the
+# events of its blocks may still be on their way (a live message lost is replayed at the next
+# heartbeat), and a client's next turn can come before they arrive.
+SETTLE_MARGIN = 1.0
 # What a lookup came to (``epd_proxy_kv_lookups``).
 OUTCOMES = ("indexed", "not_live", "media", "api", "no_prompt", "tokenize_failed")
 
@@ -72,6 +76,7 @@ class KvLookup:
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.tokenized = 0  # /tokenize calls that answered
         self.tokenize_seconds = 0.0  # their time, summed
+        self.settle = feed.heartbeat + SETTLE_MARGIN  # a kept turn's age before the index judges it (holds_turn)
 
     async def prepare(self, ctx: RequestContext, body: dict, media: bool) -> None:
         """Fill ``ctx.view``'s ``held``, ``live``, ``tokens`` and ``kv_keys`` (once)."""
@@ -207,8 +212,10 @@ class KvLookup:
         f["epd_proxy_kv_tokenize_seconds"].append([self.tokenize_seconds])
 
 
-def holds_turn(held: int, ids: int, block_size: int) -> bool:
+def holds_turn(held: int, ids: int, block_size: int, age: float, settle: float) -> bool:
     """Whether a decode holding ``held`` tokens of a kept turn's ``ids`` tokens (the index
-    says) still holds the turn: every full block of them but the last token's (the engine
-    never computes the KV of the last token it sampled, so that block may never be stored)."""
-    return held >= (ids - 1) // block_size * block_size
+    says) still holds the turn, kept ``age`` seconds ago: every full block of them but the last
+    token's (the engine never computes the KV of the last token it sampled, so that block may
+    never be stored); a turn younger than ``settle`` is taken as held (its events may be on
+    their way)."""
+    return age < settle or held >= (ids - 1) // block_size * block_size

@@ -11,11 +11,16 @@ from epd_proxy.request.kv_lookup import holds_turn
 
 
 def test_a_turn_is_held_while_every_full_block_but_the_last_tokens_is():
-    assert holds_turn(96, 100, 16)  # 6 full blocks of 99 computed tokens
-    assert holds_turn(96, 97, 16)  # the 97th token (sampled last) never computed: 6 blocks
-    assert not holds_turn(80, 100, 16)  # the tail block evicted
-    assert not holds_turn(0, 100, 16)  # restarted, cleared
-    assert holds_turn(0, 16, 16) and holds_turn(0, 1, 16)  # no full block: nothing to tell
+    def held(tokens: int, ids: int, age: float = 10.0) -> bool:
+        return holds_turn(tokens, ids, 16, age, settle=3.0)
+
+    assert held(96, 100)  # 6 full blocks of 99 computed tokens
+    assert held(96, 97)  # the 97th token (sampled last) never computed: 6 blocks
+    assert not held(80, 100)  # the tail block evicted
+    assert not held(0, 100)  # restarted, cleared
+    assert held(0, 16) and held(0, 1)  # no full block: nothing to tell
+    # A turn kept a moment ago: its blocks' events may not have arrived yet.
+    assert held(0, 100, age=2.9) and not held(0, 100, age=3.0)
 
 
 def _kept_ids(decode) -> list[int]:
@@ -29,6 +34,7 @@ def _held(proxy, url: str, ids: list[int]) -> int:
 async def test_a_restarted_decode_is_not_read_from_when_its_events_say_so():
     async with stack(sim=_sim(kv_events=True), local_prefill_max_tokens=0) as (cluster, proxy, client):
         feed = proxy.app.kv_events
+        proxy.app.pipeline.kv.settle = 0.0  # judged at once (the turns below wait for the events themselves)
         await wait_for(lambda: len(feed.live()) == 2, timeout=10)
         d = cluster.instances("decode")[0]
         b1 = _t1()
@@ -60,6 +66,7 @@ async def test_blocks_a_decode_evicted_are_not_read_and_the_rest_is_let_go():
     async with stack(sim=_sim(kv_events=True, prefix_cache_blocks=48), local_prefill_max_tokens=0) as (
             cluster, proxy, client):
         feed = proxy.app.kv_events
+        proxy.app.pipeline.kv.settle = 0.0  # judged at once (the turns below wait for the events themselves)
         await wait_for(lambda: len(feed.live()) == 2, timeout=10)
         d = cluster.instances("decode")[0]
         b1 = _t1()

@@ -261,7 +261,7 @@ class TurnReuse:
             return None
         # A cache_salt's blocks are keyed with it in the index, where a lookup of tokens never finds them.
         if (self.kv is not None and entry.ids is not None and self.kv.feed.readers and "cache_salt" not in body
-                and self._dropped(entry, holder)):
+                and self._dropped(entry, holder, now - (entry.deadline - turns.life))):
             ctx.kv_outcome = DECODE_DROPPED
             return None
         if self.local_prefill_max and self._within_bound(ctx, holder):
@@ -355,15 +355,16 @@ class TurnReuse:
         if self.shared is not None:
             self.shared.watch()
 
-    def _dropped(self, entry: Entry, holder: Instance) -> bool:
-        """Whether ``holder``'s own KV events (live) say it no longer holds ``entry``'s blocks
-        (it evicted them, restarted, cleared its cache): the turn is not sent to read them.
+    def _dropped(self, entry: Entry, holder: Instance, age: float) -> bool:
+        """Whether ``holder``'s own KV events (live) say it no longer holds ``entry``'s blocks,
+        kept ``age`` seconds ago (it evicted them, restarted, cleared its cache): the turn is not
+        sent to read them.
         What it still holds of them is let go (``release``); when it holds none of them there
         is nothing pinned left to free (a restarted engine would fail the release call on the
         prefill, and vLLM clears a cache only when no block is in use)."""
         assert self.kv is not None and entry.ids is not None
         said = self.kv.holds(holder.url, entry.ids, entry.model)
-        if said is None or holds_turn(said[0], len(entry.ids), said[1]):
+        if said is None or holds_turn(said[0], len(entry.ids), said[1], age, self.kv.settle):
             return False
         if said[0]:
             self.release(entry)
