@@ -212,8 +212,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "(the prefill read the previous turn's KV from decode), local_prefill (the decode "
                                  "holding it computed the new part alone), opening, or why it fell back: "
                                  "unmatched, not_keyed, not_held, older_turn, edited, already_used, expired, "
-                                 "evicted, superseded, decode_gone, tokens, tokenize_failed, prefill_failed, "
-                                 "no_pull_prefill, media, retried, request_failed.", ("outcome",)),
+                                 "evicted, superseded, decode_gone, decode_dropped, tokens, tokenize_failed, "
+                                 "prefill_failed, no_pull_prefill, media, retried, request_failed.", ("outcome",)),
     "epd_proxy_kv_reuse_answers": ("counter", "Decode answers that held blocks for a later reader: kept for the "
                                    "next turn (kept), or why not: no_token_ids (Messages, Responses, a stream "
                                    "without token ids), reasoning, choices, unknown, short.", ("result",)),

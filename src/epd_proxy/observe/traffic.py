@@ -32,6 +32,7 @@ KV_OUTCOME_TEXT = {
     "evicted": "not reused: the held KV was let go (capacity)",
     "superseded": "not reused: a newer turn replaced it",
     "decode_gone": "not reused: the decode holding it left, is draining or failed",
+    "decode_dropped": "not reused: the decode's KV events say it no longer holds it (evicted, restarted)",
     "tokens": "not reused: too few tokens shared with what decode holds",
     "tokenize_failed": "not reused: no instance tokenized the prompt",
     "prefill_failed": "not reused: the prefill failed reading it and ran again without",

@@ -104,3 +104,10 @@ async def test_without_live_events_the_turn_is_sent_to_read_as_before():
         await _ask(client, b1)
         await _ask(client, _next(b1))
         assert _counts(proxy)["reused"] == 1 and len(_reads(cluster)) == 1
+
+
+def test_the_outcome_is_one_of_the_labels_and_the_console_says_it_in_words():
+    from epd_proxy.observe.traffic import KV_OUTCOME_TEXT
+    from epd_proxy.request.turns.outcomes import DECODE_DROPPED, OUTCOMES
+
+    assert DECODE_DROPPED in OUTCOMES and set(OUTCOMES) == set(KV_OUTCOME_TEXT)
