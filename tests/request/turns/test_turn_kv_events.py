@@ -7,7 +7,9 @@ from __future__ import annotations
 from helpers import Client, stack, wait_for
 from test_multiturn import _ask, _counts, _next, _reads, _sim, _t1, _wrong
 
+from epd_proxy.observe.traffic import KV_OUTCOME_TEXT
 from epd_proxy.request.kv_lookup import holds_turn
+from epd_proxy.request.turns.outcomes import DECODE_DROPPED, OUTCOMES
 
 
 def test_a_turn_is_held_while_every_full_block_but_the_last_tokens_is():
@@ -107,7 +109,4 @@ async def test_without_live_events_the_turn_is_sent_to_read_as_before():
 
 
 def test_the_outcome_is_one_of_the_labels_and_the_console_says_it_in_words():
-    from epd_proxy.observe.traffic import KV_OUTCOME_TEXT
-    from epd_proxy.request.turns.outcomes import DECODE_DROPPED, OUTCOMES
-
     assert DECODE_DROPPED in OUTCOMES and set(OUTCOMES) == set(KV_OUTCOME_TEXT)
