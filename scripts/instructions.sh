@@ -19,11 +19,13 @@ PY=${PY:-$REPO/.venv/bin/python}
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/epd-instructions.XXXXXX")
 port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 SP=$(port); PP=$(port)  # the simulator takes SP and SP + 1
+# ITL_MS: the simulated decode's time between tokens (0: events arrive together, as fast as the
+# proxy reads; a few ms: one event per read, as at moderate load). EPD_TOKENS: tokens per answer.
 # KV_EVENTS=1: the simulated instances publish vLLM's KV cache events and the proxy subscribes
 # (each request then pays its /tokenize call and the block index lookup).
 EVENTS=()
 [ "${KV_EVENTS:-0}" = 1 ] && EVENTS=(--set kv_events=true)
-PYTHONPATH=$REPO/src "$PY" -m epd_proxy sim --prefill 1 --decode 1 --ttft-ms 0 --itl-ms 0 --no-records \
+PYTHONPATH=$REPO/src "$PY" -m epd_proxy sim --prefill 1 --decode 1 --ttft-ms 0 --itl-ms "${ITL_MS:-0}" --no-records \
     --base-port "$SP" "${EVENTS[@]}" > "$OUT/sim.log" 2>&1 &
 SIM=$!
 # The simulated instances answer before the proxy starts: a proxy whose first probe found them

@@ -7,7 +7,12 @@ not the client's."""
 
 import asyncio
 import json
+import os
 import sys
+
+# Tokens per answer (EPD_TOKENS): two counts at different lengths split the cost into its
+# per-event and per-request parts.
+TOKENS = int(os.environ.get("EPD_TOKENS", "64"))
 
 
 async def worker(port: int, k: int, count: int, mode: str) -> None:
@@ -16,11 +21,11 @@ async def worker(port: int, k: int, count: int, mode: str) -> None:
     for i in range(count):
         text = " ".join(words[(k + i) % 7:][:90])
         if mode == "responses":
-            path, doc = b"/v1/responses", {"model": "sim-model", "max_output_tokens": 64, "stream": True,
+            path, doc = b"/v1/responses", {"model": "sim-model", "max_output_tokens": TOKENS, "stream": True,
                                            "store": False, "input": text}
         else:
             path = b"/v1/messages" if mode == "messages" else b"/v1/chat/completions"
-            doc = {"model": "sim-model", "max_tokens": 64, "stream": mode != "nonstream",
+            doc = {"model": "sim-model", "max_tokens": TOKENS, "stream": mode != "nonstream",
                    "messages": [{"role": "user", "content": text}]}
         body = json.dumps(doc).encode()
         writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path

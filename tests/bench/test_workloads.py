@@ -47,6 +47,17 @@ def test_components(name, stream, images):
         assert isinstance(content, str) and 550 <= len(content) <= 600
 
 
+def test_a_workload_named_with_its_length():
+    (w,) = make_workload("stream@32", max_tokens=64)
+    assert w.stream is True and w.max_tokens == 32 and w.name == "stream"
+    assert chat_body(w, 0)["max_tokens"] == 32
+    (n,) = make_workload("nonstream@96")
+    assert n.stream is False and n.max_tokens == 96
+    for bad in ("stream@", "stream@x", "stream@0"):
+        with pytest.raises(ValueError):
+            make_workload(bad)
+
+
 def test_mm_with_k_images():
     (w,) = make_workload("mm", images=3, image_kb=10)
     body = chat_body(w, 0)

@@ -90,7 +90,14 @@ class Prepared:
 
 def make_workload(name: str, *, images: int = 1, image_kb: float = 150.0, prompt_bytes: int = 600,
                   max_tokens: int = 64, variants: int = 16, model: str = "sim-model") -> list[Workload]:
-    """The component workloads of ``name`` (several for ``mixed``)."""
+    """The component workloads of ``name`` (several for ``mixed``). ``NAME@N`` is ``NAME`` with
+    ``N`` output tokens: two lengths in one comparison split a target's CPU per request into
+    its per-event and per-request parts (same run, same machine state)."""
+    name, at, tokens = name.partition("@")
+    if at:
+        if not tokens.isdigit() or int(tokens) < 1:
+            raise ValueError(f"workload {name}@{tokens}: the part after '@' is a number of output tokens")
+        max_tokens = int(tokens)
     base = Workload(name=name, prompt_bytes=prompt_bytes, max_tokens=max_tokens, variants=variants,
                     model=model, image_kb=image_kb)
     if name == "stream":
