@@ -13,7 +13,8 @@ def _case_text(entry: dict) -> str:
              f"({entry.get('prefix_cache_blocks_per_instance')} blocks per prefill)"
              + (": evictions" if c["evictions"] else ": no evictions")]
     if c["replicas"] > 1:
-        parts.append(f"{c['replicas']} proxy replicas (vllm-router processes), turn t to replica t mod {c['replicas']}")
+        parts.append(f"{c['replicas']} proxy replicas (vllm-router: {c['replicas']} processes), turn t to replica "
+                     f"t mod {c['replicas']}")
     if c["direct"]:
         parts.append(f"a second population straight to the instances ({fmt(c['direct'], 2)} × the conversations "
                      "and rate; its tokens are in the hit rates)")
@@ -32,7 +33,7 @@ def kv_section(r: dict) -> list[str]:
            f"The {kv.get('workload')} workload at {kv.get('rate')} req/s: {ws.get('requests')} requests, working set "
            f"{ws.get('blocks')} blocks. Every cell on a fresh cluster whose instances publish KV events; "
            f"**{kv.get('exact')}** subscribes, **{kv.get('today')}** routes as before (approximate). Hit rate "
-           "and prefill tokens computed are the prefill instances' counters; the oracle's row is that of the first "
+           "and prefill tokens computed are the instances' counters (a decode's local prefill included); the oracle's row is that of the first "
            "case with the same caches, population and restart (it has no replicas). From the proxies' `/metrics`: "
            "prefill picks made on the block index, requests a decode served alone because it held the prompt "
            "(`epd_proxy_not_disaggregated_total{reason=\"cached\"}`), engine restarts the events showed.", ""]
