@@ -34,8 +34,9 @@ def kv_section(r: dict) -> list[str]:
            f"{ws.get('blocks')} blocks. Every cell on a fresh cluster whose instances publish KV events; "
            f"**{kv.get('exact')}** subscribes, **{kv.get('today')}** routes as before (approximate). Hit rate "
            "and prefill tokens computed are the instances' counters (a decode's local prefill included); "
-           "the oracle's row is that of the first case with the same caches, population and restart (it has no replicas). From the proxies' `/metrics`: "
-           "prefill picks made on the block index, requests a decode served alone because it held the prompt "
+           "the oracle's row is that of the first case with the same caches, population and restart (it has "
+           "no replicas). From the proxies' `/metrics`: prefill picks made on the block index, requests a "
+           "decode served alone because it held the prompt "
            "(`epd_proxy_not_disaggregated_total{reason=\"cached\"}`), engine restarts the events showed.", ""]
     rows_by_case: dict[str, list] = {}
     for f in kv_evaluate.figures(kv):
