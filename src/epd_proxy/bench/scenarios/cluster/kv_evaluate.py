@@ -107,7 +107,8 @@ def targets(kv: dict) -> list[dict]:
                 n_cmp += 1
                 if mine / theirs > worst:
                     worst, where = mine / theirs, f"{n}, {q}: {mine:.1f} ms vs {theirs:.1f} ms"
-        out.append(_target(key, f"TTFT p50/p99, {exact} / {other}, evictions and 3 replicas (worst)", "< 1",
+        out.append(_target(key, f"TTFT p50/p99, {exact} / {other or 'vllm-router'}, evictions and 3 replicas (worst)",
+                           "< 1",
                            worst if n_cmp else None, worst < 1.0 if n_cmp else None, where))
     # 3. one replica, no evictions: no worse than today
     hit_w, ttft_w, hit_where, ttft_where = math.inf, -math.inf, "", ""
