@@ -33,6 +33,9 @@ def describe(cluster) -> dict:
     except Exception:  # pragma: no cover - older simulator
         out["prefill_identities"] = []
     out["kv_connector"] = cluster.config.kv_connector
+    # With ``kv_events`` on: each prefill's and decode's event and replay sockets, by URL.
+    out["kv_events"] = {i.url: [i.kv_events.endpoint, i.kv_events.replay_endpoint]
+                        for i in cluster.all_instances() if getattr(i, "kv_events", None) is not None}
     return out
 
 

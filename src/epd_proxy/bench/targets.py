@@ -31,13 +31,20 @@ class SimInfo:
     decode: list[str]
     prefill_identities: list[dict] = field(default_factory=list)
     kv_connector: str = "nixl"
+    kv_events: dict = field(default_factory=dict)  # URL -> [events endpoint, replay endpoint]
 
     @classmethod
     def from_json(cls, data: dict) -> "SimInfo":
         return cls(encode=list(data.get("encode") or []), prefill=list(data.get("prefill") or []),
                    decode=list(data.get("decode") or []),
                    prefill_identities=list(data.get("prefill_identities") or []),
-                   kv_connector=data.get("kv_connector") or "nixl")
+                   kv_connector=data.get("kv_connector") or "nixl",
+                   kv_events={u: list(e) for u, e in (data.get("kv_events") or {}).items()})
+
+    def with_events(self, spec: str, url: str) -> str:
+        """``spec`` with the instance's KV event sockets as attributes (as the simulator prints them)."""
+        ev = self.kv_events.get(url)
+        return f"{spec};kv_events={ev[0]};kv_events_replay={ev[1]}" if ev else spec
 
     def prefill_specs(self) -> list[str]:
         """Prefill instances as ``URL;engine_id=..;kv_host=..;kv_port=..;tp=..;pp=..`` (push mode)."""
@@ -94,11 +101,18 @@ def direct_pd_target(sim: SimInfo) -> Target:
 
 
 def epd_proxy_target(sim: SimInfo, *, cpus=None, log_dir: str, workers: int = 1, kv_connector: str = "nixl",
-                     name: str = "epd-proxy", extra: list[str] | None = None, port: int | None = None) -> Target:
+                     name: str = "epd-proxy", extra: list[str] | None = None, port: int | None = None,
+                     kv_events: bool = False) -> Target:
+    """epd-proxy in front of ``sim``; with ``kv_events``, subscribed to the instances' KV events
+    (their sockets as instance attributes)."""
     port = port or free_port()
     prefill = sim.prefill_specs() if kv_connector != "nixl" else list(sim.prefill)
+    decode = ",".join(sim.decode)
+    if kv_events:
+        prefill = [sim.with_events(spec, url) for spec, url in zip(prefill, sim.prefill)]
+        decode = ",".join(sim.with_events(u, u) for u in sim.decode)
     argv = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--decode", ",".join(sim.decode), "--kv-connector", kv_connector, "--log-level", "warning",
+            "--decode", decode, "--kv-connector", kv_connector, "--log-level", "warning",
             "--shutdown-grace", "0"]  # no load balancer to warn: stop without the grace period
     if sim.encode:
         argv += ["--encode", ",".join(sim.encode)]

@@ -28,3 +28,8 @@ def test_candidate_is_the_last_non_baseline_proxy_policy():
     assert candidate_policy(ps[:2]).name == "least-loaded"
     with pytest.raises(ValueError):
         candidate_policy(ps, "oracle")
+
+
+def test_exact_is_cache_aware_subscribed_to_the_kv_events():
+    ca, ex = parse_policies(["cache-aware", "exact"])
+    assert ex.kind == "proxy" and ex.kv_events and not ca.kv_events and ex.args == ca.args

@@ -89,3 +89,36 @@ async def test_a_policy_the_proxy_does_not_know_is_reported_not_available(tmp_pa
                                                         "policies": {"bogus": {"rates": {"40.0": cell}}}}}}
     assert all(t["met"] is None for t in evaluate_targets(out, "bogus"))
     assert "failed to start" in "\n".join(section(out, {}))
+
+
+async def test_tiny_kv_comparison(tmp_path):
+    """The KV events comparison at a tiny size: the exact policy's proxies (two, turns alternating)
+    route on the index; a direct population and a prefill's restart run beside the proxy's turns;
+    the oracle runs once per population and restart, whatever the replicas."""
+    from epd_proxy.bench import report
+
+    args = _args(tmp_path, cluster_kv_cases=["evict", "evict+r2", "roomy+direct0.5+restart"],
+                 cluster_kv_policies=["exact", "oracle"], cluster_workloads=[], cluster_restart_down_s=0.2,
+                 cluster_system_words=80)  # prompts past --local-prefill-max-tokens: they go through a prefill
+    out = await run_cluster(args)
+    assert out["targets"] == out["kv"]["targets"]  # no matrix ran, only the comparison
+    cases = out["kv"]["cases"]
+    assert set(cases["evict"]["cells"]) == {"exact", "oracle"} and set(cases["evict+r2"]["cells"]) == {"exact"}
+    assert cases["evict+r2"]["oracle_of"] == "evict"
+    for name, entry in cases.items():
+        for pol, cell in entry["cells"].items():
+            assert "error" not in cell, (name, pol, cell)
+            assert cell["ok"] == 12 and cell["unsent_turns"] == 0 and cell["verify_errors"] == 0, (name, pol, cell)
+    ex = cases["evict+r2"]["cells"]["exact"]
+    assert ex["replicas"] == 2 and sum(ex["requests_per_proxy"]) == 12 and min(ex["requests_per_proxy"]) > 0
+    assert ex["proxy_kv_metrics"]['epd_proxy_routing_exact_total{role="prefill"}'] > 0  # routed on the index
+    mixed = cases["roomy+direct0.5+restart"]["cells"]
+    for cell in mixed.values():
+        assert cell["direct"]["requests"] >= 6 and cell["direct"]["unsent_turns"] == 0
+        assert len(cell["restarts"]) == 1
+    keys = {t["key"] for t in out["targets"]}
+    assert keys == {"kv_hit_rate", "kv_ttft_today", "kv_ttft_router", "kv_roomy_hit_rate", "kv_roomy_ttft", "kv_cpu"}
+    res = {"meta": {"command": "test"}, "scenarios": {"cluster": out}}
+    res["checks"] = report.checks(res)
+    text = open(report.write(res, str(tmp_path), plots=False)["markdown"]).read()
+    assert "#### roomy+direct0.5+restart" in text and "oracle: see evict" in text

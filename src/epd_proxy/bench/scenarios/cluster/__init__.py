@@ -15,6 +15,8 @@ Policies (``--policies``; ``--policy-def NAME=ARGS`` adds proxy policies):
 ``load-aware``, ``power-of-two``
 ``cache-aware``                     epd-proxy with cache-aware prefill and encode, load-aware
                                     decode (the proxy's per-role defaults, spelled out)
+``exact``                           the same, the instances publishing vLLM's KV events and the proxy
+                                    subscribed (cache-aware then routes on the block index)
 ``NAME`` from ``--policy-def``      epd-proxy with the given ``serve`` flags
 ``oracle``                          no proxy: the load generator runs E→P→D itself and
                                     pins each conversation (by its index) to one
@@ -27,8 +29,14 @@ Workloads (``--cluster-workloads``): ``chat`` (with images, E+P+D), ``text``
 ``unique`` (one turn per conversation, no shared system prompt: no two
 prompts share a prefix, for the load spread).
 
+``--cluster-kv-cases`` adds the KV events comparison (``kv_matrix``): approximate, exact,
+vllm-router and oracle side by side with evictions, proxy replicas taking turns, a second client
+population straight to the instances and a prefill restarted mid-run (``kv_cases``).
+
 The pure parts are functions over plain data: the policy specs (``policies``), the
 counters from the instances' ``/sim/state``, the merge of repeats and the targets
-(``evaluate``). The I/O shell: the clients and the open-loop driver (``drive``), the
-cells and the matrix with the scenario's flags (``run``); ``section`` is its report part.
+(``evaluate``), the KV comparison's cases, figures and targets (``kv_cases``, ``kv_evaluate``).
+The I/O shell: the clients and the open-loop driver (``drive``), one cell (``cell``), the matrix
+with the scenario's flags (``run``), the KV comparison (``kv_matrix``); ``section`` and
+``kv_section`` are its report parts.
 """

@@ -94,6 +94,13 @@ class OracleClient:
                 await p.close()
 
 
+class DirectClient(OracleClient):
+    """A second client population that reaches the instances directly (no proxy): it runs
+    E→P→D itself, each of its conversations pinned, by its index, to one instance per role, as
+    a client with its own session affinity does. Its blocks and evictions are in the instances'
+    caches, and only their KV events tell a proxy of them."""
+
+
 class Tally:
     """Every request's outcome, kept compact."""
 
@@ -105,6 +112,7 @@ class Tally:
         self.verify_errors = 0
         self.examples: list[str] = []
         self.unsent = 0  # turns never sent because an earlier turn of their conversation failed
+        self.retried = 0  # failed turns the client sent again
         self.live = 0  # conversations started and not finished
         self.max_live = 0
         self.t_first = math.inf
@@ -130,6 +138,7 @@ class Tally:
         span = self.t_last - self.t_first if n else math.nan
         return {"requests": n, "ok": self.ok, "errors": sum(self.errors.values()), "error_kinds": dict(self.errors),
                 "verify_errors": self.verify_errors, "error_examples": self.examples, "unsent_turns": self.unsent,
+                "retried": self.retried,
                 "max_live_conversations": self.max_live,
                 # every request counts (no warm-up window: the caches start cold for every policy alike)
                 "outside_window": {"ok": 0, "errors": 0, "verify_errors": 0},
@@ -139,11 +148,13 @@ class Tally:
 
 async def drive(spec: ChatSpec, convs: list[Conversation], images: list[str], rate: float, client, *,
                 seed: int = 0, verify: bool = True, timeouts: TransportTimeouts | None = None,
-                tally: Tally | None = None, on_start=None) -> Tally:
+                tally: Tally | None = None, on_start=None, retries: int = 0) -> Tally:
     """Open loop: conversations start as Poisson arrivals (``rate / turns`` per second, so
     requests arrive at about ``rate`` per second once turns overlap); each sends its turns
     one after another, every prompt carrying the answers received so far, after each
-    turn's think time. ``on_start(i)`` is called as conversation ``i`` starts."""
+    turn's think time. ``on_start(i)`` is called as conversation ``i`` starts. A failed turn
+    (not a wrong answer) is sent again up to ``retries`` times, after 0.5 s, then 1 s, …
+    (the OpenAI SDK's default is 2 retries from 0.5 s); every attempt counts as a request."""
     timeouts = timeouts or TransportTimeouts(connect=10.0, headers=300.0, idle=300.0)
     tally = tally or Tally()
     expected = simulator_expected() if verify else None
@@ -169,6 +180,13 @@ async def drive(spec: ChatSpec, convs: list[Conversation], images: list[str], ra
                             expected(body) if expected else None, body)
             o = await client.send(conv, t, prep, timeouts)
             tally.add(o)
+            for attempt in range(retries):
+                if o.ok or o.verify_error:
+                    break
+                await asyncio.sleep(0.5 * 2 ** attempt)
+                tally.retried += 1
+                o = await client.send(conv, t, prep, timeouts)
+                tally.add(o)
             if o.text is None or (not o.ok and not o.verify_error):
                 tally.unsent += len(conv.turns) - t - 1
                 return
@@ -189,6 +207,67 @@ async def drive(spec: ChatSpec, convs: list[Conversation], images: list[str], ra
     if tasks:
         await asyncio.gather(*tasks)
     return tally
+
+
+async def sim_post(url: str, path: str, body: dict) -> None:
+    """``POST`` a simulator control route (``/sim/fault``, ``/sim/health``); raises unless it answers 200."""
+    pool = ConnectionPool(url)
+    timeouts = TransportTimeouts(connect=5.0, headers=10.0, idle=10.0)
+    try:
+        resp = await pool.request("POST", path, body=msgspec.json.encode(body), headers=[_HEADERS],
+                                  timeouts=timeouts)
+        try:
+            await resp.read()
+        finally:
+            resp.close()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}{path} answered {resp.status}")
+    finally:
+        await pool.close()
+
+
+_KV_METRICS = (b"epd_proxy_routing_exact_total", b"epd_proxy_kv_lookups_total", b"epd_proxy_kv_events_restarts_total",
+               b"epd_proxy_kv_events_lost_total", b"epd_proxy_kv_events_gaps_total",
+               b"epd_proxy_not_disaggregated_total")
+
+
+def kv_metric_lines(text: bytes) -> dict[str, float]:
+    """The KV events' and exact routing's counters in a ``/metrics`` page, summed by series
+    (name and labels, the ``worker`` label dropped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_KV_METRICS):
+            continue
+        series, _, value = line.rpartition(b" ")
+        name, _, labels = series.partition(b"{")
+        kept = ",".join(x for x in labels.rstrip(b"}").decode().split(",") if x and not x.startswith("worker="))
+        key = name.decode() + (f"{{{kept}}}" if kept else "")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+async def proxy_kv_metrics(urls: list[str]) -> dict[str, float]:
+    """:func:`kv_metric_lines` summed over the proxies at ``urls`` (one that does not answer counts nothing)."""
+    out: dict[str, float] = {}
+    timeouts = TransportTimeouts(connect=5.0, headers=10.0, idle=10.0)
+    for u in urls:
+        pool = ConnectionPool(u)
+        try:
+            resp = await pool.request("GET", "/metrics", timeouts=timeouts)
+            try:
+                data = await resp.read()
+            finally:
+                resp.close()
+        except Exception:  # the figures are a diagnosis, not the measurement
+            continue
+        finally:
+            await pool.close()
+        for k, v in kv_metric_lines(data).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 async def instance_states(sim: T.SimInfo) -> dict[str, list[dict]]:

@@ -16,6 +16,8 @@ class PolicySpec:
     name: str
     kind: str  # "proxy", "oracle" or "vllm-router"
     args: tuple[str, ...] = ()  # proxy: extra `epd-proxy serve` flags; vllm-router: (policy,)
+    # proxy: subscribed to the instances' KV events (the instances then publish them)
+    kv_events: bool = False
 
     @property
     def text_only(self) -> bool:
@@ -32,6 +34,9 @@ def parse_policies(names: list[str], defs: list[str] | None = None) -> list[Poli
         "power-of-two": PolicySpec("power-of-two", "proxy", ("--routing", "power-of-two")),
         "cache-aware": PolicySpec("cache-aware", "proxy", ("--prefill-policy", "cache-aware", "--decode-policy",
                                                           "load-aware", "--encode-policy", "cache-aware")),
+        # The same, routing on the block index that vLLM's KV events keep exact.
+        "exact": PolicySpec("exact", "proxy", ("--prefill-policy", "cache-aware", "--decode-policy", "load-aware",
+                                              "--encode-policy", "cache-aware"), kv_events=True),
         "oracle": PolicySpec("oracle", "oracle"),
     }
     for d in defs or []:

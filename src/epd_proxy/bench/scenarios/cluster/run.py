@@ -4,36 +4,21 @@ matrix of workloads, load levels and policies."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
-import time
-from dataclasses import replace
 
-from epd_proxy.bench import targets as T
-from epd_proxy.bench.conversations import ChatSpec, image_pool, make_conversations, working_set
-from epd_proxy.bench.lab import ForeignMeter, Lab, lab_settings
-from epd_proxy.bench.procs import self_cpu_seconds
+from epd_proxy.bench.conversations import image_pool, make_conversations, working_set
 from epd_proxy.bench.scenarios.base import Scenario, csv_list, float_list
-from epd_proxy.bench.scenarios.cluster.drive import OracleClient, ProxyClient, drive, instance_states
-from epd_proxy.bench.scenarios.cluster.evaluate import (
-    checks,
-    cluster_counters,
-    evaluate_targets,
-    merge_repeats,
-    policy_cells,
-)
-from epd_proxy.bench.scenarios.cluster.policies import PolicySpec, candidate_policy, parse_policies
+from epd_proxy.bench.scenarios.cluster import kv_matrix
+from epd_proxy.bench.scenarios.cluster.cell import WORKLOADS, chat_spec, measured_cell, run_cell, sim_settings
+from epd_proxy.bench.scenarios.cluster.evaluate import checks, evaluate_targets, merge_repeats, policy_cells
+from epd_proxy.bench.scenarios.cluster.policies import candidate_policy, parse_policies
 from epd_proxy.bench.scenarios.cluster.section import plot, section
 
-perf = time.perf_counter
-
+__all__ = ["SCENARIO", "WORKLOADS", "add_arguments", "chat_spec", "run", "run_cell", "sim_settings"]
 
 DEFAULT_CLUSTER_POLICIES = ("round-robin", "least-loaded", "load-aware", "power-of-two", "cache-aware", "oracle",
                             "vllm-router:cache_aware", "vllm-router:power_of_two", "vllm-router:consistent_hash")
-
-
-WORKLOADS = ("chat", "text", "unique")
 
 
 def add_arguments(group) -> None:
@@ -89,169 +74,7 @@ def add_arguments(group) -> None:
     group.add_argument("--cluster-replicas", action=argparse.BooleanOptionalAction, default=True,
                        help="cluster: also run the candidate policy as two proxies, turns alternating between them, "
                             "one restarted mid-run")
-
-
-def chat_spec(args, workload: str) -> ChatSpec:
-    base = ChatSpec(conversations=args.cluster_conversations, turns=args.cluster_turns,
-                    system_prompts=args.cluster_system_prompts, system_words=args.cluster_system_words,
-                    user_words=args.cluster_user_words, max_tokens=args.cluster_max_tokens,
-                    image_share=args.cluster_image_share, image_pool=args.cluster_image_pool,
-                    image_kb=args.cluster_image_kb, think_s=args.cluster_think_s, model=args.model, seed=args.seed)
-    if workload == "chat":
-        return base
-    if workload == "text":
-        return base.text_only()
-    if workload == "unique":
-        return replace(base.text_only(), turns=1, system_prompts=0, think_s=0.0)
-    raise ValueError(f"unknown cluster workload {workload!r} (known: {', '.join(WORKLOADS)})")
-
-
-def sim_settings(args, ws: dict) -> tuple[dict, dict, dict]:
-    """(counts, SimConfig fields, per-role overrides) of the cluster, its caches sized to
-    ``--cluster-cache-ratio`` of the working set ``ws`` (encoders: ``--cluster-encoder-cache-ratio``
-    of the distinct images' tokens, by default the same share)."""
-    ratio = args.cluster_cache_ratio
-    enc_ratio = ratio if args.cluster_encoder_cache_ratio is None else args.cluster_encoder_cache_ratio
-    counts = {"encode": args.cluster_encoders, "prefill": args.cluster_prefills, "decode": args.cluster_decoders}
-    sim = {"itl_ms": args.itl_ms, "ttft_ms": args.ttft_ms, "ttft_per_token_ms": args.cluster_ttft_per_token_ms,
-           "encode_ms_per_item": args.encode_ms, "encode_ms_per_mm_token": args.cluster_encode_ms_per_mm_token,
-           "block_size": args.cluster_block_size,
-           "prefix_cache_blocks": max(1, int(ratio * ws["blocks"])),
-           "encoder_cache_tokens": max(1, int(enc_ratio * ws["image_tokens"])) if ws["image_tokens"] else 16384}
-    roles = {"prefill": {"max_num_seqs": args.cluster_prefill_seqs}}
-    return counts, sim, roles
-
-
-async def _start_policy(lab, policy: PolicySpec, sim: T.SimInfo, settings, replicas: int = 1):
-    """(client, services) for ``policy`` in front of the lab's cluster, or (None, note)."""
-    if policy.kind == "oracle":
-        return OracleClient(sim), []
-    if policy.kind == "vllm-router":
-        t = lab.add(T.vllm_router_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir,
-                                         policy=policy.args[0], name="vllm-router-" + policy.args[0]))
-        if not t.available:
-            return None, t.note
-        return ProxyClient([t.url]), [t.service]
-    tl = []
-    for r in range(replicas):
-        name = f"epd-proxy-{policy.name}" + (f"-{r}" if replicas > 1 else "")
-        t = lab.add(T.epd_proxy_target(sim, cpus=settings.proxy_cpus, log_dir=settings.log_dir, name=name,
-                                       extra=list(policy.args)))
-        if not t.available:
-            return None, t.note
-        tl.append(t)
-    return ProxyClient([t.url for t in tl]), [t.service for t in tl]
-
-
-async def run_cell(args, workload: str, spec: ChatSpec, convs, images, ws: dict, policy: PolicySpec,
-                   rate: float, *, replicas: int = 1, restart: bool = False) -> dict:
-    """One policy at one load level on a fresh cluster: latency, the instances' counters,
-    proxy CPU per request. With ``replicas`` > 1 the turns alternate between proxies and,
-    with ``restart``, the second is restarted once half the conversations have started."""
-    counts, simcfg, roles = sim_settings(args, ws)
-    settings = lab_settings(args, counts=counts, sim=simcfg, roles=roles)
-    label = f"cluster {workload} {policy.name} @ {rate:g} req/s" + (f" ({replicas} replicas)" if replicas > 1 else "")
-    res: dict = {"policy": policy.name, "rate": rate, "replicas": replicas}
-    with Lab(settings) as lab:
-        lab.pin_self()
-        sim = lab.start_sim()
-        client, services = await _start_policy(lab, policy, sim, settings, replicas)
-        if client is None:
-            res.update({"available": False, "note": services})
-            return res
-        cpu_done = 0.0  # CPU of proxy processes already stopped (restart)
-        restarts: list[dict] = []
-        await client.start()
-        try:
-            if lab.s.quiet_wait > 0:
-                await lab.wait_quiet()
-            before = await instance_states(sim)
-            meter = ForeignMeter(lab).start()
-            cpu0 = sum(s.cpu_seconds() for s in services)
-            assert lab.sim_service is not None  # started with the lab
-            sim0, lg0 = lab.sim_service.cpu_seconds(), self_cpu_seconds()
-            tasks: list[asyncio.Task] = []
-
-            async def restart_second() -> None:
-                nonlocal cpu_done
-                svc = services[1]
-                client.down.add(1)
-                t0 = perf()
-                while client.inflight[1]:
-                    await asyncio.sleep(0.01)
-                cpu_done += svc.cpu_seconds()
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(None, svc.stop)
-                svc.start()
-                await loop.run_in_executor(None, svc.wait_ready, 60.0)
-                svc.repin()
-                cpu_done -= svc.cpu_seconds()  # its start-up is not request work
-                await client.reopen(1)
-                client.down.discard(1)
-                restarts.append({"proxy": 1, "down_s": perf() - t0})
-
-            def on_start(i: int) -> None:
-                if restart and replicas > 1 and i == len(convs) // 2:
-                    tasks.append(asyncio.get_running_loop().create_task(restart_second()))
-
-            t_run = perf()
-            tally = await drive(spec, convs, images, rate, client, seed=args.seed, verify=args.verify != "off",
-                                on_start=on_start)
-            for t in tasks:
-                await t
-            wall = perf() - t_run
-            cpu1 = sum(s.cpu_seconds() for s in services) + cpu_done
-            sim1, lg1 = lab.sim_service.cpu_seconds(), self_cpu_seconds()
-            foreign = meter.stop()
-            after = await instance_states(sim)
-        finally:
-            await client.close()
-    res.update(tally.summary())
-    res["wall_s"] = wall
-    # The load's side (simulator, load generator) and everything else on the machine meanwhile.
-    res["sim_cpu_util"] = (sim1 - sim0) / wall if wall > 0 else math.nan
-    res["loadgen_cpu_util"] = (lg1 - lg0) / wall if wall > 0 else math.nan
-    res["foreign_cpu_util"] = foreign
-    res["counters"] = cluster_counters(before, after)
-    res["prefix_hit_rate"] = res["counters"]["prefix_hit_rate"]
-    res["encoder_hit_rate"] = res["counters"]["encoder_hit_rate"]
-    res["prefill_tokens_computed"] = res["counters"]["prefill_tokens_computed"]
-    if services:
-        res["proxy_cpu_s"] = cpu1 - cpu0
-        res["proxy_cpu_ms_per_req"] = 1000.0 * (cpu1 - cpu0) / res["requests"] if res["requests"] else math.nan
-    else:
-        res["proxy_cpu_s"] = None
-        res["proxy_cpu_ms_per_req"] = None
-    if restarts:
-        res["restarts"] = restarts
-    if replicas > 1:
-        res["requests_per_proxy"] = list(client.sent)
-    if args.progress:
-        c = res["counters"]
-        print(f"{label}: TTFT p50 {res['ttft_ms']['p50']:.1f} ms p99 {res['ttft_ms']['p99']:.1f} ms, prefix hits "
-              f"{100 * c['prefix_hit_rate']:.1f} %, computed {c['prefill_tokens_computed']} tokens, prefill "
-              f"requests {c['requests']['prefill']}, errors {res['errors']}", file=sys.stderr, flush=True)
-    return res
-
-
-async def _measured_cell(args, workload, spec, convs, images, ws, policy, rate, **kw) -> dict:
-    """:func:`run_cell`, again (up to ``--retries`` times) when other processes used more than
-    ``--max-foreign`` cores meanwhile; a cell that fails is kept as its error."""
-    tries = 0
-    while True:
-        try:
-            cell = await run_cell(args, workload, spec, convs, images, ws, policy, rate, **kw)
-        except Exception as exc:  # keep the other cells
-            cell = {"policy": policy.name, "rate": rate, "error": f"{type(exc).__name__}: {exc}"}
-            print(f"bench: cluster {workload} {policy.name} @ {rate:g}: {cell['error']}", file=sys.stderr)
-            return cell
-        f = cell.get("foreign_cpu_util", 0.0)
-        if f is None or math.isnan(f) or f <= getattr(args, "max_foreign", math.inf) or tries >= args.retries:
-            cell["retries"] = tries
-            return cell
-        tries += 1
-        print(f"bench: cluster {workload} {policy.name} @ {rate:g}: other processes used {f:.2f} cores; "
-              f"measuring again ({tries}/{args.retries})", file=sys.stderr)
+    kv_matrix.add_arguments(group)
 
 
 async def run(args) -> dict:
@@ -290,7 +113,7 @@ async def run(args) -> dict:
                 n = k + r
                 order = w_pols[n % len(w_pols):] + w_pols[:n % len(w_pols)] if w_pols else []
                 for policy in order:
-                    cell = await _measured_cell(args, workload, spec, convs, images, ws, policy, rate)
+                    cell = await measured_cell(args, workload, spec, convs, images, ws, policy, rate)
                     runs.setdefault(policy.name, []).append(cell)
             for name, cells in runs.items():
                 w["policies"].setdefault(name, {"rates": {}})["rates"][str(rate)] = merge_repeats(cells)
@@ -301,14 +124,19 @@ async def run(args) -> dict:
         ws = out["workloads"]["chat"]["working_set"]
         single = policy_cells(out, "chat", cand.name).get(str(rate))
         if single is None:
-            single = await _measured_cell(args, "chat", spec, convs, images, ws, cand, rate)
+            single = await measured_cell(args, "chat", spec, convs, images, ws, cand, rate)
         else:  # the matrix's cell: what the comparison needs, not a second copy of its counts
             single = {k: single[k] for k in ("prefix_hit_rate", "ttft_ms", "errors", "requests", "error")
                       if k in single}
             single["same_as"] = f"chat / {cand.name} / {rate:g} req/s"
-        rep = await _measured_cell(args, "chat", spec, convs, images, ws, cand, rate, replicas=2, restart=True)
+        rep = await measured_cell(args, "chat", spec, convs, images, ws, cand, rate, replicas=2, restart=True)
         out["replicas"] = {"policy": cand.name, "rate": rate, "single": single, "replicas": rep}
-    out["targets"] = evaluate_targets(out, cand.name if cand else None)
+    # The matrix's targets when it ran (--cluster-workloads '' runs only the KV comparison).
+    out["targets"] = evaluate_targets(out, cand.name if cand else None) if out["workloads"] else []
+    kv = await kv_matrix.run_kv(args)
+    if kv is not None:
+        out["kv"] = kv
+        out["targets"] += kv["targets"]
     return out
 
 

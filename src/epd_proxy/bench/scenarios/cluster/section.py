@@ -7,6 +7,7 @@ import math
 
 from epd_proxy.bench.markdown import fmt, table
 from epd_proxy.bench.scenarios.base import Figures
+from epd_proxy.bench.scenarios.cluster.kv_section import kv_section
 
 
 def _spread_text(x) -> str:
@@ -82,6 +83,7 @@ def section(r: dict, plots: dict) -> list[str]:
                          str(c["errors"])])
         out += [table(["", "prefix hit %", "TTFT p50 / p99 ms", "requests (per proxy)", "restart (out of rotation)",
                         "errors"], rows), ""]
+    out += kv_section(r)
     if "cluster_ttft" in plots:
         out += [f"![TTFT against load]({plots['cluster_ttft']})", ""]
     return out
