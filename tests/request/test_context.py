@@ -114,3 +114,16 @@ def test_upstream_headers_carry_the_request_id_and_the_forwarded_ones():
     assert c.upstream_headers("leg-2", [extra]) == [
         (b"content-type", b"application/json"), (b"x-request-id", b"leg-2"), auth, extra]
     assert c.upstream_headers() == [(b"content-type", b"application/json"), (b"x-request-id", b"req-1"), auth]
+
+
+async def test_backlog_leaves_with_its_leg_or_the_request(pool):
+    a, b = pool.instances
+    c = ctx()
+    c.queue(a, 300)  # chosen, not held yet (the leg never started): the request's end takes it out
+    c.hold(b)
+    c.queue(b, 50)
+    assert (a.backlog, b.backlog) == (300, 50)
+    c.release(b)  # the prefill answered: what it computed is no longer ahead of anyone
+    assert (a.backlog, b.backlog) == (300, 0)
+    c.release_all()
+    assert (a.backlog, b.backlog) == (0, 0)

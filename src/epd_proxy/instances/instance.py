@@ -68,7 +68,7 @@ LEAVING = "leaving"
 class Instance:
     """One upstream vLLM instance: its connections and what we know of its state."""
 
-    __slots__ = ("spec", "url", "role", "connections", "inflight", "health", "requests", "errors", "expiry",
+    __slots__ = ("spec", "url", "role", "connections", "inflight", "backlog", "health", "requests", "errors", "expiry",
                  "signals", "source", "out_since", "leaving", "stranded", "served")
 
     def __init__(self, spec: InstanceSpec, connections: ConnectionPool) -> None:
@@ -77,6 +77,9 @@ class Instance:
         self.role = spec.role
         self.connections = connections  # its keep-alive connections (http/client.py)
         self.inflight = 0
+        # Prompt tokens this proxy's requests in flight on it still compute, by the block index
+        # (request/kv_lookup.py): the queue ahead of the next prompt, in the unit its cost is.
+        self.backlog = 0
         self.health = Health()
         self.requests = 0
         self.errors = 0  # every failure seen (by kind in health.errors)

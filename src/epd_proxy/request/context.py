@@ -29,7 +29,8 @@ class RequestContext:
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
                  "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models",
-                 "conversation", "turn_tried", "kv_reuse", "ids_asked", "kv_outcome", "tokenized")
+                 "conversation", "turn_tried", "kv_reuse", "ids_asked", "kv_outcome", "tokenized",
+                 "_backlog")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -40,6 +41,8 @@ class RequestContext:
         self.view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
         self._base_headers = base_headers
         self._held: list[Instance] = []
+        # Prompt tokens counted in instances' backlog for this request (``queue``), with KV events.
+        self._backlog: list[tuple[Instance, int]] | None = None
         self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
         self.trace: RequestTrace | None = None  # when tracing is on
         # The prefill's answer about the prompt (usage.py), for the client's usage; set by
@@ -96,6 +99,8 @@ class RequestContext:
         except ValueError:
             return
         inst.inflight -= 1
+        if self._backlog is not None:
+            self._unqueue(inst)
         if self.trace is not None:
             self.trace.end(inst)
 
@@ -103,3 +108,23 @@ class RequestContext:
         for inst in self._held:
             inst.inflight -= 1
         self._held.clear()
+        if self._backlog is not None:
+            self._unqueue(None)
+
+    def queue(self, inst: Instance, tokens: int) -> None:
+        """``inst`` computes ``tokens`` of this request's prompt: in its backlog until the leg
+        there is released (or the request ends)."""
+        inst.backlog += tokens
+        if self._backlog is None:
+            self._backlog = []
+        self._backlog.append((inst, tokens))
+
+    def _unqueue(self, inst: Instance | None) -> None:
+        """Take ``inst``'s entries (every entry: None) out of the instances' backlogs."""
+        kept = []
+        for entry in self._backlog or ():
+            if inst is None or entry[0] is inst:
+                entry[0].backlog -= entry[1]
+            else:
+                kept.append(entry)
+        self._backlog = kept or None

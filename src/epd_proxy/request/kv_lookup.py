@@ -160,9 +160,13 @@ class KvLookup:
 
     def chosen(self, inst: Instance, ctx: RequestContext) -> None:
         """``inst`` computes the prompt: its blocks count as held there until its events
-        say so (or the entry expires)."""
+        say so (or the entry expires), and what it computes of it is in its backlog (what
+        ``cache-aware`` weighs a next prompt's wait by) until that leg ends."""
         view = ctx.view
         if view is not None and view.held is not None and view.kv_keys:
+            computes = view.tokens - view.held.get(inst.url, 0)
+            if computes > 0:
+                ctx.queue(inst, computes)
             self.index.speculate(inst.url, view.kv_keys, self._clock())
 
     async def _tokens(self, ctx: RequestContext, body: dict) -> list[int] | None:

@@ -47,9 +47,9 @@ class CacheAware:
     homes are bounded (``HOMES``, oldest forgotten).
 
     With KV events (the view's ``held``, exact for every candidate), what an instance
-    holds replaces the guess: the candidate holding the longest prefix of the prompt goes
-    first, within the same load bound, its slack scaled by the share of the prompt that
-    prefix is (``_exact``); none holding anything is an opening turn.
+    holds replaces the guess: the candidate where the prompt waits least goes first, what it
+    computes there and the queue ahead of it counted in prompt tokens, within the same load
+    bound (``_exact``); none holding anything is an opening turn.
 
     Encoders (``assign``) place media items per item: new content level by estimated work,
     repeats on the encoder that holds them (``routing.encoders.EncoderPlacement``).
@@ -111,9 +111,18 @@ class CacheAware:
                 del homes[next(iter(homes))]
 
     def _exact(self, candidates: list[C], view: RequestView) -> int:
-        """The index of the candidate holding the longest prefix of the prompt (the block
-        index says), within the load bound scaled by that prefix's share of the prompt;
-        ties in rendezvous order. Nothing held anywhere: an opening turn."""
+        """The index of the candidate where the prompt waits least, in prompt tokens: what it
+        must compute of it there (the block index says what is held) plus what is queued ahead
+        (this proxy's requests' own backlog; another client's requests at this proxy's mean
+        there), within today's load bound; ties to the longest prefix held, then in rendezvous
+        order. Nothing held anywhere: an opening turn.
+
+        Taking the longest prefix alone piles a shared prefix's conversations (a system prompt
+        every opening turn shares) onto its first holder until the load bound stops them: the
+        others never come to hold it, and that one queues. Weighed in tokens, a holder keeps
+        them while its queue is shorter than what they would compute elsewhere; then another
+        computes the prefix once and holds it too (as Dynamo's KV router weighs overlap against
+        its workers' active blocks)."""
         self.exact += 1
         held = view.held
         assert held is not None
@@ -125,17 +134,22 @@ class CacheAware:
             if key:
                 return self._open(candidates, key, loads)
             return candidates.index(self._fallback.choose(candidates))
+        prompt = max(view.tokens, most)
         low = min(loads)
-        share = most / max(view.tokens, most)
-        bound = low + share * max(self.balance_abs, low * (self.balance_rel - 1.0))
-        best, top = -1, (-1, -1)
+        bound = low + max(self.balance_abs, low * (self.balance_rel - 1.0))
+        best, top = -1, (0.0, -1, -1)
         for i, c in enumerate(candidates):
-            if loads[i] <= bound:
-                score = (tokens[i], mix64(key ^ self.seed(c.url)))
-                if score > top:
-                    best, top = i, score
-        if top[0] < most:
-            self.spills += 1  # the instance holding the most was passed over for its load
+            if loads[i] > bound:
+                continue
+            queued: float = c.backlog
+            others = c.signals.others
+            if others:
+                queued += others * (c.backlog / c.inflight if c.inflight else prompt - tokens[i])
+            score = (-(prompt - tokens[i] + queued), tokens[i], mix64(key ^ self.seed(c.url)))
+            if best < 0 or score > top:
+                best, top = i, score
+        if tokens[best] < most:
+            self.spills += 1  # the instance holding the most was passed over for its queue
         return best
 
     def assign(self, candidates: list[C], items: Sequence[MediaItem]) -> list[C]:

@@ -28,12 +28,15 @@ class Signals(Protocol):
 
 class Candidate(Protocol):
     """What a policy reads off an instance: its URL (the rendezvous seed), this proxy's
-    requests in flight on it and served by it, and its scraped load."""
+    requests in flight on it (and the prompt tokens they still compute there, with KV
+    events) and served by it, and its scraped load."""
 
     @property
     def url(self) -> str: ...
     @property
     def inflight(self) -> int: ...
+    @property
+    def backlog(self) -> int: ...
     @property
     def requests(self) -> int: ...
     @property
