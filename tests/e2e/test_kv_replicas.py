@@ -62,7 +62,7 @@ def _stream(proxy, url: str) -> dict:
 
 
 def _in_rotation(proxy, url: str) -> bool:
-    return any(i["url"] == url and i["in_rotation"] for i in _status(proxy)["instances"])
+    return any(i["url"] == url and i["healthy"] for i in _status(proxy)["pools"]["prefill"])
 
 
 def _connected(proxy, urls) -> bool:
@@ -198,6 +198,10 @@ def test_a_restarted_prefill_is_cleared_and_refilled(kv, replica_a, start_proxy,
             assert E.wait_for(lambda p=p: not _stream(p, victim.url)["connected"], 15), _stream(p, victim.url)
         served = traffic.ok
         assert E.wait_for(lambda: traffic.ok >= served + 4 or traffic.failures, 60), (traffic.ok, traffic.failures)
+        # A replica started while the instance is down (before it, as pods start in any order).
+        late = start_proxy("kv-replica-d", **_specs(kv))
+        assert E.wait_for(lambda: _connected(late, [kv.prefill.url, kv.decode.url]), 60)
+        assert not _stream(late, victim.url)["connected"]
     finally:
         traffic.stop()
     assert not traffic.failures, traffic.failures[:5]
@@ -210,10 +214,14 @@ def test_a_restarted_prefill_is_cleared_and_refilled(kv, replica_a, start_proxy,
         assert E.wait_for(lambda p=p: _stream(p, victim.url)["restarts"] > restarts[p.url], 15), \
             _stream(p, victim.url)
         assert _stream(p, victim.url)["blocks"] == 0, _stream(p, victim.url)
+    # The late replica connects to it as it comes up: nothing to clear, nothing held yet.
+    assert E.wait_for(lambda: _stream(late, victim.url)["connected"], 30), _stream(late, victim.url)
+    assert _stream(late, victim.url)["blocks"] == 0
+    replicas.append(late)
     # The new engine's events fill the index again, and a next turn is routed on them (once the
     # replicas take the instance back: its failed requests and probes ejected it for a while).
     for p in replicas:
-        assert E.wait_for(lambda p=p: _in_rotation(p, victim.url), 90), _status(p)["instances"]
+        assert E.wait_for(lambda p=p: _in_rotation(p, victim.url), 90), _status(p)["pools"]["prefill"]
     first = [{"role": "user", "content": E.unique_prompt(words=200)}]
     r = E.post(victim.url, "/v1/chat/completions", _chat(first, max_tokens=1))
     E.assert_ok(r, False)
