@@ -266,7 +266,7 @@ def main() -> None:
         return
     res: dict = {"n": args.n, "local": measure_local(args.model_dir, args.n)}
     inst = None
-    log_dir = tempfile.mkdtemp(prefix="tokenize-cost-")
+    log_dir = tempfile.mkdtemp(prefix="tokenize-cost-") if args.start else ""
     try:
         url = args.url
         if args.start:
