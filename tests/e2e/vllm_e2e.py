@@ -235,11 +235,14 @@ class Vllm:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, log_dir: str) -> None:
-        self.port, self.side_channel_port = free_ports(2)
+    def start(self, log_dir: str, *, same_ports: bool = False) -> None:
+        """Launch the process; ``same_ports``: on the ports of its previous run (a restart)."""
+        if not same_ports:
+            self.port, self.side_channel_port = free_ports(2)
+            if self.kv_events:
+                self.events_port, self.replay_port = free_ports(2)
         events: list[str] = []
         if self.kv_events:
-            self.events_port, self.replay_port = free_ports(2)
             events = ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                 # vLLM binds only a wildcard endpoint (its PUB connects to any other address)
@@ -260,6 +263,18 @@ class Vllm:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+
+    def kill(self) -> None:
+        """SIGKILL to its whole process group (the engine dies with no goodbye), then reaped."""
+        assert self.proc is not None
+        self.proc._signal_group(signal.SIGKILL)
+        self.proc.stop(grace=0)
+
+    def restart(self, log_dir: str) -> None:
+        """Started again on the same ports (as a pod's container restarts), ready when this returns."""
+        self.stop()
+        self.start(log_dir, same_ports=True)
+        self.wait_ready()
 
     def log(self) -> str:
         return self.proc.log_text() if self.proc else ""

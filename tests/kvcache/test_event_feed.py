@@ -106,6 +106,43 @@ async def test_a_restart_clears_the_instance():
             await feed.close()
 
 
+async def test_a_restart_the_live_socket_hides_is_found_before_its_events_are_applied():
+    """The new engine's first messages never arrived live (a subscriber reconnecting late) and
+    its sequence has passed the old engine's before the heartbeat ran: the stream was found
+    down meanwhile, so the first live message waits for the replay socket to say whether it
+    is the same engine. Otherwise the old engine's blocks would stay, as if still held."""
+    async with SimCluster(pd=1, config=SimConfig(itl_ms=0, ttft_ms=0, kv_events=True)) as cluster:
+        feed = await _feed(cluster)
+        try:
+            (url,) = cluster.urls("pd")
+            inst = cluster.instances("pd")[0]
+            reader = feed.readers[url][0]
+            for seed in (1, 2):
+                await _complete(url, _prompt(seed))
+            await wait_for(lambda: feed.index.longest_prefix(_prompt(2)) == {url: 96})
+            old = reader.tracker.expected
+            assert old
+            await inst.crash()
+            await wait_for(lambda: url not in feed.live())
+            reader.heartbeat = 60.0  # no heartbeat comes to the rescue
+            await asyncio.sleep(1.0)  # the replay request in flight times out
+            inst.kv_events.paused = True
+            await inst.restart()
+            seed = 10
+            while inst.kv_events.published < old:  # the new engine's messages up to the old count, lost live
+                await _complete(url, _prompt(seed))
+                seed += 1
+            await asyncio.sleep(0.5)  # the subscriber reconnected
+            inst.kv_events.paused = False
+            await _complete(url, _prompt(seed))
+            await wait_for(lambda: feed.index.longest_prefix(_prompt(seed)) == {url: 96})
+            assert feed.index.longest_prefix(_prompt(1)) == {}
+            assert reader.restarts == 1
+            assert feed.index.longest_prefix(_prompt(10)) == {url: 96}  # replayed from the new engine
+        finally:
+            await feed.close()
+
+
 async def test_evictions_and_leaving():
     config = SimConfig(itl_ms=0, ttft_ms=0, kv_events=True, prefix_cache_blocks=8)
     async with SimCluster(pd=1, config=config) as cluster:

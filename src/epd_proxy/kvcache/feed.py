@@ -14,7 +14,10 @@ publisher and a DEALER on its replay socket. What arrives goes through the strea
   message applied: the answer proves the stream alive (``connected``), brings any message
   the live socket dropped at the end of a burst (no later message would reveal that gap),
   and tells a restart the live socket has not shown yet (the last message is no longer
-  the engine's, or no longer there).
+  the engine's, or no longer there);
+* after the replay socket stopped answering, the first live message is applied only once
+  the replay socket has said the engine is the same: a new engine whose first messages the
+  live socket missed may already number past the old one's.
 
 A stream whose replay socket does not answer within ``REPLAY_TIMEOUT`` is not
 connected; an instance counts as *live* while all its streams are connected. Routing
@@ -77,6 +80,11 @@ class StreamReader:
         self.live_received = 0  # batches that came through the live socket
         self.fetched = 0  # batches the heartbeat brought that the live socket had not
         self.last_event: float | None = None  # wall clock of the last batch applied
+        # The replay socket stopped answering: the engine may have been replaced meanwhile, so
+        # the next live message waits for the replay socket to say it is the same (``_live``),
+        # tried at most once per heartbeat.
+        self._unverified = False
+        self._verify_after = 0.0
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
 
@@ -135,6 +143,11 @@ class StreamReader:
             raise wire.WireError(f"{len(frames)} frames, not [topic, seq, payload]")
         seq = wire.sequence(frames[1])
         tracker = self.tracker
+        if self._unverified and self.stream.replay is not None and self._clock() >= self._verify_after:
+            # A new engine whose first messages were not seen live (a subscriber reconnects late)
+            # may already number past the old one's: only its replay tells it apart.
+            self._verify_after = self._clock() + self.heartbeat
+            await self._check()
         kind = tracker.classify(seq, self._clock())
         if kind == DUPLICATE:
             return
@@ -244,11 +257,13 @@ class StreamReader:
                 log.warning("KV events of %s: the replay socket %s did not answer (%s); routing on its blocks "
                             "stops until it does", s.name, s.replay, exc or "timeout")
             self.connected = False
+            self._unverified = True
             self._drop_dealer()  # a late answer must not be read as the next one's
             return None
         if not self.connected:
             log.info("KV events of %s: connected (%s)", s.name, s.endpoint)
         self.connected = True
+        self._unverified = False
         self.replays += 1
         return out
 
