@@ -46,6 +46,14 @@ PYTHONPATH=$SRC valgrind --tool=callgrind --instr-atstart=no --callgrind-out-fil
 PROXY=$!
 trap 'kill $PROXY $SIM 2>/dev/null || true' EXIT
 for _ in $(seq 600); do curl -sf "http://127.0.0.1:$PP/ready" > /dev/null && break; sleep 0.5; done
+# /ready says the proxy takes traffic; a request is answered 503 ("not ready") until both roles'
+# first probes have said which models they serve, which under callgrind can come later: wait for
+# one answered request before the counted ones.
+for _ in $(seq 240); do
+    curl -sf -H 'Content-Type: application/json' "http://127.0.0.1:$PP/v1/chat/completions" \
+        -d '{"model":"sim-model","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}' > /dev/null && break
+    sleep 0.5
+done
 "$PY" "$HERE/instructions_driver.py" "$PP" 200 4 "$MODE"
 callgrind_control -i on "$PROXY" > /dev/null
 "$PY" "$HERE/instructions_driver.py" "$PP" "$N" 4 "$MODE"
