@@ -375,7 +375,7 @@ class Pipeline:
         self.metrics.inflight -= 1
         # 499: the client went away before a status was sent (nginx's convention).
         status = writer.status or 499
-        access = self.access_log
+        access = self.gate.access_log  # the attribute, not the property: every request reads it
         tokens = usage_of(rec.answer)
         if tokens[1] is not None:
             self.metrics.observe_tokens(rec.series, tokens)
