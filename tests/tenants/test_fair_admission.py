@@ -3,6 +3,7 @@ the only admission slot itself while requests queue, then lets go; with one slot
 reach the instance one at a time, in the order the queue hands the slot over."""
 
 import asyncio
+from contextlib import asynccontextmanager
 
 from helpers import Client, chat_body, stack, wait_for
 
@@ -13,6 +14,21 @@ SIM = SimConfig(itl_ms=0, ttft_ms=0.5)
 
 def bearer(secret: str) -> list:
     return [(b"authorization", f"Bearer {secret}".encode())]
+
+
+@asynccontextmanager
+async def clients_of(url: str):
+    """A new client per request (each its own connection, so one can leave alone); all closed after."""
+    clients: list[Client] = []
+
+    def client_for() -> Client:
+        clients.append(Client(url))
+        return clients[-1]
+    try:
+        yield client_for
+    finally:
+        for c in clients:
+            await c.close()
 
 
 def keys(tmp_path) -> str:
@@ -44,63 +60,47 @@ async def _queued(proxy, client_for, n: int, secret: str, text: str) -> list[asy
 
 async def test_a_critical_key_goes_ahead_of_a_flood_and_a_sheddable_one_is_refused(tmp_path):
     async with stack(sim=SIM, pd=1, prefill=0, decode=0, api_key_file=keys(tmp_path), tenants=TENANTS,
-                     max_inflight=1, queue_size=64, queue_timeout=30) as (cluster, proxy, _):
-        clients: list[Client] = []
-
-        def client_for() -> Client:
-            clients.append(Client(proxy.url))
-            return clients[-1]
+                     max_inflight=1, queue_size=64, queue_timeout=30) as (cluster, proxy, _), \
+            clients_of(proxy.url) as client_for:
         adm = proxy.app.pipeline.admission
-        try:
-            assert adm.try_enter() == 0  # the test holds the only slot
-            flood = await _queued(proxy, client_for, 10, "s-flood", "flood")
-            agent = await _queued(proxy, client_for, 1, "s-agent", "agent")
-            # A sheddable request finds no free slot: refused at once, not queued.
-            shed = await client_for().chat(chat_body("batch", max_tokens=2), bearer("s-batch"))
-            assert shed.status == 429 and adm.shed_by_class == {"sheddable": 1}
-            # A client that leaves while queued gives its key's place back.
-            gone = client_for()
-            left = await _queued(proxy, lambda: gone, 1, "s-heavy", "gone")
-            assert proxy.app.pipeline.tenants.concurrent["heavy"] == 1
-            left[0].cancel()  # its connection is closed
-            await wait_for(lambda: "heavy" not in proxy.app.pipeline.tenants.concurrent)
-            assert adm.waiting == 11
-            adm.leave()  # the slot goes to the queue
-            replies = await asyncio.gather(*flood, *agent)
-            assert all(r.status == 200 for r in replies)
-            assert order(cluster)[0] == "agent"  # not behind the flood's ten
-            await wait_for(lambda: proxy.app.pipeline.tenants.concurrent == {})
-        finally:
-            for c in clients:
-                await c.close()
+        assert adm.try_enter() == 0  # the test holds the only slot
+        flood = await _queued(proxy, client_for, 10, "s-flood", "flood")
+        agent = await _queued(proxy, client_for, 1, "s-agent", "agent")
+        # A sheddable request finds no free slot: refused at once, not queued.
+        shed = await client_for().chat(chat_body("batch", max_tokens=2), bearer("s-batch"))
+        assert shed.status == 429 and adm.shed_by_class == {"sheddable": 1}
+        # A client that leaves while queued gives its key's place back.
+        gone = client_for()
+        left = await _queued(proxy, lambda: gone, 1, "s-heavy", "gone")
+        assert proxy.app.pipeline.tenants.concurrent["heavy"] == 1
+        left[0].cancel()  # its connection is closed
+        await wait_for(lambda: "heavy" not in proxy.app.pipeline.tenants.concurrent)
+        assert adm.waiting == 11
+        adm.leave()  # the slot goes to the queue
+        replies = await asyncio.gather(*flood, *agent)
+        assert all(r.status == 200 for r in replies)
+        assert order(cluster)[0] == "agent"  # not behind the flood's ten
+        await wait_for(lambda: proxy.app.pipeline.tenants.concurrent == {})
 
 
 async def test_keys_of_a_class_share_by_weight_and_a_full_queue_gives_up_the_lowest_class(tmp_path):
     async with stack(sim=SIM, pd=1, prefill=0, decode=0, api_key_file=keys(tmp_path), tenants=TENANTS,
-                     max_inflight=1, queue_size=16, queue_timeout=30) as (cluster, proxy, _):
-        clients: list[Client] = []
-
-        def client_for() -> Client:
-            clients.append(Client(proxy.url))
-            return clients[-1]
+                     max_inflight=1, queue_size=16, queue_timeout=30) as (cluster, proxy, _), \
+            clients_of(proxy.url) as client_for:
         adm = proxy.app.pipeline.admission
-        try:
-            assert adm.try_enter() == 0
-            futs = await _queued(proxy, client_for, 8, "s-flood", "flood")
-            futs += await _queued(proxy, client_for, 8, "s-heavy", "heavy")
-            # The queue is full (16): a critical newcomer takes the place of the newest waiter of
-            # the lowest class's most backlogged key (both standard, 8 each: flood's last, the
-            # first most backlogged found), which gets 429.
-            agent = asyncio.ensure_future(client_for().chat(chat_body("agent", max_tokens=2), bearer("s-agent")))
-            await wait_for(lambda: adm.displaced == 1)
-            adm.leave()
-            replies = await asyncio.gather(*futs, agent)
-            assert sorted(r.status for r in replies) == [200] * 16 + [429]
-            served = order(cluster)
-            assert served[0] == "agent"
-            # Within the standard class, heavy (weight 3) and flood (1) share 3 : 1 while both wait.
-            first8 = served[1:9]
-            assert first8.count("heavy") == 6 and first8.count("flood") == 2, served
-        finally:
-            for c in clients:
-                await c.close()
+        assert adm.try_enter() == 0
+        futs = await _queued(proxy, client_for, 8, "s-flood", "flood")
+        futs += await _queued(proxy, client_for, 8, "s-heavy", "heavy")
+        # The queue is full (16): a critical newcomer takes the place of the newest waiter of
+        # the lowest class's most backlogged key (both standard, 8 each: flood's last, the
+        # first most backlogged found), which gets 429.
+        agent = asyncio.ensure_future(client_for().chat(chat_body("agent", max_tokens=2), bearer("s-agent")))
+        await wait_for(lambda: adm.displaced == 1)
+        adm.leave()
+        replies = await asyncio.gather(*futs, agent)
+        assert sorted(r.status for r in replies) == [200] * 16 + [429]
+        served = order(cluster)
+        assert served[0] == "agent"
+        # Within the standard class, heavy (weight 3) and flood (1) share 3 : 1 while both wait.
+        first8 = served[1:9]
+        assert first8.count("heavy") == 6 and first8.count("flood") == 2, served

@@ -33,16 +33,24 @@ def _held(proxy, url: str, ids: list[int]) -> int:
     return proxy.app.kv_events.index.longest_prefix(ids).get(url, 0)
 
 
+async def _first_turn_held(cluster, proxy, client):
+    """Events live on both instances, judged at once (the turns below wait for the events
+    themselves); a first turn answered and its blocks seen held by the decode: (decode, the
+    turn's body, its token ids)."""
+    proxy.app.pipeline.kv.settle = 0.0
+    await wait_for(lambda: len(proxy.app.kv_events.live()) == 2, timeout=10)
+    d = cluster.instances("decode")[0]
+    b1 = _t1()
+    await _ask(client, b1)
+    ids = _kept_ids(d)
+    await wait_for(lambda: _held(proxy, d.url, ids) >= len(ids) - 16)
+    return d, b1, ids
+
+
 async def test_a_restarted_decode_is_not_read_from_when_its_events_say_so():
     async with stack(sim=_sim(kv_events=True), local_prefill_max_tokens=0) as (cluster, proxy, client):
         feed = proxy.app.kv_events
-        proxy.app.pipeline.kv.settle = 0.0  # judged at once (the turns below wait for the events themselves)
-        await wait_for(lambda: len(feed.live()) == 2, timeout=10)
-        d = cluster.instances("decode")[0]
-        b1 = _t1()
-        await _ask(client, b1)
-        ids = _kept_ids(d)
-        await wait_for(lambda: _held(proxy, d.url, ids) >= len(ids) - 16)
+        d, b1, ids = await _first_turn_held(cluster, proxy, client)
         await d.crash()
         await d.restart()  # a new engine: its sequence from 0, its cache empty
         await wait_for(lambda: d.url in feed.live() and feed.index.blocks_of(d.url) == 0, timeout=15)
@@ -67,15 +75,8 @@ async def test_blocks_a_decode_evicted_are_not_read_and_the_rest_is_let_go():
     # real decode keeps them; the rule trusts its events either way).
     async with stack(sim=_sim(kv_events=True, prefix_cache_blocks=48), local_prefill_max_tokens=0) as (
             cluster, proxy, client):
-        feed = proxy.app.kv_events
-        proxy.app.pipeline.kv.settle = 0.0  # judged at once (the turns below wait for the events themselves)
-        await wait_for(lambda: len(feed.live()) == 2, timeout=10)
-        d = cluster.instances("decode")[0]
-        b1 = _t1()
-        await _ask(client, b1)
-        ids = _kept_ids(d)
+        d, b1, ids = await _first_turn_held(cluster, proxy, client)
         assert len(ids) > 20 * 16
-        await wait_for(lambda: _held(proxy, d.url, ids) >= len(ids) - 16)
         plain = Client(d.url)
         try:  # other traffic on the decode (not through this proxy): the turn's last blocks go
             reply = await plain.post("/v1/completions", {"model": "sim-model", "prompt": list(range(40 * 16)),
