@@ -40,6 +40,7 @@ from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.observe.metrics import ProxyMetrics, render
 from epd_proxy.observe.version import VERSION
+from epd_proxy.placement.choose import choose
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES, speaks_anthropic
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
@@ -276,7 +277,7 @@ class ProxyApp:
         last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:
-                inst = pool.choose(tried)
+                inst = choose(pool, tried)
             except ProxyError as err:
                 last = err
                 break

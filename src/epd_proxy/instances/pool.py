@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http import Headers
@@ -32,15 +32,12 @@ from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.routing.policy import RoutingPolicy
-from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.pool")
 
 # Failing, ejected and never-yet-healthy instances are probed this often (at most).
 FAST_PROBE_INTERVAL = 1.0
-# A half-open instance gets one pick in this many while others are in rotation.
-HALF_OPEN_SHARE = 5
 # Panic routing is logged at most this often per role.
 PANIC_LOG_INTERVAL = 10.0
 # Per-model routing lists kept at most (a client may name any model while some instance's
@@ -68,7 +65,7 @@ class InstancePool:
         self.panics = 0  # requests routed with no instance in rotation
         self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
         self._last_panic_log = -PANIC_LOG_INTERVAL
-        self._picks = 0
+        self.picks = 0  # picks made while a half-open instance was there (the trial share's count)
         self._probe_tasks: dict[Instance, asyncio.Task] = {}
         self._probing: tuple[float, float] | None = None  # (interval, timeout) once started
         # Routing lists, rebuilt on every state change (never per request).
@@ -90,37 +87,25 @@ class InstancePool:
     def __bool__(self) -> bool:
         return bool(self.instances)
 
-    # -- routing --------------------------------------------------------------------------
-    def choose(self, exclude: Iterable[Instance] = (), view: RequestView = EMPTY_VIEW,
-               model: ModelKey | None = None) -> Instance:
-        """An instance for one attempt, preferring ones not in ``exclude`` (those that
-        already failed this request). Never fails for a configured role: with no
-        instance in rotation it routes over all of them (panic routing). The policy
-        picks among the candidates, seeing the request's ``view`` (routing.py). With
-        ``model``, all of this within the instances serving it."""
+    # -- the host set as one leg's pick reads it (placement/choose.py picks) ----------------
+    def hosts(self, model: ModelKey | None = None) -> tuple[list[Instance], list[Instance], list[Instance]]:
+        """The instances in rotation, the half-open ones and every one not draining (of those
+        serving ``model``): lists replaced, never changed in place, on every change of state."""
         if model is None:
-            healthy, half_open, panic_set = self._healthy, self._half_open, self._panic_set
-        else:
-            healthy, half_open, panic_set = self._lists(model)
-        if half_open:
-            trial = self._trial(exclude, healthy, half_open)
-            if trial is not None:
-                return trial
-        candidates = self._candidates(exclude, healthy, half_open, panic_set, model)
-        if model is not None and self.affinity is not None:
-            adapter = model[0] if isinstance(model, tuple) else (
-                model if self.models.current.parents.get(model) else None)
-            if adapter is not None:
-                if self._homes_stale:
-                    self._homes_stale = False
-                    self.affinity.rehome(self._adapters_served())
-                return self.affinity.choose(candidates, adapter)
-        return self.policy.choose(candidates, view)
+            return self._healthy, self._half_open, self._panic_set
+        return self._lists(model)
 
-    def assign(self, items: Sequence, exclude: Iterable[Instance] = (), model: ModelKey | None = None
-               ) -> list[Instance]:
-        """An instance per media item (encoders), chosen by the policy among the candidates."""
-        return self.policy.assign(self.candidates(exclude, model), items)
+    def adapter_of(self, model: ModelKey) -> str | None:
+        """The LoRA adapter a request's model key names (None: a base model)."""
+        if isinstance(model, tuple):
+            return model[0]
+        return model if self.models.current.parents.get(model) else None
+
+    def rehome(self) -> None:
+        """The adapters' homes (affinity) computed again after a change of the roster."""
+        if self._homes_stale and self.affinity is not None:
+            self._homes_stale = False
+            self.affinity.rehome(self._adapters_served())
 
     def candidates(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> list[Instance]:
         """The instances to route over: healthy ones not in ``exclude``; else a half-open
@@ -179,17 +164,6 @@ class InstancePool:
                     if parent is not None:
                         out.setdefault(name, []).append(inst.url)
         return out
-
-    def _trial(self, exclude, healthy: list[Instance], half_open: list[Instance]) -> Instance | None:
-        """Every ``HALF_OPEN_SHARE``-th pick goes to a half-open instance: a limited share
-        of live traffic decides whether it comes back."""
-        self._picks += 1
-        if healthy and self._picks % HALF_OPEN_SHARE:
-            return None
-        for inst in half_open:
-            if inst not in exclude:
-                return inst
-        return None
 
     def _panic(self, exclude, panic_set: list[Instance], model: ModelKey | None) -> list[Instance]:
         """Routing over instances out of rotation. It is panic routing (counted, logged) only when

@@ -10,7 +10,6 @@ is an in-band error in the stream's own form (``request/apis.py``).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -22,7 +21,6 @@ from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import paired_key
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import TOPOLOGY_ROLES
 from epd_proxy.observe.access_log import AccessLog
@@ -31,6 +29,7 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
+from epd_proxy.placement.decision import HOLDS_PROMPT, HOLDS_TURN, Known, Placement, again, place
 from epd_proxy.request.admission import ADMIT, SHED, Admission
 from epd_proxy.request.apis import (
     GENERATE,
@@ -70,7 +69,7 @@ from epd_proxy.wire.errors import ProxyError, drop_traceback
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
-    from epd_proxy.request.kv_lookup import KvLookup
+    from epd_proxy.placement.kv_lookup import KvLookup
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -106,7 +105,12 @@ class Pipeline:
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
-        self._dp_counter = itertools.count()
+        # What the placement knows besides the request (placement/decision.py).
+        self.known = Known(self.decode, self.prefill, connector=connector.name, prefill_needed=self._need_prefill,
+                           local_prefill_max_tokens=config.local_prefill_max_tokens,
+                           local_prefill_max_streams=config.local_prefill_max_streams,
+                           balance_abs=config.balance_abs, balance_rel=config.balance_rel,
+                           ec_consumer_dp_size=config.ec_consumer_dp_size)
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
         self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
@@ -436,26 +440,33 @@ class Pipeline:
                 log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
 
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
-        """One attempt builds every handle anew from the untouched client body."""
+        """One attempt: what the placement needs looked up (only where its feature applies), the
+        placement made (placement/decision.py), and carried out, every handle built anew from the
+        untouched client body."""
         ctx.prefill_report = None
         ctx.ids_asked = False  # this attempt's decode, asked below
         if ctx.api is not None and ctx.whole is not None:
             return await self._whole(ctx, body)
-        models = ctx.models  # None (the common case): every instance serves the request's model
         kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
-        d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
-        # Every instance left has failed this request: never one that timed out on it.
-        if ctx.timed_out:
-            d = _not_timed_out(self.decode, d, ctx)
-        if models is not None:  # an adapter's KV is valid only on its base: prefill's must match
-            models["prefill"] = paired_key(models["decode"], d.served)
-        p = self.prefill.choose(ctx.excluded, ctx.view, None if models is None else models["prefill"]) \
-            if self.prefill or self._need_prefill else None
-        if ctx.timed_out and p is not None:
-            p = _not_timed_out(self.prefill, p, ctx)
-        dp_headers, consumer_zmq = self._ec_consumer(d)
+        turns = self.turns
+        reusing = turns is not None and (ctx.api is None or ctx.path == GENERATE)
+        found = None
+        if reusing and turns.active:  # type: ignore[union-attr]  # reusing: a store
+            if ctx.turn_tried:
+                self.reuse.again(ctx)
+            else:
+                found = await self.reuse.find_turn(ctx, turns, body, bool(items))  # type: ignore[arg-type]
+        placed = place(ctx, self.known, media=bool(items), turn=found)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: placed %s", ctx.request_id, placed.reasons())
+        ctx.placement = placed
+        if kv is not None:  # the chosen instance's blocks counted as held there (speculative entries)
+            if placed.decode_why is HOLDS_PROMPT:
+                counts = self.metrics.not_disaggregated
+                counts["cached"] = counts.get("cached", 0) + 1
+            kv.chosen(placed.prefill or placed.decode, ctx)
         caps = self.role_caps
         if items and (self.encode or self._need_encode):
             cap = caps.get("encode") if caps else None
@@ -463,14 +474,13 @@ class Pipeline:
                 await _take_slot("encode", cap)
             t = time.perf_counter()
             try:
-                body = await self.fanout.run(ctx, body, items, consumer_zmq)
+                body = await self.fanout.run(ctx, body, items, placed.consumer_zmq)
             finally:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:
                     cap.leave()
-        turns = self.turns
-        if turns is not None and (ctx.api is None or ctx.path == GENERATE) and (
-                turns.active or (p is not None and self.reuse.probes(d))):
+        if reusing and (turns.active or (placed.prefill is not None  # type: ignore[union-attr]
+                                         and self.reuse.probes(placed.decode))):
             # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
             # Before any decode has answered with parameters, a decode not heard from yet is asked
             # too: its first answer may be kept (the first conversation's second turn reuses).
@@ -478,29 +488,17 @@ class Pipeline:
                 # The tokens decode will hold: what the next turn's prompt is checked against.
                 body = dict(body, return_token_ids=True)
                 ctx.ids_asked = True
-            local = None
-            if ctx.turn_tried:
-                self.reuse.again(ctx)
-            elif turns.active:
-                local = await self.reuse.previous_turn(ctx, turns, body, p, bool(items))
+            if found is not None:
+                await self.reuse.use_turn(ctx, found, placed)
             if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids") and not items
-                    and self.reuse.asks_stream_ids(ctx, body, local or d)):
+                    and self.reuse.asks_stream_ids(ctx, body, placed.decode)):
                 # A decode that sends its parameters in a stream: asked for the token ids the next
                 # turn is checked against, taken out of what the client gets (IdStrippingRelay).
                 body = dict(body, return_token_ids=True)
                 ctx.ids_asked = True
-            if local is not None:  # the prefill skipped: the decode holding the rest computes the new part
-                t = time.perf_counter()
-                try:
-                    return await self.decode_only.open(ctx, LegPlan(decode_body(body, kv=LOCAL_PREFILL_PARAMS),
-                                                                    None, local, dp_headers))
-                finally:
-                    ctx.upstream += time.perf_counter() - t
-        if kv is not None:  # disaggregated only when it pays (kv_lookup.py)
-            p, alone = kv.place(ctx, p, d, bool(items), self.config, self.metrics.not_disaggregated)
-            if alone is not d:  # the decode holding the prompt computes it: its own data-parallel rank
-                d = alone
-                dp_headers = self._ec_consumer(d)[0]
+            if placed.decode_why is HOLDS_TURN:  # the prefill skipped: the decode holding the rest computes it
+                body = decode_body(body, kv=LOCAL_PREFILL_PARAMS)
+        p = placed.prefill
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:
@@ -508,11 +506,15 @@ class Pipeline:
             await _take_slot("prefill", cap)
         t = time.perf_counter()
         try:
-            return await connector.open(ctx, LegPlan(body, p, d, dp_headers))
+            return await connector.open(ctx, LegPlan(body, placed, self._again))
         finally:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
                 cap.leave()
+
+    def _again(self, ctx: RequestContext, placed: Placement) -> Instance | None:
+        """The placement's decode made again without the ones that failed (the KV hand-over)."""
+        return again(placed, ctx, self.known)
 
     def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> list[MediaItem]:
         """Another generation API (apis.py): its media checked, whether it is split, and the
@@ -535,17 +537,14 @@ class Pipeline:
     async def _whole(self, ctx: RequestContext, body: dict) -> DecodeLeg:
         """A request served whole by one decode (or PD) instance: the one that holds its
         previous response, else the pool's choice."""
-        d = None
+        owner = None
         prev = body.get("previous_response_id") if ctx.whole == PREVIOUS_RESPONSE else None
         if isinstance(prev, str):
-            d = await self.stored.locate(ctx, prev)
-        if d is None or d in ctx.timed_out:
-            d = self.decode.choose(ctx.excluded, ctx.view, ctx.model_for("decode"))
-            if ctx.timed_out:
-                d = _not_timed_out(self.decode, d, ctx)
+            owner = await self.stored.locate(ctx, prev)
+        placed = ctx.placement = place(ctx, self.known, whole=True, owner=owner)
         t = time.perf_counter()
         try:
-            return await self.decode_only.open(ctx, LegPlan(body, None, d))
+            return await self.decode_only.open(ctx, LegPlan(body, placed))
         finally:
             ctx.upstream += time.perf_counter() - t
 
@@ -609,16 +608,6 @@ class Pipeline:
         extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
         return self._base_headers + extra if extra else self._base_headers
 
-    def _ec_consumer(self, d: Instance) -> tuple[Headers | None, str | None]:
-        """E+PD with a push EC connector: the decode replica that receives the embeddings."""
-        spec = d.spec  # its addresses: from its registration or --ec-consumer-zmq-addrs
-        dp = spec.dp_size if spec.dp_size > 1 else self.config.ec_consumer_dp_size
-        rank = next(self._dp_counter) % dp if dp > 1 else None
-        headers = [(b"x-data-parallel-rank", str(rank).encode())] if rank is not None else None
-        addrs = spec.ec_zmq_addrs
-        zmq = addrs[(rank or 0) % len(addrs)] if addrs else None
-        return headers, zmq
-
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
 
@@ -627,16 +616,6 @@ def _wants_usage(body: dict) -> bool:
     """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
     options = body.get("stream_options")
     return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
-def _not_timed_out(pool: InstancePool, inst: Instance, ctx: RequestContext) -> Instance:
-    """``inst``, or another instance of its role if it timed out on this request; a 504 when
-    every one left did."""
-    if inst in ctx.timed_out:
-        inst = pool.choose(ctx.timed_out, ctx.view, ctx.model_for(pool.role))
-        if inst in ctx.timed_out:
-            raise ProxyError(504, f"no {pool.role} instance answered this request in time")
-    return inst
 
 
 async def _take_slot(role: str, cap: Admission) -> None:

@@ -43,7 +43,7 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.apis import front_door_error_body
 from epd_proxy.request.forward import Forwarder
-from epd_proxy.request.kv_lookup import KvLookup
+from epd_proxy.placement.kv_lookup import KvLookup
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import msgspec
 
@@ -20,7 +21,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import paired_key
+from epd_proxy.placement.decision import Placement
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from epd_proxy.request.legs.stages import DecodeLeg, DecodeStage, PrefillStage
@@ -32,12 +33,27 @@ log = logging.getLogger("epd_proxy.connectors")
 
 @dataclass(slots=True)
 class LegPlan:
-    """What one attempt will send where."""
+    """What one attempt sends where: the body, and the placement it carries out
+    (placement/decision.py); ``again`` makes its decode anew without the ones that failed
+    (the KV hand-over), when the caller allows it."""
 
     body: dict  # the consumer body: the client's, with media rewritten to embeddings
-    prefill: Instance | None
-    decode: Instance
-    decode_headers: Headers | None = None  # e.g. X-data-parallel-rank for an EC consumer replica
+    placement: Placement
+    again: Callable[[RequestContext, Placement], Instance | None] | None = None
+
+    @property
+    def prefill(self) -> Instance | None:
+        return self.placement.prefill
+
+    @property
+    def decode(self) -> Instance:
+        return self.placement.decode
+
+    @property
+    def decode_headers(self) -> Headers | None:
+        """X-data-parallel-rank for an EC consumer replica (the placement's rank)."""
+        rank = self.placement.rank
+        return None if rank is None else [(b"x-data-parallel-rank", str(rank).encode())]
 
 
 class KVConnector:
@@ -101,7 +117,7 @@ class NixlPull(KVConnector):
                 try:
                     return await self.decode.open(ctx, decode, body, plan.decode_headers)
                 except ProxyError as err:
-                    other = self._hand_over(ctx, plan, decode, err)
+                    other = self._hand_over(ctx, plan, err)
                     if other is None:
                         raise
                     log.info("request %s: decode instance %s refused the connection; its KV goes to %s",
@@ -134,17 +150,13 @@ class NixlPull(KVConnector):
                      ctx.request_id, prefill.url, err.message)
         return await self.prefill.run(ctx, prefill, prefill_body(body, nixl_prefill_request_params(), ctx.api))
 
-    def _hand_over(self, ctx: RequestContext, plan: LegPlan, decode: Instance, err: ProxyError) -> Instance | None:
-        """Another decode for parameters the failed one never received; None when there is
-        none, or when this decode must be the one (the EC consumer of the request's
-        embeddings, or a chosen DP rank)."""
-        if not err.unsent or plan.decode_headers is not None or decode.spec.ec_zmq_addrs:
+    @staticmethod
+    def _hand_over(ctx: RequestContext, plan: LegPlan, err: ProxyError) -> Instance | None:
+        """Another decode for parameters the failed one never received: the placement's decode
+        made again (placement/decision.again); None when it cannot be."""
+        if not err.unsent or plan.again is None:
             return None
-        pool = self.decode.pool
-        model = ctx.model_for("decode")
-        if model is not None:  # on the prefill's base, for an adapter
-            model = paired_key(model, plan.prefill.served if plan.prefill is not None else None)
-        return pool.choose(ctx.excluded, ctx.view, model) if pool.spare(ctx.excluded, model) else None
+        return plan.again(ctx, plan.placement)
 
 
 class NixlPush(KVConnector):

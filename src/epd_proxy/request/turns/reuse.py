@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from array import array
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -18,9 +19,11 @@ from epd_proxy.http import Headers
 from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.placement.choose import choose
+from epd_proxy.placement.decision import Placement, PreviousTurn
+from epd_proxy.placement.kv_lookup import KvLookup, holds_turn
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
-from epd_proxy.request.kv_lookup import KvLookup, holds_turn
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.turns.multiturn import (
@@ -39,7 +42,6 @@ from epd_proxy.request.turns.multiturn import (
     lookup_key,
     read_answer,
     reuse_params,
-    skips_prefill,
     tokenize_body,
     tokens_of,
 )
@@ -95,6 +97,16 @@ MAX_RELEASES = 64
 _OUTCOME_OF = {UNKNOWN: NOT_HELD, USED: ALREADY_USED, BOUND: EVICTED}
 
 
+@dataclass(slots=True)
+class FoundTurn(PreviousTurn):
+    """A previous turn taken for a request: what the placement reads (``PreviousTurn``), and what
+    its use needs after (the kept entry; the new prompt's tokens, or the request to tokenize it)."""
+
+    entry: Entry
+    asked: dict | None = None
+    tokens: list[int] | None = None
+
+
 class TurnReuse:
     """Multi-turn KV reuse for one proxy process (docs/architecture.md, "Multi-turn KV reuse").
     ``store`` is None with ``--no-kv-reuse``: answers still lose their parameters. With a
@@ -108,9 +120,6 @@ class TurnReuse:
             if config.kv_reuse else None
         self.shared = SharedTurns(shared, self.store) if shared is not None and self.store is not None else None
         self.writes: set[asyncio.Task] = set()  # kept turns on their way to the shared store
-        self.local_prefill_max = config.local_prefill_max_tokens
-        self.local_prefill_streams = config.local_prefill_max_streams
-        self.balance_abs = config.balance_abs
         self.prefill = prefill
         self.decode = decode
         self.connector = connector
@@ -202,12 +211,12 @@ class TurnReuse:
         if ctx.ids_asked and decode.url not in self.stream_decodes:
             self.stream_plain.add(decode.url)
 
-    async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None,
-                            media: bool = False) -> Instance | None:
-        """The previous turn's parameters, taken (once per request: never on a retry) for this
-        attempt's prefill (``ctx.kv_reuse``); or the decode holding them, when the prefill would
-        compute so little that it alone should serve the request. The turn's outcome goes to
-        ``ctx.kv_outcome`` (outcomes.py)."""
+    async def find_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, media: bool = False
+                        ) -> FoundTurn | None:
+        """The previous turn kept for this request, taken (once per request: never on a retry),
+        with the decode holding it: the placement's input (placement/decision.py decides whether
+        that decode computes the turn alone or the prefill reads it there). None, with the turn's
+        outcome in ``ctx.kv_outcome`` (outcomes.py), when there is none to use."""
         ctx.turn_tried = True
         if media:
             ctx.kv_outcome = MEDIA
@@ -264,31 +273,37 @@ class TurnReuse:
                 and self._dropped(entry, holder, now - (entry.deadline - turns.life))):
             ctx.kv_outcome = DECODE_DROPPED
             return None
-        if self.local_prefill_max and self._within_bound(ctx, holder):
-            new = estimate_new_tokens(entry, new_chars, new_messages)
-            if skips_prefill(new, holder.inflight + holder.signals.others, self.local_prefill_max,
-                             self.local_prefill_streams):
-                # Not released: the turn's own request on that decode shares those blocks
-                # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
-                ctx.kv_outcome = LOCAL_PREFILL
-                return holder
-            if new <= self.local_prefill_max:
-                self.counts.declined += 1
-        connector = self.connector
-        if p is None or not isinstance(connector, NixlPull):
+        return FoundTurn(holder, estimate_new_tokens(entry, new_chars, new_messages), entry, asked, tokens)
+
+    async def use_turn(self, ctx: RequestContext, found: FoundTurn, placed: Placement) -> None:
+        """The placement's answer for a previous turn: computed on its decode (``placed.decode``
+        holds it), read by the prefill (``placed.kv_from``: the token check first), or let go."""
+        if placed.declined:
+            self.counts.declined += 1
+        if placed.prefill is None and placed.decode is found.holder:
+            # Not released: the turn's own request on that decode shares those blocks
+            # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
+            ctx.kv_outcome = LOCAL_PREFILL
+            return
+        entry = found.entry
+        if placed.kv_from is None or placed.prefill is None:
             ctx.kv_outcome = NO_PULL_PREFILL
             self.release(entry)
-            return None
+            return
+        connector = self.connector
+        assert isinstance(connector, NixlPull)  # placed.kv_from: the pull connector
         # vLLM reads what the parameters name without checking that the new prompt's tokens
         # extend them: the prompt is tokenized and only the tokens it shares with what decode
         # holds are read.
-        if asked is not None:
+        tokens = found.tokens
+        if found.asked is not None:
             # The prefill that will run the prompt tokenizes it; if it cannot be reached, the
             # decode holding the history (the same model, the same tokenizer and template).
-            for stage, inst in ((connector.prefill, p), (self.decode_only.decode, holder)):
+            asked = encode_json(found.asked)
+            for stage, inst in ((connector.prefill, placed.prefill), (self.decode_only.decode, found.holder)):
                 called, t = len(ctx.legs), time.perf_counter()
                 try:
-                    data = await stage.exchange(ctx, inst, "/tokenize", encode_json(asked), ctx.upstream_headers())
+                    data = await stage.exchange(ctx, inst, "/tokenize", asked, ctx.upstream_headers())
                     tokens = tokens_of(data)
                     break
                 except ProxyError as err:
@@ -299,15 +314,14 @@ class TurnReuse:
             if tokens is None:
                 ctx.kv_outcome = TOKENIZE_FAILED
                 self.release(entry)
-                return None
+                return
         params = reuse_params(entry, tokens) if tokens is not None else None
         if params is None:
             ctx.kv_outcome = TOKENS
             self.release(entry)
-            return None
+            return
         ctx.kv_outcome = REUSED
         ctx.kv_reuse = KVReuse(params, entry)
-        return None
 
     @staticmethod
     def again(ctx: RequestContext) -> None:
@@ -369,15 +383,6 @@ class TurnReuse:
         if said[0]:
             self.release(entry)
         return True
-
-    def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
-        """Whether the decode holding a conversation is within the load bound routing keeps
-        (``--balance-abs`` requests beyond the least-loaded candidate)."""
-        candidates = self.decode.candidates(ctx.excluded, ctx.model_for("decode"))
-        if holder not in candidates:
-            return False
-        low = min(c.inflight + c.signals.others for c in candidates)
-        return holder.inflight + holder.signals.others <= low + self.balance_abs
 
     def keep(self, ctx: RequestContext, body: dict, leg: DecodeLeg, answer: bytes) -> bytes:
         """Decode's answer held blocks for a later reader: the parameters taken out of what
@@ -512,7 +517,7 @@ class TurnReuse:
         first = ids[0] if ids else 0  # any token: nothing is read (an answer without ids: Messages, Responses)
         try:
             models = self.models.current.route(entry.model if isinstance(entry.model, str) else None)
-            p = self.prefill.choose((), EMPTY_VIEW, None if models is None else models.get("prefill"))
+            p = choose(self.prefill, (), EMPTY_VIEW, None if models is None else models.get("prefill"))
             # Two tokens: less than a block (never cached), and a list vLLM reads as token ids.
             body = {"model": entry.model, "prompt": [first, first], "max_tokens": 1,
                     "kv_transfer_params": dict(entry.params, remote_num_tokens=0)}

@@ -1,0 +1,94 @@
+"""One leg's instance: the rules that pick among a role's instances, with the reason.
+
+The role's host set (``instances/pool.py``) says which instances may take a request (healthy
+ones not excluded, else half-open ones, else every one not draining: panic routing); this
+module picks among them, in this order:
+
+* the half-open trial share: every ``HALF_OPEN_SHARE``-th pick of a role with a half-open
+  instance goes to it, so a limited share of live traffic decides whether it comes back;
+* LoRA affinity: an adapter's requests concentrated on few of its instances
+  (``routing/lora_affinity.py``), when the role has it and the request names an adapter;
+* the role's routing policy (``routing/``) over the candidates, seeing the request's view;
+* never an instance that timed out on this request: another pick without it, or a 504 when
+  every instance left did.
+
+Each pick says why (``Choice.reason``): the console's waterfall and the debug log show it.
+The host lists read here are replaced, never changed in place, on every change of state, so a
+pick reads one consistent snapshot; the only state written is the trial share's counter and
+the policies' own (cursors, rendezvous maps).
+"""
+
+from __future__ import annotations
+
+from typing import Collection, NamedTuple, Sequence
+
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.models import ModelKey
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.routing.view import EMPTY_VIEW, RequestView
+from epd_proxy.wire.errors import ProxyError
+
+# A half-open instance gets one pick in this many while others are in rotation.
+HALF_OPEN_SHARE = 5
+
+# Why a leg went where it went (Placement's reasons).
+TRIAL = "half-open trial"
+AFFINITY = "adapter affinity"
+PANIC = "panic: none in rotation"
+
+
+class Choice(NamedTuple):
+    """One leg's pick: the instance, why, and the candidates it was chosen among."""
+
+    instance: Instance
+    reason: str
+    candidates: Sequence[Instance]
+
+
+def trial(healthy: Sequence[Instance], half_open: Sequence[Instance], exclude: Collection[Instance],
+          tick: int) -> Instance | None:
+    """Pure: the half-open instance this pick (the role's ``tick``-th with one) goes to, or None."""
+    if healthy and tick % HALF_OPEN_SHARE:
+        return None
+    for inst in half_open:
+        if inst not in exclude:
+            return inst
+    return None
+
+
+def pick(pool: InstancePool, exclude: Collection[Instance] = (), view: RequestView = EMPTY_VIEW,
+         model: ModelKey | None = None, timed_out: Collection[Instance] = ()) -> Choice:
+    """The instance of ``pool``'s role for one leg, preferring ones not in ``exclude`` (those that
+    already failed this request), never one in ``timed_out``. Never fails for a role with an
+    instance not draining (panic routing), but with 504 when every one left timed out."""
+    choice = _pick(pool, exclude, view, model)
+    if timed_out and choice.instance in timed_out:
+        choice = _pick(pool, timed_out, view, model)
+        if choice.instance in timed_out:
+            raise ProxyError(504, f"no {pool.role} instance answered this request in time")
+        choice = Choice(choice.instance, "not the one that timed out", choice.candidates)
+    return choice
+
+
+def choose(pool: InstancePool, exclude: Collection[Instance] = (), view: RequestView = EMPTY_VIEW,
+           model: ModelKey | None = None) -> Instance:
+    """:func:`pick`'s instance."""
+    return _pick(pool, exclude, view, model).instance
+
+
+def _pick(pool: InstancePool, exclude: Collection[Instance], view: RequestView, model: ModelKey | None) -> Choice:
+    healthy, half_open, _ = pool.hosts(model)
+    if half_open:
+        pool.picks += 1
+        chosen = trial(healthy, half_open, exclude, pool.picks)
+        if chosen is not None:
+            return Choice(chosen, TRIAL, half_open)
+    candidates = pool.candidates(exclude, model)
+    affinity = pool.affinity
+    if model is not None and affinity is not None:
+        adapter = pool.adapter_of(model)
+        if adapter is not None:
+            pool.rehome()
+            return Choice(affinity.choose(candidates, adapter), AFFINITY, candidates)
+    policy = pool.policy
+    return Choice(policy.choose(candidates, view), policy.name if healthy else PANIC, candidates)
