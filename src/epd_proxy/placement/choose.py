@@ -35,6 +35,7 @@ HALF_OPEN_SHARE = 5
 TRIAL = "half-open trial"
 AFFINITY = "adapter affinity"
 PANIC = "panic: none in rotation"
+UNKNOWN_MODELS = "out of rotation, its models not known yet"
 
 
 class Choice(NamedTuple):
@@ -83,6 +84,7 @@ def _pick(pool: InstancePool, exclude: Collection[Instance], view: RequestView, 
         chosen = trial(healthy, half_open, exclude, pool.picks)
         if chosen is not None:
             return Choice(chosen, TRIAL, half_open)
+    panics = pool.panics
     candidates = pool.candidates(exclude, model)
     affinity = pool.affinity
     if model is not None and affinity is not None:
@@ -91,4 +93,5 @@ def _pick(pool: InstancePool, exclude: Collection[Instance], view: RequestView, 
             pool.rehome()
             return Choice(affinity.choose(candidates, adapter), AFFINITY, candidates)
     policy = pool.policy
-    return Choice(policy.choose(candidates, view), policy.name if healthy else PANIC, candidates)
+    reason = policy.name if healthy else PANIC if pool.panics != panics else UNKNOWN_MODELS
+    return Choice(policy.choose(candidates, view), reason, candidates)

@@ -120,12 +120,20 @@ class Placement:
         return sorted((c for c in among if c is not chosen), key=lambda c: c.inflight + c.signals.others)
 
     def reasons(self) -> dict[str, str]:
-        """Per leg, where it went and why (the console's waterfall, the debug log)."""
+        """Per leg, where it went and why, in words (the debug log)."""
         out = {"decode": f"{self.decode.url}: {self.decode_why}"}
         out["prefill"] = NO_PREFILL if self.prefill is None else f"{self.prefill.url}: {self.prefill_why}"
         if self.kv_from is not None:
             out["kv"] = f"{self.kv_from.url}: {READS_TURN}"
         return out
+
+    def summary(self) -> dict:
+        """Per leg, the instance (URL) and why, as plain data (the console's recent requests)."""
+        prefill = self.prefill
+        return {"decode": {"instance": self.decode.url, "why": self.decode_why},
+                "prefill": {"instance": None if prefill is None else prefill.url, "why": self.prefill_why},
+                "kv_from": None if self.kv_from is None else self.kv_from.url, "connector": self.connector,
+                "rank": self.rank}
 
 
 def place(ask: Asking, known: Known, *, media: bool = False, whole: bool = False,
