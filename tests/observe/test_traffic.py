@@ -124,11 +124,12 @@ def test_waterfall_starts_with_the_turn_s_reuse_outcome():
 
 def test_the_placed_legs_stages_say_why_they_went_there():
     s = _s(1, legs=(("decode", "http://d", False),), stages={"decode_first": 5.0})
-    s["placement"] = {"decode": {"instance": "http://d", "why": "holds the prompt (KV events): computes the rest alone"},
+    why = "holds the prompt (KV events): computes the rest alone"
+    s["placement"] = {"decode": {"instance": "http://d", "why": why},
                       "prefill": {"instance": None, "why": "none: the decode computes the prompt"},
                       "kv_from": None, "connector": "none", "rank": None}
     decode = [w for w in waterfall(s) if w["stage"] == "decode"]
-    assert decode[0]["why"] == "holds the prompt (KV events): computes the rest alone"
+    assert decode[0]["why"] == why
     s = _s(1)
     s["placement"] = {"decode": {"instance": "http://d", "why": "least-loaded"},
                       "prefill": {"instance": "http://p", "why": "round-robin"}, "kv_from": None,

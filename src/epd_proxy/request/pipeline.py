@@ -29,8 +29,9 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
-from epd_proxy.placement.decision import HOLDS_PROMPT, HOLDS_TURN, Known, Placement, again, place
+from epd_proxy.placement.decision import HOLDS_PROMPT, Known, Placement, again, place
 from epd_proxy.request.admission import ADMIT, SHED, Admission
+from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
@@ -47,21 +48,11 @@ from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import CHAT, parse_body, request_id
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.legs.fanout import EncoderFanout
-from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
+from epd_proxy.request.legs.stage_bodies import stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
-from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
+from epd_proxy.request.relay import StreamRelay
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
-from epd_proxy.request.turns.multiturn import (
-    LOCAL_PREFILL_PARAMS,
-    NO_PARAMS,
-    NO_PARAMS_TAIL,
-    carries_params,
-    strip_token_ids,
-)
 from epd_proxy.request.turns.reuse import TurnReuse
-from epd_proxy.request.turns.streams import MARK
-from epd_proxy.request.usage.hidden import HiddenUsage
-from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.state.guard import GuardedStore
 from epd_proxy.tenants.limiter import Tenants, Ticket
@@ -134,6 +125,7 @@ class Pipeline:
                                decode_only=decode_only, models=self.models, base_headers=base_headers,
                                shared=state, kv=kv)
         self.turns = self.reuse.store
+        self.answers = Answers(self.reuse)  # what decode's answer goes through (answer.py)
         self.server_timing = ServerTiming()
         # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,
         # no aliases) without the cluster file's tables: two attribute tests per request.
@@ -283,45 +275,16 @@ class Pipeline:
         self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
         ok = False
         try:
-            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
             api = ctx.api
-            if api is not None:
-                report = report if api.rewrite_usage else None
-                if api.stateful and body.get("store") is not False:
-                    self._remember(leg)
+            if api is not None and api.stateful and body.get("store") is not False:
+                self._remember(leg)
             if leg.body is not None:
-                answer = leg.body
-                # An answer without decode's parameters is told by its last bytes (inline: every
-                # non-stream answer passes here; multiturn.carries_params is the whole test).
-                if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
-                    answer = self.reuse.keep(ctx, body, leg, answer)
-                    if self.reuse.writes:  # a shared store: in it before the client can send the next turn
-                        await self.reuse.written()
-                elif ctx.ids_asked:
-                    answer = strip_token_ids(answer)
-                    self.reuse.answered_plain(ctx, leg.inst)  # a decode that keeps no blocks: not asked again
-                rec.answer = (answer if report is None else rewrite_usage(answer, report) if api is None
-                              else api.client_answer(answer, report))
+                rec.answer = await self.answers.whole(ctx, body, leg, api)
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
                 ok = True
                 rec.outcome = "ok"
                 return
-            hide = rec.hide_usage  # the client did not ask for the usage event: taken out
-            turns = self.turns
-            if turns is None or not (turns.active or ctx.ids_asked):
-                relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
-                                           ctx if hide or ((report is not None or leg.companion is not None)
-                                                           and (_wants_usage(body) or (api is not None
-                                                                                       and api.usage_event)))
-                                           else None,
-                                           HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
-                if turns is not None and (relay.last.find(MARK) >= 0 or relay.prev.find(MARK) >= 0):
-                    # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
-                    # stream, a later vLLM's chat or completions stream, in its last event): reuse
-                    # is on from here; these blocks are let go.
-                    self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last, whole=False)
-            else:
-                relay = await self._relay_kept(writer, ctx, body, leg, headers, report, hide, api)
+            relay = await self.answers.stream(writer, ctx, body, leg, headers, rec.hide_usage, api)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
@@ -334,29 +297,6 @@ class Pipeline:
         finally:
             if leg.companion is not None:
                 self._settle(leg.companion, keep=ok)
-
-    async def _relay_kept(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
-                          headers: Headers, report: object, hide: bool, api: GenerationApi | None) -> StreamRelay:
-        """A stream where decodes keep blocks: its last event's parameters (turn_streams.py)
-        taken out by a relay that looks at the ending events, and with the token ids decode
-        holds in the stream (generate's; chat's and completions' when the client asked), the
-        whole stream kept to read the answer back for the next turn."""
-        asked = ctx.ids_asked  # the proxy asked for them: kept, and taken out of each event
-        keeping = asked or ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
-        usage = hide or api is None or ((report is not None or leg.companion is not None)
-                                        and (_wants_usage(body) or api.usage_event))
-        relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
-                                   HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping,
-                                   asked)  # with api None: a usage relay
-        kept = kept_bytes(relay) if keeping else None
-        whole = kept is not None
-        if kept is None:
-            kept = relay.prev + relay.last  # the last event: its parameters, to let them go
-        if kept.find(MARK) >= 0:
-            self.reuse.keep_stream(ctx, body, leg, kept, whole)
-        elif relay.error is None and api is None:
-            self.reuse.stream_ended_plain(ctx, leg.inst)
-        return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
         """A failure before the commit is the client's status; after it the relay has said it in-band."""
@@ -450,14 +390,11 @@ class Pipeline:
         kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
+        reuse = self.reuse
         turns = self.turns
+        # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
         reusing = turns is not None and (ctx.api is None or ctx.path == GENERATE)
-        found = None
-        if reusing and turns.active:  # type: ignore[union-attr]  # reusing: a store
-            if ctx.turn_tried:
-                self.reuse.again(ctx)
-            else:
-                found = await self.reuse.find_turn(ctx, turns, body, bool(items))  # type: ignore[arg-type]
+        found = await reuse.lookup(ctx, body, bool(items)) if reusing and turns.active else None  # type: ignore[union-attr]
         placed = place(ctx, self.known, media=bool(items), turn=found)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: placed %s", ctx.request_id, placed.reasons())
@@ -479,25 +416,8 @@ class Pipeline:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:
                     cap.leave()
-        if reusing and (turns.active or (placed.prefill is not None  # type: ignore[union-attr]
-                                         and self.reuse.probes(placed.decode))):
-            # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
-            # Before any decode has answered with parameters, a decode not heard from yet is asked
-            # too: its first answer may be kept (the first conversation's second turn reuses).
-            if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
-                # The tokens decode will hold: what the next turn's prompt is checked against.
-                body = dict(body, return_token_ids=True)
-                ctx.ids_asked = True
-            if found is not None:
-                await self.reuse.use_turn(ctx, found, placed)
-            if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids") and not items
-                    and self.reuse.asks_stream_ids(ctx, body, placed.decode)):
-                # A decode that sends its parameters in a stream: asked for the token ids the next
-                # turn is checked against, taken out of what the client gets (IdStrippingRelay).
-                body = dict(body, return_token_ids=True)
-                ctx.ids_asked = True
-            if placed.decode_why is HOLDS_TURN:  # the prefill skipped: the decode holding the rest computes it
-                body = decode_body(body, kv=LOCAL_PREFILL_PARAMS)
+        if reusing:  # what the decode is asked for the next turn, and the previous turn used
+            body = await reuse.prepare(ctx, body, placed, found, bool(items))
         p = placed.prefill
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
@@ -610,12 +530,6 @@ class Pipeline:
 
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
-
-
-def _wants_usage(body: dict) -> bool:
-    """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 async def _take_slot(role: str, cap: Admission) -> None:

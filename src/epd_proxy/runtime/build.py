@@ -40,10 +40,10 @@ from epd_proxy.kvcache.index import BlockIndex
 from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
+from epd_proxy.placement.kv_lookup import KvLookup
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.apis import front_door_error_body
 from epd_proxy.request.forward import Forwarder
-from epd_proxy.placement.kv_lookup import KvLookup
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage

@@ -20,15 +20,17 @@ from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.placement.choose import choose
-from epd_proxy.placement.decision import Placement, PreviousTurn
+from epd_proxy.placement.decision import HOLDS_TURN, Placement, PreviousTurn
 from epd_proxy.placement.kv_lookup import KvLookup, holds_turn
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
+from epd_proxy.request.legs.stage_bodies import decode_body
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.turns.multiturn import (
     BOUND,
     EDITED,
+    LOCAL_PREFILL_PARAMS,
     NO_IDS,
     UNKNOWN,
     USED,
@@ -210,6 +212,40 @@ class TurnReuse:
         sends none in its streams, and is not asked again (until it joins anew)."""
         if ctx.ids_asked and decode.url not in self.stream_decodes:
             self.stream_plain.add(decode.url)
+
+    async def lookup(self, ctx: RequestContext, body: dict, media: bool) -> FoundTurn | None:
+        """Before the placement (reuse active): the previous turn kept for this request
+        (:meth:`find_turn`), looked for once per request; a later attempt's outcome adjusted."""
+        if ctx.turn_tried:
+            self.again(ctx)
+            return None
+        assert self.store is not None
+        return await self.find_turn(ctx, self.store, body, media)
+
+    async def prepare(self, ctx: RequestContext, body: dict, placed: Placement, found: FoundTurn | None,
+                      media: bool) -> dict:
+        """After the placement: the body decode gets. Decode is asked for the token ids the next
+        turn's prompt is checked against (while reuse is active; before that, a decode not heard
+        from yet, whose first answer may be kept: the first conversation's second turn reuses),
+        and the previous turn is used as placed (:meth:`use_turn`)."""
+        turns = self.store
+        if turns is None or not (turns.active or (placed.prefill is not None and self.probes(placed.decode))):
+            return body
+        if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
+            # The tokens decode will hold: what the next turn's prompt is checked against.
+            body = dict(body, return_token_ids=True)
+            ctx.ids_asked = True
+        if found is not None:
+            await self.use_turn(ctx, found, placed)
+        if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids") and not media
+                and self.asks_stream_ids(ctx, body, placed.decode)):
+            # A decode that sends its parameters in a stream: asked for the token ids the next
+            # turn is checked against, taken out of what the client gets (IdStrippingRelay).
+            body = dict(body, return_token_ids=True)
+            ctx.ids_asked = True
+        if placed.decode_why is HOLDS_TURN:  # the prefill skipped: the decode holding the rest computes it
+            body = decode_body(body, kv=LOCAL_PREFILL_PARAMS)
+        return body
 
     async def find_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, media: bool = False
                         ) -> FoundTurn | None:
