@@ -126,7 +126,7 @@ async def test_an_instance_whose_models_are_unknown_is_no_panic():
     d.learned(known_one, _listing(_card("a")))
     d.record_failure(unknown, "down")
     choice = pick(d, model="b")
-    assert choice.instance is unknown and choice.reason == UNKNOWN_MODELS and d.panics == 0
+    assert choice[:2] == (unknown, UNKNOWN_MODELS) and d.panics == 0
 
 
 async def test_an_adapter_goes_by_affinity_and_its_prefill_on_the_decodes_base():

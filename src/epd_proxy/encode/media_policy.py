@@ -84,6 +84,13 @@ class MediaPolicy:
     """The media rules of one proxy: item limit, URL schemes, and internal hosts
     allowed by name or network."""
 
+    @classmethod
+    def from_config(cls, config) -> MediaPolicy:
+        """The rules of a :class:`~epd_proxy.config.ProxyConfig` (``--max-media-items``,
+        ``--allowed-media-schemes``, ``--allowed-media-hosts``)."""
+        return cls(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
+                   allowed_hosts=config.allowed_media_hosts)
+
     def __init__(self, *, max_items: int, schemes: Iterable[str], allowed_hosts: Iterable[str] = ()) -> None:
         self.max_items = max_items
         self.schemes = frozenset(s.strip().lower().rstrip(":") for s in schemes if s.strip())

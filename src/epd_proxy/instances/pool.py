@@ -68,10 +68,12 @@ class InstancePool:
         self.picks = 0  # picks made while a half-open instance was there (the trial share's count)
         self._probe_tasks: dict[Instance, asyncio.Task] = {}
         self._probing: tuple[float, float] | None = None  # (interval, timeout) once started
-        # Routing lists, rebuilt on every state change (never per request).
-        self._healthy: list[Instance] = []
-        self._half_open: list[Instance] = []
-        self._panic_set: list[Instance] = []
+        # The host set as a pick reads it (placement/choose.py): lists replaced, never changed in
+        # place, on every state change (never per request): the instances in rotation, the
+        # half-open ones, and every one not draining (panic routing's).
+        self.in_rotation: list[Instance] = []
+        self.half_open: list[Instance] = []
+        self.every: list[Instance] = []
         # The three lists above per model a request named, built on first use after a change.
         self._by_model: dict[ModelKey, tuple[list[Instance], list[Instance], list[Instance]]] = {}
         self._out = 0
@@ -92,7 +94,7 @@ class InstancePool:
         """The instances in rotation, the half-open ones and every one not draining (of those
         serving ``model``): lists replaced, never changed in place, on every change of state."""
         if model is None:
-            return self._healthy, self._half_open, self._panic_set
+            return self.in_rotation, self.half_open, self.every
         return self._lists(model)
 
     def adapter_of(self, model: ModelKey) -> str | None:
@@ -111,7 +113,7 @@ class InstancePool:
         """The instances to route over: healthy ones not in ``exclude``; else a half-open
         one that might answer; else the healthy ones; else all of them (panic)."""
         if model is None:
-            return self._candidates(exclude, self._healthy, self._half_open, self._panic_set, None)
+            return self._candidates(exclude, self.in_rotation, self.half_open, self.every, None)
         return self._candidates(exclude, *self._lists(model), model)
 
     def _candidates(self, exclude, healthy: list[Instance], half_open: list[Instance], panic_set: list[Instance],
@@ -128,7 +130,7 @@ class InstancePool:
 
     def reachable(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> bool:
         """Whether an instance in rotation has not yet failed this request."""
-        healthy = self._healthy if model is None else self._lists(model)[0]
+        healthy = self.in_rotation if model is None else self._lists(model)[0]
         return any(i not in exclude for i in healthy)
 
     def spare(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> bool:
@@ -136,7 +138,7 @@ class InstancePool:
         counting a panic): a retry can go somewhere new, rather than back to an instance
         that already failed this request."""
         if model is None:
-            healthy, half_open, panic_set = self._healthy, self._half_open, self._panic_set
+            healthy, half_open, panic_set = self.in_rotation, self.half_open, self.every
         else:
             healthy, half_open, panic_set = self._lists(model)
         if healthy:
@@ -150,15 +152,15 @@ class InstancePool:
             if len(self._by_model) >= MODEL_LISTS:
                 self._by_model.clear()
             lists = self._by_model[model] = (
-                [i for i in self._healthy if serves(i.served, model)],
-                [i for i in self._half_open if serves(i.served, model)],
-                [i for i in self._panic_set if serves(i.served, model)])
+                [i for i in self.in_rotation if serves(i.served, model)],
+                [i for i in self.half_open if serves(i.served, model)],
+                [i for i in self.every if serves(i.served, model)])
         return lists
 
     def _adapters_served(self) -> dict[str, list[str]]:
         """Per LoRA adapter, the URLs of the instances (not draining) that serve it."""
         out: dict[str, list[str]] = {}
-        for inst in self._panic_set:
+        for inst in self.every:
             if inst.served is not None:
                 for name, parent in inst.served.parents.items():
                     if parent is not None:
@@ -175,7 +177,7 @@ class InstancePool:
         if not panic_set:  # none at all, or every one draining
             serving = "" if name is None else f" serving model `{name}`"
             raise ProxyError(503, f"no {self.role} instance{serving} available", retryable=False)
-        if model is None or not self._healthy or any(i.served is not None for i in panic_set):
+        if model is None or not self.in_rotation or any(i.served is not None for i in panic_set):
             self.panics += 1
             now = time.monotonic()
             if now - self._last_panic_log >= PANIC_LOG_INTERVAL:
@@ -188,12 +190,12 @@ class InstancePool:
 
     def _refresh(self) -> None:
         insts = self.instances
-        self._healthy = [i for i in insts if i.health.state is HEALTHY]
-        self._half_open = [i for i in insts if i.health.state is HALF_OPEN]
+        self.in_rotation = [i for i in insts if i.health.state is HEALTHY]
+        self.half_open = [i for i in insts if i.health.state is HALF_OPEN]
         self._out = sum(1 for i in insts if i.health.out)
         # Draining instances get no new requests, not even in panic: otherwise one that
         # is the last of its role would never become idle and leave.
-        self._panic_set = [i for i in insts if i.health.state is not DRAINING]
+        self.every = [i for i in insts if i.health.state is not DRAINING]
         self._by_model = {}
         self._homes_stale = True  # adapter homes computed again on the next adapter request
         self.models.changed()

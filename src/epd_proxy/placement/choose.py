@@ -20,7 +20,7 @@ the policies' own (cursors, rendezvous maps).
 
 from __future__ import annotations
 
-from typing import Collection, NamedTuple, Sequence
+from typing import Collection, Sequence
 
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey
@@ -36,14 +36,12 @@ TRIAL = "half-open trial"
 AFFINITY = "adapter affinity"
 PANIC = "panic: none in rotation"
 UNKNOWN_MODELS = "out of rotation, its models not known yet"
+TIMED_OUT = "not the one that timed out"
 
 
-class Choice(NamedTuple):
-    """One leg's pick: the instance, why, and the candidates it was chosen among."""
-
-    instance: Instance
-    reason: str
-    candidates: Sequence[Instance]
+# One leg's pick: the instance, why, and the candidates it was chosen among (a plain tuple:
+# one is made for every leg of every attempt).
+Choice = tuple[Instance, str, Sequence[Instance]]
 
 
 def trial(healthy: Sequence[Instance], half_open: Sequence[Instance], exclude: Collection[Instance],
@@ -59,39 +57,52 @@ def trial(healthy: Sequence[Instance], half_open: Sequence[Instance], exclude: C
 
 def pick(pool: InstancePool, exclude: Collection[Instance] = (), view: RequestView = EMPTY_VIEW,
          model: ModelKey | None = None, timed_out: Collection[Instance] = ()) -> Choice:
-    """The instance of ``pool``'s role for one leg, preferring ones not in ``exclude`` (those that
-    already failed this request), never one in ``timed_out``. Never fails for a role with an
-    instance not draining (panic routing), but with 504 when every one left timed out."""
-    choice = _pick(pool, exclude, view, model)
-    if timed_out and choice.instance in timed_out:
-        choice = _pick(pool, timed_out, view, model)
-        if choice.instance in timed_out:
-            raise ProxyError(504, f"no {pool.role} instance answered this request in time")
-        choice = Choice(choice.instance, "not the one that timed out", choice.candidates)
-    return choice
-
-
-def choose(pool: InstancePool, exclude: Collection[Instance] = (), view: RequestView = EMPTY_VIEW,
-           model: ModelKey | None = None) -> Instance:
-    """:func:`pick`'s instance."""
-    return _pick(pool, exclude, view, model).instance
-
-
-def _pick(pool: InstancePool, exclude: Collection[Instance], view: RequestView, model: ModelKey | None) -> Choice:
-    healthy, half_open, _ = pool.hosts(model)
+    """The instance of ``pool``'s role for one leg, why, and the candidates (a :data:`Choice`),
+    preferring instances not in ``exclude`` (those that already failed this request), never one
+    in ``timed_out``. Never fails for a role with an instance not draining (panic routing), but
+    with 504 when every one left timed out."""
+    if model is None:
+        healthy, half_open = pool.in_rotation, pool.half_open
+    else:
+        healthy, half_open, _ = pool.hosts(model)
     if half_open:
         pool.picks += 1
         chosen = trial(healthy, half_open, exclude, pool.picks)
         if chosen is not None:
-            return Choice(chosen, TRIAL, half_open)
-    panics = pool.panics
-    candidates = pool.candidates(exclude, model)
+            return _not_timed_out(pool, (chosen, TRIAL, half_open), view, model, timed_out)
+    why = None
+    if healthy and not exclude:
+        candidates = healthy  # the common case: every instance in rotation, none failed this request
+    else:
+        panics = pool.panics
+        candidates = pool.candidates(exclude, model)
+        if not healthy:
+            why = PANIC if pool.panics != panics else UNKNOWN_MODELS
     affinity = pool.affinity
     if model is not None and affinity is not None:
         adapter = pool.adapter_of(model)
         if adapter is not None:
             pool.rehome()
-            return Choice(affinity.choose(candidates, adapter), AFFINITY, candidates)
+            return _not_timed_out(pool, (affinity.choose(candidates, adapter), AFFINITY, candidates), view, model,
+                                  timed_out)
     policy = pool.policy
-    reason = policy.name if healthy else PANIC if pool.panics != panics else UNKNOWN_MODELS
-    return Choice(policy.choose(candidates, view), reason, candidates)
+    chosen = policy.choose(candidates, view)
+    choice = (chosen, why or policy.name, candidates)
+    return _not_timed_out(pool, choice, view, model, timed_out) if timed_out else choice
+
+
+def choose(pool: InstancePool, exclude: Collection[Instance] = (), view: RequestView = EMPTY_VIEW,
+           model: ModelKey | None = None) -> Instance:
+    """:func:`pick`'s instance."""
+    return pick(pool, exclude, view, model)[0]
+
+
+def _not_timed_out(pool: InstancePool, choice: Choice, view: RequestView, model: ModelKey | None,
+                   timed_out: Collection[Instance]) -> Choice:
+    """``choice``, or another pick without the instances that timed out on this request."""
+    if not timed_out or choice[0] not in timed_out:
+        return choice
+    inst, _, candidates = pick(pool, timed_out, view, model)
+    if inst in timed_out:
+        raise ProxyError(504, f"no {pool.role} instance answered this request in time")
+    return inst, TIMED_OUT, candidates

@@ -90,6 +90,11 @@ class Known:
     ranks: itertools.count = field(default_factory=itertools.count)  # the ranks' rotation
 
     @property
+    def ranked(self) -> bool:
+        """Whether every decode has data-parallel ranks to rotate over (``--ec-consumer-dp-size``)."""
+        return self.ec_consumer_dp_size > 1
+
+    @property
     def pull(self) -> bool:
         """Whether the prefill can read a previous turn's KV (the pull connector)."""
         return self.connector == "nixl"
@@ -144,17 +149,17 @@ def place(ask: Asking, known: Known, *, media: bool = False, whole: bool = False
         if owner is not None and owner not in ask.timed_out:
             return Placement(owner, OWNER)
         d = pick(known.decode, ask.excluded, ask.view, None if models is None else models["decode"], ask.timed_out)
-        return Placement(d.instance, d.reason, decode_among=d.candidates)
+        return Placement(d[0], d[1], decode_among=d[2])
     d = pick(known.decode, ask.excluded, ask.view, None if models is None else models["decode"], ask.timed_out)
     if models is not None:  # an adapter's KV is valid only on its base: prefill's must match
-        models["prefill"] = paired_key(models["decode"], d.instance.served)
+        models["prefill"] = paired_key(models["decode"], d[0].served)
     p: Choice | None = None
     if known.prefill or known.prefill_needed:
         p = pick(known.prefill, ask.excluded, ask.view, None if models is None else models["prefill"], ask.timed_out)
-    placed = Placement(d.instance, d.reason, decode_among=d.candidates)
     if p is not None:
-        placed.prefill, placed.prefill_why, placed.prefill_among = p.instance, p.reason, p.candidates
-        placed.connector = known.connector
+        placed = Placement(d[0], d[1], p[0], p[1], known.connector, decode_among=d[2], prefill_among=p[2])
+    else:
+        placed = Placement(d[0], d[1], decode_among=d[2])
     if turn is not None:
         holder = turn.holder
         if known.local_prefill_max_tokens and _within_bound(known, ask, holder):
@@ -166,11 +171,12 @@ def place(ask: Asking, known: Known, *, media: bool = False, whole: bool = False
             placed.kv_from = holder
             placed.prefill_why = READS_TURN
             return _ranked(known, placed)
-    if placed.prefill is not None and not media:
+    if placed.prefill is not None and not media and ask.view.held is not None:
         alone = _holding_prompt(known, ask, placed.decode)
         if alone is not None:
             return _ranked(known, _alone(placed, alone, HOLDS_PROMPT))
-    return _ranked(known, placed)
+    spec = placed.decode.spec
+    return _ranked(known, placed) if known.ranked or spec.dp_size > 1 or spec.ec_zmq_addrs else placed
 
 
 def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
@@ -186,9 +192,9 @@ def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
     pool = known.decode
     if not pool.spare(ask.excluded, model):
         return None
-    chosen = pick(pool, ask.excluded, ask.view, model)
-    placed.decode, placed.decode_why, placed.decode_among = chosen.instance, HAND_OVER, chosen.candidates
-    return chosen.instance
+    chosen, _, among = pick(pool, ask.excluded, ask.view, model)
+    placed.decode, placed.decode_why, placed.decode_among = chosen, HAND_OVER, among
+    return chosen
 
 
 def _alone(placed: Placement, decode: Instance, why: str) -> Placement:

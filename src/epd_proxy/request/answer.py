@@ -50,18 +50,21 @@ class Answers:
     def __init__(self, reuse: TurnReuse) -> None:
         self.reuse = reuse
         self.turns = reuse.store
+        self.writes = reuse.writes  # kept turns on their way to the shared store (see :meth:`written`)
 
-    async def whole(self, ctx: RequestContext, body: dict, leg: DecodeLeg, api: GenerationApi | None) -> bytes:
-        """A whole answer as the client gets it."""
+    async def written(self) -> None:
+        """Wait until the turns kept so far are in the shared store: before the answer that made
+        them is sent, so that a next turn on another replica finds them."""
+        await self.reuse.written()
+
+    def whole(self, ctx: RequestContext, body: dict, leg: DecodeLeg, api: GenerationApi | None) -> bytes:
+        """A whole answer as the client gets it (then :meth:`written`, while ``writes`` has some)."""
         answer = leg.body
         assert answer is not None
         # An answer without decode's parameters is told by its last bytes (inline: every
         # non-stream answer passes here; multiturn.carries_params is the whole test).
         if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
-            reuse = self.reuse
-            answer = reuse.keep(ctx, body, leg, answer)
-            if reuse.writes:  # a shared store: in it before the client can send the next turn
-                await reuse.written()
+            answer = self.reuse.keep(ctx, body, leg, answer)
         elif ctx.ids_asked:
             answer = strip_token_ids(answer)
             self.reuse.answered_plain(ctx, leg.inst)  # a decode that keeps no blocks: not asked again

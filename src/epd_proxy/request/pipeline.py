@@ -22,7 +22,7 @@ from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
-from epd_proxy.instances.roster import TOPOLOGY_ROLES
+from epd_proxy.instances.roster import needs_role
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
@@ -51,10 +51,9 @@ from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.relay import StreamRelay
-from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
+from epd_proxy.request.stored_responses import StoredResponses
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.view import RequestView
-from epd_proxy.state.guard import GuardedStore
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError, drop_traceback
 
@@ -68,12 +67,13 @@ class Pipeline:
     """Runs requests through the configured pools with one KV connector."""
 
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
-                 fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
-                 role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
-                 tracing: Tracing | None = None, adapters: Adapters | None = None,
-                 recent: RecentRequests | None = None, state: GuardedStore | None = None,
-                 tenants: Tenants | None = None, kv: KvLookup | None = None) -> None:
-        t = config.timeouts
+                 known: Known, fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly,
+                 admission: Admission, role_caps: dict[str, Admission], gate: EntryGate, reuse: TurnReuse,
+                 answers: Answers, stored: StoredResponses, media_policy: MediaPolicy, deadlines: Deadlines | None,
+                 tenants: Tenants, base_headers: Headers, recent: RecentRequests,
+                 tracing: Tracing | None = None, adapters: Adapters | None = None, kv: KvLookup | None = None
+                 ) -> None:
+        """Every collaborator is built for it (``runtime/build.py``)."""
         self.config = config
         self.metrics = metrics
         # Every role's pool exists, possibly empty (instances register at run time).
@@ -83,12 +83,11 @@ class Pipeline:
         self.models = self.decode.models  # the cluster's models (every pool tells the same directory)
         # Loads a LoRA adapter no instance has when a source knows it (None, or without sources: never).
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
-        # A stage is needed (its empty pool answers 503) when the topology is pinned to
-        # it or the flags gave it instances; otherwise it runs while it has instances.
-        needed = set(TOPOLOGY_ROLES.get(config.topology, ()))
-        needed.update(r for r in ("encode", "prefill") if getattr(config, r))
-        self._need_encode = "encode" in needed
-        self._need_prefill = "prefill" in needed
+        self.known = known  # what the placement knows besides the request (placement/decision.py)
+        self._debug = log.isEnabledFor(logging.DEBUG)  # each placement's reasons logged (set at start-up)
+        # The encode stage runs while encoders are there, or when the topology needs it (its empty
+        # pool then answers 503).
+        self._need_encode = needs_role(config, "encode")
         self.fanout = fanout
         self.connector = connector
         self.decode_only = decode_only  # no prefill instances (E+PD, PD)
@@ -96,43 +95,31 @@ class Pipeline:
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
-        # What the placement knows besides the request (placement/decision.py).
-        self.known = Known(self.decode, self.prefill, connector=connector.name, prefill_needed=self._need_prefill,
-                           local_prefill_max_tokens=config.local_prefill_max_tokens,
-                           local_prefill_max_streams=config.local_prefill_max_streams,
-                           balance_abs=config.balance_abs, balance_rel=config.balance_rel,
-                           ec_consumer_dp_size=config.ec_consumer_dp_size)
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
-        self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
-                                        allowed_hosts=config.allowed_media_hosts)
+        self.media_policy = media_policy
         self.admission = admission
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
         self.role_caps = role_caps
-        self.first_byte = t.first_byte
-        self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
+        self.first_byte = config.timeouts.first_byte
+        self.deadlines = deadlines  # the first-byte timeout's sweep (None: no such timeout)
         # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.stopping = False
         self.tracing = tracing  # when OTEL_* turns it on
         # The console's ring of recent requests (recent.py): filled only while someone looks.
-        self.recent = recent if recent is not None else RecentRequests()
-        # Responses stored on the decode instance that made them (stored_responses.py).
-        self.state = state  # the shared state store, if any (state/)
-        self.stored = StoredResponses(config, self.decode, ResponseOwners(shared=state), metrics, base_headers)
-        # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
-        self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
-                               decode_only=decode_only, models=self.models, base_headers=base_headers,
-                               shared=state, kv=kv)
-        self.turns = self.reuse.store
-        self.answers = Answers(self.reuse)  # what decode's answer goes through (answer.py)
+        self.recent = recent
+        self.stored = stored  # Responses stored on the decode instance that made them (stored_responses.py)
+        # Multi-turn KV reuse (turns/reuse.py): decode's parameters kept for each conversation's next turn.
+        self.reuse = reuse
+        self.turns = reuse.store
+        self.answers = answers  # what decode's answer goes through (answer.py)
         self.server_timing = ServerTiming()
         # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,
         # no aliases) without the cluster file's tables: two attribute tests per request.
-        self.tenants = tenants if tenants is not None else Tenants.off()
-        # The key's limits and the slot, before the body is read (entry_gate.py).
-        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log)
-        self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
+        self.tenants = tenants
+        self.gate = gate  # the key's limits and the slot, before the body is read (entry_gate.py)
+        self.kv = kv  # the block index from KV events, consulted before the placement (placement/kv_lookup.py)
 
     @property
     def access_log(self) -> AccessLog | None:
@@ -279,7 +266,10 @@ class Pipeline:
             if api is not None and api.stateful and body.get("store") is not False:
                 self._remember(leg)
             if leg.body is not None:
-                rec.answer = await self.answers.whole(ctx, body, leg, api)
+                answers = self.answers
+                rec.answer = answers.whole(ctx, body, leg, api)
+                if answers.writes:  # a kept turn: in the shared store before the client can send the next
+                    await answers.written()
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
                 ok = True
                 rec.outcome = "ok"
@@ -396,7 +386,7 @@ class Pipeline:
         reusing = turns is not None and (ctx.api is None or ctx.path == GENERATE)
         found = await reuse.lookup(ctx, body, bool(items)) if reusing and turns.active else None  # type: ignore[union-attr]
         placed = place(ctx, self.known, media=bool(items), turn=found)
-        if log.isEnabledFor(logging.DEBUG):
+        if self._debug:
             log.debug("request %s: placed %s", ctx.request_id, placed.reasons())
         ctx.placement = placed
         if kv is not None:  # the chosen instance's blocks counted as held there (speculative entries)
@@ -416,7 +406,9 @@ class Pipeline:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:
                     cap.leave()
-        if reusing:  # what the decode is asked for the next turn, and the previous turn used
+        if reusing and (turns.active or (placed.prefill is not None  # type: ignore[union-attr]
+                                         and reuse.probes(placed.decode))):
+            # What the decode is asked for the next turn, and the previous turn used as placed.
             body = await reuse.prepare(ctx, body, placed, found, bool(items))
         p = placed.prefill
         connector = self.connector if p is not None else self.decode_only
@@ -510,9 +502,6 @@ class Pipeline:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.reuse.close()
-        await self.stored.owners.written()
-        if self.state is not None:
-            await self.state.close()
         await self.tenants.close()
 
     # -- helpers ------------------------------------------------------------------------------

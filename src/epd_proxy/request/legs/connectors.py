@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -31,29 +30,24 @@ from epd_proxy.wire.ids import hex_id, uuid4_str
 log = logging.getLogger("epd_proxy.connectors")
 
 
-@dataclass(slots=True)
 class LegPlan:
     """What one attempt sends where: the body, and the placement it carries out
-    (placement/decision.py); ``again`` makes its decode anew without the ones that failed
+    (placement/decision.py): its prefill, its decode and the decode's headers (X-data-parallel-rank
+    for an EC consumer replica); ``again`` makes its decode anew without the ones that failed
     (the KV hand-over), when the caller allows it."""
 
-    body: dict  # the consumer body: the client's, with media rewritten to embeddings
-    placement: Placement
-    again: Callable[[RequestContext, Placement], Instance | None] | None = None
+    __slots__ = ("body", "placement", "again", "prefill", "decode", "decode_headers")
 
-    @property
-    def prefill(self) -> Instance | None:
-        return self.placement.prefill
-
-    @property
-    def decode(self) -> Instance:
-        return self.placement.decode
-
-    @property
-    def decode_headers(self) -> Headers | None:
-        """X-data-parallel-rank for an EC consumer replica (the placement's rank)."""
-        rank = self.placement.rank
-        return None if rank is None else [(b"x-data-parallel-rank", str(rank).encode())]
+    def __init__(self, body: dict, placement: Placement,
+                 again: Callable[[RequestContext, Placement], Instance | None] | None = None) -> None:
+        self.body = body  # the consumer body: the client's, with media rewritten to embeddings
+        self.placement = placement
+        self.again = again
+        self.prefill = placement.prefill
+        self.decode = placement.decode
+        rank = placement.rank
+        self.decode_headers: Headers | None = None if rank is None else [
+            (b"x-data-parallel-rank", str(rank).encode())]
 
 
 class KVConnector:

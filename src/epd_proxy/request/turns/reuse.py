@@ -224,13 +224,10 @@ class TurnReuse:
 
     async def prepare(self, ctx: RequestContext, body: dict, placed: Placement, found: FoundTurn | None,
                       media: bool) -> dict:
-        """After the placement: the body decode gets. Decode is asked for the token ids the next
-        turn's prompt is checked against (while reuse is active; before that, a decode not heard
-        from yet, whose first answer may be kept: the first conversation's second turn reuses),
-        and the previous turn is used as placed (:meth:`use_turn`)."""
-        turns = self.store
-        if turns is None or not (turns.active or (placed.prefill is not None and self.probes(placed.decode))):
-            return body
+        """After the placement, while reuse is active (or, before that, for a decode not heard from
+        yet that ``probes`` says to ask: its first answer may be kept, and the first conversation's
+        second turn reuses): the body decode gets. Decode is asked for the token ids the next turn's
+        prompt is checked against, and the previous turn is used as placed (:meth:`use_turn`)."""
         if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
             # The tokens decode will hold: what the next turn's prompt is checked against.
             body = dict(body, return_token_ids=True)
