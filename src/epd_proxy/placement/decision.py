@@ -88,11 +88,10 @@ class Known:
     balance_rel: float = 1.5
     ec_consumer_dp_size: int = 1  # an EC consumer's data-parallel ranks (--ec-consumer-dp-size)
     ranks: itertools.count = field(default_factory=itertools.count)  # the ranks' rotation
+    ranked: bool = field(init=False)  # every decode has data-parallel ranks to rotate over
 
-    @property
-    def ranked(self) -> bool:
-        """Whether every decode has data-parallel ranks to rotate over (``--ec-consumer-dp-size``)."""
-        return self.ec_consumer_dp_size > 1
+    def __post_init__(self) -> None:
+        self.ranked = self.ec_consumer_dp_size > 1
 
     @property
     def pull(self) -> bool:

@@ -19,7 +19,6 @@ from epd_proxy.encode.encoder_plan import (
     new_transfer_id,
     plan_sub_requests,
     sub_request_timeout,
-    within_bound,
 )
 from epd_proxy.encode.item_faults import EncodeFailures
 from epd_proxy.encode.multimodal import MediaItem
@@ -27,6 +26,7 @@ from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import Collector
+from epd_proxy.placement.media import place_items
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.legs.upstream import HeldFailure, UpstreamStage
 from epd_proxy.wire.blobs import encode_json
@@ -191,31 +191,19 @@ class EncoderFanout(UpstreamStage):
                 await asyncio.gather(*running, return_exceptions=True)
 
     def _place(self, ctx: RequestContext, todo: list[MediaItem], failed: set[Instance]) -> list[SubRequest] | None:
-        """Sub-requests for the items that fit now; [] when no encoder has room; None when
-        no encoder is left that has not failed this run (or the role has none)."""
+        """Sub-requests for the items that fit now (placement/media.py); [] when no encoder has
+        room; None when no encoder is left that has not failed this run (or the role has none)."""
         try:
-            live = self.pool.candidates(ctx.excluded, ctx.model_for("encode"))
+            placed = place_items(self.pool, todo, exclude=ctx.excluded, failed=failed, timed_out=ctx.timed_out,
+                                 outstanding=self.outstanding, bound=self.max_outstanding,
+                                 model=ctx.model_for("encode"))
         except ProxyError:
             if not self.fallback_local:
                 raise
             return None
-        gone = ctx.timed_out  # never back to an encoder that timed out on this request
-        if failed or gone:
-            live = [c for c in live if c not in failed and c not in gone]
-            if not live:
-                return None
-        bound = self.max_outstanding
-        out = self.outstanding
-        if bound:
-            live = [c for c in live if out.get(c.url, 0) < bound]
-            if not live:
-                return []
-        placed = self.pool.policy.assign(live, todo)
-        if not bound:
-            return plan_sub_requests(todo, placed, self.max_batch)
-        fits = within_bound([c.url for c in placed], out, bound)
-        return plan_sub_requests([i for i, ok in zip(todo, fits) if ok], [c for c, ok in zip(placed, fits) if ok],
-                                 self.max_batch)
+        if placed is None:
+            return None
+        return plan_sub_requests(placed[0], placed[1], self.max_batch)
 
     def _failed_over(self, ctx: RequestContext, sub: SubRequest, failed: EncodeFailures,
                      err: ProxyError) -> list[MediaItem]:
