@@ -30,8 +30,8 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
 from epd_proxy.routing import make_policy
+from epd_proxy.routing.candidate import RoutingPolicy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
-from epd_proxy.routing.policy import RoutingPolicy
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.pool")

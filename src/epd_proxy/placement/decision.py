@@ -140,8 +140,8 @@ class Placement:
                 "rank": self.rank}
 
 
-def place(ask: Asking, known: Known, *, media: bool = False, whole: bool = False,
-          owner: Instance | None = None, turn: PreviousTurn | None = None) -> Placement:
+def place(ask: Asking, known: Known, media: bool = False, turn: PreviousTurn | None = None, whole: bool = False,
+          owner: Instance | None = None) -> Placement:
     """The placement of one attempt (the rules in the module's docstring)."""
     models = ask.models
     if whole:
@@ -153,12 +153,13 @@ def place(ask: Asking, known: Known, *, media: bool = False, whole: bool = False
     if models is not None:  # an adapter's KV is valid only on its base: prefill's must match
         models["prefill"] = paired_key(models["decode"], d[0].served)
     p: Choice | None = None
-    if known.prefill or known.prefill_needed:
+    if known.prefill.instances or known.prefill_needed:
         p = pick(known.prefill, ask.excluded, ask.view, None if models is None else models["prefill"], ask.timed_out)
+    # Positional arguments: a class called with keywords builds a dict (one Placement per attempt).
     if p is not None:
-        placed = Placement(d[0], d[1], p[0], p[1], known.connector, decode_among=d[2], prefill_among=p[2])
+        placed = Placement(d[0], d[1], p[0], p[1], known.connector, None, None, None, False, d[2], p[2])
     else:
-        placed = Placement(d[0], d[1], decode_among=d[2])
+        placed = Placement(d[0], d[1], None, NO_PREFILL, DECODE_ONLY, None, None, None, False, d[2])
     if turn is not None:
         holder = turn.holder
         if known.local_prefill_max_tokens and _within_bound(known, ask, holder):

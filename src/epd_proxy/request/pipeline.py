@@ -171,7 +171,7 @@ class Pipeline:
                     raise
                 await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
                 ctx, body, items = self._prepare(req, rec)  # routed with the adapter where it was loaded
-            leg = await self._open_in_time(ctx, body, items)
+            leg = await self._open(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
         except ProxyError as err:
             self._answer_error(writer, err, rec)
@@ -231,25 +231,42 @@ class Pipeline:
             ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
         return ctx, body, items
 
-    async def _open_in_time(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
-        """``_open`` under the first-byte deadline (``--first-byte-timeout``), if there is one."""
-        if self.deadlines is None:
-            return await self._open(ctx, body, items)
-        task = self.deadlines.enter()
+    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+        """Attempts until decode is open and checked, under the first-byte deadline
+        (``--first-byte-timeout``) if there is one; retryable failures get a fresh attempt."""
+        deadlines = self.deadlines
+        task = None if deadlines is None else deadlines.enter()
+        attempt = 0
         try:
-            return await self._open(ctx, body, items)
+            while True:
+                first_leg = len(ctx.legs)
+                try:
+                    return await self._attempt(ctx, body, items)
+                except ProxyError as err:
+                    if not err.retryable or attempt >= self.retries or not self._may_retry(ctx, err):
+                        raise
+                    drop_traceback(err)
+                    attempt += 1
+                    self.metrics.retries += 1
+                    retried = self.metrics.instance_retries
+                    for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
+                        if inst in ctx.excluded:
+                            key = (inst.role, inst.url)
+                            retried[key] = retried.get(key, 0) + 1
+                    log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
         except asyncio.CancelledError:
-            if not self.deadlines.expired(task):
+            if task is None or not deadlines.expired(task):  # type: ignore[union-attr]  # task: deadlines
                 raise
             # The cancellation closed every leg on its way out (their finally blocks).
             task.uncancel()
             raise ProxyError(504, f"no response within the first-byte timeout "
                                   f"({self.first_byte:g} s); the request was abandoned") from None
         finally:
-            self.deadlines.leave(task)
-            # Kept in this frame, the task would close a reference cycle through the
-            # traceback of a later failure (the task holds its exception).
-            task = None  # type: ignore[assignment]
+            if task is not None:
+                deadlines.leave(task)  # type: ignore[union-attr]
+                # Kept in this frame, the task would close a reference cycle through the
+                # traceback of a later failure (the task holds its exception).
+                task = None
 
     async def _answer(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                       rec: RequestRecord) -> None:
@@ -349,26 +366,6 @@ class Pipeline:
         log.warning("request %s: ended by the shutdown timeout", rid)
         return True
 
-    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
-        """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
-        attempt = 0
-        while True:
-            first_leg = len(ctx.legs)
-            try:
-                return await self._attempt(ctx, body, items)
-            except ProxyError as err:
-                if not err.retryable or attempt >= self.retries or not self._may_retry(ctx, err):
-                    raise
-                drop_traceback(err)
-                attempt += 1
-                self.metrics.retries += 1
-                retried = self.metrics.instance_retries
-                for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
-                    if inst in ctx.excluded:
-                        key = (inst.role, inst.url)
-                        retried[key] = retried.get(key, 0) + 1
-                log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
-
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """One attempt: what the placement needs looked up (only where its feature applies), the
         placement made (placement/decision.py), and carried out, every handle built anew from the
@@ -385,7 +382,7 @@ class Pipeline:
         # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
         reusing = turns is not None and (ctx.api is None or ctx.path == GENERATE)
         found = await reuse.lookup(ctx, body, bool(items)) if reusing and turns.active else None  # type: ignore[union-attr]
-        placed = place(ctx, self.known, media=bool(items), turn=found)
+        placed = place(ctx, self.known, bool(items), found)
         if self._debug:
             log.debug("request %s: placed %s", ctx.request_id, placed.reasons())
         ctx.placement = placed

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from epd_proxy.encode.multimodal import media_url
-from epd_proxy.routing.policy import C
+from epd_proxy.routing.candidate import C
 from epd_proxy.routing.view import M64, key_of
 from epd_proxy.wire.blobs import Blob
 

@@ -97,7 +97,11 @@ class NixlPull(KVConnector):
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         assert plan.prefill is not None
-        kv = await self._prefill(ctx, plan.prefill, plan.body)
+        if ctx.kv_reuse is None:  # the common case, without a coroutine of its own
+            kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params(),
+                                                                        ctx.api))
+        else:
+            kv = await self._prefill(ctx, plan.prefill, plan.body)
         if kv is None:
             # Without them decode would silently prefill the whole prompt itself.
             log.warning("request %s: prefill instance %s returned no kv_transfer_params", ctx.request_id,
