@@ -202,7 +202,7 @@ async def test_panic_is_counted_only_over_instances_known_to_serve_the_model():
     assert not unknown.healthy
     assert choose(pool, model="b") is unknown and pool.panics == 0
     for inst in pool.instances[:2]:  # a's own instances out too (failed probes: no cap): panic for a
-        pool._probe_failed(inst, "connection", "health probe: refused")
+        pool.probe_failed(inst, "connection", "health probe: refused")
     assert choose(pool, model="a") in pool.instances and pool.panics == 1
     assert choose(pool, model="b") is unknown and pool.panics == 2  # the whole role is out: panic, whatever the model
 

@@ -70,8 +70,8 @@ async def test_a_roles_only_instance_is_never_ejected_by_requests():
 async def test_with_every_instance_out_requests_route_over_all_of_them():
     pool = make_pool(2, threshold=1)
     a, b = pool.instances
-    pool._probe_failed(a, "timeout", "probe")
-    pool._probe_failed(b, "timeout", "probe")
+    pool.probe_failed(a, "timeout", "probe")
+    pool.probe_failed(b, "timeout", "probe")
     assert a.state == b.state == "ejected"
     assert {choose(pool) for _ in range(4)} == {a, b}  # panic routing, never nothing
     assert choose(pool, exclude={a}) is b
@@ -134,9 +134,9 @@ async def test_a_draining_instance_gets_no_new_requests():
     pool.drain(a)
     assert a.state == "draining" and not a.healthy
     assert {choose(pool) for _ in range(4)} == {b}
-    pool._probe_failed(b, "timeout", "probe")
-    pool._probe_failed(b, "timeout", "probe")
-    pool._probe_failed(b, "timeout", "probe")
+    pool.probe_failed(b, "timeout", "probe")
+    pool.probe_failed(b, "timeout", "probe")
+    pool.probe_failed(b, "timeout", "probe")
     assert b.state == "ejected"
     assert {choose(pool) for _ in range(4)} == {b}  # panic routing leaves draining ones out
     await pool.close()
@@ -146,12 +146,12 @@ async def test_added_instances_get_the_same_connection_cap_and_probes():
     from epd_proxy.config import InstanceSpec
 
     pool = InstancePool("decode", [InstanceSpec("http://127.0.0.1:9", "decode")], max_connections=7)
-    pool.start_probing(60.0, 0.1)
+    pool.checks.start(60.0, 0.1)
     added = pool.add(InstanceSpec("http://127.0.0.1:10", "decode"))
     assert added.connections.max_connections == pool.instances[0].connections.max_connections == 7
-    assert set(pool._probe_tasks) == set(pool.instances)
+    assert set(pool.checks.tasks) == set(pool.instances)
     pool.remove(added)
-    assert added not in pool.instances and set(pool._probe_tasks) == set(pool.instances)
+    assert added not in pool.instances and set(pool.checks.tasks) == set(pool.instances)
     await pool.close()
     await added.connections.close()
 

@@ -114,7 +114,7 @@ async def test_a_half_open_decode_gets_its_trial_share_with_the_reason():
 async def test_panic_routing_is_the_reason_when_no_decode_is_in_rotation():
     k = known()
     for inst in k.decode.instances:
-        k.decode._probe_failed(inst, "connection", "probe")
+        k.decode.probe_failed(inst, "connection", "probe")
     placed = place(ctx(), k)
     assert placed.decode_why == PANIC and k.decode.panics == 1
 

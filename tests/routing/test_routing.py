@@ -495,7 +495,7 @@ async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_the
     keyed = [Keyed(v.anchor) for v in views]
     before = [choose(pool, view=v) for v in keyed]
     victim = pool.instances[1]
-    pool._probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
+    pool.probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
     assert victim.state == "ejected"
     during = [choose(pool, view=v) for v in keyed]
     assert all(d is b for b, d in zip(before, during) if b is not victim)
@@ -506,7 +506,7 @@ async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_the
     # The same turns with their shapes: this proxy remembers where it sent each. Those it
     # moved off the ejected instance stay on the instance that now holds them.
     assert [choose(pool, view=v) for v in views] == before
-    pool._probe_failed(victim, "timeout", "probe")
+    pool.probe_failed(victim, "timeout", "probe")
     during = [choose(pool, view=v) for v in views]
     pool.record_success(victim)
     assert [choose(pool, view=v) for v in views] == during

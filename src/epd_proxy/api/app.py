@@ -174,7 +174,7 @@ class ProxyApp:
     async def start(self) -> None:
         await self.connector.start()
         for pool in self.pools.values():
-            pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
+            pool.checks.start(self.config.probe_interval, self.config.probe_timeout)
         self.membership.start()
         for scraper in self.scrapers:
             scraper.start()

@@ -1,16 +1,16 @@
-"""The instances of one role, their health, and how one is chosen.
+"""One role's host set: its instances, their health, and which of them a leg may use.
 
-Each instance has one health state machine (``health.py``: healthy, ejected,
-half-open, draining) fed by a background ``GET /health`` probe and by what
-requests observe. This module is its I/O shell: it keeps the routing lists in
-step with the states, probes failing and never-yet-healthy instances at the
-fast interval, re-admits an instance (half-open) when its ejection time is
-over, fails the pending requests of an instance ejected for not answering,
-and routes over every instance when none is in rotation ("panic" routing)
-rather than over nothing. A probe that answers also reads the instance's
-``/v1/models`` (models.py): a request naming a model routes, with all the
-rules above, among the instances that serve it; a LoRA adapter's requests, placed
-with affinity among those (``routing/lora_affinity.py``) when ``affinity`` is given.
+Each instance has one health state machine (``health.py``: healthy, ejected, half-open,
+draining) fed by the active health checks (``probes.py``: ``GET /health``, then its
+``/v1/models``) and by the outlier signals requests give (``record_*``). This module is its
+shell: it keeps the lists a pick reads (in rotation, half-open, every one not draining; per
+model, among the instances serving it: ``models.py``) in step with the states, re-admits an
+instance (half-open) when its ejection time is over, fails the pending requests of an instance
+ejected for not answering, and offers every instance when none is in rotation ("panic"
+routing, counted and logged here) rather than nothing. It chooses nothing: a leg's pick
+(the half-open trial share, LoRA affinity, the policy) is the placement's
+(``placement/choose.py``); the role's policy and adapter affinity are carried here as its
+configuration. Load signals are each instance's (``load_signals.py``, ``load_scraper.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from typing import Iterable
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
-from epd_proxy.http.transport import TransportTimeouts, UpstreamError
+from epd_proxy.http.transport import UpstreamError
 from epd_proxy.instances.catalog import ModelDirectory
-from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, TIMEOUT, Ejection, OutlierRules, OutlierSettings
+from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, Ejection, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
+from epd_proxy.instances.probes import HealthChecks
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.candidate import RoutingPolicy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
@@ -36,8 +37,6 @@ from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.pool")
 
-# Failing, ejected and never-yet-healthy instances are probed this often (at most).
-FAST_PROBE_INTERVAL = 1.0
 # Panic routing is logged at most this often per role.
 PANIC_LOG_INTERVAL = 10.0
 # Per-model routing lists kept at most (a client may name any model while some instance's
@@ -66,8 +65,6 @@ class InstancePool:
         self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
         self._last_panic_log = -PANIC_LOG_INTERVAL
         self.picks = 0  # picks made while a half-open instance was there (the trial share's count)
-        self._probe_tasks: dict[Instance, asyncio.Task] = {}
-        self._probing: tuple[float, float] | None = None  # (interval, timeout) once started
         # The host set as a pick reads it (placement/choose.py): lists replaced, never changed in
         # place, on every state change (never per request): the instances in rotation, the
         # half-open ones, and every one not draining (panic routing's).
@@ -82,6 +79,8 @@ class InstancePool:
         self.models = models or ModelDirectory()  # the cluster's models, told of every change here
         self._refresh()
         self.models.track(self)
+        # Active health checking: GET /health and /v1/models per instance (probes.py).
+        self.checks = HealthChecks(self, headers or [])
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -211,8 +210,7 @@ class InstancePool:
         inst = self._new_instance(spec)
         self.instances.append(inst)
         self._refresh()
-        if self._probing is not None:
-            self._start_probe(inst, *self._probing)
+        self.checks.added(inst)
         return inst
 
     def remove(self, inst: Instance) -> None:
@@ -222,9 +220,7 @@ class InstancePool:
             self.instances.remove(inst)
         except ValueError:
             return
-        task = self._probe_tasks.pop(inst, None)
-        if task is not None:
-            task.cancel()
+        self.checks.removed(inst)
         self._cancel_expiry(inst)
         self._refresh()
 
@@ -324,49 +320,6 @@ class InstancePool:
             inst.expiry = None
 
     # -- probes ---------------------------------------------------------------------------
-    async def probe_once(self, timeout: float) -> None:
-        await asyncio.gather(*(self._probe(i, timeout) for i in self.instances))
-
-    async def _probe(self, inst: Instance, timeout: float) -> None:
-        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
-        try:
-            async with asyncio.timeout(timeout):
-                # A probe never queues behind the connection cap: a busy instance is not a dead one.
-                status, _, _ = await inst.connections.fetch("GET", "/health", timeouts=t, queue=False)
-        except UpstreamError as exc:
-            if exc.kind == "local":
-                self.record_local_error()
-                return
-            self._probe_failed(inst, TIMEOUT if exc.kind == TIMEOUT else "connection", f"health probe: {exc}")
-            return
-        except TimeoutError:
-            self._probe_failed(inst, TIMEOUT, f"health probe: no answer within {timeout:g} s")
-            return
-        except OSError as exc:
-            self._probe_failed(inst, "connection", f"health probe: {exc}")
-            return
-        if status == 200:
-            if self.rules.success(inst.health, _now(), probe=True):
-                self._changed(inst, "health probe answered")
-            await self.learn_models(inst, timeout)
-        else:
-            self._probe_failed(inst, "probe_status", f"health probe: HTTP {status}")
-
-    async def learn_models(self, inst: Instance, timeout: float) -> None:
-        """Read what ``inst`` serves from its ``/v1/models`` (after each probe that answered;
-        call it after an adapter load or unload too). An answer that is not a model list
-        leaves what was known: it is no health signal."""
-        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
-        try:
-            async with asyncio.timeout(timeout):
-                status, _, data = await inst.connections.fetch("GET", "/v1/models", headers=self._headers,
-                                                               timeouts=t, queue=False)
-            if status != 200:
-                raise ValueError(f"HTTP {status}")
-            self.learned(inst, data)
-        except (UpstreamError, TimeoutError, OSError, ValueError) as exc:
-            log.debug("%s instance %s: /v1/models not read: %s", self.role, inst.url, exc)
-
     def learned(self, inst: Instance, body: bytes) -> None:
         """``inst``'s /v1/models answer (``body``), within its ``models`` attribute; ValueError
         when it is not a model list."""
@@ -386,47 +339,21 @@ class InstancePool:
         inst.served = pinned(inst.spec.models) if inst.spec.models else None
         self._refresh()
 
-    def _probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
+    def probe_answered(self, inst: Instance) -> None:
+        """A health probe answered 200 (probes.py): the instance may come back at once."""
+        if self.rules.success(inst.health, _now(), probe=True):
+            self._changed(inst, "health probe answered")
+
+    def probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
+        """A health probe failed (probes.py): an instance signal, never capped."""
         self._note(inst, kind, reason, None)
         verdict = self.rules.instance_failure(inst.health, _now(), kind=kind, size=len(self.instances),
                                               out=self._out, probe=True)
         if verdict is not None:
             self._ejected(inst, verdict, reason)
 
-    def start_probing(self, interval: float, timeout: float) -> None:
-        """Probe every instance, and every one added later."""
-        if interval > 0 and self._probing is None:
-            self._probing = (interval, timeout)
-            for inst in self.instances:
-                self._start_probe(inst, interval, timeout)
-
-    def _start_probe(self, inst: Instance, interval: float, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._probe_tasks[inst] = loop.create_task(self._probe_loop(inst, interval, timeout))
-
-    async def _probe_loop(self, inst: Instance, interval: float, timeout: float) -> None:
-        """One instance's probes: at ``interval`` while it is steady, at the fast
-        interval while it is failing, out, or has never answered yet."""
-        fast = min(interval, FAST_PROBE_INTERVAL)
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                await self._probe(inst, timeout)
-            except Exception:  # never let the prober die
-                log.exception("health probe loop error (%s %s)", self.role, inst.url)
-            h = inst.health
-            steady = h.state is HEALTHY and h.failures == 0 and h.seen_healthy
-            # Periods run from each probe's start: a probe that timed out has waited already.
-            await asyncio.sleep(max(0.0, started + (interval if steady else fast) - loop.time()))
-
     async def close(self) -> None:
-        tasks, self._probe_tasks = list(self._probe_tasks.values()), {}
-        self._probing = None
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.checks.close()
         for inst in self.instances:
             self._cancel_expiry(inst)
             await inst.connections.close()
