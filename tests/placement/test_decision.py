@@ -281,3 +281,16 @@ def _card(name, parent=None):
 
 def _listing(*cards):
     return msgspec.json.encode({"object": "list", "data": list(cards)})
+
+
+async def test_each_media_item_gets_its_encoder_in_the_placement():
+    from epd_proxy.encode.multimodal import MediaItem
+    encoders = pool("encode", 2, port=9200, policy="round-robin")
+    k = known(encode=encoders)
+    items = [MediaItem(i, 0, i, "image_url", {"type": "image_url", "image_url": {"url": f"http://x/{i}"}}, f"u{i}")
+             for i in range(3)]
+    placed = place(ctx(), k, True, None, False, None, items)
+    assert placed.encoders == (items, [encoders.instances[0], encoders.instances[1], encoders.instances[0]])
+    assert place(ctx(), k, True).encoders is None  # no items given: no encode leg
+    none = known(encode=InstancePool("encode", ()))
+    assert place(ctx(), none, True, None, False, None, items).encoders is None  # the encode stage says why

@@ -24,6 +24,9 @@ The rules, in order (each one a step here, none anywhere else):
 5. *The block index* (KV events): a decode holding all but a few of the prompt's tokens computes
    it alone (``routing/disaggregation.py``), unless the prefill reads a previous turn or the
    request has media.
+6. *The encoders*: each media item's (``media.py``: the encode role's policy among the encoders
+   with room, never one that failed the request); the items an encoder fails are placed again
+   the same way by the encode stage.
 
 The host lists read are replaced, never changed in place, on every change of state (a
 snapshot); the only state written is the policies' own and the trial share's count, as one
@@ -37,12 +40,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from epd_proxy.encode.multimodal import MediaItem
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey, paired_key
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.placement.choose import Choice, pick
+from epd_proxy.placement.media import place_items
 from epd_proxy.routing.disaggregation import decode_alone, skips_prefill
 from epd_proxy.routing.view import RequestView
+from epd_proxy.wire.errors import ProxyError
 
 # Why (the reasons that are not a policy's name or choose.py's).
 OWNER = "holds the previous response"
@@ -87,6 +93,9 @@ class Known:
     balance_abs: float = 4
     balance_rel: float = 1.5
     ec_consumer_dp_size: int = 1  # an EC consumer's data-parallel ranks (--ec-consumer-dp-size)
+    encode: InstancePool | None = None  # the encoders (None: media items are not placed here)
+    encode_outstanding: dict[str, int] = field(default_factory=dict)  # items in flight per encoder URL
+    encode_bound: int = 0  # --encoder-max-outstanding (0: none)
     ranks: itertools.count = field(default_factory=itertools.count)  # the ranks' rotation
     ranked: bool = field(init=False)  # every decode has data-parallel ranks to rotate over
 
@@ -116,6 +125,9 @@ class Placement:
     declined: bool = False  # a previous turn small enough to skip the prefill, its decode too busy
     decode_among: Sequence[Instance] = ()
     prefill_among: Sequence[Instance] = ()
+    # The media items placed now and their encoders, in the items' order (placement/media.py;
+    # None: no encode leg, or no encoder could be placed: the encode stage says why).
+    encoders: tuple[list, list] | None = None
 
     def alternatives(self, role: str) -> list[Instance]:
         """The other candidates of a leg (``role``), least loaded first: where it would go next."""
@@ -141,8 +153,17 @@ class Placement:
 
 
 def place(ask: Asking, known: Known, media: bool = False, turn: PreviousTurn | None = None, whole: bool = False,
-          owner: Instance | None = None) -> Placement:
-    """The placement of one attempt (the rules in the module's docstring)."""
+          owner: Instance | None = None, items: Sequence[MediaItem] = ()) -> Placement:
+    """The placement of one attempt (the rules in the module's docstring); ``items``: the media
+    items the encoders get (none: no encode leg)."""
+    placed = _place(ask, known, media, turn, whole, owner)
+    if items and known.encode is not None:
+        placed.encoders = _encoders(ask, known, items)
+    return placed
+
+
+def _place(ask: Asking, known: Known, media: bool, turn: PreviousTurn | None, whole: bool,
+           owner: Instance | None) -> Placement:
     models = ask.models
     if whole:
         if owner is not None and owner not in ask.timed_out:
@@ -195,6 +216,18 @@ def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
     chosen, _, among = pick(pool, ask.excluded, ask.view, model)
     placed.decode, placed.decode_why, placed.decode_among = chosen, HAND_OVER, among
     return chosen
+
+
+def _encoders(ask: Asking, known: Known, items: Sequence[MediaItem]) -> tuple[list, list] | None:
+    """Step 6: each media item's encoder (placement/media.py), among the encoders with room."""
+    assert known.encode is not None
+    models = ask.models
+    try:
+        return place_items(known.encode, items, exclude=ask.excluded, timed_out=ask.timed_out,
+                           outstanding=known.encode_outstanding, bound=known.encode_bound,
+                           model=None if models is None else models.get("encode"))
+    except ProxyError:  # no encoder at all: the encode stage answers it, or falls back to the consumer
+        return None
 
 
 def _alone(placed: Placement, decode: Instance, why: str) -> Placement:

@@ -382,7 +382,8 @@ class Pipeline:
         # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
         reusing = turns is not None and (ctx.api is None or ctx.path == GENERATE)
         found = await reuse.lookup(ctx, body, bool(items)) if reusing and turns.active else None  # type: ignore[union-attr]
-        placed = place(ctx, self.known, bool(items), found)
+        encoded = items if items and (self.encode or self._need_encode) else ()
+        placed = place(ctx, self.known, bool(items), found, False, None, encoded)
         if self._debug:
             log.debug("request %s: placed %s", ctx.request_id, placed.reasons())
         ctx.placement = placed
@@ -392,13 +393,13 @@ class Pipeline:
                 counts["cached"] = counts.get("cached", 0) + 1
             kv.chosen(placed.prefill or placed.decode, ctx)
         caps = self.role_caps
-        if items and (self.encode or self._need_encode):
+        if encoded:
             cap = caps.get("encode") if caps else None
             if cap is not None:
                 await _take_slot("encode", cap)
             t = time.perf_counter()
             try:
-                body = await self.fanout.run(ctx, body, items, placed.consumer_zmq)
+                body = await self.fanout.run(ctx, body, items, placed.consumer_zmq, placed.encoders)
             finally:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:

@@ -114,7 +114,9 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                   prefill_needed=needs_role(config, "prefill"),
                   local_prefill_max_tokens=config.local_prefill_max_tokens,
                   local_prefill_max_streams=config.local_prefill_max_streams, balance_abs=config.balance_abs,
-                  balance_rel=config.balance_rel, ec_consumer_dp_size=config.ec_consumer_dp_size)
+                  balance_rel=config.balance_rel, ec_consumer_dp_size=config.ec_consumer_dp_size,
+                  encode=pools["encode"], encode_outstanding=fanout.outstanding,
+                  encode_bound=config.encoder_max_outstanding)
     # Multi-turn KV reuse: decode's parameters kept for each conversation's next turn.
     reuse = TurnReuse(config, prefill=pools["prefill"], decode=pools["decode"], connector=connector,
                       decode_only=decode_only, models=pools["decode"].models, base_headers=base_headers,

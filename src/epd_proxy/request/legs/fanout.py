@@ -87,7 +87,10 @@ class EncoderFanout(UpstreamStage):
         self.item_failures: dict[str, int] = {}  # items two encoders failed alike, by reason
         self._room: list[asyncio.Future] = []  # requests waiting for an encoder with room
 
-    async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
+    async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None,
+                  placed: tuple[list[MediaItem], list[Instance]] | None = None) -> dict:
+        """The body the consumer gets; ``placed``: the placement's items and their encoders
+        (placement/media.py), the first round's (None: placed here)."""
         t0 = time.perf_counter()
         results: list[ItemResult | None] = [None] * len(items)
         handles: dict = {}
@@ -95,7 +98,8 @@ class EncoderFanout(UpstreamStage):
         todo = items
         error: ProxyError | None = None  # the last failure an item was moved off
         try:
-            subs = self._place(ctx, todo, failed.encoders)
+            subs = self._place(ctx, todo, failed.encoders) if placed is None else \
+                plan_sub_requests(placed[0], placed[1], self.max_batch)
             if subs is not None and len(subs) == 1 and len(subs[0].items) == len(items):
                 # The common case: one sub-request, awaited here (no task, one loop turn saved).
                 sub = subs[0]
