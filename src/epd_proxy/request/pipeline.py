@@ -135,7 +135,7 @@ class Pipeline:
         # no aliases) without the cluster file's tables: two attribute tests per request.
         self.tenants = tenants if tenants is not None else Tenants.off()
         # The key's limits and the slot, before the body is read (entry_gate.py).
-        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log)
+        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log, self.models)
         self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
 
     @property
@@ -228,14 +228,29 @@ class Pipeline:
             if model is not asked:
                 body["model"] = model
                 rec.model = model if type(model) is str else None
-        models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
+        ticket = rec.ticket
+        if ticket is not None:
+            if model is not None:  # 403 before the route: no adapter is loaded for a model the key may not use
+                tenants.check_model(ticket, asked, model)
+            priority = tenants.engine_priority(ticket, body.get("priority"))  # the key's class, at most lowered
+            if priority is not None:
+                body["priority"] = priority  # the encoders' requests copy it (encoder_plan.py)
+        try:
+            models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
+        except ProxyError as err:
+            ids = tenants.model_ids(ticket.key if ticket is not None else None, self.models.current) \
+                if err.code == "model_not_found" and ticket is not None else None
+            if ids is None:
+                raise
+            raise self.models.current.not_found(str(model), ids) from None  # the models the key may use
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
-        if rec.ticket is not None:
-            tenants.check_model(rec.ticket, asked, model)  # 403: a model the key may not use
+        if model is None and ticket is not None:  # 403: the cluster's only model, if the key may not use it
+            bases = self.models.current.bases
+            tenants.check_model(ticket, None, bases[0] if len(bases) == 1 else None)
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
