@@ -48,8 +48,8 @@ from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
+from epd_proxy.tenants.aliases import may_use
 from epd_proxy.tenants.limiter import check_config as check_tenants
-from epd_proxy.tenants.limiter import may_use
 from epd_proxy.wire.errors import ProxyError, as_anthropic
 
 log = logging.getLogger("epd_proxy.app")

@@ -22,7 +22,7 @@ import time
 from typing import Callable
 
 from epd_proxy.config import ConfigErrors
-from epd_proxy.tenants.aliases import ModelAliases, read_aliases
+from epd_proxy.tenants.aliases import ModelAliases, may_use, read_aliases
 from epd_proxy.tenants.counters import Counters, LocalCounters, StoreUnavailable
 from epd_proxy.tenants.limits import (
     Hit,
@@ -369,17 +369,6 @@ class Tenants:
             await asyncio.gather(*self._settling, return_exceptions=True)
         await self.counters.close()
 
-
-
-def may_use(allowed: frozenset[str], aliases: ModelAliases | None, asked: object, served: object) -> bool:
-    """Whether a key whose list is ``allowed`` may run ``served``, the model a request naming
-    ``asked`` resolved to: the served model is in the list, or the name asked for is an alias
-    in the list whose target it is. A name in the list that resolved elsewhere (an unknown name
-    sent to ``[model_aliases] default``) lets nothing through: the list is checked on the model
-    that runs."""
-    if served in allowed:
-        return True
-    return asked in allowed and aliases is not None and aliases.names.get(asked) == served
 
 
 def read_config(config) -> tuple[TenantTable | None, ModelAliases | None]:
