@@ -193,6 +193,10 @@ async def test_the_engine_priority_follows_the_keys_class(tmp_path):
         cluster.clear_records()
         await client.post("/v1/embeddings", {"model": "sim-model", "input": "x", "priority": -1}, bearer("secret-c"))
         assert _priorities(cluster, "decode") == [2]
+        cluster.clear_records()  # the tokenizer's work is not scheduled: its body passes as sent
+        await client.post("/tokenize", {"model": "sim-model", "prompt": "x"}, bearer("secret-c"))
+        assert [_priorities(cluster, role) for role in ("prefill", "decode")] in (
+            [["absent"], []], [[], ["absent"]])
 
 
 async def test_the_client_priority_never_goes_below_zero_without_engine_priority(tmp_path):

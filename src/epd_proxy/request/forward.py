@@ -87,7 +87,8 @@ class Forwarder:
                 resolved = model if tenants.aliases is None else tenants.aliases.resolve(model, self.models.current)
                 if ticket is not None and model is not None:
                     tenants.check_model(ticket, asked, resolved)  # 403: a model the key may not use
-                priority = None if ticket is None else tenants.engine_priority(ticket, _sent_priority(req.body))
+                priority = None if ticket is None or ROUTED[path].need != "model" else \
+                    tenants.engine_priority(ticket, _sent_priority(req.body))  # the engine schedules model work
                 if resolved != asked or priority is not None:
                     model, body = _rewritten(req, resolved, asked, priority)
                     if body is not None:
