@@ -231,3 +231,22 @@ def test_no_key_shares_the_anonymous_counters(tmp_path):
     path.write_text("ok:secret\n-:other-secret\n")
     with pytest.raises(ValueError, match="reserved"):
         read_key_file(str(path))
+
+
+async def test_an_adapter_not_found_names_only_the_keys_models(tmp_path):
+    tenants = {"keys": [{"name": "team-a", "models": ["sim-model", "lora-q"]}]}
+    sim = SimConfig(itl_ms=0, ttft_ms=0.5, allow_runtime_lora=True, models=("sim-model", "sim-large"))
+    config = ProxyConfig(probe_interval=0.05, scrape_interval=0, api_key_file=key_file(tmp_path), tenants=tenants,
+                         lora_dir=str(tmp_path))  # holds no adapter lora-q
+    async with SimCluster(pd=1, config=sim) as cluster, await start_proxy(config_for_cluster(cluster, config)) as proxy:
+        client = Client(proxy.url)
+        try:
+            await _served_known(proxy)
+            reply = await client.chat(chat_body(model="lora-q"), bearer("secret-a"))
+            assert reply.status == 404, reply.body
+            assert reply.json()["error"]["message"].endswith("This cluster serves: sim-model "
+                                                             "(GET /v1/models lists them).")
+            other = await client.chat(chat_body(model="lora-q"), bearer("secret-b"))
+            assert other.status == 404 and "sim-large" in other.json()["error"]["message"]
+        finally:
+            await client.close()

@@ -184,9 +184,14 @@ class Pipeline:
             try:
                 ctx, body, items = self._prepare(req, rec)
             except ProxyError as err:
-                if err.code != "model_not_found" or self.adapters is None or not self.adapters.loadable(rec.model):
+                if err.code != "model_not_found":
                     raise
-                await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
+                if self.adapters is None or not self.adapters.loadable(rec.model):
+                    raise self._not_found(err, rec) from None
+                try:
+                    await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
+                except ProxyError as failed:
+                    raise self._not_found(failed, rec) from None
                 ctx, body, items = self._prepare(req, rec)  # routed with the adapter where it was loaded
             leg = await self._open_in_time(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
@@ -235,14 +240,7 @@ class Pipeline:
             priority = tenants.engine_priority(ticket, body.get("priority"))  # the key's class, at most lowered
             if priority is not None:
                 body["priority"] = priority  # the encoders' requests copy it (encoder_plan.py)
-        try:
-            models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
-        except ProxyError as err:
-            ids = tenants.model_ids(ticket.key if ticket is not None else None, self.models.current) \
-                if err.code == "model_not_found" and ticket is not None else None
-            if ids is None:
-                raise
-            raise self.models.current.not_found(str(model), ids) from None  # the models the key may use
+        models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
@@ -262,6 +260,13 @@ class Pipeline:
         if self.tracing is not None:
             ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
         return ctx, body, items
+
+    def _not_found(self, err: ProxyError, rec: RequestRecord) -> ProxyError:
+        """An unknown model's 404 naming only the models the request's key may use (all: ``err``)."""
+        ticket = rec.ticket
+        ids = None if ticket is None or err.code != "model_not_found" else \
+            self.tenants.model_ids(ticket.key, self.models.current)
+        return err if ids is None else self.models.current.not_found(str(rec.model), ids)
 
     async def _open_in_time(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """``_open`` under the first-byte deadline (``--first-byte-timeout``), if there is one."""
