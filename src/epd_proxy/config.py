@@ -429,7 +429,7 @@ class ProxyConfig:
     topology: str = "auto"  # or pinned: PD, E+PD, P+D, E+P+D
     log_requests: bool = False
     # Access and TLS (docs/architecture.md, "Access and TLS").
-    api_keys: tuple[str, ...] = ()  # keys clients send as "Authorization: Bearer" for /v1/* (none = open)
+    api_keys: tuple[str, ...] = ()  # client keys ("Authorization: Bearer") on every path but probes (none: open)
     api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
     protect_metrics: bool = False  # /metrics needs the admin key
     ssl_certfile: str | None = None  # the listener speaks TLS with this certificate (PEM) ...

@@ -7,7 +7,8 @@ content nor its position in the list shows in the answer's timing.
 
 The key file holds one key per line (blank lines and ``#`` comments ignored), as
 ``name:key`` to give it the name the access log shows (never the key itself); a line
-without ``:`` is a key named after its line, ``line<N>``. ``--api-key`` keys are named
+without ``:`` is a key named after its line, ``line<N>``. No key may be named ``-``: that
+is the requests without a key (the access log's ``key=-``, their own counters). ``--api-key`` keys are named
 ``key1``, ``key2``, ... in the order given. The file is read again on every reload
 (SIGHUP, reload.py; :meth:`ClientKeys.reload`): keys can be rotated without a restart.
 A file that cannot be read at reload keeps the keys in force (a failed rotation must
@@ -26,6 +27,7 @@ from epd_proxy.wire.errors import ProxyError
 log = logging.getLogger("epd_proxy.auth")
 
 _BEARER = b"bearer "
+NO_KEY_NAME = "-"  # the requests without a key: never a key's name
 
 
 def read_key_file(path: str) -> list[tuple[str, str]]:
@@ -44,6 +46,9 @@ def read_key_file(path: str) -> list[tuple[str, str]]:
                 name, secret = f"line{number}", key
             elif not name or not secret:
                 raise ValueError(f"{path} line {number}: 'name:key' needs both a name and a key")
+            elif name == NO_KEY_NAME:
+                raise ValueError(f"{path} line {number}: the name {NO_KEY_NAME!r} is reserved: it stands for the "
+                                 f"requests without a key (their access log field, their limits and counters)")
             keys.append((name, secret))
     return keys
 

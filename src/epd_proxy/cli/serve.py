@@ -287,9 +287,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true", default=defaults.log_requests,
                    help="log every request's method, path, status and time (and set --log-level debug)")
     p.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
-                   help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
-                        "default none: the API is open); /health and /ready stay open, /instances, /status "
-                        "and /metrics then need --admin-api-key")
+                   help="a key clients must send as 'Authorization: Bearer KEY' on every path (repeatable; "
+                        "default none: the API is open); /health, /ready and the console's page stay open, "
+                        "/instances, /status and /metrics then need --admin-api-key")
     p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
                    help="more client keys, one per line ('#' comments), read again on SIGHUP")
     p.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,

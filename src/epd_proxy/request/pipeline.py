@@ -135,7 +135,7 @@ class Pipeline:
         # no aliases) without the cluster file's tables: two attribute tests per request.
         self.tenants = tenants if tenants is not None else Tenants.off()
         # The key's limits and the slot, before the body is read (entry_gate.py).
-        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log)
+        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log, self.models)
         self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
 
     @property
@@ -184,9 +184,14 @@ class Pipeline:
             try:
                 ctx, body, items = self._prepare(req, rec)
             except ProxyError as err:
-                if err.code != "model_not_found" or self.adapters is None or not self.adapters.loadable(rec.model):
+                if err.code != "model_not_found":
                     raise
-                await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
+                if self.adapters is None or not self.adapters.loadable(rec.model):
+                    raise self._not_found(err, rec) from None
+                try:
+                    await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
+                except ProxyError as failed:
+                    raise self._not_found(failed, rec) from None
                 ctx, body, items = self._prepare(req, rec)  # routed with the adapter where it was loaded
             leg = await self._open_in_time(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
@@ -228,14 +233,22 @@ class Pipeline:
             if model is not asked:
                 body["model"] = model
                 rec.model = model if type(model) is str else None
+        ticket = rec.ticket
+        if ticket is not None:
+            if model is not None:  # 403 before the route: no adapter is loaded for a model the key may not use
+                tenants.check_model(ticket, asked, model)
+            priority = tenants.engine_priority(ticket, body.get("priority"))  # the key's class, at most lowered
+            if priority is not None:
+                body["priority"] = priority  # the encoders' requests copy it (encoder_plan.py)
         models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
-        if rec.ticket is not None:
-            tenants.check_model(rec.ticket, asked, model)  # 403: a model the key may not use
+        if model is None and ticket is not None:  # 403: the cluster's only model, if the key may not use it
+            bases = self.models.current.bases
+            tenants.check_model(ticket, None, bases[0] if len(bases) == 1 else None)
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
@@ -247,6 +260,13 @@ class Pipeline:
         if self.tracing is not None:
             ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
         return ctx, body, items
+
+    def _not_found(self, err: ProxyError, rec: RequestRecord) -> ProxyError:
+        """An unknown model's 404 naming only the models the request's key may use (all: ``err``)."""
+        ticket = rec.ticket
+        ids = None if ticket is None or err.code != "model_not_found" else \
+            self.tenants.model_ids(ticket.key, self.models.current)
+        return err if ids is None else self.models.current.not_found(str(rec.model), ids)
 
     async def _open_in_time(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """``_open`` under the first-byte deadline (``--first-byte-timeout``), if there is one."""
