@@ -48,6 +48,7 @@ from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
+from epd_proxy.tenants.key_scope import scope_of
 from epd_proxy.tenants.limiter import check_config as check_tenants
 from epd_proxy.wire.errors import ProxyError, as_anthropic
 
@@ -205,7 +206,7 @@ class ProxyApp:
         if stored is not None:  # a stored response (request/stored_responses.py)
             if await self.pipeline.admit(req, writer, stored[1], t0):
                 try:
-                    await self.pipeline.stored.handle(req, writer, *stored)
+                    await self.pipeline.stored.handle(req, writer, *stored, scope_of(key))
                 finally:
                     self.pipeline.leave()
             self._served(req, writer, t0)

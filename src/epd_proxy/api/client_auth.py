@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import logging
 
+from epd_proxy.tenants.key_scope import KeyName, key_name
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.auth")
@@ -48,12 +49,15 @@ def read_key_file(path: str) -> list[tuple[str, str]]:
     return keys
 
 
-def _named(flag_keys, file_keys: list[tuple[str, str]]) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
-    """The keys and their names, a key given twice kept once (its first name)."""
+def _named(flag_keys, file_keys: list[tuple[str, str]]) -> tuple[tuple[bytes, ...], tuple[KeyName, ...]]:
+    """The keys and their names, a key given twice kept once (its first name); each name
+    carries its key's scope (tenants/key_scope.py)."""
     pairs = [(f"key{i}", k) for i, k in enumerate(flag_keys, 1)] + file_keys
-    seen: dict[bytes, str] = {}
+    seen: dict[bytes, KeyName] = {}
     for name, key in pairs:
-        seen.setdefault(key.encode(), name)
+        secret = key.encode()
+        if secret not in seen:
+            seen[secret] = key_name(name, secret)
     return tuple(seen), tuple(seen.values())
 
 
@@ -99,8 +103,8 @@ class ClientKeys:
 
     def identify(self, authorization: bytes | None, api_key: bytes | None = None) -> str | None:
         """The name of the valid key the headers carry (``Authorization: Bearer``, else
-        ``X-Api-Key``), None if they carry none. Every key is compared, in constant time, and
-        the match found without a branch (keys are unique)."""
+        ``X-Api-Key``), None if they carry none; a ``KeyName``, with the key's scope. Every key
+        is compared, in constant time, and the match found without a branch (keys are unique)."""
         token = bearer_token(authorization) if authorization is not None else api_key
         if token is None:
             return None

@@ -231,6 +231,15 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                      "parent) that failed or took longer than --state-store-timeout, by "
                                      "operation (ping: the background probe while it is down); each cost "
                                      "reuse, never an answer.", ("op",)),
+    "epd_proxy_state_store_invalid": ("counter", "Entries read back from the shared state store that failed "
+                                      "the proxy's checks (malformed, out of bounds, naming a decode not in the "
+                                      "pool, or transfer parameters that do not point at that decode), by entry "
+                                      "(turn, response_owner, held_tokens, lengths, conversation): each a miss, "
+                                      "never used.", ("entry",)),
+    "epd_proxy_response_lookups": ("counter", "Stored Responses looked up (GET /v1/responses/{id}, /cancel, a "
+                                   "previous_response_id follow-up), by result: owner (asked at the decode "
+                                   "that made it), searched (every decode asked), refused (client keys: "
+                                   "another key's, or no owner known: 404, no decode asked).", ("result",)),
     "epd_proxy_state_store_up": ("gauge", "1 while the shared state store answers (0: down, calls skipped until "
                                  "a probe succeeds), by kind (redis, parent); summed over --workers.",
                                  ("store",)),

@@ -65,6 +65,7 @@ from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.state.guard import GuardedStore
+from epd_proxy.tenants.key_scope import scope_of
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError, drop_traceback
 
@@ -218,6 +219,8 @@ class Pipeline:
                 rec.hide_usage = True
         body, items = self._media(body) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        if rec.key is not None:  # client keys: what it stores and reads back is its key's (key_scope.py)
+            ctx.scope = scope_of(rec.key)
         if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
             hint = body.pop("conversation_id")
             ctx.conversation = hint if type(hint) is str else None
@@ -284,7 +287,7 @@ class Pipeline:
             if api is not None:
                 report = report if api.rewrite_usage else None
                 if api.stateful and body.get("store") is not False:
-                    self._remember(leg)
+                    self._remember(leg, ctx.scope)
             if leg.body is not None:
                 answer = leg.body
                 # An answer without decode's parameters is told by its last bytes (inline: every
@@ -549,11 +552,11 @@ class Pipeline:
         finally:
             ctx.upstream += time.perf_counter() - t
 
-    def _remember(self, leg: DecodeLeg) -> None:
-        """A Responses answer: which decode holds it (stored_responses.py)."""
+    def _remember(self, leg: DecodeLeg, scope: bytes | None) -> None:
+        """A Responses answer: which decode holds it, for which key (stored_responses.py)."""
         rid = response_id(leg.body, False) if leg.body is not None else response_id(leg.first, True)
         if rid:
-            self.stored.owners.remember(rid, leg.inst.url)
+            self.stored.owners.remember(rid, leg.inst.url, scope)
 
     def _may_retry(self, ctx: RequestContext, err: ProxyError) -> bool:
         """A retry runs prefill again: only worth it when a decode can take the request now,
