@@ -48,7 +48,6 @@ from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
-from epd_proxy.tenants.key_scope import scope_of
 from epd_proxy.tenants.limiter import check_config as check_tenants
 from epd_proxy.wire.errors import ProxyError, as_anthropic
 
@@ -196,7 +195,7 @@ class ProxyApp:
         generation = self._generation.get(handler)  # type: ignore[arg-type]
         if generation is not None:
             # It writes its own access-log line.
-            await self.pipeline.handle(req, writer, generation or req.path, key)
+            await self.pipeline.handle(req, writer, generation or req.path, key, keys.scope(key) if keys else None)
             return
         if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
             await self.forwarder.handle(req, writer, key)
@@ -206,7 +205,7 @@ class ProxyApp:
         if stored is not None:  # a stored response (request/stored_responses.py)
             if await self.pipeline.admit(req, writer, stored[1], t0):
                 try:
-                    await self.pipeline.stored.handle(req, writer, *stored, scope_of(key))
+                    await self.pipeline.stored.handle(req, writer, *stored, keys.scope(key) if keys else None)
                 finally:
                     self.pipeline.leave()
             self._served(req, writer, t0)

@@ -213,7 +213,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "holding it computed the new part alone), opening, or why it fell back: "
                                  "unmatched, not_keyed, not_held, older_turn, edited, already_used, expired, "
                                  "evicted, superseded, decode_gone, decode_dropped, tokens, tokenize_failed, "
-                                 "prefill_failed, no_pull_prefill, media, retried, request_failed.", ("outcome",)),
+                                 "prefill_failed, no_pull_prefill, media, retried, request_failed, invalid (the turn "
+                                 "read back from the shared store failed its checks).", ("outcome",)),
     "epd_proxy_kv_reuse_answers": ("counter", "Decode answers that held blocks for a later reader: kept for the "
                                    "next turn (kept), or why not: no_token_ids (Messages, Responses, a stream "
                                    "without token ids), reasoning, choices, unknown, short.", ("result",)),

@@ -65,7 +65,6 @@ from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.state.guard import GuardedStore
-from epd_proxy.tenants.key_scope import scope_of
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError, drop_traceback
 
@@ -167,8 +166,10 @@ class Pipeline:
         return await self.gate.enter_tenant(req, writer, path, t0, key)
 
     # -- the request path -------------------------------------------------------------------
-    async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
-        """``key``: the name of the client key the request presented (client_auth.py)."""
+    async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None,
+                     scope: bytes | None = None) -> None:
+        """``key``: the name of the client key the request presented (client_auth.py), ``scope``
+        its scope (tenants/key_scope.py)."""
         t0 = time.perf_counter()
         ticket = None
         if self.tenants.active:  # the key's limits, before it may take a queue place
@@ -183,12 +184,12 @@ class Pipeline:
         self.metrics.inflight += 1
         try:
             try:
-                ctx, body, items = self._prepare(req, rec)
+                ctx, body, items = self._prepare(req, rec, scope)
             except ProxyError as err:
                 if err.code != "model_not_found" or self.adapters is None or not self.adapters.loadable(rec.model):
                     raise
                 await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
-                ctx, body, items = self._prepare(req, rec)  # routed with the adapter where it was loaded
+                ctx, body, items = self._prepare(req, rec, scope)  # routed with the adapter where it was loaded
             leg = await self._open_in_time(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
         except ProxyError as err:
@@ -202,7 +203,8 @@ class Pipeline:
         finally:
             self._observe(rec, writer)
 
-    def _prepare(self, req: Request, rec: RequestRecord) -> tuple[RequestContext, dict, list[MediaItem]]:
+    def _prepare(self, req: Request, rec: RequestRecord, scope: bytes | None
+                 ) -> tuple[RequestContext, dict, list[MediaItem]]:
         """The body parsed, its media checked and owned, and the request's context."""
         path = rec.path
         body = parse_body(req, path)
@@ -219,8 +221,7 @@ class Pipeline:
                 rec.hide_usage = True
         body, items = self._media(body) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
-        if rec.key is not None:  # client keys: what it stores and reads back is its key's (key_scope.py)
-            ctx.scope = scope_of(rec.key)
+        ctx.scope = scope  # client keys: what it stores and reads back is its key's (tenants/key_scope.py)
         if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
             hint = body.pop("conversation_id")
             ctx.conversation = hint if type(hint) is str else None

@@ -1,38 +1,31 @@
-"""Pure: what a client key owns is namespaced by the key's scope, a digest of the key itself.
+"""Pure: what a client key owns is namespaced by the key's scope, a digest that names its tenant.
 
 With client keys (``--api-key``, ``--api-key-file``) a stored response, a kept turn, a
 conversation and a client's media ``uuid`` belong to the key that made them: each carries
 the key's scope, so another key finds nothing (docs/architecture.md, "Tenants' state"). The
-scope is a 128-bit BLAKE2b digest of the key (personalised for this use): never the key,
-the same on every replica and worker that holds the key, and another one when the key is
-rotated (what the old key made is not the new key's). A store reader learns which entries
-share a key, not the key; a guessable key stays guessable, so keys should be random.
+scope is a 128-bit BLAKE2b digest, personalised for this use, of what identifies the tenant:
 
-The key's name (the access log's, the ``[tenants]`` table's) travels through the request
-path as a :class:`KeyName`: a ``str`` like any name, carrying its ``scope``. Without client
-keys there is no name and no scope: nothing is namespaced and nothing is paid for it.
+* the key's name, when the key file names it (``name:key``): the operator's word that keys of
+  one name are one tenant, so a key rotated under its name keeps what the old one made;
+* the key itself, when its name is only its position (``lineN`` in the file, ``keyN`` for
+  ``--api-key``): inserting a line moves those names to other keys, never their scopes.
+
+Never the key in clear: a store reader learns which entries share a tenant, not the key (a
+guessable key stays guessable by digest, so keys should be random). The same on every
+replica and worker with the same keys. Without client keys there is no scope: nothing is
+namespaced and nothing is paid for it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 _PERSON = b"epd-proxy-scope"
+_POSITIONAL = re.compile(r"(line|key)[0-9]+")
 
 
-class KeyName(str):
-    """The name of a client key, with the scope of the key it names."""
-
-    scope: bytes
-
-
-def key_name(name: str, key: bytes) -> KeyName:
-    """``name`` carrying the scope of ``key``."""
-    out = KeyName(name)
-    out.scope = hashlib.blake2b(key, digest_size=16, person=_PERSON).digest()
-    return out
-
-
-def scope_of(key: str | None) -> bytes | None:
-    """The scope of the key a request presented; None without one (or without keys)."""
-    return key.scope if isinstance(key, KeyName) else None
+def key_scope(name: str, key: bytes) -> bytes:
+    """The scope of the key ``key`` named ``name``."""
+    basis = b"k" + key if _POSITIONAL.fullmatch(name) else b"n" + name.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(basis, digest_size=16, person=_PERSON).digest()

@@ -77,6 +77,7 @@ from epd_proxy.request.turns.prompts import (
     tokenize_prompt_body,
 )
 from epd_proxy.request.turns.prompts import keep_key as prompt_keep_key
+from epd_proxy.request.turns.read_back import DecodeAddresses
 from epd_proxy.request.turns.shared_turns import SharedTurns
 from epd_proxy.request.turns.streams import params_of, read_stream, strip_stream_params
 from epd_proxy.routing.view import EMPTY_VIEW
@@ -106,7 +107,11 @@ class TurnReuse:
                  shared: GuardedStore | None = None, kv: KvLookup | None = None) -> None:
         self.store = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
             if config.kv_reuse else None
-        self.shared = SharedTurns(shared, self.store) if shared is not None and self.store is not None else None
+        # The NIXL addresses each decode sent this process in its own answers: what a kept turn
+        # read back from the shared store must point at (read_back.py).
+        self.addresses = DecodeAddresses()
+        self.shared = SharedTurns(shared, self.store, self.verify) \
+            if shared is not None and self.store is not None else None
         self.writes: set[asyncio.Task] = set()  # kept turns on their way to the shared store
         self.local_prefill_max = config.local_prefill_max_tokens
         self.local_prefill_streams = config.local_prefill_max_streams
@@ -152,10 +157,23 @@ class TurnReuse:
     def forget(self, url: str) -> None:
         """The decode at ``url`` left or joined anew (maybe another engine, another config)."""
         self.decodes.pop(url, None)
+        self.addresses.forget(url)
         self.stream_decodes.discard(url)
         self.stream_plain.discard(url)
         if self.store is not None:
             self.store.drop_decode(url)
+
+    def verify(self, entry: Entry) -> str:
+        """Whether a kept turn read back from the shared store points at a decode of the pool,
+        at an address that decode sent this process itself: "" if so, else what it is counted
+        as (``epd_proxy_state_store_invalid_total{entry}``): ``turn`` (another decode, another
+        address), ``turn_unverified`` (a decode of the pool that has not answered this process
+        with parameters yet)."""
+        if self.decode.find(entry.decode) is None:
+            return "turn"
+        if not self.addresses.knows(entry.decode):
+            return "turn_unverified"
+        return "" if self.addresses.has(entry.decode, entry.params) else "turn"
 
     def status(self) -> dict[str, dict]:
         """Per decode URL, what ``/status`` shows of its reuse: whether it keeps blocks (None:
@@ -451,6 +469,7 @@ class TurnReuse:
         if message is None:
             self._let_go(leg, turns, params, body.get("model"), now, UNKNOWN)
             return
+        self.addresses.learn(leg.inst.url, params)
         tokens = params.get("remote_num_tokens")
         key, conversation, chars = keep_key(body, message, ctx.conversation)
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
@@ -465,6 +484,7 @@ class TurnReuse:
         if held.params is None or held.held is None or prefix is None:
             self.counts.answer(held.reason or SHORT)
             return
+        self.addresses.learn(leg.inst.url, held.params)
         tokens = held.params.get("remote_num_tokens")
         entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
                       now + turns.life, prompt_keep_key(body, ctx.path, held.held), body.get("model"), held.ids,
@@ -477,6 +497,7 @@ class TurnReuse:
         """Parameters that cannot be kept: counted, and decode's blocks freed at once."""
         self.counts.answer(reason)
         if params is not None:
+            self.addresses.learn(leg.inst.url, params)
             self.release(Entry(params, leg.inst.url, 0, 0, now + turns.life, b"", model))
 
     def ended(self, ctx: RequestContext) -> None:

@@ -20,7 +20,10 @@ held tokens bounded per decode), kept by the store instead of this process's mem
   itself still looks its turns up (``TurnStore.active``), read every second until set.
 
 The request path waits on the store at most the guard's budget; a failure is a miss
-(``unknown``), the plain path."""
+(``unknown``), the plain path. What the store returns is untrusted input (read_back.py): an
+entry, a conversation's latest key, a prefix's lengths or a held-tokens counter that fails
+its checks is a miss (``invalid``), counted in ``epd_proxy_state_store_invalid_total``, never
+used: never an error, never a prefill told to connect elsewhere."""
 
 from __future__ import annotations
 
@@ -34,6 +37,16 @@ from typing import Callable
 import msgspec
 
 from epd_proxy.request.turns.multiturn import BOUND, EDITED, EXPIRED, SUPERSEDED, UNKNOWN, USED, Entry, TurnStore
+from epd_proxy.request.turns.outcomes import INVALID
+from epd_proxy.request.turns.read_back import (
+    MAX_ENTRY_BYTES,
+    MAX_KEY,
+    counter,
+    entry_bounded,
+    ids_of,
+    lengths_bounded,
+    params_bounded,
+)
 from epd_proxy.state.guard import GuardedStore
 
 # How long the "on" mark lives; written again at most every ON_REFRESH seconds.
@@ -44,6 +57,8 @@ WATCH_INTERVAL = 1.0
 QUARTERS = 4
 # Keys this process put, remembered to let its oldest go past the bound.
 OWN = 65536
+# The held lengths of a prompt API's prefix tried at most (each one a digest and a store call).
+MAX_LENGTHS = 16
 
 
 class _Stored(msgspec.Struct, array_like=True):
@@ -59,6 +74,10 @@ class _Stored(msgspec.Struct, array_like=True):
     quarter: int
 
 
+def _trust_all(entry: Entry) -> str:
+    return ""
+
+
 def _url_key(url: str) -> bytes:
     return hashlib.blake2b(url.encode(), digest_size=12).digest()
 
@@ -67,9 +86,12 @@ class SharedTurns:
     """``TurnStore``'s entries in a shared store; ``turns`` keeps this process's counters
     (and ``active``)."""
 
-    def __init__(self, store: GuardedStore, turns: TurnStore) -> None:
+    def __init__(self, store: GuardedStore, turns: TurnStore, verify: Callable[[Entry], str] = _trust_all) -> None:
         self.store = store
         self.turns = turns
+        # Whether an entry read back points at a decode as this process knows it ("": it does;
+        # else the name it is counted under as invalid): TurnReuse.verify.
+        self.verify = verify
         self.life = turns.life
         self.width = max(self.life / QUARTERS, 1.0)
         self._own: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
@@ -108,7 +130,7 @@ class SharedTurns:
         if value is not None:
             entry, quarter = self._entry(value, now)
             if entry is None:
-                return None, UNKNOWN, None
+                return None, INVALID, None
             self._unhold(entry, quarter)
             self._own.pop(key, None)
             if entry.deadline <= now:
@@ -123,6 +145,9 @@ class SharedTurns:
             return None, gone, None
         if conversation is not None:
             prev = await self.store.get(k(b"c", conversation))
+            if prev is not None and not 0 < len(prev) <= MAX_KEY:
+                self.store.invalid("conversation")
+                prev = None
             if prev is not None and prev != key:
                 stale = await self._take_entry(prev, now)
                 if stale is not None:
@@ -131,7 +156,11 @@ class SharedTurns:
         return None, UNKNOWN, None
 
     async def lengths(self, prefix: bytes) -> list[int]:
-        return await self.store.members(self.store.key(b"l", prefix))
+        found = await self.store.members(self.store.key(b"l", prefix))
+        lengths = lengths_bounded(found, MAX_LENGTHS)
+        if len(lengths) < len(found) and len(lengths) < MAX_LENGTHS:
+            self.store.invalid("lengths")
+        return lengths
 
     # -- put ------------------------------------------------------------------------------
     async def put(self, key: bytes, entry: Entry, now: float, release: Callable[[Entry], None]) -> bool:
@@ -165,7 +194,9 @@ class SharedTurns:
             await store.add(k(b"l", entry.prefix), entry.chars, self.life)
         if entry.conversation != key:
             _, prev = await store.put(k(b"c", entry.conversation), key, ttl, old=True)
-            if prev is not None and prev != key:
+            if prev is not None and not 0 < len(prev) <= MAX_KEY:
+                store.invalid("conversation")
+            elif prev is not None and prev != key:
                 stale = await self._take_entry(prev, now)
                 if stale is not None:
                     out.append(stale)
@@ -189,7 +220,13 @@ class SharedTurns:
         """The tokens all replicas' kept parameters hold on ``decode`` (within a quarter)."""
         now = int(time.time() // self.width)
         values = await self.store.get_many([self._held_key(decode, q) for q in range(now - QUARTERS, now + 1)])
-        return sum(int(v) for v in values if v is not None)
+        total = 0
+        for v in values:
+            n = counter(v)
+            if n is None and v is not None:
+                self.store.invalid("held_tokens")
+            total += n or 0
+        return max(total, 0)
 
     # -- helpers --------------------------------------------------------------------------
     def _held_key(self, decode: str, quarter: int) -> bytes:
@@ -219,18 +256,25 @@ class SharedTurns:
             task.add_done_callback(_BACKGROUND.discard)
 
     def _entry(self, value: bytes, now: float) -> tuple[Entry | None, int]:
-        try:
-            s = msgspec.msgpack.decode(value, type=_Stored)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        """The entry ``value`` holds, if it passes the checks (read_back.py); else None, counted."""
+        s = None
+        if len(value) <= MAX_ENTRY_BYTES:
+            try:
+                s = msgspec.msgpack.decode(value, type=_Stored)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        if (s is None or not entry_bounded(s.tokens, s.chars, s.expires, s.conversation, s.model, s.ids, s.prefix)
+                or not params_bounded(s.params, s.tokens) or type(s.quarter) is not int):
+            self.store.invalid("turn")
             return None, 0
-        ids = None
-        if s.ids is not None:
-            packed = array("I")
-            packed.frombytes(s.ids)
-            ids = array("l", packed)
+        ids = ids_of(s.ids) if s.ids is not None else None
         deadline = now + (s.expires - time.time())  # on this process's clock
-        return Entry(s.params, s.decode, s.tokens, s.chars, deadline, s.conversation, s.model, ids, s.prefix), \
-            s.quarter
+        entry = Entry(s.params, s.decode, s.tokens, s.chars, deadline, s.conversation, s.model, ids, s.prefix)
+        why = self.verify(entry)
+        if why:
+            self.store.invalid(why)
+            return None, 0
+        return entry, s.quarter
 
     async def close(self) -> None:
         if self._watch is not None:
