@@ -431,6 +431,9 @@ class ProxyConfig:
     # Access and TLS (docs/architecture.md, "Access and TLS").
     api_keys: tuple[str, ...] = ()  # keys clients send as "Authorization: Bearer" for /v1/* (none = open)
     api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
+    # With client keys: vLLM's cache_salt set from each key's scope on chat and completions, so
+    # no key's requests share (or can probe) another key's prefix cache (tenants/key_scope.py).
+    cache_salt_per_key: bool = False
     protect_metrics: bool = False  # /metrics needs the admin key
     ssl_certfile: str | None = None  # the listener speaks TLS with this certificate (PEM) ...
     ssl_keyfile: str | None = None  # ... and this private key (PEM; default: in the certificate file)

@@ -45,7 +45,7 @@ from epd_proxy.request.apis import (
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.entry_gate import EntryGate
-from epd_proxy.request.ingress import CHAT, parse_body, request_id
+from epd_proxy.request.ingress import CHAT, COMPLETIONS, parse_body, request_id
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
@@ -65,6 +65,7 @@ from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.state.guard import GuardedStore
+from epd_proxy.tenants.key_scope import salt
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError, drop_traceback
 
@@ -109,6 +110,7 @@ class Pipeline:
         self._dp_counter = itertools.count()
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+        self._salt_per_key = config.cache_salt_per_key  # vLLM's cache_salt from each client key
         self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
                                         allowed_hosts=config.allowed_media_hosts)
         self.admission = admission
@@ -219,9 +221,12 @@ class Pipeline:
             if options is not None:
                 body["stream_options"] = options
                 rec.hide_usage = True
-        body, items = self._media(body) if path == CHAT else (body, [])
+        body, items = self._media(body, scope) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
-        ctx.scope = scope  # client keys: what it stores and reads back is its key's (tenants/key_scope.py)
+        if scope is not None:  # client keys: what it stores and reads back is its key's (tenants/key_scope.py)
+            ctx.scope = scope
+            if self._salt_per_key and (path == CHAT or path == COMPLETIONS):
+                salt(body, scope)
         if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
             hint = body.pop("conversation_id")
             ctx.conversation = hint if type(hint) is str else None
@@ -601,10 +606,10 @@ class Pipeline:
         await self.tenants.close()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
+    def _media(self, body: dict, scope: bytes | None) -> tuple[dict, list[MediaItem]]:
         """The media items, checked against the operator's rules, and the body with client
-        uuids namespaced (what every stage gets instead of the client's body)."""
-        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids)
+        uuids namespaced, by the key's scope too (what every stage gets instead of the client's body)."""
+        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids, scope=scope)
         if items:
             self.media_policy.check(items)
         return body, items

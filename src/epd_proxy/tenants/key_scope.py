@@ -29,3 +29,17 @@ def key_scope(name: str, key: bytes) -> bytes:
     """The scope of the key ``key`` named ``name``."""
     basis = b"k" + key if _POSITIONAL.fullmatch(name) else b"n" + name.encode("utf-8", "surrogatepass")
     return hashlib.blake2b(basis, digest_size=16, person=_PERSON).digest()
+
+
+def salt(body: dict, scope: bytes) -> None:
+    """``body`` (a chat or completions request the proxy owns) with vLLM's ``cache_salt`` set
+    from the key's ``scope`` (``--cache-salt-per-key``): vLLM keys the prefix-cache blocks of a
+    salted request with its salt, so requests of different keys never share a block, and no
+    key can tell from its time to first token whether another sent a prompt. A client's own
+    salt is kept after the key's (its isolation within the key); one that is not a string is
+    left for vLLM to refuse."""
+    own = body.get("cache_salt")
+    if own is None or own == "":
+        body["cache_salt"] = scope.hex()
+    elif type(own) is str:
+        body["cache_salt"] = scope.hex() + "." + own

@@ -312,10 +312,13 @@ def _carried_answer(msg: dict) -> bytes | None:
     return answer_message(msg.get("content"), msg.get("tool_calls"))
 
 
-def _digest(fields: bytes, messages: list, upto: int, answer: bytes) -> tuple[bytes, bytes]:
+def _digest(fields: bytes, messages: list, upto: int, answer: bytes, scope: bytes = b"") -> tuple[bytes, bytes]:
     """The key over ``fields``, ``messages[:upto]`` and ``answer``, and the conversation's
-    key (the same over the messages up to its first user message)."""
-    h = hashlib.blake2b(fields, digest_size=16)
+    key (the same over the messages up to its first user message); both keyed with the
+    request's client key's ``scope`` (tenants/key_scope.py; none without keys): another key
+    replaying the same history computes other keys, so it neither finds, takes nor
+    supersedes this key's turns, and learns nothing of them."""
+    h = hashlib.blake2b(fields, digest_size=16, key=scope)
     conversation = b""
     for i in range(upto):
         msg = messages[i]
@@ -328,7 +331,7 @@ def _digest(fields: bytes, messages: list, upto: int, answer: bytes) -> tuple[by
     return h.digest(), conversation or h.digest()
 
 
-def lookup_key(body: dict, hint: str | None = None) -> tuple[bytes, bytes, int, int] | None:
+def lookup_key(body: dict, hint: str | None = None, scope: bytes = b"") -> tuple[bytes, bytes, int, int] | None:
     """The key under which this chat request's previous turn would be kept, its
     conversation's key, and the characters before and after the previous answer's end (the
     new part's size, for the local-prefill estimate). None when it has no previous answer
@@ -347,14 +350,19 @@ def lookup_key(body: dict, hint: str | None = None) -> tuple[bytes, bytes, int, 
     carried = _carried_answer(messages[last])
     if carried is None:
         return None
-    key, conversation = _digest(prompt_fields(body), messages, last, carried)
+    key, conversation = _digest(prompt_fields(body), messages, last, carried, scope)
     if hint:
-        conversation = hashlib.blake2b(hint.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        conversation = hint_key(hint, scope)
     before = _chars(messages, last + 1)
     return key, conversation, before, _chars(messages, len(messages)) - before
 
 
-def earlier_keys(body: dict) -> set[bytes]:
+def hint_key(hint: str, scope: bytes = b"") -> bytes:
+    """A ``conversation_id``'s conversation key, the client key's (``scope``) like a turn's."""
+    return hashlib.blake2b(hint.encode("utf-8", "surrogatepass"), digest_size=16, key=scope).digest()
+
+
+def earlier_keys(body: dict, scope: bytes = b"") -> set[bytes]:
     """The keys of the turns before the previous one that this chat request carries (one per
     earlier assistant message): a held turn among them is an older turn of this history, not
     an edit of it. Computed only when the store holds another turn of the conversation."""
@@ -365,7 +373,7 @@ def earlier_keys(body: dict) -> set[bytes]:
     while last >= 0 and not (isinstance(messages[last], dict) and messages[last].get("role") == "assistant"):
         last -= 1
     keys = set()
-    h = hashlib.blake2b(prompt_fields(body), digest_size=16)
+    h = hashlib.blake2b(prompt_fields(body), digest_size=16, key=scope)
     for i in range(last):
         msg = messages[i]
         if isinstance(msg, dict) and msg.get("role") == "assistant":
@@ -380,14 +388,14 @@ def earlier_keys(body: dict) -> set[bytes]:
     return keys
 
 
-def keep_key(body: dict, answer: bytes, hint: str | None = None) -> tuple[bytes, bytes, int]:
+def keep_key(body: dict, answer: bytes, hint: str | None = None, scope: bytes = b"") -> tuple[bytes, bytes, int]:
     """The key the next turn will look this turn's answer up with (:func:`lookup_key`), its
     conversation's key, and the characters of the prompt and the answer."""
     messages = body.get("messages")
     messages = messages if isinstance(messages, list) else []
-    key, conversation = _digest(prompt_fields(body), messages, len(messages), answer)
+    key, conversation = _digest(prompt_fields(body), messages, len(messages), answer, scope)
     if hint:
-        conversation = hashlib.blake2b(hint.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        conversation = hint_key(hint, scope)
     return key, conversation, _chars(messages, len(messages)) + len(answer)
 
 

@@ -234,7 +234,8 @@ class TurnReuse:
         asked: dict | None = None  # the /tokenize request for the new prompt
         tokens: list[int] | None = None  # or its tokens, when the request spells them
         if ctx.path == CHAT:
-            found = lookup_key(body, ctx.conversation)
+            scope = ctx.scope or b""  # the client key's (tenants/key_scope.py)
+            found = lookup_key(body, ctx.conversation, scope)
             if found is None:
                 messages = body.get("messages")
                 answered = isinstance(messages, list) and _after_last_answer(messages) < len(messages)
@@ -244,19 +245,20 @@ class TurnReuse:
             new_messages = _after_last_answer(body["messages"])  # lookup_key found an answer in them
             entry, reason, stale = await self._take(turns, key, conversation, now)
             if stale is not None:
-                if reason == EDITED and stale.key is not None and stale.key in earlier_keys(body):
+                if reason == EDITED and stale.key is not None and stale.key in earlier_keys(body, scope):
                     reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
                 self.release(stale)
             asked = tokenize_body(body)
         else:  # completions, generate (turn_prompts.py)
             material = prompt_material(body, ctx.path)
-            prefix = None if material is None else prefix_key(body, ctx.path, material[0])
+            scope = ctx.scope or b""
+            prefix = None if material is None else prefix_key(body, ctx.path, material[0], scope)
             if material is None or prefix is None:
                 ctx.kv_outcome = NOT_KEYED
                 return None
             entry, reason, new_chars, new_messages = None, UNKNOWN, 0, 0
             lengths = turns.lengths(prefix) if self.shared is None else await self.shared.lengths(prefix)
-            for key, length in candidate_keys(body, ctx.path, material[0], lengths):
+            for key, length in candidate_keys(body, ctx.path, material[0], lengths, scope):
                 entry, reason, _ = await self._take(turns, key, None, now)
                 if entry is not None or reason != UNKNOWN:
                     new_chars = len(material[0]) - length
@@ -471,7 +473,7 @@ class TurnReuse:
             return
         self.addresses.learn(leg.inst.url, params)
         tokens = params.get("remote_num_tokens")
-        key, conversation, chars = keep_key(body, message, ctx.conversation)
+        key, conversation, chars = keep_key(body, message, ctx.conversation, ctx.scope or b"")
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
                       conversation, body.get("model"), ids, key=key)
         self.counts.answer(KEPT)
@@ -480,14 +482,15 @@ class TurnReuse:
     def _keep_prompt(self, ctx: RequestContext, body: dict, leg: DecodeLeg, turns: TurnStore, held: HeldTurn,
                      now: float) -> None:
         material = prompt_material(body, ctx.path) if held.held is not None else None
-        prefix = None if material is None else prefix_key(body, ctx.path, material[0])
+        scope = ctx.scope or b""
+        prefix = None if material is None else prefix_key(body, ctx.path, material[0], scope)
         if held.params is None or held.held is None or prefix is None:
             self.counts.answer(held.reason or SHORT)
             return
         self.addresses.learn(leg.inst.url, held.params)
         tokens = held.params.get("remote_num_tokens")
         entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
-                      now + turns.life, prompt_keep_key(body, ctx.path, held.held), body.get("model"), held.ids,
+                      now + turns.life, prompt_keep_key(body, ctx.path, held.held, scope), body.get("model"), held.ids,
                       prefix)
         self.counts.answer(KEPT)
         self._put(turns, entry.conversation, entry, now)
