@@ -31,6 +31,7 @@ MAX_PARAMS = 32
 MAX_TEXT = 512
 MAX_GROUPS = 16
 MAX_BLOCK_ID = (1 << 31) - 1
+SCOPE = 16  # a client key's scope (tenants/key_scope.py)
 MAX_KEY = 64  # a conversation's or a prefix's key (a 16-byte digest: multiturn, prompts)
 MAX_MODEL = 1024
 # The NIXL addresses remembered per decode (one per data-parallel rank).

@@ -48,6 +48,7 @@ from epd_proxy.request.turns.outcomes import (
     DECODE_DROPPED,
     DECODE_GONE,
     EVICTED,
+    INVALID,
     KEPT,
     LOCAL_PREFILL,
     MEDIA,
@@ -243,7 +244,7 @@ class TurnReuse:
                 return None
             key, conversation, _, new_chars = found
             new_messages = _after_last_answer(body["messages"])  # lookup_key found an answer in them
-            entry, reason, stale = await self._take(turns, key, conversation, now)
+            entry, reason, stale = await self._take(ctx, turns, key, conversation, now)
             if stale is not None:
                 if reason == EDITED and stale.key is not None and stale.key in earlier_keys(body, scope):
                     reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
@@ -259,7 +260,7 @@ class TurnReuse:
             entry, reason, new_chars, new_messages = None, UNKNOWN, 0, 0
             lengths = turns.lengths(prefix) if self.shared is None else await self.shared.lengths(prefix)
             for key, length in candidate_keys(body, ctx.path, material[0], lengths, scope):
-                entry, reason, _ = await self._take(turns, key, None, now)
+                entry, reason, _ = await self._take(ctx, turns, key, None, now)
                 if entry is not None or reason != UNKNOWN:
                     new_chars = len(material[0]) - length
                     break
@@ -336,13 +337,17 @@ class TurnReuse:
         if ctx.kv_reuse is None and (ctx.kv_outcome == REUSED or ctx.kv_outcome == LOCAL_PREFILL):
             ctx.kv_outcome = RETRIED
 
-    async def _take(self, turns: TurnStore, key: bytes, conversation: bytes | None, now: float
-                    ) -> tuple[Entry | None, str, Entry | None]:
+    async def _take(self, ctx: RequestContext, turns: TurnStore, key: bytes, conversation: bytes | None,
+                    now: float) -> tuple[Entry | None, str, Entry | None]:
         """The kept turn under ``key``, from this process (popped before any await) or the
-        shared store (taken atomically there)."""
+        shared store (taken atomically there, and then only the request's key's: key_scope.py)."""
         if self.shared is None:
             return turns.take(key, conversation, now)
-        return await self.shared.take(key, conversation, now)
+        entry, reason, stale = await self.shared.take(key, conversation, now)
+        if entry is not None and entry.owner != ctx.scope:  # written there under another key's turn key
+            self.shared.store.invalid("turn")
+            return None, INVALID, None
+        return entry, reason, stale
 
     def _put(self, turns: TurnStore, key: bytes, entry: Entry, now: float) -> None:
         """Keep ``entry`` for the next turn; what it supersedes or pushes past the bound is let go."""
@@ -475,7 +480,7 @@ class TurnReuse:
         tokens = params.get("remote_num_tokens")
         key, conversation, chars = keep_key(body, message, ctx.conversation, ctx.scope or b"")
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
-                      conversation, body.get("model"), ids, key=key)
+                      conversation, body.get("model"), ids, key=key, owner=ctx.scope)
         self.counts.answer(KEPT)
         self._put(turns, key, entry, now)
 
@@ -491,7 +496,7 @@ class TurnReuse:
         tokens = held.params.get("remote_num_tokens")
         entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
                       now + turns.life, prompt_keep_key(body, ctx.path, held.held, scope), body.get("model"), held.ids,
-                      prefix)
+                      prefix, owner=ctx.scope)
         self.counts.answer(KEPT)
         self._put(turns, entry.conversation, entry, now)
 

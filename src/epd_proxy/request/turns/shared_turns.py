@@ -41,6 +41,7 @@ from epd_proxy.request.turns.outcomes import INVALID
 from epd_proxy.request.turns.read_back import (
     MAX_ENTRY_BYTES,
     MAX_KEY,
+    SCOPE,
     counter,
     entry_bounded,
     ids_of,
@@ -72,6 +73,7 @@ class _Stored(msgspec.Struct, array_like=True):
     ids: bytes | None  # array('I') as bytes (token ids, 4 bytes each)
     prefix: bytes | None
     quarter: int
+    owner: bytes | None = None  # the client key's scope (key_scope.py), None without keys
 
 
 def _trust_all(entry: Entry) -> str:
@@ -94,7 +96,8 @@ class SharedTurns:
         self.verify = verify
         self.life = turns.life
         self.width = max(self.life / QUARTERS, 1.0)
-        self._own: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
+        # Key -> (decode, owner, tokens) of the turns this process put, oldest first.
+        self._own: collections.OrderedDict[bytes, tuple[str, bytes | None, int]] = collections.OrderedDict()
         self._on_written = 0.0
         self._watch: asyncio.Task | None = None
 
@@ -174,11 +177,11 @@ class SharedTurns:
         quarter = int(wall // self.width)
         ids = array("I", entry.ids).tobytes() if entry.ids is not None else None
         stored = _Stored(entry.params, entry.decode, entry.tokens, entry.chars, wall + ttl, entry.conversation,
-                         entry.model, ids, entry.prefix, quarter)
+                         entry.model, ids, entry.prefix, quarter, entry.owner)
         ok, _ = await self.store.put(self.store.key(b"t", key), msgspec.msgpack.encode(stored), ttl)
         if not ok:
             return False
-        self._own[key] = (entry.decode, entry.deadline)
+        self._own[key] = (entry.decode, entry.owner, entry.tokens)
         if len(self._own) > OWN:
             self._own.popitem(last=False)
         task = asyncio.get_running_loop().create_task(self._after_put(key, entry, now, quarter, ttl, release))
@@ -205,7 +208,7 @@ class SharedTurns:
         turns.held[entry.decode] = turns.held.get(entry.decode, 0) + entry.tokens
         if held is not None and turns.max_held:
             total = await self.held(entry.decode)
-            for own in [o for o, (d, _) in self._own.items() if d == entry.decode and o != key]:
+            for own in self._victims(entry.decode, key):
                 if total <= turns.max_held:
                     break
                 old = await self._take_entry(own, now)
@@ -229,6 +232,16 @@ class SharedTurns:
         return max(total, 0)
 
     # -- helpers --------------------------------------------------------------------------
+    def _victims(self, decode: str, keep: bytes) -> list[bytes]:
+        """This process's turns on ``decode`` in the order the bound lets them go: those of the
+        client key holding the most tokens (of what this process put there) first, oldest
+        first within a key (TurnStore's rule, on what this process can see)."""
+        mine = [(k, owner, tokens) for k, (d, owner, tokens) in self._own.items() if d == decode and k != keep]
+        totals: dict[bytes | None, int] = {}
+        for _, owner, tokens in mine:
+            totals[owner] = totals.get(owner, 0) + tokens
+        return [k for k, _, _ in sorted(mine, key=lambda m: -totals[m[1]])]  # stable: oldest first within
+
     def _held_key(self, decode: str, quarter: int) -> bytes:
         return self.store.key(b"h", _url_key(decode) + quarter.to_bytes(8, "big", signed=True))
 
@@ -264,12 +277,14 @@ class SharedTurns:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
         if (s is None or not entry_bounded(s.tokens, s.chars, s.expires, s.conversation, s.model, s.ids, s.prefix)
-                or not params_bounded(s.params, s.tokens) or type(s.quarter) is not int):
+                or not params_bounded(s.params, s.tokens) or type(s.quarter) is not int
+                or not (s.owner is None or len(s.owner) == SCOPE)):
             self.store.invalid("turn")
             return None, 0
         ids = ids_of(s.ids) if s.ids is not None else None
         deadline = now + (s.expires - time.time())  # on this process's clock
-        entry = Entry(s.params, s.decode, s.tokens, s.chars, deadline, s.conversation, s.model, ids, s.prefix)
+        entry = Entry(s.params, s.decode, s.tokens, s.chars, deadline, s.conversation, s.model, ids, s.prefix,
+                      owner=s.owner)
         why = self.verify(entry)
         if why:
             self.store.invalid(why)
