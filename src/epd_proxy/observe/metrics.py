@@ -233,10 +233,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                      "operation (ping: the background probe while it is down); each cost "
                                      "reuse, never an answer.", ("op",)),
     "epd_proxy_state_store_invalid": ("counter", "Entries read back from the shared state store that failed "
-                                      "the proxy's checks (malformed, out of bounds, naming a decode not in the "
-                                      "pool, or transfer parameters that do not point at that decode), by entry "
-                                      "(turn, response_owner, held_tokens, lengths, conversation): each a miss, "
-                                      "never used.", ("entry",)),
+                                      "the proxy's checks (malformed, out of bounds, or transfer parameters that "
+                                      "do not point at the decode they name), by entry (turn, turn_unverified, "
+                                      "response_owner, held_tokens, lengths, conversation): each a miss, never "
+                                      "used.", ("entry",)),
     "epd_proxy_response_lookups": ("counter", "Stored Responses looked up (GET /v1/responses/{id}, /cancel, a "
                                    "previous_response_id follow-up), by result: owner (asked at the decode "
                                    "that made it), searched (every decode asked), refused (client keys: "

@@ -23,8 +23,9 @@ or for an id whose owner is not known here or in the store, is answered 404 as v
 an id it does not hold, without asking any decode (so no key can find another's response by
 asking every decode, nor make the proxy ask them for ids it invents). Only the key's own id
 whose decode no longer answers for it is looked for among the others. What the shared store
-returns is checked like any input: an owner that is not a well-formed entry naming a decode
-of the pool is not an owner (``epd_proxy_state_store_invalid_total{entry="response_owner"}``).
+returns is checked like any input: an owner that is not a well-formed entry is not an owner
+(``epd_proxy_state_store_invalid_total{entry="response_owner"}``), and whatever URL an owner
+names, only the decodes of the pool are ever asked.
 """
 
 from __future__ import annotations
@@ -123,10 +124,10 @@ class ResponseOwners:
             self._owners.move_to_end(response_id)
         return owner
 
-    async def find(self, response_id: str, decodes: InstancePool) -> Owner | None:
+    async def find(self, response_id: str) -> Owner | None:
         """The owner known here, else in the shared store (remembered here when found). What
-        the store returns is checked: a well-formed owner naming a decode of ``decodes``, or
-        none (counted)."""
+        the store returns is checked: a well-formed owner, or none (counted). Only decodes of
+        the pool are ever asked, whatever URL an owner names (``candidates``)."""
         owner = self.owner(response_id)
         if owner is not None or self.shared is None:
             return owner
@@ -134,7 +135,7 @@ class ResponseOwners:
         if found is None:
             return None
         owner = read_owner(found)
-        if owner is None or decodes.find(owner.url) is None:
+        if owner is None:
             self.shared.invalid("response_owner")
             return None
         self._keep(response_id, owner)
@@ -240,7 +241,7 @@ class StoredResponses:
         """The decode instance holding ``response_id`` (for a follow-up that names it), asked
         with ``GET`` when this proxy does not know it; None when none holds it. With client
         keys, 404 (ProxyError) for a response that is not the request's key's."""
-        owner = await self.owners.find(response_id, self.stage.pool)
+        owner = await self.owners.find(response_id)
         if owner is not None and self._mine(ctx, owner):
             for inst in self.stage.pool.instances:
                 if inst.url == owner.url:
@@ -277,7 +278,7 @@ class StoredResponses:
         asked), and only its known owner unless that one no longer holds it."""
         headers = ctx.upstream_headers()
         last: _Answered | None = None
-        owner = await self.owners.find(response_id, self.stage.pool)
+        owner = await self.owners.find(response_id)
         if not self._mine(ctx, owner):
             self._count(REFUSED)
             raise not_found(response_id)

@@ -86,7 +86,6 @@ async def test_a_rewritten_address_never_reaches_a_prefill_and_malformed_entries
                 rewrites = {
                     "address": lambda f: f[0].update(remote_host="127.0.0.1", remote_port=listener.port),
                     "engine": lambda f: f[0].update(remote_engine_id="someone-else"),
-                    "decode": lambda f: f.__setitem__(1, "http://127.0.0.1:9"),
                     "ids": lambda f: f.__setitem__(7, b"\x01\x02\x03"),
                     "blocks": lambda f: f[0].update(remote_block_ids=[["x"]]),
                     "tokens": lambda f: f.__setitem__(2, -5),
@@ -101,6 +100,14 @@ async def test_a_rewritten_address_never_reaches_a_prefill_and_malformed_entries
                     rewrite(fields)
                     r.set(key, msgspec.msgpack.encode(fields), px=60000)
                     await _chat(cb, _next(b1))  # the plain path: the same answer, never a 500
+                # A decode outside the pool: never read from, nor released through (decode_gone).
+                before = _entries(r)
+                b1 = _t1("conversation moved to a decode outside the pool")
+                await _chat(ca, b1)
+                key, fields = await _kept(r, before)
+                fields[1] = f"http://127.0.0.1:{listener.port}"
+                r.set(key, msgspec.msgpack.encode(fields), px=60000)
+                await _chat(cb, _next(b1))
                 for garbage in (b"\xc1", b"\x93\x01\x02"):  # not msgpack; not an entry
                     before = _entries(r)
                     b1 = _t1(f"garbage {garbage!r}")
@@ -111,7 +118,8 @@ async def test_a_rewritten_address_never_reaches_a_prefill_and_malformed_entries
             assert listener.connections == 0
             assert not [kv for kv in _reads(cluster) if kv.get("remote_port") == listener.port]
             assert _reads(cluster) == [] and _wrong(cluster) == 0
-            assert _outcomes(a, b).get("invalid") == len(rewrites) + 2, _outcomes(a, b)
+            outcomes = _outcomes(a, b)
+            assert outcomes.get("invalid") == len(rewrites) + 2 and outcomes.get("decode_gone") == 1, outcomes
             metrics = (await cb.request("GET", "/metrics", headers=ADMIN)).body.decode()
             assert f'epd_proxy_state_store_invalid_total{{entry="turn"}} {len(rewrites) + 2}.0' in metrics
             # Honest turns still reuse across the replicas.

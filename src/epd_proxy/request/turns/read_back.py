@@ -4,13 +4,14 @@ Anyone who can write to the store (``--state-store``) could otherwise hand a pre
 ``kv_transfer_params``: vLLM's NIXL connector connects to the ``remote_host`` and
 ``remote_port`` they name and reads the blocks they list, checking nothing (docs/protocol.md
 §2.10). So an entry is used only when it is well formed and bounded, and its parameters
-point at the decode it names, as this process knows that decode: the decode is in the pool,
-and its NIXL address (``remote_engine_id``, ``remote_host``, ``remote_port``) is one the
-decode itself sent this process in an answer's parameters (:class:`DecodeAddresses`; a data
-parallel decode sends one per rank). A turn kept on a decode this process has not yet seen
-answer with parameters cannot be verified and is a miss too (the first turns after a start,
-on a decode this replica has not yet served). What cannot be checked: that the block ids and
-``remote_request_id`` are the ones decode gave for that conversation. An entry rewritten
+point at the decode it names, as this process knows that decode: its NIXL address
+(``remote_engine_id``, ``remote_host``, ``remote_port``) is one the decode itself sent this
+process in an answer's parameters (:class:`DecodeAddresses`; a data parallel decode sends
+one per rank). A turn naming a decode not in the pool is never sent anywhere (``decode_gone``).
+A turn kept on a decode this process has not yet seen answer with parameters cannot be
+verified and is a miss too (the first turns after a start, on a decode this replica has not
+yet served). What cannot be checked: that the block ids and ``remote_request_id`` are the
+ones decode gave for that conversation. An entry rewritten
 within those bounds makes a prefill read blocks of the right decode that belong to another
 turn (a wrong answer, never a connection elsewhere), which the token check
 (``multiturn.reuse_params``) bounds to a prompt that shares its tokens with the entry's ids,

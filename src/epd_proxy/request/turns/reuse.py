@@ -165,13 +165,14 @@ class TurnReuse:
             self.store.drop_decode(url)
 
     def verify(self, entry: Entry) -> str:
-        """Whether a kept turn read back from the shared store points at a decode of the pool,
-        at an address that decode sent this process itself: "" if so, else what it is counted
-        as (``epd_proxy_state_store_invalid_total{entry}``): ``turn`` (another decode, another
-        address), ``turn_unverified`` (a decode of the pool that has not answered this process
-        with parameters yet)."""
+        """Whether a kept turn read back from the shared store points at its decode, at an
+        address that decode sent this process itself: "" if so, else what it is counted as
+        (``epd_proxy_state_store_invalid_total{entry}``): ``turn`` (another address),
+        ``turn_unverified`` (a decode of the pool that has not answered this process with
+        parameters yet). A turn naming a decode not in the pool passes here and is never sent
+        anywhere: not read (``decode_gone``), not released (``release``)."""
         if self.decode.find(entry.decode) is None:
-            return "turn"
+            return ""
         if not self.addresses.knows(entry.decode):
             return "turn_unverified"
         return "" if self.addresses.has(entry.decode, entry.params) else "turn"
