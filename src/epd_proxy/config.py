@@ -585,6 +585,9 @@ class ProxyConfig:
                 add(f"--lora-source {name}={path}: expected NAME=PATH with a name without '/'")
         if self.protect_metrics and not self.admin_api_key:
             add("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
+        if self.cache_salt_per_key and not (self.api_keys or self.api_key_file):
+            add("--cache-salt-per-key needs client keys (--api-key or --api-key-file): it salts each key's "
+                "prefix cache, and without keys there is none")
         if self.ssl_keyfile and not self.ssl_certfile:
             add("--ssl-keyfile needs --ssl-certfile")
         roles: dict[str, str] = {}

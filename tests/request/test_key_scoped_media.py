@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from helpers import chat_body, stack
 
+from epd_proxy.config import InstanceSpec, ProxyConfig
 from epd_proxy.tenants.key_scope import key_scope
 
 KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210"
@@ -86,3 +88,9 @@ def test_a_scope_is_the_name_the_operator_gave_else_the_key():
     assert key_scope("line2", b"k1") != key_scope("line2", b"k2")  # a position is no tenant
     assert key_scope("key1", b"k1") != key_scope("key1", b"k2")
     assert key_scope("team-a", b"k1") != key_scope("team-b", b"k1") and len(key_scope("x", b"y")) == 16
+
+
+def test_cache_salt_per_key_needs_client_keys():
+    with pytest.raises(ValueError, match="--cache-salt-per-key needs client keys"):
+        ProxyConfig(decode=[InstanceSpec("http://d:1", "decode")], cache_salt_per_key=True).validate()
+    ProxyConfig(decode=[InstanceSpec("http://d:1", "decode")], cache_salt_per_key=True, api_keys=("k",)).validate()
