@@ -195,7 +195,7 @@ class ProxyApp:
         if self.shutting_down:
             writer.keep_alive = False
         keys = self.client_keys
-        key = None  # the name of the client key presented (the access log's, its tenant's)
+        key = scope = None  # the name of the client key presented (the access log's, its tenant's), and its scope
         if keys is not None and req.path not in self._keyless:
             authorization = req.headers.get(b"authorization")
             key = keys.identify(authorization, req.headers.get(b"x-api-key"))
@@ -207,13 +207,14 @@ class ProxyApp:
                 writer.send(401, body, b"application/json", CHALLENGE)
                 self._served(req, writer, time.perf_counter())
                 return
+            scope = keys.scope(key)  # what the request stores and reads back is its key's (key_scope.py)
         handler = self._routes.get((req.method, req.path))
         if handler is None and req.path.startswith(_MODEL_PREFIX) and req.method in ("GET", "HEAD"):
             handler = self._model_views[1]
         generation = self._generation.get(handler)  # type: ignore[arg-type]
         if generation is not None:
             # It writes its own access-log line.
-            await self.pipeline.handle(req, writer, generation or req.path, key)
+            await self.pipeline.handle(req, writer, generation or req.path, key, scope)
             return
         if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
             await self.forwarder.handle(req, writer, key)
@@ -228,10 +229,10 @@ class ProxyApp:
         if stored is not None:  # a stored response (request/stored_responses.py)
             if await self.pipeline.admit(req, writer, stored[1], t0):
                 try:
-                    await self.pipeline.stored.handle(req, writer, *stored)
+                    await self.pipeline.stored.handle(req, writer, *stored, scope)
                 finally:
                     self.pipeline.leave()
-            self._served(req, writer, t0)
+            self._served(req, writer, t0, key)
             return
         if handler is None:
             allow = self._allow.get(req.path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hmac
 import logging
 
+from epd_proxy.tenants.key_scope import key_scope
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.auth")
@@ -53,13 +54,18 @@ def read_key_file(path: str) -> list[tuple[str, str]]:
     return keys
 
 
-def _named(flag_keys, file_keys: list[tuple[str, str]]) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
-    """The keys and their names, a key given twice kept once (its first name)."""
+def _named(flag_keys, file_keys: list[tuple[str, str]]
+           ) -> tuple[tuple[bytes, ...], tuple[str, ...], dict[str, bytes]]:
+    """The keys and their names, a key given twice kept once (its first name); and each
+    name's scope (tenants/key_scope.py)."""
     pairs = [(f"key{i}", k) for i, k in enumerate(flag_keys, 1)] + file_keys
     seen: dict[bytes, str] = {}
     for name, key in pairs:
         seen.setdefault(key.encode(), name)
-    return tuple(seen), tuple(seen.values())
+    scopes: dict[str, bytes] = {}
+    for key, name in seen.items():
+        scopes.setdefault(name, key_scope(name, key))
+    return tuple(seen), tuple(seen.values()), scopes
 
 
 def bearer_token(authorization: bytes | None) -> bytes | None:
@@ -74,13 +80,13 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 class ClientKeys:
     """The keys clients may present; the flag's keys plus the key file's."""
 
-    __slots__ = ("_fixed", "_file", "_keys", "_names")
+    __slots__ = ("_fixed", "_file", "_keys", "_names", "_scopes")
 
     def __init__(self, keys: tuple[str, ...] | list[str] = (), key_file: str | None = None) -> None:
         self._fixed = tuple(k for k in keys if k)
         self._file = key_file
         file_keys = read_key_file(key_file) if key_file else []
-        self._keys, self._names = _named(self._fixed, file_keys)
+        self._keys, self._names, self._scopes = _named(self._fixed, file_keys)
         if key_file and not file_keys:
             log.warning("--api-key-file %s holds no key%s", key_file,
                         "" if self._fixed else ": every API request gets 401 until it does")
@@ -114,6 +120,10 @@ class ClientKeys:
             hit += i * hmac.compare_digest(token, key)
         return self._names[hit - 1] if hit else None
 
+    def scope(self, name: str | None) -> bytes | None:
+        """The scope of the key named ``name``: what it owns is namespaced by it (key_scope.py)."""
+        return None if name is None else self._scopes.get(name)
+
     def reload(self) -> None:
         """Read the key file again (a reload). If it cannot be read, the keys in force stay and
         ValueError says why (the reload counts as failed)."""
@@ -124,7 +134,7 @@ class ClientKeys:
         except (OSError, ValueError) as exc:
             raise ValueError(f"--api-key-file {self._file}: cannot read it ({_reason(exc)}); "
                              f"the keys in force stay") from None
-        self._keys, self._names = _named(self._fixed, file_keys)
+        self._keys, self._names, self._scopes = _named(self._fixed, file_keys)
         log.info("--api-key-file %s reloaded: %d key(s) in force", self._file, len(self._keys))
 
 
