@@ -101,3 +101,20 @@ async def test_version_and_load_need_a_key_and_answer_with_one(tmp_path):
         for path in ("/version", "/load"):
             assert (await client.request("GET", path)).status == 401, path
             assert (await client.request("GET", path, headers=bearer("secret-a"))).status == 200, path
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/responses/resp_x"), ("POST", "/v1/responses/resp_x/cancel")])
+async def test_a_stored_response_path_spends_its_keys_limits(tmp_path, method, path):
+    """Reading or cancelling a stored response is a request of its key: its limits apply and the
+    access log names it (an unknown id is then 404, as if it did not exist)."""
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    async with stack(api_key_file=str(keys), tenants=TENANTS) as (cluster, proxy, client):
+        out = io.StringIO()
+        proxy.app.pipeline.access_log = AccessLog("json", stream=out)
+        assert (await client.chat(chat_body(), bearer("secret-s"))).status == 200  # its one request
+        limited = await client.request(method, path, b"", bearer("secret-s"))
+        assert limited.status == 429, (limited.status, limited.body[:200])
+        assert (await client.request(method, path, b"", bearer("secret-a"))).status == 404
+        lines = [msgspec.json.decode(line) for line in out.getvalue().splitlines()]
+        assert [line.get("key") for line in lines if line.get("path") == path] == ["spent", "team-a"], lines

@@ -39,6 +39,7 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.observe.metrics import ProxyMetrics, render
+from epd_proxy.observe.tokens import NO_TOKENS
 from epd_proxy.observe.version import VERSION
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES, speaks_anthropic
 from epd_proxy.request.forward import Forwarder
@@ -226,12 +227,17 @@ class ProxyApp:
             return
         t0 = time.perf_counter()
         stored = parse_path(req.method, req.path) if handler is None else None
-        if stored is not None:  # a stored response (request/stored_responses.py)
-            if await self.pipeline.admit(req, writer, stored[1], t0):
+        if stored is not None:  # a stored response (request/stored_responses.py): the key's limits too
+            pipeline = self.pipeline
+            tenants = pipeline.tenants
+            ticket = await pipeline.enter_tenant(req, writer, stored[1], t0, key) if tenants.active else None
+            if (ticket is not None or not tenants.active) and await pipeline.admit(req, writer, stored[1], t0, ticket):
                 try:
-                    await self.pipeline.stored.handle(req, writer, *stored, scope)
+                    await pipeline.stored.handle(req, writer, *stored, scope)
                 finally:
-                    self.pipeline.leave()
+                    pipeline.leave()
+                    if ticket is not None:
+                        tenants.leave(ticket, writer.status or 499, NO_TOKENS)
             self._served(req, writer, t0, key)
             return
         if handler is None:
