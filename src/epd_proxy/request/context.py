@@ -31,7 +31,7 @@ class RequestContext:
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
                  "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models",
                  "conversation", "turn_tried", "kv_reuse", "ids_asked", "kv_outcome", "tokenized",
-                 "_backlog", "placement")
+                 "_backlog", "scope", "placement")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -67,6 +67,9 @@ class RequestContext:
         self.ids_asked = False  # decode was asked for token ids the client did not ask for
         self.kv_outcome: str | None = None  # the turn's outcome (turns/outcomes.py), once looked up
         self.tokenized: list[Instance] | None = None  # instances that tokenized the prompt for the token check
+        # The scope of the client key the request presented (tenants/key_scope.py): what it
+        # stores or reads back (responses, turns, media uuids) is its key's. None without keys.
+        self.scope: bytes | None = None
         self.placement: Placement | None = None  # the last attempt's (placement/decision.py)
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:

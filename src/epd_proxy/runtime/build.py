@@ -123,9 +123,10 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                       shared=state, kv=kv)
     metrics.register(reuse.collector())
     stored = StoredResponses(config, pools["decode"], ResponseOwners(shared=state), metrics, base_headers)
+    metrics.register(stored.collect)
     gate = EntryGate(config, admission, tenants, metrics, recent,
                      access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
-                     if access_log.enabled(config) else None)
+                     if access_log.enabled(config) else None, pools["decode"].models)
     tracer = tracing.from_environment()
     pipeline = Pipeline(config, pools, metrics, known=known, fanout=fanout, connector=connector,
                         decode_only=decode_only, admission=admission, role_caps=role_caps, gate=gate, reuse=reuse,
