@@ -30,8 +30,10 @@ The rules, in order (each one a step here, none anywhere else):
 
 The host lists read are replaced, never changed in place, on every change of state (a
 snapshot); the only state written is the policies' own and the trial share's count, as one
-pick would. :func:`again` makes the placement of a leg anew with more instances excluded
-(a decode that refused the KV hand-over; a stream moved off its decode).
+pick would, and in the request the model key its prefill must serve (an adapter's, on the
+decode's base). :func:`place` called again with more instances in the request's
+``excluded`` is the placement made anew (a stream moved off its decode); :func:`again`
+replaces only the decode (a decode that refused the KV hand-over: the prefill's KV stays).
 """
 
 from __future__ import annotations
