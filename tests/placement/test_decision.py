@@ -294,3 +294,19 @@ async def test_each_media_item_gets_its_encoder_in_the_placement():
     assert place(ctx(), k, True).encoders is None  # no items given: no encode leg
     none = known(encode=InstancePool("encode", ()))
     assert place(ctx(), none, True, None, False, None, items).encoders is None  # the encode stage says why
+
+
+async def test_a_failed_attempt_is_placed_again_only_where_a_decode_can_take_it():
+    from epd_proxy.placement.decision import worth_retrying
+    k = known()
+    a, b = k.decode.instances
+    c = ctx()
+    c.failed(a)
+    assert worth_retrying(c, k, unsent=True)  # b has not failed it
+    c.failed(b)
+    assert not worth_retrying(c, k, unsent=True)  # both refused it: the failure is the answer
+    assert worth_retrying(c, k, unsent=False)  # failed for the request's sake, still in rotation
+    c.timed_out_on(a)
+    c.timed_out_on(b)
+    assert not worth_retrying(c, k, unsent=False)  # none that did not time out on it
+    assert worth_retrying(c, known(prefill=InstancePool("prefill", ()), decode=k.decode), unsent=True)  # no prefill

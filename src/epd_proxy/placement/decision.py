@@ -220,6 +220,20 @@ def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
     return chosen
 
 
+def worth_retrying(ask: Asking, known: Known, unsent: bool) -> bool:
+    """Whether a failed attempt is worth placing again. A retry runs prefill again: only worth
+    it when a decode can take the request now, one that has not failed it, or one still in
+    rotation that failed it for the request's sake (an HTTP 500, an in-band error), not by
+    refusing it (``unsent``) or timing out. Otherwise the failure is the answer, and no
+    prefill's KV is left held for a decode that will not read it."""
+    models = ask.models
+    decode = known.decode
+    if not known.prefill.instances or decode.spare(ask.excluded, None if models is None else models.get("decode")):
+        return True
+    return not unsent and any(i.healthy and i in ask.excluded and i not in ask.timed_out
+                              for i in decode.instances)
+
+
 def _encoders(ask: Asking, known: Known, items: Sequence[MediaItem]) -> tuple[list, list] | None:
     """Step 6: each media item's encoder (placement/media.py), among the encoders with room."""
     assert known.encode is not None

@@ -29,7 +29,7 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
-from epd_proxy.placement.decision import HOLDS_PROMPT, Known, Placement, again, place
+from epd_proxy.placement.decision import HOLDS_PROMPT, Known, Placement, again, place, worth_retrying
 from epd_proxy.request.admission import ADMIT, SHED, Admission
 from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import (
@@ -272,7 +272,7 @@ class Pipeline:
                 try:
                     return await self._attempt(ctx, body, items)
                 except ProxyError as err:
-                    if not err.retryable or attempt >= self.retries or not self._may_retry(ctx, err):
+                    if not err.retryable or attempt >= self.retries or not worth_retrying(ctx, self.known, err.unsent):
                         raise
                     drop_traceback(err)
                     attempt += 1
@@ -492,17 +492,6 @@ class Pipeline:
         rid = response_id(leg.body, False) if leg.body is not None else response_id(leg.first, True)
         if rid:
             self.stored.owners.remember(rid, leg.inst.url, scope)
-
-    def _may_retry(self, ctx: RequestContext, err: ProxyError) -> bool:
-        """A retry runs prefill again: only worth it when a decode can take the request now,
-        one that has not failed it, or one still in rotation that failed it for the request's
-        sake (an HTTP 500, an in-band error), not by refusing it or timing out. Otherwise the
-        failure is the answer, and no prefill's KV is left held for a decode that will not
-        read it."""
-        if not self.prefill or self.decode.spare(ctx.excluded, ctx.model_for("decode")):
-            return True
-        return not err.unsent and any(i.healthy and i in ctx.excluded and i not in ctx.timed_out
-                                      for i in self.decode.instances)
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
         """A leg still running when the response is over: left to finish in the background
