@@ -125,7 +125,7 @@ class Pipeline:
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.state = state  # the shared state store, if any (state/)
         self.stored = StoredResponses(config, self.decode, ResponseOwners(shared=state), metrics, base_headers)
-        # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
+        # Multi-turn KV reuse (turns/reuse.py): decode's parameters kept for each conversation's next turn.
         self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
                                decode_only=decode_only, models=self.models, base_headers=base_headers,
                                shared=state, kv=kv)
@@ -211,7 +211,7 @@ class Pipeline:
         if body.get("stream") is True:
             rec.stream = True
             # Every stream's tokens are counted: decode is asked for its usage event, which
-            # the client gets only if it asked for it too (hidden_usage.py).
+            # the client gets only if it asked for it too (usage/hidden.py).
             options = stream_options_with_usage(body.get("stream_options")) if api is None else None
             if options is not None:
                 body["stream_options"] = options
@@ -279,7 +279,7 @@ class Pipeline:
         self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
         ok = False
         try:
-            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
+            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage/rewrite.py)
             api = ctx.api
             if api is not None:
                 report = report if api.rewrite_usage else None
@@ -333,7 +333,7 @@ class Pipeline:
 
     async def _relay_kept(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                           headers: Headers, report: object, hide: bool, api: GenerationApi | None) -> StreamRelay:
-        """A stream where decodes keep blocks: its last event's parameters (turn_streams.py)
+        """A stream where decodes keep blocks: its last event's parameters (turns/streams.py)
         taken out by a relay that looks at the ending events, and with the token ids decode
         holds in the stream (generate's; chat's and completions' when the client asked), the
         whole stream kept to read the answer back for the next turn."""
