@@ -6,11 +6,12 @@ from collections import Counter
 
 import msgspec
 import pytest
+from rendezvous import rendezvous_order
 
 from epd_proxy.encode.multimodal import collect_media
 from epd_proxy.instances.load_signals import LoadSignals
 from epd_proxy.routing import encoders
-from epd_proxy.routing.cache_aware import CacheAware, rendezvous_order
+from epd_proxy.routing.cache_aware import CacheAware
 from epd_proxy.routing.encoders import WORK_DEFAULT, WORK_MAX, WORK_MIN, item_work
 from epd_proxy.routing.view import key_of
 from epd_proxy.wire.blobs import decode_chat_body

@@ -348,9 +348,6 @@ class InstancePool:
             inst.expiry = None
 
     # -- probes ---------------------------------------------------------------------------
-    async def probe_once(self, timeout: float) -> None:
-        await asyncio.gather(*(self._probe(i, timeout) for i in self.instances))
-
     async def _probe(self, inst: Instance, timeout: float) -> None:
         t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         try:

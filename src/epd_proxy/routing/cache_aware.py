@@ -231,9 +231,3 @@ OPEN_WINDOW = 512
 # Conversations whose last turn's instance ``CacheAware`` keeps (about 130 bytes each, so
 # under 10 MB when full, measured with tracemalloc).
 HOMES = 65536
-
-
-def rendezvous_order(urls: Sequence[str], key: int) -> list[str]:
-    """The URLs in rendezvous order for ``key`` (what ``cache-aware`` tries first to last
-    when every instance is within the load bound)."""
-    return sorted(urls, key=lambda u: mix64(key ^ instance_seed(u)), reverse=True)
