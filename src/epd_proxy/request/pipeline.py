@@ -51,6 +51,7 @@ from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
+from epd_proxy.request.shared_homes import shared_homes
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turns.multiturn import (
     LOCAL_PREFILL_PARAMS,
@@ -137,6 +138,7 @@ class Pipeline:
         # The key's limits and the slot, before the body is read (entry_gate.py).
         self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log)
         self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
+        self.homes = shared_homes(state, pools)  # where other replicas sent turns (shared_homes.py)
 
     @property
     def access_log(self) -> AccessLog | None:
@@ -445,6 +447,8 @@ class Pipeline:
         kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
+        if self.homes is not None and ctx.view is not None:
+            await self.homes.recall(ctx.view)
         d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
         # Every instance left has failed this request: never one that timed out on it.
         if ctx.timed_out:
