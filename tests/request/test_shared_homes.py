@@ -104,6 +104,14 @@ async def _agreement(state_store: str | None) -> float:
                     messages = messages + [{"role": "assistant", "content": reply.text()}]
             try:
                 await asyncio.gather(*(conversation(c) for c in range(12)))
+                if state_store:  # what each proxy shared and found, on /metrics
+                    for c in clients:
+                        metrics = (await c.request("GET", "/metrics")).body
+                        assert b'epd_proxy_shared_homes_total{event="published"}' in metrics
+                    found = [p.app.pipeline.homes.found for p in (one, two)]
+                    assert sum(found) > 0, found
+                else:
+                    assert one.app.pipeline.homes is None
             finally:
                 for c in clients:
                     await c.close()

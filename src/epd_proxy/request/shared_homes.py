@@ -78,9 +78,15 @@ class SharedHomes:
     def _key(self, role: bytes, anchor: int, mark: int) -> bytes:
         return self.store.key(b"home-" + role, anchor.to_bytes(16, "big") + mark.to_bytes(16, "big"))
 
+    def collect(self, f: dict[str, list]) -> None:
+        """What ``/metrics`` shows: ``epd_proxy_shared_homes_total`` by event."""
+        f["epd_proxy_shared_homes"] += [["published", self.published], ["dropped", self.dropped],
+                                        ["recalled", self.recalls], ["found", self.found]]
+
 
 def shared_homes(store: GuardedStore | None, pools: dict[str, InstancePool]) -> SharedHomes | None:
     """The shell when there is a store and a ``cache-aware`` pool, else None (nothing paid)."""
     if store is None or not any(isinstance(p.policy, CacheAware) for p in pools.values()):
         return None
     return SharedHomes(store, pools)
+
