@@ -31,6 +31,11 @@ def test_every_offset_of_the_base64_reads_the_bytes_it_encodes():
             assert read(offset, length) == data[offset:offset + length]
     assert read(len(data) - 2, 10) == data[-2:]
     assert read(-1, 4) == b"" and read(0, 0) == b""
+    # within a longer text (a data: URL's), bytes or str alike
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    for text in (url, url.encode(), memoryview(url.encode())):
+        read = base64_reader(text, url.index(",") + 1)
+        assert read(7, 5) == data[7:12] and read(0, 3) == data[:3]
 
 
 @pytest.mark.parametrize("data", [

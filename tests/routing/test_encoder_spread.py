@@ -4,6 +4,7 @@ size exactly level in every topology), one image sent ten times stays on one enc
 ``round-robin`` keeps the reference's rotation."""
 
 import asyncio
+import base64
 from collections import Counter
 
 import pytest
@@ -51,6 +52,22 @@ async def test_thirty_new_inline_images_of_one_size_spread_exactly_level(topolog
             image = data_url(png(160, 160, seed=k)) if k % 2 else data_url(
                 jpeg(160, 160, exif=97 * k, payload=5000 + 3001 * k), "image/jpeg")
             reply = await client.chat(chat_body("What is it?", images=[image]))
+            assert reply.status == 200, reply.body
+        counts = items_per_encoder(cluster)
+        assert sorted(counts.values()) == [10, 10, 10], counts
+
+
+async def test_thirty_new_images_in_messages_blocks_spread_exactly_level():
+    """The same through /v1/messages (base64 image blocks, E+PD): its items are the chat
+    parts vLLM makes of them, read alike."""
+    async with stack(encode=3, prefill=0, decode=1) as (cluster, proxy, client):
+        for k in range(30):
+            data = png(160, 160, seed=k) if k % 2 else jpeg(160, 160, exif=97 * k, payload=5000 + 3001 * k)
+            source = {"type": "base64", "media_type": "image/png" if k % 2 else "image/jpeg",
+                      "data": base64.b64encode(data).decode()}
+            body = {"model": "sim-model", "max_tokens": 4, "messages": [
+                {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "What?"}]}]}
+            reply = await client.post("/v1/messages", body)
             assert reply.status == 200, reply.body
         counts = items_per_encoder(cluster)
         assert sorted(counts.values()) == [10, 10, 10], counts

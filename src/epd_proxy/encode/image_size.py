@@ -24,20 +24,21 @@ _SOF = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0x
 Reader = Callable[[int, int], bytes]  # (offset, length) -> up to length bytes of the image
 
 
-def base64_reader(data: bytes | memoryview) -> Reader:
-    """Random access into the bytes ``data`` (base64 text) encodes, decoding only the
-    quads that cover each read."""
+def base64_reader(text: bytes | memoryview | str, start: int = 0) -> Reader:
+    """Random access into the bytes the base64 ``text[start:]`` encodes, decoding only the
+    quads that cover each read (nothing else of ``text`` is copied)."""
     def read(offset: int, length: int) -> bytes:
         if offset < 0 or length <= 0:
             return b""
-        first = offset // 3
-        last = (offset + length + 2) // 3
-        chunk = bytes(data[4 * first:4 * last])
+        first = start + 4 * (offset // 3)
+        last = start + 4 * ((offset + length + 2) // 3)
+        piece = text[first:last]
+        chunk = piece.encode("ascii", "replace") if isinstance(piece, str) else bytes(piece)
         try:
             raw = binascii.a2b_base64(chunk, strict_mode=True)
         except (binascii.Error, ValueError):
             return b""
-        skip = offset - 3 * first
+        skip = offset % 3
         return raw[skip:skip + length]
     return read
 

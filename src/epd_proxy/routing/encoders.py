@@ -68,8 +68,7 @@ def item_work(item: MediaItem) -> float:
     if not lead[:comma].endswith(b";base64"):
         return _clamp(size)
     if lead[5:11].lower() == b"image/":
-        data = url.value if isinstance(url, Blob) else url.encode()
-        pixels = image_size(base64_reader(memoryview(data)[comma + 1:]))
+        pixels = image_size(base64_reader(url.value if isinstance(url, Blob) else url, comma + 1))
         if pixels is not None:
             return min(WORK_MAX, max(WORK_MIN, pixels[0] * pixels[1] / PIXELS_PER_TOKEN))
     return _clamp(size * 3 / 4)
