@@ -104,10 +104,6 @@ class ClientKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def allows(self, authorization: bytes | None) -> bool:
-        """Whether the header carries a valid key (every key is compared, in constant time)."""
-        return self.identify(authorization) is not None
-
     def identify(self, authorization: bytes | None, api_key: bytes | None = None) -> str | None:
         """The name of the valid key the headers carry (``Authorization: Bearer``, else
         ``X-Api-Key``), None if they carry none. Every key is compared, in constant time, and

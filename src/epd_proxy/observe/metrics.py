@@ -244,6 +244,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_state_store_up": ("gauge", "1 while the shared state store answers (0: down, calls skipped until "
                                  "a probe succeeds), by kind (redis, parent); summed over --workers.",
                                  ("store",)),
+    "epd_proxy_shared_homes": ("counter", "cache-aware's conversation placements shared through the state store, "
+                               "by event: published (a turn placed off the rendezvous order, written), "
+                               "dropped (not written: too many writes in flight), recalled (a turn whose "
+                               "previous turn another replica routed, looked up), found (and its placement "
+                               "found).", ("event",)),
     "epd_proxy_lora_calls": ("counter", "LoRA adapter loads and unloads this proxy made on instances, one per "
                              "instance: by trigger (admin: POST /v1/load_lora_adapter or /v1/unload_lora_adapter "
                              "through the proxy; on_demand: a request named an adapter a source knows), verb and "

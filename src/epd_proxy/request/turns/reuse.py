@@ -251,7 +251,7 @@ class TurnReuse:
                     reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
                 self.release(stale)
             asked = tokenize_body(body)
-        else:  # completions, generate (turn_prompts.py)
+        else:  # completions, generate (turns/prompts.py)
             material = prompt_material(body, ctx.path)
             scope = ctx.scope or b""
             prefix = None if material is None else prefix_key(body, ctx.path, material[0], scope)
