@@ -310,6 +310,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cluster file (TOML) holding any of these flags as keys and the instances with "
                         "their attributes; flags given here override it; re-read on SIGHUP and when it "
                         "changes (see 'epd-proxy check-config')")
+    p.add_argument("--allow-empty-roles", action="append", default=[], metavar="ROLE,...",
+                   help="roles (encode, prefill, decode) a reload may leave with no instance; a reload that "
+                        "would empty any other role running instances is refused and the running roster kept "
+                        "(repeatable, comma-separated; default none; usually a cluster-file key)")
     p.add_argument("--dns-interval", type=float, default=defaults.dns_interval,
                    help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
                         f"shorter record TTL (at least 1 s) is honoured (default {defaults.dns_interval:g} s)")
@@ -531,11 +535,24 @@ class ServeSettings:
                 validate_config(cfg)
             except ConfigErrors as exc:
                 errors += exc.errors
+        errors += _unknown_roles(split_instances(getattr(args, "allow_empty_roles", None)))
         if NO_DECODE in errors and split_instances(args.decode):
             errors.remove(NO_DECODE)  # decode instances were given: their own lines say what is wrong
         if errors:
             raise ConfigErrors(errors)
         return cfg
+
+
+def _unknown_roles(roles: list[str]) -> list[str]:
+    import difflib
+
+    out = []
+    for role in roles:
+        if role not in ROLES:
+            close = difflib.get_close_matches(role, ROLES, n=1)
+            out.append(f"allow_empty_roles: unknown role {role!r}"
+                       + (f" (did you mean {close[0]!r}?)" if close else f"; roles are {', '.join(ROLES)}"))
+    return out
 
 
 def error_text(exc: ValueError, path: str | None) -> str:
