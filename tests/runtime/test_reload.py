@@ -163,14 +163,18 @@ async def test_sighup_reloads_a_single_process(tmp_path):
 
 def test_a_reload_may_empty_only_the_roles_its_file_allows():
     running = argparse.Namespace(encode=["http://e:1"], prefill=None, decode=["http://d:1,http://d:2"])
-    parser = build_parser()
-    emptied = parser.parse_args(["serve", "--decode", "http://d:1"])
-    config = ServeSettings(["serve", "--decode", "http://d:1"], emptied).config(emptied)
-    assert emptied_roles(running, config, None) == ["encode"]
-    assert emptied_roles(running, config, ["encode"]) == []
-    assert emptied_roles(running, config, ["prefill,encode"]) == []
-    dns = parser.parse_args(["serve", "--encode", "dns+http://e.svc:1", "--decode", "http://d:3"])
-    assert emptied_roles(running, ServeSettings([], dns).config(dns), None) == []  # a name is an instance
+
+    def config(*flags):
+        args = build_parser().parse_args(["serve", *flags])
+        return ServeSettings(["serve", *flags], args).config(args)
+
+    emptied = config("--decode", "http://d:1")
+    assert emptied_roles(running, emptied) == ["encode"] and emptied_roles(running, emptied, allowed=True) == []
+    allowed = config("--decode", "http://d:1", "--allow-empty-roles", "prefill,encode")
+    assert allowed.allow_empty_roles == ("prefill", "encode")
+    assert emptied_roles(running, allowed) == [] and emptied_roles(running, allowed, allowed=True) == ["encode"]
+    dns = config("--encode", "dns+http://e.svc:1", "--decode", "http://d:3")
+    assert emptied_roles(running, dns) == []  # a name is an instance
 
 
 async def _status_roles(proxy: ProxyProcess) -> dict:
@@ -242,6 +246,6 @@ def test_allow_empty_roles_names_roles_only(tmp_path):
     try:
         settings.config(settings.started)
     except ValueError as exc:
-        assert "allow_empty_roles: unknown role 'encoder' (did you mean 'encode'?)" in str(exc)
+        assert "--allow-empty-roles 'encoder': not a role (did you mean 'encode'?)" in str(exc)
     else:
         raise AssertionError("accepted")

@@ -15,6 +15,7 @@ import os
 import sys
 
 from epd_proxy.cli.cluster_file import ClusterFileError, Option, read_cluster_path
+from epd_proxy.cli.parser import Parser
 from epd_proxy.config import (
     ALWAYS_FORWARDED,
     ENCODER_FALLBACKS,
@@ -336,7 +337,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_parser() -> argparse.ArgumentParser:
     """The ``serve`` flags alone (what the cluster file may set, and which flags were given)."""
-    parser = argparse.ArgumentParser(prog="epd-proxy serve")
+    parser = Parser(prog="epd-proxy serve")
     add_arguments(parser)
     return parser
 
@@ -456,6 +457,7 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         log_format=args.log_format,
         trusted_proxies=tuple(split_instances(args.trusted_proxies)),
         metrics_max_models=args.metrics_max_models,
+        allow_empty_roles=tuple(split_instances(args.allow_empty_roles)),
         tenants=getattr(args, "tenants", None),  # cluster-file tables, no flags
         model_aliases=getattr(args, "model_aliases", None),
     )
@@ -528,14 +530,14 @@ class ServeSettings:
         errors: list[str] = []
         cfg = config_from_args(args, errors)
         errors += serve_options(args).problems()
-        if not args.simulate:
-            from epd_proxy.api.app import validate_config
+        from epd_proxy.api.app import validate_config, validate_tables
 
-            try:
-                validate_config(cfg)
-            except ConfigErrors as exc:
-                errors += exc.errors
-        errors += _unknown_roles(split_instances(getattr(args, "allow_empty_roles", None)))
+        try:  # simulated instances are the simulator's: only the client keys and the tables to check
+            (validate_tables if args.simulate else validate_config)(cfg)
+        except ConfigErrors as exc:
+            errors += exc.errors
+        if args.simulate:
+            errors += _simulate_spec(args.simulate)
         if NO_DECODE in errors and split_instances(args.decode):
             errors.remove(NO_DECODE)  # decode instances were given: their own lines say what is wrong
         if errors:
@@ -543,16 +545,15 @@ class ServeSettings:
         return cfg
 
 
-def _unknown_roles(roles: list[str]) -> list[str]:
-    import difflib
+def _simulate_spec(spec: str) -> list[str]:
+    """``--simulate``'s spec read as the simulator will (one line for a mistake, no traceback)."""
+    from epd_proxy.sim.cluster import SimCluster
 
-    out = []
-    for role in roles:
-        if role not in ROLES:
-            close = difflib.get_close_matches(role, ROLES, n=1)
-            out.append(f"allow_empty_roles: unknown role {role!r}"
-                       + (f" (did you mean {close[0]!r}?)" if close else f"; roles are {', '.join(ROLES)}"))
-    return out
+    try:
+        SimCluster.from_spec(spec)
+    except (ValueError, TypeError) as exc:
+        return [f"--simulate {spec!r}: {exc}"]
+    return []
 
 
 def error_text(exc: ValueError, path: str | None) -> str:

@@ -44,11 +44,11 @@ def restart_needed(old: argparse.Namespace, new: argparse.Namespace) -> list[str
                   if key not in RELOADED and before.get(key) != after.get(key))
 
 
-def emptied_roles(running: argparse.Namespace, config: ProxyConfig, allowed: list[str] | None) -> list[str]:
+def emptied_roles(running: argparse.Namespace, config: ProxyConfig, *, allowed: bool = False) -> list[str]:
     """The roles the running settings give instances (URLs or DNS names) that ``config``
-    leaves with none, less those ``allowed`` (the new file's ``allow_empty_roles``) names."""
+    leaves with none: those its ``allow_empty_roles`` does not name (``allowed``: those it does)."""
     return [role for role in ROLES
-            if role not in split_instances(allowed) and split_instances(getattr(running, role, None))
+            if (role in config.allow_empty_roles) == allowed and split_instances(getattr(running, role, None))
             and not getattr(config, role) and not any(spec.role == role for spec in config.discover)]
 
 
@@ -157,13 +157,13 @@ class Reloader:
         if self.simulated is not None:
             config = config_for_addresses(self.simulated, config)
         else:
-            emptied = emptied_roles(self.args, config, getattr(args, "allow_empty_roles", None))
+            emptied = emptied_roles(self.args, config)
             if emptied:
                 log.warning("reload: %s leaves %s with no instance; keeping the running configuration "
                             "(to empty a role on purpose, name it in allow_empty_roles)", path,
                             " and ".join(emptied))
                 return False
-            drained = emptied_roles(self.args, config, None)
+            drained = emptied_roles(self.args, config, allowed=True)
             if drained:
                 log.warning("reload: %s empties %s, as its allow_empty_roles says", path, " and ".join(drained))
         changed = restart_needed(self.args, args)

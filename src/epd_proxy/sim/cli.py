@@ -129,6 +129,7 @@ async def run_cluster(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd_proxy.sim", description="Simulated vLLM cluster")
+    parser = argparse.ArgumentParser(prog="python -m epd_proxy.sim", description="Simulated vLLM cluster",
+                                     allow_abbrev=False)
     add_arguments(parser)
     return run(parser.parse_args(argv))
