@@ -292,7 +292,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default none: the API is open); /health and /ready stay open, /instances, /status "
                         "and /metrics then need --admin-api-key")
     p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
-                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
+                   help="more client keys, one per line as name:key ('#' comments; the name is what logs, "
+                        "metrics and [[tenants.keys]] know it by; a key alone is named line<N>, refused with a "
+                        "[tenants] table), read again on SIGHUP")
     p.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,
                    help="insist on an admin key: /metrics needs it (as X-API-Key or Bearer) whenever "
                         "--admin-api-key is set anyway")
