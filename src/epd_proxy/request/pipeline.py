@@ -351,7 +351,7 @@ class Pipeline:
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
         elif relay.error is None and api is None:
-            self.reuse.stream_ended_plain(ctx, leg.inst)
+            self.reuse.stream_ended_plain(ctx, leg.inst, body)
         return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
