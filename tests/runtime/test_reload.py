@@ -249,3 +249,19 @@ def test_allow_empty_roles_names_roles_only(tmp_path):
         assert "--allow-empty-roles 'encoder': not a role (did you mean 'encode'?)" in str(exc)
     else:
         raise AssertionError("accepted")
+
+
+async def test_a_reload_keeps_the_simulated_instances_of_every_worker(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text('simulate = "decode=2"\nworkers = 2\n[tenants.default]\nrequests_per_minute = 1000\n')
+    async with ProxyProcess(["--config", str(path), "--probe-interval", "0"]) as proxy:
+        before = await _roster_of_every_worker(proxy, 2, lambda urls: len(urls) == 2)
+        proxy.proc.send_signal(signal.SIGHUP)
+        await proxy.wait_log(f"reload: {path} applied (0 encode, 0 prefill, 2 decode)", count=2)
+        after = await _roster_of_every_worker(proxy, 2, lambda urls: len(urls) == 2)
+        assert sorted(map(tuple, after.values())) == sorted(map(tuple, before.values()))
+        client = Client(proxy.url)
+        try:
+            assert (await client.chat(chat_body())).status == 200
+        finally:
+            await client.close()
