@@ -214,3 +214,11 @@ def test_no_parser_takes_an_abbreviated_flag():
     for sub in (parser, *parser.commands.values()):
         assert sub.allow_abbrev is False, sub.prog
     assert _run("check-config", "--hel").returncode == 2
+
+
+def test_a_simulator_spec_mistake_is_one_line():
+    proc = _run("sim", "--spec", "prefil=1")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "epd-proxy sim: unknown topology spec key 'prefil' (did you mean 'prefill'?); keys: encode, prefill, decode, "
+        "pd (counts), kv, base_port, host, a simulator setting (e.g. itl_ms) or ROLE.setting"]
