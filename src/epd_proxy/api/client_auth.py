@@ -31,9 +31,6 @@ log = logging.getLogger("epd_proxy.auth")
 _BEARER = b"bearer "
 
 
-KEY_FILE_FORMAT = "one key per line as name:key ('#' comments)"
-
-
 def read_key_file(path: str, *, named: bool = False) -> list[tuple[str, str]]:
     """The ``(name, key)`` pairs of a key file; OSError/ValueError with the reason if it
     cannot be read. ``named`` (a ``[tenants]`` table is configured): a key without a name
