@@ -165,7 +165,8 @@ async def test_kv_events_held_kv_and_each_turn_s_reuse_outcome():
             by_role["decode"]["url"]]
         every = state["traffic"]["models"]["*"]
         assert (every["kv_turns"], every["reused_turns"]) == (1, 1)
-        assert state["panel"] == {"state_store": None, "tenants": None, "tenants_store": None}
+        assert state["panel"] == {"state_store": None, "tenants": None, "tenants_store": None,
+                                  "tenants_store_up": None}
 
 
 async def test_without_kv_events_an_instance_says_not_configured_and_tenants_show_their_use(tmp_path):
@@ -201,3 +202,18 @@ async def test_the_proxy_panel_shows_the_shared_store_up_then_down(redis_server)
             assert (await client.chat(body)).status == 200
         store = (await client.request("GET", "/console/api/state")).json()["panel"]["state_store"]
         assert store["up"] is False and store["down_since"] > 0 and store["state_text"].startswith("down")
+
+
+async def test_shared_tenant_counters_are_not_called_shared_while_their_store_is_down(tmp_path, redis_server):  # noqa: F811
+    keys = tmp_path / "keys"
+    keys.write_text("team-a:secret-a\n")
+    tenants = {"keys": [{"name": "team-a", "requests_per_minute": 100}]}
+    async with stack(api_key_file=str(keys), tenants=tenants, admin_api_key="admin",
+                     state_store=redis_server.url) as (_, _p, client):
+        admin = [(b"x-api-key", b"admin")]
+        assert (await client.chat(chat_body(), [(b"authorization", b"Bearer secret-a")])).status == 200
+        panel = (await client.request("GET", "/console/api/state", headers=admin)).json()["panel"]
+        assert (panel["tenants_store"], panel["tenants_store_up"]) == ("shared", True)
+        redis_server.stop()
+        panel = (await client.request("GET", "/console/api/state", headers=admin)).json()["panel"]
+        assert (panel["tenants_store"], panel["tenants_store_up"]) == ("shared", False)

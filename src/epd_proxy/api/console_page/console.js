@@ -105,9 +105,22 @@ function groupByRole(instances) {
   return out;
 }
 
+// A KV cache's fill: precise when small (a large cache under light load is a fraction of a
+// per cent, never "0 %" while blocks are in use), with its blocks when the instance says its size.
+function kvUsageText(load) {
+  const u = load.kv_usage;
+  const digits = u === 0 || u >= 0.1 ? 0 : u >= 0.01 ? 1 : 2;
+  let text = `KV cache ${(u * 100).toFixed(digits)} %`;
+  if (u > 0 && u < 0.0001) text = "KV cache < 0.01 %";
+  if (load.kv_blocks) text += ` (${Math.round(u * load.kv_blocks).toLocaleString("en")} of ${load.kv_blocks.toLocaleString("en")} blocks)`;
+  return text;
+}
+
+// What an instance's own /metrics said. An encoder holds no KV for the requests: its queue is what counts.
 function loadText(inst) {
   if (!inst.load) return "not scraped";
-  return `KV cache ${pct(inst.load.kv_usage)} · ${num(inst.load.waiting, 0)} waiting · ${num(inst.load.others, 0)} not ours`;
+  const queue = `${num(inst.load.waiting, 0)} waiting · ${num(inst.load.others, 0)} not from this proxy`;
+  return inst.role === "encode" ? queue : `${kvUsageText(inst.load)} · ${queue}`;
 }
 
 function plural(n, word) { return `${n} ${word}${n === 1 ? "" : "s"}`; }
@@ -146,7 +159,7 @@ function instanceCard(inst, workers) {
   if (workers > 1) fact("In rotation in", `${inst.workers_in_rotation} of ${inst.workers} workers`);
   fact("Source", inst.source || "–");
   fact("In flight", String(inst.inflight));
-  fact("Load", loadText(inst));
+  fact(inst.role === "encode" ? "Queue" : "Load", loadText(inst), { "data-load": inst.role });
   fact("Requests", String(inst.requests));
   const errors = Object.entries(inst.errors).map(([k, n]) => `${k} ${n}`).join(", ");
   fact("Errors", errors || "none");
@@ -180,11 +193,12 @@ function drawModels(state) {
     const m = state.models[name];
     const roles = Object.entries(m.roles).map(([role, n]) => `${ROLE_SHORT[role] || role} ${n.in_rotation} in, ${n.out} out`);
     const ready = m.ready ? (m.media === false ? "✓ text only (no encoder)" : "✓ ready") : "✕ not ready";
+    // data-label: a narrow screen shows each row as a block, every cell under its column's name.
     body.append(el("tr", { "data-model": name, className: m.ready ? "" : "failed" },
       el("th", { scope: "row", text: name + (m.parent ? ` (adapter of ${m.parent})` : "") }),
-      el("td", { text: ready }),
-      el("td", { text: roles.join(" · ") }),
-      el("td", { text: m.why || "–" })));
+      el("td", { text: ready, "data-label": "Can serve" }),
+      el("td", { text: m.why || "–", "data-label": "Why not", "data-why": m.why ? "yes" : "" }),
+      el("td", { text: roles.join(" · "), "data-label": "Instances per role" })));
   }
 }
 
@@ -212,7 +226,10 @@ function drawPanel(state) {
   const body = $("tenants").tBodies[0];
   body.replaceChildren();
   if (!tenants) return;
-  $("tenants-store").textContent = panel.tenants_store ? `(counters ${panel.tenants_store}${state.workers > 1 ? ", as the worker that answered sees them" : ""})` : "";
+  let counters = panel.tenants_store ? `(counters ${panel.tenants_store}${state.workers > 1 ? ", as the worker that answered sees them" : ""})` : "";
+  if (panel.tenants_store_up === false) counters = "(counters shared: ✕ the store does not answer, their use is not known now)";
+  $("tenants-store").textContent = counters;
+  $("tenants-store").dataset.store = panel.tenants_store_up === false ? "down" : (panel.tenants_store || "");
   for (const key of tenants) {
     const limits = key.limits.map((l) => `${l.limit_name} ${l.used ?? "?"} of ${l.limit}${l.share === null ? "" : ` (${pct(l.share)})`}`);
     body.append(el("tr", { "data-tenant": key.key },
