@@ -110,6 +110,11 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0}
                 found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
                 assert len(found["requests"]) == 1
+                # Both workers publish their summary to the parent's table: one proxy, two workers.
+                gw = state["gateway"]
+                assert gw["shared"] and gw["scope"] == "proxy" and gw["scope_text"].startswith("one proxy")
+                [replica] = gw["replicas"]
+                assert (replica["workers"], replica["workers_publishing"], replica["state"]) == (2, 2, "live"), gw
 
 
 async def test_requests_shed_at_admission_count_as_errors_by_kind():

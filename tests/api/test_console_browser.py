@@ -240,3 +240,54 @@ async def test_at_400_px_why_a_model_or_instance_is_out_is_on_screen_and_encoder
     assert "Queue" in encoder and "not from this proxy" in encoder and "KV cache" not in encoder, encoder
     [prefill] = [text for key, text in cards.items() if key.startswith("prefill ")]
     assert re.search(r"KV cache [\d.]+ % \([\d,]+ of 65,536 blocks\)", prefill), prefill
+
+
+_CHARTS = """(() => Object.fromEntries([...document.querySelectorAll('#charts figure')].map((f) => [f.dataset.chart, {
+  label: f.querySelector('svg').getAttribute('aria-label'), caption: f.querySelector('figcaption').textContent,
+  lines: [...f.querySelectorAll('polyline')].map((p) => ({series: p.dataset.series,
+    ys: p.getAttribute('points').split(' ').filter(Boolean).map((xy) => Number(xy.split(',')[1]))})),
+  legend: [...f.querySelectorAll('.legend li')].map((li) => li.textContent)}])))()"""
+
+
+def _chart_look(url: str, profile: str, shot: str) -> dict:
+    with Page(profile, 1300, 1800) as page:
+        page.open(url)
+        page.wait_for("(document.querySelector('[data-chart=rps] svg') || {dataset: {}}).dataset.points >= 4", 30)
+        page.evaluate("document.getElementById('traffic-h').scrollIntoView()")
+        page.screenshot(shot, full=False)
+        return page.evaluate(_CHARTS)
+
+
+async def test_the_traffic_charts_draw_the_last_minutes_from_the_polls(tmp_path):
+    """Under load, the page's small charts (requests/s, errors, TTFT and ITL p50/p99, reused
+    turns, the requests on each instance) grow a point per poll, drawn as inline SVG."""
+    sim = SimConfig(itl_ms=2, ttft_ms=3)
+    async with stack(prefill=1, decode=2, sim=sim) as (cluster, proxy, client):
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            i = 0
+            while not stop.is_set():
+                await client.chat(chat_body(f"chart {i}", stream=True, max_tokens=8))
+                i += 1
+                await asyncio.sleep(0.01)
+
+        await client.request("GET", "/console/api/state")
+        loader = asyncio.get_running_loop().create_task(load())
+        try:
+            shot = tmp_path / "console-charts.png"
+            charts = await in_thread(_chart_look, f"{proxy.url}/console", str(tmp_path / "profile"), str(shot))
+        finally:
+            stop.set()
+            await loader
+        print(f"\nconsole charts screenshot: {shot}")
+        urls = cluster.urls("prefill") + cluster.urls("decode")
+    assert set(charts) == {"rps", "errors", "ttft", "itl", "reused", "load"}
+    [rps] = charts["rps"]["lines"]
+    assert len(rps["ys"]) >= 4 and min(rps["ys"]) < 80  # points, off the floor: requests were served
+    assert [line["series"] for line in charts["ttft"]["lines"]] == ["p50", "p99"]
+    assert all(len(line["ys"]) >= 4 for line in charts["ttft"]["lines"] + charts["itl"]["lines"])
+    assert "requests / s, over the last 60 s: now" in charts["rps"]["label"]
+    # One line per instance, named in the legend.
+    assert len(charts["load"]["lines"]) == 3
+    assert sorted(u.split("//")[1] in " ".join(charts["load"]["legend"]) for u in urls) == [True] * 3

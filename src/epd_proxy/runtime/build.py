@@ -20,6 +20,7 @@ from epd_proxy.api.admin import AdminApi
 from epd_proxy.api.app import ProxyApp, log_requests, validate_config
 from epd_proxy.api.client_auth import ClientKeys
 from epd_proxy.api.console import ConsoleApi
+from epd_proxy.api.gateway import GatewayBoard
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.http import Headers
@@ -117,9 +118,13 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     metrics.register(kv.collect)
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
+    # With a shared store, each process publishes a summary of itself for every console (the gateway).
+    board = None if state is None else GatewayBoard(state, metrics, membership,
+                                                    worker=None if siblings is None else siblings.index,
+                                                    workers=1 if siblings is None else siblings.count)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
                          siblings=siblings, kv_events=kv_events, reuse=pipeline.reuse, state=state,
-                         tenants=pipeline.tenants)
+                         tenants=pipeline.tenants, board=board)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder,
@@ -229,6 +234,8 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         await app.close()
         raise
     app.metrics.register(front_door_collector(server))
+    if app.console is not None and app.console.board is not None:
+        app.console.board.start(f"{server.host}:{server.port}")
     sources = RosterSources(app.membership, shared=SharedRoster(app.membership, link) if link is not None else None,
                             dns_interval=config.dns_interval, dns_server=config.dns_server,
                             register=app.metrics.register)
