@@ -99,9 +99,10 @@ class Page:
         return result["result"].get("value")
 
     def wait_for(self, condition: str, timeout: float = 20) -> None:
-        """Until the page's ``condition`` (an expression) is true."""
+        """Until the page's ``condition`` (an expression) is true (an error, e.g. an element not
+        there yet while the page loads, counts as not yet)."""
         end = time.monotonic() + timeout
-        while not self.evaluate(f"Boolean({condition})"):
+        while not self.evaluate(f"(() => {{ try {{ return Boolean({condition}); }} catch (e) {{ return false; }} }})()"):
             if time.monotonic() > end:
                 raise TimeoutError(condition)
             time.sleep(0.1)

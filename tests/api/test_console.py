@@ -5,6 +5,7 @@ rule, and --workers answering for the whole proxy."""
 import asyncio
 
 import msgspec
+from cdp import CHROMIUM, Page, in_thread
 from helpers import JSON, chat_body, stack, wait_for
 from procs import child_proxy, fresh_request
 from redis_server import redis_server  # noqa: F401  (the fixture)
@@ -222,3 +223,18 @@ async def test_shared_tenant_counters_are_not_called_shared_while_their_store_is
         redis_server.stop()
         panel = (await client.request("GET", "/console/api/state", headers=admin)).json()["panel"]
         assert (panel["tenants_store"], panel["tenants_store_up"]) == ("shared", False)
+        if CHROMIUM is not None:  # the page's heading says so too
+            heading = await in_thread(_tenants_heading, f"{_p.url}/console", str(tmp_path / "profile"))
+            assert heading["store"] == "down" and "does not answer" in heading["text"], heading
+            assert "(counters shared)" not in heading["text"]
+
+
+def _tenants_heading(url: str, profile: str) -> dict:
+    with Page(profile, 1200, 900) as page:
+        page.open(url)
+        page.wait_for("!document.getElementById('auth').hidden")
+        page.evaluate("document.getElementById('auth-key').value = 'admin';"
+                      "document.getElementById('auth-form').requestSubmit()")
+        page.wait_for("document.getElementById('tenants-store').textContent")
+        return page.evaluate("({text: document.getElementById('tenants-store').textContent,"
+                             " store: document.getElementById('tenants-store').dataset.store})")

@@ -295,7 +295,8 @@ function drawGateway(state) {
   if (gw.store && !gw.store.up) bits.push(`✕ the state store does not answer${gw.store.down_since ? ` since ${clock(gw.store.down_since)}` : ""}: only this replica is shown, as it knows itself`);
   const failed = Object.entries(gw.failures).filter(([, n]) => n).map(([k, n]) => `${k} ${n}`);
   if (failed.length) bits.push(`summaries not published or read: ${failed.join(", ")}`);
-  if (gw.disagree.length) bits.push(`replicas see differently: ${gw.disagree.map((d) => `${host(d.url)} in rotation in ${d.in_rotation} of ${d.replicas}`).join("; ")}`);
+  const seen = (d) => `${host(d.url)} in rotation in ${d.in_rotation} of ${d.replicas}${d.replicas < gw.live ? ` (not in the roster of ${gw.live - d.replicas})` : ""}`;
+  if (gw.disagree.length) bits.push(`replicas see differently: ${gw.disagree.map(seen).join("; ")}`);
   note.textContent = bits.join(" · ");
   note.hidden = !bits.length;
   note.dataset.store = gw.store && !gw.store.up ? "down" : "up";
