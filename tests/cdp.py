@@ -102,7 +102,8 @@ class Page:
         """Until the page's ``condition`` (an expression) is true (an error, e.g. an element not
         there yet while the page loads, counts as not yet)."""
         end = time.monotonic() + timeout
-        while not self.evaluate(f"(() => {{ try {{ return Boolean({condition}); }} catch (e) {{ return false; }} }})()"):
+        guarded = f"(() => {{ try {{ return Boolean({condition}); }} catch (e) {{ return false; }} }})()"
+        while not self.evaluate(guarded):
             if time.monotonic() > end:
                 raise TimeoutError(condition)
             time.sleep(0.1)
