@@ -14,6 +14,7 @@ from redis_server import redis_server  # noqa: F401  (the fixture)
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
+from epd_proxy.state.store import StoreError
 
 
 @contextlib.asynccontextmanager
@@ -29,6 +30,18 @@ async def replicas(cluster, store_url: str, n: int = 2):
             stack.push_async_callback(client.close)
             out.append((proxy, client))
         yield out
+
+
+class Refusing:
+    """A store that refuses every call (as one past its budget would be counted)."""
+
+    kind = "redis"
+
+    async def put(self, *args, **kwargs):
+        raise StoreError("refused")
+
+    async def ping(self):
+        raise StoreError("refused")
 
 
 async def _gateway(client) -> dict:
@@ -86,6 +99,12 @@ async def test_a_store_that_fails_costs_the_summary_never_a_request(redis_server
         async with replicas(cluster, redis_server.url, n=1) as [(a, client)]:
             board = a.app.console.board
             assert await board.publish()
+            # A call of the board's that fails: its own breaker opens, the request path's does not.
+            real = board.store.store
+            board.store.store = Refusing()
+            assert not await board.publish() and not board.store.up
+            assert a.app.pipeline.state.up and board.failures["publish"] == 1
+            board.store.store = real
             redis_server.stop()
             assert (await client.chat(chat_body())).status == 200
             assert not await board.publish() and board.failures["publish"] >= 1

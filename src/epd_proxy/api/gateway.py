@@ -5,8 +5,10 @@ A timer publishes every :data:`INTERVAL` seconds; nothing runs on the request pa
 numbers are the metrics' counters, read by the timer). A summary is kept :data:`KEEP` seconds,
 so a replica that stops publishing stays visible, marked, for that long; its id is also added
 to the set of the current minute (kept three minutes), which is how readers find every
-summary without listing the store's keys. Every store call goes through ``GuardedStore``: a
-store that fails costs the summary (counted in ``failures`` and shown), never a request.
+summary without listing the store's keys. Every store call goes through a ``GuardedStore`` of
+the board's own (its budget and breaker, over the request path's store client): a store that
+fails costs the summary (counted in ``failures`` and shown), never a request, and the board's
+failures never open the request path's breaker.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ class GatewayBoard:
     async def close(self) -> None:
         """Stop publishing; a last summary says so (its readers show it shut down, not lost)."""
         if self._task is None:
+            await self.store.close()
             return
         self._task.cancel()
         try:
@@ -155,3 +158,4 @@ class GatewayBoard:
         self._task = None
         if self.store.up and not self.store.closed:
             await self.publish(stopping=True)
+        await self.store.close()  # its probe, if any (the store itself is the request path's)

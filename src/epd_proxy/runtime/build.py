@@ -56,7 +56,7 @@ from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
 from epd_proxy.state.configured import open_store
-from epd_proxy.state.guard import state_collector
+from epd_proxy.state.guard import GuardedStore, state_collector
 from epd_proxy.tenants.limiter import build_tenants
 
 
@@ -118,10 +118,12 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     metrics.register(kv.collect)
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
-    # With a shared store, each process publishes a summary of itself for every console (the gateway).
-    board = None if state is None else GatewayBoard(state, metrics, membership,
-                                                    worker=None if siblings is None else siblings.index,
-                                                    workers=1 if siblings is None else siblings.count)
+    # With a shared store, each process publishes a summary of itself for every console (the
+    # gateway), through a guard of its own: its failures never open the request path's breaker.
+    board = None if state is None else GatewayBoard(
+        GuardedStore(state.store, config.state_store_prefix, config.state_store_timeout, state.url, owns=False),
+        metrics, membership, worker=None if siblings is None else siblings.index,
+        workers=1 if siblings is None else siblings.count)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
                          siblings=siblings, kv_events=kv_events, reuse=pipeline.reuse, state=state,
                          tenants=pipeline.tenants, board=board)
@@ -234,13 +236,13 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         await app.close()
         raise
     app.metrics.register(front_door_collector(server))
-    if app.console is not None and app.console.board is not None:
-        app.console.board.start(f"{server.host}:{server.port}")
     sources = RosterSources(app.membership, shared=SharedRoster(app.membership, link) if link is not None else None,
                             dns_interval=config.dns_interval, dns_server=config.dns_server,
                             register=app.metrics.register)
     sources.follow_dns(config.discover)
     app.pipeline.reuse.start()  # after the channel to the parent is read (SharedRoster)
+    if app.console is not None and app.console.board is not None:  # its store calls too
+        app.console.board.start(f"{server.host}:{server.port}")
     reloader = None
     if reloads:
         reloader = Reloader(settings, sources.apply_config, args=settings.started if settings is not None else None,
