@@ -212,6 +212,7 @@ def _narrow_look(url: str, profile: str, shot: str) -> dict:
                       " && /blocks/.test(document.querySelector('article[data-role=prefill]').textContent)")
         page.screenshot(shot)
         out = page.evaluate(_WHY_BOXES)
+        out["scope"] = page.evaluate("document.getElementById('gateway-scope').textContent")
         out["cards"] = page.evaluate("Object.fromEntries([...document.querySelectorAll('article')].map("
                                      "(a) => [a.dataset.role + ' ' + a.dataset.url, a.textContent]))")
         return out
@@ -235,6 +236,7 @@ async def test_at_400_px_why_a_model_or_instance_is_out_is_on_screen_and_encoder
     assert "no decode instance serves it" in texts and "health probe" in texts, texts
     for box in look["boxes"]:  # every reason inside the screen, none scrolled off to the right
         assert box["left"] >= 0 and box["right"] <= look["width"] + 0.5 and box["height"] > 0, (box, look["width"])
+    assert look["scope"].startswith("(one replica: this proxy only")  # no store: the console says what it covers
     cards = look["cards"]
     [encoder] = [text for key, text in cards.items() if key.startswith("encode ")]
     assert "Queue" in encoder and "not from this proxy" in encoder and "KV cache" not in encoder, encoder
