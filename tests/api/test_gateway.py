@@ -9,6 +9,7 @@ import contextlib
 import pytest
 from cdp import CHROMIUM, Page, in_thread
 from helpers import Client, chat_body
+from procs import child_proxy, fresh_request
 from redis_server import redis_server  # noqa: F401  (the fixture)
 
 from epd_proxy import ProxyConfig, start_proxy
@@ -174,3 +175,25 @@ async def test_the_page_shows_the_replicas_side_by_side_their_sum_and_one_that_w
         assert "All 2 live replicas (1 not publishing, left out)" in look["sum"]
         for row in look["rows"]:  # nothing cut off, at 400 px too
             assert row["right"] <= look["width"] + 0.5, (width, row)
+
+
+async def test_two_serve_processes_with_workers_one_row_each_their_workers_together(redis_server):  # noqa: F811
+    """Two ``epd-proxy serve --workers 2 --state-store`` processes (replicas as deployed): every
+    worker publishes, and either replica's console shows two replicas of two workers each."""
+    async with SimCluster(prefill=1, decode=1, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+        async with child_proxy(cluster, "--workers", "2", "--state-store", redis_server.url) as (_, url_a), \
+                child_proxy(cluster, "--workers", "2", "--state-store", redis_server.url) as (_, url_b):
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20
+            while True:
+                gw = (await fresh_request(url_a, "GET", "/console/api/state")).json()["gateway"]
+                rows = gw["replicas"]
+                if len(rows) == 2 and all(r["workers_publishing"] == 2 for r in rows):
+                    break
+                assert loop.time() < end, gw
+                await asyncio.sleep(0.2)
+            assert gw["scope"] == "gateway" and gw["live"] == 2
+            ports = {r["listen"].rsplit(":", 1)[1] for r in rows}
+            assert ports == {url_a.rsplit(":", 1)[1], url_b.rsplit(":", 1)[1]}
+            assert [r["this"] for r in rows] == [True, False]
+            assert all(r["workers"] == 2 and r["instances"] == 2 for r in rows)
