@@ -52,10 +52,10 @@ WEDGED = BY_WEDGED
 TIMEOUT = "timeout"
 # The failure kinds every instance shows from the start (0 until one happens), so that
 # dashboards and alerts read 0 rather than nothing: the transport's (http/transport.py),
-# the gateway and engine statuses, an in-band error, a probe's non-200. A rarer status
-# (``http_501``, ...) gets its series when it first happens.
+# the gateway and engine statuses, an in-band error, a probe's non-200, a queue that stood
+# still (``wedged``). A rarer status (``http_501``, ...) gets its series when it first happens.
 FAILURE_KINDS = ("connect", "connection", TIMEOUT, "protocol", "ejected", "http_500", "http_502", "http_503",
-                 "http_504", "in_band", "probe_status")
+                 "http_504", "in_band", "probe_status", WEDGED)
 
 
 @dataclass(frozen=True, slots=True)
