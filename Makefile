@@ -16,7 +16,7 @@ venv: $(STAMP)
 
 # `make run PORT=9000 SIM='prefill=1,decode=1'` overrides either.
 PORT ?= 8000
-SIM ?= encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20,kv_events=1
+SIM ?= encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20,kv_events=1,bidirectional=1
 
 ## Start the proxy on 127.0.0.1:$(PORT) in front of an embedded simulated cluster ($(SIM)).
 run: $(STAMP)

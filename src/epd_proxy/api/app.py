@@ -20,6 +20,7 @@ from epd_proxy.api.client_auth import (
     MISSING_KEY_BODY,
     ClientKeys,
     admin_key_presented,
+    check_tenant_names,
     unauthorized,
 )
 from epd_proxy.api.console import ConsoleApi
@@ -77,10 +78,18 @@ def validate_config(config: ProxyConfig) -> None:
         lambda: routing.check_config(config),
         lambda: discovery.check_config(config),
         lambda: media_policy.check_config(config),
-        lambda: ClientKeys.from_config(config),  # the key file can be read
         lambda: check_connector_config(config),
         lambda: check_pinned_topology(config),
+        lambda: validate_tables(config),
+    ))
+
+
+def validate_tables(config: ProxyConfig) -> None:
+    """The client keys and the tenants' tables (what ``--simulate`` leaves to check)."""
+    gather((
+        lambda: ClientKeys.from_config(config),  # the key file can be read
         lambda: check_tenants(config),  # the [tenants] and [model_aliases] tables
+        lambda: check_tenant_names(config),  # each [[tenants.keys]] entry names a client key
     ))
 
 
@@ -178,6 +187,8 @@ class ProxyApp:
             self.kv_events.start(i.spec for pool in self.pools.values() for i in pool.instances)
 
     async def close(self) -> None:
+        if self.console is not None:
+            await self.console.close()  # its last gateway summary, before the store closes
         for scraper in self.scrapers:
             await scraper.close()
         if self.kv_events is not None:

@@ -211,8 +211,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_kv_reuse_turns": ("counter", "Multi-turn KV reuse: requests by their turn's one outcome: reused "
                                  "(the prefill read the previous turn's KV from decode), local_prefill (the decode "
                                  "holding it computed the new part alone), opening, or why it fell back: "
-                                 "unmatched, not_keyed, not_held, older_turn, edited, already_used, expired, "
-                                 "evicted, superseded, decode_gone, decode_dropped, tokens, tokenize_failed, "
+                                 "unmatched, not_keyed, not_held, stream_no_params, older_turn, edited, already_used, "
+                                 "expired, evicted, superseded, decode_gone, decode_dropped, tokens, tokenize_failed, "
                                  "prefill_failed, no_pull_prefill, media, retried, request_failed, invalid (the turn "
                                  "read back from the shared store failed its checks).", ("outcome",)),
     "epd_proxy_kv_reuse_answers": ("counter", "Decode answers that held blocks for a later reader: kept for the "
@@ -432,6 +432,11 @@ class ProxyMetrics:
         self.itl.observe(gap)
         if series is not None:
             series.itl.observe(gap)
+
+    def completion_tokens(self) -> int:
+        """Completion tokens answered so far, over every model label (the console's gateway summary)."""
+        every = [self.no_model, *self.models.values()] + ([self._other] if self._other is not None else [])
+        return sum(s.tokens[1] for s in every)
 
     # -- exposition (scrape time) ----------------------------------------------------------
     def render(self, peers: list | None = None) -> bytes:

@@ -31,7 +31,7 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
-from epd_proxy.request.admission import ADMIT, SHED, Admission
+from epd_proxy.request.admission import ADMIT, SHED, Admission, overloaded
 from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
@@ -382,7 +382,7 @@ class Pipeline:
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
         elif relay.error is None and api is None:
-            self.reuse.stream_ended_plain(ctx, leg.inst)
+            self.reuse.stream_ended_plain(ctx, leg.inst, body)
         return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
@@ -677,4 +677,4 @@ async def _take_slot(role: str, cap: Admission) -> None:
     verdict = cap.try_enter()
     if verdict == ADMIT or (verdict != SHED and await cap.wait()):
         return
-    raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
+    raise overloaded(f"the {role} stage is")
