@@ -230,8 +230,9 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                        "decode (what decode pins for them until read or expired).", ("url",)),
     "epd_proxy_kv_reuse_pressure": ("counter", "Kept turns let go, or not kept, to keep what they pin below the "
                                     "decode's KV capacity, by decode and reason: pressure (usage high or "
-                                    "requests waiting), share (past the budget), ttl (the traffic offered "
-                                    "times a turn's life cannot fit).", ("url", "reason")),
+                                    "requests waiting; new turns not kept either when the traffic "
+                                    "offered times a turn's life cannot fit), share (past the budget).",
+                                    ("url", "reason")),
     "epd_proxy_state_store_errors": ("counter", "Calls to the shared state store (--state-store, or the --workers "
                                      "parent) that failed or took longer than --state-store-timeout, by "
                                      "operation (ping: the background probe while it is down); each cost "

@@ -17,7 +17,6 @@ from epd_proxy.request.turns.kv_budget import (
     SHARE,
     SHARE_REASON,
     STOP,
-    TTL_REASON,
     DecodeKV,
     KeptRate,
     budget,
@@ -66,12 +65,18 @@ def test_a_decode_that_stands_still_gets_everything_back():
     assert v.reason == PRESSURE and v.tokens == 30_000
 
 
-def test_traffic_that_cannot_fit_its_life_stops_keeping_with_hysteresis():
-    # 1000 tokens/s for a 60 s life needs 60k > the 50k budget
-    assert decide(_d(rate=1000.0)).action == STOP and decide(_d(rate=1000.0)).reason == TTL_REASON
-    assert decide(_d(rate=800.0)).action == KEEP  # 48k fits
-    assert decide(_d(rate=800.0, stopped=True)).action == STOP  # but not below 80 % of it
-    assert decide(_d(rate=600.0, stopped=True)).action == KEEP
+def test_under_pressure_traffic_that_cannot_fit_its_life_stops_keeping():
+    # 1000 tokens/s for a 60 s life needs 60k > the 50k budget: without pressure, the oldest go
+    assert decide(_d(rate=1000.0)).action == KEEP
+    assert decide(_d(rate=1000.0, held=52_000, usage=0.6)) == (RELEASE, 2_000, SHARE_REASON, 50_000)
+    v = decide(_d(rate=1000.0, usage=0.95, held=30_000))
+    assert v.action == STOP and v.reason == PRESSURE and v.tokens >= 20_000
+    # 65 % is not the proxy's: 10k is left; 100 tokens/s for 60 s fit it
+    assert decide(_d(rate=100.0, usage=0.95, held=30_000)).action == RELEASE
+    # stopped: until the traffic needs less than 80 % of the budget, or the pressure ends
+    assert decide(_d(rate=150.0, usage=0.95, held=30_000, stopped=True)).action == STOP
+    assert decide(_d(rate=120.0, usage=0.95, held=30_000, stopped=True)).action == RELEASE
+    assert decide(_d(rate=800.0, usage=0.5, held=0, stopped=True)).action == KEEP
 
 
 def test_kept_rate_decays():

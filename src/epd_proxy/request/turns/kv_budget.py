@@ -15,9 +15,11 @@ gauge:
   ``TARGET``, or waiting with none running) the oldest kept turns go first, down to what brings
   usage back to ``TARGET`` (all of them when nothing runs);
 * past the budget, the oldest go down to it;
-* when the turns offered for keeping there (tokens per second) times their life cannot fit in
-  the budget, the proxy stops keeping there: a new turn's blocks are let go at once, until the
-  traffic fits again (below ``RESUME`` of the budget).
+* under pressure, when the turns offered for keeping there (tokens per second) times their
+  life could not fit the budget either, the proxy stops keeping there: a new turn's blocks are
+  let go at once too, until the pressure ends or the traffic fits (below ``RESUME`` of the
+  budget). Past the budget without pressure the oldest go instead: a new turn is likelier to
+  be continued than an old one.
 
 Capacity unknown (``vllm:cache_config_info`` not exported): only ``--kv-reuse-max-held-tokens``.
 """
@@ -43,9 +45,8 @@ RELEASE = "release"  # the oldest kept turns, ``tokens`` worth
 STOP = "stop"  # keep nothing new there; the kept turns down to the budget too
 
 # Reasons (``epd_proxy_kv_reuse_pressure_total{reason}``, ``/status``).
-PRESSURE = "pressure"  # usage high, or requests waiting
+PRESSURE = "pressure"  # usage high, or requests waiting (a new turn let go too: STOP)
 SHARE_REASON = "share"  # past the budget
-TTL_REASON = "ttl"  # the traffic offered times a turn's life cannot fit
 # An answer's result when its turn is not kept for this (``epd_proxy_kv_reuse_answers_total``).
 NOT_KEPT = "kv_budget"
 
@@ -86,20 +87,21 @@ def decide(d: DecodeKV) -> Verdict:
     if limit is None:
         return Verdict(KEEP, 0, "", None)
     cap = d.capacity or 0
+    fits = not _overflows(d, limit)
     if d.waiting > 0 and d.running <= 0 or d.usage >= HIGH or (d.waiting > 0 and d.usage > TARGET):
         if d.waiting > 0 and d.running <= 0:
             excess = d.held  # nothing runs: every kept block is in the way
         else:
             excess = min(d.held, int((d.usage - TARGET) * cap) + 1)
-        return Verdict(STOP if _stops(d, limit) else RELEASE, max(excess, d.held - limit, 0), PRESSURE, limit)
-    if _stops(d, limit):
-        return Verdict(STOP, max(0, d.held - limit), TTL_REASON, limit)
-    if d.held > limit:
+        return Verdict(RELEASE if fits else STOP, max(excess, d.held - limit, 0), PRESSURE, limit)
+    if d.held > limit:  # the oldest go: a new turn is likelier to be continued than an old one
         return Verdict(RELEASE, d.held - limit, SHARE_REASON, limit)
     return Verdict(KEEP, 0, "", limit)
 
 
-def _stops(d: DecodeKV, limit: int) -> bool:
+def _overflows(d: DecodeKV, limit: int) -> bool:
+    """Whether the turns offered per second, each kept for its whole life, would pass the budget
+    (past RESUME of it while stopped: a hysteresis)."""
     need = d.rate * d.life
     return need > (RESUME * limit if d.stopped else limit)
 

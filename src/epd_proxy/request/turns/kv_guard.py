@@ -57,7 +57,7 @@ class KvGuard:
 
     def admit(self, inst: Instance, tokens: int) -> bool:
         """A turn of ``tokens`` offered for keeping on ``inst``: whether to keep it (else it is
-        let go at once, counted ``ttl`` or ``pressure``); past the budget, the oldest go."""
+        let go at once, counted ``pressure``); past the budget, the oldest go."""
         now = time.monotonic()
         rate = self.rates.get(inst.url)
         if rate is None:
