@@ -7,7 +7,10 @@ import asyncio
 import time
 
 import pytest
-from helpers import stack, wait_for
+from helpers import Client, stack, wait_for
+from redis_server import redis_server  # noqa: F401  (the fixture)
+
+from epd_proxy import ProxyConfig, start_proxy
 
 from epd_proxy.instances.health import DRAINING, HEALTHY
 from epd_proxy.request.turns.kv_budget import (
@@ -22,7 +25,8 @@ from epd_proxy.request.turns.kv_budget import (
     budget,
     decide,
 )
-from epd_proxy.sim import SimConfig, expected_text
+from epd_proxy.runtime.serve import config_for_cluster
+from epd_proxy.sim import SimCluster, SimConfig, expected_text
 
 CAP = 100_000  # tokens
 
@@ -154,6 +158,28 @@ async def test_kept_turns_never_starve_a_decode():
         text = (await client.request("GET", "/metrics")).body.decode()
         assert any(ln.startswith("epd_proxy_kv_reuse_pressure_total{") and d.url in ln
                    for ln in text.splitlines())
+
+
+async def test_replicas_sharing_their_turns_never_starve_a_decode(redis_server):  # noqa: F811
+    """Two replicas keep their turns in one redis store: each counts every replica's held tokens
+    on the decode and hands back its own oldest."""
+    async with SimCluster(prefill=1, decode=1, config=_starving_sim()) as cluster:
+        base = ProxyConfig(probe_interval=0, scrape_interval=0.2, local_prefill_max_tokens=0, kv_reuse_ttl=120.0,
+                           state_store=redis_server.url, state_store_prefix="kvb:")
+        proxies = [await start_proxy(config_for_cluster(cluster, base)) for _ in range(2)]
+        clients = [Client(p.url) for p in proxies]
+        try:
+            waits = await asyncio.gather(*(_conversations(c, 20, 2, deadline=8.0) for c in clients))
+            latencies = waits[0] + waits[1]
+            assert len(latencies) == 80 and max(latencies) < 3.0, sorted(latencies)[-5:]
+            assert cluster.instances("decode")[0].engine.num_waiting == 0
+            let_go = [p.app.pipeline.reuse.guard.let_go for p in proxies]
+            assert any(let_go), let_go
+        finally:
+            for c in clients:
+                await c.close()
+            for p in proxies:
+                await p.close()
 
 
 async def test_a_decode_that_stands_still_leaves_routing_at_once_and_comes_back():
