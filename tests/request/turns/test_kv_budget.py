@@ -11,7 +11,6 @@ from helpers import Client, stack, wait_for
 from redis_server import redis_server  # noqa: F401  (the fixture)
 
 from epd_proxy import ProxyConfig, start_proxy
-
 from epd_proxy.instances.health import DRAINING, HEALTHY
 from epd_proxy.request.turns.kv_budget import (
     KEEP,
