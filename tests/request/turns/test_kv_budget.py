@@ -64,8 +64,10 @@ def test_under_pressure_the_oldest_go_back_to_the_target():
 
 
 def test_a_decode_that_stands_still_gets_everything_back():
-    v = decide(_d(usage=0.99, held=30_000, waiting=12, running=0))
+    v = decide(_d(usage=0.99, held=30_000, waiting=12, running=0, stalled=True))
     assert v.reason == PRESSURE and v.tokens == 30_000
+    # one scrape with none running is a P/D decode loading its requests' KV, not pressure
+    assert decide(_d(usage=0.3, held=3_000, waiting=4, running=0)).action == KEEP
 
 
 def test_under_pressure_traffic_that_cannot_fit_its_life_stops_keeping():

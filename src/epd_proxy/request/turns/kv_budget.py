@@ -12,8 +12,9 @@ gauge:
 * ``budget`` = the smaller of ``SHARE`` of the capacity and what is left below ``TARGET`` once
   the blocks the proxy cannot free (``usage × capacity − held``) are counted;
 * under pressure (usage at or above ``HIGH``, or requests waiting while usage is past
-  ``TARGET``, or waiting with none running) the oldest kept turns go first, down to what brings
-  usage back to ``TARGET`` (all of them when nothing runs);
+  ``TARGET``, or a queue that stood still: waiting, none running, past the wedge hold) the
+  oldest kept turns go first, down to what brings usage back to ``TARGET`` (all of them when
+  nothing runs);
 * past the budget, the oldest go down to it;
 * under pressure, when the turns offered for keeping there (tokens per second) times their
   life could not fit the budget either, the proxy stops keeping there: a new turn's blocks are
@@ -63,6 +64,10 @@ class DecodeKV:
     life: float  # seconds a kept turn lives (decode's TTL less the margin)
     rate: float  # tokens per second offered for keeping there
     stopped: bool = False  # the last verdict for it was STOP
+    # Its queue has stood still past the hold (load_signals.wedged): requests waiting, none
+    # running. A single scrape with none running says little: a P/D decode's requests wait while
+    # their KV loads.
+    stalled: bool = False
 
 
 class Verdict(NamedTuple):
@@ -88,8 +93,8 @@ def decide(d: DecodeKV) -> Verdict:
         return Verdict(KEEP, 0, "", None)
     cap = d.capacity or 0
     fits = not _overflows(d, limit)
-    if d.waiting > 0 and d.running <= 0 or d.usage >= HIGH or (d.waiting > 0 and d.usage > TARGET):
-        if d.waiting > 0 and d.running <= 0:
+    if d.stalled or d.usage >= HIGH or (d.waiting > 0 and d.usage > TARGET):
+        if d.stalled:
             excess = d.held  # nothing runs: every kept block is in the way
         else:
             excess = min(d.held, int((d.usage - TARGET) * cap) + 1)

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
+from epd_proxy.instances.load_signals import wedged
 from epd_proxy.request.turns.kv_budget import STOP, DecodeKV, KeptRate, Verdict, decide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,7 +54,7 @@ class KvGuard:
         rate = self.rates[url].rate(now) if url in self.rates else 0.0
         last = self.verdicts.get(url)
         return DecodeKV(capacity, s.kv_usage, s.waiting, s.running, held, self.turns.life, rate,
-                        last is not None and last.action == STOP)
+                        last is not None and last.action == STOP, wedged(s, s.scraped_at or 0.0) is not None)
 
     def admit(self, inst: Instance, tokens: int) -> bool:
         """A turn of ``tokens`` offered for keeping on ``inst``: whether to keep it (else it is
