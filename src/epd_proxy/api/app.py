@@ -30,10 +30,10 @@ from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances import discovery
 from epd_proxy.instances.adapters import LOAD, UNLOAD
-from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.model_directory import model_readiness
 from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
@@ -353,7 +353,7 @@ class ProxyApp:
                    else {})}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
-        """Per model: its roles' instances in rotation and out, ready or not and why (catalog.py)."""
+        """Per model: its roles' instances in rotation and out, ready or not and why (model_directory.py)."""
         return model_readiness(pools, self.pipeline.models.current.parents, self.membership.required_roles())
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
