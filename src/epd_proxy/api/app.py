@@ -59,15 +59,16 @@ _MODEL_PREFIX = "/v1/models/"
 
 def validate_config(config: ProxyConfig) -> None:
     """Everything checkable before serving: raises ConfigErrors (a ValueError) listing every
-    mistake found, each an operator-facing line. Each check lives beside what it protects: the
-    knobs in config.py, the key file in client_auth.py, the KV connector and its instances in
-    connectors.py, a pinned topology in roster.py, the policy names in routing/, the DNS
-    server in discovery.py, the media hosts in media_policy.py."""
+    mistake found, each an operator-facing line. Each check lives beside what it protects: each
+    section's own values in config/sections.py (what spans them in config/proxy.py), the key
+    file in client_auth.py, the KV connector and its instances in connectors.py, a pinned
+    topology in roster.py, the policy names in routing/, the DNS server in discovery.py, the
+    media hosts in media_policy.py; each given the section it checks where one is enough."""
     gather((
         config.validate,
-        lambda: routing.check_config(config),
-        lambda: discovery.check_config(config),
-        lambda: media_policy.check_config(config),
+        lambda: routing.check_config(config.policies),
+        lambda: discovery.check_config(config.membership),
+        lambda: media_policy.check_config(config.media),
         lambda: ClientKeys.from_config(config),  # the key file can be read
         lambda: check_connector_config(config),
         lambda: check_pinned_topology(config),
