@@ -3,6 +3,8 @@
 import pytest
 
 from epd_proxy.routing.endpoints import ROUTED, least_loaded_first, request_model, roles_for
+from epd_proxy.wire.errors import ProxyError
+from epd_proxy.wire.multipart import form_field, form_fields
 
 
 def test_tokenizer_endpoints_go_to_prefill_or_decode_by_load():
@@ -58,3 +60,15 @@ def test_a_forms_model_field_in_any_order():
     assert request_model(body, b"multipart/form-data; boundary=b1") is None
     with_model = _form(b"b1", file_part, model_part, preamble=b"a preamble\r\n")
     assert request_model(with_model, b"multipart/form-data; boundary=b1") == "whisper-b"
+
+
+def test_a_form_naming_its_model_twice_is_refused():
+    model_part = (b'content-disposition: form-data; name="model"', b"whisper-b")
+    other = (b'content-disposition: form-data; name="model"', b"whisper-x")
+    file_part = (b'content-disposition: form-data; name="file"; filename="a.wav"', b"RIFF")
+    ctype = b"multipart/form-data; boundary=q"
+    with pytest.raises(ProxyError) as err:
+        request_model(_form(b"q", model_part, file_part, other), ctype)
+    assert err.value.status == 400 and err.value.param == "model"
+    assert form_fields(_form(b"q", model_part, file_part, other), ctype, b"model") == ["whisper-b", "whisper-x"]
+    assert form_field(_form(b"q", model_part, other), ctype, b"model") == "whisper-b"

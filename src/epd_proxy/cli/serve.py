@@ -17,6 +17,7 @@ import sys
 from typing import Callable
 
 from epd_proxy.cli.cluster_file import ClusterFileError, Option, read_cluster_path
+from epd_proxy.cli.parser import Parser
 from epd_proxy.config import (
     ALWAYS_FORWARDED,
     ENCODER_FALLBACKS,
@@ -289,6 +290,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {defaults.evicted_ttl:g}; 0 = never)")
     g.add_argument("--topology", default=defaults.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
                    help="pin the topology (default: inferred from the instances present)")
+    g.add_argument("--allow-empty-roles", action="append", default=list(defaults.allow_empty_roles),
+                   metavar="ROLE,...",
+                   help="roles (encode, prefill, decode) a reload may leave with no instance; a reload that "
+                        "would empty any other role running instances is refused and the running roster kept "
+                        "(repeatable, comma-separated; default none; usually a cluster-file key)")
     g.add_argument("--dns-interval", type=float, default=defaults.dns_interval,
                    help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
                         f"shorter record TTL (at least 1 s) is honoured (default {defaults.dns_interval:g} s)")
@@ -330,11 +336,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"then the rest are ended (default {defaults.shutdown_timeout:g} s)")
     g = _group(parser, "access")
     g.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
-                   help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
-                        "default none: the API is open); /health and /ready stay open, /instances, /status "
-                        "and /metrics then need --admin-api-key")
+                   help="a key clients must send as 'Authorization: Bearer KEY' on every path (repeatable; "
+                        "default none: the API is open); /health, /ready and the console's page stay open, "
+                        "/instances, /status and /metrics then need --admin-api-key")
     g.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
-                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
+                   help="more client keys, one per line as name:key ('#' comments; the name is what logs, "
+                        "metrics and [[tenants.keys]] know it by; a key alone is named line<N>, refused with a "
+                        "[tenants] table), read again on SIGHUP")
+    g.add_argument("--cache-salt-per-key", action="store_true", default=defaults.cache_salt_per_key,
+                   help="with client keys, set vLLM's cache_salt from each key on chat and completions: no "
+                        "key shares or can time another key's prefix cache (off: keys share it)")
     g.add_argument("--admin-api-key", default=_env(ADMIN_API_KEY_ENV, defaults.admin_api_key),
                    help="the operator's key, as X-API-Key or 'Authorization: Bearer', for roster changes, "
                         "GET /instances, /status, /metrics and profiling "
@@ -378,7 +389,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_parser() -> argparse.ArgumentParser:
     """The ``serve`` flags alone (what the cluster file may set, and which flags were given)."""
-    parser = argparse.ArgumentParser(prog="epd-proxy serve")
+    parser = Parser(prog="epd-proxy serve")
     add_arguments(parser)
     return parser
 
@@ -424,6 +435,7 @@ FROM_FLAGS: dict[str, Read] = {
     "lora_sources": lambda a, e: _lora_sources(a.lora_source, e),
     "lora_dir": lambda a, e: a.lora_dir or None,
     "registration_allow": lambda a, e: tuple(a.registration_allow),
+    "allow_empty_roles": lambda a, e: tuple(split_instances(a.allow_empty_roles)),
     "topology": lambda a, e: "P+D" if a.topology == "P/D" else a.topology,
     "max_inflight_per_role": lambda a, e: _role_caps(a.max_inflight_per_role, e),
     "api_keys": lambda a, e: tuple(a.api_key),
@@ -519,18 +531,30 @@ class ServeSettings:
         errors: list[str] = []
         cfg = config_from_args(args, errors)
         errors += serve_options(args).problems()
-        if not args.simulate:
-            from epd_proxy.api.app import validate_config
+        from epd_proxy.api.app import validate_config, validate_tables
 
-            try:
-                validate_config(cfg)
-            except ConfigErrors as exc:
-                errors += exc.errors
+        try:  # simulated instances are the simulator's: only the client keys and the tables to check
+            (validate_tables if args.simulate else validate_config)(cfg)
+        except ConfigErrors as exc:
+            errors += exc.errors
+        if args.simulate:
+            errors += _simulate_spec(args.simulate)
         if NO_DECODE in errors and split_instances(args.decode):
             errors.remove(NO_DECODE)  # decode instances were given: their own lines say what is wrong
         if errors:
             raise ConfigErrors(errors)
         return cfg
+
+
+def _simulate_spec(spec: str) -> list[str]:
+    """``--simulate``'s spec read as the simulator will (one line for a mistake, no traceback)."""
+    from epd_proxy.sim.cluster import SimCluster
+
+    try:
+        SimCluster.from_spec(spec)
+    except (ValueError, TypeError) as exc:
+        return [f"--simulate {spec!r}: {exc}"]
+    return []
 
 
 def error_text(exc: ValueError, path: str | None) -> str:

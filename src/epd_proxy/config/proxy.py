@@ -148,6 +148,7 @@ class _SectionFields:
     topology: str
     dns_interval: float
     dns_server: str | None
+    allow_empty_roles: tuple[str, ...]
     # admission
     max_inflight: int
     queue_size: int
@@ -164,6 +165,7 @@ class _SectionFields:
     # access
     api_keys: tuple[str, ...]
     api_key_file: str | None
+    cache_salt_per_key: bool
     admin_api_key: str | None
     protect_metrics: bool
     ssl_certfile: str | None

@@ -12,11 +12,13 @@ in ``request/legs/connectors.py``: ``api.app.validate_config`` gathers them).
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from epd_proxy.config.checks import check_range
+from epd_proxy.config.instances import ROLES
 
 # --encoder-fallback: an item no encoder can take fails the request, or goes raw to the consumer.
 ENCODER_FALLBACKS = ("none", "local")
@@ -334,9 +336,16 @@ class MembershipConfig:
     topology: str = "auto"  # or pinned: PD, E+PD, P+D, E+P+D
     dns_interval: float = 10.0  # longest wait between re-resolutions (a shorter TTL is honoured)
     dns_server: str | None = None  # HOST:PORT; None = the system's resolver
+    # Roles a reload may leave with no instance (runtime/reload.py); any other is never emptied by one.
+    allow_empty_roles: tuple[str, ...] = ()
 
     def problems(self) -> list[str]:
         errors: list[str] = []
+        for role in self.allow_empty_roles:
+            if role not in ROLES:
+                close = difflib.get_close_matches(role, ROLES, n=1)
+                errors.append(f"--allow-empty-roles {role!r}: not a role"
+                              + (f" (did you mean {close[0]!r}?)" if close else f" ({', '.join(ROLES)})"))
         if self.topology not in TOPOLOGIES:
             errors.append(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
         _networks(errors, "--registration-allow", self.registration_allow)
@@ -405,8 +414,11 @@ class AccessConfig:
     operator's key, and the listener's certificate. The key file is read beside its use
     (``api.client_auth.ClientKeys``)."""
 
-    api_keys: tuple[str, ...] = ()  # keys clients send as "Authorization: Bearer" for /v1/* (none = open)
+    api_keys: tuple[str, ...] = ()  # client keys ("Authorization: Bearer") on every path but probes (none: open)
     api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
+    # With client keys: vLLM's cache_salt set from each key's scope on chat and completions, so
+    # no key's requests share (or can probe) another key's prefix cache (tenants/key_scope.py).
+    cache_salt_per_key: bool = False
     admin_api_key: str | None = None  # X-API-Key for roster changes, /instances, /status, profiling
     protect_metrics: bool = False  # /metrics needs the admin key
     ssl_certfile: str | None = None  # the listener speaks TLS with this certificate (PEM) ...
@@ -416,6 +428,9 @@ class AccessConfig:
         errors: list[str] = []
         if self.protect_metrics and not self.admin_api_key:
             errors.append("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
+        if self.cache_salt_per_key and not (self.api_keys or self.api_key_file):
+            errors.append("--cache-salt-per-key needs client keys (--api-key or --api-key-file): it salts each "
+                          "key's prefix cache, and without keys there is none")
         if self.ssl_keyfile and not self.ssl_certfile:
             errors.append("--ssl-keyfile needs --ssl-certfile")
         return errors

@@ -31,7 +31,7 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
-from epd_proxy.request.admission import ADMIT, SHED, Admission
+from epd_proxy.request.admission import ADMIT, SHED, Admission, overloaded
 from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
@@ -45,12 +45,13 @@ from epd_proxy.request.apis import (
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.entry_gate import EntryGate
-from epd_proxy.request.ingress import CHAT, parse_body, request_id
+from epd_proxy.request.ingress import CHAT, COMPLETIONS, parse_body, request_id
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
+from epd_proxy.request.shared_homes import shared_homes
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turns.multiturn import (
     LOCAL_PREFILL_PARAMS,
@@ -65,6 +66,7 @@ from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.state.guard import GuardedStore
+from epd_proxy.tenants.key_scope import salt
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError, drop_traceback
 
@@ -109,6 +111,7 @@ class Pipeline:
         self._dp_counter = itertools.count()
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+        self._salt_per_key = config.access.cache_salt_per_key  # vLLM's cache_salt from each client key
         self.media_policy = MediaPolicy.of(config.media)
         # Read on every chat request (and E+PD's): bound here, not looked up in the config each time.
         self._ignore_client_uuids = config.media.ignore_client_uuids
@@ -127,7 +130,7 @@ class Pipeline:
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.state = state  # the shared state store, if any (state/)
         self.stored = StoredResponses(config, self.decode, ResponseOwners(shared=state), metrics, base_headers)
-        # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
+        # Multi-turn KV reuse (turns/reuse.py): decode's parameters kept for each conversation's next turn.
         self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
                                decode_only=decode_only, models=self.models, base_headers=base_headers,
                                shared=state, kv=kv)
@@ -137,8 +140,9 @@ class Pipeline:
         # no aliases) without the cluster file's tables: two attribute tests per request.
         self.tenants = tenants if tenants is not None else Tenants.off()
         # The key's limits and the slot, before the body is read (entry_gate.py).
-        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log)
+        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log, self.models)
         self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
+        self.homes = shared_homes(state, pools)  # where other replicas sent turns (shared_homes.py)
 
     @property
     def access_log(self) -> AccessLog | None:
@@ -168,8 +172,10 @@ class Pipeline:
         return await self.gate.enter_tenant(req, writer, path, t0, key)
 
     # -- the request path -------------------------------------------------------------------
-    async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
-        """``key``: the name of the client key the request presented (client_auth.py)."""
+    async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None,
+                     scope: bytes | None = None) -> None:
+        """``key``: the name of the client key the request presented (client_auth.py), ``scope``
+        its scope (tenants/key_scope.py)."""
         t0 = time.perf_counter()
         ticket = None
         if self.tenants.active:  # the key's limits, before it may take a queue place
@@ -184,12 +190,17 @@ class Pipeline:
         self.metrics.inflight += 1
         try:
             try:
-                ctx, body, items = self._prepare(req, rec)
+                ctx, body, items = self._prepare(req, rec, scope)
             except ProxyError as err:
-                if err.code != "model_not_found" or self.adapters is None or not self.adapters.loadable(rec.model):
+                if err.code != "model_not_found":
                     raise
-                await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
-                ctx, body, items = self._prepare(req, rec)  # routed with the adapter where it was loaded
+                if self.adapters is None or not self.adapters.loadable(rec.model):
+                    raise self._not_found(err, rec) from None
+                try:
+                    await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
+                except ProxyError as failed:
+                    raise self._not_found(failed, rec) from None
+                ctx, body, items = self._prepare(req, rec, scope)  # routed with the adapter where it was loaded
             leg = await self._open_in_time(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
         except ProxyError as err:
@@ -203,7 +214,8 @@ class Pipeline:
         finally:
             self._observe(rec, writer)
 
-    def _prepare(self, req: Request, rec: RequestRecord) -> tuple[RequestContext, dict, list[MediaItem]]:
+    def _prepare(self, req: Request, rec: RequestRecord, scope: bytes | None
+                 ) -> tuple[RequestContext, dict, list[MediaItem]]:
         """The body parsed, its media checked and owned, and the request's context."""
         path = rec.path
         body = parse_body(req, path)
@@ -213,13 +225,17 @@ class Pipeline:
         if body.get("stream") is True:
             rec.stream = True
             # Every stream's tokens are counted: decode is asked for its usage event, which
-            # the client gets only if it asked for it too (hidden_usage.py).
+            # the client gets only if it asked for it too (usage/hidden.py).
             options = stream_options_with_usage(body.get("stream_options")) if api is None else None
             if options is not None:
                 body["stream_options"] = options
                 rec.hide_usage = True
-        body, items = self._media(body) if path == CHAT else (body, [])
+        body, items = self._media(body, scope) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        if scope is not None:  # client keys: what it stores and reads back is its key's (tenants/key_scope.py)
+            ctx.scope = scope
+            if self._salt_per_key and (path == CHAT or path == COMPLETIONS):
+                salt(body, scope)
         if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
             hint = body.pop("conversation_id")
             ctx.conversation = hint if type(hint) is str else None
@@ -230,14 +246,22 @@ class Pipeline:
             if model is not asked:
                 body["model"] = model
                 rec.model = model if type(model) is str else None
+        ticket = rec.ticket
+        if ticket is not None:
+            if model is not None:  # 403 before the route: no adapter is loaded for a model the key may not use
+                tenants.check_model(ticket, asked, model)
+            priority = tenants.engine_priority(ticket, body.get("priority"))  # the key's class, at most lowered
+            if priority is not None:
+                body["priority"] = priority  # the encoders' requests copy it (encoder_plan.py)
         models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
-        if rec.ticket is not None:
-            tenants.check_model(rec.ticket, asked, model)  # 403: a model the key may not use
+        if model is None and ticket is not None:  # 403: the cluster's only model, if the key may not use it
+            bases = self.models.current.bases
+            tenants.check_model(ticket, None, bases[0] if len(bases) == 1 else None)
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
@@ -249,6 +273,13 @@ class Pipeline:
         if self.tracing is not None:
             ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
         return ctx, body, items
+
+    def _not_found(self, err: ProxyError, rec: RequestRecord) -> ProxyError:
+        """An unknown model's 404 naming only the models the request's key may use (all: ``err``)."""
+        ticket = rec.ticket
+        ids = None if ticket is None or err.code != "model_not_found" else \
+            self.tenants.model_ids(ticket.key, self.models.current)
+        return err if ids is None else self.models.current.not_found(str(rec.model), ids)
 
     async def _open_in_time(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """``_open`` under the first-byte deadline (``--first-byte-timeout``), if there is one."""
@@ -281,12 +312,12 @@ class Pipeline:
         self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
         ok = False
         try:
-            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
+            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage/rewrite.py)
             api = ctx.api
             if api is not None:
                 report = report if api.rewrite_usage else None
                 if api.stateful and body.get("store") is not False:
-                    self._remember(leg)
+                    self._remember(leg, ctx.scope)
             if leg.body is not None:
                 answer = leg.body
                 # An answer without decode's parameters is told by its last bytes (inline: every
@@ -335,7 +366,7 @@ class Pipeline:
 
     async def _relay_kept(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                           headers: Headers, report: object, hide: bool, api: GenerationApi | None) -> StreamRelay:
-        """A stream where decodes keep blocks: its last event's parameters (turn_streams.py)
+        """A stream where decodes keep blocks: its last event's parameters (turns/streams.py)
         taken out by a relay that looks at the ending events, and with the token ids decode
         holds in the stream (generate's; chat's and completions' when the client asked), the
         whole stream kept to read the answer back for the next turn."""
@@ -353,7 +384,7 @@ class Pipeline:
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
         elif relay.error is None and api is None:
-            self.reuse.stream_ended_plain(ctx, leg.inst)
+            self.reuse.stream_ended_plain(ctx, leg.inst, body)
         return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
@@ -447,6 +478,8 @@ class Pipeline:
         kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
+        if self.homes is not None and ctx.view is not None:
+            await self.homes.recall(ctx.view)
         d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
         # Every instance left has failed this request: never one that timed out on it.
         if ctx.timed_out:
@@ -551,11 +584,11 @@ class Pipeline:
         finally:
             ctx.upstream += time.perf_counter() - t
 
-    def _remember(self, leg: DecodeLeg) -> None:
-        """A Responses answer: which decode holds it (stored_responses.py)."""
+    def _remember(self, leg: DecodeLeg, scope: bytes | None) -> None:
+        """A Responses answer: which decode holds it, for which key (stored_responses.py)."""
         rid = response_id(leg.body, False) if leg.body is not None else response_id(leg.first, True)
         if rid:
-            self.stored.owners.remember(rid, leg.inst.url)
+            self.stored.owners.remember(rid, leg.inst.url, scope)
 
     def _may_retry(self, ctx: RequestContext, err: ProxyError) -> bool:
         """A retry runs prefill again: only worth it when a decode can take the request now,
@@ -599,10 +632,10 @@ class Pipeline:
         await self.tenants.close()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
+    def _media(self, body: dict, scope: bytes | None) -> tuple[dict, list[MediaItem]]:
         """The media items, checked against the operator's rules, and the body with client
-        uuids namespaced (what every stage gets instead of the client's body)."""
-        body, items = own_media(body, ignore_client_uuids=self._ignore_client_uuids)
+        uuids namespaced, by the key's scope too (what every stage gets instead of the client's body)."""
+        body, items = own_media(body, ignore_client_uuids=self._ignore_client_uuids, scope=scope)
         if items:
             self.media_policy.check(items)
         return body, items
@@ -646,4 +679,4 @@ async def _take_slot(role: str, cap: Admission) -> None:
     verdict = cap.try_enter()
     if verdict == ADMIT or (verdict != SHED and await cap.wait()):
         return
-    raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
+    raise overloaded(f"the {role} stage is")

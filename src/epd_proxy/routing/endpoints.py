@@ -15,7 +15,7 @@ a JSON body's field, a multipart body's form field; a GET route names none): the
 asks the cluster's catalog for the key each role must serve, as generation does.
 
 Pure: a table, a lookup, and the model read from a body without copying it (a form's
-field by ``wire/multipart.py``).
+fields by ``wire/multipart.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from epd_proxy.wire.multipart import form_field
+from epd_proxy.wire.errors import ProxyError
+from epd_proxy.wire.multipart import form_fields
 
 
 class Endpoint(NamedTuple):
@@ -84,11 +85,15 @@ _DECODE_NAMED = msgspec.json.Decoder(_Named).decode
 def request_model(body: bytes, content_type: bytes | None) -> object:
     """The model a routed request names: a JSON object's ``model`` (whatever its type: the
     instance validates it), a multipart form's ``model`` field (audio), else None (no body,
-    not JSON, no such field)."""
+    not JSON, no such field). ProxyError 400 for a form naming it twice: a server may take
+    another than the one checked and routed on."""
     if not body:
         return None
     if content_type is not None and content_type[:19].lower() == b"multipart/form-data":
-        return form_field(body, content_type, b"model")
+        values = form_fields(body, content_type, b"model")
+        if len(values) > 1:
+            raise ProxyError(400, "the form has more than one 'model' field; send it once", param="model")
+        return values[0] if values else None
     try:
         return _DECODE_NAMED(body).model
     except (msgspec.DecodeError, msgspec.ValidationError):
