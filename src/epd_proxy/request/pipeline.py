@@ -99,8 +99,10 @@ class Pipeline:
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
-        self._salt_per_key = config.cache_salt_per_key  # vLLM's cache_salt from each client key
+        self._salt_per_key = config.access.cache_salt_per_key  # vLLM's cache_salt from each client key
         self.media_policy = media_policy
+        # Read on every chat request: bound here, not looked up in the config each time.
+        self._ignore_client_uuids = config.media.ignore_client_uuids
         self.admission = admission
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
         self.role_caps = role_caps
@@ -528,7 +530,7 @@ class Pipeline:
     def _media(self, body: dict, scope: bytes | None) -> tuple[dict, list[MediaItem]]:
         """The media items, checked against the operator's rules, and the body with client
         uuids namespaced, by the key's scope too (what every stage gets instead of the client's body)."""
-        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids, scope=scope)
+        body, items = own_media(body, ignore_client_uuids=self._ignore_client_uuids, scope=scope)
         if items:
             self.media_policy.check(items)
         return body, items

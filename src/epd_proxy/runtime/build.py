@@ -26,14 +26,14 @@ from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.encode.media_policy import MediaPolicy
 from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
-from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
+from epd_proxy.http.server_limits import ServerLimits
 from epd_proxy.instances.adapters import Adapters
-from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.collectors import adapters_collector, pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import needs_role
 from epd_proxy.instances.shared import SharedRoster
@@ -135,7 +135,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
         metrics.register(homes.collect)
     pipeline = Pipeline(config, pools, metrics, known=known, fanout=fanout, connector=connector,
                         decode_only=decode_only, admission=admission, role_caps=role_caps, gate=gate, reuse=reuse,
-                        answers=Answers(reuse), stored=stored, media_policy=MediaPolicy.from_config(config),
+                        answers=Answers(reuse), stored=stored, media_policy=MediaPolicy.of(config.media),
                         deadlines=Deadlines(t.first_byte) if t.first_byte > 0 else None, tenants=tenants,
                         base_headers=base_headers, recent=recent, tracing=tracer, adapters=adapters, kv=kv,
                         homes=homes)
