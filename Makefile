@@ -35,7 +35,7 @@ test: $(STAMP) system-packages
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_named_modules.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_named_modules.py tests/test_module_size.py
 
 ## End-to-end: the container image built and run (podman), then real vLLM instances (installs a
 ## cached vLLM CPU environment). Both run; the target fails if either does.

@@ -7,7 +7,7 @@ import pytest
 from helpers import chat_body, probe_round, stack, wait_for
 
 from epd_proxy.http.client import ConnectionPool
-from epd_proxy.request.turns.multiturn import strip_token_ids
+from epd_proxy.request.turns.answers import strip_token_ids
 from epd_proxy.sim import SimConfig, expected_text
 
 CJK_PROMPT = "请描述这张图片 🚀 — naïve café"

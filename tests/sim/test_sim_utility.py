@@ -57,3 +57,14 @@ def test_embeddings_shape_and_formats():
     floats = struct.unpack(f"<{EMBEDDING_DIM}f", base64.b64decode(packed["data"][0]["embedding"]))
     assert all(abs(a - b) < 1e-6 for a, b in zip(floats, vector))
     assert _call(embeddings, {"input": 5}, "r3")[0] == 400
+
+
+def test_a_long_lived_simulator_reads_back_what_it_tokenized_lately(monkeypatch):
+    from epd_proxy.sim import utility
+
+    monkeypatch.setattr(utility, "_MAX_KNOWN", 8)
+    monkeypatch.setattr(utility, "_words", {})
+    for i in range(4):  # more words than it keeps
+        assert _call(tokenize, {"model": "sim-model", "prompt": f"filler{i}a filler{i}b filler{i}c"})[0] == 200
+    status, out = _call(tokenize, {"model": "sim-model", "prompt": "the quick brown fox"})
+    assert _call(detokenize, {"tokens": out["tokens"]}) == (200, {"prompt": "the quick brown fox"})

@@ -33,7 +33,7 @@ from epd_proxy.request.relay import (
     kept_bytes,
     relay_stream,
 )
-from epd_proxy.request.turns.multiturn import NO_PARAMS, NO_PARAMS_TAIL, carries_params, strip_token_ids
+from epd_proxy.request.turns.answers import NO_PARAMS, NO_PARAMS_TAIL, carries_params, strip_token_ids
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.request.turns.streams import MARK
 from epd_proxy.request.usage.hidden import HiddenUsage
@@ -62,7 +62,7 @@ class Answers:
         answer = leg.body
         assert answer is not None
         # An answer without decode's parameters is told by its last bytes (inline: every
-        # non-stream answer passes here; multiturn.carries_params is the whole test).
+        # non-stream answer passes here; answers.carries_params is the whole test).
         if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
             answer = self.reuse.keep(ctx, body, leg, answer)
         elif ctx.ids_asked:

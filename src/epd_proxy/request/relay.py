@@ -17,7 +17,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
 from epd_proxy.request.apis import GenerationApi
-from epd_proxy.request.turns.multiturn import strip_token_ids
+from epd_proxy.request.turns.answers import strip_token_ids
 from epd_proxy.request.turns.streams import MARK, strip_stream_params
 from epd_proxy.request.usage.hidden import FINISHED, HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_final_usage_events
@@ -287,7 +287,7 @@ class IdStrippingRelay(KeepingUsageRelay):
     token ids the client did not ask for (``return_token_ids``: a decode that sends its
     parameters in a stream, turns/reuse.py). What decode sent is kept, ids and all, for the
     next turn; the client gets each event with the id lists as vLLM writes them when not
-    asked (``null``: multiturn.strip_token_ids, two byte searches a read, no JSON decode), so
+    asked (``null``: answers.strip_token_ids, two byte searches a read, no JSON decode), so
     it receives the bytes it would have had without them. Reads are cut at event ends first:
     a list may straddle two reads."""
 

@@ -40,8 +40,13 @@ def answer(path: str, raw: bytes, config: SimConfig, request_id: str) -> tuple[i
 
 
 def _remember(ids: list[int], texts: list[str]) -> None:
-    if len(_words) < _MAX_KNOWN:
-        _words.update(zip(ids, texts))
+    """The words just tokenized, kept for /detokenize: the latest ``_MAX_KNOWN``, the oldest
+    forgotten first (a long-lived simulator keeps reading back what it tokenized lately)."""
+    for t, text in zip(ids, texts):
+        _words.pop(t, None)
+        _words[t] = text
+    while len(_words) > _MAX_KNOWN:
+        del _words[next(iter(_words))]
 
 
 def _bad(message: str, param: str | None = None) -> tuple[int, bytes]:

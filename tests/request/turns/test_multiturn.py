@@ -9,6 +9,16 @@ from array import array
 import pytest
 from helpers import Reply, stack, wait_for
 
+from epd_proxy.request.turns.answers import (
+    carries_params,
+    common_prefix,
+    cut_blocks,
+    read_answer,
+    reuse_params,
+    strip_params,
+    tokenize_body,
+    tokens_of,
+)
 from epd_proxy.request.turns.multiturn import (
     BOUND,
     EDITED,
@@ -21,18 +31,10 @@ from epd_proxy.request.turns.multiturn import (
     Entry,
     TurnStore,
     answer_message,
-    carries_params,
-    common_prefix,
-    cut_blocks,
     estimate_new_tokens,
     keep_key,
     lookup_key,
-    read_answer,
-    reuse_params,
     skips_prefill,
-    strip_params,
-    tokenize_body,
-    tokens_of,
 )
 from epd_proxy.sim import SimConfig, expected_text
 

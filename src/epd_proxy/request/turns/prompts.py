@@ -8,7 +8,7 @@ answer text's; or the prompt's token ids and the answer's), and a request is loo
 each length a turn of its *prefix* was kept with (:func:`candidate_keys`: a digest of the
 prompt fields and the first :data:`PREFIX` bytes names the lengths worth trying). The
 longest held turn the new prompt starts with byte for byte is the one continued; the token
-check (``multiturn.reuse_params``) then reads only what the new prompt's tokens share with
+check (``answers.reuse_params``) then reads only what the new prompt's tokens share with
 decode's.
 
 Pure: plain dicts and bytes in, the same out.
@@ -28,7 +28,7 @@ GENERATE = "/inference/v1/generate"
 PROMPT_APIS = frozenset((COMPLETIONS, GENERATE))
 
 # The bytes of a prompt its lengths index is keyed by: a held turn shorter than this is not
-# kept (it holds fewer tokens than a prefill would read: multiturn.READ_MIN).
+# kept (it holds fewer tokens than a prefill would read: answers.READ_MIN).
 PREFIX = 128
 
 # Fields of a prompt API that are the prompt itself (the material) or only sample from it.

@@ -14,7 +14,7 @@ yet served). What cannot be checked: that the block ids and ``remote_request_id`
 ones decode gave for that conversation. An entry rewritten
 within those bounds makes a prefill read blocks of the right decode that belong to another
 turn (a wrong answer, never a connection elsewhere), which the token check
-(``multiturn.reuse_params``) bounds to a prompt that shares its tokens with the entry's ids,
+(``answers.reuse_params``) bounds to a prompt that shares its tokens with the entry's ids,
 themselves from the store: the store is trusted no further than that.
 """
 

@@ -27,6 +27,7 @@ from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.legs.stage_bodies import decode_body
 from epd_proxy.request.legs.stages import DecodeLeg
+from epd_proxy.request.turns.answers import read_answer, reuse_params, tokenize_body, tokens_of
 from epd_proxy.request.turns.kv_budget import NOT_KEPT
 from epd_proxy.request.turns.kv_guard import KvGuard
 from epd_proxy.request.turns.multiturn import (
@@ -44,10 +45,6 @@ from epd_proxy.request.turns.multiturn import (
     estimate_new_tokens,
     keep_key,
     lookup_key,
-    read_answer,
-    reuse_params,
-    tokenize_body,
-    tokens_of,
 )
 from epd_proxy.request.turns.outcomes import (
     ALREADY_USED,
