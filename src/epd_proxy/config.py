@@ -341,6 +341,15 @@ class ProxyConfig:
     decode: list[InstanceSpec] = field(default_factory=list)
     kv_connector: str = "nixl"
     decode_retries: int = 1
+    # Hedged prefills (docs/architecture.md, "Hedging"): a prefill that has not answered within
+    # the p95 of its recent answers (bounded by the two delays) gets a second attempt on the
+    # placement's next alternative; at most hedge_budget percent of prefills are hedged, at
+    # most hedge_max_per_instance hedges in flight to one instance.
+    hedging: bool = True
+    hedge_budget: float = 5.0
+    hedge_min_delay: float = 0.1
+    hedge_max_delay: float = 2.0
+    hedge_max_per_instance: int = 4
     encoder_max_batch_size: int = 0
     # Media items this process keeps in flight to one encoder; more wait in the proxy, up to
     # the encode timeout (docs/architecture.md, "The encode stage"). 0 = no bound.
@@ -509,6 +518,10 @@ class ProxyConfig:
         # (flag, value, lowest, exclusive): every number a flag sets.
         for flag, value, low, above in (
             ("--decode-retries", self.decode_retries, 0, False),
+            ("--hedge-budget", self.hedge_budget, 0, False),
+            ("--hedge-min-delay", self.hedge_min_delay, 0, True),
+            ("--hedge-max-delay", self.hedge_max_delay, 0, True),
+            ("--hedge-max-per-instance", self.hedge_max_per_instance, 0, False),
             ("--kv-reuse-ttl", self.kv_reuse_ttl, 0, True),
             ("--kv-reuse-margin", self.kv_reuse_margin, 0, False),
             ("--kv-reuse-max-held-tokens", self.kv_reuse_max_held_tokens, 0, False),

@@ -89,6 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="nixl (pull), nixl-push or mooncake (default %(default)s)")
     p.add_argument("--decode-retries", type=int, default=defaults.decode_retries,
                    help="fresh attempts after a retryable failure before the response starts (default %(default)s)")
+    p.add_argument("--no-hedging", action="store_false", dest="hedging", default=defaults.hedging,
+                   help="never give a slow prefill a second attempt (hedging is on by default with the pull "
+                        "connector: a prefill that has not answered within the p95 of its recent answers is "
+                        "tried on another prefill too, the first answer wins)")
+    p.add_argument("--hedge-budget", type=float, default=defaults.hedge_budget, metavar="PERCENT",
+                   help="at most this share of prefills gets a hedge, over the last 10-20 s (default %(default)g)")
+    p.add_argument("--hedge-min-delay", type=float, default=defaults.hedge_min_delay, metavar="SECONDS",
+                   help="a prefill is never hedged sooner (default %(default)g)")
+    p.add_argument("--hedge-max-delay", type=float, default=defaults.hedge_max_delay, metavar="SECONDS",
+                   help="... and always by then; also the delay until 20 answers were seen (default %(default)g)")
+    p.add_argument("--hedge-max-per-instance", type=int, default=defaults.hedge_max_per_instance, metavar="N",
+                   help="hedges in flight to one instance at most (0 = no bound; default %(default)s)")
     p.add_argument("--no-kv-reuse", action="store_false", dest="kv_reuse", default=defaults.kv_reuse,
                    help="never give decode's kv_transfer_params to the next turn's prefill (multi-turn KV "
                         "reuse is on by default when decode answers with them: vLLM's bidirectional_kv_xfer)")
@@ -379,6 +391,11 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         dns_server=args.dns_server,
         kv_connector=args.kv_connector,
         decode_retries=args.decode_retries,
+        hedging=args.hedging,
+        hedge_budget=args.hedge_budget,
+        hedge_min_delay=args.hedge_min_delay,
+        hedge_max_delay=args.hedge_max_delay,
+        hedge_max_per_instance=args.hedge_max_per_instance,
         kv_reuse=args.kv_reuse,
         kv_reuse_ttl=args.kv_reuse_ttl,
         kv_reuse_margin=args.kv_reuse_margin,
