@@ -104,10 +104,16 @@ class NixlPull(KVConnector):
         if ctx.kv_reuse is None:  # the common case, without a coroutine of its own
             p_body = prefill_body(plan.body, nixl_prefill_request_params(), ctx.api)
             hedging = self.hedging
-            if hedging is None:
+            if hedging is None or len(plan.placement.prefill_among) < 2:  # no other prefill to hedge on
                 kv = await self.prefill.run(ctx, plan.prefill, p_body)
             else:
-                kv, plan.prefill = await hedging.run(ctx, plan.placement, p_body)
+                hedging.enter(ctx, plan.placement, p_body)
+                try:
+                    kv = await self.prefill.run(ctx, plan.prefill, p_body)
+                except BaseException as failure:
+                    kv, plan.prefill = await hedging.instead(ctx, failure)  # the hedge's, or raised again
+                else:
+                    hedging.leave(ctx)
         else:
             kv = await self._prefill(ctx, plan.prefill, plan.body)
         if kv is None:

@@ -1,10 +1,12 @@
 """A prefill that has not answered within its hedge delay gets a second attempt (the shell of
 ``placement/hedge.py``'s rules): the first answer wins, the other is aborted.
 
-The first attempt runs in the request's own task, as an unhedged prefill does, under one timer
-(the only cost of a request that needs no hedge). When the timer fires and the budget, the
-per-instance bound and the placement's alternatives allow, the hedge starts as a task of its
-own on the next alternative. Whichever answers first wins:
+The first attempt runs in the request's own task, as an unhedged prefill does. A request that
+needs no hedge pays a clock read, a dict entry put and taken, and an answer time written: the
+prefills in flight share one loop timer, aimed lazily at the earliest hedge due (as
+``http/timers.py`` does for connections), so a request arms no timer of its own. When a hedge
+is due and the budget, the per-instance bound and the placement's alternatives allow, the hedge
+starts as a task of its own on the next alternative. Whichever answers first wins:
 
 * the first attempt: the hedge is cancelled (its connection closed, so vLLM aborts it);
 * the hedge: the request's task is cancelled out of the first attempt's call (its connection
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 import msgspec
 
@@ -58,17 +61,15 @@ ROLE = "prefill"
 
 
 class _Race:
-    """One hedged prefill's state, shared by the request's task, the timer and the hedge."""
+    """One prefill whose hedge delay ran out: the hedge (None: none was sent), and who won."""
 
-    __slots__ = ("ctx", "placement", "body", "delay", "task", "hedge", "target", "started", "winner", "settled")
+    __slots__ = ("ctx", "placement", "delay", "task", "start", "latencies", "hedge", "target", "started",
+                 "winner", "settled")
 
-    def __init__(self, ctx: RequestContext, placement: Placement, body: dict, delay: float,
-                 task: asyncio.Task) -> None:
+    def __init__(self, ctx: RequestContext, entry: tuple) -> None:
+        due, self.placement, _, self.latencies, self.task, self.start = entry
         self.ctx = ctx
-        self.placement = placement
-        self.body = body
-        self.delay = delay
-        self.task = task  # the request's, running the first attempt
+        self.delay = due - self.start
         self.hedge: asyncio.Task | None = None
         self.target: Instance | None = None
         self.started = 0.0
@@ -78,7 +79,11 @@ class _Race:
 
 class PrefillHedging:
     """Hedged prefills for one prefill stage: the latencies per model the delay comes from, the
-    budget, the hedges in flight per instance, and the counts (``epd_proxy_hedges_total``)."""
+    budget, the prefills in flight and their one timer, the hedges in flight per instance, and
+    the counts (``epd_proxy_hedges_total``).
+
+    The pull connector calls :meth:`enter` before its prefill call, then :meth:`leave` after its
+    answer, or :meth:`instead` with its failure (which may be the hedge's cancellation)."""
 
     def __init__(self, stage: PrefillStage, counts: dict[tuple[str, str], int], *, budget_percent: float,
                  min_delay: float, max_delay: float, per_instance: int) -> None:
@@ -89,8 +94,11 @@ class PrefillHedging:
         self.max_delay = max_delay
         self.per_instance = per_instance
         self.latencies: dict[object, Latencies] = {}  # per model the prefill is asked for
+        # Per request in its prefill: (due, placement, body, latencies, task, start), a _Race once due.
+        self.pending: dict[RequestContext, tuple | _Race] = {}
         self.in_flight: dict[Instance, int] = {}  # hedges per instance
         self.counts = counts
+        self._timer: asyncio.TimerHandle | None = None
         for result in RESULTS:
             counts.setdefault((ROLE, result), 0)
 
@@ -98,67 +106,110 @@ class PrefillHedging:
         key = (ROLE, result)
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    async def run(self, ctx: RequestContext, placement: Placement, body: dict) -> tuple[msgspec.Raw | None, Instance]:
-        """The prefill of ``placement`` with ``body``, hedged: its ``kv_transfer_params`` and the
-        instance that answered (the placement's prefill, or the hedge's)."""
+    # -- the request's side -----------------------------------------------------------------
+    def enter(self, ctx: RequestContext, placement: Placement, body: dict) -> None:
+        """The first attempt of ``placement``'s prefill, with ``body``, starts now."""
         loop = asyncio.get_running_loop()
+        now = loop.time()
+        budget = self.budget
+        if now - budget.start >= budget.window:  # HedgeBudget.note, inline: every request passes here
+            budget.note(now)
+        else:
+            budget.requests += 1
         model = body.get("model")
         latencies = self.latencies.get(model)
         if latencies is None:
             latencies = self.latencies[model] = Latencies(self.min_delay, self.max_delay)
-        start = loop.time()
-        self.budget.note(start)
-        first = placement.prefill
-        assert first is not None
-        race = _Race(ctx, placement, body, latencies.delay, asyncio.current_task())  # type: ignore[arg-type]
-        timer = loop.call_later(race.delay, self._fire, race)
-        try:
-            kv = await self.stage.run(ctx, first, body)
-        except asyncio.CancelledError:
-            if not race.winner:
-                raise
-            race.task.uncancel()
-            if race.task.cancelling():  # cancelled for another reason too (the client, the deadline)
-                raise
-            return self._won(race, first)
-        except BaseException:
-            hedge = race.hedge
-            if hedge is None or (hedge.done() and (hedge.cancelled() or hedge.exception() is not None)):
-                raise
-            race.settled = True  # the first attempt failed: the hedge's answer is the attempt's
-            report = ctx.prefill_report
-            try:
-                kv, ctx.prefill_report = await hedge
-            except BaseException:
-                ctx.prefill_report = report
-                self._count(FAILED)
-                raise
-            self._count(WON)
-            self._moved(race, first, "the first prefill failed")
-            return kv, race.target  # type: ignore[return-value]  # set with the hedge
-        finally:
+        due = now + latencies.delay
+        self.pending[ctx] = (due, placement, body, latencies, asyncio.current_task(), now)
+        timer = self._timer
+        if timer is None:
+            self._timer = loop.call_at(due, self._sweep)
+        elif timer.when() > due:
             timer.cancel()
-            hedge = race.hedge
-            if hedge is not None and not hedge.done() and not race.winner:
-                hedge.cancel()  # its connection closes: vLLM aborts it
-        race.settled = True
-        latencies.add(loop.time() - start)
-        hedge = race.hedge
-        if hedge is not None:
-            self._lost(race, hedge)
-        return kv, first
+            self._timer = loop.call_at(due, self._sweep)
 
-    # -- the hedge (timer and task callbacks) -----------------------------------------------
-    def _fire(self, race: _Race) -> None:
-        """The hedge delay ran out: a hedge, if the budget, the bound and the placement allow."""
-        if race.settled:
+    def leave(self, ctx: RequestContext) -> None:
+        """The first attempt answered: its time noted, a hedge still running aborted."""
+        entry = self.pending.pop(ctx)
+        if type(entry) is tuple:
+            entry[3].add(asyncio.get_running_loop().time() - entry[5])
             return
-        ctx = race.ctx
+        assert isinstance(entry, _Race)
+        entry.settled = True
+        entry.latencies.add(asyncio.get_running_loop().time() - entry.start)
+        hedge = entry.hedge
+        if hedge is None:
+            return
+        if entry.winner:  # the first attempt's answer came with the hedge's cancellation, and was kept
+            entry.task.uncancel()
+        if not hedge.done():
+            hedge.cancel()  # its connection closes: vLLM aborts it
+            self._count(LOST)
+        elif hedge.cancelled() or hedge.exception() is not None:
+            self._count(FAILED)
+        else:  # both answered in the same moment: the hedge's blocks are held for no decode
+            self._count(LOST)
+            if entry.target is not None:
+                entry.target.stranded += 1
+        ctx.timing("hedge", asyncio.get_running_loop().time() - entry.started)
+
+    async def instead(self, ctx: RequestContext, failure: BaseException) -> tuple[msgspec.Raw | None, Instance]:
+        """The first attempt ended with ``failure``: the hedge's answer in its place (its
+        ``kv_transfer_params`` and instance), or ``failure`` raised again."""
+        race = self.pending.pop(ctx, None)
+        if not isinstance(race, _Race) or race.hedge is None:
+            raise failure
+        hedge = race.hedge
+        if isinstance(failure, asyncio.CancelledError):
+            if race.winner:
+                race.task.uncancel()
+                if not race.task.cancelling():  # not cancelled for another reason too (client, deadline)
+                    return self._won(race, f"{race.placement.prefill.url if race.placement.prefill else '-'} "
+                                           f"had not answered in {race.delay * 1000:.0f} ms", blame=True)
+                if race.target is not None:  # the request ends: the hedge's blocks go to no decode
+                    race.target.stranded += 1
+            elif not hedge.done():
+                hedge.cancel()
+            raise failure
+        if hedge.done() and (hedge.cancelled() or hedge.exception() is not None):
+            self._count(FAILED)
+            raise failure
+        race.settled = True  # the first attempt failed: the hedge's answer is the attempt's
+        try:
+            await hedge
+        except BaseException:
+            self._count(FAILED)
+            raise
+        return self._won(race, "the first prefill failed", blame=False)
+
+    # -- the timer and the hedge ------------------------------------------------------------
+    def _sweep(self) -> None:
+        """The shared timer: every prefill whose hedge is due gets one (if allowed); aimed again
+        at the next due."""
+        self._timer = None
         loop = asyncio.get_running_loop()
         now = loop.time()
+        nearest = None
+        pending = self.pending
+        for ctx, entry in list(pending.items()):
+            if type(entry) is not tuple:
+                continue
+            due = entry[0]
+            if due <= now:
+                pending[ctx] = race = _Race(ctx, entry)
+                self._fire(race, entry[2], now)
+            elif nearest is None or due < nearest:
+                nearest = due
+        if nearest is not None:
+            self._timer = loop.call_at(nearest, self._sweep)
+
+    def _fire(self, race: _Race, body: dict, now: float) -> None:
+        """A hedge for ``race``, if the budget, the bound and the placement allow."""
         if not self.budget.allows(now):
             self._count(BUDGET_EXHAUSTED)
             return
+        ctx = race.ctx
         failed = ctx.excluded | ctx.timed_out
         target, bounded = hedge_target(race.placement.alternatives(ROLE), failed, self.in_flight, self.per_instance)
         if target is None:
@@ -167,15 +218,15 @@ class PrefillHedging:
         self.budget.spend()
         self.in_flight[target] = self.in_flight.get(target, 0) + 1
         race.target, race.started = target, now
+        first = race.placement.prefill
         log.info("request %s: prefill %s has not answered in %.0f ms; hedging on %s", ctx.request_id,
-                 race.placement.prefill.url if race.placement.prefill is not None else "-", race.delay * 1000,
-                 target.url)
-        race.hedge = hedge = loop.create_task(self._hedge(race, target))
-        hedge.add_done_callback(lambda task: self._hedge_done(race, task))
+                 first.url if first is not None else "-", race.delay * 1000, target.url)
+        race.hedge = hedge = asyncio.get_running_loop().create_task(self._hedge(race, target, body))
+        hedge.add_done_callback(partial(self._hedge_done, race))
 
-    async def _hedge(self, race: _Race, target: Instance) -> tuple[msgspec.Raw | None, object]:
+    async def _hedge(self, race: _Race, target: Instance, body: dict) -> tuple[msgspec.Raw | None, object]:
         try:
-            kv = await self.stage.run(race.ctx, target, race.body)
+            kv = await self.stage.run(race.ctx, target, body)
             return kv, race.ctx.prefill_report  # set by this run, in the same step
         finally:
             n = self.in_flight.get(target, 1) - 1
@@ -184,7 +235,8 @@ class PrefillHedging:
             else:
                 self.in_flight.pop(target, None)
 
-    def _hedge_done(self, race: _Race, task: asyncio.Task) -> None:
+    @staticmethod
+    def _hedge_done(race: _Race, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is not None:  # retrieved; the first attempt goes on
             return
         if race.settled:
@@ -192,36 +244,21 @@ class PrefillHedging:
         race.settled = race.winner = True
         race.task.cancel()  # out of the first attempt's call: its connection closes
 
-    # -- how it ended ---------------------------------------------------------------------
-    def _won(self, race: _Race, first: Instance) -> tuple[msgspec.Raw | None, Instance]:
-        """The hedge answered first: its answer, the first attempt's instance told it stalled."""
+    def _won(self, race: _Race, why: str, blame: bool) -> tuple[msgspec.Raw | None, Instance]:
+        """The hedge's answer taken: the placement says where the prefill went and why; with
+        ``blame``, the first attempt's instance is told it stalled."""
         hedge = race.hedge
-        assert hedge is not None and race.target is not None
-        kv, race.ctx.prefill_report = hedge.result()
-        self._count(WON)
+        target = race.target
+        assert hedge is not None and target is not None
         ctx = race.ctx
-        ctx.timed_out_on(first)
-        self.pool.record_failure(first, f"no answer within the hedge delay ({race.delay * 1000:.0f} ms) while "
-                                        f"{race.target.url} answered", STALLED, ctx)
-        self._moved(race, first, f"{first.url} had not answered in {race.delay * 1000:.0f} ms")
-        return kv, race.target
-
-    def _lost(self, race: _Race, hedge: asyncio.Task) -> None:
-        """The first attempt answered while a hedge ran: the hedge aborted (cancelled in the
-        ``finally`` above), or, if it had answered too, its KV left to vLLM's lease."""
-        if hedge.cancelled() or not hedge.done():
-            self._count(LOST)
-        elif hedge.exception() is not None:
-            self._count(FAILED)
-        else:  # both answered in the same moment: the hedge's blocks are held for no decode
-            self._count(LOST)
-            if race.target is not None:
-                race.target.stranded += 1
-        race.ctx.timing("hedge", asyncio.get_running_loop().time() - race.started)
-
-    @staticmethod
-    def _moved(race: _Race, first: Instance, why: str) -> None:
+        kv, ctx.prefill_report = hedge.result()
+        self._count(WON)
         placed = race.placement
-        placed.prefill, placed.prefill_why = race.target, f"hedge: {why}"
-        placed.hedged = first
-        race.ctx.timing("hedge", asyncio.get_running_loop().time() - race.started)
+        first = placed.prefill
+        if blame and first is not None:
+            ctx.timed_out_on(first)
+            self.pool.record_failure(first, f"no answer within the hedge delay ({race.delay * 1000:.0f} ms) while "
+                                            f"{target.url} answered", STALLED, ctx)
+        placed.prefill, placed.prefill_why, placed.hedged = target, f"hedge: {why}", first
+        ctx.timing("hedge", asyncio.get_running_loop().time() - race.started)
+        return kv, target
