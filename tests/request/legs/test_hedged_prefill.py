@@ -81,6 +81,7 @@ async def test_a_wedged_prefill_is_hedged_found_and_its_requests_complete():
         async with await start_proxy(config) as proxy:
             client = Client(proxy.url)
             samples: list[tuple[float, float]] = []  # (start, seconds to the first byte)
+            timings: list[bytes] = []  # Server-Timing of each answer
 
             async def one(i: int) -> None:
                 nonlocal sent
@@ -89,6 +90,7 @@ async def test_a_wedged_prefill_is_hedged_found_and_its_requests_complete():
                 reply = await client.chat(chat_body(f"question {i}", stream=True, max_tokens=4), timeout=40)
                 assert reply.status == 200, reply.body[:300]
                 assert reply.text() and b"[DONE]" in reply.body
+                timings.append(reply.headers.get(b"server-timing", b""))
                 samples.append((t, time.perf_counter() - t))
 
             async def load(n: int, concurrency: int) -> None:
@@ -125,6 +127,9 @@ async def test_a_wedged_prefill_is_hedged_found_and_its_requests_complete():
             assert max(seconds) < 2.0
             hedges = proxy.app.metrics.hedges
             assert hedges[("prefill", "won")] >= 1
+            assert any(b"hedge;dur=" in t for t in timings)  # the hedge shown where the stages are
+            failures = a.health.errors
+            assert failures.get("stalled", 0) >= 1  # found by the hedges it lost, not by a probe
             # The loser is aborted: the stopped prefill, continued, keeps nothing of a request.
             await asyncio.sleep(0.5)
             state = await _state(url_a)
