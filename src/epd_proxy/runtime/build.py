@@ -52,7 +52,7 @@ from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly, NixlPull
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
-from epd_proxy.request.legs.hedged import PrefillHedging
+from epd_proxy.request.legs.hedged import EncoderHedging, PrefillHedging
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
@@ -101,10 +101,11 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     decode = DecodeStage(pools["decode"], first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                          connect_timeout=t.connect)
     connector = connector_class(prefill, decode)
-    if config.hedging and isinstance(connector, NixlPull):  # push and Mooncake: never (hedged.py)
-        connector.hedging = PrefillHedging(prefill, metrics.hedges, budget_percent=config.hedge_budget,
-                                           min_delay=config.hedge_min_delay, max_delay=config.hedge_max_delay,
-                                           per_instance=config.hedge_max_per_instance)
+    if config.hedging:
+        bounds = (config.hedge_budget, config.hedge_min_delay, config.hedge_max_delay, config.hedge_max_per_instance)
+        fanout.hedging = EncoderHedging(pools["encode"], metrics.hedges, *bounds)
+        if isinstance(connector, NixlPull):  # push and Mooncake: never (hedged.py)
+            connector.hedging = PrefillHedging(prefill, metrics.hedges, *bounds)
     state = open_store(config, link)  # shared by replicas (--state-store) or --workers (the parent)
     metrics.register(state_collector(state))
     adapters = Adapters(pools, base_headers, timeout=config.lora_load_timeout, sources=config.lora_sources,

@@ -45,3 +45,24 @@ async def test_a_client_leaving_mid_race_aborts_both_prefills():
         await wait_for(lambda: sum(r.aborted for r in cluster.records("prefill")) == 2)  # both legs aborted
         assert cluster.records("decode") == []
         assert proxy.app.metrics.hedges[("prefill", "won")] == 0
+
+
+async def test_a_slow_encoder_sub_request_is_hedged_on_another_encoder():
+    async with stack(encode=2, prefill=1, encode_policy="round-robin", **HEDGE) as (cluster, proxy, client):
+        e0, _ = cluster.instances("encode")
+        e0.inject("delay=2", times=10)  # accepts, answers nothing for 2 s
+        loop = asyncio.get_running_loop()
+        for i in range(4):  # round-robin: the first call on each encoder in turn
+            t = loop.time()
+            reply = await client.chat(chat_body(f"look {i}", images=[f"https://example.com/{i}.png"]))
+            assert reply.status == 200, reply.body
+            assert reply.text()
+            assert loop.time() - t < 1.0  # not the slow encoder's 2 s
+        hedges = proxy.app.metrics.hedges
+        won = hedges[("encode", "won")]  # a hedge's placement moves the round-robin cursor too
+        assert won >= 2, hedges
+        assert len(cluster.records("decode")) == 4  # one decode per request
+        # The slow encoder's calls were aborted (their connections closed), none left in flight.
+        await wait_for(lambda: sum(r.aborted for r in e0.records) == won)
+        fanout = proxy.app.pipeline.fanout
+        assert not any(fanout.outstanding.values()) and fanout.hedging.in_flight == {}

@@ -1,5 +1,6 @@
-"""A prefill that has not answered within its hedge delay gets a second attempt (the shell of
-``placement/hedge.py``'s rules): the first answer wins, the other is aborted.
+"""A prefill, or an encoder sub-request, that has not answered within its hedge delay gets a
+second attempt (the shell of ``placement/hedge.py``'s rules): the first answer wins, the other
+is aborted. The encoders' part is :class:`EncoderHedging`, at the end; the prefill's first.
 
 The first attempt runs in the request's own task, as an unhedged prefill does. A request that
 needs no hedge pays a clock read, a dict entry put and taken, and an answer time written: the
@@ -34,11 +35,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from functools import partial
+from typing import Any, Callable, Coroutine, TypeVar
 
 import msgspec
 
+from epd_proxy.encode.encoder_plan import SubRequest
 from epd_proxy.instances.health import STALLED
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
 from epd_proxy.placement.decision import Placement
 from epd_proxy.placement.hedge import (
     BUDGET_EXHAUSTED,
@@ -58,6 +62,7 @@ from epd_proxy.request.legs.stages import PrefillStage
 log = logging.getLogger("epd_proxy.hedging")
 
 ROLE = "prefill"
+T = TypeVar("T")
 
 
 class _Race:
@@ -85,7 +90,7 @@ class PrefillHedging:
     The pull connector calls :meth:`enter` before its prefill call, then :meth:`leave` after its
     answer, or :meth:`instead` with its failure (which may be the hedge's cancellation)."""
 
-    def __init__(self, stage: PrefillStage, counts: dict[tuple[str, str], int], *, budget_percent: float,
+    def __init__(self, stage: PrefillStage, counts: dict[tuple[str, str], int], budget_percent: float,
                  min_delay: float, max_delay: float, per_instance: int) -> None:
         self.stage = stage
         self.pool = stage.pool
@@ -262,3 +267,113 @@ class PrefillHedging:
         placed.prefill, placed.prefill_why, placed.hedged = target, f"hedge: {why}", first
         ctx.timing("hedge", asyncio.get_running_loop().time() - race.started)
         return kv, target
+
+
+ENCODE = "encode"
+
+
+def size_class(items: int) -> int:
+    """An encoder sub-request's size class for its latencies: 1, 2, 3-4, 5-8, 9-16, more."""
+    return min(items, 32).bit_length()
+
+
+class EncoderHedging:
+    """Hedged encoder sub-requests: one that has not answered within its hedge delay (the p95
+    of the role's recent sub-requests of its size class) is sent, with the same items and
+    fresh transfer ids, to the encoder the media placement (``placement/media.py``) gives
+    them without the first one; the first answer's embeddings are the items', the other call
+    is cancelled (vLLM aborts it). Only with an encoder cache read from shared storage: with a
+    push EC connector the encoders push into the consumer, and two pushes of one item are not
+    sound. A sub-request already runs in a task of its own or not, so the encode stage pays
+    one more task and a timer only when hedging applies (two encoders or more)."""
+
+    def __init__(self, pool: InstancePool, counts: dict[tuple[str, str], int], budget_percent: float,
+                 min_delay: float, max_delay: float, per_instance: int) -> None:
+        self.pool = pool
+        self.budget = HedgeBudget(budget_percent)
+        self.min_delay = min_delay
+        self.max_delay = max_delay
+        self.per_instance = per_instance
+        self.latencies: dict[int, Latencies] = {}  # per size class
+        self.in_flight: dict[Instance, int] = {}
+        self.counts = counts
+        for result in RESULTS:
+            counts.setdefault((ENCODE, result), 0)
+
+    def _count(self, result: str) -> None:
+        key = (ENCODE, result)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    async def run(self, ctx: RequestContext, sub: SubRequest, attempt: Callable[[SubRequest], Coroutine[Any, Any, T]],
+                  target: Callable[[SubRequest], Instance | None]) -> T:
+        """``attempt(sub)``'s answer, hedged: ``target(sub)`` is where a hedge would go (None:
+        nowhere now)."""
+        loop = asyncio.get_running_loop()
+        latencies = self.latencies.get(size := size_class(len(sub.items)))
+        if latencies is None:
+            latencies = self.latencies[size] = Latencies(self.min_delay, self.max_delay)
+        start = loop.time()
+        self.budget.note(start)
+        first: asyncio.Task[T] = loop.create_task(attempt(sub))
+        hedge: asyncio.Task[T] | None = None
+        other: Instance | None = None
+        try:
+            await asyncio.wait((first,), timeout=latencies.delay)
+            if first.done():
+                result = first.result()
+                latencies.add(loop.time() - start)
+                return result
+            now = loop.time()
+            if not self.budget.allows(now):
+                self._count(BUDGET_EXHAUSTED)
+            else:
+                other = target(sub)
+                if other is None:
+                    self._count(NO_ALTERNATIVE)
+                elif self.per_instance and self.in_flight.get(other, 0) >= self.per_instance:
+                    self._count(INSTANCE_BOUND)
+                    other = None
+            if other is None:
+                result = await first
+                latencies.add(loop.time() - start)
+                return result
+            self.budget.spend()
+            self.in_flight[other] = self.in_flight.get(other, 0) + 1
+            log.info("request %s: encoder %s has not answered %d item(s) in %.0f ms; hedging on %s",
+                     ctx.request_id, sub.encoder.url, len(sub.items), latencies.delay * 1000, other.url)
+            hedge = loop.create_task(attempt(SubRequest(other, sub.items)))
+            racing = {first, hedge}
+            while racing:
+                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                for task in (first, hedge):
+                    if task in done and task.exception() is None:
+                        ctx.timing("hedge_encode", loop.time() - now)
+                        if task is first:
+                            latencies.add(loop.time() - start)
+                            self._count(LOST if not hedge.done() or hedge.exception() is None else FAILED)
+                            return task.result()
+                        self._count(WON)
+                        if not first.done():  # slower than the hedge on the same items: the encoder stalled
+                            ctx.timed_out_on(sub.encoder)
+                            self.pool.record_failure(sub.encoder, f"no answer within the hedge delay "
+                                                     f"({latencies.delay * 1000:.0f} ms) while {other.url} "
+                                                     f"answered the same items", STALLED, ctx)
+                        return task.result()
+            self._count(FAILED)
+            return first.result()  # both failed: the first one's failure, its items placed again
+        finally:
+            legs = [first] if hedge is None else [first, hedge]
+            waiting = [t for t in legs if not t.done()]
+            for leg in waiting:
+                leg.cancel()  # its connection closes: vLLM aborts it
+            if waiting:
+                await asyncio.wait(waiting)
+            for leg in legs:  # retrieved: the answer or the failure that matters was taken above
+                if not leg.cancelled():
+                    leg.exception()
+            if other is not None:
+                n = self.in_flight.get(other, 1) - 1
+                if n > 0:
+                    self.in_flight[other] = n
+                else:
+                    self.in_flight.pop(other, None)
