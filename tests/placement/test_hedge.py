@@ -74,3 +74,18 @@ def test_the_target_is_the_first_alternative_not_failed_and_below_the_bound():
     assert hedge_target([a, b], {a}, {b: 2}, 2) == (None, True)  # only the bound stood in the way
     assert hedge_target([a], {a}, {}, 2) == (None, False)
     assert hedge_target([a], set(), {a: 100}, 0) == (a, False)  # 0: no bound
+
+
+def test_a_placement_says_where_a_hedge_took_its_prefill_and_why():
+    """The console's waterfall and the debug log read these (placement/decision.py)."""
+    from types import SimpleNamespace
+
+    from epd_proxy.placement.decision import Placement
+
+    first, second, decode = (SimpleNamespace(url=u) for u in ("http://p0", "http://p1", "http://d0"))
+    placed = Placement(decode, "least-loaded", first, "least-loaded", "nixl")  # type: ignore[arg-type]
+    assert "hedged" not in placed.summary() and "hedged" not in placed.reasons()
+    placed.prefill, placed.prefill_why, placed.hedged = second, "hedge: http://p0 had not answered in 100 ms", first
+    summary = placed.summary()
+    assert summary["prefill"] == {"instance": "http://p1", "why": "hedge: http://p0 had not answered in 100 ms"}
+    assert summary["hedged"] == "http://p0" and placed.reasons()["hedged"] == "http://p0"
