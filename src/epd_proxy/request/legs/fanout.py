@@ -29,7 +29,7 @@ from epd_proxy.observe.metrics import Collector
 from epd_proxy.placement.media import place_items
 from epd_proxy.request.admission import overloaded
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.legs.hedged import EncoderHedging
+from epd_proxy.request.legs.hedged import EncoderHedging, hedge_failure
 from epd_proxy.request.legs.upstream import HeldFailure, UpstreamStage
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
@@ -218,7 +218,13 @@ class EncoderFanout(UpstreamStage):
         but for those another encoder failed alike (item_faults.py): the request's fault."""
         inst = sub.encoder
         items = sub.items
-        bad = failed.failed(inst, [i.index for i in items], err if isinstance(err, HeldFailure) else None)
+        indices = [i.index for i in items]
+        bad = failed.failed(inst, indices, err if isinstance(err, HeldFailure) else None)
+        hedge = hedge_failure(err)
+        if hedge is not None:  # its hedge failed the same items too (hedged.py)
+            other, other_err = hedge
+            also = failed.failed(other, indices, other_err if isinstance(other_err, HeldFailure) else None)
+            bad = sorted(set(bad) | set(also))
         if bad:
             items = self._item_fault(ctx, items, bad, err)
             if not items:

@@ -272,6 +272,12 @@ class PrefillHedging:
 ENCODE = "encode"
 
 
+def hedge_failure(failure: BaseException) -> tuple[Instance, BaseException] | None:
+    """The hedge's own failure, when a hedged encoder sub-request failed on both encoders: the
+    encode stage counts it too (two encoders failing the same items alike: the items' fault)."""
+    return getattr(failure, "_hedge_failure", None)
+
+
 def size_class(items: int) -> int:
     """An encoder sub-request's size class for its latencies: 1, 2, 3-4, 5-8, 9-16, more."""
     return min(items, 32).bit_length()
@@ -360,7 +366,10 @@ class EncoderHedging:
                                                      f"answered the same items", STALLED, ctx)
                         return task.result()
             self._count(FAILED)
-            return first.result()  # both failed: the first one's failure, its items placed again
+            failure = first.exception()
+            if failure is not None and not hedge.cancelled():  # both failed: the first one's failure,
+                failure._hedge_failure = (other, hedge.exception())  # type: ignore[attr-defined]  # the hedge's with it
+            return first.result()
         finally:
             legs = [first] if hedge is None else [first, hedge]
             waiting = [t for t in legs if not t.done()]
