@@ -214,3 +214,15 @@ def test_a_wedged_instance_is_out_at_once_within_the_cap_and_back_when_it_runs()
     # another cause is not ended by a running queue
     fail(r, h, 20.0, 3)
     assert h.state is EJECTED and not r.unwedged(h, 21.0)
+
+
+def test_stalled_signals_eject_like_timeouts_and_half_open_brings_it_back():
+    """A hedge won against an instance (request/legs/hedged.py): an instance signal, so
+    ``fail_threshold`` in a row eject it, its pending requests failed over (stalled); the
+    ejection runs out to half-open, and one live success restores it."""
+    r, h = rules(fail_threshold=3), Health()
+    assert fail(r, h, 0.0, 2, kind="stalled") is None
+    verdict = fail(r, h, 0.1, kind="stalled")
+    assert h.state is EJECTED and verdict.stalled
+    assert r.expire(h, verdict.until) and h.state is HALF_OPEN
+    assert r.success(h, verdict.until + 0.1) and h.state is HEALTHY

@@ -135,6 +135,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="nixl (pull), nixl-push or mooncake (default %(default)s)")
     g.add_argument("--decode-retries", type=int, default=defaults.decode_retries,
                    help="fresh attempts after a retryable failure before the response starts (default %(default)s)")
+    g.add_argument("--no-hedging", action="store_false", dest="hedging", default=defaults.hedging,
+                   help="never give a slow prefill or encoder call a second attempt (hedging is on by default: "
+                        "one that has not answered within the p95 of its recent answers is tried on another "
+                        "instance too, the first answer wins)")
+    g.add_argument("--hedge-budget", type=float, default=defaults.hedge_budget, metavar="PERCENT",
+                   help="at most this share of a role's calls gets a hedge, over the last 10-20 s "
+                        "(default %(default)g)")
+    g.add_argument("--hedge-min-delay", type=float, default=defaults.hedge_min_delay, metavar="SECONDS",
+                   help="a call is never hedged sooner (default %(default)g)")
+    g.add_argument("--hedge-max-delay", type=float, default=defaults.hedge_max_delay, metavar="SECONDS",
+                   help="... and always by then; also the delay until 20 answers were seen (default %(default)g)")
+    g.add_argument("--hedge-max-per-instance", type=int, default=defaults.hedge_max_per_instance, metavar="N",
+                   help="hedges in flight to one instance at most (0 = no bound; default %(default)s)")
     g.add_argument("--upstream-api-key", default=_env(UPSTREAM_API_KEY_ENV, defaults.upstream_api_key),
                    help=f"sent to backends as 'Authorization: Bearer' (default: ${UPSTREAM_API_KEY_ENV}; "
                         "for the reference proxies' behaviour pass --upstream-api-key \"$OPENAI_API_KEY\")")

@@ -90,6 +90,11 @@ class _SectionFields:
     # upstream
     kv_connector: str
     decode_retries: int
+    hedging: bool
+    hedge_budget: float
+    hedge_min_delay: float
+    hedge_max_delay: float
+    hedge_max_per_instance: int
     upstream_api_key: str | None
     forward_headers: tuple[str, ...]
     upstream_keep_alive: float

@@ -119,6 +119,15 @@ class UpstreamConfig:
 
     kv_connector: str = "nixl"  # its name is checked beside the connectors (request/legs/connectors.py)
     decode_retries: int = 1
+    # Hedged prefills and encoder calls (docs/architecture.md, "Hedging"): one that has not
+    # answered within the p95 of its recent answers (bounded by the two delays) gets a second
+    # attempt on the placement's next alternative; at most hedge_budget percent of a role's
+    # calls are hedged, at most hedge_max_per_instance hedges in flight to one instance.
+    hedging: bool = True
+    hedge_budget: float = 5.0
+    hedge_min_delay: float = 0.1
+    hedge_max_delay: float = 2.0
+    hedge_max_per_instance: int = 4
     upstream_api_key: str | None = None
     forward_headers: tuple[str, ...] = ALWAYS_FORWARDED  # and those --forward-header names
     # vLLM closes idle keep-alive connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE
@@ -132,6 +141,10 @@ class UpstreamConfig:
         errors: list[str] = []
         _ranges(errors, (
             ("--decode-retries", self.decode_retries, 0, False),
+            ("--hedge-budget", self.hedge_budget, 0, False),
+            ("--hedge-min-delay", self.hedge_min_delay, 0, True),
+            ("--hedge-max-delay", self.hedge_max_delay, 0, True),
+            ("--hedge-max-per-instance", self.hedge_max_per_instance, 0, False),
             ("--max-upstream-connections", self.max_upstream_connections, 1, False),
             ("--upstream-keep-alive", self.upstream_keep_alive, 0, False),
         ))

@@ -9,7 +9,7 @@ requests of an instance that stopped answering).
 What an answer says is kept apart from what it says about the request:
 
 * **instance signals** (connection refused/reset, connect and first-byte
-  timeouts, HTTP 502/503/504, a failed probe) feed a *consecutive* counter,
+  timeouts, a hedge won against it (``stalled``), HTTP 502/503/504, a failed probe) feed a *consecutive* counter,
   ``fail_threshold`` in a row eject;
 * **request signals** (an HTTP 500 or an in-band error: vLLM failing one
   request) feed a *rate* detector: the failure share among the requests an
@@ -50,12 +50,17 @@ WEDGED = BY_WEDGED
 # instance stopped answering), never a request signal; an ejection for it also fails
 # the instance's pending requests.
 TIMEOUT = "timeout"
+# An instance that did not answer within a hedge delay while another answered the same work
+# (request/legs/hedged.py): an instance signal like a timeout, found in a fraction of the
+# stage timeout; a wedged instance (connection open, no bytes) shows nothing else.
+STALLED = "stalled"
 # The failure kinds every instance shows from the start (0 until one happens), so that
 # dashboards and alerts read 0 rather than nothing: the transport's (http/transport.py),
-# the gateway and engine statuses, an in-band error, a probe's non-200, a queue that stood
-# still (``wedged``). A rarer status (``http_501``, ...) gets its series when it first happens.
-FAILURE_KINDS = ("connect", "connection", TIMEOUT, "protocol", "ejected", "http_500", "http_502", "http_503",
-                 "http_504", "in_band", "probe_status", WEDGED)
+# the gateway and engine statuses, an in-band error, a probe's non-200, a hedge won against it
+# (``stalled``), a queue that stood still (``wedged``). A rarer status (``http_501``, ...) gets
+# its series when it first happens.
+FAILURE_KINDS = ("connect", "connection", TIMEOUT, STALLED, "protocol", "ejected", "http_500", "http_502",
+                 "http_503", "http_504", "in_band", "probe_status", WEDGED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +141,7 @@ class OutlierRules:
         ``size`` is the role's instance count and ``out`` how many are ejected or
         half-open now (the cap for passive signals)."""
         h.failures += 1
-        stalled = kind == TIMEOUT
+        stalled = kind == TIMEOUT or kind == STALLED
         if h.state is HALF_OPEN:
             return self._eject(h, now, BY_PROBE if probe else BY_INSTANCE, stalled)
         if h.state is EJECTED:

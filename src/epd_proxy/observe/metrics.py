@@ -126,6 +126,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                    ("role", "url")),
     "epd_proxy_instance_ejections": ("counter", "Times the instance was taken out of rotation (probes or "
                                      "outlier detection).", ("role", "url")),
+    "epd_proxy_hedges": ("counter", "Prefills that got a hedge (a second attempt after the hedge delay) or would "
+                         "have, by result: won (the hedge answered first), lost (the first attempt did), failed "
+                         "(the hedge failed), budget_exhausted, instance_bound, no_alternative (no hedge sent).",
+                         ("role", "result")),
     "epd_proxy_kv_stranded": ("counter", "Prefills whose KV no decode took (pull: the decode leg failed after "
                               "the prefill answered), held on the prefill until vLLM's lease on the blocks runs "
                               "out; an upper bound (a decode that failed after reading them freed them).",
@@ -339,6 +343,7 @@ class ProxyMetrics:
         self.instance_retries: dict[tuple[str, str], int] = {}  # (role, url) -> attempts it failed, retried
         self.stream_errors = 0
         self.not_disaggregated: dict[str, int] = {}  # reason -> requests served whole by one instance
+        self.hedges: dict[tuple[str, str], int] = {}  # (role, result) -> hedges (request/legs/hedged.py)
         self.disconnects = 0
         self.inflight = 0
         self.worker = worker  # this process's index with --workers (the instance_healthy label)
@@ -460,6 +465,7 @@ class ProxyMetrics:
         f["epd_proxy_instance_retries"] = [[r, u, n] for (r, u), n in self.instance_retries.items()]
         f["epd_proxy_stream_errors"] = [[self.stream_errors]]
         f["epd_proxy_not_disaggregated"] = [[r, n] for r, n in self.not_disaggregated.items()]
+        f["epd_proxy_hedges"] = [[r, result, n] for (r, result), n in self.hedges.items()]
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]
         f["epd_proxy_inflight_requests"] = [[self.inflight]]
         f["epd_proxy_workers"] = [[1]]

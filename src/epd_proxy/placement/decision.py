@@ -130,6 +130,8 @@ class Placement:
     # The media items placed now and their encoders, in the items' order (placement/media.py;
     # None: no encode leg, or no encoder could be placed: the encode stage says why).
     encoders: tuple[list, list] | None = None
+    # The prefill placed first when a hedge answered in its place (request/legs/hedged.py).
+    hedged: Instance | None = None
 
     def alternatives(self, role: str) -> list[Instance]:
         """The other candidates of a leg (``role``), least loaded first: where it would go next."""
@@ -143,15 +145,20 @@ class Placement:
         out["prefill"] = NO_PREFILL if self.prefill is None else f"{self.prefill.url}: {self.prefill_why}"
         if self.kv_from is not None:
             out["kv"] = f"{self.kv_from.url}: {READS_TURN}"
+        if self.hedged is not None:
+            out["hedged"] = self.hedged.url
         return out
 
     def summary(self) -> dict:
         """Per leg, the instance (URL) and why, as plain data (the console's recent requests)."""
         prefill = self.prefill
-        return {"decode": {"instance": self.decode.url, "why": self.decode_why},
+        out = {"decode": {"instance": self.decode.url, "why": self.decode_why},
                 "prefill": {"instance": None if prefill is None else prefill.url, "why": self.prefill_why},
                 "kv_from": None if self.kv_from is None else self.kv_from.url, "connector": self.connector,
                 "rank": self.rank}
+        if self.hedged is not None:  # a hedge answered for the prefill placed first (its URL)
+            out["hedged"] = self.hedged.url
+        return out
 
 
 def place(ask: Asking, known: Known, media: bool = False, turn: PreviousTurn | None = None, whole: bool = False,

@@ -51,8 +51,9 @@ from epd_proxy.request.apis import front_door_error_body
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.forward import Forwarder
-from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
+from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly, NixlPull
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
+from epd_proxy.request.legs.hedged import EncoderHedging, PrefillHedging
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.shared_homes import shared_homes
@@ -102,6 +103,11 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     decode = DecodeStage(pools["decode"], first_timeout=t.decode_first, idle_timeout=t.stream_idle,
                          connect_timeout=t.connect)
     connector = connector_class(prefill, decode)
+    if config.hedging:
+        bounds = (config.hedge_budget, config.hedge_min_delay, config.hedge_max_delay, config.hedge_max_per_instance)
+        fanout.hedging = EncoderHedging(pools["encode"], metrics.hedges, *bounds)
+        if isinstance(connector, NixlPull):  # push and Mooncake: never (hedged.py)
+            connector.hedging = PrefillHedging(prefill, metrics.hedges, *bounds)
     state = open_store(config, link)  # shared by replicas (--state-store) or --workers (the parent)
     metrics.register(state_collector(state))
     adapters = Adapters(pools, base_headers, timeout=config.lora_load_timeout, sources=config.lora_sources,

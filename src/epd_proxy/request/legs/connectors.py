@@ -22,6 +22,7 @@ from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.placement.decision import Placement
 from epd_proxy.request.context import RequestContext
+from epd_proxy.request.legs.hedged import PrefillHedging
 from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from epd_proxy.request.legs.stages import DecodeLeg, DecodeStage, PrefillStage
 from epd_proxy.wire.errors import ProxyError
@@ -94,12 +95,25 @@ class NixlPull(KVConnector):
 
     name = "nixl"
     prefill: PrefillStage  # the pipeline uses a connector with a prefill leg only with a prefill pool
+    # A prefill that has not answered within its hedge delay gets a second attempt (hedged.py);
+    # None: --no-hedging. Not with a previous turn's parameters (read once, from one decode).
+    hedging: PrefillHedging | None = None
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         assert plan.prefill is not None
         if ctx.kv_reuse is None:  # the common case, without a coroutine of its own
-            kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params(),
-                                                                        ctx.api))
+            p_body = prefill_body(plan.body, nixl_prefill_request_params(), ctx.api)
+            hedging = self.hedging
+            if hedging is None or len(plan.placement.prefill_among) < 2:  # no other prefill to hedge on
+                kv = await self.prefill.run(ctx, plan.prefill, p_body)
+            else:
+                hedging.enter(ctx, plan.placement, p_body)
+                try:
+                    kv = await self.prefill.run(ctx, plan.prefill, p_body)
+                except BaseException as failure:
+                    kv, plan.prefill = await hedging.instead(ctx, failure)  # the hedge's, or raised again
+                else:
+                    hedging.leave(ctx)
         else:
             kv = await self._prefill(ctx, plan.prefill, plan.body)
         if kv is None:

@@ -29,6 +29,7 @@ from epd_proxy.observe.metrics import Collector
 from epd_proxy.placement.media import place_items
 from epd_proxy.request.admission import overloaded
 from epd_proxy.request.context import RequestContext
+from epd_proxy.request.legs.hedged import EncoderHedging, hedge_failure
 from epd_proxy.request.legs.upstream import HeldFailure, UpstreamStage
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
@@ -87,6 +88,7 @@ class EncoderFanout(UpstreamStage):
         self.fallbacks = 0
         self.item_failures: dict[str, int] = {}  # items two encoders failed alike, by reason
         self._room: list[asyncio.Future] = []  # requests waiting for an encoder with room
+        self.hedging: EncoderHedging | None = None  # hedged sub-requests (hedged.py); None: --no-hedging
 
     async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None,
                   placed: tuple[list[MediaItem], list[Instance]] | None = None) -> dict:
@@ -216,7 +218,13 @@ class EncoderFanout(UpstreamStage):
         but for those another encoder failed alike (item_faults.py): the request's fault."""
         inst = sub.encoder
         items = sub.items
-        bad = failed.failed(inst, [i.index for i in items], err if isinstance(err, HeldFailure) else None)
+        indices = [i.index for i in items]
+        bad = failed.failed(inst, indices, err if isinstance(err, HeldFailure) else None)
+        hedge = hedge_failure(err)
+        if hedge is not None:  # its hedge failed the same items too (hedged.py)
+            other, other_err = hedge
+            also = failed.failed(other, indices, other_err if isinstance(other_err, HeldFailure) else None)
+            bad = sorted(set(bad) | set(also))
         if bad:
             items = self._item_fault(ctx, items, bad, err)
             if not items:
@@ -300,6 +308,37 @@ class EncoderFanout(UpstreamStage):
         handles.update(sub_handles)
 
     async def _one(self, ctx: RequestContext, body: dict, sub: SubRequest, consumer_zmq: str | None):
+        """One sub-request's answer; hedged on another encoder after its hedge delay when
+        hedging applies (hedged.py: two encoders or more, the encoders' output in shared storage)."""
+        hedging = self.hedging
+        if hedging is None or consumer_zmq is not None or len(self.pool.instances) < 2:
+            return await self._call(ctx, body, sub, consumer_zmq)
+        return await hedging.run(ctx, sub, functools.partial(self._hedged_call, ctx, body, sub),
+                                 functools.partial(self._hedge_target, ctx))
+
+    async def _hedged_call(self, ctx: RequestContext, body: dict, first: SubRequest, sub: SubRequest):
+        """The first call, or a hedge's, its items counted in flight on its encoder (the first
+        one's already are, by the caller)."""
+        if sub is first:
+            return await self._call(ctx, body, sub, None)
+        self._reserve(sub)
+        try:
+            return await self._call(ctx, body, sub, None)
+        finally:
+            self._release(sub)
+
+    def _hedge_target(self, ctx: RequestContext, sub: SubRequest) -> Instance | None:
+        """Where the media placement puts the sub-request's items without its encoder (the
+        first item's encoder takes them all), or None: no encoder with room left."""
+        try:
+            placed = place_items(self.pool, sub.items, exclude=ctx.excluded | {sub.encoder}, timed_out=ctx.timed_out,
+                                 outstanding=self.outstanding, bound=self.max_outstanding,
+                                 model=ctx.model_for("encode"))
+        except ProxyError:
+            return None
+        return placed[1][0] if placed and placed[1] else None
+
+    async def _call(self, ctx: RequestContext, body: dict, sub: SubRequest, consumer_zmq: str | None):
         inst: Instance = sub.encoder
         # Fresh transfer ids per item occurrence and per sub-request (never reused on a retry).
         tids = [new_transfer_id() for _ in sub.items]
