@@ -123,7 +123,14 @@ class EppProcess:
 
     async def metric(self, line: str) -> float:
         """The value of one exposition line's series (0 when absent)."""
-        reply = await Client(self.url).request("GET", "/metrics")
+        args = self.args
+        key = args[args.index("--admin-api-key") + 1] if "--admin-api-key" in args else None
+        client = Client(self.url)
+        try:
+            reply = await client.request("GET", "/metrics", headers=[(b"x-api-key", key.encode())] if key else None)
+        finally:
+            await client.close()
+        assert reply.status == 200, reply.body
         for row in reply.body.decode().splitlines():
             if row.startswith(line + " "):
                 return float(row.rsplit(" ", 1)[1])

@@ -265,3 +265,26 @@ async def test_the_pickers_http_port_is_the_operator_surface_only():
         finally:
             await client.close()
         assert _served_marker(gw, "not-here") == []
+
+
+async def test_a_keys_limit_sheds_with_429_and_a_missing_key_is_401_through_envoy():
+    with tempfile.TemporaryDirectory() as d:
+        keys, config = f"{d}/keys", f"{d}/cluster.toml"
+        with open(keys, "w") as f:
+            f.write("team-a:sk-aaaa\nteam-b:sk-bbbb\n")
+        with open(config, "w") as f:
+            f.write('[[tenants.keys]]\nname = "team-a"\nrequests_per_minute = 1\n')
+        async with gateway("decode=1", ("--api-key-file", keys, "--config", config,
+                                                 "--admin-api-key", "admin-key")) as gw:
+            a = [(b"authorization", b"Bearer sk-aaaa")]
+            b = [(b"authorization", b"Bearer sk-bbbb")]
+            assert (await _post(gw.streamed, _chat("key-a-1"), headers=a)).status == 200
+            limited = await _post(gw.buffered, _chat("key-a-2"), headers=a)
+            assert limited.status == 429
+            assert msgspec.json.decode(limited.body)["error"]["type"] == "RateLimitError"
+            assert limited.headers.get(b"x-ratelimit-limit-requests") == b"1"
+            assert (await _post(gw.streamed, _chat("key-b-1"), headers=b)).status == 200
+            anonymous = await _post(gw.streamed, _chat("key-none"))
+            assert anonymous.status == 401
+            assert _served_marker(gw, "key-") == [gw.cluster.urls("decode")[0]] * 2
+            assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="shed"}') == 1

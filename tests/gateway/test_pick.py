@@ -1,0 +1,67 @@
+"""The endpoint picker's seam, ``pick``: pure over a pool built in memory (no socket is opened)."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_proxy.config import parse_instance
+from epd_proxy.gateway.pick import Known, PickView, endpoint, pick
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.routing.view import RequestView
+
+URLS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000", "http://10.0.0.4:8000"]
+
+
+def _pool(policy: str = "least-loaded", urls=URLS) -> InstancePool:
+    return InstancePool("decode", [parse_instance(u, "decode") for u in urls], policy=policy)
+
+
+def test_the_first_is_the_pools_choice_and_the_fallbacks_the_least_loaded_others():
+    pool = _pool()
+    a, b, c, d = pool.instances
+    a.inflight, b.inflight, c.inflight, d.inflight = 3, 0, 2, 1
+    chosen = pick(PickView(), Known(pool, endpoints=3))
+    assert chosen.endpoints == ["10.0.0.2:8000", "10.0.0.4:8000", "10.0.0.3:8000"]
+    assert chosen.reasons == ("least-loaded", "fallback", "fallback")
+
+
+def test_fallbacks_holding_more_of_the_prompt_come_first():
+    pool = _pool()
+    a, b, c, d = pool.instances
+    a.inflight, b.inflight, c.inflight, d.inflight = 2, 0, 1, 1
+    view = RequestView({"prompt": [1, 2, 3]}, (), False)
+    view.held, view.tokens = {URLS[0]: 64, URLS[3]: 32}, 96
+    chosen = pick(PickView(view), Known(pool, endpoints=4))
+    assert chosen.endpoints == ["10.0.0.2:8000", "10.0.0.1:8000", "10.0.0.4:8000", "10.0.0.3:8000"]
+    assert chosen.reasons[1] == "fallback, holds 64 of 96 prompt tokens"
+
+
+def test_a_policys_cursor_moves_once_per_request():
+    """Asking the pool once per place in the list would move round robin's cursor by the list's
+    length: with as many instances as places, every request would start at the same one."""
+    pool = _pool("round-robin", URLS[:3])
+    firsts = [pick(PickView(), Known(pool, endpoints=3)).endpoints[0] for _ in range(3)]
+    assert len(set(firsts)) == 3
+
+
+def test_the_subset_hint_restricts_the_pick_and_an_empty_one_leaves_none():
+    pool = _pool()
+    subset = frozenset({"10.0.0.3:8000", "10.0.0.4:8000", "10.9.9.9:1"})
+    for _ in range(4):
+        assert set(pick(PickView(subset=subset), Known(pool)).endpoints) == {"10.0.0.3:8000", "10.0.0.4:8000"}
+    assert pick(PickView(subset=frozenset({"10.9.9.9:1"})), Known(pool)).instances == ()
+    assert pick(PickView(subset=frozenset()), Known(pool)).instances == ()
+
+
+def test_the_list_is_bounded_and_names_each_instance_once():
+    pool = _pool()
+    assert len(pick(PickView(), Known(pool, endpoints=1)).instances) == 1
+    many = pick(PickView(), Known(pool, endpoints=10)).endpoints
+    assert sorted(many) == sorted(endpoint(i) for i in pool.instances)
+
+
+@pytest.mark.parametrize("url, want", [("http://10.1.2.3:8000", "10.1.2.3:8000"), ("http://[fd00::1]:8000",
+                                                                                     "[fd00::1]:8000"),
+                                       ("http://10.1.2.3", "10.1.2.3:80"), ("https://10.1.2.3", "10.1.2.3:443")])
+def test_an_endpoint_is_ip_and_port(url, want):
+    assert endpoint(_pool(urls=[url]).instances[0]) == want
