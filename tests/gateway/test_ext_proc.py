@@ -33,6 +33,8 @@ class _Endpoints(Pick):
 class Recorder:
     """Answers every request with ``answer``; records what the adapter told it."""
 
+    max_body = 64
+
     def __init__(self, answer) -> None:
         self.answer = answer
         self.asks: list = []
@@ -52,6 +54,9 @@ class Recorder:
 
     def ended(self, lease):
         self.ends += 1
+
+    def too_large(self, target):
+        return Refusal(413, b'{"error":{"message":"too large"}}', [])
 
 
 def _routed(endpoints=("10.0.0.1:8000", "10.0.0.2:8000"), body: bytes | None = None) -> Routed:
@@ -165,3 +170,13 @@ async def test_the_answer_is_reported_echoed_when_streamed_and_the_lease_ended_o
     await x.on(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
     x.close()
     assert picker.chunks == [b"data: 1\n\n"] and picker.ends == 1
+
+
+async def test_a_body_past_the_limit_is_refused_before_it_is_all_held():
+    picker = Recorder(_routed())
+    x = ext_proc.Exchange(picker)  # type: ignore[arg-type]
+    await x.on(_headers(False, MODE.FULL_DUPLEX_STREAMED))
+    assert await x.on(_body(b"x" * 60, False)) == []
+    [refused] = await x.on(_body(b"x" * 10, False))
+    assert refused.immediate_response.status.code == 413
+    assert await x.on(_body(b"x", True)) == [] and picker.asks == []

@@ -16,7 +16,7 @@ def _pool(policy: str = "least-loaded", urls=URLS) -> InstancePool:
     return InstancePool("decode", [parse_instance(u, "decode") for u in urls], policy=policy)
 
 
-def test_the_first_is_the_pools_choice_and_the_fallbacks_the_least_loaded_others():
+async def test_the_first_is_the_pools_choice_and_the_fallbacks_the_least_loaded_others():
     pool = _pool()
     a, b, c, d = pool.instances
     a.inflight, b.inflight, c.inflight, d.inflight = 3, 0, 2, 1
@@ -25,7 +25,7 @@ def test_the_first_is_the_pools_choice_and_the_fallbacks_the_least_loaded_others
     assert chosen.reasons == ("least-loaded", "fallback", "fallback")
 
 
-def test_fallbacks_holding_more_of_the_prompt_come_first():
+async def test_fallbacks_holding_more_of_the_prompt_come_first():
     pool = _pool()
     a, b, c, d = pool.instances
     a.inflight, b.inflight, c.inflight, d.inflight = 2, 0, 1, 1
@@ -36,7 +36,7 @@ def test_fallbacks_holding_more_of_the_prompt_come_first():
     assert chosen.reasons[1] == "fallback, holds 64 of 96 prompt tokens"
 
 
-def test_a_policys_cursor_moves_once_per_request():
+async def test_a_policys_cursor_moves_once_per_request():
     """Asking the pool once per place in the list would move round robin's cursor by the list's
     length: with as many instances as places, every request would start at the same one."""
     pool = _pool("round-robin", URLS[:3])
@@ -44,7 +44,7 @@ def test_a_policys_cursor_moves_once_per_request():
     assert len(set(firsts)) == 3
 
 
-def test_the_subset_hint_restricts_the_pick_and_an_empty_one_leaves_none():
+async def test_the_subset_hint_restricts_the_pick_and_an_empty_one_leaves_none():
     pool = _pool()
     subset = frozenset({"10.0.0.3:8000", "10.0.0.4:8000", "10.9.9.9:1"})
     for _ in range(4):
@@ -53,7 +53,7 @@ def test_the_subset_hint_restricts_the_pick_and_an_empty_one_leaves_none():
     assert pick(PickView(subset=frozenset()), Known(pool)).instances == ()
 
 
-def test_the_list_is_bounded_and_names_each_instance_once():
+async def test_the_list_is_bounded_and_names_each_instance_once():
     pool = _pool()
     assert len(pick(PickView(), Known(pool, endpoints=1)).instances) == 1
     many = pick(PickView(), Known(pool, endpoints=10)).endpoints
@@ -63,5 +63,5 @@ def test_the_list_is_bounded_and_names_each_instance_once():
 @pytest.mark.parametrize("url, want", [("http://10.1.2.3:8000", "10.1.2.3:8000"), ("http://[fd00::1]:8000",
                                                                                      "[fd00::1]:8000"),
                                        ("http://10.1.2.3", "10.1.2.3:80"), ("https://10.1.2.3", "10.1.2.3:443")])
-def test_an_endpoint_is_ip_and_port(url, want):
+async def test_an_endpoint_is_ip_and_port(url, want):
     assert endpoint(_pool(urls=[url]).instances[0]) == want

@@ -78,6 +78,7 @@ class Exchange:
         self.lease: Lease | None = None
         self.decided = False
         self.had_body = False  # a body message came (then Envoy waits for the body's answer)
+        self.size = 0  # the body's bytes so far (bounded by --max-body-size)
 
     async def on(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")
@@ -86,8 +87,15 @@ class Exchange:
         if kind == "request_headers":
             return await self._request_headers(message)
         if kind == "request_body":
-            self.body.append(message.request_body.body)
+            if self.decided:  # refused already (too large): Envoy stops at the immediate answer
+                return []
+            piece = message.request_body.body
+            self.body.append(piece)
+            self.size += len(piece)
             self.had_body = True
+            if self.size > self.picker.max_body:
+                self.decided, self.body = True, []
+                return [immediate(self.picker.too_large(self.target))]
             if not message.request_body.end_of_stream:
                 return []
             return await self._decide()

@@ -126,6 +126,7 @@ class EndpointPicker:
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.leases = 0  # requests placed and not yet ended
         self.served_elsewhere = 0  # answers the gateway reports from a fallback endpoint
+        self.max_body = config.max_body_size or (1 << 62)  # a body past it is refused (413), as the proxy does
         shed = shed_error(f"--max-inflight {config.max_inflight}")
         self._shed = (shed.body(), shed.body(anthropic=True))
 
@@ -154,6 +155,14 @@ class EndpointPicker:
             self._end(lease, 499)
             raise
         return decision
+
+    def too_large(self, target: bytes) -> Refusal:
+        """A body past ``--max-body-size``: refused before it is all held (counted, not placed)."""
+        path = target.partition(b"?")[0].decode("latin-1")
+        err = ProxyError(413, f"request body larger than {self.max_body} bytes")
+        self.outcomes["refused"] += 1
+        self.metrics.observe_request(path, 413, 0.0)
+        return Refusal(413, err.body(speaks_anthropic(path)), [])
 
     def _key(self, req: Request) -> str | None:
         keys = self.client_keys
