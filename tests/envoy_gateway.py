@@ -121,6 +121,12 @@ class EppProcess:
     async def stop(self) -> None:
         await _stop(self.proc)
 
+    async def kill(self) -> None:
+        """Gone at once (SIGKILL): no shutdown, no goodbye to the gateway."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+
     async def metric(self, line: str) -> float:
         """The value of one exposition line's series (0 when absent)."""
         args = self.args
@@ -148,11 +154,15 @@ class EppProcess:
 @dataclasses.dataclass
 class Gateway:
     cluster: SimCluster
-    epp: EppProcess
+    epps: list[EppProcess]  # the picker's replicas
     envoy: Envoy
     streamed: str  # the FULL_DUPLEX_STREAMED, fail-closed listener's URL
     buffered: str  # the BUFFERED, fail-open one's
     pool: list[str]  # the pool's endpoints as Envoy has them
+
+    @property
+    def epp(self) -> EppProcess:
+        return self.epps[0]
 
     def served(self, marker: str) -> list[str]:
         """The instances whose records hold a request whose body carries ``marker``."""
@@ -175,10 +185,10 @@ def dead_address() -> str:
 
 @contextlib.asynccontextmanager
 async def gateway(spec: str = "decode=3", epp_args: tuple = (), *, extra_pool: tuple[str, ...] = (),
-                  extra_envoy: dict | None = None):
+                  extra_envoy: dict | None = None, replicas: int = 1):
     """Simulated instances (``spec``: ``SimCluster.from_spec``'s, their decodes serve; plus
-    ``extra_pool`` addresses the picker and the pool list too), the picker in its process, and
-    Envoy; yields a :class:`Gateway`."""
+    ``extra_pool`` addresses the picker and the pool list too), the picker's ``replicas``, each in
+    its process, and Envoy; yields a :class:`Gateway`."""
     async with SimCluster.from_spec(spec, SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
         specs = []
         for inst in cluster.instances("decode"):
@@ -188,14 +198,15 @@ async def gateway(spec: str = "decode=3", epp_args: tuple = (), *, extra_pool: t
             specs.append(spec)
         specs += [f"http://{a}" for a in extra_pool]
         flags = [arg for spec in specs for arg in ("--decode", spec)]
-        async with EppProcess(flags + list(epp_args)) as epp:
+        async with contextlib.AsyncExitStack() as stack:
+            epps = [await stack.enter_async_context(EppProcess(flags + list(epp_args))) for _ in range(replicas)]
             pool = [address(u) for u in cluster.urls("decode")] + list(extra_pool)
             streamed, buffered, admin = free_port(), free_port(), free_port()
             config = envoy_config(streamed=streamed, buffered=buffered, admin=admin,
-                                  epp=[f"127.0.0.1:{epp.grpc_port}"], pool=pool)
+                                  epp=[f"127.0.0.1:{e.grpc_port}" for e in epps], pool=pool)
             async with Envoy(config, admin, extra_envoy) as envoy:
-                yield Gateway(cluster, epp, envoy, f"http://127.0.0.1:{streamed}", f"http://127.0.0.1:{buffered}",
-                              pool)
+                yield Gateway(cluster, epps, envoy, f"http://127.0.0.1:{streamed}",
+                              f"http://127.0.0.1:{buffered}", pool)
 
 
 async def _get(url: str, path: str) -> bool:

@@ -288,3 +288,28 @@ async def test_a_keys_limit_sheds_with_429_and_a_missing_key_is_401_through_envo
             assert anonymous.status == 401
             assert _served_marker(gw, "key-") == [gw.cluster.urls("decode")[0]] * 2
             assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="shed"}') == 1
+
+
+async def test_replicas_pick_side_by_side_and_one_killed_leaves_the_other_serving():
+    async with gateway("decode=2", replicas=2) as gw:
+        first, second = gw.epps
+        for n in range(8):
+            assert (await _post(gw.streamed, _chat(f"both-{n}"))).status == 200
+        picked = 'epd_proxy_epp_decisions_total{outcome="picked"}'
+        assert await first.metric(picked) > 0 and await second.metric(picked) > 0  # active-active
+        await first.kill()
+        # Envoy's gRPC health check on readiness (the shipped file: every second) takes it out.
+        await _wait(lambda: _failed_health_check(gw, first.grpc_port), timeout=15)
+        before = await second.metric(picked)
+        for n in range(6):
+            assert (await _post(gw.streamed, _chat(f"survivor-{n}"))).status == 200
+        assert await second.metric(picked) == before + 6
+
+
+async def _failed_health_check(gw, port: int) -> bool:
+    client = Client(f"http://127.0.0.1:{gw.envoy.admin}")
+    try:
+        clusters = (await client.request("GET", "/clusters")).body.decode()
+    finally:
+        await client.close()
+    return f"epp::127.0.0.1:{port}::health_flags::/failed_active_hc" in clusters
