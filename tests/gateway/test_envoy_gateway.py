@@ -313,3 +313,13 @@ async def _failed_health_check(gw, port: int) -> bool:
     finally:
         await client.close()
     return f"epp::127.0.0.1:{port}::health_flags::/failed_active_hc" in clusters
+
+
+async def test_a_stream_in_flight_ends_whole_when_the_picker_shuts_down_gracefully():
+    async with gateway("decode=1,itl_ms=20") as gw:
+        stream = asyncio.ensure_future(_post(gw.streamed, _chat("graceful", stream=True, max_tokens=40)))
+        await _wait(lambda: _metric_at_least(gw.epp, "epd_proxy_epp_requests", 1))
+        await gw.epp.stop()  # SIGTERM: not ready at once, the stream's answer still passes through it
+        reply = await stream
+        assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
+        assert reply.body.count(b"data: ") > 40

@@ -71,9 +71,12 @@ class GrpcListener:
         self.ready = lambda: False
         await self._tell_readiness()
 
-    async def close(self, grace: float = 5.0) -> None:
+    async def close(self, grace: float = 0.0) -> None:
+        """Stop listening; streams in flight get ``grace`` seconds to end (closed once)."""
         if self._watch is not None:
             self._watch.cancel()
-        if self.server is not None:
+            self._watch = None
+        server, self.server = self.server, None
+        if server is not None:
             await self.health.enter_graceful_shutdown()
-            await self.server.stop(grace)
+            await server.stop(grace)

@@ -114,10 +114,14 @@ class RunningEpp:
         return self.listener.port
 
     async def shutdown(self, grace: float, timeout: float) -> None:
-        """Not ready at once (gRPC health and ``/ready``), then the proxy's graceful shutdown;
-        the gRPC streams in flight get what is left of ``timeout`` to end."""
+        """Not ready at once (gRPC health and ``/ready``), then the proxy's graceful shutdown (the
+        gRPC listener still answers meanwhile); the gRPC streams in flight then get what is left
+        of ``timeout`` to end."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
         await self.listener.shutting_down()
         await self.proxy.shutdown(grace, timeout)
+        await self.listener.close(max(0.0, end - loop.time()))
 
     async def close(self) -> None:
         await self.listener.close()
