@@ -429,8 +429,11 @@ class ProxyConfig:
     topology: str = "auto"  # or pinned: PD, E+PD, P+D, E+P+D
     log_requests: bool = False
     # Access and TLS (docs/architecture.md, "Access and TLS").
-    api_keys: tuple[str, ...] = ()  # keys clients send as "Authorization: Bearer" for /v1/* (none = open)
+    api_keys: tuple[str, ...] = ()  # client keys ("Authorization: Bearer") on every path but probes (none: open)
     api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
+    # With client keys: vLLM's cache_salt set from each key's scope on chat and completions, so
+    # no key's requests share (or can probe) another key's prefix cache (tenants/key_scope.py).
+    cache_salt_per_key: bool = False
     protect_metrics: bool = False  # /metrics needs the admin key
     ssl_certfile: str | None = None  # the listener speaks TLS with this certificate (PEM) ...
     ssl_keyfile: str | None = None  # ... and this private key (PEM; default: in the certificate file)
@@ -582,6 +585,9 @@ class ProxyConfig:
                 add(f"--lora-source {name}={path}: expected NAME=PATH with a name without '/'")
         if self.protect_metrics and not self.admin_api_key:
             add("--protect-metrics needs --admin-api-key (or $ADMIN_API_KEY)")
+        if self.cache_salt_per_key and not (self.api_keys or self.api_key_file):
+            add("--cache-salt-per-key needs client keys (--api-key or --api-key-file): it salts each key's "
+                "prefix cache, and without keys there is none")
         if self.ssl_keyfile and not self.ssl_certfile:
             add("--ssl-keyfile needs --ssl-certfile")
         roles: dict[str, str] = {}

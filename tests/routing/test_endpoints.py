@@ -2,7 +2,15 @@
 
 import pytest
 
-from epd_proxy.routing.endpoints import ROUTED, form_field, least_loaded_first, request_model, roles_for
+from epd_proxy.routing.endpoints import (
+    ROUTED,
+    form_field,
+    form_fields,
+    least_loaded_first,
+    request_model,
+    roles_for,
+)
+from epd_proxy.wire.errors import ProxyError
 
 
 def test_tokenizer_endpoints_go_to_prefill_or_decode_by_load():
@@ -67,3 +75,15 @@ def test_a_broken_form_names_no_model():
     assert form_field(b"whatever", b"multipart/form-data", b"model") is None  # no boundary
     assert form_field(_form(b"q", (b'content-disposition: form-data; name="model"', b"\xff")), ctype,
                       b"model") is None
+
+
+def test_a_form_naming_its_model_twice_is_refused():
+    model_part = (b'content-disposition: form-data; name="model"', b"whisper-b")
+    other = (b'content-disposition: form-data; name="model"', b"whisper-x")
+    file_part = (b'content-disposition: form-data; name="file"; filename="a.wav"', b"RIFF")
+    ctype = b"multipart/form-data; boundary=q"
+    with pytest.raises(ProxyError) as err:
+        request_model(_form(b"q", model_part, file_part, other), ctype)
+    assert err.value.status == 400 and err.value.param == "model"
+    assert form_fields(_form(b"q", model_part, file_part, other), ctype, b"model") == ["whisper-b", "whisper-x"]
+    assert form_field(_form(b"q", model_part, other), ctype, b"model") == "whisper-b"

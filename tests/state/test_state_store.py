@@ -121,9 +121,11 @@ async def test_a_dead_store_is_a_miss_within_the_budget_then_costs_nothing_and_c
         for _ in range(100):  # the breaker is open: no call at all
             assert await g.get(g.key(b"t", b"\x01")) is None
         assert g.calls == calls and time.perf_counter() - t0 < 0.05
-        f: dict[str, list] = {"epd_proxy_state_store_errors": [], "epd_proxy_state_store_up": []}
+        f: dict[str, list] = {"epd_proxy_state_store_errors": [], "epd_proxy_state_store_up": [],
+                              "epd_proxy_state_store_invalid": []}
         state_collector(g)(f)
-        assert f == {"epd_proxy_state_store_errors": [["take", 1]], "epd_proxy_state_store_up": [["redis", 0]]}
+        assert f == {"epd_proxy_state_store_errors": [["take", 1]], "epd_proxy_state_store_up": [["redis", 0]],
+                     "epd_proxy_state_store_invalid": []}
         assert g.status()["up"] is False and g.status()["url"] == redis_server.url
         redis_server.start()  # back, empty
         deadline = time.monotonic() + 5

@@ -3,6 +3,7 @@
 import pytest
 
 from epd_proxy.config import ConfigErrors
+from epd_proxy.tenants.aliases import ModelAliases, may_use
 from epd_proxy.tenants.policy import read_tenants
 
 
@@ -47,3 +48,24 @@ def test_every_mistake_is_reported_at_once():
                  "'a': named twice", "models must be"):
         assert part in text, part
     assert len(err.value.errors) == 10
+
+
+def test_the_engine_priority_of_each_class():
+    table = read_tenants({"engine_priority": True})
+    assert [table.priority_of(table.classes[c]) for c in ("critical", "standard", "sheddable")] == [0, 1, 2]
+    own = read_tenants({"engine_priority": True, "classes": {"gold": {"rank": 5}, "tin": {"rank": -1}}})
+    assert own.priority_of(own.classes["gold"]) == 0 and own.priority_of(own.classes["tin"]) == 6
+    off = read_tenants({})
+    assert off.priority_of(off.classes["sheddable"]) == 0  # instances without priority scheduling: 0 only
+    with pytest.raises(ConfigErrors, match="engine_priority must be true or false"):
+        read_tenants({"engine_priority": "yes"})
+
+
+def test_a_key_list_is_checked_on_the_model_that_runs():
+    aliases = ModelAliases({"claude": "qwen"}, default="qwen")
+    allowed = frozenset({"claude", "retired"})
+    assert may_use(allowed, aliases, "claude", "qwen")  # an alias on the list, run by its target
+    assert not may_use(allowed, aliases, "retired", "qwen")  # the default's model is not on the list
+    assert not may_use(allowed, aliases, "qwen", "qwen")
+    assert may_use(frozenset({"qwen"}), aliases, "claude", "qwen") and may_use(frozenset({"x"}), None, "x", "x")
+    assert not may_use(allowed, None, "claude", "qwen")

@@ -39,6 +39,7 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
 from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.observe.metrics import ProxyMetrics, render
+from epd_proxy.observe.tokens import NO_TOKENS
 from epd_proxy.observe.version import VERSION
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES, speaks_anthropic
 from epd_proxy.request.forward import Forwarder
@@ -48,6 +49,7 @@ from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.stored_responses import parse_path
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
+from epd_proxy.tenants.aliases import may_use
 from epd_proxy.tenants.limiter import check_config as check_tenants
 from epd_proxy.wire.errors import ProxyError, as_anthropic
 
@@ -55,6 +57,12 @@ log = logging.getLogger("epd_proxy.app")
 
 _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _MODEL_PREFIX = "/v1/models/"
+# With client keys (--api-key, --api-key-file), every path needs one (a routed endpoint, a
+# path added later, a path that does not exist) except these: the probes, which a load
+# balancer or kubelet calls without credentials and which never show more than a status.
+# The console's static page is open too, and the views and changes guarded by the admin key
+# (access.py) take no client key: they are listed where the routes are built (ProxyApp).
+OPEN_PATHS = frozenset({"/health", "/ready"})
 
 
 def validate_config(config: ProxyConfig) -> None:
@@ -116,9 +124,19 @@ class ProxyApp:
             ("POST", LOAD): self.admin.load_lora,
             ("POST", UNLOAD): self.admin.unload_lora,
         }
+        # The paths that take no client key (OPEN_PATHS): the probes, the admin key's (the
+        # handlers of admin.py, /status, /metrics, the console's JSON: each checks the admin key
+        # itself), the console's static page.
+        keyless = set(OPEN_PATHS) | {"/status", "/metrics"}
+        keyless.update(path for (_, path), handler in self._routes.items()
+                       if getattr(handler, "__self__", None) is self.admin)
         self.console = console  # the live page and its JSON (console.py)
         if console is not None:
-            self._routes.update(console.routes())
+            console_routes = console.routes()
+            self._routes.update(console_routes)
+            keyless.update(path for _, path in console_routes)
+        self._keyless = frozenset(keyless)
+        self._model_views = (self._routes[("GET", "/v1/models")], self._model)  # they show the key's models
         self._forwarded = self.forwarder.handle
         for path, endpoint in ROUTED.items():
             self._routes[(endpoint.method, path)] = self._forwarded
@@ -135,8 +153,9 @@ class ProxyApp:
         # instance's drain (an operator taking one instance out: membership.py).
         self.shutting_down = False
         self.siblings = siblings  # --workers > 1: /metrics, /status, /ready ask siblings
-        # Who may call /v1/* (client_auth.py); None = open. /health and /ready stay open; /metrics
-        # (its labels are instance URLs) is the roster's: the admin key's whenever any key is set.
+        # Who may call the API (client_auth.py); None = open. Every path but the keyless ones
+        # needs a client key; /metrics (its labels are instance URLs) is the roster's: the admin
+        # key's whenever any key is set.
         self.client_keys = client_keys
         self._metrics_key = config.admin_api_key.encode() if config.admin_api_key else None
 
@@ -177,38 +196,49 @@ class ProxyApp:
         if self.shutting_down:
             writer.keep_alive = False
         keys = self.client_keys
-        key = None  # the name of the client key presented (the access log's)
-        if keys is not None and req.path.startswith("/v1/") and req.path not in (LOAD, UNLOAD):  # admin's
-            authorization = req.headers.get(b"authorization") or req.headers.get(b"x-api-key")
-            key = keys.identify(req.headers.get(b"authorization"), req.headers.get(b"x-api-key"))
+        key = scope = None  # the name of the client key presented (the access log's, its tenant's), and its scope
+        if keys is not None and req.path not in self._keyless:
+            authorization = req.headers.get(b"authorization")
+            key = keys.identify(authorization, req.headers.get(b"x-api-key"))
             if key is None:
                 # Before the route: an unauthenticated caller learns nothing about the API's paths.
-                body = INVALID_KEY_BODY if authorization else MISSING_KEY_BODY
+                body = INVALID_KEY_BODY if authorization or req.headers.get(b"x-api-key") else MISSING_KEY_BODY
                 if speaks_anthropic(req.path):
                     body = _ANTHROPIC_401[body]
                 writer.send(401, body, b"application/json", CHALLENGE)
                 self._served(req, writer, time.perf_counter())
                 return
+            scope = keys.scope(key)  # what the request stores and reads back is its key's (key_scope.py)
         handler = self._routes.get((req.method, req.path))
         if handler is None and req.path.startswith(_MODEL_PREFIX) and req.method in ("GET", "HEAD"):
-            handler = self._model
+            handler = self._model_views[1]
         generation = self._generation.get(handler)  # type: ignore[arg-type]
         if generation is not None:
             # It writes its own access-log line.
-            await self.pipeline.handle(req, writer, generation or req.path, key)
+            await self.pipeline.handle(req, writer, generation or req.path, key, scope)
             return
         if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
             await self.forwarder.handle(req, writer, key)
             return
+        if handler in self._model_views:  # the models the caller's key may use
+            t0 = time.perf_counter()
+            await handler(req, writer, key)  # type: ignore[call-arg]
+            self._served(req, writer, t0, key)
+            return
         t0 = time.perf_counter()
         stored = parse_path(req.method, req.path) if handler is None else None
-        if stored is not None:  # a stored response (request/stored_responses.py)
-            if await self.pipeline.admit(req, writer, stored[1], t0):
+        if stored is not None:  # a stored response (request/stored_responses.py): the key's limits too
+            pipeline = self.pipeline
+            tenants = pipeline.tenants
+            ticket = await pipeline.enter_tenant(req, writer, stored[1], t0, key) if tenants.active else None
+            if (ticket is not None or not tenants.active) and await pipeline.admit(req, writer, stored[1], t0, ticket):
                 try:
-                    await self.pipeline.stored.handle(req, writer, *stored)
+                    await pipeline.stored.handle(req, writer, *stored, scope)
                 finally:
-                    self.pipeline.leave()
-            self._served(req, writer, t0)
+                    pipeline.leave()
+                    if ticket is not None:
+                        tenants.leave(ticket, writer.status or 499, NO_TOKENS)
+            self._served(req, writer, t0, key)
             return
         if handler is None:
             allow = self._allow.get(req.path)
@@ -221,15 +251,15 @@ class ProxyApp:
             self.metrics.observe_request("other", err.status, time.perf_counter() - t0)
         else:
             await handler(req, writer)
-        self._served(req, writer, t0)
+        self._served(req, writer, t0, key)
 
-    def _served(self, req: Request, writer: ResponseWriter, t0: float) -> None:
-        """The access-log line of a request the pipeline did not run."""
+    def _served(self, req: Request, writer: ResponseWriter, t0: float, key: str | None = None) -> None:
+        """The access-log line of a request the pipeline did not run (``key``: the client key's name)."""
         access = self.pipeline.access_log
         if access is not None:
             rid = client_request_id(req)
             access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
-                         writer.bytes_sent, time.perf_counter() - t0, req.peer, req.headers)
+                         writer.bytes_sent, time.perf_counter() - t0, req.peer, req.headers, key=key)
 
     async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
         await self.pipeline.handle(req, writer, CHAT)
@@ -240,32 +270,47 @@ class ProxyApp:
     async def _generate_other(self, req: Request, writer: ResponseWriter) -> None:
         await self.pipeline.handle(req, writer, req.path)
 
-    async def _models(self, req: Request, writer: ResponseWriter) -> None:
-        """The models of the live instances, each id once, in vLLM's shape (instances/models.py).
-        While no instance has said what it serves yet: a live decode instance's list, learnt and
-        relayed as received."""
+    async def _models(self, req: Request, writer: ResponseWriter, key: str | None = None) -> None:
+        """The models of the live instances, each id once, in vLLM's shape (instances/models.py),
+        those ``key`` may use (tenants/limiter.py). While no instance has said what it serves
+        yet: a live decode instance's list, learnt and relayed as received (to a key without a
+        model list; a key with one gets its models of what was learnt)."""
         cards = self.pipeline.models.current.cards
-        if cards:
-            aliases = self.pipeline.tenants.aliases  # listed as the operator chose (tenants/aliases.py)
-            writer.send(200, models_list(cards if aliases is None else aliases.cards(cards)))
+        tenants = self.pipeline.tenants
+        if not cards and tenants.visible(key) is None:
+            await self._models_of_one(writer)
             return
-        await self._models_of_one(writer)
+        if not cards:
+            await self._models_of_one(None)
+            cards = self.pipeline.models.current.cards
+            if not cards:
+                err = ProxyError(503, "no decode instance has said which models it serves yet")
+                writer.send(err.status, err.body(), headers=[(b"retry-after", b"5")])
+                return
+        writer.send(200, models_list(tenants.cards(key, cards)))  # aliases listed as the operator chose
 
-    async def _model(self, req: Request, writer: ResponseWriter) -> None:
-        """``GET /v1/models/{id}``: one model card of the union (vLLM itself has no such route)."""
+    async def _model(self, req: Request, writer: ResponseWriter, key: str | None = None) -> None:
+        """``GET /v1/models/{id}``: one model card of the union (vLLM itself has no such route);
+        404 for a model ``key`` may not use, as for one nobody serves."""
         name = unquote(req.path[len(_MODEL_PREFIX):])
         catalog = self.pipeline.models.current
         if not catalog.cards:  # nothing known yet: learn from a decode instance first
             await self._models_of_one(None)
             catalog = self.pipeline.models.current
         card = catalog.card(name)
-        aliases = self.pipeline.tenants.aliases
+        tenants = self.pipeline.tenants
+        aliases = tenants.aliases
         if card is None and aliases is not None:
             card = next((c for c in aliases.cards(catalog.cards) if c.get("id") == name), None)
+        allowed = tenants.visible(key)
+        if allowed is not None:  # one of the key's models (the aliases its list names, in any listing)
+            served = aliases.names.get(name, name) if aliases is not None else name
+            card = next((c for c in tenants.cards(key, catalog.cards) if c.get("id") == name),
+                        card if card is not None and may_use(allowed, aliases, name, served) else None)
         if card is not None:
             writer.send(200, msgspec.json.encode(card))
             return
-        writer.send(404, catalog.not_found(name).body())
+        writer.send(404, catalog.not_found(name, tenants.model_ids(key, catalog)).body())
 
     async def _models_of_one(self, writer: ResponseWriter | None) -> None:
         """A live decode instance's model list: learnt (pool.py), and relayed to ``writer`` if given."""

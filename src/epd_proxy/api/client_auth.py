@@ -7,7 +7,8 @@ content nor its position in the list shows in the answer's timing.
 
 The key file holds one key per line (blank lines and ``#`` comments ignored), as
 ``name:key`` to give it the name the access log shows (never the key itself); a line
-without ``:`` is a key named after its line, ``line<N>``. ``--api-key`` keys are named
+without ``:`` is a key named after its line, ``line<N>``. No key may be named ``-``: that
+is the requests without a key (the access log's ``key=-``, their own counters). ``--api-key`` keys are named
 ``key1``, ``key2``, ... in the order given. The file is read again on every reload
 (SIGHUP, reload.py; :meth:`ClientKeys.reload`): keys can be rotated without a restart.
 A file that cannot be read at reload keeps the keys in force (a failed rotation must
@@ -21,11 +22,13 @@ from __future__ import annotations
 import hmac
 import logging
 
+from epd_proxy.tenants.key_scope import key_scope
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.auth")
 
 _BEARER = b"bearer "
+NO_KEY_NAME = "-"  # the requests without a key: never a key's name
 
 
 def read_key_file(path: str) -> list[tuple[str, str]]:
@@ -44,17 +47,25 @@ def read_key_file(path: str) -> list[tuple[str, str]]:
                 name, secret = f"line{number}", key
             elif not name or not secret:
                 raise ValueError(f"{path} line {number}: 'name:key' needs both a name and a key")
+            elif name == NO_KEY_NAME:
+                raise ValueError(f"{path} line {number}: the name {NO_KEY_NAME!r} is reserved: it stands for the "
+                                 f"requests without a key (their access log field, their limits and counters)")
             keys.append((name, secret))
     return keys
 
 
-def _named(flag_keys, file_keys: list[tuple[str, str]]) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
-    """The keys and their names, a key given twice kept once (its first name)."""
+def _named(flag_keys, file_keys: list[tuple[str, str]]
+           ) -> tuple[tuple[bytes, ...], tuple[str, ...], dict[str, bytes]]:
+    """The keys and their names, a key given twice kept once (its first name); and each
+    name's scope (tenants/key_scope.py)."""
     pairs = [(f"key{i}", k) for i, k in enumerate(flag_keys, 1)] + file_keys
     seen: dict[bytes, str] = {}
     for name, key in pairs:
         seen.setdefault(key.encode(), name)
-    return tuple(seen), tuple(seen.values())
+    scopes: dict[str, bytes] = {}
+    for key, name in seen.items():
+        scopes.setdefault(name, key_scope(name, key))
+    return tuple(seen), tuple(seen.values()), scopes
 
 
 def bearer_token(authorization: bytes | None) -> bytes | None:
@@ -69,13 +80,13 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 class ClientKeys:
     """The keys clients may present; the flag's keys plus the key file's."""
 
-    __slots__ = ("_fixed", "_file", "_keys", "_names")
+    __slots__ = ("_fixed", "_file", "_keys", "_names", "_scopes")
 
     def __init__(self, keys: tuple[str, ...] | list[str] = (), key_file: str | None = None) -> None:
         self._fixed = tuple(k for k in keys if k)
         self._file = key_file
         file_keys = read_key_file(key_file) if key_file else []
-        self._keys, self._names = _named(self._fixed, file_keys)
+        self._keys, self._names, self._scopes = _named(self._fixed, file_keys)
         if key_file and not file_keys:
             log.warning("--api-key-file %s holds no key%s", key_file,
                         "" if self._fixed else ": every API request gets 401 until it does")
@@ -109,6 +120,10 @@ class ClientKeys:
             hit += i * hmac.compare_digest(token, key)
         return self._names[hit - 1] if hit else None
 
+    def scope(self, name: str | None) -> bytes | None:
+        """The scope of the key named ``name``: what it owns is namespaced by it (key_scope.py)."""
+        return None if name is None else self._scopes.get(name)
+
     def reload(self) -> None:
         """Read the key file again (a reload). If it cannot be read, the keys in force stay and
         ValueError says why (the reload counts as failed)."""
@@ -119,7 +134,7 @@ class ClientKeys:
         except (OSError, ValueError) as exc:
             raise ValueError(f"--api-key-file {self._file}: cannot read it ({_reason(exc)}); "
                              f"the keys in force stay") from None
-        self._keys, self._names = _named(self._fixed, file_keys)
+        self._keys, self._names, self._scopes = _named(self._fixed, file_keys)
         log.info("--api-key-file %s reloaded: %d key(s) in force", self._file, len(self._keys))
 
 

@@ -287,11 +287,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true", default=defaults.log_requests,
                    help="log every request's method, path, status and time (and set --log-level debug)")
     p.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
-                   help="a key clients must send as 'Authorization: Bearer KEY' for /v1/* (repeatable; "
-                        "default none: the API is open); /health and /ready stay open, /instances, /status "
-                        "and /metrics then need --admin-api-key")
+                   help="a key clients must send as 'Authorization: Bearer KEY' on every path (repeatable; "
+                        "default none: the API is open); /health, /ready and the console's page stay open, "
+                        "/instances, /status and /metrics then need --admin-api-key")
     p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
                    help="more client keys, one per line ('#' comments), read again on SIGHUP")
+    p.add_argument("--cache-salt-per-key", action="store_true", default=defaults.cache_salt_per_key,
+                   help="with client keys, set vLLM's cache_salt from each key on chat and completions: no "
+                        "key shares or can time another key's prefix cache (off: keys share it)")
     p.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,
                    help="insist on an admin key: /metrics needs it (as X-API-Key or Bearer) whenever "
                         "--admin-api-key is set anyway")
@@ -445,6 +448,7 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         log_requests=args.log_requests,
         api_keys=tuple(args.api_key),
         api_key_file=args.api_key_file or None,
+        cache_salt_per_key=args.cache_salt_per_key,
         protect_metrics=args.protect_metrics,
         ssl_certfile=args.ssl_certfile or None,
         ssl_keyfile=args.ssl_keyfile or None,

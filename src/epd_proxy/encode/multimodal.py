@@ -121,9 +121,13 @@ def content_uuid(part: dict) -> str:
 CLIENT_KEY_PREFIX = "client-"
 
 
-def client_key(uuid: str) -> str:
-    """The cache key for a client-chosen ``uuid``: namespaced, never a content key."""
-    return CLIENT_KEY_PREFIX + _sha256_hex(uuid.encode("utf-8", "surrogatepass"))
+def client_key(uuid: str, scope: bytes | None = None) -> str:
+    """The cache key for a client-chosen ``uuid``: namespaced, never a content key. With
+    client keys, ``scope`` is the request's key's (tenants/key_scope.py, 16 bytes): two keys
+    sending the same uuid never name the same item, so neither can plant the features the
+    other's request reads, nor read the other's by naming its uuid."""
+    data = uuid.encode("utf-8", "surrogatepass")
+    return CLIENT_KEY_PREFIX + _sha256_hex(data if scope is None else scope + data)
 
 
 def _client_uuid(part: dict, param: str) -> str | None:
@@ -136,10 +140,10 @@ def _client_uuid(part: dict, param: str) -> str | None:
     return value
 
 
-def _item_uuid(part: dict, param: str, ignore_client_uuids: bool) -> str:
+def _item_uuid(part: dict, param: str, ignore_client_uuids: bool, scope: bytes | None) -> str:
     client = _client_uuid(part, param)
     if client is not None and not ignore_client_uuids:
-        return client_key(client)
+        return client_key(client, scope)
     return content_uuid(part)
 
 
@@ -160,7 +164,8 @@ def _check_media_payload(part: dict, kind: str, param: str) -> None:
         )
 
 
-def _scan(body: dict, ignore_client_uuids: bool) -> tuple[list[MediaItem], list[tuple[int, int]]]:
+def _scan(body: dict, ignore_client_uuids: bool, scope: bytes | None = None
+          ) -> tuple[list[MediaItem], list[tuple[int, int]]]:
     """The media items, and where a part (media or ``*_embeds``) carries a ``uuid`` key."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
@@ -202,7 +207,7 @@ def _scan(body: dict, ignore_client_uuids: bool) -> tuple[list[MediaItem], list[
                     part_index=pi,
                     type=kind,
                     part=part,
-                    uuid=_item_uuid(part, param, ignore_client_uuids),
+                    uuid=_item_uuid(part, param, ignore_client_uuids, scope),
                 )
             )
     return items, with_uuid
@@ -220,17 +225,21 @@ def collect_media(body: dict, *, ignore_client_uuids: bool = False) -> list[Medi
     return _scan(body, ignore_client_uuids)[0]
 
 
-def own_media(body: dict, *, ignore_client_uuids: bool = False) -> tuple[dict, list[MediaItem]]:
+def own_media(body: dict, *, ignore_client_uuids: bool = False, scope: bytes | None = None
+              ) -> tuple[dict, list[MediaItem]]:
     """:func:`collect_media`, and the body every stage gets in place of the client's.
 
     No client ``uuid`` reaches an engine as written: on media and ``*_embeds``
     parts it is replaced by its :func:`client_key` (or removed when client
     uuids are ignored, so encoder and consumer both key the item by its
     content). Otherwise a client could name the key of someone else's image
-    and poison, or read, the encoder cache. Without any ``uuid`` in the body
-    (the usual case) the body and items are returned as they are.
+    and poison, or read, the encoder cache. With client keys the key is the
+    request's key's too (``scope``): an ``*_embeds`` part carrying only a uuid (vLLM
+    then looks the item up by it in its caches) reaches only what a request of the
+    same key sent under that uuid. Without any ``uuid`` in the body (the usual case)
+    the body and items are returned as they are.
     """
-    items, with_uuid = _scan(body, ignore_client_uuids)
+    items, with_uuid = _scan(body, ignore_client_uuids, scope)
     if not with_uuid:
         return body, items
     messages = list(body["messages"])
@@ -242,7 +251,7 @@ def own_media(body: dict, *, ignore_client_uuids: bool = False) -> tuple[dict, l
         part = {k: v for k, v in message["content"][pi].items() if k != "uuid"}
         client = _client_uuid(message["content"][pi], f"messages[{mi}].content[{pi}]")
         if client is not None and not ignore_client_uuids:
-            part["uuid"] = client_key(client)
+            part["uuid"] = client_key(client, scope)
         message["content"][pi] = new_parts[(mi, pi)] = part
     items = [
         _replace(item, part=new_parts[(item.message_index, item.part_index)])

@@ -148,9 +148,10 @@ class Catalog:
         raise ProxyError(400, f"the request names no model and this cluster serves several: "
                               f"{', '.join(bases)}; give one in 'model'", param="model")
 
-    def not_found(self, model: str) -> ProxyError:
-        """vLLM's 404 for ``model``, naming (the first ``NAMED_IN_404`` of) the ids served."""
-        names = list(self.parents)
+    def not_found(self, model: str, names: list[str] | None = None) -> ProxyError:
+        """vLLM's 404 for ``model``, naming (the first ``NAMED_IN_404`` of) the ids served, or of
+        ``names`` (those the caller's key may use)."""
+        names = list(self.parents) if names is None else names
         served = ", ".join(names[:NAMED_IN_404])
         if len(names) > NAMED_IN_404:
             served += f" and {len(names) - NAMED_IN_404} more"

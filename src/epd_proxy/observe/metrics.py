@@ -219,7 +219,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "holding it computed the new part alone), opening, or why it fell back: "
                                  "unmatched, not_keyed, not_held, older_turn, edited, already_used, expired, "
                                  "evicted, superseded, decode_gone, decode_dropped, tokens, tokenize_failed, "
-                                 "prefill_failed, no_pull_prefill, media, retried, request_failed.", ("outcome",)),
+                                 "prefill_failed, no_pull_prefill, media, retried, request_failed, invalid (the turn "
+                                 "read back from the shared store failed its checks).", ("outcome",)),
     "epd_proxy_kv_reuse_answers": ("counter", "Decode answers that held blocks for a later reader: kept for the "
                                    "next turn (kept), or why not: no_token_ids (Messages, Responses, a stream "
                                    "without token ids), reasoning, choices, unknown, short.", ("result",)),
@@ -237,6 +238,15 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                      "parent) that failed or took longer than --state-store-timeout, by "
                                      "operation (ping: the background probe while it is down); each cost "
                                      "reuse, never an answer.", ("op",)),
+    "epd_proxy_state_store_invalid": ("counter", "Entries read back from the shared state store that failed "
+                                      "the proxy's checks (malformed, out of bounds, or transfer parameters that "
+                                      "do not point at the decode they name), by entry (turn, turn_unverified, "
+                                      "response_owner, held_tokens, lengths, conversation): each a miss, never "
+                                      "used.", ("entry",)),
+    "epd_proxy_response_lookups": ("counter", "Stored Responses looked up (GET /v1/responses/{id}, /cancel, a "
+                                   "previous_response_id follow-up), by result: owner (asked at the decode "
+                                   "that made it), searched (every decode asked), refused (client keys: "
+                                   "another key's, or no owner known: 404, no decode asked).", ("result",)),
     "epd_proxy_state_store_up": ("gauge", "1 while the shared state store answers (0: down, calls skipped until "
                                  "a probe succeeds), by kind (redis, parent); summed over --workers.",
                                  ("store",)),

@@ -33,6 +33,7 @@ KV_OUTCOME_TEXT = {
     "superseded": "not reused: a newer turn replaced it",
     "decode_gone": "not reused: the decode holding it left, is draining or failed",
     "decode_dropped": "not reused: the decode's KV events say it no longer holds it (evicted, restarted)",
+    "invalid": "not reused: the kept turn read back from the shared store failed its checks",
     "tokens": "not reused: too few tokens shared with what decode holds",
     "tokenize_failed": "not reused: no instance tokenized the prompt",
     "prefill_failed": "not reused: the prefill failed reading it and ran again without",

@@ -1,4 +1,4 @@
-"""The gate every request passes before its body is read: its key's limits, then a slot.
+"""The gate every request passes before its body is parsed: its key's models and limits, then a slot.
 
 A request refused here (its key over a limit, no slot in time, the proxy shutting down)
 is answered with a prebuilt body in its API's envelope and counted, logged and shown like
@@ -12,6 +12,7 @@ import time
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http.response import Request, ResponseWriter
+from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
@@ -19,6 +20,7 @@ from epd_proxy.observe.tokens import NO_TOKENS
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import MESSAGES, speaks_anthropic
 from epd_proxy.request.ingress import client_request_id
+from epd_proxy.routing.endpoints import request_model
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError
 
@@ -29,9 +31,10 @@ class EntryGate:
     """The tenant ticket and the ``--max-inflight`` slot, and the answers of a refusal."""
 
     def __init__(self, config: ProxyConfig, admission: Admission, tenants: Tenants, metrics: ProxyMetrics,
-                 recent: RecentRequests, access_log: AccessLog | None) -> None:
+                 recent: RecentRequests, access_log: AccessLog | None, models: ModelDirectory | None = None) -> None:
         self.admission = admission
         self.tenants = tenants
+        self.models = models if models is not None else ModelDirectory()  # the cluster's, for the model check
         self.metrics = metrics
         self.recent = recent
         self.access_log = access_log  # when on
@@ -57,9 +60,15 @@ class EntryGate:
 
     async def enter_tenant(self, req: Request, writer: ResponseWriter, path: str, t0: float,
                            key: str | None) -> Ticket | None:
-        """The request's ticket against its key's limits (tenants/limiter.py), or None: refused, answered."""
+        """The request's ticket against its key's limits (tenants/limiter.py), or None: refused, answered.
+        A key with a model list is first checked on the model the body names: a 403 before any
+        limit is consulted, so a refused request spends nothing and no 429 hides it."""
+        tenants = self.tenants
         try:
-            return await self.tenants.enter(key, path.startswith(MESSAGES), len(req.body), req.headers)
+            if req.body and tenants.table.policy(key).models is not None:  # a body that may name one
+                tenants.check_entry(key, request_model(req.body, req.headers.get(b"content-type")),
+                                    self.models.current)
+            return await tenants.enter(key, path.startswith(MESSAGES), len(req.body), req.headers)
         except ProxyError as err:
             self.refused(req, writer, path, t0, err.status, err.body(speaks_anthropic(path)), err.headers or [], key)
             return None

@@ -78,19 +78,32 @@ class Forwarder:
             return
         ctx = RequestContext(request_id(req), path, self._base_headers)
         get = ROUTED[path].method == "GET"  # names no model: any instance of its pools answers
-        model = None if get else request_model(req.body, req.headers.get(b"content-type"))
+        model = None
         series = self.metrics.no_model
         answer = None
         try:
             if not get:
-                asked = model
-                if tenants.aliases is not None:
-                    model, body = _aliased(req, tenants.aliases.resolve(model, self.models.current), asked)
+                model = asked = request_model(req.body, req.headers.get(b"content-type"))  # 400: a form's two
+                resolved = model if tenants.aliases is None else tenants.aliases.resolve(model, self.models.current)
+                if ticket is not None and model is not None:
+                    tenants.check_model(ticket, asked, resolved)  # 403: a model the key may not use
+                priority = None if ticket is None or ROUTED[path].need != "model" else \
+                    tenants.engine_priority(ticket, _sent_priority(req.body))  # the engine schedules model work
+                if resolved != asked or priority is not None:
+                    model, body = _rewritten(req, resolved, asked, priority)
                     if body is not None:
-                        req.body = body  # the served model's name in a JSON body (a form's stays)
-                ctx.models = self.models.current.route(model)  # 404 / 400 before any upstream work
-                if ticket is not None:
-                    tenants.check_model(ticket, asked, model)  # 403: a model the key may not use
+                        req.body = body  # the served model's name in a JSON body (a form's stays), the priority
+                try:
+                    ctx.models = self.models.current.route(model)  # 404 / 400 before any upstream work
+                except ProxyError as err:
+                    ids = None if ticket is None or err.code != "model_not_found" else \
+                        tenants.model_ids(ticket.key, self.models.current)
+                    if ids is None:
+                        raise
+                    raise self.models.current.not_found(str(model), ids) from None  # the models the key may use
+                if ticket is not None and model is None:
+                    bases = self.models.current.bases
+                    tenants.check_model(ticket, None, bases[0] if len(bases) == 1 else None)
                 series = self.metrics.model(model)
             answer = await self._forward_once(ctx, req, writer)
         except ProxyError as err:
@@ -186,16 +199,40 @@ class Forwarder:
         return headers
 
 
-def _aliased(req: Request, model: object, asked: object) -> tuple[object, bytes | None]:
-    """The model an alias resolved to, and a JSON body naming it instead (None: unchanged, or
-    a multipart form, whose field is passed as sent)."""
-    if model == asked or not req.body.startswith(b"{"):
+def _sent_priority(body: bytes) -> object:
+    """The ``priority`` a JSON body sends (None: none, or not JSON); read only when the body
+    holds the word."""
+    if b'"priority"' not in body:
+        return None
+    try:
+        return _DECODE_PRIORITY(body).priority
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class _Priority(msgspec.Struct):
+    priority: object = None
+
+
+_DECODE_PRIORITY = msgspec.json.Decoder(_Priority).decode
+
+
+def _rewritten(req: Request, model: object, asked: object, priority: int | None) -> tuple[object, bytes | None]:
+    """The model an alias resolved to, and a JSON body naming it instead, with the engine
+    ``priority`` its key's class sets (None: unchanged, or a multipart form, whose fields are
+    passed as sent)."""
+    if not req.body.startswith(b"{"):
         return model, None
     try:
         body = msgspec.json.decode(req.body)
     except msgspec.DecodeError:
         return asked, None
-    body["model"] = model
+    if not isinstance(body, dict):
+        return asked, None
+    if model != asked:
+        body["model"] = model
+    if priority is not None:
+        body["priority"] = priority
     return model, msgspec.json.encode(body)
 
 

@@ -45,7 +45,7 @@ from epd_proxy.request.apis import (
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.entry_gate import EntryGate
-from epd_proxy.request.ingress import CHAT, parse_body, request_id
+from epd_proxy.request.ingress import CHAT, COMPLETIONS, parse_body, request_id
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
@@ -65,6 +65,7 @@ from epd_proxy.request.usage.hidden import HiddenUsage
 from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
 from epd_proxy.state.guard import GuardedStore
+from epd_proxy.tenants.key_scope import salt
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError, drop_traceback
 
@@ -109,6 +110,7 @@ class Pipeline:
         self._dp_counter = itertools.count()
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
+        self._salt_per_key = config.cache_salt_per_key  # vLLM's cache_salt from each client key
         self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
                                         allowed_hosts=config.allowed_media_hosts)
         self.admission = admission
@@ -135,7 +137,7 @@ class Pipeline:
         # no aliases) without the cluster file's tables: two attribute tests per request.
         self.tenants = tenants if tenants is not None else Tenants.off()
         # The key's limits and the slot, before the body is read (entry_gate.py).
-        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log)
+        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log, self.models)
         self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
 
     @property
@@ -166,8 +168,10 @@ class Pipeline:
         return await self.gate.enter_tenant(req, writer, path, t0, key)
 
     # -- the request path -------------------------------------------------------------------
-    async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None) -> None:
-        """``key``: the name of the client key the request presented (client_auth.py)."""
+    async def handle(self, req: Request, writer: ResponseWriter, path: str, key: str | None = None,
+                     scope: bytes | None = None) -> None:
+        """``key``: the name of the client key the request presented (client_auth.py), ``scope``
+        its scope (tenants/key_scope.py)."""
         t0 = time.perf_counter()
         ticket = None
         if self.tenants.active:  # the key's limits, before it may take a queue place
@@ -182,12 +186,17 @@ class Pipeline:
         self.metrics.inflight += 1
         try:
             try:
-                ctx, body, items = self._prepare(req, rec)
+                ctx, body, items = self._prepare(req, rec, scope)
             except ProxyError as err:
-                if err.code != "model_not_found" or self.adapters is None or not self.adapters.loadable(rec.model):
+                if err.code != "model_not_found":
                     raise
-                await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
-                ctx, body, items = self._prepare(req, rec)  # routed with the adapter where it was loaded
+                if self.adapters is None or not self.adapters.loadable(rec.model):
+                    raise self._not_found(err, rec) from None
+                try:
+                    await self.adapters.ensure(rec.model)  # type: ignore[arg-type]  # loadable: a name
+                except ProxyError as failed:
+                    raise self._not_found(failed, rec) from None
+                ctx, body, items = self._prepare(req, rec, scope)  # routed with the adapter where it was loaded
             leg = await self._open_in_time(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
         except ProxyError as err:
@@ -201,7 +210,8 @@ class Pipeline:
         finally:
             self._observe(rec, writer)
 
-    def _prepare(self, req: Request, rec: RequestRecord) -> tuple[RequestContext, dict, list[MediaItem]]:
+    def _prepare(self, req: Request, rec: RequestRecord, scope: bytes | None
+                 ) -> tuple[RequestContext, dict, list[MediaItem]]:
         """The body parsed, its media checked and owned, and the request's context."""
         path = rec.path
         body = parse_body(req, path)
@@ -216,8 +226,12 @@ class Pipeline:
             if options is not None:
                 body["stream_options"] = options
                 rec.hide_usage = True
-        body, items = self._media(body) if path == CHAT else (body, [])
+        body, items = self._media(body, scope) if path == CHAT else (body, [])
         ctx = rec.ctx = RequestContext(rec.request_id, path, self._headers_for(req))
+        if scope is not None:  # client keys: what it stores and reads back is its key's (tenants/key_scope.py)
+            ctx.scope = scope
+            if self._salt_per_key and (path == CHAT or path == COMPLETIONS):
+                salt(body, scope)
         if "conversation_id" in body:  # vLLM's multi-turn hint: read here, never forwarded
             hint = body.pop("conversation_id")
             ctx.conversation = hint if type(hint) is str else None
@@ -228,14 +242,22 @@ class Pipeline:
             if model is not asked:
                 body["model"] = model
                 rec.model = model if type(model) is str else None
+        ticket = rec.ticket
+        if ticket is not None:
+            if model is not None:  # 403 before the route: no adapter is loaded for a model the key may not use
+                tenants.check_model(ticket, asked, model)
+            priority = tenants.engine_priority(ticket, body.get("priority"))  # the key's class, at most lowered
+            if priority is not None:
+                body["priority"] = priority  # the encoders' requests copy it (encoder_plan.py)
         models = self.models.current.route(model)  # 404 / 400 here, before any upstream work
         if models is not None:
             ctx.models = models
             if model is None:  # the cluster's only model, named for the instances that serve others too
                 model = body["model"] = models["decode"]
                 rec.model = model if type(model) is str else None
-        if rec.ticket is not None:
-            tenants.check_model(rec.ticket, asked, model)  # 403: a model the key may not use
+        if model is None and ticket is not None:  # 403: the cluster's only model, if the key may not use it
+            bases = self.models.current.bases
+            tenants.check_model(ticket, None, bases[0] if len(bases) == 1 else None)
         # A model the cluster serves: its metrics series (one lookup once it has one).
         rec.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         if api is not None:
@@ -247,6 +269,13 @@ class Pipeline:
         if self.tracing is not None:
             ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
         return ctx, body, items
+
+    def _not_found(self, err: ProxyError, rec: RequestRecord) -> ProxyError:
+        """An unknown model's 404 naming only the models the request's key may use (all: ``err``)."""
+        ticket = rec.ticket
+        ids = None if ticket is None or err.code != "model_not_found" else \
+            self.tenants.model_ids(ticket.key, self.models.current)
+        return err if ids is None else self.models.current.not_found(str(rec.model), ids)
 
     async def _open_in_time(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
         """``_open`` under the first-byte deadline (``--first-byte-timeout``), if there is one."""
@@ -284,7 +313,7 @@ class Pipeline:
             if api is not None:
                 report = report if api.rewrite_usage else None
                 if api.stateful and body.get("store") is not False:
-                    self._remember(leg)
+                    self._remember(leg, ctx.scope)
             if leg.body is not None:
                 answer = leg.body
                 # An answer without decode's parameters is told by its last bytes (inline: every
@@ -549,11 +578,11 @@ class Pipeline:
         finally:
             ctx.upstream += time.perf_counter() - t
 
-    def _remember(self, leg: DecodeLeg) -> None:
-        """A Responses answer: which decode holds it (stored_responses.py)."""
+    def _remember(self, leg: DecodeLeg, scope: bytes | None) -> None:
+        """A Responses answer: which decode holds it, for which key (stored_responses.py)."""
         rid = response_id(leg.body, False) if leg.body is not None else response_id(leg.first, True)
         if rid:
-            self.stored.owners.remember(rid, leg.inst.url)
+            self.stored.owners.remember(rid, leg.inst.url, scope)
 
     def _may_retry(self, ctx: RequestContext, err: ProxyError) -> bool:
         """A retry runs prefill again: only worth it when a decode can take the request now,
@@ -597,10 +626,10 @@ class Pipeline:
         await self.tenants.close()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _media(self, body: dict) -> tuple[dict, list[MediaItem]]:
+    def _media(self, body: dict, scope: bytes | None) -> tuple[dict, list[MediaItem]]:
         """The media items, checked against the operator's rules, and the body with client
-        uuids namespaced (what every stage gets instead of the client's body)."""
-        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids)
+        uuids namespaced, by the key's scope too (what every stage gets instead of the client's body)."""
+        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids, scope=scope)
         if items:
             self.media_policy.check(items)
         return body, items

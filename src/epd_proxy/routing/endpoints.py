@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import msgspec
 
+from epd_proxy.wire.errors import ProxyError
+
 
 class Endpoint(NamedTuple):
     method: str
@@ -84,11 +86,15 @@ _FIELD_NAME = re.compile(rb'(?:^|\r\n)content-disposition:[^\r\n]*?;\s*name="([^
 def request_model(body: bytes, content_type: bytes | None) -> object:
     """The model a routed request names: a JSON object's ``model`` (whatever its type: the
     instance validates it), a multipart form's ``model`` field (audio), else None (no body,
-    not JSON, no such field)."""
+    not JSON, no such field). ProxyError 400 for a form naming it twice: a server may take
+    another than the one checked and routed on."""
     if not body:
         return None
     if content_type is not None and content_type[:19].lower() == b"multipart/form-data":
-        return form_field(body, content_type, b"model")
+        values = form_fields(body, content_type, b"model")
+        if len(values) > 1:
+            raise ProxyError(400, "the form has more than one 'model' field; send it once", param="model")
+        return values[0] if values else None
     try:
         return _DECODE_NAMED(body).model
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -96,13 +102,22 @@ def request_model(body: bytes, content_type: bytes | None) -> object:
 
 
 def form_field(body: bytes, content_type: bytes, name: bytes) -> str | None:
-    """The text of form field ``name`` in a ``multipart/form-data`` body (RFC 7578), read in
-    place: the parts are walked by their delimiter with ``bytes.find`` (a file part's bytes
-    are scanned, never copied); only the field's own value is sliced out. None when the body
-    has no such field or is not a well-formed form."""
+    """The text of form field ``name`` in a ``multipart/form-data`` body (RFC 7578): its first
+    (:func:`form_fields`); None when the body has no such field or is not a well-formed form."""
+    values = form_fields(body, content_type, name, first=True)
+    return values[0] if values else None
+
+
+def form_fields(body: bytes, content_type: bytes, name: bytes, first: bool = False) -> list[str | None]:
+    """The texts of every form field ``name`` in a ``multipart/form-data`` body (RFC 7578),
+    read in place: the parts are walked by their delimiter with ``bytes.find`` (a file part's
+    bytes are scanned, never copied); only the fields' own values are sliced out (None for one
+    that is not UTF-8). Empty when the body has none or is not a well-formed form; ``first``:
+    stop at the first."""
+    out: list[str | None] = []
     m = _BOUNDARY.search(content_type)
     if m is None:
-        return None
+        return out
     dash = b"--" + (m.group(1) or m.group(2))
     delimiter = b"\r\n" + dash
     if body.startswith(dash):  # the first delimiter may open the body without the CRLF before it
@@ -110,20 +125,22 @@ def form_field(body: bytes, content_type: bytes, name: bytes) -> str | None:
     else:
         at = body.find(delimiter)
         if at < 0:
-            return None
+            return out
         at += len(delimiter)
     while body[at:at + 2] == b"\r\n":
         head_end = body.find(b"\r\n\r\n", at)
         if head_end < 0:
-            return None
+            return out
         end = body.find(delimiter, head_end)
         if end < 0:
-            return None
+            return out
         field = _FIELD_NAME.search(body, at, head_end)
         if field is not None and field.group(1) == name:
             try:
-                return body[head_end + 4:end].decode()
+                out.append(body[head_end + 4:end].decode())
             except UnicodeDecodeError:
-                return None
+                out.append(None)
+            if first:
+                return out
         at = end + len(delimiter)
-    return None
+    return out

@@ -112,6 +112,7 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         if access_log.enabled(config) else None,
                         tracing=tracing.from_environment(), tenants=tenants)
     metrics.register(pipeline.reuse.collector())
+    metrics.register(pipeline.stored.collect)
     membership.subscribe(_forget_departed(connector))
     membership.subscribe(_drop_held(pipeline.reuse))
     membership.subscribe(kv_events.changed)  # an instance that joins is subscribed, one that leaves dropped

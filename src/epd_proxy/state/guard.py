@@ -34,6 +34,8 @@ class GuardedStore:
         self.up = True
         self.down_since: float | None = None  # wall clock, for /status
         self.errors: dict[str, int] = {}
+        # Entries read back that failed the reader's checks, by entry: the store is untrusted input.
+        self.invalids: dict[str, int] = {}
         self.calls = 0
         self.closed = False  # the proxy is stopping: background writes still due are dropped
         self._probe: asyncio.Task | None = None
@@ -112,6 +114,10 @@ class GuardedStore:
     async def members(self, key: bytes) -> list[int]:
         return await self._call("members", lambda: self.store.members(key), [])
 
+    def invalid(self, entry: str) -> None:
+        """An entry read back failed its reader's checks (it is a miss): counted for /metrics."""
+        self.invalids[entry] = self.invalids.get(entry, 0) + 1
+
     def status(self) -> dict:
         """What ``/status`` shows of the store."""
         return {"kind": self.kind, "url": self.url or None, "up": self.up, "down_since": self.down_since,
@@ -135,4 +141,5 @@ def state_collector(store: GuardedStore | None) -> Callable[[dict[str, list]], N
             return
         f["epd_proxy_state_store_errors"] += [[op, n] for op, n in store.errors.items()]
         f["epd_proxy_state_store_up"] += [[store.kind, 1 if store.up else 0]]
+        f["epd_proxy_state_store_invalid"] += [[e, n] for e, n in store.invalids.items()]
     return collect

@@ -69,8 +69,17 @@ class RedisStore:
         return (value, False) if found == 1 else (None, bool(value))
 
     async def incr(self, key: bytes, delta: int, ttl: float) -> int:
-        async with self.client.pipeline(transaction=True) as pipe:
-            n, _ = await pipe.incrby(key, delta).pexpire(key, _ms(ttl)).execute()
+        from redis.exceptions import ResponseError
+
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                n, _ = await pipe.incrby(key, delta).pexpire(key, _ms(ttl)).execute()
+        except ResponseError as exc:
+            if "not an integer" not in str(exc):
+                raise
+            # A counter someone overwrote (the store is untrusted input): counted anew from here.
+            await self.client.set(key, delta, px=_ms(ttl))
+            return delta
         return int(n)
 
     async def claim(self, key: bytes, value: bytes, ttl: float) -> bool:
@@ -81,7 +90,8 @@ class RedisStore:
             await pipe.sadd(key, member).pexpire(key, _ms(ttl)).execute()
 
     async def members(self, key: bytes) -> list[int]:
-        return sorted(int(m) for m in await self.client.smembers(key))
+        # Members that are not integers are someone else's writing: not members (read_back.py).
+        return sorted(int(m) for m in await self.client.smembers(key) if m.lstrip(b"-").isdigit() and len(m) < 20)
 
     async def ping(self) -> None:
         await self.client.ping()

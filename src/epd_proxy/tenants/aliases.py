@@ -15,7 +15,8 @@ A request's ``model`` is resolved once, before routing (``request/pipeline.py`` 
 becomes ``default`` when one is set (while no instance has said what it serves, nothing is
 unknown and only aliases apply). The answer keeps the served model's name, as vLLM writes
 it. ``/v1/models`` lists what ``listed`` says: the served models, the aliases (each a copy
-of its target's card under the alias's id), or both.
+of its target's card under the alias's id), or both. A key's model list (``[tenants]``) is
+checked on the model that runs (:func:`may_use`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ class ModelAliases:
         by_id = {c.get("id"): c for c in cards}
         aliases = [dict(by_id[target], id=alias) for alias, target in self.names.items() if target in by_id]
         return aliases if self.listed == "aliases" else list(cards) + aliases
+
+
+def may_use(allowed: frozenset[str], aliases: ModelAliases | None, asked: object, served: object) -> bool:
+    """Whether a key whose list is ``allowed`` may run ``served``, the model a request naming
+    ``asked`` resolved to: the served model is in the list, or the name asked for is an alias
+    in the list whose target it is. A name in the list that resolved elsewhere (an unknown name
+    sent to ``[model_aliases] default``) lets nothing through: the list is checked on the model
+    that runs."""
+    if served in allowed:
+        return True
+    return asked in allowed and aliases is not None and aliases.names.get(asked) == served
 
 
 def read_aliases(table: object, source: str = "model_aliases") -> ModelAliases:

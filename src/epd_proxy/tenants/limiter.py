@@ -22,7 +22,7 @@ import time
 from typing import Callable
 
 from epd_proxy.config import ConfigErrors
-from epd_proxy.tenants.aliases import ModelAliases, read_aliases
+from epd_proxy.tenants.aliases import ModelAliases, may_use, read_aliases
 from epd_proxy.tenants.counters import Counters, LocalCounters, StoreUnavailable
 from epd_proxy.tenants.limits import (
     Hit,
@@ -39,7 +39,7 @@ from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.tenants")
 
-NO_KEY = "-"  # the label and flow of requests without a client key
+NO_KEY = "-"  # the label and flow of requests without a client key (no key file may name a key so)
 STORE_BACKOFF = 1.0  # seconds the store is not asked after a failure
 
 
@@ -88,9 +88,12 @@ class Tenants:
     """Per-key limits, classes and model rules for one process."""
 
     def __init__(self, table: TenantTable, aliases: ModelAliases | None = None, counters: Counters | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, prefix: str = "epd-proxy:") -> None:
         self.table = table
         self.aliases = aliases
+        # The counters' names: under --state-store-prefix, as every key this deployment stores
+        # (two deployments sharing one Redis count apart).
+        self.counter_prefix = prefix + "rl:"
         self.active = True  # limits and classes apply (a [tenants] table); aliases apply whenever set
         self.counters: Counters = counters if counters is not None else LocalCounters(clock)
         self.shared = counters is not None and not isinstance(counters, LocalCounters)
@@ -169,7 +172,7 @@ class Tenants:
         """The request counted in its key's windows (``ticket.hits``), or ProxyError 429 (503)."""
         now = self.clock()
         estimate = ticket.estimate = estimate_input_tokens(body_bytes)
-        wanted = hits(ticket.policy, key_digest(key), estimate, now)
+        wanted = hits(ticket.policy, key_digest(key), estimate, now, self.counter_prefix)
         local = self.local
         taken = local.take_now(wanted) if local is not None else await self._take(wanted, now)
         if taken is None:
@@ -220,14 +223,80 @@ class Tenants:
             raise ProxyError(503, "the rate-limit store is unavailable; retry later", headers=[(b"retry-after", b"1")])
 
     def check_model(self, ticket: Ticket, asked: object, served: object) -> None:
-        """403 when the key may not use the model (the name asked for, or the model it resolved
-        to: either in the key's list lets it through)."""
+        """403 when the key may not use the model that will run (:func:`may_use`)."""
         allowed = ticket.policy.models
-        if allowed is None or asked in allowed or served in allowed:
+        if allowed is None or may_use(allowed, self.aliases, asked, served):
             return
-        self._counts(ticket.label).forbidden += 1
-        raise ProxyError(403, f"key {ticket.label!r} may not use the model `{asked}`", type="PermissionDeniedError",
-                         param="model", code="model_not_allowed")
+        raise self._forbidden(ticket.label, asked)
+
+    def check_entry(self, key: str | None, asked: object, catalog) -> None:
+        """Before any limit is consulted (``enter``): 403 when ``key`` may not use the model the
+        request names (``asked``, resolved as routing will: its alias, the default, the cluster's
+        only model when it names none). Nothing counted, nothing spent: a refused request never
+        hides behind a 429 nor uses the key's budget. ``catalog``: the cluster's models."""
+        policy = self.table.policy(key)
+        allowed = policy.models
+        if allowed is None:
+            return
+        served = asked if self.aliases is None else self.aliases.resolve(asked, catalog)
+        if served is None:  # the cluster's only model; none known: the key must name one of its own
+            bases = catalog.bases
+            served = bases[0] if len(bases) == 1 else None
+        if not may_use(allowed, self.aliases, asked, served):
+            raise self._forbidden(NO_KEY if key is None else policy.label, asked)
+
+    def _forbidden(self, label: str, asked: object) -> ProxyError:
+        self._counts(label).forbidden += 1
+        what = f"the model `{asked}`" if asked is not None else "a model it does not name (give one in 'model')"
+        return ProxyError(403, f"key {label!r} may not use {what}", type="PermissionDeniedError",
+                          param="model", code="model_not_allowed")
+
+    def visible(self, key: str | None) -> frozenset[str] | None:
+        """The models ``key`` may name (its list), None: any. Only with a [tenants] table."""
+        return self.table.policy(key).models if self.active else None
+
+    def model_ids(self, key: str | None, catalog) -> list[str] | None:
+        """The model ids (served, and aliases) ``key`` may use, in the catalog's order then the
+        aliases': what its unknown-model 404 names. None: any (every id is named)."""
+        allowed = self.visible(key)
+        if allowed is None:
+            return None
+        aliases = self.aliases
+        ids = [m for m in catalog.parents if may_use(allowed, aliases, m, m)]
+        if aliases is not None:
+            ids += [a for a, target in aliases.names.items()
+                    if a not in ids and target in catalog.parents and may_use(allowed, aliases, a, target)]
+        return ids
+
+    def cards(self, key: str | None, cards: tuple[dict, ...]) -> list[dict]:
+        """``/v1/models``' cards for ``key``: those ``[model_aliases] listed`` shows, the key's
+        only (a key with a model list also sees the aliases its list names)."""
+        aliases = self.aliases
+        listed = list(cards) if aliases is None else aliases.cards(cards)
+        allowed = self.visible(key)
+        if allowed is None:
+            return listed
+        names: dict = aliases.names if aliases is not None else {}
+        out = [c for c in listed if may_use(allowed, aliases, c.get("id"), names.get(c.get("id"), c.get("id")))]
+        if names:
+            shown = {c.get("id") for c in out}
+            by_id = {c.get("id"): c for c in cards}
+            out += [dict(by_id[target], id=alias) for alias, target in names.items()
+                    if alias in allowed and alias not in shown and target in by_id]
+        return out
+
+    def engine_priority(self, ticket: Ticket, sent: object) -> int | None:
+        """The ``priority`` field the instances get for a request of ``ticket`` whose client sent
+        ``sent`` (absent: None). With ``engine_priority``, its class's (:meth:`TenantTable.priority_of`),
+        the client's only when higher (vLLM's priority scheduling runs lower values first: a
+        client may lower its own priority, never raise it); without, the client's never below 0
+        (the engine's default). None: no field to send."""
+        floor = self.table.priority_of(ticket.traffic)
+        if type(sent) is int and sent > floor:
+            return sent
+        if floor == 0 and sent is None:
+            return None
+        return floor
 
     def leave(self, ticket: Ticket, status: int, tokens: tuple) -> None:
         """The request is over: its concurrent slot freed, its tokens settled in the background."""
@@ -271,7 +340,7 @@ class Tenants:
         table = self.table
         for name in sorted(set(table.keys) | self.seen):
             policy = table.policy(None if name == NO_KEY else name)
-            wanted = hits(policy, key_digest(None if name == NO_KEY else name), 0, now)
+            wanted = hits(policy, key_digest(None if name == NO_KEY else name), 0, now, self.counter_prefix)
             try:
                 values = await self.counters.read(wanted) if wanted else []
             except StoreUnavailable:
@@ -339,6 +408,6 @@ def build_tenants(config) -> Tenants:
 
         url, secret = (table.store, None) if table.store else (config.state_store, password(config))
         counters = RedisCounters(redis_client(url, table.store_timeout, secret), table.store_timeout)
-    tenants = Tenants(table or TenantTable(), aliases, counters)
+    tenants = Tenants(table or TenantTable(), aliases, counters, prefix=config.state_store_prefix)
     tenants.active = table is not None
     return tenants

@@ -79,21 +79,22 @@ class Hit:
 
 def key_digest(key: str | None) -> str:
     """The counters' name for a client key: a digest, so no name a client's credential maps to
-    is stored as it is (``-`` is the requests without a key). Kept per name (the names are the
-    key file's: bounded by it)."""
+    is stored as it is. The requests without a key (None) have one no key name can have (a
+    name never holds ``:``). Kept per name (the names are the key file's: bounded by it)."""
     digest = _DIGESTS.get(key)
     if digest is None:
         if len(_DIGESTS) > 4096:
             _DIGESTS.clear()
-        digest = _DIGESTS[key] = hashlib.sha256(("-" if key is None else key).encode()).hexdigest()[:16]
+        digest = _DIGESTS[key] = hashlib.sha256((":no-key" if key is None else key).encode()).hexdigest()[:16]
     return digest
 
 
 _DIGESTS: dict[str | None, str] = {}
 
 
-def hits(policy: KeyPolicy, digest: str, estimate: int, now: float) -> list[Hit]:
-    """The counters a request of ``policy`` touches now (``estimate``: its input tokens)."""
+def hits(policy: KeyPolicy, digest: str, estimate: int, now: float, prefix: str = "epd-proxy:rl:") -> list[Hit]:
+    """The counters a request of ``policy`` touches now (``estimate``: its input tokens), named
+    under ``prefix`` (``--state-store-prefix`` and ``rl:``)."""
     out = []
     limits = policy.limits
     for name, counts, kind in LIMITS:
@@ -103,7 +104,7 @@ def hits(policy: KeyPolicy, digest: str, estimate: int, now: float) -> list[Hit]
         n, reset_at = window(kind, now)
         amount = 1 if counts == "requests" else 0 if counts == "output" else estimate
         # {digest}: one Redis Cluster slot for all of a key's counters (one script call).
-        out.append(Hit(name, f"epd:rl:{{{digest}}}:{name}:{n}", amount, limit, reset_at,
+        out.append(Hit(name, f"{prefix}{{{digest}}}:{name}:{n}", amount, limit, reset_at,
                        int(reset_at - now) + 60))
     return out
 

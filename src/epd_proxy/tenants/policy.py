@@ -5,6 +5,7 @@
     [tenants]
     store_failure = "open"          # a shared store that fails: "open" (admit) or "closed" (503)
     priority_header = "x-priority"  # a request may lower its own class with this header (optional)
+    engine_priority = true          # the instances run --scheduling-policy priority: classes reach them
 
     [tenants.default]               # keys without an entry of their own (and requests without a key)
     requests_per_minute = 600
@@ -24,8 +25,11 @@ A key's entry overrides the default field by field; a limit it leaves out is the
 default's, and ``0`` lifts it (no limit), as ``--max-inflight 0`` does. The classes are
 ``critical``, ``standard`` (the default) and ``sheddable``, the Gateway API inference
 extension's criticalities, unless ``[tenants.classes]`` names others
-(``name = {rank = N, sheddable = bool}``, higher rank first). Every mistake of the table
-is reported at once (:func:`read_tenants` raises ``ConfigErrors``).
+(``name = {rank = N, sheddable = bool}``, higher rank first). With ``engine_priority``, a
+request's class is also the ``priority`` its instances get (vLLM runs lower values first):
+the highest rank minus the class's rank (``critical`` 0, ``standard`` 1, ``sheddable`` 2);
+without, it stays the proxy's (instances without priority scheduling refuse any value but 0).
+Every mistake of the table is reported at once (:func:`read_tenants` raises ``ConfigErrors``).
 """
 
 from __future__ import annotations
@@ -86,10 +90,15 @@ class TenantTable:
     store: str | None = None  # a redis:// URL for counters shared between replicas (None: in-process)
     store_timeout: float = 0.25
     reserved_slots: int = 0  # admission slots only the top class may take
+    engine_priority: bool = False  # the class sets the instances' ``priority`` too
 
     @property
     def top_rank(self) -> int:
         return max(c.rank for c in self.classes.values())
+
+    def priority_of(self, traffic: TrafficClass) -> int:
+        """The engine ``priority`` of a class (lower runs first); 0 without ``engine_priority``."""
+        return self.top_rank - traffic.rank if self.engine_priority else 0
 
     def policy(self, key: str | None) -> KeyPolicy:
         """The policy of the key named ``key`` (None: a request without one)."""
@@ -110,7 +119,7 @@ class TenantTable:
 
 _KEY_FIELDS = set(LIMIT_FIELDS) | {"name", "class", "weight", "models"}
 _TOP_FIELDS = {"default", "keys", "classes", "store_failure", "priority_header", "store", "store_timeout",
-               "reserved_slots"}
+               "reserved_slots", "engine_priority"}
 
 
 def read_tenants(table: object, source: str = "tenants") -> TenantTable:
@@ -158,11 +167,14 @@ def read_tenants(table: object, source: str = "tenants") -> TenantTable:
     reserved = table.get("reserved_slots", 0)
     if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
         errors.append(f"{source}.reserved_slots must be a whole number >= 0, got {reserved!r}")
+    engine = table.get("engine_priority", False)
+    if not isinstance(engine, bool):
+        errors.append(f"{source}.engine_priority must be true or false, got {engine!r}")
     if errors:
         raise ConfigErrors(errors)
     return TenantTable(default=default, keys=keys, classes=classes, store_failure=failure,
                        priority_header=header.lower().encode() if header else None, store=store,
-                       store_timeout=float(timeout), reserved_slots=reserved)
+                       store_timeout=float(timeout), reserved_slots=reserved, engine_priority=engine)
 
 
 def _classes(table: object, source: str, errors: list[str]) -> dict[str, TrafficClass]:

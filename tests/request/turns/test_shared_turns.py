@@ -99,6 +99,8 @@ async def test_the_store_lost_and_back_costs_reuse_never_an_answer(redis_server)
     async with _replicas(redis_server.url) as (cluster, (a, b), (ca, cb)):
         await _chat(ca, _t1("warm up"))
         await _until(lambda: _turns(b).active)
+        # B serves the decode once: it knows the decode's address to check A's kept turns against.
+        await _chat(cb, _t1("warm up on b"))
         b1 = _t1("before the loss")
         await _chat(ca, b1)
         b2 = _next(b1)

@@ -75,11 +75,11 @@ class Entry:
     """One turn's parameters, and what they hold where until when."""
 
     __slots__ = ("params", "decode", "tokens", "chars", "deadline", "conversation", "model", "ids", "prefix",
-                 "key")
+                 "key", "owner")
 
     def __init__(self, params: dict, decode: str, tokens: int, chars: int, deadline: float,
                  conversation: bytes, model: object = None, ids: array | None = None,
-                 prefix: bytes | None = None, key: bytes | None = None) -> None:
+                 prefix: bytes | None = None, key: bytes | None = None, owner: bytes | None = None) -> None:
         self.params = params  # decode's kv_transfer_params, as it sent them
         self.decode = decode  # the URL of the decode that holds the blocks
         self.tokens = tokens  # remote_num_tokens: the prompt and the answer
@@ -92,12 +92,19 @@ class Entry:
         # bytes of what decode holds, as the next prompt spells them.
         self.prefix = prefix
         self.key = key  # a chat turn's key: whether a later request extends it (earlier_keys)
+        self.owner = owner  # the scope of the client key whose turn it is (None without keys)
 
 
 class TurnStore:
     """Parameters by turn key: each used at most once, none past its deadline, at most
     ``max_held`` tokens per decode (0: no bound). Per process: with ``--workers`` a turn that
-    lands on another worker finds nothing and falls back."""
+    lands on another worker finds nothing and falls back.
+
+    Past the bound, the turns let go are the oldest of the client key holding the most tokens
+    on that decode (its ``owner``; without keys, one owner: the oldest turns): one key keeping
+    turn after turn lets its own go once it holds the most, so it never pushes out another
+    key's below its own share (each key keeps at least ``max_held`` over the keys holding
+    turns there, when it keeps that much)."""
 
     def __init__(self, ttl: float, margin: float, max_held: int, capacity: int = 65536,
                  tombstones: int = 4096) -> None:
@@ -111,6 +118,7 @@ class TurnStore:
         self._lengths: dict[bytes, dict[int, int]] = {}
         self._tombstones = tombstones
         self.held: dict[str, int] = {}  # decode URL -> tokens held for entries kept here
+        self._held_by: dict[tuple[str, bytes | None], int] = {}  # (decode, owner) -> tokens held
         self.active = False  # some decode answered with parameters: reuse is on in this cluster
         self.released: dict[str, int] = {}  # for /metrics
         # Keys let go unused, and why (a later take names it: expired, bound, ...), as many as _used.
@@ -149,9 +157,12 @@ class TurnStore:
             self._count_length(entry.prefix, entry.chars, 1)
         held = self.held.get(entry.decode, 0) + entry.tokens
         self.held[entry.decode] = held
+        by = (entry.decode, entry.owner)
+        self._held_by[by] = self._held_by.get(by, 0) + entry.tokens
         if self.max_held and held > self.max_held:
-            for k in [k for k, e in self._entries.items() if e.decode == entry.decode]:
-                if self.held[entry.decode] <= self.max_held or k == key:
+            while self.held.get(entry.decode, 0) > self.max_held:
+                k = self._victim(entry.decode, key)
+                if k is None:
                     break
                 out.append(self._pop(k))  # type: ignore[arg-type]  # k is a key of _entries
                 self.count_release(BOUND, k)
@@ -219,6 +230,8 @@ class TurnStore:
                 out.append(entry)
                 self.count_release(DECODE_GONE, key)
         self.held.pop(url, None)
+        for by in [by for by in self._held_by if by[0] == url]:
+            del self._held_by[by]
         return out
 
     def lengths(self, prefix: bytes) -> list[int]:
@@ -236,10 +249,27 @@ class TurnStore:
             if not counts:
                 del self._lengths[prefix]
 
+    def _victim(self, decode: str, keep: bytes) -> bytes | None:
+        """The turn let go first on ``decode`` past the bound: the oldest of the owner holding
+        the most tokens there (``keep``, the turn just kept, never)."""
+        owners = sorted(((n, o) for (d, o), n in self._held_by.items() if d == decode),
+                        key=lambda no: no[0], reverse=True)
+        for _, owner in owners:
+            for k, e in self._entries.items():
+                if e.decode == decode and e.owner == owner and k != keep:
+                    return k
+        return None
+
     def _pop(self, key: bytes) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
+        by = (entry.decode, entry.owner)
+        left = self._held_by.get(by, 0) - entry.tokens
+        if left > 0:
+            self._held_by[by] = left
+        else:
+            self._held_by.pop(by, None)
         if entry.prefix is not None:
             self._count_length(entry.prefix, entry.chars, -1)
         if self._latest.get(entry.conversation) == key:
@@ -312,10 +342,13 @@ def _carried_answer(msg: dict) -> bytes | None:
     return answer_message(msg.get("content"), msg.get("tool_calls"))
 
 
-def _digest(fields: bytes, messages: list, upto: int, answer: bytes) -> tuple[bytes, bytes]:
+def _digest(fields: bytes, messages: list, upto: int, answer: bytes, scope: bytes = b"") -> tuple[bytes, bytes]:
     """The key over ``fields``, ``messages[:upto]`` and ``answer``, and the conversation's
-    key (the same over the messages up to its first user message)."""
-    h = hashlib.blake2b(fields, digest_size=16)
+    key (the same over the messages up to its first user message); both keyed with the
+    request's client key's ``scope`` (tenants/key_scope.py; none without keys): another key
+    replaying the same history computes other keys, so it neither finds, takes nor
+    supersedes this key's turns, and learns nothing of them."""
+    h = hashlib.blake2b(fields, digest_size=16, key=scope)
     conversation = b""
     for i in range(upto):
         msg = messages[i]
@@ -328,7 +361,7 @@ def _digest(fields: bytes, messages: list, upto: int, answer: bytes) -> tuple[by
     return h.digest(), conversation or h.digest()
 
 
-def lookup_key(body: dict, hint: str | None = None) -> tuple[bytes, bytes, int, int] | None:
+def lookup_key(body: dict, hint: str | None = None, scope: bytes = b"") -> tuple[bytes, bytes, int, int] | None:
     """The key under which this chat request's previous turn would be kept, its
     conversation's key, and the characters before and after the previous answer's end (the
     new part's size, for the local-prefill estimate). None when it has no previous answer
@@ -347,14 +380,19 @@ def lookup_key(body: dict, hint: str | None = None) -> tuple[bytes, bytes, int, 
     carried = _carried_answer(messages[last])
     if carried is None:
         return None
-    key, conversation = _digest(prompt_fields(body), messages, last, carried)
+    key, conversation = _digest(prompt_fields(body), messages, last, carried, scope)
     if hint:
-        conversation = hashlib.blake2b(hint.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        conversation = hint_key(hint, scope)
     before = _chars(messages, last + 1)
     return key, conversation, before, _chars(messages, len(messages)) - before
 
 
-def earlier_keys(body: dict) -> set[bytes]:
+def hint_key(hint: str, scope: bytes = b"") -> bytes:
+    """A ``conversation_id``'s conversation key, the client key's (``scope``) like a turn's."""
+    return hashlib.blake2b(hint.encode("utf-8", "surrogatepass"), digest_size=16, key=scope).digest()
+
+
+def earlier_keys(body: dict, scope: bytes = b"") -> set[bytes]:
     """The keys of the turns before the previous one that this chat request carries (one per
     earlier assistant message): a held turn among them is an older turn of this history, not
     an edit of it. Computed only when the store holds another turn of the conversation."""
@@ -365,7 +403,7 @@ def earlier_keys(body: dict) -> set[bytes]:
     while last >= 0 and not (isinstance(messages[last], dict) and messages[last].get("role") == "assistant"):
         last -= 1
     keys = set()
-    h = hashlib.blake2b(prompt_fields(body), digest_size=16)
+    h = hashlib.blake2b(prompt_fields(body), digest_size=16, key=scope)
     for i in range(last):
         msg = messages[i]
         if isinstance(msg, dict) and msg.get("role") == "assistant":
@@ -380,14 +418,14 @@ def earlier_keys(body: dict) -> set[bytes]:
     return keys
 
 
-def keep_key(body: dict, answer: bytes, hint: str | None = None) -> tuple[bytes, bytes, int]:
+def keep_key(body: dict, answer: bytes, hint: str | None = None, scope: bytes = b"") -> tuple[bytes, bytes, int]:
     """The key the next turn will look this turn's answer up with (:func:`lookup_key`), its
     conversation's key, and the characters of the prompt and the answer."""
     messages = body.get("messages")
     messages = messages if isinstance(messages, list) else []
-    key, conversation = _digest(prompt_fields(body), messages, len(messages), answer)
+    key, conversation = _digest(prompt_fields(body), messages, len(messages), answer, scope)
     if hint:
-        conversation = hashlib.blake2b(hint.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        conversation = hint_key(hint, scope)
     return key, conversation, _chars(messages, len(messages)) + len(answer)
 
 

@@ -36,10 +36,13 @@ NO_PULL_PREFILL = "no_pull_prefill"  # no prefill instance to read it (the prefi
 MEDIA = "media"  # a request with media items: not looked up
 RETRIED = "retried"  # the attempt that had it failed after its read; the retry computed the history
 REQUEST_FAILED = "request_failed"  # the request ended before its prefill ran: decode's blocks freed
+# Shared store: the kept turn read back failed the checks (read_back.py): malformed, or pointing
+# elsewhere than at a decode of the pool as this process knows it (or at one it cannot verify yet).
+INVALID = "invalid"
 
 OUTCOMES = (REUSED, LOCAL_PREFILL, OPENING, UNMATCHED, NOT_KEYED, NOT_HELD, OLDER_TURN, EDITED, ALREADY_USED,
             EXPIRED, EVICTED, SUPERSEDED, DECODE_GONE, DECODE_DROPPED, TOKENS, TOKENIZE_FAILED, PREFILL_FAILED,
-            NO_PULL_PREFILL, MEDIA, RETRIED, REQUEST_FAILED)
+            NO_PULL_PREFILL, MEDIA, RETRIED, REQUEST_FAILED, INVALID)
 
 # -- a decode answer that held blocks (epd_proxy_kv_reuse_answers_total{result}) ----------------
 KEPT = "kept"  # kept for the conversation's next turn

@@ -57,30 +57,35 @@ def prompt_material(body: dict, path: str) -> tuple[bytes, bool] | None:
     return None
 
 
-def _digest(fields: bytes, material: bytes) -> bytes:
-    return hashlib.blake2b(fields + b"\x1d" + material, digest_size=16).digest()
+def _digest(fields: bytes, material: bytes, scope: bytes) -> bytes:
+    return hashlib.blake2b(fields + b"\x1d" + material, digest_size=16, key=scope).digest()
 
 
-def prefix_key(body: dict, path: str, material: bytes) -> bytes | None:
+# Every key below is keyed with the request's client key's ``scope`` (tenants/key_scope.py;
+# none without keys), as a chat turn's is (multiturn._digest).
+
+
+def prefix_key(body: dict, path: str, material: bytes, scope: bytes = b"") -> bytes | None:
     """The key of the lengths index for a prompt (None when it is shorter than PREFIX)."""
     if len(material) < PREFIX:
         return None
-    return _digest(_fields(body, path) + b"\x1c", material[:PREFIX])
+    return _digest(_fields(body, path) + b"\x1c", material[:PREFIX], scope)
 
 
-def keep_key(body: dict, path: str, held: bytes) -> bytes:
+def keep_key(body: dict, path: str, held: bytes, scope: bytes = b"") -> bytes:
     """The key a turn is kept under: its prompt fields and what decode holds (``held``)."""
-    return _digest(_fields(body, path), held)
+    return _digest(_fields(body, path), held, scope)
 
 
-def candidate_keys(body: dict, path: str, material: bytes, lengths: list[int]) -> list[tuple[bytes, int]]:
+def candidate_keys(body: dict, path: str, material: bytes, lengths: list[int], scope: bytes = b""
+                   ) -> list[tuple[bytes, int]]:
     """The keys a held turn of ``lengths`` bytes this prompt extends would be kept under,
     longest first (only lengths shorter than the prompt: something must be new)."""
     fields = _fields(body, path) + b"\x1d"
     out = []
     for n in sorted(lengths, reverse=True):
         if n < len(material):
-            out.append((hashlib.blake2b(fields + material[:n], digest_size=16).digest(), n))
+            out.append((hashlib.blake2b(fields + material[:n], digest_size=16, key=scope).digest(), n))
     return out
 
 

@@ -48,6 +48,7 @@ from epd_proxy.request.turns.outcomes import (
     DECODE_DROPPED,
     DECODE_GONE,
     EVICTED,
+    INVALID,
     KEPT,
     LOCAL_PREFILL,
     MEDIA,
@@ -77,6 +78,7 @@ from epd_proxy.request.turns.prompts import (
     tokenize_prompt_body,
 )
 from epd_proxy.request.turns.prompts import keep_key as prompt_keep_key
+from epd_proxy.request.turns.read_back import DecodeAddresses
 from epd_proxy.request.turns.shared_turns import SharedTurns
 from epd_proxy.request.turns.streams import params_of, read_stream, strip_stream_params
 from epd_proxy.routing.view import EMPTY_VIEW
@@ -106,7 +108,11 @@ class TurnReuse:
                  shared: GuardedStore | None = None, kv: KvLookup | None = None) -> None:
         self.store = TurnStore(config.kv_reuse_ttl, config.kv_reuse_margin, config.kv_reuse_max_held_tokens) \
             if config.kv_reuse else None
-        self.shared = SharedTurns(shared, self.store) if shared is not None and self.store is not None else None
+        # The NIXL addresses each decode sent this process in its own answers: what a kept turn
+        # read back from the shared store must point at (read_back.py).
+        self.addresses = DecodeAddresses()
+        self.shared = SharedTurns(shared, self.store, self.verify) \
+            if shared is not None and self.store is not None else None
         self.writes: set[asyncio.Task] = set()  # kept turns on their way to the shared store
         self.local_prefill_max = config.local_prefill_max_tokens
         self.local_prefill_streams = config.local_prefill_max_streams
@@ -152,10 +158,24 @@ class TurnReuse:
     def forget(self, url: str) -> None:
         """The decode at ``url`` left or joined anew (maybe another engine, another config)."""
         self.decodes.pop(url, None)
+        self.addresses.forget(url)
         self.stream_decodes.discard(url)
         self.stream_plain.discard(url)
         if self.store is not None:
             self.store.drop_decode(url)
+
+    def verify(self, entry: Entry) -> str:
+        """Whether a kept turn read back from the shared store points at its decode, at an
+        address that decode sent this process itself: "" if so, else what it is counted as
+        (``epd_proxy_state_store_invalid_total{entry}``): ``turn`` (another address),
+        ``turn_unverified`` (a decode of the pool that has not answered this process with
+        parameters yet). A turn naming a decode not in the pool passes here and is never sent
+        anywhere: not read (``decode_gone``), not released (``release``)."""
+        if self.decode.find(entry.decode) is None:
+            return ""
+        if not self.addresses.knows(entry.decode):
+            return "turn_unverified"
+        return "" if self.addresses.has(entry.decode, entry.params) else "turn"
 
     def status(self) -> dict[str, dict]:
         """Per decode URL, what ``/status`` shows of its reuse: whether it keeps blocks (None:
@@ -216,7 +236,8 @@ class TurnReuse:
         asked: dict | None = None  # the /tokenize request for the new prompt
         tokens: list[int] | None = None  # or its tokens, when the request spells them
         if ctx.path == CHAT:
-            found = lookup_key(body, ctx.conversation)
+            scope = ctx.scope or b""  # the client key's (tenants/key_scope.py)
+            found = lookup_key(body, ctx.conversation, scope)
             if found is None:
                 messages = body.get("messages")
                 answered = isinstance(messages, list) and _after_last_answer(messages) < len(messages)
@@ -224,22 +245,23 @@ class TurnReuse:
                 return None
             key, conversation, _, new_chars = found
             new_messages = _after_last_answer(body["messages"])  # lookup_key found an answer in them
-            entry, reason, stale = await self._take(turns, key, conversation, now)
+            entry, reason, stale = await self._take(ctx, turns, key, conversation, now)
             if stale is not None:
-                if reason == EDITED and stale.key is not None and stale.key in earlier_keys(body):
+                if reason == EDITED and stale.key is not None and stale.key in earlier_keys(body, scope):
                     reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
                 self.release(stale)
             asked = tokenize_body(body)
         else:  # completions, generate (turn_prompts.py)
             material = prompt_material(body, ctx.path)
-            prefix = None if material is None else prefix_key(body, ctx.path, material[0])
+            scope = ctx.scope or b""
+            prefix = None if material is None else prefix_key(body, ctx.path, material[0], scope)
             if material is None or prefix is None:
                 ctx.kv_outcome = NOT_KEYED
                 return None
             entry, reason, new_chars, new_messages = None, UNKNOWN, 0, 0
             lengths = turns.lengths(prefix) if self.shared is None else await self.shared.lengths(prefix)
-            for key, length in candidate_keys(body, ctx.path, material[0], lengths):
-                entry, reason, _ = await self._take(turns, key, None, now)
+            for key, length in candidate_keys(body, ctx.path, material[0], lengths, scope):
+                entry, reason, _ = await self._take(ctx, turns, key, None, now)
                 if entry is not None or reason != UNKNOWN:
                     new_chars = len(material[0]) - length
                     break
@@ -316,13 +338,17 @@ class TurnReuse:
         if ctx.kv_reuse is None and (ctx.kv_outcome == REUSED or ctx.kv_outcome == LOCAL_PREFILL):
             ctx.kv_outcome = RETRIED
 
-    async def _take(self, turns: TurnStore, key: bytes, conversation: bytes | None, now: float
-                    ) -> tuple[Entry | None, str, Entry | None]:
+    async def _take(self, ctx: RequestContext, turns: TurnStore, key: bytes, conversation: bytes | None,
+                    now: float) -> tuple[Entry | None, str, Entry | None]:
         """The kept turn under ``key``, from this process (popped before any await) or the
-        shared store (taken atomically there)."""
+        shared store (taken atomically there, and then only the request's key's: key_scope.py)."""
         if self.shared is None:
             return turns.take(key, conversation, now)
-        return await self.shared.take(key, conversation, now)
+        entry, reason, stale = await self.shared.take(key, conversation, now)
+        if entry is not None and entry.owner != ctx.scope:  # written there under another key's turn key
+            self.shared.store.invalid("turn")
+            return None, INVALID, None
+        return entry, reason, stale
 
     def _put(self, turns: TurnStore, key: bytes, entry: Entry, now: float) -> None:
         """Keep ``entry`` for the next turn; what it supersedes or pushes past the bound is let go."""
@@ -451,24 +477,27 @@ class TurnReuse:
         if message is None:
             self._let_go(leg, turns, params, body.get("model"), now, UNKNOWN)
             return
+        self.addresses.learn(leg.inst.url, params)
         tokens = params.get("remote_num_tokens")
-        key, conversation, chars = keep_key(body, message, ctx.conversation)
+        key, conversation, chars = keep_key(body, message, ctx.conversation, ctx.scope or b"")
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
-                      conversation, body.get("model"), ids, key=key)
+                      conversation, body.get("model"), ids, key=key, owner=ctx.scope)
         self.counts.answer(KEPT)
         self._put(turns, key, entry, now)
 
     def _keep_prompt(self, ctx: RequestContext, body: dict, leg: DecodeLeg, turns: TurnStore, held: HeldTurn,
                      now: float) -> None:
         material = prompt_material(body, ctx.path) if held.held is not None else None
-        prefix = None if material is None else prefix_key(body, ctx.path, material[0])
+        scope = ctx.scope or b""
+        prefix = None if material is None else prefix_key(body, ctx.path, material[0], scope)
         if held.params is None or held.held is None or prefix is None:
             self.counts.answer(held.reason or SHORT)
             return
+        self.addresses.learn(leg.inst.url, held.params)
         tokens = held.params.get("remote_num_tokens")
         entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
-                      now + turns.life, prompt_keep_key(body, ctx.path, held.held), body.get("model"), held.ids,
-                      prefix)
+                      now + turns.life, prompt_keep_key(body, ctx.path, held.held, scope), body.get("model"), held.ids,
+                      prefix, owner=ctx.scope)
         self.counts.answer(KEPT)
         self._put(turns, entry.conversation, entry, now)
 
@@ -477,6 +506,7 @@ class TurnReuse:
         """Parameters that cannot be kept: counted, and decode's blocks freed at once."""
         self.counts.answer(reason)
         if params is not None:
+            self.addresses.learn(leg.inst.url, params)
             self.release(Entry(params, leg.inst.url, 0, 0, now + turns.life, b"", model))
 
     def ended(self, ctx: RequestContext) -> None:

@@ -20,7 +20,10 @@ held tokens bounded per decode), kept by the store instead of this process's mem
   itself still looks its turns up (``TurnStore.active``), read every second until set.
 
 The request path waits on the store at most the guard's budget; a failure is a miss
-(``unknown``), the plain path."""
+(``unknown``), the plain path. What the store returns is untrusted input (read_back.py): an
+entry, a conversation's latest key, a prefix's lengths or a held-tokens counter that fails
+its checks is a miss (``invalid``), counted in ``epd_proxy_state_store_invalid_total``, never
+used: never an error, never a prefill told to connect elsewhere."""
 
 from __future__ import annotations
 
@@ -34,6 +37,17 @@ from typing import Callable
 import msgspec
 
 from epd_proxy.request.turns.multiturn import BOUND, EDITED, EXPIRED, SUPERSEDED, UNKNOWN, USED, Entry, TurnStore
+from epd_proxy.request.turns.outcomes import INVALID
+from epd_proxy.request.turns.read_back import (
+    MAX_ENTRY_BYTES,
+    MAX_KEY,
+    SCOPE,
+    counter,
+    entry_bounded,
+    ids_of,
+    lengths_bounded,
+    params_bounded,
+)
 from epd_proxy.state.guard import GuardedStore
 
 # How long the "on" mark lives; written again at most every ON_REFRESH seconds.
@@ -44,6 +58,8 @@ WATCH_INTERVAL = 1.0
 QUARTERS = 4
 # Keys this process put, remembered to let its oldest go past the bound.
 OWN = 65536
+# The held lengths of a prompt API's prefix tried at most (each one a digest and a store call).
+MAX_LENGTHS = 16
 
 
 class _Stored(msgspec.Struct, array_like=True):
@@ -57,6 +73,11 @@ class _Stored(msgspec.Struct, array_like=True):
     ids: bytes | None  # array('I') as bytes (token ids, 4 bytes each)
     prefix: bytes | None
     quarter: int
+    owner: bytes | None = None  # the client key's scope (key_scope.py), None without keys
+
+
+def _trust_all(entry: Entry) -> str:
+    return ""
 
 
 def _url_key(url: str) -> bytes:
@@ -67,12 +88,16 @@ class SharedTurns:
     """``TurnStore``'s entries in a shared store; ``turns`` keeps this process's counters
     (and ``active``)."""
 
-    def __init__(self, store: GuardedStore, turns: TurnStore) -> None:
+    def __init__(self, store: GuardedStore, turns: TurnStore, verify: Callable[[Entry], str] = _trust_all) -> None:
         self.store = store
         self.turns = turns
+        # Whether an entry read back points at a decode as this process knows it ("": it does;
+        # else the name it is counted under as invalid): TurnReuse.verify.
+        self.verify = verify
         self.life = turns.life
         self.width = max(self.life / QUARTERS, 1.0)
-        self._own: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
+        # Key -> (decode, owner, tokens) of the turns this process put, oldest first.
+        self._own: collections.OrderedDict[bytes, tuple[str, bytes | None, int]] = collections.OrderedDict()
         self._on_written = 0.0
         self._watch: asyncio.Task | None = None
 
@@ -108,7 +133,7 @@ class SharedTurns:
         if value is not None:
             entry, quarter = self._entry(value, now)
             if entry is None:
-                return None, UNKNOWN, None
+                return None, INVALID, None
             self._unhold(entry, quarter)
             self._own.pop(key, None)
             if entry.deadline <= now:
@@ -123,6 +148,9 @@ class SharedTurns:
             return None, gone, None
         if conversation is not None:
             prev = await self.store.get(k(b"c", conversation))
+            if prev is not None and not 0 < len(prev) <= MAX_KEY:
+                self.store.invalid("conversation")
+                prev = None
             if prev is not None and prev != key:
                 stale = await self._take_entry(prev, now)
                 if stale is not None:
@@ -131,7 +159,11 @@ class SharedTurns:
         return None, UNKNOWN, None
 
     async def lengths(self, prefix: bytes) -> list[int]:
-        return await self.store.members(self.store.key(b"l", prefix))
+        found = await self.store.members(self.store.key(b"l", prefix))
+        lengths = lengths_bounded(found, MAX_LENGTHS)
+        if len(lengths) < len(found) and len(lengths) < MAX_LENGTHS:
+            self.store.invalid("lengths")
+        return lengths
 
     # -- put ------------------------------------------------------------------------------
     async def put(self, key: bytes, entry: Entry, now: float, release: Callable[[Entry], None]) -> bool:
@@ -145,11 +177,11 @@ class SharedTurns:
         quarter = int(wall // self.width)
         ids = array("I", entry.ids).tobytes() if entry.ids is not None else None
         stored = _Stored(entry.params, entry.decode, entry.tokens, entry.chars, wall + ttl, entry.conversation,
-                         entry.model, ids, entry.prefix, quarter)
+                         entry.model, ids, entry.prefix, quarter, entry.owner)
         ok, _ = await self.store.put(self.store.key(b"t", key), msgspec.msgpack.encode(stored), ttl)
         if not ok:
             return False
-        self._own[key] = (entry.decode, entry.deadline)
+        self._own[key] = (entry.decode, entry.owner, entry.tokens)
         if len(self._own) > OWN:
             self._own.popitem(last=False)
         task = asyncio.get_running_loop().create_task(self._after_put(key, entry, now, quarter, ttl, release))
@@ -165,7 +197,9 @@ class SharedTurns:
             await store.add(k(b"l", entry.prefix), entry.chars, self.life)
         if entry.conversation != key:
             _, prev = await store.put(k(b"c", entry.conversation), key, ttl, old=True)
-            if prev is not None and prev != key:
+            if prev is not None and not 0 < len(prev) <= MAX_KEY:
+                store.invalid("conversation")
+            elif prev is not None and prev != key:
                 stale = await self._take_entry(prev, now)
                 if stale is not None:
                     out.append(stale)
@@ -174,7 +208,7 @@ class SharedTurns:
         turns.held[entry.decode] = turns.held.get(entry.decode, 0) + entry.tokens
         if held is not None and turns.max_held:
             total = await self.held(entry.decode)
-            for own in [o for o, (d, _) in self._own.items() if d == entry.decode and o != key]:
+            for own in self._victims(entry.decode, key):
                 if total <= turns.max_held:
                     break
                 old = await self._take_entry(own, now)
@@ -189,9 +223,25 @@ class SharedTurns:
         """The tokens all replicas' kept parameters hold on ``decode`` (within a quarter)."""
         now = int(time.time() // self.width)
         values = await self.store.get_many([self._held_key(decode, q) for q in range(now - QUARTERS, now + 1)])
-        return sum(int(v) for v in values if v is not None)
+        total = 0
+        for v in values:
+            n = counter(v)
+            if n is None and v is not None:
+                self.store.invalid("held_tokens")
+            total += n or 0
+        return max(total, 0)
 
     # -- helpers --------------------------------------------------------------------------
+    def _victims(self, decode: str, keep: bytes) -> list[bytes]:
+        """This process's turns on ``decode`` in the order the bound lets them go: those of the
+        client key holding the most tokens (of what this process put there) first, oldest
+        first within a key (TurnStore's rule, on what this process can see)."""
+        mine = [(k, owner, tokens) for k, (d, owner, tokens) in self._own.items() if d == decode and k != keep]
+        totals: dict[bytes | None, int] = {}
+        for _, owner, tokens in mine:
+            totals[owner] = totals.get(owner, 0) + tokens
+        return [k for k, _, _ in sorted(mine, key=lambda m: -totals[m[1]])]  # stable: oldest first within
+
     def _held_key(self, decode: str, quarter: int) -> bytes:
         return self.store.key(b"h", _url_key(decode) + quarter.to_bytes(8, "big", signed=True))
 
@@ -219,18 +269,27 @@ class SharedTurns:
             task.add_done_callback(_BACKGROUND.discard)
 
     def _entry(self, value: bytes, now: float) -> tuple[Entry | None, int]:
-        try:
-            s = msgspec.msgpack.decode(value, type=_Stored)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        """The entry ``value`` holds, if it passes the checks (read_back.py); else None, counted."""
+        s = None
+        if len(value) <= MAX_ENTRY_BYTES:
+            try:
+                s = msgspec.msgpack.decode(value, type=_Stored)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        if (s is None or not entry_bounded(s.tokens, s.chars, s.expires, s.conversation, s.model, s.ids, s.prefix)
+                or not params_bounded(s.params, s.tokens) or type(s.quarter) is not int
+                or not (s.owner is None or len(s.owner) == SCOPE)):
+            self.store.invalid("turn")
             return None, 0
-        ids = None
-        if s.ids is not None:
-            packed = array("I")
-            packed.frombytes(s.ids)
-            ids = array("l", packed)
+        ids = ids_of(s.ids) if s.ids is not None else None
         deadline = now + (s.expires - time.time())  # on this process's clock
-        return Entry(s.params, s.decode, s.tokens, s.chars, deadline, s.conversation, s.model, ids, s.prefix), \
-            s.quarter
+        entry = Entry(s.params, s.decode, s.tokens, s.chars, deadline, s.conversation, s.model, ids, s.prefix,
+                      owner=s.owner)
+        why = self.verify(entry)
+        if why:
+            self.store.invalid(why)
+            return None, 0
+        return entry, s.quarter
 
     async def close(self) -> None:
         if self._watch is not None:
