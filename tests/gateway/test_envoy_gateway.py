@@ -274,8 +274,8 @@ async def test_a_keys_limit_sheds_with_429_and_a_missing_key_is_401_through_envo
             f.write("team-a:sk-aaaa\nteam-b:sk-bbbb\n")
         with open(config, "w") as f:
             f.write('[[tenants.keys]]\nname = "team-a"\nrequests_per_minute = 1\n')
-        async with gateway("decode=1", ("--api-key-file", keys, "--config", config,
-                                                 "--admin-api-key", "admin-key")) as gw:
+        async with gateway("decode=1", ("--api-key-file", keys, "--config", config, "--cache-salt-per-key",
+                                        "--admin-api-key", "admin-key")) as gw:
             a = [(b"authorization", b"Bearer sk-aaaa")]
             b = [(b"authorization", b"Bearer sk-bbbb")]
             assert (await _post(gw.streamed, _chat("key-a-1"), headers=a)).status == 200
@@ -285,8 +285,13 @@ async def test_a_keys_limit_sheds_with_429_and_a_missing_key_is_401_through_envo
             assert limited.headers.get(b"x-ratelimit-limit-requests") == b"1"
             assert (await _post(gw.streamed, _chat("key-b-1"), headers=b)).status == 200
             anonymous = await _post(gw.streamed, _chat("key-none"))
-            assert anonymous.status == 401
+            assert anonymous.status == 401 and anonymous.headers.get(b"www-authenticate")
+            assert msgspec.json.decode(anonymous.body)["error"]["code"] == "invalid_api_key"
             assert _served_marker(gw, "key-") == [gw.cluster.urls("decode")[0]] * 2
+            # Each key's requests carry its own cache_salt (--cache-salt-per-key): no shared prefix cache.
+            salts = {rec.json["messages"][0]["content"]: rec.json.get("cache_salt")
+                     for rec in gw.cluster.instances("decode")[0].records if rec.json is not None}
+            assert salts["key-a-1"] and salts["key-b-1"] and salts["key-a-1"] != salts["key-b-1"]
             assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="shed"}') == 1
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 
-from epd_proxy.api.client_auth import ClientKeys
+from epd_proxy.api.client_auth import CHALLENGE, ClientKeys, unauthorized
 from epd_proxy.config import ProxyConfig
 from epd_proxy.gateway.pick import Known, Pick, PickView, endpoint, pick
 from epd_proxy.http.response import Request
@@ -31,9 +31,10 @@ from epd_proxy.observe.tokens import NO_TOKENS, usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import GENERATION_APIS, speaks_anthropic
 from epd_proxy.request.context import RequestContext
-from epd_proxy.request.ingress import CHAT, PROXY_OWNED_FIELDS, parse_body, request_id
+from epd_proxy.request.ingress import CHAT, COMPLETIONS, PROXY_OWNED_FIELDS, parse_body, request_id
 from epd_proxy.request.kv_lookup import KvLookup
 from epd_proxy.routing.view import RequestView
+from epd_proxy.tenants.key_scope import salt
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.blobs import encode_json
 from epd_proxy.wire.errors import ProxyError
@@ -42,8 +43,8 @@ log = logging.getLogger("epd_proxy.epp")
 
 # What one decision came to (``epd_proxy_epp_decisions_total{outcome}``).
 OUTCOMES = ("picked", "rewritten", "none_eligible", "shed", "refused")
-_UNAUTHORIZED = ProxyError(401, "a valid API key is required (Authorization: Bearer, or X-Api-Key)",
-                           type="AuthenticationError")
+_MISSING_KEY = unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+_INVALID_KEY = unauthorized("invalid API key")
 
 
 @dataclasses.dataclass
@@ -70,12 +71,14 @@ class Refusal:
 class Lease:
     """One placed request, until the gateway's stream for it ends."""
 
-    __slots__ = ("ctx", "ticket", "admitted", "path", "start", "chosen", "served", "series", "stream",
-                 "status", "tail", "ended")
+    __slots__ = ("ctx", "ticket", "ticket_key", "admitted", "path", "start", "chosen", "served", "series",
+                 "stream", "status", "tail", "ended", "model")
 
     def __init__(self, ctx: RequestContext, path: str, start: float) -> None:
         self.ctx = ctx
         self.ticket: Ticket | None = None
+        self.ticket_key: str | None = None  # its key (kept after the ticket is given back)
+        self.model: object = None  # the model the body named
         self.admitted = False  # holds a --max-inflight slot
         self.path = path
         self.start = start
@@ -139,17 +142,23 @@ class EndpointPicker:
         lease = Lease(RequestContext(request_id(req), path, []), path, time.perf_counter())
         try:
             key = self._key(req)
+            scope = self.client_keys.scope(key) if self.client_keys is not None else None
             if self.tenants.active:
                 lease.ticket = await self.tenants.enter(key, anthropic, len(ask.body), req.headers)
+                lease.ticket_key = lease.ticket.key
             if self.admission.limit:
                 refusal = await self._admit(lease, anthropic)
                 if refusal is not None:
                     self._end(lease, refusal.status)
                     return refusal
-            decision = await self._place(req, lease, ask.subset)
+            decision = await self._place(req, lease, ask.subset, scope)
         except ProxyError as err:
             self._end(lease, err.status)
             self.outcomes["shed" if err.status == 429 else "refused"] += 1
+            if err.code == "model_not_found" and lease.ticket_key is not None:  # only the key's models named
+                ids = self.tenants.model_ids(lease.ticket_key, self.models.current)
+                if ids is not None:
+                    err = self.models.current.not_found(str(lease.model), ids)
             return Refusal(err.status, err.body(anthropic), _refusal_headers(err))
         except BaseException:
             self._end(lease, 499)
@@ -165,12 +174,14 @@ class EndpointPicker:
         return Refusal(413, err.body(speaks_anthropic(path)), [])
 
     def _key(self, req: Request) -> str | None:
+        """The client key presented: with keys, every request through the gateway needs one."""
         keys = self.client_keys
-        if keys is None or not req.path.startswith("/v1/"):
+        if keys is None:
             return None
-        key = keys.identify(req.headers.get(b"authorization"), req.headers.get(b"x-api-key"))
+        authorization, api_key = req.headers.get(b"authorization"), req.headers.get(b"x-api-key")
+        key = keys.identify(authorization, api_key)
         if key is None:
-            raise _UNAUTHORIZED
+            raise _INVALID_KEY if authorization or api_key else _MISSING_KEY
         return key
 
     async def _admit(self, lease: Lease, anthropic: bool) -> Refusal | None:
@@ -183,21 +194,35 @@ class EndpointPicker:
         self.outcomes["shed"] += 1
         return Refusal(429, self._shed[anthropic], [(b"retry-after", b"1")])
 
-    async def _place(self, req: Request, lease: Lease, subset: frozenset[str] | None) -> Decision:
+    async def _place(self, req: Request, lease: Lease, subset: frozenset[str] | None,
+                     scope: bytes | None) -> Decision:
         path, ctx = lease.path, lease.ctx
         rewrite = False
         body: dict | None = None
         model = asked = None
+        ticket, tenants = lease.ticket, self.tenants
         if req.method == "POST" and req.body:
             body = parse_body(req, path)
             rewrite = any(req.body.find(b'"' + f.encode() + b'"') >= 0 for f in PROXY_OWNED_FIELDS)
             model = asked = body.get("model")
+            lease.model = model
             lease.stream = body.get("stream") is True
-            aliases = self.tenants.aliases
+            if scope is not None and self.config.cache_salt_per_key and path in (CHAT, COMPLETIONS):
+                salt(body, scope)  # no key shares (or probes) another key's prefix cache
+                rewrite = True
+            aliases = tenants.aliases
             if aliases is not None:  # an alias to its served model: the body names the served one
                 model = aliases.resolve(model, self.models.current)
                 if model is not asked:
                     body["model"] = model
+                    rewrite = True
+            if ticket is not None:
+                if model is not None:  # 403 before the route, as the proxy's own path
+                    tenants.check_model(ticket, asked, model)
+                sent = body.get("priority")
+                priority = tenants.engine_priority(ticket, sent)  # the key's class, at most lowered
+                if priority is not None and priority != sent:
+                    body["priority"] = priority
                     rewrite = True
         if body is not None:  # a request without a body (GET /v1/models) goes to any instance
             try:
@@ -207,8 +232,9 @@ class EndpointPicker:
                     raise
                 await self.adapters.ensure(model)  # type: ignore[arg-type]  # loadable: a name
                 ctx.models = self.models.current.route(model)
-        if lease.ticket is not None:
-            self.tenants.check_model(lease.ticket, asked, model)
+            if model is None and ticket is not None:  # the cluster's only model, if the key may not use it
+                bases = self.models.current.bases
+                tenants.check_model(ticket, None, bases[0] if len(bases) == 1 else None)
         lease.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         routing = RequestView()
         if body is not None:
@@ -306,6 +332,8 @@ def _has_media(body: dict) -> bool:
 
 def _refusal_headers(err: ProxyError) -> list[tuple[bytes, bytes]]:
     headers = list(err.headers or [])
+    if err.status == 401:
+        headers += CHALLENGE
     if err.status in (429, 503) and not any(n == b"retry-after" for n, _ in headers):
         headers.append((b"retry-after", b"1" if err.status == 429 else b"5"))
     return headers
