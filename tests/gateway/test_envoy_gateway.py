@@ -130,15 +130,24 @@ async def test_a_model_and_an_adapter_are_routed_to_the_instances_serving_them()
 
 async def test_the_fallback_list_is_walked_when_the_first_endpoint_refuses_the_connection():
     dead = dead_address()
-    async with gateway("decode=1", ("--decode-policy", "round-robin"), extra_pool=(dead,)) as gw:
+    # Probes off: what takes the dead one out is what the gateway reports.
+    async with gateway("decode=1", ("--decode-policy", "round-robin", "--probe-interval", "0"),
+                       extra_pool=(dead,)) as gw:
         for n in range(6):
             listener = gw.streamed if n % 2 else gw.buffered
             reply = await _post(listener, _chat(f"fallback-{n}"))
             assert reply.status == 200, reply.body
         assert len(_served_marker(gw, "fallback-")) == 6
         # Round robin names the dead one first every other request; Envoy's retry served the second
-        # and reported it (x-gateway-destination-endpoint-served), which the picker counted.
-        assert await gw.epp.metric("epd_proxy_epp_served_by_fallback_total") >= 2
+        # and reported it (x-gateway-destination-endpoint-served): the picker learned the first did
+        # not take the connection, and after --fail-threshold (3) such reports ejected it.
+        assert await gw.epp.metric("epd_proxy_epp_served_by_fallback_total") == 3
+        status = msgspec.json.decode((await Client(gw.epp.url).request("GET", "/status")).body)
+        states = {i["url"]: i["state"] for i in status["pools"]["decode"]}
+        assert states == {f"http://{dead}": "ejected", gw.cluster.urls("decode")[0]: "healthy"}
+        for n in range(4):  # the dead one is never named first any more
+            assert (await _post(gw.streamed, _chat(f"after-{n}"))).status == 200
+        assert await gw.epp.metric("epd_proxy_epp_served_by_fallback_total") == 3
 
 
 def _subset_listener(port: int, subset: list[str]) -> dict:
@@ -328,3 +337,13 @@ async def test_a_stream_in_flight_ends_whole_when_the_picker_shuts_down_graceful
         reply = await stream
         assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
         assert reply.body.count(b"data: ") > 40
+
+
+async def test_an_instance_answering_503_through_the_gateway_is_ejected_from_the_picks():
+    spec = "decode=2,decode-1.fault_rate=1,decode-1.fault_kinds=status=503"
+    async with gateway(spec, ("--decode-policy", "round-robin", "--probe-interval", "0")) as gw:
+        statuses = [(await _post(gw.streamed, _chat(f"faulty-{n}"))).status for n in range(8)]
+        assert statuses.count(503) == 3 and statuses.count(200) == 5  # --fail-threshold 3 reports, then out
+        status = msgspec.json.decode((await Client(gw.epp.url).request("GET", "/status")).body)
+        faulty = gw.cluster.urls("decode")[1]
+        assert {i["url"]: i["state"] for i in status["pools"]["decode"]}[faulty] == "ejected"

@@ -106,6 +106,8 @@ class Routed:
 
 Decision = Routed | Refusal
 
+# The statuses that speak of the instance rather than the request (as request/legs/upstream.py).
+_GATEWAY_STATUSES = frozenset({502, 503, 504})
 # The answer's tail kept for its usage (the last SSE event, or a whole small answer).
 TAIL_BYTES = 8192
 
@@ -263,24 +265,34 @@ class EndpointPicker:
 
     # -- what the gateway reports --------------------------------------------------------------
     def served(self, lease: Lease, address: str | None, status: int) -> None:
-        """The answer's headers passed: ``address``, the endpoint that served (None: not told)."""
+        """The answer's headers passed: ``address``, the endpoint that served (None: not told),
+        and its status. What the proxy learns from its own legs it learns from this report: the
+        endpoints the gateway's retries passed over did not take the connection (an instance
+        signal each), and the serving one's status is a signal as a leg's would be."""
         lease.status = status
         if not address or not lease.chosen:
             return
-        first = lease.chosen[0]
-        if endpoint(first) == address:
-            lease.served = first
+        chosen, ctx, pool = lease.chosen, lease.ctx, self.serving
+        at = next((n for n, inst in enumerate(chosen) if endpoint(inst) == address), None)
+        if at is None:  # not one the picker named (a fail-open answer, or another cluster's)
             return
-        for inst in lease.chosen[1:]:  # a fallback served: it holds the request, and its KV
-            if endpoint(inst) == address:
-                lease.served = inst
-                self.served_elsewhere += 1
-                ctx = lease.ctx
-                ctx.release(first)
-                ctx.hold(inst)
-                if self.kv is not None:
-                    self.kv.chosen(inst, ctx)
-                return
+        inst = lease.served = chosen[at]
+        inst.requests += 1
+        if at:  # a fallback served: it holds the request, and its prompt's blocks
+            self.served_elsewhere += 1
+            for skipped in chosen[:at]:
+                pool.record_failure(skipped, "the gateway could not connect (a fallback served)", "connection",
+                                    ctx)
+            ctx.release(chosen[0])
+            ctx.hold(inst)
+            if self.kv is not None:
+                self.kv.chosen(inst, ctx)
+        if status in _GATEWAY_STATUSES:  # an overloaded or dying instance, or the gateway's own
+            pool.record_failure(inst, f"HTTP {status} through the gateway", f"http_{status}", ctx)
+        elif status >= 500:  # vLLM failed this one request
+            pool.record_request_failure(inst, f"HTTP {status} through the gateway", f"http_{status}", ctx)
+        elif status:
+            pool.record_success(inst)
 
     def answered(self, lease: Lease, chunk: bytes) -> None:
         """A piece of the answer's body passed (kept: its tail, for the usage)."""
