@@ -262,7 +262,7 @@ async def _health(port: int) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
-async def test_the_pickers_http_port_is_the_operator_surface_only():
+async def test_the_pickers_http_port_is_the_operator_surface_and_its_requests_are_logged_and_shown():
     async with gateway("decode=1") as gw:
         client = Client(gw.epp.url)
         try:
@@ -271,9 +271,22 @@ async def test_the_pickers_http_port_is_the_operator_surface_only():
             assert [i["url"] for i in status["pools"]["decode"]] == gw.cluster.urls("decode")
             refused = await client.post(CHAT, _chat("not-here"))
             assert refused.status == 404 and b"gateway" in refused.body
+            assert (await client.request("GET", "/console/api/state")).status == 200  # a console looks
+            reply = await _post(gw.streamed, _chat("shown", stream=True), headers=[(b"x-request-id", b"shown-1")])
+            assert reply.status == 200
+            await _wait(lambda: _logged(gw.epp, "shown-1 POST /v1/chat/completions 200 stream d="))
+            state = msgspec.json.decode((await client.request("GET", "/console/api/state")).body)
+            [shown] = [r for r in state["recent"] if r["id"] == "shown-1"]
+            assert (shown["status"], shown["stream"], shown["model"]) == (200, True, "sim-model")
+            assert [leg[1] for leg in shown["legs"]] == gw.cluster.urls("decode")
+            assert shown["bytes"] == len(reply.body)
         finally:
             await client.close()
         assert _served_marker(gw, "not-here") == []
+
+
+async def _logged(epp: EppProcess, text: str) -> bool:
+    return text in epp.log()
 
 
 async def test_a_keys_limit_sheds_with_429_and_a_missing_key_is_401_through_envoy():

@@ -27,10 +27,12 @@ from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ModelSeries, ProxyMetrics
+from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import NO_TOKENS, usage_of
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import GENERATION_APIS, speaks_anthropic
 from epd_proxy.request.context import RequestContext
+from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, PROXY_OWNED_FIELDS, parse_body, request_id
 from epd_proxy.request.kv_lookup import KvLookup
 from epd_proxy.routing.view import RequestView
@@ -71,11 +73,13 @@ class Refusal:
 class Lease:
     """One placed request, until the gateway's stream for it ends."""
 
-    __slots__ = ("ctx", "ticket", "ticket_key", "admitted", "path", "start", "chosen", "served", "series",
-                 "stream", "status", "tail", "ended", "model")
+    __slots__ = ("ctx", "rec", "ticket", "ticket_key", "admitted", "path", "start", "chosen", "served", "series",
+                 "stream", "status", "tail", "ended", "model", "nbytes")
 
-    def __init__(self, ctx: RequestContext, path: str, start: float) -> None:
+    def __init__(self, ctx: RequestContext, rec: RequestRecord, path: str, start: float) -> None:
         self.ctx = ctx
+        self.rec = rec  # what the access log and the console are told at the end
+        self.nbytes = 0  # the answer's body bytes that passed through the picker
         self.ticket: Ticket | None = None
         self.ticket_key: str | None = None  # its key (kept after the ticket is given back)
         self.model: object = None  # the model the body named
@@ -116,14 +120,15 @@ class EndpointPicker:
     """Places requests for a gateway over the proxy's pools and rules."""
 
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
-                 tenants: Tenants, admission: Admission, kv: KvLookup | None, client_keys: ClientKeys | None,
-                 adapters: Adapters | None, endpoints: int) -> None:
+                 tenants: Tenants, admission: Admission, gate: EntryGate, kv: KvLookup | None,
+                 client_keys: ClientKeys | None, adapters: Adapters | None, endpoints: int) -> None:
         self.config = config
         self.serving = pools["decode"]  # aggregated serving: the pod that serves the whole request
         self.models = self.serving.models
         self.metrics = metrics
         self.tenants = tenants
         self.admission = admission
+        self.gate = gate  # the access log and the console's ring, as the proxy's own requests use them
         self.kv = kv
         self.client_keys = client_keys
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
@@ -141,13 +146,17 @@ class EndpointPicker:
         req = Request(ask.method, ask.target, ask.headers, ask.body, True, None)
         path = req.path
         anthropic = speaks_anthropic(path)
-        lease = Lease(RequestContext(request_id(req), path, []), path, time.perf_counter())
+        start = time.perf_counter()
+        rid = request_id(req)
+        lease = Lease(RequestContext(rid, path, []), RequestRecord(rid, ask.method, path, start, None, ask.headers,
+                                                                   None, self.metrics.no_model), path, start)
         try:
-            key = self._key(req)
+            key = lease.rec.key = self._key(req)
             scope = self.client_keys.scope(key) if self.client_keys is not None else None
             if self.tenants.active:
                 lease.ticket = await self.tenants.enter(key, anthropic, len(ask.body), req.headers)
                 lease.ticket_key = lease.ticket.key
+                lease.rec.ticket = lease.ticket
             if self.admission.limit:
                 refusal = await self._admit(lease, anthropic)
                 if refusal is not None:
@@ -296,6 +305,7 @@ class EndpointPicker:
 
     def answered(self, lease: Lease, chunk: bytes) -> None:
         """A piece of the answer's body passed (kept: its tail, for the usage)."""
+        lease.nbytes += len(chunk)
         tail = lease.tail + chunk if lease.tail else chunk
         lease.tail = tail[-TAIL_BYTES:]
 
@@ -318,14 +328,32 @@ class EndpointPicker:
             self.tenants.leave(ticket, status, tokens)
         if tokens[1] is not None and lease.series is not None:
             self.metrics.observe_tokens(lease.series, tokens)
-        self.metrics.observe_request(lease.path, status, time.perf_counter() - lease.start, lease.stream,
-                                     lease.series)
+        seconds = time.perf_counter() - lease.start
+        self.metrics.observe_request(lease.path, status, seconds, lease.stream, lease.series)
+        rec, access, recent = lease.rec, self.gate.access_log, self.gate.recent
+        if not lease.chosen:  # refused: a line as the proxy's own refusals get
+            if access is not None:
+                access.other(rec.request_id, rec.method, rec.path, status, 0, seconds, None, rec.headers,
+                             _text(lease.model), rec.key)
+            if recent.on:
+                recent.add_refused(rec.request_id, rec.method, rec.path, status, seconds)
+            return
+        rec.ctx, rec.model, rec.stream = lease.ctx, _text(lease.model), lease.stream
+        rec.outcome = "ok" if status < 400 else "client_gone" if status == 499 else "error"
+        if access is not None:
+            access.request(rec, status, tokens, lease.nbytes, seconds)
+        if recent.on:  # a console looked lately
+            recent.add(rec, status, tokens, lease.nbytes, seconds)
 
     def collect(self, f: dict[str, list]) -> None:
         for outcome, n in self.outcomes.items():
             f["epd_proxy_epp_decisions"].append([outcome, n])
         f["epd_proxy_epp_requests"].append([self.leases])
         f["epd_proxy_epp_served_by_fallback"].append([self.served_elsewhere])
+
+
+def _text(model: object) -> str | None:
+    return model if type(model) is str else None
 
 
 def _has_media(body: dict) -> bool:

@@ -262,7 +262,8 @@ def build_picker(app: ProxyApp, endpoints: int = DEFAULT_FALLBACKS) -> EndpointP
     admission, the block index, client keys, adapters, metrics): one wiring for both."""
     pipeline = app.pipeline
     picker = EndpointPicker(app.config, app.pools, app.metrics, tenants=pipeline.tenants,
-                            admission=pipeline.admission, kv=pipeline.kv, client_keys=app.client_keys,
+                            admission=pipeline.admission, gate=pipeline.gate, kv=pipeline.kv,
+                            client_keys=app.client_keys,
                             adapters=pipeline.adapters, endpoints=endpoints)
     app.metrics.register(picker.collect)
     return picker
