@@ -190,14 +190,14 @@ async def gateway(spec: str = "decode=3", epp_args: tuple = (), *, extra_pool: t
     ``extra_pool`` addresses the picker and the pool list too), the picker's ``replicas``, each in
     its process, and Envoy; yields a :class:`Gateway`."""
     async with SimCluster.from_spec(spec, SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
-        specs = []
-        for inst in cluster.instances("decode"):
-            spec = inst.url
-            if inst.kv_events is not None:
-                spec += f";kv_events={inst.kv_events.endpoint};kv_events_replay={inst.kv_events.replay_endpoint}"
-            specs.append(spec)
-        specs += [f"http://{a}" for a in extra_pool]
-        flags = [arg for spec in specs for arg in ("--decode", spec)]
+        flags = []
+        for role in ("prefill", "decode"):  # prefills: P/D, the decode's sidecar is told where to prefill
+            for inst in cluster.instances(role):
+                spec = inst.url
+                if inst.kv_events is not None:
+                    spec += f";kv_events={inst.kv_events.endpoint};kv_events_replay={inst.kv_events.replay_endpoint}"
+                flags += [f"--{role}", spec]
+        flags += [arg for a in extra_pool for arg in ("--decode", f"http://{a}")]
         async with contextlib.AsyncExitStack() as stack:
             epps = [await stack.enter_async_context(EppProcess(flags + list(epp_args))) for _ in range(replicas)]
             pool = [address(u) for u in cluster.urls("decode")] + list(extra_pool)

@@ -360,3 +360,36 @@ async def test_an_instance_answering_503_through_the_gateway_is_ejected_from_the
         status = msgspec.json.decode((await Client(gw.epp.url).request("GET", "/status")).body)
         faulty = gw.cluster.urls("decode")[1]
         assert {i["url"]: i["state"] for i in status["pools"]["decode"]}[faulty] == "ejected"
+
+
+async def test_pd_the_decodes_sidecar_is_told_the_prefill_holding_the_prompt_and_a_decode_holding_it_computes():
+    """llm-d's P/D convention: the destination is the decode; x-prefiller-host-port names the prefill its
+    sidecar runs first. The prefill is the one holding the prompt (KV events); a decode that holds all
+    but a few of its tokens computes it alone, without the header; a client's header never passes."""
+    async with gateway("prefill=2,decode=2,kv_events=1") as gw:
+        prefills, decodes = gw.cluster.urls("prefill"), gw.cluster.urls("decode")
+        kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        assert (await _post(prefills[1], {"model": "sim-model", "prompt": _prompt(1), "max_tokens": 1,
+                                          "kv_transfer_params": kv}, "/v1/completions")).status == 200
+        assert (await _post(decodes[0], {"model": "sim-model", "prompt": _prompt(2), "max_tokens": 1},
+                            "/v1/completions")).status == 200
+        await _wait(lambda: _blocks_at_least(gw.epp, 12))
+        steer = [(b"x-prefiller-host-port", b"169.254.169.254:80")]
+        held_by_prefill = _prompt(1) + [5, 6]
+        reply = await _post(gw.streamed, {"model": "sim-model", "prompt": held_by_prefill, "max_tokens": 2},
+                            "/v1/completions", headers=steer)
+        assert reply.status == 200
+        [(decode, headers)] = _received(gw, held_by_prefill)
+        assert decode in decodes and headers.get("x-prefiller-host-port") == address(prefills[1])
+        held_by_decode = _prompt(2) + [5, 6]
+        reply = await _post(gw.buffered, {"model": "sim-model", "prompt": held_by_decode, "max_tokens": 2},
+                            "/v1/completions", headers=steer)
+        assert reply.status == 200
+        [(decode, headers)] = _received(gw, held_by_decode)
+        assert decode == decodes[0] and "x-prefiller-host-port" not in headers
+
+
+def _received(gw, prompt: list[int]) -> list[tuple[str, dict]]:
+    return [(inst.url, rec.headers) for inst in gw.cluster.all_instances() for rec in inst.records
+            if rec.json is not None and rec.json.get("prompt") == prompt]

@@ -65,3 +65,32 @@ async def test_the_list_is_bounded_and_names_each_instance_once():
                                        ("http://10.1.2.3", "10.1.2.3:80"), ("https://10.1.2.3", "10.1.2.3:443")])
 async def test_an_endpoint_is_ip_and_port(url, want):
     assert endpoint(_pool(urls=[url]).instances[0]) == want
+
+
+def _pd(alone_max_tokens: int = 64):
+    decode = _pool(urls=URLS[:2])
+    prefill = _pool(urls=["http://10.0.1.1:8000", "http://10.0.1.2:8000"])
+    return decode, prefill, Known(decode, 2, prefill=prefill, alone_max_tokens=alone_max_tokens,
+                                  alone_max_streams=0, balance_abs=4.0, balance_rel=1.5)
+
+
+async def test_with_a_prefill_pool_the_decodes_sidecar_is_told_the_least_loaded_prefill():
+    decode, prefill, known = _pd()
+    prefill.instances[0].inflight = 2
+    chosen = pick(PickView(), known)
+    assert endpoint(chosen.prefill) == "10.0.1.2:8000" and len(chosen.instances) == 2
+    assert "prefill 10.0.1.2:8000" in chosen.reasons[0]
+    assert pick(PickView(split=False), known).prefill is None  # served whole (e.g. a Responses follow-up)
+
+
+async def test_a_decode_holding_nearly_all_of_the_prompt_computes_it_alone():
+    decode, prefill, known = _pd()
+    view = RequestView({"prompt": [1]}, (), False)
+    view.held, view.live, view.tokens = {URLS[1]: 90}, frozenset(URLS[:2]), 100
+    chosen = pick(PickView(view), known)
+    assert (endpoint(chosen.instances[0]), chosen.prefill) == ("10.0.0.2:8000", None)
+    assert chosen.reasons[0].startswith("computes alone")
+    view.held = {URLS[1]: 20}  # 80 tokens left to compute: past --local-prefill-max-tokens (64)
+    assert pick(PickView(view), known).prefill is not None
+    view.held = {URLS[1]: 90}
+    assert pick(PickView(view), _pd(alone_max_tokens=0)[2]).prefill is not None  # the rule off

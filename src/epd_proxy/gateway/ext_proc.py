@@ -31,6 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from epd_proxy.gateway.pick import endpoint
 from epd_proxy.gateway.picker import Ask, EndpointPicker, Lease, Refusal, Routed
 
 log = logging.getLogger("epd_proxy.epp")
@@ -38,6 +39,10 @@ log = logging.getLogger("epd_proxy.epp")
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
+# llm-d's P/D convention: the serving decode's sidecar runs the prefill (and encoders) named here.
+# Only the picker sets them: a client's are taken out of every request it places.
+PREFILLER = "x-prefiller-host-port"
+ENCODERS = "x-encoder-hosts-ports"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -177,9 +182,16 @@ def routed(decision: Routed, body: bytes, streamed: bool, *, headers_only: bool)
     value = ",".join(decision.endpoints)
     new_body = decision.body
     sets = [_header(DESTINATION, value)]
+    removes = [ENCODERS]
+    prefill = decision.pick.prefill
+    if prefill is not None:
+        sets.append(_header(PREFILLER, endpoint(prefill)))
+    else:
+        removes.append(PREFILLER)
     if new_body is not None:
         sets.append(_header("content-length", str(len(new_body))))
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets), clear_route_cache=True)
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets, remove_headers=removes),
+                               clear_route_cache=True)
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: value}})
     if headers_only:

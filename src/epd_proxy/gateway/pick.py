@@ -1,9 +1,11 @@
 """The one seam between the endpoint picker's protocol and the proxy's placement.
 
 ``pick(view, known)`` answers, for one request the gateway asks about, the ordered endpoints
-that may serve it whole (the first, then the ones the gateway's retries walk) and a short
-reason for each. Everything the proxy knows reaches it through ``known``: the decode (or PD)
-pool with its health, outliers, load signals, models and adapters; what the request brings
+of the pod that serves it (the first, then the ones the gateway's retries walk), the prefill
+its decode-side sidecar runs first when the request is disaggregated (llm-d's
+``x-prefiller-host-port``), and a short reason for each. Everything the proxy knows reaches it
+through ``known``: the decode (or PD) and prefill pools with their health, outliers, load
+signals, models and adapters, and the rule for a decode computing alone; what the request brings
 reaches it through ``view``: its routing keys (with KV events, the prefix each instance holds),
 the model the serving instance must serve, and the gateway's subset hint. The picker around it
 (``picker.py``) does the rest (tenants, aliases, the block index lookup) and the protocol
@@ -18,8 +20,9 @@ from urllib.parse import urlsplit
 
 from epd_proxy.instances.health import HEALTHY
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import ModelKey
+from epd_proxy.instances.models import ModelKey, paired_key
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.routing.disaggregation import decode_alone
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 # Endpoints named per answer: the first and the fallbacks the gateway's retries walk.
@@ -33,14 +36,22 @@ class PickView:
     routing: RequestView = EMPTY_VIEW  # its routing keys (``held``: the block index's answer)
     model: ModelKey | None = None  # what the serving instance must serve (None: any)
     subset: frozenset[str] | None = None  # the gateway's subset hint: only these ``ip:port``s
+    split: bool = True  # whether it may be disaggregated (False: an API served whole, or media)
 
 
 @dataclasses.dataclass(frozen=True)
 class Known:
     """What the proxy knows that the decision reads."""
 
-    serving: InstancePool  # the pool whose instances serve a request whole (decode or PD)
+    serving: InstancePool  # the pool whose instances serve a request (decode or PD)
     endpoints: int = DEFAULT_FALLBACKS  # how many endpoints an answer names at most
+    prefill: InstancePool | None = None  # with instances: P/D, the serving pod's sidecar prefills there
+    # The rule that sends a P/D request some decode nearly holds to that decode alone
+    # (routing/disaggregation.py): --local-prefill-max-tokens (0: off), its streams and load bounds.
+    alone_max_tokens: int = 0
+    alone_max_streams: float = 0.0
+    balance_abs: float = 0.0
+    balance_rel: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +60,7 @@ class Pick:
 
     instances: tuple[Instance, ...]
     reasons: tuple[str, ...]
+    prefill: Instance | None = None  # the prefill the first endpoint's sidecar runs first (None: it computes)
 
     @property
     def endpoints(self) -> list[str]:
@@ -69,8 +81,19 @@ def pick(view: PickView, known: Known) -> Pick:
     first = pool.choose(excluded, view.routing, view.model)
     if first in excluded:
         return Pick((), ())
+    reason = pool.policy.name
+    prefill, prefills = None, known.prefill
+    if view.split and prefills:
+        alone = _alone(view, known, first, excluded)
+        if alone is not None:  # it holds nearly all of the prompt: it computes the rest, no prefill hop
+            first, reason = alone, "computes alone"
+        else:
+            model = None if view.model is None else paired_key(view.model, first.served)
+            prefill = prefills.choose((), view.routing, model)
     chosen = [first]
-    reasons = [_reason(first, view.routing, pool.policy.name)]
+    reasons = [_reason(first, view.routing, reason)]
+    if prefill is not None and prefills is not None:
+        reasons[0] += f"; prefill {endpoint(prefill)} ({_reason(prefill, view.routing, prefills.policy.name)})"
     excluded.add(first)
     held = view.routing.held or {}
     rest = [i for i in pool.candidates(excluded, view.model) if i not in excluded]
@@ -78,7 +101,17 @@ def pick(view: PickView, known: Known) -> Pick:
     for inst in rest[:known.endpoints - 1]:
         chosen.append(inst)
         reasons.append(_reason(inst, view.routing, "fallback"))
-    return Pick(tuple(chosen), tuple(reasons))
+    return Pick(tuple(chosen), tuple(reasons), prefill)
+
+
+def _alone(view: PickView, known: Known, first: Instance, excluded: set[Instance]) -> Instance | None:
+    routing = view.routing
+    if routing.held is None or not routing.tokens:
+        return None
+    candidates = [i for i in known.serving.candidates(excluded, view.model) if i not in excluded]
+    return decode_alone(candidates, routing.held, routing.live, routing.tokens, first, routing.anchor,
+                        max_tokens=known.alone_max_tokens, max_streams=known.alone_max_streams,
+                        balance_abs=known.balance_abs, balance_rel=known.balance_rel)
 
 
 def _reason(inst: Instance, routing: RequestView, why: str) -> str:

@@ -132,7 +132,13 @@ class EndpointPicker:
         self.kv = kv
         self.client_keys = client_keys
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
-        self.known = Known(self.serving, endpoints)
+        prefill = pools.get("prefill")
+        # P/D through the gateway: llm-d's convention, the serving decode's sidecar runs the prefill
+        # named in x-prefiller-host-port (the proxy's rule for a decode computing alone applies).
+        self.known = Known(self.serving, endpoints, prefill=prefill,
+                           alone_max_tokens=config.local_prefill_max_tokens,
+                           alone_max_streams=config.local_prefill_max_streams,
+                           balance_abs=config.balance_abs, balance_rel=config.balance_rel)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.leases = 0  # requests placed and not yet ended
         self.served_elsewhere = 0  # answers the gateway reports from a fallback endpoint
@@ -248,14 +254,16 @@ class EndpointPicker:
                 tenants.check_model(ticket, None, bases[0] if len(bases) == 1 else None)
         lease.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         routing = RequestView()
+        split = body is not None
         if body is not None:
             api = GENERATION_APIS.get(path)
             ctx.api = api
             ctx.view = routing = RequestView(body, (), path == CHAT or (api is not None and api.chat_view))
+            split = api is None or api.whole(body) is None  # a Responses follow-up, say, is served whole
             kv = self.kv
             if kv is not None and kv.feed.readers:
                 await kv.prepare(ctx, body, _has_media(body))
-        view = PickView(routing, ctx.model_for("decode"), subset)
+        view = PickView(routing, ctx.model_for("decode"), subset, split)
         placed = pick(view, self.known)
         if not placed.instances:
             self.outcomes["none_eligible"] += 1
@@ -263,9 +271,11 @@ class EndpointPicker:
                              + (" within the gateway's subset" if view.subset is not None else ""))
         first = placed.instances[0]
         ctx.hold(first)  # the load policies see it in flight there until the gateway's stream ends
+        if placed.prefill is not None:
+            ctx.hold(placed.prefill)
         lease.chosen = placed.instances
-        if self.kv is not None:
-            self.kv.chosen(first, ctx)
+        if self.kv is not None:  # the instance computing the prompt holds its blocks soon
+            self.kv.chosen(placed.prefill or first, ctx)
         self.leases += 1
         self.metrics.inflight += 1
         self.outcomes["rewritten" if rewrite else "picked"] += 1
