@@ -79,17 +79,20 @@ async def _blocks_at_least(epp: EppProcess, n: int) -> bool:
 
 
 async def test_an_alias_and_owned_fields_rewrite_the_body_in_both_body_modes():
+    large = "y" * 6_000_000  # past Envoy's default buffer limit and gRPC's default message size
     with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
         f.write('[model_aliases.names]\n"gpt-4o" = "sim-model"\n')
         f.flush()
         async with gateway("decode=2", ("--config", f.name)) as gw:
             for listener, marker in ((gw.streamed, "alias-streamed"), (gw.buffered, "alias-buffered")):
-                body = dict(_chat(marker), model="gpt-4o", kv_transfer_params={"do_remote_prefill": True})
+                body = dict(_chat(marker + " " + large), model="gpt-4o",
+                            kv_transfer_params={"do_remote_prefill": True})
                 reply = await _post(listener, body)
                 assert reply.status == 200, reply.body
                 [served] = [rec.json for inst in gw.cluster.all_instances() for rec in inst.records
-                            if rec.json is not None and marker in msgspec.json.encode(rec.json).decode()]
+                            if rec.json is not None and rec.json["messages"][0]["content"].startswith(marker)]
                 assert served["model"] == "sim-model" and "kv_transfer_params" not in served
+                assert served["messages"][0]["content"] == marker + " " + large
             assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="rewritten"}') == 2
 
 

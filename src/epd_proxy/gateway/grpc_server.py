@@ -42,7 +42,11 @@ class GrpcListener:
         self._watch: asyncio.Task | None = None
 
     async def start(self, host: str, port: int) -> None:
-        server = self.server = grpc.aio.server()
+        # BUFFERED sends the whole body in one message, and a rewritten one goes back whole:
+        # gRPC's 4 MiB default would fail any body past it (--max-body-size is the picker's bound).
+        size = self.picker.max_body + (1 << 20) if self.picker.max_body < (1 << 31) - (1 << 20) else -1
+        server = self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+                                                        ("grpc.max_send_message_length", size)])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
