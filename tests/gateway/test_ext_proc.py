@@ -58,6 +58,9 @@ class Recorder:
     def too_large(self, target):
         return Refusal(413, b'{"error":{"message":"too large"}}', [])
 
+    def failed(self, target):
+        return Refusal(500, b'{"error":{"message":"failed"}}', [])
+
 
 def _routed(endpoints=("10.0.0.1:8000", "10.0.0.2:8000"), body: bytes | None = None) -> Routed:
     return Routed(object(), _Endpoints(list(endpoints)), body)  # type: ignore[arg-type]
@@ -180,3 +183,14 @@ async def test_a_body_past_the_limit_is_refused_before_it_is_all_held():
     [refused] = await x.on(_body(b"x" * 10, False))
     assert refused.immediate_response.status.code == 413
     assert await x.on(_body(b"x", True)) == [] and picker.asks == []
+
+
+async def test_the_pickers_own_failure_is_answered_not_a_failed_stream():
+    class Broken(Recorder):
+        async def decide(self, ask):
+            raise RuntimeError("a bug")
+
+    x = ext_proc.Exchange(Broken(None))  # type: ignore[arg-type]
+    await x.on(_headers(False, MODE.BUFFERED))
+    [answer] = await x.on(_body(b"{}", True))
+    assert answer.immediate_response.status.code == 500

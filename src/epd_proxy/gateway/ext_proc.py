@@ -145,7 +145,11 @@ class Exchange:
         self.decided = True
         body = b"".join(self.body)
         self.body = []
-        decision = await self.picker.decide(Ask(self.method, self.target, self.headers, body, self.subset))
+        try:
+            decision = await self.picker.decide(Ask(self.method, self.target, self.headers, body, self.subset))
+        except Exception:  # the picker's own bug: answered, never a failed stream (which may fail open)
+            log.exception("the endpoint picker failed on %s", self.target[:200])
+            return [immediate(self.picker.failed(self.target))]
         if isinstance(decision, Refusal):
             return [immediate(decision)]
         self.lease = decision.lease

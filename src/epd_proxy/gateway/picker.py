@@ -190,6 +190,15 @@ class EndpointPicker:
         self.metrics.observe_request(path, 413, 0.0)
         return Refusal(413, err.body(speaks_anthropic(path)), [])
 
+    def failed(self, target: bytes) -> Refusal:
+        """The picker itself failed on a request: a 500 in its envelope (a failed gRPC stream
+        would fail open where the gateway allows it, past the key's limits)."""
+        path = target.partition(b"?")[0].decode("latin-1")
+        self.outcomes["refused"] += 1
+        self.metrics.observe_request(path, 500, 0.0)
+        err = ProxyError(500, "the endpoint picker failed on this request")
+        return Refusal(500, err.body(speaks_anthropic(path)), [])
+
     def _key(self, req: Request) -> str | None:
         """The client key presented: with keys, every request through the gateway needs one."""
         keys = self.client_keys
