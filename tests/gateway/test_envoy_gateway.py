@@ -129,6 +129,18 @@ async def test_a_model_and_an_adapter_are_routed_to_the_instances_serving_them()
         doc = msgspec.json.decode(anthropic.body)
         assert doc["type"] == "error" and doc["error"]["type"] == "not_found_error"
         assert _served_marker(gw, "nobody") == []
+        # Endpoints one instance answers: the model read as the proxy's forwarder reads it (a form too).
+        tokenized = await _post(gw.buffered, {"model": "sim-model", "prompt": "tokenize-me"}, "/tokenize")
+        assert tokenized.status == 200 and msgspec.json.decode(tokenized.body)["tokens"]
+        form = (b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nno-such-model\r\n"
+                b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--b--\r\n")
+        client = Client(gw.streamed)
+        try:
+            audio = await client.request("POST", "/v1/audio/transcriptions", form,
+                                         [(b"content-type", b"multipart/form-data; boundary=b")])
+        finally:
+            await client.close()
+        assert audio.status == 404 and msgspec.json.decode(audio.body)["error"]["code"] == "model_not_found"
 
 
 async def test_the_fallback_list_is_walked_when_the_first_endpoint_refuses_the_connection():

@@ -35,6 +35,7 @@ from epd_proxy.request.context import RequestContext
 from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, PROXY_OWNED_FIELDS, parse_body, request_id
 from epd_proxy.request.kv_lookup import KvLookup
+from epd_proxy.routing.endpoints import request_model
 from epd_proxy.routing.view import RequestView
 from epd_proxy.tenants.key_scope import salt
 from epd_proxy.tenants.limiter import Tenants, Ticket
@@ -227,7 +228,14 @@ class EndpointPicker:
         body: dict | None = None
         model = asked = None
         ticket, tenants = lease.ticket, self.tenants
-        if req.method == "POST" and req.body:
+        if req.body and not _generation(path):  # an endpoint one instance answers (audio forms too)
+            model = asked = request_model(req.body, req.headers.get(b"content-type"))  # 400: a form's two
+            lease.model = model
+            if ticket is not None and model is not None:
+                tenants.check_model(ticket, asked, model)
+            if model is not None:
+                ctx.models = self.models.current.route(model)  # 404 as the proxy's forwarder answers
+        elif req.method == "POST" and req.body:
             body = parse_body(req, path)
             rewrite = any(req.body.find(b'"' + f.encode() + b'"') >= 0 for f in PROXY_OWNED_FIELDS)
             model = asked = body.get("model")
@@ -369,6 +377,11 @@ class EndpointPicker:
             f["epd_proxy_epp_decisions"].append([outcome, n])
         f["epd_proxy_epp_requests"].append([self.leases])
         f["epd_proxy_epp_served_by_fallback"].append([self.served_elsewhere])
+
+
+def _generation(path: str) -> bool:
+    """A generation API's path (its body is read, and may be rewritten and split)."""
+    return path == CHAT or path == COMPLETIONS or path in GENERATION_APIS
 
 
 def _text(model: object) -> str | None:
