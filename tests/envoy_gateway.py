@@ -111,11 +111,19 @@ class EppProcess:
 
     async def start(self) -> "EppProcess":
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [SRC, os.environ.get("PYTHONPATH", "")] if p))
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "epd_proxy", "epp", "--port", str(self.port), "--grpc-host", "127.0.0.1",
-            "--grpc-port", str(self.grpc_port), "--shutdown-grace", "0", "--shutdown-timeout", "2", *self.args,
-            env=env, stdout=self._log, stderr=self._log, start_new_session=True)
-        await _until(lambda: _get(self.url, "/ready"), self.proc, self.log)
+        for attempt in range(3):  # a port free when drawn may be taken by another process meanwhile
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "epd_proxy", "epp", "--port", str(self.port), "--grpc-host", "127.0.0.1",
+                "--grpc-port", str(self.grpc_port), "--shutdown-grace", "0", "--shutdown-timeout", "2", *self.args,
+                env=env, stdout=self._log, stderr=self._log, start_new_session=True)
+            try:
+                await _until(lambda: _get(self.url, "/ready"), self.proc, self.log)
+                return self
+            except AssertionError:
+                if attempt == 2 or "cannot listen" not in self.log():
+                    raise
+            self.port, self.grpc_port = free_port(), free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
         return self
 
     async def stop(self) -> None:
@@ -191,7 +199,7 @@ async def gateway(spec: str = "decode=3", epp_args: tuple = (), *, extra_pool: t
     its process, and Envoy; yields a :class:`Gateway`."""
     async with SimCluster.from_spec(spec, SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
         flags = []
-        for role in ("prefill", "decode"):  # prefills: P/D, the decode's sidecar is told where to prefill
+        for role in ("encode", "prefill", "decode"):  # P/D, E/P/D: the decode's sidecar is told the others
             for inst in cluster.instances(role):
                 spec = inst.url
                 if inst.kv_events is not None:

@@ -408,3 +408,34 @@ async def test_pd_the_decodes_sidecar_is_told_the_prefill_holding_the_prompt_and
 def _received(gw, prompt: list[int]) -> list[tuple[str, dict]]:
     return [(inst.url, rec.headers) for inst in gw.cluster.all_instances() for rec in inst.records
             if rec.json is not None and rec.json.get("prompt") == prompt]
+
+
+def _image_chat(marker: str, *urls: str, uuid: str | None = None) -> dict:
+    parts: list[dict] = [{"type": "text", "text": marker}]
+    for url in urls:
+        part: dict = {"type": "image_url", "image_url": {"url": url}}
+        if uuid is not None:
+            part["uuid"] = uuid
+        parts.append(part)
+    return {"model": "sim-model", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+
+
+async def test_epd_the_sidecar_is_told_its_encoders_and_media_are_owned_as_the_proxy_owns_them():
+    async with gateway("encode=2,prefill=1,decode=1", ("--encode-policy", "round-robin")) as gw:
+        images = ("https://example.com/cat.png", "https://example.com/dog.png")
+        reply = await _post(gw.streamed, _image_chat("epd-two", *images, uuid="mine"),
+                            headers=[(b"x-encoder-hosts-ports", b"169.254.169.254:80")])
+        assert reply.status == 200, reply.body
+        [(decode, headers)] = [(inst.url, rec.headers) for inst in gw.cluster.instances("decode")
+                               for rec in inst.records if rec.json and "epd-two" in str(rec.json)]
+        encoders = sorted(headers["x-encoder-hosts-ports"].split(","))
+        assert encoders == sorted(address(u) for u in gw.cluster.urls("encode"))  # one item each, round robin
+        assert headers["x-prefiller-host-port"] == address(gw.cluster.urls("prefill")[0])
+        [received] = [rec.json for inst in gw.cluster.instances("decode") for rec in inst.records
+                      if rec.json and "epd-two" in str(rec.json)]
+        uuids = [p.get("uuid") for p in received["messages"][0]["content"] if p["type"] == "image_url"]
+        assert all(u and u != "mine" for u in uuids)  # a client's uuid never reaches an engine as written
+        internal = await _post(gw.buffered, _image_chat("epd-internal", "http://169.254.169.254/latest/meta-data"))
+        assert internal.status == 400 and msgspec.json.decode(internal.body)["error"]["param"]
+        assert [rec for inst in gw.cluster.all_instances() for rec in inst.records
+                if rec.json and "epd-internal" in str(rec.json)] == []

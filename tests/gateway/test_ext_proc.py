@@ -194,3 +194,10 @@ async def test_the_pickers_own_failure_is_answered_not_a_failed_stream():
     await x.on(_headers(False, MODE.BUFFERED))
     [answer] = await x.on(_body(b"{}", True))
     assert answer.immediate_response.status.code == 500
+
+
+async def test_a_clients_sidecar_headers_are_taken_out_of_every_placed_request():
+    x = ext_proc.Exchange(Recorder(_routed()))  # type: ignore[arg-type]
+    [head] = await x.on(_headers(True, MODE.FULL_DUPLEX_STREAMED, extra=[("x-prefiller-host-port", b"10.9.9.9:1")]))
+    mutation = head.request_headers.response.header_mutation
+    assert set(mutation.remove_headers) == {ext_proc.PREFILLER, ext_proc.ENCODERS}

@@ -94,3 +94,18 @@ async def test_a_decode_holding_nearly_all_of_the_prompt_computes_it_alone():
     assert pick(PickView(view), known).prefill is not None
     view.held = {URLS[1]: 90}
     assert pick(PickView(view), _pd(alone_max_tokens=0)[2]).prefill is not None  # the rule off
+
+
+async def test_with_encoders_each_media_item_has_one_and_each_encoder_is_named_once():
+    from epd_proxy.encode.multimodal import collect_media
+
+    decode, prefill, known = _pd()
+    encoders = _pool("round-robin", ["http://10.0.2.1:8000", "http://10.0.2.2:8000"])
+    known = Known(decode, 2, prefill=prefill, encode=encoders)
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"https://example.com/{n}.png"}} for n in range(3)]}]}
+    items = collect_media(body)
+    chosen = pick(PickView(items=items), known)
+    assert [endpoint(e) for e in chosen.encoders] == ["10.0.2.1:8000", "10.0.2.2:8000"]
+    assert "encoders 10.0.2.1:8000,10.0.2.2:8000" in chosen.reasons[0]
+    assert pick(PickView(), known).encoders == ()  # no media, no encoders

@@ -186,12 +186,16 @@ def routed(decision: Routed, body: bytes, streamed: bool, *, headers_only: bool)
     value = ",".join(decision.endpoints)
     new_body = decision.body
     sets = [_header(DESTINATION, value)]
-    removes = [ENCODERS]
-    prefill = decision.pick.prefill
+    removes = []
+    prefill, encoders = decision.pick.prefill, decision.pick.encoders
     if prefill is not None:
         sets.append(_header(PREFILLER, endpoint(prefill)))
     else:
         removes.append(PREFILLER)
+    if encoders:
+        sets.append(_header(ENCODERS, ",".join(endpoint(e) for e in encoders)))
+    else:
+        removes.append(ENCODERS)
     if new_body is not None:
         sets.append(_header("content-length", str(len(new_body))))
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets, remove_headers=removes),

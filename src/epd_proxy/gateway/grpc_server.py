@@ -49,9 +49,15 @@ class GrpcListener:
                                                         ("grpc.max_send_message_length", size)])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's word for a bind that failed
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {host}:{port} for gRPC")
+            self.server = None
+            raise OSError(f"cannot listen on {address} for gRPC (another process listens there? "
+                          f"choose another --grpc-port)")
         await server.start()
         await self.health.set(LIVENESS, _SERVING)
         await self._tell_readiness()

@@ -16,8 +16,10 @@ through the same pool, so the endpoint picker and the proxy place a request alik
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 from urllib.parse import urlsplit
 
+from epd_proxy.encode.multimodal import MediaItem
 from epd_proxy.instances.health import HEALTHY
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey, paired_key
@@ -36,7 +38,8 @@ class PickView:
     routing: RequestView = EMPTY_VIEW  # its routing keys (``held``: the block index's answer)
     model: ModelKey | None = None  # what the serving instance must serve (None: any)
     subset: frozenset[str] | None = None  # the gateway's subset hint: only these ``ip:port``s
-    split: bool = True  # whether it may be disaggregated (False: an API served whole, or media)
+    split: bool = True  # whether it may be disaggregated (False: an API served whole)
+    items: Sequence[MediaItem] = ()  # its media items, in order (a chat's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Known:
     serving: InstancePool  # the pool whose instances serve a request (decode or PD)
     endpoints: int = DEFAULT_FALLBACKS  # how many endpoints an answer names at most
     prefill: InstancePool | None = None  # with instances: P/D, the serving pod's sidecar prefills there
+    encode: InstancePool | None = None  # with instances: E/P/D, the sidecar has the media encoded there
     # The rule that sends a P/D request some decode nearly holds to that decode alone
     # (routing/disaggregation.py): --local-prefill-max-tokens (0: off), its streams and load bounds.
     alone_max_tokens: int = 0
@@ -61,6 +65,7 @@ class Pick:
     instances: tuple[Instance, ...]
     reasons: tuple[str, ...]
     prefill: Instance | None = None  # the prefill the first endpoint's sidecar runs first (None: it computes)
+    encoders: tuple[Instance, ...] = ()  # the encoders of its media items, each once, in the items' order
 
     @property
     def endpoints(self) -> list[str]:
@@ -101,7 +106,11 @@ def pick(view: PickView, known: Known) -> Pick:
     for inst in rest[:known.endpoints - 1]:
         chosen.append(inst)
         reasons.append(_reason(inst, view.routing, "fallback"))
-    return Pick(tuple(chosen), tuple(reasons), prefill)
+    encoders: tuple[Instance, ...] = ()
+    if view.split and view.items and known.encode:
+        encoders = tuple(dict.fromkeys(known.encode.assign(view.items)))  # per item; each encoder once
+        reasons[0] += f"; encoders {','.join(endpoint(e) for e in encoders)} ({known.encode.policy.name})"
+    return Pick(tuple(chosen), tuple(reasons), prefill, encoders)
 
 
 def _alone(view: PickView, known: Known, first: Instance, excluded: set[Instance]) -> Instance | None:

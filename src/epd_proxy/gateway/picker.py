@@ -21,6 +21,8 @@ import time
 
 from epd_proxy.api.client_auth import CHALLENGE, ClientKeys, unauthorized
 from epd_proxy.config import ProxyConfig
+from epd_proxy.encode.media_policy import MediaPolicy
+from epd_proxy.encode.multimodal import own_media
 from epd_proxy.gateway.pick import Known, Pick, PickView, endpoint, pick
 from epd_proxy.http.response import Request
 from epd_proxy.instances.adapters import Adapters
@@ -136,13 +138,15 @@ class EndpointPicker:
         prefill = pools.get("prefill")
         # P/D through the gateway: llm-d's convention, the serving decode's sidecar runs the prefill
         # named in x-prefiller-host-port (the proxy's rule for a decode computing alone applies).
-        self.known = Known(self.serving, endpoints, prefill=prefill,
+        self.known = Known(self.serving, endpoints, prefill=prefill, encode=pools.get("encode"),
                            alone_max_tokens=config.local_prefill_max_tokens,
                            alone_max_streams=config.local_prefill_max_streams,
                            balance_abs=config.balance_abs, balance_rel=config.balance_rel)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.leases = 0  # requests placed and not yet ended
         self.served_elsewhere = 0  # answers the gateway reports from a fallback endpoint
+        self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
+                                        allowed_hosts=config.allowed_media_hosts)
         self.max_body = config.max_body_size or (1 << 62)  # a body past it is refused (413), as the proxy does
         shed = shed_error(f"--max-inflight {config.max_inflight}")
         self._shed = (shed.body(), shed.body(anthropic=True))
@@ -272,15 +276,22 @@ class EndpointPicker:
         lease.series = (type(model) is str and self.metrics.models.get(model)) or self.metrics.model(model)
         routing = RequestView()
         split = body is not None
+        items: list = []
         if body is not None:
             api = GENERATION_APIS.get(path)
             ctx.api = api
-            ctx.view = routing = RequestView(body, (), path == CHAT or (api is not None and api.chat_view))
+            if path == CHAT:  # its media as the proxy owns them: checked, client uuids namespaced
+                owned, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids, scope=scope)
+                if items:
+                    self.media_policy.check(items)  # the schemes, hosts and count an engine may be sent
+                if owned is not body:
+                    body, rewrite = owned, True
+            ctx.view = routing = RequestView(body, items, path == CHAT or (api is not None and api.chat_view))
             split = api is None or api.whole(body) is None  # a Responses follow-up, say, is served whole
             kv = self.kv
             if kv is not None and kv.feed.readers:
                 await kv.prepare(ctx, body, _has_media(body))
-        view = PickView(routing, ctx.model_for("decode"), subset, split)
+        view = PickView(routing, ctx.model_for("decode"), subset, split, items)
         placed = pick(view, self.known)
         if not placed.instances:
             self.outcomes["none_eligible"] += 1
@@ -290,6 +301,8 @@ class EndpointPicker:
         ctx.hold(first)  # the load policies see it in flight there until the gateway's stream ends
         if placed.prefill is not None:
             ctx.hold(placed.prefill)
+        for encoder in placed.encoders:
+            ctx.hold(encoder)
         lease.chosen = placed.instances
         if self.kv is not None:  # the instance computing the prompt holds its blocks soon
             self.kv.chosen(placed.prefill or first, ctx)
