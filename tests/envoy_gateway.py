@@ -74,8 +74,7 @@ class Envoy:
         path = os.path.join(self._dir.name, "envoy.yaml")
         with open(path, "w") as f:
             f.write(self.config)
-        args = [binary, "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "warning",
-                "--base-id", str(free_port())]
+        args = [binary, "-c", path, "--concurrency", "1", "--disable-hot-restart", "--log-level", "warning"]
         if self.extra:
             args += ["--config-yaml", json.dumps(self.extra)]
         self.log = open(os.path.join(self._dir.name, "envoy.log"), "w+")
