@@ -201,3 +201,16 @@ async def test_a_clients_sidecar_headers_are_taken_out_of_every_placed_request()
     [head] = await x.on(_headers(True, MODE.FULL_DUPLEX_STREAMED, extra=[("x-prefiller-host-port", b"10.9.9.9:1")]))
     mutation = head.request_headers.response.header_mutation
     assert set(mutation.remove_headers) == {ext_proc.PREFILLER, ext_proc.ENCODERS}
+
+
+async def test_without_lb_metadata_the_upstream_address_attribute_names_the_served_endpoint():
+    picker = Recorder(_routed())
+    x = ext_proc.Exchange(picker)  # type: ignore[arg-type]
+    await x.on(_headers(True, MODE.FULL_DUPLEX_STREAMED))
+    msg = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=b"503")])))
+    attrs = struct_pb2.Struct()
+    attrs.update({"upstream.address": "10.0.0.1:8000"})
+    msg.attributes[ext_proc.FILTER].CopyFrom(attrs)
+    await x.on(msg)
+    assert picker.served_calls == [("10.0.0.1:8000", 503)]

@@ -46,6 +46,7 @@ ENCODERS = "x-encoder-hosts-ports"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+FILTER = "envoy.filters.http.ext_proc"  # the attributes' key
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # A rewritten body goes back in pieces no larger than this (gRPC's default message bound is 4 MiB).
@@ -164,7 +165,8 @@ class Exchange:
                 status = int(value) if value.isdigit() else 0
                 break
         if self.lease is not None:
-            self.picker.served(self.lease, served_endpoint(message.metadata_context), status)
+            served = served_endpoint(message.metadata_context) or upstream_address(message.attributes)
+            self.picker.served(self.lease, served, status)
         if message.response_headers.end_of_stream:
             self.close()
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
@@ -255,3 +257,12 @@ def served_endpoint(metadata) -> str | None:
     if namespace is None or SERVED not in namespace.fields:
         return None
     return namespace.fields[SERVED].string_value or None
+
+
+def upstream_address(attributes) -> str | None:
+    """The endpoint that served as the filter's ``response_attributes: [upstream.address]`` gives
+    it, where the cluster reports no ``envoy.lb`` metadata (an ``ORIGINAL_DST`` cluster)."""
+    ours = attributes.get(FILTER) if attributes is not None else None
+    if ours is None or "upstream.address" not in ours.fields:
+        return None
+    return ours.fields["upstream.address"].string_value or None
