@@ -96,15 +96,16 @@ async def test_an_alias_and_owned_fields_rewrite_the_body_in_both_body_modes():
             assert await gw.epp.metric('epd_proxy_epp_decisions_total{outcome="rewritten"}') == 2
 
 
-async def test_a_stream_passes_through_envoy_byte_for_byte():
+async def test_a_stream_passes_through_envoy_byte_for_byte_in_both_body_modes():
     async with gateway("decode=1,itl_ms=5") as gw:
         body = _chat("stream-me", stream=True, max_tokens=24)
-        headers = [(b"x-request-id", b"fixed-id-1")]
-        through = await _post(gw.streamed, body, headers=headers)
-        direct = await _post(gw.cluster.urls("decode")[0], body, headers=headers)
-        assert through.status == direct.status == 200
-        assert through.body.count(b"data: ") == direct.body.count(b"data: ") > 20
-        assert through.body == direct.body
+        for n, listener in enumerate((gw.streamed, gw.buffered)):  # echoed through the picker, or not sent
+            headers = [(b"x-request-id", b"fixed-id-%d" % n)]
+            through = await _post(listener, body, headers=headers)
+            direct = await _post(gw.cluster.urls("decode")[0], body, headers=headers)
+            assert through.status == direct.status == 200
+            assert through.body.count(b"data: ") == direct.body.count(b"data: ") > 20
+            assert through.body == direct.body
 
 
 async def test_a_model_and_an_adapter_are_routed_to_the_instances_serving_them():
