@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 
 import msgspec
 import pytest
 from envoy_gateway import EppProcess, address, dead_address, envoy_binary, gateway
 from helpers import Client
+from redis_server import redis_server  # noqa: F401  (the fixture)
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
@@ -440,3 +442,27 @@ async def test_epd_the_sidecar_is_told_its_encoders_and_media_are_owned_as_the_p
         assert internal.status == 400 and msgspec.json.decode(internal.body)["error"]["param"]
         assert [rec for inst in gw.cluster.all_instances() for rec in inst.records
                 if rec.json and "epd-internal" in str(rec.json)] == []
+
+
+async def test_replicas_share_a_keys_limit_through_the_state_store(redis_server):  # noqa: F811
+    """Active-active: a key's requests spread over both replicas count against one limit."""
+    with tempfile.TemporaryDirectory() as d:
+        keys, config = f"{d}/keys", f"{d}/cluster.toml"
+        with open(keys, "w") as f:
+            f.write("team-a:sk-aaaa\n")
+        with open(config, "w") as f:
+            f.write('[[tenants.keys]]\nname = "team-a"\nrequests_per_minute = 3\n')
+        args = ("--api-key-file", keys, "--config", config, "--state-store", redis_server.url,
+                "--admin-api-key", "admin-key")
+        async with gateway("decode=1", args, replicas=2) as gw:
+            a = [(b"authorization", b"Bearer sk-aaaa")]
+            for _ in range(2):  # once more if a minute's window began meanwhile
+                minute = int(time.time() // 60)
+                statuses = [(await _post(gw.streamed, _chat(f"shared-{n}"), headers=a)).status for n in range(6)]
+                if int(time.time() // 60) == minute:
+                    break
+                await asyncio.sleep(61 - time.time() % 60)
+            assert sorted(statuses) == [200] * 3 + [429] * 3
+            decided = [await e.metric('epd_proxy_epp_decisions_total{outcome="picked"}')
+                       + await e.metric('epd_proxy_epp_decisions_total{outcome="shed"}') for e in gw.epps]
+            assert all(n > 0 for n in decided) and sum(decided) == 6  # both replicas answered
