@@ -224,6 +224,9 @@ async def test_the_gateways_subset_hint_restricts_the_pick_and_none_eligible_is_
                 {"role": "user", "content": "subset-none"}]}, "/v1/messages")
             assert none.status == 503 and msgspec.json.decode(none.body)["type"] == "error"
             assert _served_marker(probe_gw, "subset-none") == []
+            epp = probe_gw.epp
+            assert await epp.metric('epd_proxy_epp_decisions_total{outcome="none_eligible"}') == 2
+            assert await epp.metric('epd_proxy_epp_decisions_total{outcome="refused"}') == 0
 
 
 async def test_shedding_is_a_429_in_each_apis_envelope_through_envoy():

@@ -77,12 +77,13 @@ class Lease:
     """One placed request, until the gateway's stream for it ends."""
 
     __slots__ = ("ctx", "rec", "ticket", "ticket_key", "admitted", "path", "start", "chosen", "served", "series",
-                 "stream", "status", "tail", "ended", "model", "nbytes")
+                 "stream", "status", "tail", "ended", "model", "nbytes", "outcome")
 
     def __init__(self, ctx: RequestContext, rec: RequestRecord, path: str, start: float) -> None:
         self.ctx = ctx
         self.rec = rec  # what the access log and the console are told at the end
         self.nbytes = 0  # the answer's body bytes that passed through the picker
+        self.outcome: str | None = None  # a refusal's count, when its status does not say it
         self.ticket: Ticket | None = None
         self.ticket_key: str | None = None  # its key (kept after the ticket is given back)
         self.model: object = None  # the model the body named
@@ -176,7 +177,7 @@ class EndpointPicker:
             decision = await self._place(req, lease, ask.subset, scope)
         except ProxyError as err:
             self._end(lease, err.status)
-            self.outcomes["shed" if err.status == 429 else "refused"] += 1
+            self.outcomes[lease.outcome or ("shed" if err.status == 429 else "refused")] += 1
             if err.code == "model_not_found" and lease.ticket_key is not None:  # only the key's models named
                 ids = self.tenants.model_ids(lease.ticket_key, self.models.current)
                 if ids is not None:
@@ -294,7 +295,7 @@ class EndpointPicker:
         view = PickView(routing, ctx.model_for("decode"), subset, split, items)
         placed = pick(view, self.known)
         if not placed.instances:
-            self.outcomes["none_eligible"] += 1
+            lease.outcome = "none_eligible"
             raise ProxyError(503, "no endpoint of the pool is eligible for this request"
                              + (" within the gateway's subset" if view.subset is not None else ""))
         first = placed.instances[0]
