@@ -127,7 +127,7 @@ class EndpointPicker:
                  tenants: Tenants, admission: Admission, gate: EntryGate, kv: KvLookup | None,
                  client_keys: ClientKeys | None, adapters: Adapters | None, endpoints: int) -> None:
         self.config = config
-        self.serving = pools["decode"]  # aggregated serving: the pod that serves the whole request
+        self.serving = pools["decode"]  # the pods the gateway sends requests to (decode, or PD)
         self.models = self.serving.models
         self.metrics = metrics
         self.tenants = tenants
