@@ -214,3 +214,14 @@ async def test_without_lb_metadata_the_upstream_address_attribute_names_the_serv
     msg.attributes[ext_proc.FILTER].CopyFrom(attrs)
     await x.on(msg)
     assert picker.served_calls == [("10.0.0.1:8000", 503)]
+
+
+async def test_a_body_ended_by_trailers_goes_back_open_then_the_trailers_pass():
+    x = ext_proc.Exchange(Recorder(_routed()))  # type: ignore[arg-type]
+    await x.on(_headers(False, MODE.FULL_DUPLEX_STREAMED))
+    assert await x.on(_body(b"{}", False)) == []
+    head, body, trailers = await x.on(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    assert head.WhichOneof("response") == "request_headers"
+    streamed = body.request_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b"{}", False)
+    assert trailers.WhichOneof("response") == "request_trailers"

@@ -106,7 +106,7 @@ class Exchange:
                 return []
             return await self._decide()
         if kind == "request_trailers":
-            answers = [] if self.decided else await self._decide()
+            answers = [] if self.decided else await self._decide(trailers=True)
             return answers + [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             return self._response_headers(message)
@@ -142,7 +142,8 @@ class Exchange:
             return []  # answered once the whole body is here
         return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
-    async def _decide(self) -> list[pb.ProcessingResponse]:
+    async def _decide(self, trailers: bool = False) -> list[pb.ProcessingResponse]:
+        """``trailers``: the body ended with the request's trailers (its last piece then does not end it)."""
         self.decided = True
         body = b"".join(self.body)
         self.body = []
@@ -154,7 +155,7 @@ class Exchange:
         if isinstance(decision, Refusal):
             return [immediate(decision)]
         self.lease = decision.lease
-        return routed(decision, body, self.streamed, headers_only=not self.had_body)
+        return routed(decision, body, self.streamed, headers_only=not self.had_body, trailers=trailers)
 
     # -- the answer ----------------------------------------------------------------------------
     def _response_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -183,7 +184,8 @@ class Exchange:
         return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
 
 
-def routed(decision: Routed, body: bytes, streamed: bool, *, headers_only: bool) -> list[pb.ProcessingResponse]:
+def routed(decision: Routed, body: bytes, streamed: bool, *, headers_only: bool,
+           trailers: bool = False) -> list[pb.ProcessingResponse]:
     """The destination (header and metadata, the route cache cleared) and the body as it goes on."""
     value = ",".join(decision.endpoints)
     new_body = decision.body
@@ -216,7 +218,7 @@ def routed(decision: Routed, body: bytes, streamed: bool, *, headers_only: bool)
         piece = data[at:at + PIECE]
         out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                body=piece, end_of_stream=at + PIECE >= len(data)))))))
+                body=piece, end_of_stream=not trailers and at + PIECE >= len(data)))))))
     return out
 
 
