@@ -469,3 +469,24 @@ async def test_replicas_share_a_keys_limit_through_the_state_store(redis_server)
             decided = [await e.metric('epd_proxy_epp_decisions_total{outcome="picked"}')
                        + await e.metric('epd_proxy_epp_decisions_total{outcome="shed"}') for e in gw.epps]
             assert all(n > 0 for n in decided) and sum(decided) == 6  # both replicas answered
+
+
+async def test_a_client_gone_mid_stream_gives_back_what_its_request_held():
+    async with gateway("decode=1,itl_ms=20") as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.streamed.rsplit(":", 1)[1]))
+        body = msgspec.json.encode(_chat("leaving", stream=True, max_tokens=200))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        assert (await reader.readuntil(b"data: ")).startswith(b"HTTP/1.1 200")  # streaming
+        inflight = 'epd_proxy_epp_requests'
+        assert await gw.epp.metric(inflight) == 1
+        writer.close()  # the client leaves mid-stream
+        await _wait(lambda: _metric_at_most(gw.epp, inflight, 0))
+        status = msgspec.json.decode((await Client(gw.epp.url).request("GET", "/status")).body)
+        assert [i["inflight"] for i in status["pools"]["decode"]] == [0]
+        await _wait(lambda: _logged(gw.epp, "key=- client_gone"))  # the access log: it left mid-answer
+
+
+async def _metric_at_most(epp: EppProcess, line: str, n: float) -> bool:
+    return await epp.metric(line) <= n

@@ -52,8 +52,9 @@ class Recorder:
     def answered(self, lease, chunk):
         self.chunks.append(chunk)
 
-    def ended(self, lease):
+    def ended(self, lease, complete=True):
         self.ends += 1
+        self.complete = complete
 
     def too_large(self, target):
         return Refusal(413, b'{"error":{"message":"too large"}}', [])
@@ -172,7 +173,7 @@ async def test_the_answer_is_reported_echoed_when_streamed_and_the_lease_ended_o
     assert echo.response_body.response.body_mutation.streamed_response.body == b"data: 1\n\n"
     await x.on(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
     x.close()
-    assert picker.chunks == [b"data: 1\n\n"] and picker.ends == 1
+    assert picker.chunks == [b"data: 1\n\n"] and picker.ends == 1 and picker.complete
 
 
 async def test_a_body_past_the_limit_is_refused_before_it_is_all_held():

@@ -113,15 +113,17 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(message.response_body)
         if kind == "response_trailers":
-            self.close()
+            self.close(complete=True)
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
-    def close(self) -> None:
-        """The stream is over (the answer done, the client gone, or Envoy reset it)."""
+    def close(self, complete: bool = False) -> None:
+        """The stream is over: the answer ``complete`` (its end seen), or the client gone, or Envoy
+        reset it. Where the answer's body does not pass through (BUFFERED here), its end is not
+        seen, and the answer counts as complete."""
         if self.lease is not None:
             lease, self.lease = self.lease, None
-            self.picker.ended(lease)
+            self.picker.ended(lease, complete=complete or not self.streamed)
 
     # -- the request ---------------------------------------------------------------------------
     async def _request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -169,14 +171,14 @@ class Exchange:
             served = served_endpoint(message.metadata_context) or upstream_address(message.attributes)
             self.picker.served(self.lease, served, status)
         if message.response_headers.end_of_stream:
-            self.close()
+            self.close(complete=True)
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
 
     def _response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.lease is not None and body.body:
             self.picker.answered(self.lease, body.body)
         if body.end_of_stream:
-            self.close()
+            self.close(complete=True)
         if self.streamed:
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(

@@ -350,12 +350,16 @@ class EndpointPicker:
         tail = lease.tail + chunk if lease.tail else chunk
         lease.tail = tail[-TAIL_BYTES:]
 
-    def ended(self, lease: Lease) -> None:
-        """The gateway's stream for the request ended (the answer done, or the client gone)."""
+    def ended(self, lease: Lease, complete: bool = True) -> None:
+        """The gateway's stream for the request ended: the answer ``complete``, or not (the
+        client gone, or the gateway's stream reset: logged ``client_gone``, as the proxy logs a
+        client that left mid-answer)."""
         if lease.ended:
             return
         self.leases -= 1
         self.metrics.inflight -= 1
+        if not complete:
+            lease.rec.outcome = "client_gone"
         self._end(lease, lease.status or 499, usage_of(lease.tail) if lease.tail else NO_TOKENS)
 
     def _end(self, lease: Lease, status: int, tokens: tuple = NO_TOKENS) -> None:
@@ -380,7 +384,8 @@ class EndpointPicker:
                 recent.add_refused(rec.request_id, rec.method, rec.path, status, seconds)
             return
         rec.ctx, rec.model, rec.stream = lease.ctx, _text(lease.model), lease.stream
-        rec.outcome = "ok" if status < 400 else "client_gone" if status == 499 else "error"
+        if rec.outcome != "client_gone":
+            rec.outcome = "ok" if status < 400 else "client_gone" if status == 499 else "error"
         if access is not None:
             access.request(rec, status, tokens, lease.nbytes, seconds)
         if recent.on:  # a console looked lately
