@@ -12,6 +12,7 @@ which models it may be sent (``models``; otherwise what its /v1/models says).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import re
@@ -443,6 +444,8 @@ class ProxyConfig:
     # The access log's client: X-Forwarded-For's when the peer is one of these (CIDRs).
     trusted_proxies: tuple[str, ...] = ()
     metrics_max_models: int = 32  # per-model metric labels (adapters included) per process; later: "other"
+    # Roles a reload may leave with no instance (runtime/reload.py); any other is never emptied by one.
+    allow_empty_roles: tuple[str, ...] = ()
     # Tenants (docs/architecture.md, "Tenants"): the cluster file's [tenants] and [model_aliases]
     # tables as read from TOML; checked and read by tenants/ (policy.py, aliases.py). Reloadable.
     tenants: dict | None = None
@@ -489,6 +492,11 @@ class ProxyConfig:
                 f"not {self.kv_events_port}")
         if self.kv_index_max_blocks < 1:
             add(f"--kv-index-max-blocks must be >= 1, not {self.kv_index_max_blocks}")
+        for role in self.allow_empty_roles:
+            if role not in ROLES:
+                close = difflib.get_close_matches(role, ROLES, n=1)
+                add(f"--allow-empty-roles {role!r}: not a role"
+                    + (f" (did you mean {close[0]!r}?)" if close else f" ({', '.join(ROLES)})"))
         if self.topology not in TOPOLOGIES:
             add(f"--topology must be one of {', '.join(TOPOLOGIES)}, not {self.topology!r}")
         for flag, cidrs in (("--registration-allow", self.registration_allow),

@@ -4,7 +4,7 @@ import asyncio
 
 import msgspec
 import pytest
-from helpers import chat_body, stack, wait_for
+from helpers import chat_body, probe_round, stack, wait_for
 
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.request.turns.multiturn import strip_token_ids
@@ -359,7 +359,7 @@ async def test_no_reachable_decode_is_503_with_retry_after():
             assert reply.headers[b"retry-after"] == b"5"
             assert "no decode instance" in reply.json()["error"]["message"]
             assert d.url not in reply.json()["error"]["message"]
-            await proxy.app.pools["decode"].probe_once(0.5)
+            await probe_round(proxy.app.pools["decode"], 0.5)
         assert proxy.app.pools["decode"].instances[0].state == "ejected"
         await d.restart()
         assert (await client.chat(chat_body())).status == 200

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from urllib.parse import unquote
 
 import msgspec
@@ -19,6 +20,7 @@ from epd_proxy.api.client_auth import (
     MISSING_KEY_BODY,
     ClientKeys,
     admin_key_presented,
+    check_tenant_names,
     unauthorized,
 )
 from epd_proxy.api.console import ConsoleApi
@@ -76,10 +78,18 @@ def validate_config(config: ProxyConfig) -> None:
         lambda: routing.check_config(config),
         lambda: discovery.check_config(config),
         lambda: media_policy.check_config(config),
-        lambda: ClientKeys.from_config(config),  # the key file can be read
         lambda: check_connector_config(config),
         lambda: check_pinned_topology(config),
+        lambda: validate_tables(config),
+    ))
+
+
+def validate_tables(config: ProxyConfig) -> None:
+    """The client keys and the tenants' tables (what ``--simulate`` leaves to check)."""
+    gather((
+        lambda: ClientKeys.from_config(config),  # the key file can be read
         lambda: check_tenants(config),  # the [tenants] and [model_aliases] tables
+        lambda: check_tenant_names(config),  # each [[tenants.keys]] entry names a client key
     ))
 
 
@@ -102,10 +112,10 @@ class ProxyApp:
         self.admin = admin
         self.forwarder = forwarder  # the endpoints one instance answers (routing/endpoints.py)
         self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
-        other = self._generate_other  # one bound method: the _generation key below
-        self._routes = {
-            ("POST", CHAT): self._generate_chat,
-            ("POST", COMPLETIONS): self._generate_completions,
+        other = Generation("")  # the other generation APIs (request/apis.py): the path is the request's
+        self._routes: dict[tuple[str, str], Callable[[Request, ResponseWriter], Awaitable[None]] | Generation] = {
+            ("POST", CHAT): Generation(CHAT),
+            ("POST", COMPLETIONS): Generation(COMPLETIONS),
             ("POST", MESSAGES): other,
             ("POST", RESPONSES): other,
             ("POST", GENERATE): other,
@@ -145,10 +155,6 @@ class ProxyApp:
             if method == "GET":
                 self._routes[("HEAD", path)] = self._routes[(method, path)]
         self._allow = allowed_methods(self._routes)  # a 405's Allow header, per path
-        # The pipeline's routes: it is handed the client key's name too, and logs them itself.
-        # The other generation APIs (request/apis.py) map to "": the path is the request's.
-        self._generation = {self._routes[("POST", CHAT)]: CHAT, self._routes[("POST", COMPLETIONS)]: COMPLETIONS,
-                            other: ""}
         # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
         # instance's drain (an operator taking one instance out: membership.py).
         self.shutting_down = False
@@ -212,10 +218,9 @@ class ProxyApp:
         handler = self._routes.get((req.method, req.path))
         if handler is None and req.path.startswith(_MODEL_PREFIX) and req.method in ("GET", "HEAD"):
             handler = self._model_views[1]
-        generation = self._generation.get(handler)  # type: ignore[arg-type]
-        if generation is not None:
-            # It writes its own access-log line.
-            await self.pipeline.handle(req, writer, generation or req.path, key, scope)
+        if isinstance(handler, Generation):
+            # The pipeline is handed the client key's name and scope too, and writes its own access-log line.
+            await self.pipeline.handle(req, writer, handler.path or req.path, key, scope)
             return
         if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
             await self.forwarder.handle(req, writer, key)
@@ -260,15 +265,6 @@ class ProxyApp:
             rid = client_request_id(req)
             access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
                          writer.bytes_sent, time.perf_counter() - t0, req.peer, req.headers, key=key)
-
-    async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
-        await self.pipeline.handle(req, writer, CHAT)
-
-    async def _generate_completions(self, req: Request, writer: ResponseWriter) -> None:
-        await self.pipeline.handle(req, writer, COMPLETIONS)
-
-    async def _generate_other(self, req: Request, writer: ResponseWriter) -> None:
-        await self.pipeline.handle(req, writer, req.path)
 
     async def _models(self, req: Request, writer: ResponseWriter, key: str | None = None) -> None:
         """The models of the live instances, each id once, in vLLM's shape (instances/models.py),
@@ -450,6 +446,17 @@ class ProxyApp:
 _READY = b'{"status":"ready"}'
 # The refused API call's answers for Anthropic's clients (/v1/messages), encoded once.
 _ANTHROPIC_401 = {body: as_anthropic(401, body) for body in (MISSING_KEY_BODY, INVALID_KEY_BODY)}
+
+
+class Generation:
+    """A generation route's entry in the route table: ``ProxyApp.__call__`` hands the request to
+    the pipeline under ``path`` ("": the request's own), with the client key's name. In the
+    table so the path has its 405 ``Allow`` like any route; never called."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
 
 
 def allowed_methods(routes) -> dict[str, bytes]:

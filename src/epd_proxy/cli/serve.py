@@ -15,6 +15,7 @@ import os
 import sys
 
 from epd_proxy.cli.cluster_file import ClusterFileError, Option, read_cluster_path
+from epd_proxy.cli.parser import Parser
 from epd_proxy.config import (
     ALWAYS_FORWARDED,
     ENCODER_FALLBACKS,
@@ -291,7 +292,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default none: the API is open); /health, /ready and the console's page stay open, "
                         "/instances, /status and /metrics then need --admin-api-key")
     p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
-                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
+                   help="more client keys, one per line as name:key ('#' comments; the name is what logs, "
+                        "metrics and [[tenants.keys]] know it by; a key alone is named line<N>, refused with a "
+                        "[tenants] table), read again on SIGHUP")
     p.add_argument("--cache-salt-per-key", action="store_true", default=defaults.cache_salt_per_key,
                    help="with client keys, set vLLM's cache_salt from each key on chat and completions: no "
                         "key shares or can time another key's prefix cache (off: keys share it)")
@@ -313,6 +316,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cluster file (TOML) holding any of these flags as keys and the instances with "
                         "their attributes; flags given here override it; re-read on SIGHUP and when it "
                         "changes (see 'epd-proxy check-config')")
+    p.add_argument("--allow-empty-roles", action="append", default=[], metavar="ROLE,...",
+                   help="roles (encode, prefill, decode) a reload may leave with no instance; a reload that "
+                        "would empty any other role running instances is refused and the running roster kept "
+                        "(repeatable, comma-separated; default none; usually a cluster-file key)")
     p.add_argument("--dns-interval", type=float, default=defaults.dns_interval,
                    help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
                         f"shorter record TTL (at least 1 s) is honoured (default {defaults.dns_interval:g} s)")
@@ -335,7 +342,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_parser() -> argparse.ArgumentParser:
     """The ``serve`` flags alone (what the cluster file may set, and which flags were given)."""
-    parser = argparse.ArgumentParser(prog="epd-proxy serve")
+    parser = Parser(prog="epd-proxy serve")
     add_arguments(parser)
     return parser
 
@@ -456,6 +463,7 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         log_format=args.log_format,
         trusted_proxies=tuple(split_instances(args.trusted_proxies)),
         metrics_max_models=args.metrics_max_models,
+        allow_empty_roles=tuple(split_instances(args.allow_empty_roles)),
         tenants=getattr(args, "tenants", None),  # cluster-file tables, no flags
         model_aliases=getattr(args, "model_aliases", None),
     )
@@ -528,18 +536,30 @@ class ServeSettings:
         errors: list[str] = []
         cfg = config_from_args(args, errors)
         errors += serve_options(args).problems()
-        if not args.simulate:
-            from epd_proxy.api.app import validate_config
+        from epd_proxy.api.app import validate_config, validate_tables
 
-            try:
-                validate_config(cfg)
-            except ConfigErrors as exc:
-                errors += exc.errors
+        try:  # simulated instances are the simulator's: only the client keys and the tables to check
+            (validate_tables if args.simulate else validate_config)(cfg)
+        except ConfigErrors as exc:
+            errors += exc.errors
+        if args.simulate:
+            errors += _simulate_spec(args.simulate)
         if NO_DECODE in errors and split_instances(args.decode):
             errors.remove(NO_DECODE)  # decode instances were given: their own lines say what is wrong
         if errors:
             raise ConfigErrors(errors)
         return cfg
+
+
+def _simulate_spec(spec: str) -> list[str]:
+    """``--simulate``'s spec read as the simulator will (one line for a mistake, no traceback)."""
+    from epd_proxy.sim.cluster import SimCluster
+
+    try:
+        SimCluster.from_spec(spec)
+    except (ValueError, TypeError) as exc:
+        return [f"--simulate {spec!r}: {exc}"]
+    return []
 
 
 def error_text(exc: ValueError, path: str | None) -> str:

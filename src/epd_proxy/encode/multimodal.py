@@ -216,7 +216,7 @@ def _scan(body: dict, ignore_client_uuids: bool, scope: bytes | None = None
 def collect_media(body: dict, *, ignore_client_uuids: bool = False) -> list[MediaItem]:
     """Every media item of a chat body, in global order, validated.
 
-    Raises a 400 :class:`~epd_proxy.errors.ProxyError` naming the offending
+    Raises a 400 :class:`~epd_proxy.wire.errors.ProxyError` naming the offending
     ``param`` for shapes that would otherwise fail later, inside an encoder
     or the decoder, with a less useful error. An item's ``uuid`` is the
     namespaced :func:`client_key` of the client's own ``uuid`` if it sent one

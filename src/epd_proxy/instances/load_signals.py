@@ -39,7 +39,7 @@ class LoadSignals:
         self.others = 0.0
         self.kv_usage = 0.0
         self.waiting = 0.0
-        self.load = 0.0  # what the load-aware score adds to the in-flight count (routing.py)
+        self.load = 0.0  # what the load-aware score adds to the in-flight count (routing/policies.py)
         self.scraped_at: float | None = None
         self.adapters: frozenset[str] = frozenset()
 

@@ -96,7 +96,7 @@ class InstancePool:
         """An instance for one attempt, preferring ones not in ``exclude`` (those that
         already failed this request). Never fails for a configured role: with no
         instance in rotation it routes over all of them (panic routing). The policy
-        picks among the candidates, seeing the request's ``view`` (routing.py). With
+        picks among the candidates, seeing the request's ``view`` (routing/view.py). With
         ``model``, all of this within the instances serving it."""
         if model is None:
             healthy, half_open, panic_set = self._healthy, self._half_open, self._panic_set
@@ -348,9 +348,6 @@ class InstancePool:
             inst.expiry = None
 
     # -- probes ---------------------------------------------------------------------------
-    async def probe_once(self, timeout: float) -> None:
-        await asyncio.gather(*(self._probe(i, timeout) for i in self.instances))
-
     async def _probe(self, inst: Instance, timeout: float) -> None:
         t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         try:

@@ -31,7 +31,7 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
-from epd_proxy.request.admission import ADMIT, SHED, Admission
+from epd_proxy.request.admission import ADMIT, SHED, Admission, overloaded
 from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
@@ -51,6 +51,7 @@ from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
+from epd_proxy.request.shared_homes import shared_homes
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turns.multiturn import (
     LOCAL_PREFILL_PARAMS,
@@ -127,7 +128,7 @@ class Pipeline:
         # Responses stored on the decode instance that made them (stored_responses.py).
         self.state = state  # the shared state store, if any (state/)
         self.stored = StoredResponses(config, self.decode, ResponseOwners(shared=state), metrics, base_headers)
-        # Multi-turn KV reuse (turn_reuse.py): decode's parameters kept for each conversation's next turn.
+        # Multi-turn KV reuse (turns/reuse.py): decode's parameters kept for each conversation's next turn.
         self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
                                decode_only=decode_only, models=self.models, base_headers=base_headers,
                                shared=state, kv=kv)
@@ -139,6 +140,7 @@ class Pipeline:
         # The key's limits and the slot, before the body is read (entry_gate.py).
         self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log, self.models)
         self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
+        self.homes = shared_homes(state, pools)  # where other replicas sent turns (shared_homes.py)
 
     @property
     def access_log(self) -> AccessLog | None:
@@ -221,7 +223,7 @@ class Pipeline:
         if body.get("stream") is True:
             rec.stream = True
             # Every stream's tokens are counted: decode is asked for its usage event, which
-            # the client gets only if it asked for it too (hidden_usage.py).
+            # the client gets only if it asked for it too (usage/hidden.py).
             options = stream_options_with_usage(body.get("stream_options")) if api is None else None
             if options is not None:
                 body["stream_options"] = options
@@ -308,7 +310,7 @@ class Pipeline:
         self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
         ok = False
         try:
-            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage.py)
+            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage/rewrite.py)
             api = ctx.api
             if api is not None:
                 report = report if api.rewrite_usage else None
@@ -362,7 +364,7 @@ class Pipeline:
 
     async def _relay_kept(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                           headers: Headers, report: object, hide: bool, api: GenerationApi | None) -> StreamRelay:
-        """A stream where decodes keep blocks: its last event's parameters (turn_streams.py)
+        """A stream where decodes keep blocks: its last event's parameters (turns/streams.py)
         taken out by a relay that looks at the ending events, and with the token ids decode
         holds in the stream (generate's; chat's and completions' when the client asked), the
         whole stream kept to read the answer back for the next turn."""
@@ -380,7 +382,7 @@ class Pipeline:
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
         elif relay.error is None and api is None:
-            self.reuse.stream_ended_plain(ctx, leg.inst)
+            self.reuse.stream_ended_plain(ctx, leg.inst, body)
         return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
@@ -474,6 +476,8 @@ class Pipeline:
         kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
+        if self.homes is not None and ctx.view is not None:
+            await self.homes.recall(ctx.view)
         d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
         # Every instance left has failed this request: never one that timed out on it.
         if ctx.timed_out:
@@ -673,4 +677,4 @@ async def _take_slot(role: str, cap: Admission) -> None:
     verdict = cap.try_enter()
     if verdict == ADMIT or (verdict != SHED and await cap.wait()):
         return
-    raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
+    raise overloaded(f"the {role} stage is")

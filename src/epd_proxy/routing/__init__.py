@@ -8,8 +8,9 @@ a policy only picks among them, from two kinds of input:
   *anchor* (a hash of the prompt's beginning), the media items' uuids, the
   prompt's size and its chained block hashes;
 * each candidate's load: this proxy's in-flight count, plus the instance's
-  own queue as last scraped from its ``/metrics`` (``LoadSignals``, kept
-  fresh by ``load_signals.py`` in the background).
+  own queue as last scraped from its ``/metrics`` (``LoadSignals``, read by
+  ``instances/load_signals.py``, kept fresh by ``instances/load_scraper.py`` in the
+  background).
 
 ``cache-aware`` routes by rendezvous (highest-random-weight) hashing of the
 anchor (encoders: new media level by estimated work, preferring the item uuid's

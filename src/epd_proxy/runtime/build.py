@@ -113,6 +113,8 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                         tracing=tracing.from_environment(), tenants=tenants)
     metrics.register(pipeline.reuse.collector())
     metrics.register(pipeline.stored.collect)
+    if pipeline.homes is not None:
+        metrics.register(pipeline.homes.collect)
     membership.subscribe(_forget_departed(connector))
     membership.subscribe(_drop_held(pipeline.reuse))
     membership.subscribe(kv_events.changed)  # an instance that joins is subscribed, one that leaves dropped

@@ -61,6 +61,7 @@ from epd_proxy.request.turns.outcomes import (
     RETRIED,
     REUSED,
     SHORT,
+    STREAM_NO_PARAMS,
     TOKENIZE_FAILED,
     TOKENS,
     UNMATCHED,
@@ -81,6 +82,7 @@ from epd_proxy.request.turns.prompts import keep_key as prompt_keep_key
 from epd_proxy.request.turns.read_back import DecodeAddresses
 from epd_proxy.request.turns.shared_turns import SharedTurns
 from epd_proxy.request.turns.streams import params_of, read_stream, strip_stream_params
+from epd_proxy.request.turns.unkept import UnkeptStreams
 from epd_proxy.routing.view import EMPTY_VIEW
 from epd_proxy.state.guard import GuardedStore
 from epd_proxy.wire.blobs import encode_json
@@ -136,6 +138,8 @@ class TurnReuse:
         # to learn it (asks_stream_ids): not asked again. A decode in neither set is asked once,
         # so that the first stream it gives this process can be kept too.
         self.stream_plain: set[str] = set()
+        # Turns answered by a stream without parameters: their next turn's outcome says so.
+        self.unkept = UnkeptStreams()
         # Per decode URL, whether its answers through the pull connector hold blocks for a later
         # reader (True: one came with parameters; False: one came without). A decode not in it is
         # asked for token ids (probes) until it answers, so the first answer it gives this process
@@ -216,11 +220,17 @@ class TurnReuse:
                 and (ctx.path == CHAT or ctx.path == COMPLETIONS)
                 and body.get("n") in (None, 1) and not body.get("echo"))
 
-    def stream_ended_plain(self, ctx: RequestContext, decode: Instance) -> None:
-        """A stream whose token ids the proxy asked for ended without parameters: ``decode``
-        sends none in its streams, and is not asked again (until it joins anew)."""
+    def stream_ended_plain(self, ctx: RequestContext, decode: Instance, body: dict) -> None:
+        """A stream ended without parameters: nothing kept for its next turn, which is told
+        why (``unkept``). If the proxy asked for its token ids, ``decode`` sends none in its
+        streams, and is not asked again (until it joins anew)."""
         if ctx.ids_asked and decode.url not in self.stream_decodes:
             self.stream_plain.add(decode.url)
+        if ctx.turn_tried:  # a turn of a conversation, as reuse reads them
+            if ctx.path == CHAT:
+                self.unkept.add_chat(body)
+            elif ctx.path in PROMPT_APIS:
+                self.unkept.add_prompt(body, ctx.path)
 
     async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None,
                             media: bool = False) -> Instance | None:
@@ -251,7 +261,7 @@ class TurnReuse:
                     reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
                 self.release(stale)
             asked = tokenize_body(body)
-        else:  # completions, generate (turn_prompts.py)
+        else:  # completions, generate (turns/prompts.py)
             material = prompt_material(body, ctx.path)
             scope = ctx.scope or b""
             prefix = None if material is None else prefix_key(body, ctx.path, material[0], scope)
@@ -267,8 +277,8 @@ class TurnReuse:
                     break
             else:
                 # No held turn of this prompt here: an opening prompt cannot be told from a turn
-                # another process kept.
-                ctx.kv_outcome = UNMATCHED
+                # another process kept (a stream without parameters can: it is remembered).
+                ctx.kv_outcome = STREAM_NO_PARAMS if self.unkept.prompt_follows(body, ctx.path) else UNMATCHED
                 return None
             if material[1]:
                 asked = tokenize_prompt_body(body)
@@ -276,6 +286,9 @@ class TurnReuse:
                 tokens = prompt_ids(material[0])
         if entry is None:
             ctx.kv_outcome = _OUTCOME_OF.get(reason, reason)
+            if reason == UNKNOWN and ctx.path == CHAT and self.unkept.chat_follows(
+                    body, len(body["messages"]) - 1 - _after_last_answer(body["messages"])):
+                ctx.kv_outcome = STREAM_NO_PARAMS
             return None
         holder = self.decode.find(entry.decode)
         if holder is None or not holder.healthy or holder in ctx.excluded:
