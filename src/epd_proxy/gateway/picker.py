@@ -149,7 +149,7 @@ class EndpointPicker:
         self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
                                         allowed_hosts=config.allowed_media_hosts)
         self.max_body = config.max_body_size or (1 << 62)  # a body past it is refused (413), as the proxy does
-        shed = shed_error(f"--max-inflight {config.max_inflight}")
+        shed = shed_error()
         self._shed = (shed.body(), shed.body(anthropic=True))
 
     # -- the request ---------------------------------------------------------------------------
