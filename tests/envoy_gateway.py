@@ -96,8 +96,9 @@ class Envoy:
 class EppProcess:
     """``epd-proxy epp`` as a child process, answering ``/ready`` on its operator port."""
 
-    def __init__(self, args: list[str], *, grpc_port: int | None = None) -> None:
+    def __init__(self, args: list[str], *, grpc_port: int | None = None, ready: bool = True) -> None:
         self.args = args
+        self.ready = ready  # wait for /ready (else /health: no instance known yet)
         self.port = free_port()
         self.grpc_port = grpc_port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -116,7 +117,7 @@ class EppProcess:
                 "--grpc-port", str(self.grpc_port), "--shutdown-grace", "0", "--shutdown-timeout", "2", *self.args,
                 env=env, stdout=self._log, stderr=self._log, start_new_session=True)
             try:
-                await _until(lambda: _get(self.url, "/ready"), self.proc, self.log)
+                await _until(lambda: _get(self.url, "/ready" if self.ready else "/health"), self.proc, self.log)
                 return self
             except AssertionError:
                 if attempt == 2 or "cannot listen" not in self.log():
@@ -192,10 +193,11 @@ def dead_address() -> str:
 
 @contextlib.asynccontextmanager
 async def gateway(spec: str = "decode=3", epp_args: tuple = (), *, extra_pool: tuple[str, ...] = (),
-                  extra_envoy: dict | None = None, replicas: int = 1):
+                  extra_envoy: dict | None = None, replicas: int = 1, register: bool = False):
     """Simulated instances (``spec``: ``SimCluster.from_spec``'s, their decodes serve; plus
     ``extra_pool`` addresses the picker and the pool list too), the picker's ``replicas``, each in
-    its process, and Envoy; yields a :class:`Gateway`."""
+    its process, and Envoy; yields a :class:`Gateway`. With ``register``, the picker is told of no
+    instance: they register themselves (``POST /instances``) once the test says so."""
     async with SimCluster.from_spec(spec, SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
         flags = []
         for role in ("encode", "prefill", "decode"):  # P/D, E/P/D: the decode's sidecar is told the others
@@ -205,8 +207,11 @@ async def gateway(spec: str = "decode=3", epp_args: tuple = (), *, extra_pool: t
                     spec += f";kv_events={inst.kv_events.endpoint};kv_events_replay={inst.kv_events.replay_endpoint}"
                 flags += [f"--{role}", spec]
         flags += [arg for a in extra_pool for arg in ("--decode", f"http://{a}")]
+        if register:
+            flags = ["--dynamic-registration", "--registration-allow", "127.0.0.1/32"]
         async with contextlib.AsyncExitStack() as stack:
-            epps = [await stack.enter_async_context(EppProcess(flags + list(epp_args))) for _ in range(replicas)]
+            epps = [await stack.enter_async_context(EppProcess(flags + list(epp_args), ready=not register))
+                    for _ in range(replicas)]
             pool = [address(u) for u in cluster.urls("decode")] + list(extra_pool)
             streamed, buffered, admin = free_port(), free_port(), free_port()
             config = envoy_config(streamed=streamed, buffered=buffered, admin=admin,

@@ -490,3 +490,34 @@ async def test_a_client_gone_mid_stream_gives_back_what_its_request_held():
 
 async def _metric_at_most(epp: EppProcess, line: str, n: float) -> bool:
     return await epp.metric(line) <= n
+
+
+async def test_instances_registering_with_the_picker_make_it_ready_and_are_picked():
+    async with gateway("decode=2", register=True) as gw:
+        channel_port = gw.epp.grpc_port
+        assert await _readiness(channel_port) == "NOT_SERVING"  # no instance known yet
+        assert (await _post(gw.streamed, _chat("too-early"))).status == 503
+        client = Client(gw.epp.url)
+        try:
+            for url in gw.cluster.urls("decode"):  # as vLLM's registrar does
+                reply = await client.post("/instances", {"role": "decode", "url": url})
+                assert reply.status == 200, reply.body
+        finally:
+            await client.close()
+        await _wait(lambda: _readiness_is(channel_port, "SERVING"))  # followed every second
+        for n in range(4):
+            assert (await _post(gw.streamed, _chat(f"registered-{n}"))).status == 200
+        assert set(_served_marker(gw, "registered-")) <= set(gw.cluster.urls("decode"))
+
+
+async def _readiness(port: int) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def _readiness_is(port: int, status: str) -> bool:
+    return await _readiness(port) == status
