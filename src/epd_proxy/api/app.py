@@ -187,6 +187,8 @@ class ProxyApp:
             self.kv_events.start(i.spec for pool in self.pools.values() for i in pool.instances)
 
     async def close(self) -> None:
+        if self.console is not None:
+            await self.console.close()  # its last gateway summary, before the store closes
         for scraper in self.scrapers:
             await scraper.close()
         if self.kv_events is not None:

@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
-from epd_proxy.instances.load_signals import QUIET_STRETCH, parse_adapters, parse_load
+from epd_proxy.instances.load_signals import QUIET_STRETCH, parse_adapters, parse_kv_blocks, parse_load
 
 if TYPE_CHECKING:  # pragma: no cover
     from epd_proxy.instances.instance import Instance
@@ -86,6 +86,7 @@ class LoadScraper:
         self.scrapes += 1
         inst.signals.update(*load, own_inflight=max(own_before, inst.inflight), now=loop.time())
         inst.signals.adapters = parse_adapters(data)
+        inst.signals.kv_blocks = parse_kv_blocks(data)
 
     def _failed(self, inst: Instance, why: str) -> None:
         self.failures += 1

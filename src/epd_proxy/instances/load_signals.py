@@ -22,6 +22,8 @@ _RUNNING = b"vllm:num_requests_running"
 _WAITING = b"vllm:num_requests_waiting"
 _KV_USAGE = b"vllm:kv_cache_usage_perc"
 _LORA_INFO = b"vllm:lora_requests_info{"
+_CACHE_INFO = b"vllm:cache_config_info{"
+_GPU_BLOCKS = b'num_gpu_blocks="'
 
 
 class LoadSignals:
@@ -31,9 +33,11 @@ class LoadSignals:
     waiting at the scrape, minus this proxy's in-flight during it; 0 when unknown or stale).
     ``kv_usage``: ``vllm:kv_cache_usage_perc`` (0..1).
     ``adapters``: the LoRA adapters running or waiting there (``vllm:lora_requests_info``).
+    ``kv_blocks``: its KV cache's size in blocks (``vllm:cache_config_info``'s ``num_gpu_blocks``,
+    over its engines; None: not exported), so a small usage reads as blocks, not as 0 %.
     """
 
-    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at", "adapters")
+    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at", "adapters", "kv_blocks")
 
     def __init__(self) -> None:
         self.others = 0.0
@@ -42,6 +46,7 @@ class LoadSignals:
         self.load = 0.0  # what the load-aware score adds to the in-flight count (routing/policies.py)
         self.scraped_at: float | None = None
         self.adapters: frozenset[str] = frozenset()
+        self.kv_blocks: int | None = None
 
     def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
         self.others = max(0.0, running + waiting - own_inflight)
@@ -151,3 +156,26 @@ def parse_adapters(text: bytes) -> frozenset[str]:
 # ``no_traffic_interval``.) A single proxy in front of its own cluster then pays a quarter of
 # the scrapes; replicas that see each other's load keep the full rate.
 QUIET_STRETCH = 4
+
+
+def parse_kv_blocks(text: bytes) -> int | None:
+    """The KV cache's size in blocks: ``num_gpu_blocks`` of vLLM's ``vllm:cache_config_info``
+    (one sample per engine, summed); None when it is not exported or not a number yet."""
+    total, found = 0, False
+    pos = 0
+    while True:
+        pos = text.find(_CACHE_INFO, pos)
+        if pos < 0:
+            return total if found else None
+        end = text.find(b"}", pos)
+        if (pos and text[pos - 1] != 10) or end < 0:
+            pos += 1
+            continue
+        at = text.find(_GPU_BLOCKS, pos, end)
+        if at >= 0:
+            start = at + len(_GPU_BLOCKS)
+            value = text[start:text.find(b'"', start)]
+            if value.isdigit():
+                total += int(value)
+                found = True
+        pos = end

@@ -435,6 +435,11 @@ class ProxyMetrics:
         if series is not None:
             series.itl.observe(gap)
 
+    def completion_tokens(self) -> int:
+        """Completion tokens answered so far, over every model label (the console's gateway summary)."""
+        every = [self.no_model, *self.models.values()] + ([self._other] if self._other is not None else [])
+        return sum(s.tokens[1] for s in every)
+
     # -- exposition (scrape time) ----------------------------------------------------------
     def render(self, peers: list | None = None) -> bytes:
         """The exposition text of this process plus ``peers`` (other workers' snapshots)."""

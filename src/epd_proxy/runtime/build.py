@@ -20,6 +20,7 @@ from epd_proxy.api.admin import AdminApi
 from epd_proxy.api.app import ProxyApp, log_requests, validate_config
 from epd_proxy.api.client_auth import ClientKeys
 from epd_proxy.api.console import ConsoleApi
+from epd_proxy.api.gateway import GatewayBoard
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.gateway.pick import DEFAULT_FALLBACKS
@@ -57,7 +58,7 @@ from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningEpp, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
 from epd_proxy.state.configured import open_store
-from epd_proxy.state.guard import state_collector
+from epd_proxy.state.guard import GuardedStore, state_collector
 from epd_proxy.tenants.limiter import build_tenants
 
 
@@ -122,9 +123,15 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     metrics.register(kv.collect)
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
+    # With a shared store, each process publishes a summary of itself for every console (the
+    # gateway), through a guard of its own: its failures never open the request path's breaker.
+    board = None if state is None else GatewayBoard(
+        GuardedStore(state.store, config.state_store_prefix, config.state_store_timeout, state.url, owns=False),
+        metrics, membership, worker=None if siblings is None else siblings.index,
+        workers=1 if siblings is None else siblings.count)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
                          siblings=siblings, kv_events=kv_events, reuse=pipeline.reuse, state=state,
-                         tenants=pipeline.tenants)
+                         tenants=pipeline.tenants, board=board)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder,
@@ -242,6 +249,8 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
                             register=app.metrics.register)
     sources.follow_dns(config.discover)
     app.pipeline.reuse.start()  # after the channel to the parent is read (SharedRoster)
+    if app.console is not None and app.console.board is not None:  # its store calls too
+        app.console.board.start(f"{server.host}:{server.port}")
     reloader = None
     if reloads:
         reloader = Reloader(settings, sources.apply_config, args=settings.started if settings is not None else None,
