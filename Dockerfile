@@ -24,7 +24,7 @@ COPY pyproject.toml README.md ./
 COPY src ./src
 RUN /opt/venv/bin/pip wheel -q --wheel-dir /wheels '.[gateway]' \
  && /opt/venv/bin/pip install -q --no-index --find-links /wheels 'epd-proxy[gateway]' \
- && /opt/venv/bin/python -c "import epd_proxy, uvloop, httptools, msgspec, epd_proxy.gateway.grpc_server" \
+ && /opt/venv/bin/python -c "import epd_proxy, uvloop, httptools, msgspec, blake3, epd_proxy.gateway.grpc_server" \
  && /opt/venv/bin/pip uninstall -q -y pip
 
 # -- runtime: the virtualenv only; no compiler, no pip, not root.

@@ -32,10 +32,10 @@ from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances import discovery
 from epd_proxy.instances.adapters import LOAD, UNLOAD
-from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.model_directory import model_readiness
 from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
@@ -69,15 +69,16 @@ OPEN_PATHS = frozenset({"/health", "/ready"})
 
 def validate_config(config: ProxyConfig) -> None:
     """Everything checkable before serving: raises ConfigErrors (a ValueError) listing every
-    mistake found, each an operator-facing line. Each check lives beside what it protects: the
-    knobs in config.py, the key file in client_auth.py, the KV connector and its instances in
-    connectors.py, a pinned topology in roster.py, the policy names in routing/, the DNS
-    server in discovery.py, the media hosts in media_policy.py."""
+    mistake found, each an operator-facing line. Each check lives beside what it protects: each
+    section's own values in config/sections.py (what spans them in config/proxy.py), the key
+    file in client_auth.py, the KV connector and its instances in connectors.py, a pinned
+    topology in roster.py, the policy names in routing/, the DNS server in discovery.py, the
+    media hosts in media_policy.py; each given the section it checks where one is enough."""
     gather((
         config.validate,
-        lambda: routing.check_config(config),
-        lambda: discovery.check_config(config),
-        lambda: media_policy.check_config(config),
+        lambda: routing.check_config(config.policies),
+        lambda: discovery.check_config(config.membership),
+        lambda: media_policy.check_config(config.media),
         lambda: check_connector_config(config),
         lambda: check_pinned_topology(config),
         lambda: validate_tables(config),
@@ -400,7 +401,7 @@ class ProxyApp:
                    else {})}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
-        """Per model: its roles' instances in rotation and out, ready or not and why (catalog.py)."""
+        """Per model: its roles' instances in rotation and out, ready or not and why (model_directory.py)."""
         return model_readiness(pools, self.pipeline.models.current.parents, self.membership.required_roles())
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:

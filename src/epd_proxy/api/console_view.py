@@ -14,9 +14,9 @@ instance is in rotation and calls the state ``mixed`` when they differ.
 
 from __future__ import annotations
 
-from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.health import DRAINING, EJECTED, HALF_OPEN, HEALTHY
 from epd_proxy.instances.instance import LEAVING, Instance
+from epd_proxy.instances.model_directory import model_readiness
 from epd_proxy.instances.roster import registered_role
 from epd_proxy.observe.traffic import finish, merge, waterfall
 
@@ -182,7 +182,7 @@ def merge_instances(views: list[list[dict]]) -> list[dict]:
 
 
 def readiness(instances: list[dict], parents: dict, required: list[str]) -> dict:
-    """Per model, ``/status``'s readiness (``catalog.model_readiness``) over the merged views:
+    """Per model, ``/status``'s readiness (``model_directory.model_readiness``) over the merged views:
     which roles serve it, in rotation or out, and whether a request for it can be served."""
     pools: dict[str, list[dict]] = {}
     for v in instances:

@@ -24,10 +24,10 @@ from epd_proxy.config import InstanceSpec
 from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
-from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, TIMEOUT, Ejection, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.lora_affinity import AdapterAffinity

@@ -12,7 +12,7 @@ import time
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http.response import Request, ResponseWriter
-from epd_proxy.instances.catalog import ModelDirectory
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests

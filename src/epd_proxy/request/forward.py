@@ -61,7 +61,7 @@ class Forwarder:
         self.stages = {role: UpstreamStage(pool, timeouts) for role, pool in pools.items()}
         self.metrics = metrics
         self.pipeline = pipeline  # admission: the same --max-inflight slots and queue
-        self.models = pipeline.models  # the cluster's models (instances/catalog.py)
+        self.models = pipeline.models  # the cluster's models (instances/model_directory.py)
         self.policy = LeastLoaded()  # among the candidates of every pool the endpoint may use
         self._base_headers = base_headers
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)

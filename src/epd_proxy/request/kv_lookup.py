@@ -32,8 +32,8 @@ from epd_proxy.http import Headers
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
-from epd_proxy.kvcache.endpoints import instance_of
 from epd_proxy.kvcache.feed import EventFeed
+from epd_proxy.kvcache.streams import instance_of
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.routing.disaggregation import decode_alone

@@ -111,9 +111,11 @@ class Pipeline:
         self._dp_counter = itertools.count()
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
-        self._salt_per_key = config.cache_salt_per_key  # vLLM's cache_salt from each client key
-        self.media_policy = MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
-                                        allowed_hosts=config.allowed_media_hosts)
+        self._salt_per_key = config.access.cache_salt_per_key  # vLLM's cache_salt from each client key
+        self.media_policy = MediaPolicy.of(config.media)
+        # Read on every chat request (and E+PD's): bound here, not looked up in the config each time.
+        self._ignore_client_uuids = config.media.ignore_client_uuids
+        self._ec_consumer_dp_size = config.encoders.ec_consumer_dp_size
         self.admission = admission
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
         self.role_caps = role_caps
@@ -633,7 +635,7 @@ class Pipeline:
     def _media(self, body: dict, scope: bytes | None) -> tuple[dict, list[MediaItem]]:
         """The media items, checked against the operator's rules, and the body with client
         uuids namespaced, by the key's scope too (what every stage gets instead of the client's body)."""
-        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids, scope=scope)
+        body, items = own_media(body, ignore_client_uuids=self._ignore_client_uuids, scope=scope)
         if items:
             self.media_policy.check(items)
         return body, items
@@ -645,7 +647,7 @@ class Pipeline:
     def _ec_consumer(self, d: Instance) -> tuple[Headers | None, str | None]:
         """E+PD with a push EC connector: the decode replica that receives the embeddings."""
         spec = d.spec  # its addresses: from its registration or --ec-consumer-zmq-addrs
-        dp = spec.dp_size if spec.dp_size > 1 else self.config.ec_consumer_dp_size
+        dp = spec.dp_size if spec.dp_size > 1 else self._ec_consumer_dp_size
         rank = next(self._dp_counter) % dp if dp > 1 else None
         headers = [(b"x-data-parallel-rank", str(rank).encode())] if rank is not None else None
         addrs = spec.ec_zmq_addrs

@@ -31,7 +31,7 @@ encoders the recent work placed per encoder and a bounded map of items' encoders
 
 from __future__ import annotations
 
-from epd_proxy.config import ConfigErrors, check_range
+from epd_proxy.config import ConfigErrors, RoutingConfig, check_range
 from epd_proxy.routing.cache_aware import CacheAware
 from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
 from epd_proxy.routing.policy import RoutingPolicy
@@ -55,13 +55,14 @@ def make_policy(name: str, *, balance_abs: float = 4, balance_rel: float = 1.5) 
     return cls()
 
 
-def check_config(config) -> None:
-    """The routing flags of a :class:`~epd_proxy.config.ProxyConfig` (beside what they name)."""
+def check_config(policies: RoutingConfig) -> None:
+    """The routing section's policy names and load bound, beside the policies they name."""
     errors: list[str] = []
-    for policy in dict.fromkeys((config.routing, config.prefill_policy, config.decode_policy, config.encode_policy)):
+    for policy in dict.fromkeys((policies.routing, policies.prefill_policy, policies.decode_policy,
+                                 policies.encode_policy)):
         if policy is not None and policy not in POLICIES:
             errors.append(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
-    check_range(errors, "--balance-abs", config.balance_abs, 0)
-    check_range(errors, "--balance-rel", config.balance_rel, 1)
+    check_range(errors, "--balance-abs", policies.balance_abs, 0)
+    check_range(errors, "--balance-rel", policies.balance_rel, 1)
     if errors:
         raise ConfigErrors(errors)

@@ -27,14 +27,14 @@ from epd_proxy.gateway.pick import DEFAULT_FALLBACKS
 from epd_proxy.gateway.picker import EndpointPicker
 from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
-from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
+from epd_proxy.http.server_limits import ServerLimits
 from epd_proxy.instances.adapters import Adapters
-from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.collectors import adapters_collector, pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.instances.sources import RosterSources

@@ -15,8 +15,8 @@ import msgspec
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http import Headers
-from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
