@@ -234,6 +234,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                     "the proxy hands them to a prefill (released).", ("reason",)),
     "epd_proxy_kv_reuse_held_tokens": ("gauge", "Tokens of KV that parameters kept by this proxy hold on the "
                                        "decode (what decode pins for them until read or expired).", ("url",)),
+    "epd_proxy_kv_reuse_pressure": ("counter", "Kept turns let go, or not kept, to keep what they pin below the "
+                                    "decode's KV capacity, by decode and reason: pressure (usage high or "
+                                    "requests waiting; new turns not kept either when the traffic "
+                                    "offered times a turn's life cannot fit), share (past the budget).",
+                                    ("url", "reason")),
     "epd_proxy_state_store_errors": ("counter", "Calls to the shared state store (--state-store, or the --workers "
                                      "parent) that failed or took longer than --state-store-timeout, by "
                                      "operation (ping: the background probe while it is down); each cost "

@@ -234,6 +234,22 @@ class TurnStore:
             del self._held_by[by]
         return out
 
+    def trim(self, decode: str, tokens: int, reason: str, most: int) -> list[Entry]:
+        """Let go of the oldest turns kept on ``decode`` (whoever's), at least ``tokens`` worth
+        and at most ``most`` of them (kv_guard.py: the decode's KV is under pressure)."""
+        out: list[Entry] = []
+        if tokens <= 0 or most <= 0:
+            return out
+        for key in [k for k, e in self._entries.items() if e.decode == decode]:
+            if tokens <= 0 or len(out) >= most:
+                break
+            entry = self._pop(key)
+            if entry is not None:
+                out.append(entry)
+                tokens -= entry.tokens
+                self.count_release(reason, key)
+        return out
+
     def lengths(self, prefix: bytes) -> list[int]:
         """The held lengths of a prompt API's turns (kept or used) under ``prefix``."""
         found = self._lengths.get(prefix)

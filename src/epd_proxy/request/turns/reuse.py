@@ -23,6 +23,8 @@ from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.request.kv_lookup import KvLookup, holds_turn
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.legs.stages import DecodeLeg
+from epd_proxy.request.turns.kv_budget import NOT_KEPT
+from epd_proxy.request.turns.kv_guard import KvGuard
 from epd_proxy.request.turns.multiturn import (
     BOUND,
     EDITED,
@@ -126,6 +128,9 @@ class TurnReuse:
         self.models = models
         self.base_headers = base_headers
         self.releases: set[asyncio.Task] = set()
+        # What kept turns may pin of each decode's KV cache (kv_budget.py), checked every scrape.
+        self.guard = KvGuard(self.store, self.shared, decode, config.scrape_interval, self.release,
+                             lambda: MAX_RELEASES - len(self.releases)) if self.store is not None else None
         self.pull = isinstance(connector, NixlPull)  # reuse is for the pull connector (protocol.md §2.10)
         self.counts = TurnCounts()
         # The KV block index (KV events): whether the decode holding a turn still holds its blocks.
@@ -191,12 +196,13 @@ class TurnReuse:
         for url in set(held) | set(self.decodes):
             tokens, conversations = held.get(url, (0, 0))
             out[url] = {"keeps_blocks": self.decodes.get(url), "held_tokens": tokens,
-                        "held_conversations": conversations}
+                        "held_conversations": conversations,
+                        "kv_budget": self.guard.status(url) if self.guard is not None else None}
         return out
 
     def collector(self) -> Callable[[dict[str, list]], None]:
         """What multi-turn KV reuse tells ``/metrics`` (``epd_proxy_kv_reuse_*``)."""
-        store, counts = self.store, self.counts
+        store, counts, guard = self.store, self.counts, self.guard
 
         def collect(f: dict[str, list]) -> None:
             if store is None:
@@ -207,6 +213,8 @@ class TurnReuse:
             f["epd_proxy_kv_reuse_freed"].append([counts.freed])
             f["epd_proxy_kv_reuse_released"] += [[r, n] for r, n in store.released.items()]
             f["epd_proxy_kv_reuse_held_tokens"] += [[u, n] for u, n in store.held.items()]
+            if guard is not None:
+                f["epd_proxy_kv_reuse_pressure"] += [[u, r, n] for (u, r), n in guard.let_go.items()]
         return collect
 
     def asks_stream_ids(self, ctx: RequestContext, body: dict, decode: Instance) -> bool:
@@ -393,6 +401,8 @@ class TurnReuse:
         """With a shared store: learn from it that reuse is on (``SharedTurns.watch``)."""
         if self.shared is not None:
             self.shared.watch()
+        if self.guard is not None:
+            self.guard.start()
 
     def _dropped(self, entry: Entry, holder: Instance, age: float) -> bool:
         """Whether ``holder``'s own KV events (live) say it no longer holds ``entry``'s blocks,
@@ -490,8 +500,11 @@ class TurnReuse:
         if message is None:
             self._let_go(leg, turns, params, body.get("model"), now, UNKNOWN)
             return
-        self.addresses.learn(leg.inst.url, params)
         tokens = params.get("remote_num_tokens")
+        if self.guard is not None and not self.guard.admit(leg.inst, tokens if type(tokens) is int else 0):
+            self._let_go(leg, turns, params, body.get("model"), now, NOT_KEPT)  # its KV cannot take more
+            return
+        self.addresses.learn(leg.inst.url, params)
         key, conversation, chars = keep_key(body, message, ctx.conversation, ctx.scope or b"")
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
                       conversation, body.get("model"), ids, key=key, owner=ctx.scope)
@@ -506,8 +519,11 @@ class TurnReuse:
         if held.params is None or held.held is None or prefix is None:
             self.counts.answer(held.reason or SHORT)
             return
-        self.addresses.learn(leg.inst.url, held.params)
         tokens = held.params.get("remote_num_tokens")
+        if self.guard is not None and not self.guard.admit(leg.inst, tokens if type(tokens) is int else 0):
+            self._let_go(leg, turns, held.params, body.get("model"), now, NOT_KEPT)
+            return
+        self.addresses.learn(leg.inst.url, held.params)
         entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
                       now + turns.life, prompt_keep_key(body, ctx.path, held.held, scope), body.get("model"), held.ids,
                       prefix, owner=ctx.scope)
@@ -567,6 +583,8 @@ class TurnReuse:
             ctx.release_all()
 
     async def close(self) -> None:
+        if self.guard is not None:
+            await self.guard.close()
         if self.shared is not None:
             await self.shared.close()
         for task in list(self.releases | self.writes):
