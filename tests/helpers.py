@@ -115,7 +115,7 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> N
 async def probe_round(pool, timeout: float) -> None:
     """One health probe of every instance of ``pool`` at once, as its probe loops would send
     them: a test moves instances in or out of rotation without waiting for an interval."""
-    await asyncio.gather(*(pool._probe(inst, timeout) for inst in pool.instances))
+    await asyncio.gather(*(pool.checks.probe(inst, timeout) for inst in pool.instances))
 
 
 __all__ = ["stack", "Client", "Reply", "chat_body", "wait_for", "probe_round", "StageTimeouts"]

@@ -3,6 +3,7 @@ simulated cluster, an instance made to fail, a request found by its id, the rost
 rule, and --workers answering for the whole proxy."""
 
 import asyncio
+import logging
 
 import msgspec
 from cdp import CHROMIUM, Page, in_thread
@@ -108,7 +109,8 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 assert decode["workers"] == 2 and decode["requests"] == n
                 kv = decode["kv_events"]  # each worker subscribes itself: connected in both
                 assert (kv["state"], kv["workers"], kv["workers_connected"]) == ("connected", 2, 2), kv
-                assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0}
+                assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0,
+                                                "kv_budget": None}
                 found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
                 assert len(found["requests"]) == 1
                 # Both workers publish their summary to the parent's table: one proxy, two workers.
@@ -208,6 +210,22 @@ async def test_the_proxy_panel_shows_the_shared_store_up_then_down(redis_server)
             assert (await client.chat(body)).status == 200
         store = (await client.request("GET", "/console/api/state")).json()["panel"]["state_store"]
         assert store["up"] is False and store["down_since"] > 0 and store["state_text"].startswith("down")
+
+
+async def test_a_requests_path_says_where_its_legs_were_placed_and_why(caplog):
+    caplog.set_level(logging.DEBUG, logger="epd_proxy.pipeline")  # before the pipeline is built: read once
+    async with stack(prefill=1, decode=2) as (cluster, proxy, client):
+        await client.request("GET", "/console/api/state")  # a console looks: requests are recorded
+        assert (await client.chat(chat_body(), headers=[(b"x-request-id", b"placed")])).status == 200
+        one = (await client.request("GET", "/console/api/request?id=placed")).json()["requests"][0]
+        placed = one["placement"]
+        decode = [leg[1] for leg in one["legs"] if leg[0] == "decode"]
+        assert placed["decode"]["instance"] == decode[0] and placed["decode"]["why"]
+        assert placed["prefill"]["instance"] == cluster.urls("prefill")[0] and placed["connector"] == "nixl"
+        stages = {w["stage"]: w for w in one["waterfall"]}
+        assert stages["decode"]["why"] == placed["decode"]["why"] and stages["prefill"]["why"]
+        logged = [r.getMessage() for r in caplog.records if "placed" in r.getMessage()]
+        assert any("request placed:" in m and decode[0] in m for m in logged)
 
 
 async def test_shared_tenant_counters_are_not_called_shared_while_their_store_is_down(tmp_path, redis_server):  # noqa: F811

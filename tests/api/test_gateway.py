@@ -104,7 +104,7 @@ async def test_a_store_that_fails_costs_the_summary_never_a_request(redis_server
             real = board.store.store
             board.store.store = Refusing()
             assert not await board.publish() and not board.store.up
-            assert a.app.pipeline.state.up and board.failures["publish"] == 1
+            assert a.app.state.up and board.failures["publish"] == 1
             board.store.store = real
             redis_server.stop()
             assert (await client.chat(chat_body())).status == 200

@@ -21,6 +21,7 @@ from epd_proxy.instances.roster import (
     required_roles,
     roster_diff,
 )
+from epd_proxy.placement.choose import choose
 
 
 def body(**fields) -> bytes:
@@ -165,9 +166,9 @@ async def test_a_join_keeps_the_rotation_going():
     instead of going back to the first instance."""
     m = membership(static=[InstanceSpec(f"http://d{i}:1", "decode") for i in range(3)])
     pool = m.pools["decode"]
-    picks = [pool.choose().url for _ in range(2)]
+    picks = [choose(pool).url for _ in range(2)]
     m.register(InstanceSpec("http://d3:1", "decode"))
-    picks += [pool.choose().url for _ in range(4)]
+    picks += [choose(pool).url for _ in range(4)]
     assert picks[:2] == ["http://d0:1", "http://d1:1"]
     assert picks[2] == "http://d2:1"  # not d0 again
     assert set(picks[2:]) == {"http://d0:1", "http://d1:1", "http://d2:1", "http://d3:1"}
@@ -182,7 +183,7 @@ async def test_unregister_leaves_routing_at_once_and_closes_when_idle():
     inst.inflight = 1  # a request holds it
     assert m.unregister(D.url) is True
     assert m.unregister(D.url) is False
-    assert all(m.pools["decode"].choose() is not inst for _ in range(4))
+    assert all(choose(m.pools["decode"]) is not inst for _ in range(4))
     assert [i["url"] for i in m.snapshot()["instances"] if i["leaving"]] == [D.url]
     m.sweep(0.0)
     assert m.counts()[("decode", "leaving")] == 1
@@ -210,7 +211,7 @@ async def test_drained_instance_gets_nothing_new_and_leaves_when_idle():
     assert snap["decode"] == {"live": [], "evicted": [], "draining": [D.url]}
     # The only decode instance, draining: no panic routing onto it.
     with pytest.raises(Exception) as exc:
-        m.pools["decode"].choose()
+        choose(m.pools["decode"])
     assert getattr(exc.value, "status", None) == 503
     m.sweep(0.0)
     assert m.find(D.url) is inst

@@ -8,6 +8,7 @@ from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.model_directory import ModelDirectory, model_readiness
 from epd_proxy.instances.models import Served, catalog_of, paired_key, parse_models, pinned, serves
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.placement.choose import choose
 from epd_proxy.wire.errors import ProxyError
 
 
@@ -158,9 +159,9 @@ def make_pools(*models):
 async def test_pool_chooses_only_instances_serving_the_model():
     pool, directory = make_pools(["a"], ["b"], ["a", "b"])
     a, b, ab = pool.instances
-    assert {pool.choose(model="a") for _ in range(8)} == {a, ab}
-    assert {pool.choose(model="b") for _ in range(8)} == {b, ab}
-    assert pool.choose() in pool.instances
+    assert {choose(pool, model="a") for _ in range(8)} == {a, ab}
+    assert {choose(pool, model="b") for _ in range(8)} == {b, ab}
+    assert choose(pool) in pool.instances
     assert set(directory.current.parents) == {"a", "b"} and not directory.current.uniform
 
 
@@ -169,10 +170,10 @@ async def test_pool_panics_within_the_model_and_503_when_none_serves_it():
     a, b = pool.instances
     pool.record_failure(a, "down")  # a out: b in rotation, but it does not serve a
     assert not a.healthy and b.healthy
-    assert pool.choose(model="a") is a  # panic routing within a's instances
+    assert choose(pool, model="a") is a  # panic routing within a's instances
     pool.drain(a)
     with pytest.raises(ProxyError) as err:
-        pool.choose(model="a")
+        choose(pool, model="a")
     assert err.value.status == 503 and "model `a`" in err.value.message
 
 
@@ -199,11 +200,11 @@ async def test_panic_is_counted_only_over_instances_known_to_serve_the_model():
     unknown = pool.instances[2]
     pool.record_failure(unknown, "down")
     assert not unknown.healthy
-    assert pool.choose(model="b") is unknown and pool.panics == 0
+    assert choose(pool, model="b") is unknown and pool.panics == 0
     for inst in pool.instances[:2]:  # a's own instances out too (failed probes: no cap): panic for a
-        pool._probe_failed(inst, "connection", "health probe: refused")
-    assert pool.choose(model="a") in pool.instances and pool.panics == 1
-    assert pool.choose(model="b") is unknown and pool.panics == 2  # the whole role is out: panic, whatever the model
+        pool.probe_failed(inst, "connection", "health probe: refused")
+    assert choose(pool, model="a") in pool.instances and pool.panics == 1
+    assert choose(pool, model="b") is unknown and pool.panics == 2  # the whole role is out: panic, whatever the model
 
 
 async def test_model_leaves_the_catalog_with_its_instance():

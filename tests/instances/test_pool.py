@@ -1,11 +1,11 @@
-from collections import Counter
 
 import pytest
 from helpers import wait_for
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.instances.health import OutlierSettings
-from epd_proxy.instances.pool import HALF_OPEN_SHARE, InstancePool
+from epd_proxy.instances.pool import InstancePool
+from epd_proxy.placement.choose import HALF_OPEN_SHARE, choose
 from epd_proxy.routing.policies import LeastLoaded, RoundRobin
 from epd_proxy.wire.errors import ProxyError
 
@@ -15,32 +15,6 @@ def make_pool(n, policy="least-loaded", threshold=3, **outlier):
                         policy=policy, outlier=OutlierSettings(fail_threshold=threshold, **outlier))
 
 
-async def test_idle_least_loaded_rotates_evenly():
-    pool = make_pool(3)
-    hits = Counter(pool.choose().url for _ in range(30))
-    assert sorted(hits.values()) == [10, 10, 10]
-
-
-async def test_least_loaded_prefers_fewest_inflight():
-    pool = make_pool(3)
-    a, b, c = pool.instances
-    a.inflight, b.inflight, c.inflight = 5, 1, 3
-    assert {pool.choose() for _ in range(5)} == {b}
-
-
-async def test_round_robin_order():
-    pool = make_pool(3, policy="round-robin")
-    assert [pool.choose() for _ in range(6)] == pool.instances * 2
-
-
-async def test_excluded_instances_are_avoided_while_others_exist():
-    pool = make_pool(2)
-    a, b = pool.instances
-    assert {pool.choose(exclude={a}) for _ in range(4)} == {b}
-    # With every instance excluded, a healthy one is still better than nothing.
-    assert pool.choose(exclude={a, b}) in (a, b)
-
-
 async def test_failures_take_an_instance_out_and_it_comes_back_half_open():
     pool = make_pool(2, threshold=2, ejection_time=0.05)
     a, b = pool.instances
@@ -48,11 +22,11 @@ async def test_failures_take_an_instance_out_and_it_comes_back_half_open():
     assert a.healthy
     pool.record_failure(a, "boom")
     assert a.state == "ejected"
-    assert {pool.choose() for _ in range(4)} == {b}
+    assert {choose(pool) for _ in range(4)} == {b}
     pool.record_success(a)  # a passive ejection runs its time
     assert a.state == "ejected"
     await wait_for(lambda: a.state == "half-open")  # by itself: no probe, no traffic needed
-    picks = [pool.choose() for _ in range(10)]
+    picks = [choose(pool) for _ in range(10)]
     assert 1 <= picks.count(a) <= 10 // HALF_OPEN_SHARE  # a limited share of live traffic
     pool.record_success(a)
     assert a.healthy and a.failures == 0
@@ -69,24 +43,16 @@ async def test_a_roles_only_instance_is_never_ejected_by_requests():
 async def test_with_every_instance_out_requests_route_over_all_of_them():
     pool = make_pool(2, threshold=1)
     a, b = pool.instances
-    pool._probe_failed(a, "timeout", "probe")
-    pool._probe_failed(b, "timeout", "probe")
+    pool.probe_failed(a, "timeout", "probe")
+    pool.probe_failed(b, "timeout", "probe")
     assert a.state == b.state == "ejected"
-    assert {pool.choose() for _ in range(4)} == {a, b}  # panic routing, never nothing
-    assert pool.choose(exclude={a}) is b
+    assert {choose(pool) for _ in range(4)} == {a, b}  # panic routing, never nothing
+    assert choose(pool, exclude={a}) is b
     assert pool.panics == 5
     assert not pool.reachable()
     pool.record_success(a)  # a probe ejection ends with any answer
-    assert pool.choose() is a and pool.reachable() and not pool.reachable({a})
+    assert choose(pool) is a and pool.reachable() and not pool.reachable({a})
     await pool.close()
-
-
-async def test_excluded_healthy_instances_give_way_to_a_half_open_one():
-    pool = make_pool(2, threshold=1, ejection_time=0.01)
-    a, b = pool.instances
-    pool.record_failure(a, "reset")
-    await wait_for(lambda: a.state == "half-open")
-    assert pool.choose(exclude={b}) is a
 
 
 async def test_blame_counts_once_per_client_request():
@@ -132,12 +98,12 @@ async def test_a_draining_instance_gets_no_new_requests():
     a, b = pool.instances
     pool.drain(a)
     assert a.state == "draining" and not a.healthy
-    assert {pool.choose() for _ in range(4)} == {b}
-    pool._probe_failed(b, "timeout", "probe")
-    pool._probe_failed(b, "timeout", "probe")
-    pool._probe_failed(b, "timeout", "probe")
+    assert {choose(pool) for _ in range(4)} == {b}
+    pool.probe_failed(b, "timeout", "probe")
+    pool.probe_failed(b, "timeout", "probe")
+    pool.probe_failed(b, "timeout", "probe")
     assert b.state == "ejected"
-    assert {pool.choose() for _ in range(4)} == {b}  # panic routing leaves draining ones out
+    assert {choose(pool) for _ in range(4)} == {b}  # panic routing leaves draining ones out
     await pool.close()
 
 
@@ -145,12 +111,12 @@ async def test_added_instances_get_the_same_connection_cap_and_probes():
     from epd_proxy.config import InstanceSpec
 
     pool = InstancePool("decode", [InstanceSpec("http://127.0.0.1:9", "decode")], max_connections=7)
-    pool.start_probing(60.0, 0.1)
+    pool.checks.start(60.0, 0.1)
     added = pool.add(InstanceSpec("http://127.0.0.1:10", "decode"))
     assert added.connections.max_connections == pool.instances[0].connections.max_connections == 7
-    assert set(pool._probe_tasks) == set(pool.instances)
+    assert set(pool.checks.tasks) == set(pool.instances)
     pool.remove(added)
-    assert added not in pool.instances and set(pool._probe_tasks) == set(pool.instances)
+    assert added not in pool.instances and set(pool.checks.tasks) == set(pool.instances)
     await pool.close()
     await added.connections.close()
 
@@ -159,6 +125,6 @@ async def test_the_last_instance_draining_is_not_routed_to_in_panic():
     pool = make_pool(1)
     pool.drain(pool.instances[0])
     with pytest.raises(ProxyError) as exc:
-        pool.choose()
+        choose(pool)
     assert exc.value.status == 503
     await pool.close()

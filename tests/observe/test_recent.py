@@ -81,3 +81,15 @@ async def test_bounded_and_found_by_id_newest_first():
     assert [s["id"] for s in ring.latest(2)] == ["x", "z"]
     ring.add_refused("q", "POST", "/v1/chat/completions", 429, 0.001)
     assert ring.find("q")[0]["status"] == 429 and ring.find("q")[0]["legs"] == []
+
+
+async def test_a_summary_says_where_each_leg_was_placed_and_why():
+    from epd_proxy.placement.decision import Placement
+    rec = _record()
+    d, p = rec.ctx.legs[2], rec.ctx.legs[0]
+    rec.ctx.placement = Placement(d, "least-loaded", p, "round-robin", connector="nixl")
+    s = summary(rec, 200, (30, 8, 16), 999, 0.05, 1234.5)
+    assert s["placement"] == {"decode": {"instance": "http://d:2", "why": "least-loaded"},
+                              "prefill": {"instance": "http://p:1", "why": "round-robin"},
+                              "kv_from": None, "connector": "nixl", "rank": None}
+    assert summary(_record(), 200, (30, 8, 16), 999, 0.05, 1234.5)["placement"] is None

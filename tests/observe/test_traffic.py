@@ -120,3 +120,20 @@ def test_waterfall_starts_with_the_turn_s_reuse_outcome():
     w = waterfall(_s(1.0, kv="edited"))
     assert w[0]["outcome"] == "edited" and "not reused" in w[0]["label"] and w[0]["instances"] == []
     assert [seg["stage"] for seg in waterfall(_s(1.0))][0] == "prefill"  # not looked up: no mark
+
+
+def test_the_placed_legs_stages_say_why_they_went_there():
+    s = _s(1, legs=(("decode", "http://d", False),), stages={"decode_first": 5.0})
+    why = "holds the prompt (KV events): computes the rest alone"
+    s["placement"] = {"decode": {"instance": "http://d", "why": why},
+                      "prefill": {"instance": None, "why": "none: the decode computes the prompt"},
+                      "kv_from": None, "connector": "none", "rank": None}
+    decode = [w for w in waterfall(s) if w["stage"] == "decode"]
+    assert decode[0]["why"] == why
+    s = _s(1)
+    s["placement"] = {"decode": {"instance": "http://d", "why": "least-loaded"},
+                      "prefill": {"instance": "http://p", "why": "round-robin"}, "kv_from": None,
+                      "connector": "nixl", "rank": None}
+    assert {w["stage"]: w.get("why") for w in waterfall(s) if w["stage"] in ("prefill", "decode")} == {
+        "prefill": "round-robin", "decode": "least-loaded"}
+    assert all("why" not in w for w in waterfall(_s(1)))

@@ -125,7 +125,7 @@ async def test_an_unknown_model_is_404_in_the_apis_envelope_and_not_retried(path
         if learned:
             for pool in proxy.app.pools.values():
                 for inst in pool.instances:
-                    await pool.learn_models(inst, 5.0)
+                    await pool.checks.learn_models(inst, 5.0)
         client = await clients_for(proxy, path)
         try:
             await expect_error(proxy, client, path, 404, False, model="gpt-4o")

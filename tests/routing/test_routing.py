@@ -15,6 +15,7 @@ from rendezvous import rendezvous_order
 import epd_proxy
 from epd_proxy.encode.multimodal import collect_media
 from epd_proxy.instances.load_signals import LoadSignals
+from epd_proxy.placement.choose import choose
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.cache_aware import OPEN_SLACK_MIN, OPEN_SLACK_REL, OPEN_WINDOW, CacheAware
 from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
@@ -492,23 +493,23 @@ async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_the
     # a replica that saw none of them sees them: by the anchor alone.
     views = [view_of(chat(f"Conversation number {k}", "an answer", "next")) for k in range(400)]
     keyed = [Keyed(v.anchor) for v in views]
-    before = [pool.choose(view=v) for v in keyed]
+    before = [choose(pool, view=v) for v in keyed]
     victim = pool.instances[1]
-    pool._probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
+    pool.probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
     assert victim.state == "ejected"
-    during = [pool.choose(view=v) for v in keyed]
+    during = [choose(pool, view=v) for v in keyed]
     assert all(d is b for b, d in zip(before, during) if b is not victim)
     assert victim not in during and sum(b is victim for b in before) > 50
     pool.record_success(victim)  # it answers again
     assert victim.healthy
-    assert [pool.choose(view=v) for v in keyed] == before
+    assert [choose(pool, view=v) for v in keyed] == before
     # The same turns with their shapes: this proxy remembers where it sent each. Those it
     # moved off the ejected instance stay on the instance that now holds them.
-    assert [pool.choose(view=v) for v in views] == before
-    pool._probe_failed(victim, "timeout", "probe")
-    during = [pool.choose(view=v) for v in views]
+    assert [choose(pool, view=v) for v in views] == before
+    pool.probe_failed(victim, "timeout", "probe")
+    during = [choose(pool, view=v) for v in views]
     pool.record_success(victim)
-    assert [pool.choose(view=v) for v in views] == during
+    assert [choose(pool, view=v) for v in views] == during
     await pool.close()
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import msgspec
@@ -43,17 +44,25 @@ from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.observe.metrics import ProxyMetrics, render
 from epd_proxy.observe.tokens import NO_TOKENS
 from epd_proxy.observe.version import VERSION
+from epd_proxy.placement.choose import choose
+from epd_proxy.request.admission import Admission
 from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES, speaks_anthropic
+from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.forward import Forwarder
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, client_request_id
-from epd_proxy.request.legs.connectors import check_connector_config
+from epd_proxy.request.legs.connectors import KVConnector, check_connector_config
 from epd_proxy.request.pipeline import Pipeline
-from epd_proxy.request.stored_responses import parse_path
+from epd_proxy.request.stored_responses import StoredResponses, parse_path
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing.endpoints import ROUTED
+from epd_proxy.state.guard import GuardedStore
 from epd_proxy.tenants.aliases import may_use
+from epd_proxy.tenants.limiter import Tenants
 from epd_proxy.tenants.limiter import check_config as check_tenants
 from epd_proxy.wire.errors import ProxyError, as_anthropic
+
+if TYPE_CHECKING:
+    from epd_proxy.observe.tracing import Tracing
 
 log = logging.getLogger("epd_proxy.app")
 
@@ -100,7 +109,9 @@ class ProxyApp:
 
     def __init__(self, config: ProxyConfig, *, pools: dict[str, InstancePool], membership: Membership,
                  metrics: ProxyMetrics, pipeline: Pipeline, admin: AdminApi, scrapers: list[LoadScraper],
-                 client_keys: ClientKeys | None, base_headers: Headers, forwarder: Forwarder,
+                 client_keys: ClientKeys | None, base_headers: Headers, forwarder: Forwarder, gate: EntryGate,
+                 stored: StoredResponses, reuse: TurnReuse, tenants: Tenants, admission: Admission,
+                 connector: KVConnector, state: GuardedStore | None = None, tracing: Tracing | None = None,
                  siblings: SiblingChannel | None = None, console: ConsoleApi | None = None,
                  kv_events: EventFeed | None = None) -> None:
         self.config = config
@@ -110,6 +121,15 @@ class ProxyApp:
         self.metrics = metrics
         self.scrapers = scrapers  # load signals, for the pools whose policy reads them
         self.pipeline = pipeline
+        self.gate = gate  # the slots and the access log of the requests the pipeline does not run
+        self.stored = stored  # GET /v1/responses/{id} and its cancel (request/stored_responses.py)
+        self.reuse = reuse  # multi-turn KV reuse: /status's held KV per decode
+        self.tenants = tenants  # /status's per-key use; the aliases /v1/models lists
+        self.admission = admission  # the slots kept for the top class (reloaded with the tenants)
+        self.connector = connector  # started with the app (Mooncake's engine ids)
+        self.state = state  # the shared state store, if any: /status, closed with the app
+        self.tracing = tracing
+        self.models = pools["decode"].models  # the cluster's models (every pool tells the same directory)
         self.admin = admin
         self.forwarder = forwarder  # the endpoints one instance answers (routing/endpoints.py)
         self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
@@ -178,9 +198,9 @@ class ProxyApp:
         return self.membership.topology
 
     async def start(self) -> None:
-        await self.pipeline.connector.start()
+        await self.connector.start()
         for pool in self.pools.values():
-            pool.start_probing(self.config.probe_interval, self.config.probe_timeout)
+            pool.checks.start(self.config.probe_interval, self.config.probe_timeout)
         self.membership.start()
         for scraper in self.scrapers:
             scraper.start()
@@ -196,8 +216,11 @@ class ProxyApp:
             await self.kv_events.close()
         await self.membership.close()
         await self.pipeline.close()
-        if self.pipeline.tracing is not None:
-            self.pipeline.tracing.close()
+        await self.stored.owners.written()
+        if self.state is not None:
+            await self.state.close()
+        if self.tracing is not None:
+            self.tracing.close()
         for pool in self.pools.values():
             await pool.close()
 
@@ -236,14 +259,14 @@ class ProxyApp:
         t0 = time.perf_counter()
         stored = parse_path(req.method, req.path) if handler is None else None
         if stored is not None:  # a stored response (request/stored_responses.py): the key's limits too
-            pipeline = self.pipeline
-            tenants = pipeline.tenants
-            ticket = await pipeline.enter_tenant(req, writer, stored[1], t0, key) if tenants.active else None
-            if (ticket is not None or not tenants.active) and await pipeline.admit(req, writer, stored[1], t0, ticket):
+            gate, tenants = self.gate, self.tenants
+            ticket = await gate.enter_tenant(req, writer, stored[1], t0, key) if tenants.active else None
+            if (ticket is not None or not tenants.active) and (
+                    not gate.gated or await gate.admit(req, writer, stored[1], t0, ticket)):
                 try:
-                    await pipeline.stored.handle(req, writer, *stored, scope)
+                    await self.stored.handle(req, writer, *stored, scope)
                 finally:
-                    pipeline.leave()
+                    gate.leave()
                     if ticket is not None:
                         tenants.leave(ticket, writer.status or 499, NO_TOKENS)
             self._served(req, writer, t0, key)
@@ -263,7 +286,7 @@ class ProxyApp:
 
     def _served(self, req: Request, writer: ResponseWriter, t0: float, key: str | None = None) -> None:
         """The access-log line of a request the pipeline did not run (``key``: the client key's name)."""
-        access = self.pipeline.access_log
+        access = self.gate.access_log
         if access is not None:
             rid = client_request_id(req)
             access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
@@ -274,14 +297,14 @@ class ProxyApp:
         those ``key`` may use (tenants/limiter.py). While no instance has said what it serves
         yet: a live decode instance's list, learnt and relayed as received (to a key without a
         model list; a key with one gets its models of what was learnt)."""
-        cards = self.pipeline.models.current.cards
-        tenants = self.pipeline.tenants
+        cards = self.models.current.cards
+        tenants = self.tenants
         if not cards and tenants.visible(key) is None:
             await self._models_of_one(writer)
             return
         if not cards:
             await self._models_of_one(None)
-            cards = self.pipeline.models.current.cards
+            cards = self.models.current.cards
             if not cards:
                 err = ProxyError(503, "no decode instance has said which models it serves yet")
                 writer.send(err.status, err.body(), headers=[(b"retry-after", b"5")])
@@ -292,12 +315,12 @@ class ProxyApp:
         """``GET /v1/models/{id}``: one model card of the union (vLLM itself has no such route);
         404 for a model ``key`` may not use, as for one nobody serves."""
         name = unquote(req.path[len(_MODEL_PREFIX):])
-        catalog = self.pipeline.models.current
+        catalog = self.models.current
         if not catalog.cards:  # nothing known yet: learn from a decode instance first
             await self._models_of_one(None)
-            catalog = self.pipeline.models.current
+            catalog = self.models.current
         card = catalog.card(name)
-        tenants = self.pipeline.tenants
+        tenants = self.tenants
         aliases = tenants.aliases
         if card is None and aliases is not None:
             card = next((c for c in aliases.cards(catalog.cards) if c.get("id") == name), None)
@@ -320,7 +343,7 @@ class ProxyApp:
         last: ProxyError = ProxyError(503, "no decode instance available")
         for _ in range(min(2, len(pool))):
             try:
-                inst = pool.choose(tried)
+                inst = choose(pool, tried)
             except ProxyError as err:
                 last = err
                 break
@@ -390,26 +413,26 @@ class ProxyApp:
 
     def _local_status(self) -> dict:
         pools = {role: pool.snapshot() for role, pool in self.pools.items()}
-        _with_held_kv(pools, self.pipeline.reuse)
+        _with_held_kv(pools, self.reuse)
         return {"topology": self.topology, "kv_connector": self.config.kv_connector if self.pools["prefill"]
                 else None, "pools": pools, "models": self._model_status(pools),
                 "roster": self.membership.snapshot(), "pid": os.getpid(),  # pid: which --workers worker
                 "proxy": {"version": VERSION},  # the proxy's own (GET /version answers an instance's)
                 "routing": {role: pool.policy.name for role, pool in self.pools.items()},
-                "state_store": self.pipeline.state.status() if self.pipeline.state is not None else None,
+                "state_store": self.state.status() if self.state is not None else None,
                 **({"kv_events": self.kv_events.status()} if self.kv_events is not None and self.kv_events.active
                    else {})}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
         """Per model: its roles' instances in rotation and out, ready or not and why (model_directory.py)."""
-        return model_readiness(pools, self.pipeline.models.current.parents, self.membership.required_roles())
+        return model_readiness(pools, self.models.current.parents, self.membership.required_roles())
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
         if not self.admin.allowed(req, writer, READ):  # internal addresses: access.py says who sees them
             return
         body = self._local_status()
-        if self.pipeline.tenants.active:  # each key's use of its limits (with --workers: this worker's view)
-            body["tenants"] = await self.pipeline.tenants.status()
+        if self.tenants.active:  # each key's use of its limits (with --workers: this worker's view)
+            body["tenants"] = await self.tenants.status()
         if self.siblings is not None:
             peers, supervisor = await asyncio.gather(self.siblings.ask("status"), self.siblings.supervisor())
             pools = merge_pool_status([body["pools"]] + [p["pools"] for p in peers])

@@ -3,14 +3,14 @@
 ``pick(view, known)`` answers, for one request the gateway asks about, the ordered endpoints
 of the pod that serves it (the first, then the ones the gateway's retries walk), the prefill
 its decode-side sidecar runs first when the request is disaggregated (llm-d's
-``x-prefiller-host-port``), and a short reason for each. Everything the proxy knows reaches it
-through ``known``: the decode (or PD) and prefill pools with their health, outliers, load
-signals, models and adapters, and the rule for a decode computing alone; what the request brings
-reaches it through ``view``: its routing keys (with KV events, the prefix each instance holds),
-the model the serving instance must serve, and the gateway's subset hint. The picker around it
+``x-prefiller-host-port``), the encoders of its media items (``x-encoder-hosts-ports``), and
+a short reason for each. Inside it is the proxy's own decision, ``placement.place``, over the
+very ``Known`` the composition root built for the proxy's request path: the roles' host sets
+with their health, outliers, load signals, models, adapters and policies, the block index's
+answer in the request's view, the rule for a decode computing alone. The seam only adds what a
+gateway needs besides it: the gateway's subset hint, and the fallbacks. The picker around it
 (``picker.py``) does the rest (tenants, aliases, the block index lookup) and the protocol
-adapter (``ext_proc.py``) only translates. The proxy's own request path makes its first choice
-through the same pool, so the endpoint picker and the proxy place a request alike.
+adapter (``ext_proc.py``) only translates.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from typing import Sequence
 from urllib.parse import urlsplit
 
 from epd_proxy.encode.multimodal import MediaItem
-from epd_proxy.instances.health import HEALTHY
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import ModelKey, paired_key
-from epd_proxy.instances.pool import InstancePool
-from epd_proxy.routing.disaggregation import decode_alone
+from epd_proxy.instances.models import ModelKey
+from epd_proxy.placement.decision import Known as PlacementKnown
+from epd_proxy.placement.decision import place
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 # Endpoints named per answer: the first and the fallbacks the gateway's retries walk.
@@ -36,7 +35,7 @@ class PickView:
     """What one request brings to the decision."""
 
     routing: RequestView = EMPTY_VIEW  # its routing keys (``held``: the block index's answer)
-    model: ModelKey | None = None  # what the serving instance must serve (None: any)
+    models: dict[str, ModelKey] | None = None  # per role, what its instance must serve (None: any)
     subset: frozenset[str] | None = None  # the gateway's subset hint: only these ``ip:port``s
     split: bool = True  # whether it may be disaggregated (False: an API served whole)
     items: Sequence[MediaItem] = ()  # its media items, in order (a chat's)
@@ -44,23 +43,16 @@ class PickView:
 
 @dataclasses.dataclass(frozen=True)
 class Known:
-    """What the proxy knows that the decision reads."""
+    """What the proxy knows that the decision reads: the placement's own, and the list's length."""
 
-    serving: InstancePool  # the pool whose instances serve a request (decode or PD)
+    placement: PlacementKnown
     endpoints: int = DEFAULT_FALLBACKS  # how many endpoints an answer names at most
-    prefill: InstancePool | None = None  # with instances: P/D, the serving pod's sidecar prefills there
-    encode: InstancePool | None = None  # with instances: E/P/D, the sidecar has the media encoded there
-    # The rule that sends a P/D request some decode nearly holds to that decode alone
-    # (routing/disaggregation.py): --local-prefill-max-tokens (0: off), its streams and load bounds.
-    alone_max_tokens: int = 0
-    alone_max_streams: float = 0.0
-    balance_abs: float = 0.0
-    balance_rel: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Pick:
-    """Ordered instances (empty: none eligible) and why each."""
+    """Ordered instances (empty: none eligible) and why each; the prefill and the encoders the
+    first one's sidecar is told of."""
 
     instances: tuple[Instance, ...]
     reasons: tuple[str, ...]
@@ -72,65 +64,56 @@ class Pick:
         return [endpoint(i) for i in self.instances]
 
 
+@dataclasses.dataclass(slots=True)
+class _Asking:
+    """What ``placement.place`` reads of a request (the proxy's RequestContext has the same)."""
+
+    excluded: set[Instance]
+    timed_out: frozenset[Instance]
+    view: RequestView
+    models: dict[str, ModelKey] | None
+
+
 def pick(view: PickView, known: Known) -> Pick:
-    """The instances for one request, best first; none when the subset hint leaves none the
-    pool would route to. The first is the pool's own choice (health, half-open trials, panic
-    routing, LoRA affinity, the policy over load and the block index), asked once as for the
-    proxy's own requests (a policy's cursor moves once per request); the fallbacks are the
-    other candidates, those holding more of the prompt first, then the least loaded."""
-    pool = known.serving
+    """The placement of one request for a gateway; none when the subset hint leaves none the
+    decode role would be placed on. The first endpoint is the placement's decode (with its
+    prefill and encoders); the fallbacks are the decode role's other candidates, those holding
+    more of the prompt first, then the least loaded."""
+    placing = known.placement
+    pool = placing.decode
     subset = view.subset
     excluded: set[Instance] = set()
     if subset is not None:
         excluded = {i for i in pool.instances if endpoint(i) not in subset}
-    first = pool.choose(excluded, view.routing, view.model)
-    if first in excluded:
+    ask = _Asking(set(excluded), frozenset(), view.routing, None if view.models is None else dict(view.models))
+    placed = place(ask, placing, bool(view.items), None, not view.split, None, view.items if view.split else ())
+    first = placed.decode
+    if first in excluded:  # the subset leaves none in rotation
         return Pick((), ())
-    reason = pool.policy.name
-    prefill, prefills = None, known.prefill
-    if view.split and prefills:
-        alone = _alone(view, known, first, excluded)
-        if alone is not None:  # it holds nearly all of the prompt: it computes the rest, no prefill hop
-            first, reason = alone, "computes alone"
-        else:
-            model = None if view.model is None else paired_key(view.model, first.served)
-            prefill = prefills.choose((), view.routing, model)
-    chosen = [first]
-    reasons = [_reason(first, view.routing, reason)]
-    if prefill is not None and prefills is not None:
-        reasons[0] += f"; prefill {endpoint(prefill)} ({_reason(prefill, view.routing, prefills.policy.name)})"
+    reason = placed.decode_why
+    if placed.prefill is not None:
+        reason += f"; prefill {endpoint(placed.prefill)} ({placed.prefill_why})"
+    encoders: tuple[Instance, ...] = ()
+    if placed.encoders is not None:
+        encoders = tuple(dict.fromkeys(placed.encoders[1]))  # per item; each encoder once
+        reason += f"; encoders {','.join(endpoint(e) for e in encoders)}"
+    chosen, reasons = [first], [_reason(first, view.routing, reason)]
     excluded.add(first)
     held = view.routing.held or {}
-    rest = [i for i in pool.candidates(excluded, view.model) if i not in excluded]
+    model = None if view.models is None else view.models.get("decode")
+    rest = [i for i in pool.candidates(excluded, model) if i not in excluded]
     rest.sort(key=lambda i: (-held.get(i.url, 0), i.inflight + i.signals.others))
     for inst in rest[:known.endpoints - 1]:
         chosen.append(inst)
         reasons.append(_reason(inst, view.routing, "fallback"))
-    encoders: tuple[Instance, ...] = ()
-    if view.split and view.items and known.encode:
-        encoders = tuple(dict.fromkeys(known.encode.assign(view.items)))  # per item; each encoder once
-        reasons[0] += f"; encoders {','.join(endpoint(e) for e in encoders)} ({known.encode.policy.name})"
-    return Pick(tuple(chosen), tuple(reasons), prefill, encoders)
-
-
-def _alone(view: PickView, known: Known, first: Instance, excluded: set[Instance]) -> Instance | None:
-    routing = view.routing
-    if routing.held is None or not routing.tokens:
-        return None
-    candidates = [i for i in known.serving.candidates(excluded, view.model) if i not in excluded]
-    return decode_alone(candidates, routing.held, routing.live, routing.tokens, first, routing.anchor,
-                        max_tokens=known.alone_max_tokens, max_streams=known.alone_max_streams,
-                        balance_abs=known.balance_abs, balance_rel=known.balance_rel)
+    return Pick(tuple(chosen), tuple(reasons), placed.prefill, encoders)
 
 
 def _reason(inst: Instance, routing: RequestView, why: str) -> str:
     held = routing.held
-    parts = [why]
     if held is not None and routing.tokens:
-        parts.append(f"holds {held.get(inst.url, 0)} of {routing.tokens} prompt tokens")
-    if inst.health.state is not HEALTHY:
-        parts.append(inst.health.state)
-    return ", ".join(parts)
+        return f"{why}, holds {held.get(inst.url, 0)} of {routing.tokens} prompt tokens"
+    return why
 
 
 def endpoint(inst: Instance) -> str:

@@ -6,7 +6,7 @@ composition root built (``runtime/build.py``): the client key, the key's limits 
 (``tenants/``: a refusal is a 429 or 403 in the request's API envelope), the ``--max-inflight``
 slot, the body read (``request/ingress.py``: fields the proxy owns taken out), the model alias
 (the body rewritten), the model's instances (404/400/503 as the proxy answers), an adapter
-loaded on demand, the block index lookup (``request/kv_lookup.py``); then the one decision,
+loaded on demand, the block index lookup (``placement/kv_lookup.py``); then the one decision,
 ``pick.pick``. A request it placed is held until the gateway's stream ends: its instance's
 in-flight count (what the load policies read), its speculative KV entries on the instance the
 gateway reports having served it, its key's concurrency and tokens settled from the answer's
@@ -31,12 +31,13 @@ from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ModelSeries, ProxyMetrics
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.tokens import NO_TOKENS, usage_of
+from epd_proxy.placement.decision import Known as PlacementKnown
+from epd_proxy.placement.kv_lookup import KvLookup
 from epd_proxy.request.admission import ADMIT, SHED, Admission, shed_error
 from epd_proxy.request.apis import GENERATION_APIS, speaks_anthropic
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, PROXY_OWNED_FIELDS, parse_body, request_id
-from epd_proxy.request.kv_lookup import KvLookup
 from epd_proxy.routing.endpoints import request_model
 from epd_proxy.routing.view import RequestView
 from epd_proxy.tenants.key_scope import salt
@@ -125,7 +126,8 @@ class EndpointPicker:
 
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
                  tenants: Tenants, admission: Admission, gate: EntryGate, kv: KvLookup | None,
-                 client_keys: ClientKeys | None, adapters: Adapters | None, endpoints: int) -> None:
+                 client_keys: ClientKeys | None, adapters: Adapters | None, placement: PlacementKnown,
+                 endpoints: int) -> None:
         self.config = config
         self.serving = pools["decode"]  # the pods the gateway sends requests to (decode, or PD)
         self.models = self.serving.models
@@ -136,13 +138,9 @@ class EndpointPicker:
         self.kv = kv
         self.client_keys = client_keys
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
-        prefill = pools.get("prefill")
-        # P/D through the gateway: llm-d's convention, the serving decode's sidecar runs the prefill
-        # named in x-prefiller-host-port (the proxy's rule for a decode computing alone applies).
-        self.known = Known(self.serving, endpoints, prefill=prefill, encode=pools.get("encode"),
-                           alone_max_tokens=config.local_prefill_max_tokens,
-                           alone_max_streams=config.local_prefill_max_streams,
-                           balance_abs=config.balance_abs, balance_rel=config.balance_rel)
+        # The proxy's own decision over what the composition root built for it (placement/): P/D and
+        # E/P/D through the gateway as llm-d's sidecar reads them (x-prefiller-host-port, ...).
+        self.known = Known(placement, endpoints)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.leases = 0  # requests placed and not yet ended
         self.served_elsewhere = 0  # answers the gateway reports from a fallback endpoint
@@ -292,7 +290,7 @@ class EndpointPicker:
             kv = self.kv
             if kv is not None and kv.feed.readers:
                 await kv.prepare(ctx, body, _has_media(body))
-        view = PickView(routing, ctx.model_for("decode"), subset, split, items)
+        view = PickView(routing, ctx.models, subset, split, items)
         placed = pick(view, self.known)
         if not placed.instances:
             lease.outcome = "none_eligible"

@@ -5,7 +5,7 @@ through the proxy: every instance of the adapter's base model, or the ones named
 request path (a request naming an adapter no instance has, that a configured source knows:
 ``--lora-source NAME=PATH``, ``--lora-dir DIR``). Each instance is asked with vLLM's own body
 (``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` must be on there), and what it serves is read again right
-after (``InstancePool.learn_models``), so the next request routes with the new models.
+after (``HealthChecks.learn_models``, probes.py), so the next request routes with the new models.
 
 Loads on demand are single-flight per adapter (concurrent requests wait on one load), at most
 ``--max-lora-loads`` at once, each bounded by ``--lora-load-timeout``; a failed one is
@@ -224,7 +224,7 @@ class Adapters:
         except (UpstreamError, TimeoutError, OSError) as exc:
             return Outcome(role, inst.url, None, (str(exc) or type(exc).__name__).encode())
         if status == 200 or status == 400:  # 400: it may have it already: what it serves is news either way
-            await self.pools[role].learn_models(inst, self._learn_timeout)
+            await self.pools[role].checks.learn_models(inst, self._learn_timeout)
         return Outcome(role, inst.url, status, out)
 
     def instances_of(self, base: str | None, adapter: str | None = None) -> list[tuple[str, Instance]]:
@@ -320,7 +320,7 @@ class Adapters:
         while time.monotonic() < deadline:
             await asyncio.sleep(CLAIM_POLL)
             if await self.shared.get(key) is None:  # that load ended (or the store cannot say)
-                await self.pools[role].learn_models(inst, self._learn_timeout)
+                await self.pools[role].checks.learn_models(inst, self._learn_timeout)
                 if inst.served is not None and name in inst.served.parents:
                     return Outcome(role, inst.url, 200, b"loaded by another proxy")
                 return (await self.call(LOAD, body, [(role, inst)], "on_demand"))[0]

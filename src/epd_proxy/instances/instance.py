@@ -78,7 +78,7 @@ class Instance:
         self.connections = connections  # its keep-alive connections (http/client.py)
         self.inflight = 0
         # Prompt tokens this proxy's requests in flight on it still compute, by the block index
-        # (request/kv_lookup.py): the queue ahead of the next prompt, in the unit its cost is.
+        # (placement/kv_lookup.py): the queue ahead of the next prompt, in the unit its cost is.
         self.backlog = 0
         self.health = Health()
         self.requests = 0

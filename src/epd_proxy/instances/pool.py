@@ -1,16 +1,16 @@
-"""The instances of one role, their health, and how one is chosen.
+"""One role's host set: its instances, their health, and which of them a leg may use.
 
-Each instance has one health state machine (``health.py``: healthy, ejected,
-half-open, draining) fed by a background ``GET /health`` probe and by what
-requests observe. This module is its I/O shell: it keeps the routing lists in
-step with the states, probes failing and never-yet-healthy instances at the
-fast interval, re-admits an instance (half-open) when its ejection time is
-over, fails the pending requests of an instance ejected for not answering,
-and routes over every instance when none is in rotation ("panic" routing)
-rather than over nothing. A probe that answers also reads the instance's
-``/v1/models`` (models.py): a request naming a model routes, with all the
-rules above, among the instances that serve it; a LoRA adapter's requests, placed
-with affinity among those (``routing/lora_affinity.py``) when ``affinity`` is given.
+Each instance has one health state machine (``health.py``: healthy, ejected, half-open,
+draining) fed by the active health checks (``probes.py``: ``GET /health``, then its
+``/v1/models``) and by the outlier signals requests give (``record_*``). This module is its
+shell: it keeps the lists a pick reads (in rotation, half-open, every one not draining; per
+model, among the instances serving it: ``models.py``) in step with the states, re-admits an
+instance (half-open) when its ejection time is over, fails the pending requests of an instance
+ejected for not answering, and offers every instance when none is in rotation ("panic"
+routing, counted and logged here) rather than nothing. It chooses nothing: a leg's pick
+(the half-open trial share, LoRA affinity, the policy) is the placement's
+(``placement/choose.py``); the role's policy and adapter affinity are carried here as its
+configuration. Load signals are each instance's (``load_signals.py``, ``load_scraper.py``).
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
-from epd_proxy.http.transport import TransportTimeouts, UpstreamError
+from epd_proxy.http.transport import UpstreamError
 from epd_proxy.instances.health import (
     DRAINING,
     HALF_OPEN,
     HEALTHY,
-    TIMEOUT,
     WEDGED,
     Ejection,
     OutlierRules,
@@ -38,18 +37,14 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
+from epd_proxy.instances.probes import HealthChecks
 from epd_proxy.routing import make_policy
+from epd_proxy.routing.candidate import RoutingPolicy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
-from epd_proxy.routing.policy import RoutingPolicy
-from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.pool")
 
-# Failing, ejected and never-yet-healthy instances are probed this often (at most).
-FAST_PROBE_INTERVAL = 1.0
-# A half-open instance gets one pick in this many while others are in rotation.
-HALF_OPEN_SHARE = 5
 # Panic routing is logged at most this often per role.
 PANIC_LOG_INTERVAL = 10.0
 # Per-model routing lists kept at most (a client may name any model while some instance's
@@ -77,13 +72,13 @@ class InstancePool:
         self.panics = 0  # requests routed with no instance in rotation
         self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
         self._last_panic_log = -PANIC_LOG_INTERVAL
-        self._picks = 0
-        self._probe_tasks: dict[Instance, asyncio.Task] = {}
-        self._probing: tuple[float, float] | None = None  # (interval, timeout) once started
-        # Routing lists, rebuilt on every state change (never per request).
-        self._healthy: list[Instance] = []
-        self._half_open: list[Instance] = []
-        self._panic_set: list[Instance] = []
+        self.picks = 0  # picks made while a half-open instance was there (the trial share's count)
+        # The host set as a pick reads it (placement/choose.py): lists replaced, never changed in
+        # place, on every state change (never per request): the instances in rotation, the
+        # half-open ones, and every one not draining (panic routing's).
+        self.in_rotation: list[Instance] = []
+        self.half_open: list[Instance] = []
+        self.every: list[Instance] = []
         # The three lists above per model a request named, built on first use after a change.
         self._by_model: dict[ModelKey, tuple[list[Instance], list[Instance], list[Instance]]] = {}
         self._out = 0
@@ -92,6 +87,8 @@ class InstancePool:
         self.models = models or ModelDirectory()  # the cluster's models, told of every change here
         self._refresh()
         self.models.track(self)
+        # Active health checking: GET /health and /v1/models per instance (probes.py).
+        self.checks = HealthChecks(self, headers or [])
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -99,43 +96,31 @@ class InstancePool:
     def __bool__(self) -> bool:
         return bool(self.instances)
 
-    # -- routing --------------------------------------------------------------------------
-    def choose(self, exclude: Iterable[Instance] = (), view: RequestView = EMPTY_VIEW,
-               model: ModelKey | None = None) -> Instance:
-        """An instance for one attempt, preferring ones not in ``exclude`` (those that
-        already failed this request). Never fails for a configured role: with no
-        instance in rotation it routes over all of them (panic routing). The policy
-        picks among the candidates, seeing the request's ``view`` (routing/view.py). With
-        ``model``, all of this within the instances serving it."""
+    # -- the host set as one leg's pick reads it (placement/choose.py picks) ----------------
+    def hosts(self, model: ModelKey | None = None) -> tuple[list[Instance], list[Instance], list[Instance]]:
+        """The instances in rotation, the half-open ones and every one not draining (of those
+        serving ``model``): lists replaced, never changed in place, on every change of state."""
         if model is None:
-            healthy, half_open, panic_set = self._healthy, self._half_open, self._panic_set
-        else:
-            healthy, half_open, panic_set = self._lists(model)
-        if half_open:
-            trial = self._trial(exclude, healthy, half_open)
-            if trial is not None:
-                return trial
-        candidates = self._candidates(exclude, healthy, half_open, panic_set, model)
-        if model is not None and self.affinity is not None:
-            adapter = model[0] if isinstance(model, tuple) else (
-                model if self.models.current.parents.get(model) else None)
-            if adapter is not None:
-                if self._homes_stale:
-                    self._homes_stale = False
-                    self.affinity.rehome(self._adapters_served())
-                return self.affinity.choose(candidates, adapter)
-        return self.policy.choose(candidates, view)
+            return self.in_rotation, self.half_open, self.every
+        return self._lists(model)
 
-    def assign(self, items: Sequence, exclude: Iterable[Instance] = (), model: ModelKey | None = None
-               ) -> list[Instance]:
-        """An instance per media item (encoders), chosen by the policy among the candidates."""
-        return self.policy.assign(self.candidates(exclude, model), items)
+    def adapter_of(self, model: ModelKey) -> str | None:
+        """The LoRA adapter a request's model key names (None: a base model)."""
+        if isinstance(model, tuple):
+            return model[0]
+        return model if self.models.current.parents.get(model) else None
+
+    def rehome(self) -> None:
+        """The adapters' homes (affinity) computed again after a change of the roster."""
+        if self._homes_stale and self.affinity is not None:
+            self._homes_stale = False
+            self.affinity.rehome(self._adapters_served())
 
     def candidates(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> list[Instance]:
         """The instances to route over: healthy ones not in ``exclude``; else a half-open
         one that might answer; else the healthy ones; else all of them (panic)."""
         if model is None:
-            return self._candidates(exclude, self._healthy, self._half_open, self._panic_set, None)
+            return self._candidates(exclude, self.in_rotation, self.half_open, self.every, None)
         return self._candidates(exclude, *self._lists(model), model)
 
     def _candidates(self, exclude, healthy: list[Instance], half_open: list[Instance], panic_set: list[Instance],
@@ -152,7 +137,7 @@ class InstancePool:
 
     def reachable(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> bool:
         """Whether an instance in rotation has not yet failed this request."""
-        healthy = self._healthy if model is None else self._lists(model)[0]
+        healthy = self.in_rotation if model is None else self._lists(model)[0]
         return any(i not in exclude for i in healthy)
 
     def spare(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> bool:
@@ -160,7 +145,7 @@ class InstancePool:
         counting a panic): a retry can go somewhere new, rather than back to an instance
         that already failed this request."""
         if model is None:
-            healthy, half_open, panic_set = self._healthy, self._half_open, self._panic_set
+            healthy, half_open, panic_set = self.in_rotation, self.half_open, self.every
         else:
             healthy, half_open, panic_set = self._lists(model)
         if healthy:
@@ -174,31 +159,20 @@ class InstancePool:
             if len(self._by_model) >= MODEL_LISTS:
                 self._by_model.clear()
             lists = self._by_model[model] = (
-                [i for i in self._healthy if serves(i.served, model)],
-                [i for i in self._half_open if serves(i.served, model)],
-                [i for i in self._panic_set if serves(i.served, model)])
+                [i for i in self.in_rotation if serves(i.served, model)],
+                [i for i in self.half_open if serves(i.served, model)],
+                [i for i in self.every if serves(i.served, model)])
         return lists
 
     def _adapters_served(self) -> dict[str, list[str]]:
         """Per LoRA adapter, the URLs of the instances (not draining) that serve it."""
         out: dict[str, list[str]] = {}
-        for inst in self._panic_set:
+        for inst in self.every:
             if inst.served is not None:
                 for name, parent in inst.served.parents.items():
                     if parent is not None:
                         out.setdefault(name, []).append(inst.url)
         return out
-
-    def _trial(self, exclude, healthy: list[Instance], half_open: list[Instance]) -> Instance | None:
-        """Every ``HALF_OPEN_SHARE``-th pick goes to a half-open instance: a limited share
-        of live traffic decides whether it comes back."""
-        self._picks += 1
-        if healthy and self._picks % HALF_OPEN_SHARE:
-            return None
-        for inst in half_open:
-            if inst not in exclude:
-                return inst
-        return None
 
     def _panic(self, exclude, panic_set: list[Instance], model: ModelKey | None) -> list[Instance]:
         """Routing over instances out of rotation. It is panic routing (counted, logged) only when
@@ -210,7 +184,7 @@ class InstancePool:
         if not panic_set:  # none at all, or every one draining
             serving = "" if name is None else f" serving model `{name}`"
             raise ProxyError(503, f"no {self.role} instance{serving} available", retryable=False)
-        if model is None or not self._healthy or any(i.served is not None for i in panic_set):
+        if model is None or not self.in_rotation or any(i.served is not None for i in panic_set):
             self.panics += 1
             now = time.monotonic()
             if now - self._last_panic_log >= PANIC_LOG_INTERVAL:
@@ -223,12 +197,12 @@ class InstancePool:
 
     def _refresh(self) -> None:
         insts = self.instances
-        self._healthy = [i for i in insts if i.health.state is HEALTHY]
-        self._half_open = [i for i in insts if i.health.state is HALF_OPEN]
+        self.in_rotation = [i for i in insts if i.health.state is HEALTHY]
+        self.half_open = [i for i in insts if i.health.state is HALF_OPEN]
         self._out = sum(1 for i in insts if i.health.out)
         # Draining instances get no new requests, not even in panic: otherwise one that
         # is the last of its role would never become idle and leave.
-        self._panic_set = [i for i in insts if i.health.state is not DRAINING]
+        self.every = [i for i in insts if i.health.state is not DRAINING]
         self._by_model = {}
         self._homes_stale = True  # adapter homes computed again on the next adapter request
         self.models.changed()
@@ -244,8 +218,7 @@ class InstancePool:
         inst = self._new_instance(spec)
         self.instances.append(inst)
         self._refresh()
-        if self._probing is not None:
-            self._start_probe(inst, *self._probing)
+        self.checks.added(inst)
         return inst
 
     def remove(self, inst: Instance) -> None:
@@ -255,9 +228,7 @@ class InstancePool:
             self.instances.remove(inst)
         except ValueError:
             return
-        task = self._probe_tasks.pop(inst, None)
-        if task is not None:
-            task.cancel()
+        self.checks.removed(inst)
         self._cancel_expiry(inst)
         self._refresh()
 
@@ -371,46 +342,6 @@ class InstancePool:
             inst.expiry = None
 
     # -- probes ---------------------------------------------------------------------------
-    async def _probe(self, inst: Instance, timeout: float) -> None:
-        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
-        try:
-            async with asyncio.timeout(timeout):
-                # A probe never queues behind the connection cap: a busy instance is not a dead one.
-                status, _, _ = await inst.connections.fetch("GET", "/health", timeouts=t, queue=False)
-        except UpstreamError as exc:
-            if exc.kind == "local":
-                self.record_local_error()
-                return
-            self._probe_failed(inst, TIMEOUT if exc.kind == TIMEOUT else "connection", f"health probe: {exc}")
-            return
-        except TimeoutError:
-            self._probe_failed(inst, TIMEOUT, f"health probe: no answer within {timeout:g} s")
-            return
-        except OSError as exc:
-            self._probe_failed(inst, "connection", f"health probe: {exc}")
-            return
-        if status == 200:
-            if self.rules.success(inst.health, _now(), probe=True):
-                self._changed(inst, "health probe answered")
-            await self.learn_models(inst, timeout)
-        else:
-            self._probe_failed(inst, "probe_status", f"health probe: HTTP {status}")
-
-    async def learn_models(self, inst: Instance, timeout: float) -> None:
-        """Read what ``inst`` serves from its ``/v1/models`` (after each probe that answered;
-        call it after an adapter load or unload too). An answer that is not a model list
-        leaves what was known: it is no health signal."""
-        t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
-        try:
-            async with asyncio.timeout(timeout):
-                status, _, data = await inst.connections.fetch("GET", "/v1/models", headers=self._headers,
-                                                               timeouts=t, queue=False)
-            if status != 200:
-                raise ValueError(f"HTTP {status}")
-            self.learned(inst, data)
-        except (UpstreamError, TimeoutError, OSError, ValueError) as exc:
-            log.debug("%s instance %s: /v1/models not read: %s", self.role, inst.url, exc)
-
     def learned(self, inst: Instance, body: bytes) -> None:
         """``inst``'s /v1/models answer (``body``), within its ``models`` attribute; ValueError
         when it is not a model list."""
@@ -430,47 +361,21 @@ class InstancePool:
         inst.served = pinned(inst.spec.models) if inst.spec.models else None
         self._refresh()
 
-    def _probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
+    def probe_answered(self, inst: Instance) -> None:
+        """A health probe answered 200 (probes.py): the instance may come back at once."""
+        if self.rules.success(inst.health, _now(), probe=True):
+            self._changed(inst, "health probe answered")
+
+    def probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
+        """A health probe failed (probes.py): an instance signal, never capped."""
         self._note(inst, kind, reason, None)
         verdict = self.rules.instance_failure(inst.health, _now(), kind=kind, size=len(self.instances),
                                               out=self._out, probe=True)
         if verdict is not None:
             self._ejected(inst, verdict, reason)
 
-    def start_probing(self, interval: float, timeout: float) -> None:
-        """Probe every instance, and every one added later."""
-        if interval > 0 and self._probing is None:
-            self._probing = (interval, timeout)
-            for inst in self.instances:
-                self._start_probe(inst, interval, timeout)
-
-    def _start_probe(self, inst: Instance, interval: float, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._probe_tasks[inst] = loop.create_task(self._probe_loop(inst, interval, timeout))
-
-    async def _probe_loop(self, inst: Instance, interval: float, timeout: float) -> None:
-        """One instance's probes: at ``interval`` while it is steady, at the fast
-        interval while it is failing, out, or has never answered yet."""
-        fast = min(interval, FAST_PROBE_INTERVAL)
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                await self._probe(inst, timeout)
-            except Exception:  # never let the prober die
-                log.exception("health probe loop error (%s %s)", self.role, inst.url)
-            h = inst.health
-            steady = h.state is HEALTHY and h.failures == 0 and h.seen_healthy
-            # Periods run from each probe's start: a probe that timed out has waited already.
-            await asyncio.sleep(max(0.0, started + (interval if steady else fast) - loop.time()))
-
     async def close(self) -> None:
-        tasks, self._probe_tasks = list(self._probe_tasks.values()), {}
-        self._probing = None
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.checks.close()
         for inst in self.instances:
             self._cancel_expiry(inst)
             await inst.connections.close()

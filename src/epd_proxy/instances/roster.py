@@ -224,3 +224,10 @@ def roster_diff(current: Iterable[InstanceSpec], desired: Iterable[InstanceSpec]
             diff.changed.append((old, spec))
     diff.removed = [s for url, s in have.items() if url not in want]
     return diff
+
+
+def needs_role(config, role: str) -> bool:
+    """Whether a stage is needed even while its pool is empty (its requests answered 503, not
+    served without it): the topology is pinned to it, or the flags gave it instances; otherwise
+    it runs while it has instances."""
+    return role in TOPOLOGY_ROLES.get(config.topology, ()) or bool(getattr(config, role))

@@ -9,7 +9,8 @@ per request forever, for a page nobody may open. So the ring is off until a cons
 
 A summary holds what the access log already shows of a request (id, path, model, status,
 outcome, the instances of its legs, its stage times, tokens, the turn's multi-turn KV reuse
-outcome) and nothing more: no client address, no key, no body.
+outcome), where its last attempt's legs were placed and why (``placement/decision.py``), and
+nothing more: no client address, no key, no body.
 """
 
 from __future__ import annotations
@@ -34,30 +35,32 @@ def captured(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, second
     if ctx is None:
         legs: tuple = ()
         timings: dict = {}
-        kv = None
+        kv = placement = None
     else:
+        placement = ctx.placement  # the last attempt's (read as plain data only when shown)
         kv = ctx.kv_outcome  # multi-turn KV reuse (request/turns/outcomes.py), None: not looked up
         excluded = ctx.excluded
         legs = tuple((inst.role, inst.url, inst in excluded) for inst in ctx.legs)
         timings = ctx.timings  # the request is over: nothing adds to it any more
     return (rec.request_id, rec.method, rec.path, rec.model, status, rec.outcome, rec.stream, end, seconds,
-            rec.first_byte, rec.gap, tokens, rec.items, legs, timings, nbytes, kv)
+            rec.first_byte, rec.gap, tokens, rec.items, legs, timings, nbytes, kv, placement)
 
 
 def as_summary(kept: tuple) -> dict:
     """One finished request as the console shows it (plain data, JSON-ready). ``end``: wall
     time at its end; ``legs``: each instance called, in order, as ``[role, url, failed]``
     (``failed``: it failed this request, which went on elsewhere or ended in error); ``kv_outcome``:
-    what became of the turn's chance to reuse decode's KV (``turns/outcomes.py``; None: not looked up)."""
+    what became of the turn's chance to reuse decode's KV (``turns/outcomes.py``; None: not looked up);
+    ``placement``: per leg, the instance and why it went there (None: never placed)."""
     (rid, method, path, model, status, outcome, stream, end, seconds, first_byte, gap, tokens, items, legs,
-     timings, nbytes, kv) = kept
+     timings, nbytes, kv, placement) = kept
     prompt, completion, cached = tokens
     return {"id": rid, "method": method, "path": path, "model": model, "status": status, "outcome": outcome,
             "stream": stream, "end": round(end, 3), "total_ms": _ms(seconds), "first_byte_ms": _ms(first_byte),
             "itl_ms": _ms(gap), "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
             "items": items, "legs": [list(leg) for leg in legs],
             "stages_ms": {stage: round(s * 1000, 3) for stage, s in timings.items()}, "bytes": nbytes,
-            "kv_outcome": kv}
+            "kv_outcome": kv, "placement": None if placement is None else placement.summary()}
 
 
 def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float, end: float) -> dict:
@@ -68,7 +71,7 @@ def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds
 def refused(request_id: str, method: str, path: str, status: int, seconds: float, end: float) -> tuple:
     """A request refused before it was parsed (admission's 429, a 503 while shutting down)."""
     return (request_id, method, path, None, status, "error", False, end, seconds, None, None, (None, None, None), 0,
-            (), {}, 0, None)
+            (), {}, 0, None, None)
 
 
 class RecentRequests:

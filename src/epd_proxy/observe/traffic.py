@@ -219,7 +219,8 @@ def waterfall(s: dict) -> list[dict]:
     connectors: the KV is read then) or beside it (push connectors: ``kv_handoff`` is
     decode's wait once the prefill answered); then the first byte to the client and, for a
     stream, the relay until the last byte. A turn looked up for multi-turn KV reuse starts
-    with its outcome (``kv_reuse``, a mark at 0, with the decode it was held on when reused)."""
+    with its outcome (``kv_reuse``, a mark at 0, with the decode it was held on when reused);
+    the prefill's and the decode's stage say why the last attempt placed them there (``why``)."""
     stages = s["stages_ms"]
     legs = s["legs"]
     total = s["total_ms"] or 0.0
@@ -267,6 +268,12 @@ def waterfall(s: dict) -> list[dict]:
             add("decode", label, t, decode, "decode")
         elif not stages and legs:  # failed before any stage finished: where it went
             add("decode", "no stage finished", 0.0, total, legs[-1][0])
+    placed = s.get("placement")
+    if placed is not None:  # the placed legs' stages say why they went where they did
+        for entry in out:
+            leg = placed.get(entry["stage"])
+            if isinstance(leg, dict) and leg["instance"]:
+                entry["why"] = leg["why"]
     if s["first_byte_ms"] is not None:
         fb = s["first_byte_ms"]
         out.append({"stage": "first_byte", "label": "first byte to the client", "start_ms": round(fb, 3),

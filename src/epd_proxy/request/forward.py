@@ -35,12 +35,13 @@ from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.tokens import NO_TOKENS, usage_of
 from epd_proxy.request.apis import speaks_anthropic
 from epd_proxy.request.context import RequestContext
+from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import request_id
 from epd_proxy.request.legs.upstream import UpstreamStage
-from epd_proxy.request.pipeline import Pipeline
 from epd_proxy.request.relay import relay_body
 from epd_proxy.routing.endpoints import ROUTED, least_loaded_first, request_model, roles_for
 from epd_proxy.routing.policies import LeastLoaded
+from epd_proxy.tenants.limiter import Tenants
 from epd_proxy.wire.errors import ProxyError
 
 _JSON = b"application/json"
@@ -54,14 +55,15 @@ class Forwarder:
     """Serves the routed endpoints (``ROUTED``) through the role pools."""
 
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics,
-                 pipeline: Pipeline, base_headers: Headers) -> None:
+                 gate: EntryGate, tenants: Tenants, base_headers: Headers) -> None:
         t = config.timeouts
         timeouts = TransportTimeouts(connect=t.connect, headers=t.decode_first, idle=t.stream_idle)
         self.pools = pools
         self.stages = {role: UpstreamStage(pool, timeouts) for role, pool in pools.items()}
         self.metrics = metrics
-        self.pipeline = pipeline  # admission: the same --max-inflight slots and queue
-        self.models = pipeline.models  # the cluster's models (instances/model_directory.py)
+        self.gate = gate  # admission: the same --max-inflight slots and queue as the pipeline's
+        self.tenants = tenants
+        self.models = pools["decode"].models  # the cluster's models (instances/model_directory.py)
         self.policy = LeastLoaded()  # among the candidates of every pool the endpoint may use
         self._base_headers = base_headers
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
@@ -70,11 +72,12 @@ class Forwarder:
         """``key``: the name of the client key the request presented (the access log's)."""
         path = req.path
         t0 = time.perf_counter()
-        tenants = self.pipeline.tenants
-        ticket = await self.pipeline.enter_tenant(req, writer, path, t0, key) if tenants.active else None
+        tenants = self.tenants
+        gate = self.gate
+        ticket = await gate.enter_tenant(req, writer, path, t0, key) if tenants.active else None
         if tenants.active and ticket is None:
             return  # over its key's limits: answered
-        if not await self.pipeline.admit(req, writer, path, t0, ticket):  # refused: the ticket given back
+        if gate.gated and not await gate.admit(req, writer, path, t0, ticket):  # refused: the ticket given back
             return
         ctx = RequestContext(request_id(req), path, self._base_headers)
         get = ROUTED[path].method == "GET"  # names no model: any instance of its pools answers
@@ -114,13 +117,13 @@ class Forwarder:
                 writer.send(err.status, err.body(speaks_anthropic(path)), err.content_type(), headers)
         finally:
             ctx.release_all()
-            self.pipeline.leave()
+            gate.leave()
             seconds = time.perf_counter() - t0
             status = writer.status or 499
             if ticket is not None:
                 tenants.leave(ticket, status, usage_of(answer) if answer is not None else NO_TOKENS)
             self.metrics.observe_request(path, status, seconds, series=series)
-            access = self.pipeline.access_log
+            access = gate.access_log
             if access is not None:
                 access.other(ctx.request_id, req.method, path, status, writer.bytes_sent, seconds, req.peer,
                              req.headers, model=model if type(model) is str else None, key=key)

@@ -10,7 +10,6 @@ is an in-band error in the stream's own form (``request/apis.py``).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -22,16 +21,17 @@ from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import paired_key
 from epd_proxy.instances.pool import InstancePool
-from epd_proxy.instances.roster import TOPOLOGY_ROLES
+from epd_proxy.instances.roster import needs_role
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
+from epd_proxy.placement.decision import HOLDS_PROMPT, Known, Placement, again, place, worth_retrying
 from epd_proxy.request.admission import ADMIT, SHED, Admission, overloaded
+from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import (
     GENERATE,
     GENERATION_APIS,
@@ -48,31 +48,20 @@ from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, parse_body, request_id
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.legs.fanout import EncoderFanout
-from epd_proxy.request.legs.stage_bodies import decode_body, stream_options_with_usage
+from epd_proxy.request.legs.stage_bodies import stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
-from epd_proxy.request.relay import StreamRelay, kept_bytes, relay_stream
-from epd_proxy.request.shared_homes import shared_homes
-from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
-from epd_proxy.request.turns.multiturn import (
-    LOCAL_PREFILL_PARAMS,
-    NO_PARAMS,
-    NO_PARAMS_TAIL,
-    carries_params,
-    strip_token_ids,
-)
+from epd_proxy.request.relay import StreamRelay
+from epd_proxy.request.stored_responses import StoredResponses
 from epd_proxy.request.turns.reuse import TurnReuse
-from epd_proxy.request.turns.streams import MARK
-from epd_proxy.request.usage.hidden import HiddenUsage
-from epd_proxy.request.usage.rewrite import rewrite_usage
 from epd_proxy.routing.view import RequestView
-from epd_proxy.state.guard import GuardedStore
 from epd_proxy.tenants.key_scope import salt
 from epd_proxy.tenants.limiter import Tenants, Ticket
 from epd_proxy.wire.errors import ProxyError, drop_traceback
 
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
-    from epd_proxy.request.kv_lookup import KvLookup
+    from epd_proxy.placement.kv_lookup import KvLookup
+    from epd_proxy.request.shared_homes import SharedHomes
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -80,12 +69,13 @@ class Pipeline:
     """Runs requests through the configured pools with one KV connector."""
 
     def __init__(self, config: ProxyConfig, pools: dict[str, InstancePool], metrics: ProxyMetrics, *,
-                 fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly, admission: Admission,
-                 role_caps: dict[str, Admission], base_headers: Headers, access_log: AccessLog | None = None,
-                 tracing: Tracing | None = None, adapters: Adapters | None = None,
-                 recent: RecentRequests | None = None, state: GuardedStore | None = None,
-                 tenants: Tenants | None = None, kv: KvLookup | None = None) -> None:
-        t = config.timeouts
+                 known: Known, fanout: EncoderFanout, connector: KVConnector, decode_only: DecodeOnly,
+                 admission: Admission, role_caps: dict[str, Admission], gate: EntryGate, reuse: TurnReuse,
+                 answers: Answers, stored: StoredResponses, media_policy: MediaPolicy, deadlines: Deadlines | None,
+                 tenants: Tenants, base_headers: Headers, recent: RecentRequests,
+                 tracing: Tracing | None = None, adapters: Adapters | None = None, kv: KvLookup | None = None,
+                 homes: SharedHomes | None = None) -> None:
+        """Every collaborator is built for it (``runtime/build.py``)."""
         self.config = config
         self.metrics = metrics
         # Every role's pool exists, possibly empty (instances register at run time).
@@ -95,12 +85,11 @@ class Pipeline:
         self.models = self.decode.models  # the cluster's models (every pool tells the same directory)
         # Loads a LoRA adapter no instance has when a source knows it (None, or without sources: never).
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
-        # A stage is needed (its empty pool answers 503) when the topology is pinned to
-        # it or the flags gave it instances; otherwise it runs while it has instances.
-        needed = set(TOPOLOGY_ROLES.get(config.topology, ()))
-        needed.update(r for r in ("encode", "prefill") if getattr(config, r))
-        self._need_encode = "encode" in needed
-        self._need_prefill = "prefill" in needed
+        self.known = known  # what the placement knows besides the request (placement/decision.py)
+        self._debug = log.isEnabledFor(logging.DEBUG)  # each placement's reasons logged (set at start-up)
+        # The encode stage runs while encoders are there, or when the topology needs it (its empty
+        # pool then answers 503).
+        self._need_encode = needs_role(config, "encode")
         self.fanout = fanout
         self.connector = connector
         self.decode_only = decode_only  # no prefill instances (E+PD, PD)
@@ -108,41 +97,35 @@ class Pipeline:
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
-        self._dp_counter = itertools.count()
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
         self._salt_per_key = config.access.cache_salt_per_key  # vLLM's cache_salt from each client key
-        self.media_policy = MediaPolicy.of(config.media)
-        # Read on every chat request (and E+PD's): bound here, not looked up in the config each time.
+        self.media_policy = media_policy
+        # Read on every chat request: bound here, not looked up in the config each time.
         self._ignore_client_uuids = config.media.ignore_client_uuids
-        self._ec_consumer_dp_size = config.encoders.ec_consumer_dp_size
         self.admission = admission
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
         self.role_caps = role_caps
-        self.first_byte = t.first_byte
-        self.deadlines = Deadlines(t.first_byte) if t.first_byte > 0 else None
+        self.first_byte = config.timeouts.first_byte
+        self.deadlines = deadlines  # the first-byte timeout's sweep (None: no such timeout)
         # Set by the shutdown (serve.py): ``closing`` refuses new requests with 503,
         # ``stopping`` ends the ones still running (see handle's CancelledError branch).
         self.stopping = False
         self.tracing = tracing  # when OTEL_* turns it on
         # The console's ring of recent requests (recent.py): filled only while someone looks.
-        self.recent = recent if recent is not None else RecentRequests()
-        # Responses stored on the decode instance that made them (stored_responses.py).
-        self.state = state  # the shared state store, if any (state/)
-        self.stored = StoredResponses(config, self.decode, ResponseOwners(shared=state), metrics, base_headers)
+        self.recent = recent
+        self.stored = stored  # Responses stored on the decode instance that made them (stored_responses.py)
         # Multi-turn KV reuse (turns/reuse.py): decode's parameters kept for each conversation's next turn.
-        self.reuse = TurnReuse(config, prefill=self.prefill, decode=self.decode, connector=connector,
-                               decode_only=decode_only, models=self.models, base_headers=base_headers,
-                               shared=state, kv=kv)
-        self.turns = self.reuse.store
+        self.reuse = reuse
+        self.turns = reuse.store
+        self.answers = answers  # what decode's answer goes through (answer.py)
         self.server_timing = ServerTiming()
         # Per-key limits, classes, model rules and aliases (tenants/limiter.py); off (inactive,
         # no aliases) without the cluster file's tables: two attribute tests per request.
-        self.tenants = tenants if tenants is not None else Tenants.off()
-        # The key's limits and the slot, before the body is read (entry_gate.py).
-        self.gate = EntryGate(config, admission, self.tenants, metrics, self.recent, access_log, self.models)
-        self.kv = kv  # the block index from KV events, consulted before routing (kv_lookup.py)
-        self.homes = shared_homes(state, pools)  # where other replicas sent turns (shared_homes.py)
+        self.tenants = tenants
+        self.gate = gate  # the key's limits and the slot, before the body is read (entry_gate.py)
+        self.kv = kv  # the block index from KV events, consulted before the placement (placement/kv_lookup.py)
+        self.homes = homes  # where other replicas sent turns, consulted before the placement (shared_homes.py)
 
     @property
     def access_log(self) -> AccessLog | None:
@@ -201,7 +184,7 @@ class Pipeline:
                 except ProxyError as failed:
                     raise self._not_found(failed, rec) from None
                 ctx, body, items = self._prepare(req, rec, scope)  # routed with the adapter where it was loaded
-            leg = await self._open_in_time(ctx, body, items)
+            leg = await self._open(ctx, body, items)
             await self._answer(writer, ctx, body, leg, rec)
         except ProxyError as err:
             self._answer_error(writer, err, rec)
@@ -281,25 +264,42 @@ class Pipeline:
             self.tenants.model_ids(ticket.key, self.models.current)
         return err if ids is None else self.models.current.not_found(str(rec.model), ids)
 
-    async def _open_in_time(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
-        """``_open`` under the first-byte deadline (``--first-byte-timeout``), if there is one."""
-        if self.deadlines is None:
-            return await self._open(ctx, body, items)
-        task = self.deadlines.enter()
+    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+        """Attempts until decode is open and checked, under the first-byte deadline
+        (``--first-byte-timeout``) if there is one; retryable failures get a fresh attempt."""
+        deadlines = self.deadlines
+        task = None if deadlines is None else deadlines.enter()
+        attempt = 0
         try:
-            return await self._open(ctx, body, items)
+            while True:
+                first_leg = len(ctx.legs)
+                try:
+                    return await self._attempt(ctx, body, items)
+                except ProxyError as err:
+                    if not err.retryable or attempt >= self.retries or not worth_retrying(ctx, self.known, err.unsent):
+                        raise
+                    drop_traceback(err)
+                    attempt += 1
+                    self.metrics.retries += 1
+                    retried = self.metrics.instance_retries
+                    for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
+                        if inst in ctx.excluded:
+                            key = (inst.role, inst.url)
+                            retried[key] = retried.get(key, 0) + 1
+                    log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
         except asyncio.CancelledError:
-            if not self.deadlines.expired(task):
+            if task is None or not deadlines.expired(task):  # type: ignore[union-attr]  # task: deadlines
                 raise
             # The cancellation closed every leg on its way out (their finally blocks).
             task.uncancel()
             raise ProxyError(504, f"no response within the first-byte timeout "
                                   f"({self.first_byte:g} s); the request was abandoned") from None
         finally:
-            self.deadlines.leave(task)
-            # Kept in this frame, the task would close a reference cycle through the
-            # traceback of a later failure (the task holds its exception).
-            task = None  # type: ignore[assignment]
+            if task is not None:
+                deadlines.leave(task)  # type: ignore[union-attr]
+                # Kept in this frame, the task would close a reference cycle through the
+                # traceback of a later failure (the task holds its exception).
+                task = None
 
     async def _answer(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                       rec: RequestRecord) -> None:
@@ -312,45 +312,19 @@ class Pipeline:
         self.metrics.observe_commit(rec.path, since, ctx.upstream, leg.body is None, rec.series)
         ok = False
         try:
-            report = ctx.prefill_report  # P/D: the client's usage is the request's (usage/rewrite.py)
             api = ctx.api
-            if api is not None:
-                report = report if api.rewrite_usage else None
-                if api.stateful and body.get("store") is not False:
-                    self._remember(leg, ctx.scope)
+            if api is not None and api.stateful and body.get("store") is not False:
+                self._remember(leg, ctx.scope)
             if leg.body is not None:
-                answer = leg.body
-                # An answer without decode's parameters is told by its last bytes (inline: every
-                # non-stream answer passes here; multiturn.carries_params is the whole test).
-                if answer.find(NO_PARAMS, len(answer) - NO_PARAMS_TAIL) < 0 and carries_params(answer):
-                    answer = self.reuse.keep(ctx, body, leg, answer)
-                    if self.reuse.writes:  # a shared store: in it before the client can send the next turn
-                        await self.reuse.written()
-                elif ctx.ids_asked:
-                    answer = strip_token_ids(answer)
-                    self.reuse.answered_plain(ctx, leg.inst)  # a decode that keeps no blocks: not asked again
-                rec.answer = (answer if report is None else rewrite_usage(answer, report) if api is None
-                              else api.client_answer(answer, report))
+                answers = self.answers
+                rec.answer = answers.whole(ctx, body, leg, api)
+                if answers.writes:  # a kept turn: in the shared store before the client can send the next
+                    await answers.written()
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
                 ok = True
                 rec.outcome = "ok"
                 return
-            hide = rec.hide_usage  # the client did not ask for the usage event: taken out
-            turns = self.turns
-            if turns is None or not (turns.active or ctx.ids_asked):
-                relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion,
-                                           ctx if hide or ((report is not None or leg.companion is not None)
-                                                           and (_wants_usage(body) or (api is not None
-                                                                                       and api.usage_event)))
-                                           else None,
-                                           HiddenUsage() if hide else None, body.get("n") in (None, 1), api)
-                if turns is not None and (relay.last.find(MARK) >= 0 or relay.prev.find(MARK) >= 0):
-                    # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
-                    # stream, a later vLLM's chat or completions stream, in its last event): reuse
-                    # is on from here; these blocks are let go.
-                    self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last, whole=False)
-            else:
-                relay = await self._relay_kept(writer, ctx, body, leg, headers, report, hide, api)
+            relay = await self.answers.stream(writer, ctx, body, leg, headers, rec.hide_usage, api)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
@@ -363,29 +337,6 @@ class Pipeline:
         finally:
             if leg.companion is not None:
                 self._settle(leg.companion, keep=ok)
-
-    async def _relay_kept(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
-                          headers: Headers, report: object, hide: bool, api: GenerationApi | None) -> StreamRelay:
-        """A stream where decodes keep blocks: its last event's parameters (turns/streams.py)
-        taken out by a relay that looks at the ending events, and with the token ids decode
-        holds in the stream (generate's; chat's and completions' when the client asked), the
-        whole stream kept to read the answer back for the next turn."""
-        asked = ctx.ids_asked  # the proxy asked for them: kept, and taken out of each event
-        keeping = asked or ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
-        usage = hide or api is None or ((report is not None or leg.companion is not None)
-                                        and (_wants_usage(body) or api.usage_event))
-        relay = await relay_stream(writer, leg.resp, leg.first, headers, leg.companion, ctx if usage else None,
-                                   HiddenUsage() if hide else None, body.get("n") in (None, 1), api, keeping,
-                                   asked)  # with api None: a usage relay
-        kept = kept_bytes(relay) if keeping else None
-        whole = kept is not None
-        if kept is None:
-            kept = relay.prev + relay.last  # the last event: its parameters, to let them go
-        if kept.find(MARK) >= 0:
-            self.reuse.keep_stream(ctx, body, leg, kept, whole)
-        elif relay.error is None and api is None:
-            self.reuse.stream_ended_plain(ctx, leg.inst, body)
-        return relay
 
     def _answer_error(self, writer: ResponseWriter, err: ProxyError, rec: RequestRecord) -> None:
         """A failure before the commit is the client's status; after it the relay has said it in-band."""
@@ -448,94 +399,51 @@ class Pipeline:
         log.warning("request %s: ended by the shutdown timeout", rid)
         return True
 
-    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
-        """Attempts until decode is open and checked; retryable failures get a fresh attempt."""
-        attempt = 0
-        while True:
-            first_leg = len(ctx.legs)
-            try:
-                return await self._attempt(ctx, body, items)
-            except ProxyError as err:
-                if not err.retryable or attempt >= self.retries or not self._may_retry(ctx, err):
-                    raise
-                drop_traceback(err)
-                attempt += 1
-                self.metrics.retries += 1
-                retried = self.metrics.instance_retries
-                for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
-                    if inst in ctx.excluded:
-                        key = (inst.role, inst.url)
-                        retried[key] = retried.get(key, 0) + 1
-                log.info("request %s: attempt %d failed (%s); retrying", ctx.request_id, attempt, err.message)
-
     async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
-        """One attempt builds every handle anew from the untouched client body."""
+        """One attempt: what the placement needs looked up (only where its feature applies), the
+        placement made (placement/decision.py), and carried out, every handle built anew from the
+        untouched client body."""
         ctx.prefill_report = None
         ctx.ids_asked = False  # this attempt's decode, asked below
         if ctx.api is not None and ctx.whole is not None:
             return await self._whole(ctx, body)
-        models = ctx.models  # None (the common case): every instance serves the request's model
         kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
-        if self.homes is not None and ctx.view is not None:
+        if self.homes is not None and ctx.view is not None:  # where other replicas sent turns (shared_homes.py)
             await self.homes.recall(ctx.view)
-        d = self.decode.choose(ctx.excluded, ctx.view, None if models is None else models["decode"])
-        # Every instance left has failed this request: never one that timed out on it.
-        if ctx.timed_out:
-            d = _not_timed_out(self.decode, d, ctx)
-        if models is not None:  # an adapter's KV is valid only on its base: prefill's must match
-            models["prefill"] = paired_key(models["decode"], d.served)
-        p = self.prefill.choose(ctx.excluded, ctx.view, None if models is None else models["prefill"]) \
-            if self.prefill or self._need_prefill else None
-        if ctx.timed_out and p is not None:
-            p = _not_timed_out(self.prefill, p, ctx)
-        dp_headers, consumer_zmq = self._ec_consumer(d)
+        reuse = self.reuse
+        turns = self.turns
+        # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
+        reusing = turns is not None and (ctx.api is None or ctx.path == GENERATE)
+        found = await reuse.lookup(ctx, body, bool(items)) if reusing and turns.active else None  # type: ignore[union-attr]
+        encoded = items if items and (self.encode or self._need_encode) else ()
+        placed = place(ctx, self.known, bool(items), found, False, None, encoded)
+        if self._debug:
+            log.debug("request %s: placed %s", ctx.request_id, placed.reasons())
+        ctx.placement = placed
+        if kv is not None:  # the chosen instance's blocks counted as held there (speculative entries)
+            if placed.decode_why is HOLDS_PROMPT:
+                counts = self.metrics.not_disaggregated
+                counts["cached"] = counts.get("cached", 0) + 1
+            kv.chosen(placed.prefill or placed.decode, ctx)
         caps = self.role_caps
-        if items and (self.encode or self._need_encode):
+        if encoded:
             cap = caps.get("encode") if caps else None
             if cap is not None:
                 await _take_slot("encode", cap)
             t = time.perf_counter()
             try:
-                body = await self.fanout.run(ctx, body, items, consumer_zmq)
+                body = await self.fanout.run(ctx, body, items, placed.consumer_zmq, placed.encoders)
             finally:
                 ctx.upstream += time.perf_counter() - t
                 if cap is not None:
                     cap.leave()
-        turns = self.turns
-        if turns is not None and (ctx.api is None or ctx.path == GENERATE) and (
-                turns.active or (p is not None and self.reuse.probes(d))):
-            # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
-            # Before any decode has answered with parameters, a decode not heard from yet is asked
-            # too: its first answer may be kept (the first conversation's second turn reuses).
-            if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
-                # The tokens decode will hold: what the next turn's prompt is checked against.
-                body = dict(body, return_token_ids=True)
-                ctx.ids_asked = True
-            local = None
-            if ctx.turn_tried:
-                self.reuse.again(ctx)
-            elif turns.active:
-                local = await self.reuse.previous_turn(ctx, turns, body, p, bool(items))
-            if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids") and not items
-                    and self.reuse.asks_stream_ids(ctx, body, local or d)):
-                # A decode that sends its parameters in a stream: asked for the token ids the next
-                # turn is checked against, taken out of what the client gets (IdStrippingRelay).
-                body = dict(body, return_token_ids=True)
-                ctx.ids_asked = True
-            if local is not None:  # the prefill skipped: the decode holding the rest computes the new part
-                t = time.perf_counter()
-                try:
-                    return await self.decode_only.open(ctx, LegPlan(decode_body(body, kv=LOCAL_PREFILL_PARAMS),
-                                                                    None, local, dp_headers))
-                finally:
-                    ctx.upstream += time.perf_counter() - t
-        if kv is not None:  # disaggregated only when it pays (kv_lookup.py)
-            p, alone = kv.place(ctx, p, d, bool(items), self.config, self.metrics.not_disaggregated)
-            if alone is not d:  # the decode holding the prompt computes it: its own data-parallel rank
-                d = alone
-                dp_headers = self._ec_consumer(d)[0]
+        if reusing and (turns.active or (placed.prefill is not None  # type: ignore[union-attr]
+                                         and reuse.probes(placed.decode))):
+            # What the decode is asked for the next turn, and the previous turn used as placed.
+            body = await reuse.prepare(ctx, body, placed, found, bool(items))
+        p = placed.prefill
         connector = self.connector if p is not None else self.decode_only
         cap = caps.get("prefill") if caps and p is not None else None
         if cap is not None:
@@ -543,11 +451,15 @@ class Pipeline:
             await _take_slot("prefill", cap)
         t = time.perf_counter()
         try:
-            return await connector.open(ctx, LegPlan(body, p, d, dp_headers))
+            return await connector.open(ctx, LegPlan(body, placed, self._again))
         finally:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
                 cap.leave()
+
+    def _again(self, ctx: RequestContext, placed: Placement) -> Instance | None:
+        """The placement's decode made again without the ones that failed (the KV hand-over)."""
+        return again(placed, ctx, self.known)
 
     def _api_request(self, ctx: RequestContext, api: GenerationApi, body: dict) -> list[MediaItem]:
         """Another generation API (apis.py): its media checked, whether it is split, and the
@@ -570,17 +482,14 @@ class Pipeline:
     async def _whole(self, ctx: RequestContext, body: dict) -> DecodeLeg:
         """A request served whole by one decode (or PD) instance: the one that holds its
         previous response, else the pool's choice."""
-        d = None
+        owner = None
         prev = body.get("previous_response_id") if ctx.whole == PREVIOUS_RESPONSE else None
         if isinstance(prev, str):
-            d = await self.stored.locate(ctx, prev)
-        if d is None or d in ctx.timed_out:
-            d = self.decode.choose(ctx.excluded, ctx.view, ctx.model_for("decode"))
-            if ctx.timed_out:
-                d = _not_timed_out(self.decode, d, ctx)
+            owner = await self.stored.locate(ctx, prev)
+        placed = ctx.placement = place(ctx, self.known, whole=True, owner=owner)
         t = time.perf_counter()
         try:
-            return await self.decode_only.open(ctx, LegPlan(body, None, d))
+            return await self.decode_only.open(ctx, LegPlan(body, placed))
         finally:
             ctx.upstream += time.perf_counter() - t
 
@@ -589,17 +498,6 @@ class Pipeline:
         rid = response_id(leg.body, False) if leg.body is not None else response_id(leg.first, True)
         if rid:
             self.stored.owners.remember(rid, leg.inst.url, scope)
-
-    def _may_retry(self, ctx: RequestContext, err: ProxyError) -> bool:
-        """A retry runs prefill again: only worth it when a decode can take the request now,
-        one that has not failed it, or one still in rotation that failed it for the request's
-        sake (an HTTP 500, an in-band error), not by refusing it or timing out. Otherwise the
-        failure is the answer, and no prefill's KV is left held for a decode that will not
-        read it."""
-        if not self.prefill or self.decode.spare(ctx.excluded, ctx.model_for("decode")):
-            return True
-        return not err.unsent and any(i.healthy and i in ctx.excluded and i not in ctx.timed_out
-                                      for i in self.decode.instances)
 
     def _settle(self, companion: asyncio.Task, keep: bool) -> None:
         """A leg still running when the response is over: left to finish in the background
@@ -626,9 +524,6 @@ class Pipeline:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.reuse.close()
-        await self.stored.owners.written()
-        if self.state is not None:
-            await self.state.close()
         await self.tenants.close()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -644,34 +539,8 @@ class Pipeline:
         extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
         return self._base_headers + extra if extra else self._base_headers
 
-    def _ec_consumer(self, d: Instance) -> tuple[Headers | None, str | None]:
-        """E+PD with a push EC connector: the decode replica that receives the embeddings."""
-        spec = d.spec  # its addresses: from its registration or --ec-consumer-zmq-addrs
-        dp = spec.dp_size if spec.dp_size > 1 else self._ec_consumer_dp_size
-        rank = next(self._dp_counter) % dp if dp > 1 else None
-        headers = [(b"x-data-parallel-rank", str(rank).encode())] if rank is not None else None
-        addrs = spec.ec_zmq_addrs
-        zmq = addrs[(rank or 0) % len(addrs)] if addrs else None
-        return headers, zmq
-
 
 _RETRY_AFTER = {503: b"5", 429: b"1"}
-
-
-def _wants_usage(body: dict) -> bool:
-    """A stream whose client asked for the usage event (``stream_options.include_usage``)."""
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
-def _not_timed_out(pool: InstancePool, inst: Instance, ctx: RequestContext) -> Instance:
-    """``inst``, or another instance of its role if it timed out on this request; a 504 when
-    every one left did."""
-    if inst in ctx.timed_out:
-        inst = pool.choose(ctx.timed_out, ctx.view, ctx.model_for(pool.role))
-        if inst in ctx.timed_out:
-            raise ProxyError(504, f"no {pool.role} instance answered this request in time")
-    return inst
 
 
 async def _take_slot(role: str, cap: Admission) -> None:

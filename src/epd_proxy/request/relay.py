@@ -343,30 +343,15 @@ def kept_bytes(relay: StreamRelay) -> bytes | None:
     return None if reads is None else b"".join(reads)
 
 
-async def relay_stream(writer: ResponseWriter, resp: Response, first: bytes, headers: Headers,
-                       companion: asyncio.Future | None = None, usage_ctx=None,
-                       hidden: HiddenUsage | None = None, single_choice: bool = False,
-                       api: GenerationApi | None = None, keeping: bool = False,
-                       strip_ids: bool = False) -> StreamRelay:
-    """Commit the stream and relay it to the end; returns the relay (``.error`` if it failed).
-    With ``usage_ctx`` (a RequestContext) the final usage event is rewritten, and with
-    ``hidden`` taken out (UsageRelay; ``single_choice``: the request asked for one choice);
-    with ``api`` an in-band error is in its form (ApiRelay); ``keeping``: decode's bytes are
-    kept too, for the parameters of its last event (KeepingUsageRelay, KeepingApiRelay);
-    ``strip_ids`` (with ``usage_ctx``): the token ids the proxy asked for are kept and taken
-    out of what the client gets (IdStrippingRelay)."""
+async def relay_stream(writer: ResponseWriter, relay: StreamRelay, first: bytes, headers: Headers,
+                       companion: asyncio.Future | None = None) -> StreamRelay:
+    """Commit the stream and relay it to the end through ``relay`` (composed for the request:
+    ``answer.py``); returns it (``.error`` if it failed). ``companion``: the other leg still
+    running (push connectors' prefill): its failure ends the stream in-band."""
+    resp = relay.resp
+    assert resp is not None
     # The head goes out with the first event, in one write (see ResponseWriter.start).
     writer.start(200, resp.content_type or b"text/event-stream", headers, hold=True)
-    relay: StreamRelay
-    if api is not None and api.usage_event:
-        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, usage_ctx, first)
-    elif usage_ctx is not None:
-        cls = IdStrippingRelay if strip_ids else KeepingUsageRelay if keeping else UsageRelay
-        relay = cls(writer, resp, usage_ctx, hidden, single_choice)
-    elif api is not None:
-        relay = (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, None, first)
-    else:
-        relay = StreamRelay(writer, resp)
     writer.flow = relay
     if writer.writing_paused:
         relay.pause()  # the client was already behind before the relay attached

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from epd_proxy.config import ConfigErrors, RoutingConfig, check_range
 from epd_proxy.routing.cache_aware import CacheAware
+from epd_proxy.routing.candidate import RoutingPolicy
 from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
-from epd_proxy.routing.policy import RoutingPolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     "round-robin": RoundRobin,

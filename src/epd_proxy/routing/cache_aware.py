@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from epd_proxy.routing.candidate import C
 from epd_proxy.routing.encoders import EncoderPlacement
 from epd_proxy.routing.policies import LoadAware
-from epd_proxy.routing.policy import C
 from epd_proxy.routing.view import EMPTY_VIEW, M64, RequestView, instance_seed, mix64
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

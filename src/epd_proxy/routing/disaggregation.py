@@ -5,7 +5,7 @@ that already holds all but a few of the prompt's tokens computes the rest faster
 hop takes. With the block index's answer (``RequestView.held``, per instance URL, over
 ``live``), the decodes holding the prompt are weighed here: the one holding the longest
 prefix, of those that would compute at most ``max_tokens`` (the multi-turn prefill skip's
-rule, ``request/turns/multiturn.skips_prefill``), run at most ``max_streams`` other
+rule, :func:`skips_prefill`), run at most ``max_streams`` other
 requests (vLLM batches a prefill with the running streams: each of them would wait for
 it), and are within ``cache-aware``'s load bound of the least loaded candidate. Ties go
 to the policy's own pick, then to the less loaded, then in rendezvous order of the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from epd_proxy.routing.policy import C
+from epd_proxy.routing.candidate import C
 from epd_proxy.routing.view import instance_seed, mix64
 
 
@@ -46,3 +46,11 @@ def decode_alone(candidates: Sequence[C], held: dict[str, int], live: frozenset[
         if score > top:
             best, top = c, score
     return best
+
+
+def skips_prefill(new_tokens: int, streams: float, max_tokens: int, max_streams: float) -> bool:
+    """Whether a turn goes to the decode holding its history alone: its prefill would compute
+    at most ``max_tokens``, and that decode runs at most ``max_streams`` other requests. vLLM
+    batches a prefill with the running streams, so each of their steps waits for it: on a busy
+    decode the hop it saves one turn is paid by every other stream in inter-token latency."""
+    return 0 < max_tokens and new_tokens <= max_tokens and streams <= max_streams

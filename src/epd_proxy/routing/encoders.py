@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from epd_proxy.encode.image_size import base64_reader, image_size
 from epd_proxy.encode.multimodal import media_url
-from epd_proxy.routing.policy import C
+from epd_proxy.routing.candidate import C
 from epd_proxy.routing.view import M64, key_of
 from epd_proxy.wire.blobs import Blob
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-from epd_proxy.routing.policy import C
+from epd_proxy.routing.candidate import C
 from epd_proxy.routing.view import instance_seed, mix64
 
 

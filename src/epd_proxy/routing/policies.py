@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Sequence
 
-from epd_proxy.routing.policy import C, score_of
+from epd_proxy.routing.candidate import C, score_of
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

@@ -69,7 +69,7 @@ class RequestView:
     ``mark`` / ``previous``: the prompt's shape, and that of the turn before it (see
     :attr:`mark`).
     ``held``: with KV events, the prompt tokens each instance holds (by URL, from the block
-    index: ``request/kv_lookup.py``), over ``live``, the instances the index speaks for;
+    index: ``placement/kv_lookup.py``), over ``live``, the instances the index speaks for;
     ``tokens`` the prompt's length in tokens. None without (approximate routing).
     ``recalled``: with a shared state store, the instances another replica sent the turn
     before this one to (``request/shared_homes.py``).

@@ -23,6 +23,7 @@ from epd_proxy.api.console import ConsoleApi
 from epd_proxy.api.gateway import GatewayBoard
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
+from epd_proxy.encode.media_policy import MediaPolicy
 from epd_proxy.gateway.pick import DEFAULT_FALLBACKS
 from epd_proxy.gateway.picker import EndpointPicker
 from epd_proxy.http import Headers
@@ -36,6 +37,7 @@ from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
 from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.instances.roster import needs_role
 from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.instances.sources import RosterSources
 from epd_proxy.kvcache.feed import EventFeed
@@ -43,14 +45,20 @@ from epd_proxy.kvcache.index import BlockIndex
 from epd_proxy.observe import access_log, tracing
 from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
+from epd_proxy.placement.decision import Known
+from epd_proxy.placement.kv_lookup import KvLookup
 from epd_proxy.request.admission import Admission, admission_collector
+from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import front_door_error_body
+from epd_proxy.request.deadline import Deadlines
+from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.forward import Forwarder
-from epd_proxy.request.kv_lookup import KvLookup
 from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
+from epd_proxy.request.shared_homes import shared_homes
+from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
@@ -59,7 +67,7 @@ from epd_proxy.runtime.running import ListenError, RunningEpp, RunningProxy, lis
 from epd_proxy.runtime.workers import PeerLink
 from epd_proxy.state.configured import open_store
 from epd_proxy.state.guard import GuardedStore, state_collector
-from epd_proxy.tenants.limiter import build_tenants
+from epd_proxy.tenants.limiter import Tenants, build_tenants
 
 
 def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel | None = None,
@@ -105,24 +113,41 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     kv_events = EventFeed(BlockIndex(config.kv_index_max_blocks), config.kv_events_port)
     kv = KvLookup(kv_events, pools["decode"], base_headers)
     recent = RecentRequests()  # the console's ring: filled only while a console looks
-    pipeline = Pipeline(config, pools, metrics, fanout=fanout, connector=connector, adapters=adapters, recent=recent,
-                        kv=kv, state=state,
-                        decode_only=DecodeOnly(None, decode), admission=admission, role_caps=role_caps,
-                        base_headers=base_headers,
-                        access_log=access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
-                        if access_log.enabled(config) else None,
-                        tracing=tracing.from_environment(), tenants=tenants)
-    metrics.register(pipeline.reuse.collector())
-    metrics.register(pipeline.stored.collect)
-    if pipeline.homes is not None:
-        metrics.register(pipeline.homes.collect)
+    decode_only = DecodeOnly(None, decode)
+    known = Known(pools["decode"], pools["prefill"], connector=connector.name,
+                  prefill_needed=needs_role(config, "prefill"),
+                  local_prefill_max_tokens=config.local_prefill_max_tokens,
+                  local_prefill_max_streams=config.local_prefill_max_streams, balance_abs=config.balance_abs,
+                  balance_rel=config.balance_rel, ec_consumer_dp_size=config.ec_consumer_dp_size,
+                  encode=pools["encode"], encode_outstanding=fanout.outstanding,
+                  encode_bound=config.encoder_max_outstanding)
+    # Multi-turn KV reuse: decode's parameters kept for each conversation's next turn.
+    reuse = TurnReuse(config, prefill=pools["prefill"], decode=pools["decode"], connector=connector,
+                      decode_only=decode_only, models=pools["decode"].models, base_headers=base_headers,
+                      shared=state, kv=kv)
+    metrics.register(reuse.collector())
+    stored = StoredResponses(config, pools["decode"], ResponseOwners(shared=state), metrics, base_headers)
+    metrics.register(stored.collect)
+    gate = EntryGate(config, admission, tenants, metrics, recent,
+                     access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
+                     if access_log.enabled(config) else None, pools["decode"].models)
+    tracer = tracing.from_environment()
+    homes = shared_homes(state, pools)  # where other replicas sent turns (cache-aware with a shared store)
+    if homes is not None:
+        metrics.register(homes.collect)
+    pipeline = Pipeline(config, pools, metrics, known=known, fanout=fanout, connector=connector,
+                        decode_only=decode_only, admission=admission, role_caps=role_caps, gate=gate, reuse=reuse,
+                        answers=Answers(reuse), stored=stored, media_policy=MediaPolicy.of(config.media),
+                        deadlines=Deadlines(t.first_byte) if t.first_byte > 0 else None, tenants=tenants,
+                        base_headers=base_headers, recent=recent, tracing=tracer, adapters=adapters, kv=kv,
+                        homes=homes)
     membership.subscribe(_forget_departed(connector))
-    membership.subscribe(_drop_held(pipeline.reuse))
+    membership.subscribe(_drop_held(reuse))
     membership.subscribe(kv_events.changed)  # an instance that joins is subscribed, one that leaves dropped
     metrics.register(lambda f: kv_events.collect(f, str(worker)))
     metrics.register(kv.collect)
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
-    forwarder = Forwarder(config, pools, metrics, pipeline, base_headers)
+    forwarder = Forwarder(config, pools, metrics, gate, tenants, base_headers)
     # With a shared store, each process publishes a summary of itself for every console (the
     # gateway), through a guard of its own: its failures never open the request path's breaker.
     board = None if state is None else GatewayBoard(
@@ -130,11 +155,12 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
         metrics, membership, worker=None if siblings is None else siblings.index,
         workers=1 if siblings is None else siblings.count)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
-                         siblings=siblings, kv_events=kv_events, reuse=pipeline.reuse, state=state,
-                         tenants=pipeline.tenants, board=board)
+                         siblings=siblings, kv_events=kv_events, reuse=reuse, state=state, tenants=tenants,
+                         board=board)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
-                    forwarder=forwarder,
+                    forwarder=forwarder, gate=gate, stored=stored, reuse=reuse, tenants=tenants, state=state,
+                    connector=connector, tracing=tracer, admission=admission,
                     siblings=siblings, console=console, kv_events=kv_events)
 
 
@@ -161,12 +187,12 @@ def upstream_headers(config: ProxyConfig) -> Headers:
     return []
 
 
-def _reload_tenants(pipeline):
+def _reload_tenants(tenants: Tenants, admission: Admission):
     """A reloaded file's tenants' tables, and the admission slots kept for the top class."""
     def apply(config) -> None:
-        pipeline.tenants.apply_config(config)
-        table = pipeline.tenants.table
-        pipeline.admission.reserve_for(table.top_rank, table.reserved_slots)
+        tenants.apply_config(config)
+        table = tenants.table
+        admission.reserve_for(table.top_rank, table.reserved_slots)
     return apply
 
 
@@ -248,7 +274,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
                             dns_interval=config.dns_interval, dns_server=config.dns_server,
                             register=app.metrics.register)
     sources.follow_dns(config.discover)
-    app.pipeline.reuse.start()  # after the channel to the parent is read (SharedRoster)
+    app.reuse.start()  # after the channel to the parent is read (SharedRoster)
     if app.console is not None and app.console.board is not None:  # its store calls too
         app.console.board.start(f"{server.host}:{server.port}")
     reloader = None
@@ -258,7 +284,7 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         reloader.start()
         if config.api_key_file:
             reloader.on_reload(app.reload)  # the client key file (client_auth.py)
-        reloader.on_config(_reload_tenants(app.pipeline))  # the [tenants] and [model_aliases] tables
+        reloader.on_config(_reload_tenants(app.tenants, app.admission))  # the [tenants] and [model_aliases] tables
         app.metrics.register(reloader.collect)
     if siblings is not None:
         siblings.parent = link  # counters kept, the supervisor's view (workers.py)
@@ -274,8 +300,8 @@ def build_picker(app: ProxyApp, endpoints: int = DEFAULT_FALLBACKS) -> EndpointP
     pipeline = app.pipeline
     picker = EndpointPicker(app.config, app.pools, app.metrics, tenants=pipeline.tenants,
                             admission=pipeline.admission, gate=pipeline.gate, kv=pipeline.kv,
-                            client_keys=app.client_keys,
-                            adapters=pipeline.adapters, endpoints=endpoints)
+                            client_keys=app.client_keys, adapters=pipeline.adapters, placement=pipeline.known,
+                            endpoints=endpoints)
     app.metrics.register(picker.collect)
     return picker
 

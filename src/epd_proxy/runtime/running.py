@@ -72,7 +72,7 @@ class RunningProxy:
         await asyncio.sleep(max(0.0, min(grace, timeout)))
         server.stop_accepting()
         server.close_idle()
-        app.pipeline.close_admission()
+        app.gate.close()
         busy = server.busy()
         log.info("listener closed; %d request(s) in flight, up to %.1f s to finish", len(busy),
                  max(0.0, end - loop.time()))

@@ -10,6 +10,7 @@ from procs import free_port
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.placement.choose import choose
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
@@ -48,7 +49,7 @@ async def test_prefill_returns_the_kv_transfer_params_raw(cluster):
     async with role_pool("prefill", cluster.urls("prefill")) as pool:
         stage = PrefillStage(pool, timeout=5, connect_timeout=2)
         ctx = new_ctx()
-        inst = pool.choose()
+        inst = choose(pool)
         kv = await stage.run(ctx, inst, to_prefill(chat_body()))
         assert isinstance(kv, msgspec.Raw)
         params = msgspec.json.decode(kv)
@@ -62,14 +63,14 @@ async def test_prefill_returns_the_kv_transfer_params_raw(cluster):
 async def test_prefill_without_kv_params_returns_none(cluster):
     async with role_pool("prefill", cluster.urls("prefill")) as pool:
         stage = PrefillStage(pool, timeout=5, connect_timeout=2)
-        kv = await stage.run(new_ctx(), pool.choose(), to_prefill(chat_body(sim_fault="drop-kv")))
+        kv = await stage.run(new_ctx(), choose(pool), to_prefill(chat_body(sim_fault="drop-kv")))
         assert kv is None
 
 
 async def test_an_upstream_4xx_is_relayed_and_blames_nobody(cluster):
     async with role_pool("prefill", cluster.urls("prefill")) as pool:
         stage = PrefillStage(pool, timeout=5, connect_timeout=2)
-        inst = pool.choose()
+        inst = choose(pool)
         with pytest.raises(ProxyError) as caught:
             await stage.run(new_ctx(), inst, to_prefill(chat_body(sim_fault="status=400")))
         err = caught.value
@@ -82,7 +83,7 @@ async def test_an_upstream_4xx_is_relayed_and_blames_nobody(cluster):
 async def test_an_upstream_5xx_is_a_retryable_502_naming_the_role(cluster, status):
     async with role_pool("prefill", cluster.urls("prefill")) as pool:
         stage = PrefillStage(pool, timeout=5, connect_timeout=2)
-        inst = pool.choose()
+        inst = choose(pool)
         ctx = new_ctx()
         with pytest.raises(ProxyError) as caught:
             await stage.run(ctx, inst, to_prefill(chat_body(sim_fault=f"status={status}")))
@@ -98,7 +99,7 @@ async def test_an_upstream_5xx_is_a_retryable_502_naming_the_role(cluster, statu
 async def test_a_refused_connection_with_no_other_instance_is_503():
     async with role_pool("prefill", [f"http://127.0.0.1:{free_port()}"]) as pool:
         stage = PrefillStage(pool, timeout=5, connect_timeout=2)
-        inst = pool.choose()
+        inst = choose(pool)
         ctx = new_ctx()
         with pytest.raises(ProxyError) as caught:
             await stage.run(ctx, inst, to_prefill(chat_body()))
@@ -113,7 +114,7 @@ async def test_decode_reads_past_the_role_chunk_before_anything_is_committed(clu
     async with role_pool("decode", cluster.urls("decode")) as pool:
         stage = DecodeStage(pool, first_timeout=5, idle_timeout=5, connect_timeout=2)
         ctx = new_ctx()
-        inst = pool.choose()
+        inst = choose(pool)
         leg = await stage.open(ctx, inst, decode_body(chat_body(stream=True), kv=None))
         try:
             assert leg.inst is inst and leg.body is None
@@ -132,7 +133,7 @@ async def test_decode_non_stream_returns_the_whole_answer(cluster):
     async with role_pool("decode", cluster.urls("decode")) as pool:
         stage = DecodeStage(pool, first_timeout=5, idle_timeout=5, connect_timeout=2)
         ctx = new_ctx()
-        leg = await stage.open(ctx, pool.choose(), decode_body(chat_body(), kv=None))
+        leg = await stage.open(ctx, choose(pool), decode_body(chat_body(), kv=None))
         try:
             assert msgspec.json.decode(leg.body)["choices"][0]["message"]["content"]
             assert leg.first == b""
@@ -144,7 +145,7 @@ async def test_decode_non_stream_returns_the_whole_answer(cluster):
 async def test_decode_in_band_error_as_first_event_is_retryable(cluster):
     async with role_pool("decode", cluster.urls("decode")) as pool:
         stage = DecodeStage(pool, first_timeout=5, idle_timeout=5, connect_timeout=2)
-        inst = pool.choose()
+        inst = choose(pool)
         ctx = new_ctx()
         with pytest.raises(ProxyError) as caught:
             await stage.open(ctx, inst, decode_body(chat_body(stream=True, sim_fault="error-after=0"), kv=None))
@@ -156,7 +157,7 @@ async def test_decode_in_band_error_as_first_event_is_retryable(cluster):
 async def test_decode_without_headers_in_time_is_504(cluster):
     async with role_pool("decode", cluster.urls("decode")) as pool:
         stage = DecodeStage(pool, first_timeout=0.2, idle_timeout=5, connect_timeout=2)
-        inst = pool.choose()
+        inst = choose(pool)
         ctx = new_ctx()
         with pytest.raises(ProxyError) as caught:
             await stage.open(ctx, inst, decode_body(chat_body(stream=True, sim_fault="hang"), kv=None))

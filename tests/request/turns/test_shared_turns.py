@@ -78,11 +78,11 @@ async def test_turns_alternating_between_replicas_read_every_previous_answer(red
         outcomes = _outcomes(a, b)
         assert outcomes == {"opening": 3, "reused": 9}, outcomes  # the warm-up came before reuse was on
         # An opening turn (a stream: nothing kept from it either) makes no call to the store.
-        calls = a.app.pipeline.state.calls
+        calls = a.app.state.calls
         opening = dict(_t1("a new conversation"), stream=True)
         r = await ca.chat(opening)
         assert r.status == 200 and r.text() == expected_text(opening)
-        assert a.app.pipeline.state.calls == calls
+        assert a.app.state.calls == calls
         status = (await ca.request("GET", "/status")).json()
         assert status["state_store"]["kind"] == "redis" and status["state_store"]["up"] is True
         # Two requests of one turn at once, one on each replica: one reads.
@@ -116,7 +116,7 @@ async def test_the_store_lost_and_back_costs_reuse_never_an_answer(redis_server)
         assert b"epd_proxy_state_store_errors_total{op=" in metrics
         assert b'epd_proxy_state_store_up{store="redis"} 0' in metrics
         redis_server.start()  # back, empty
-        await _until(lambda: a.app.pipeline.state.up and b.app.pipeline.state.up)
+        await _until(lambda: a.app.state.up and b.app.state.up)
         c1 = _t1("after the return")
         await _chat(cb, c1)
         c2 = _next(c1)

@@ -8,7 +8,7 @@ from helpers import Client, stack, wait_for
 from test_multiturn import _ask, _counts, _next, _reads, _sim, _t1, _wrong
 
 from epd_proxy.observe.traffic import KV_OUTCOME_TEXT
-from epd_proxy.request.kv_lookup import holds_turn
+from epd_proxy.placement.kv_lookup import holds_turn
 from epd_proxy.request.turns.outcomes import DECODE_DROPPED, OUTCOMES
 
 

@@ -490,9 +490,10 @@ function drawWaterfall(s) {
     bar.style.width = Math.max(0.5, 100 * (w.end_ms - w.start_ms) / total) + "%";
     const where = w.instances.map(host).join(", ");
     const failed = w.failed.length ? ` — failed on ${w.failed.map(host).join(", ")}` : "";
+    const why = w.why ? ` (placed: ${w.why})` : "";
     const when = w.start_ms === w.end_ms ? `at ${ms(w.start_ms)}` : `${ms(w.start_ms)} → ${ms(w.end_ms)} (${ms(w.end_ms - w.start_ms)})`;
     list.append(el("li", { "data-stage": w.stage },
-      el("span", { className: "wf-label" }, el("strong", { text: w.label }), where ? ` on ${where}` : "", failed),
+      el("span", { className: "wf-label" }, el("strong", { text: w.label }), where ? ` on ${where}` : "", why, failed),
       el("span", { className: "wf-time", text: when }),
       el("span", { className: "track" }, bar)));
   }

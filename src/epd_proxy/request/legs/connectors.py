@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import msgspec
 
@@ -20,7 +20,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import paired_key
+from epd_proxy.placement.decision import Placement
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
 from epd_proxy.request.legs.stages import DecodeLeg, DecodeStage, PrefillStage
@@ -30,14 +30,24 @@ from epd_proxy.wire.ids import hex_id, uuid4_str
 log = logging.getLogger("epd_proxy.connectors")
 
 
-@dataclass(slots=True)
 class LegPlan:
-    """What one attempt will send where."""
+    """What one attempt sends where: the body, and the placement it carries out
+    (placement/decision.py): its prefill, its decode and the decode's headers (X-data-parallel-rank
+    for an EC consumer replica); ``again`` makes its decode anew without the ones that failed
+    (the KV hand-over), when the caller allows it."""
 
-    body: dict  # the consumer body: the client's, with media rewritten to embeddings
-    prefill: Instance | None
-    decode: Instance
-    decode_headers: Headers | None = None  # e.g. X-data-parallel-rank for an EC consumer replica
+    __slots__ = ("body", "placement", "again", "prefill", "decode", "decode_headers")
+
+    def __init__(self, body: dict, placement: Placement,
+                 again: Callable[[RequestContext, Placement], Instance | None] | None = None) -> None:
+        self.body = body  # the consumer body: the client's, with media rewritten to embeddings
+        self.placement = placement
+        self.again = again
+        self.prefill = placement.prefill
+        self.decode = placement.decode
+        rank = placement.rank
+        self.decode_headers: Headers | None = None if rank is None else [
+            (b"x-data-parallel-rank", str(rank).encode())]
 
 
 class KVConnector:
@@ -87,7 +97,11 @@ class NixlPull(KVConnector):
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         assert plan.prefill is not None
-        kv = await self._prefill(ctx, plan.prefill, plan.body)
+        if ctx.kv_reuse is None:  # the common case, without a coroutine of its own
+            kv = await self.prefill.run(ctx, plan.prefill, prefill_body(plan.body, nixl_prefill_request_params(),
+                                                                        ctx.api))
+        else:
+            kv = await self._prefill(ctx, plan.prefill, plan.body)
         if kv is None:
             # Without them decode would silently prefill the whole prompt itself.
             log.warning("request %s: prefill instance %s returned no kv_transfer_params", ctx.request_id,
@@ -101,7 +115,7 @@ class NixlPull(KVConnector):
                 try:
                     return await self.decode.open(ctx, decode, body, plan.decode_headers)
                 except ProxyError as err:
-                    other = self._hand_over(ctx, plan, decode, err)
+                    other = self._hand_over(ctx, plan, err)
                     if other is None:
                         raise
                     log.info("request %s: decode instance %s refused the connection; its KV goes to %s",
@@ -134,17 +148,13 @@ class NixlPull(KVConnector):
                      ctx.request_id, prefill.url, err.message)
         return await self.prefill.run(ctx, prefill, prefill_body(body, nixl_prefill_request_params(), ctx.api))
 
-    def _hand_over(self, ctx: RequestContext, plan: LegPlan, decode: Instance, err: ProxyError) -> Instance | None:
-        """Another decode for parameters the failed one never received; None when there is
-        none, or when this decode must be the one (the EC consumer of the request's
-        embeddings, or a chosen DP rank)."""
-        if not err.unsent or plan.decode_headers is not None or decode.spec.ec_zmq_addrs:
+    @staticmethod
+    def _hand_over(ctx: RequestContext, plan: LegPlan, err: ProxyError) -> Instance | None:
+        """Another decode for parameters the failed one never received: the placement's decode
+        made again (placement/decision.again); None when it cannot be."""
+        if not err.unsent or plan.again is None:
             return None
-        pool = self.decode.pool
-        model = ctx.model_for("decode")
-        if model is not None:  # on the prefill's base, for an adapter
-            model = paired_key(model, plan.prefill.served if plan.prefill is not None else None)
-        return pool.choose(ctx.excluded, ctx.view, model) if pool.spare(ctx.excluded, model) else None
+        return plan.again(ctx, plan.placement)
 
 
 class NixlPush(KVConnector):

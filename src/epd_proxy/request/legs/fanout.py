@@ -19,7 +19,6 @@ from epd_proxy.encode.encoder_plan import (
     new_transfer_id,
     plan_sub_requests,
     sub_request_timeout,
-    within_bound,
 )
 from epd_proxy.encode.item_faults import EncodeFailures
 from epd_proxy.encode.multimodal import MediaItem
@@ -27,6 +26,7 @@ from epd_proxy.http.transport import TransportTimeouts
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import Collector
+from epd_proxy.placement.media import place_items
 from epd_proxy.request.admission import overloaded
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.legs.upstream import HeldFailure, UpstreamStage
@@ -88,7 +88,10 @@ class EncoderFanout(UpstreamStage):
         self.item_failures: dict[str, int] = {}  # items two encoders failed alike, by reason
         self._room: list[asyncio.Future] = []  # requests waiting for an encoder with room
 
-    async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None) -> dict:
+    async def run(self, ctx: RequestContext, body: dict, items: list[MediaItem], consumer_zmq: str | None,
+                  placed: tuple[list[MediaItem], list[Instance]] | None = None) -> dict:
+        """The body the consumer gets; ``placed``: the placement's items and their encoders
+        (placement/media.py), the first round's (None: placed here)."""
         t0 = time.perf_counter()
         results: list[ItemResult | None] = [None] * len(items)
         handles: dict = {}
@@ -96,7 +99,8 @@ class EncoderFanout(UpstreamStage):
         todo = items
         error: ProxyError | None = None  # the last failure an item was moved off
         try:
-            subs = self._place(ctx, todo, failed.encoders)
+            subs = self._place(ctx, todo, failed.encoders) if placed is None else \
+                plan_sub_requests(placed[0], placed[1], self.max_batch)
             if subs is not None and len(subs) == 1 and len(subs[0].items) == len(items):
                 # The common case: one sub-request, awaited here (no task, one loop turn saved).
                 sub = subs[0]
@@ -192,31 +196,19 @@ class EncoderFanout(UpstreamStage):
                 await asyncio.gather(*running, return_exceptions=True)
 
     def _place(self, ctx: RequestContext, todo: list[MediaItem], failed: set[Instance]) -> list[SubRequest] | None:
-        """Sub-requests for the items that fit now; [] when no encoder has room; None when
-        no encoder is left that has not failed this run (or the role has none)."""
+        """Sub-requests for the items that fit now (placement/media.py); [] when no encoder has
+        room; None when no encoder is left that has not failed this run (or the role has none)."""
         try:
-            live = self.pool.candidates(ctx.excluded, ctx.model_for("encode"))
+            placed = place_items(self.pool, todo, exclude=ctx.excluded, failed=failed, timed_out=ctx.timed_out,
+                                 outstanding=self.outstanding, bound=self.max_outstanding,
+                                 model=ctx.model_for("encode"))
         except ProxyError:
             if not self.fallback_local:
                 raise
             return None
-        gone = ctx.timed_out  # never back to an encoder that timed out on this request
-        if failed or gone:
-            live = [c for c in live if c not in failed and c not in gone]
-            if not live:
-                return None
-        bound = self.max_outstanding
-        out = self.outstanding
-        if bound:
-            live = [c for c in live if out.get(c.url, 0) < bound]
-            if not live:
-                return []
-        placed = self.pool.policy.assign(live, todo)
-        if not bound:
-            return plan_sub_requests(todo, placed, self.max_batch)
-        fits = within_bound([c.url for c in placed], out, bound)
-        return plan_sub_requests([i for i, ok in zip(todo, fits) if ok], [c for c, ok in zip(placed, fits) if ok],
-                                 self.max_batch)
+        if placed is None:
+            return None
+        return plan_sub_requests(placed[0], placed[1], self.max_batch)
 
     def _failed_over(self, ctx: RequestContext, sub: SubRequest, failed: EncodeFailures,
                      err: ProxyError) -> list[MediaItem]:

@@ -88,7 +88,10 @@ class DecodeStage(UpstreamStage):
                 raise self.status_error(ctx, inst, resp.status, data, resp.content_type)
             ctype = resp.content_type or b""
             if not ctype.startswith(b"text/event-stream"):
-                data = await self.read_body(ctx, inst, resp)
+                try:  # read_body's, inline: every non-stream answer passes here
+                    data = await resp.read()
+                except UpstreamError as exc:
+                    raise self.transport_error(ctx, inst, exc, "reading its answer") from None
                 self.pool.record_success(inst)
                 ctx.timing("decode", time.perf_counter() - t0)
                 return DecodeLeg(inst, resp, body=data)

@@ -33,6 +33,7 @@ from typing import Protocol
 import msgspec
 
 from epd_proxy.request.turns.outcomes import PREFILL_FAILED
+from epd_proxy.routing.disaggregation import skips_prefill  # noqa: F401  (the rule, beside decode_alone)
 from epd_proxy.wire.blobs import encode_json
 
 # Body fields that do not change the prompt's tokens (sampling and output options, and what
@@ -469,14 +470,6 @@ def estimate_new_tokens(entry: Entry, new_chars: int, new_messages: int = 1) -> 
 
 # The tokens a chat template puts around one message (role header, end of turn): a few.
 TEMPLATE_TOKENS = 8
-
-
-def skips_prefill(new_tokens: int, streams: float, max_tokens: int, max_streams: int) -> bool:
-    """Whether a turn goes to the decode holding its history alone: its prefill would compute
-    at most ``max_tokens``, and that decode runs at most ``max_streams`` other requests. vLLM
-    batches a prefill with the running streams, so each of their steps waits for it: on a busy
-    decode the hop it saves one turn is paid by every other stream in inter-token latency."""
-    return 0 < max_tokens and new_tokens <= max_tokens and streams <= max_streams
 
 
 # -- decode's answer --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from array import array
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -18,16 +19,20 @@ from epd_proxy.http import Headers
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
+from epd_proxy.placement.choose import choose
+from epd_proxy.placement.decision import HOLDS_TURN, Placement, PreviousTurn
+from epd_proxy.placement.kv_lookup import KvLookup, holds_turn
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
-from epd_proxy.request.kv_lookup import KvLookup, holds_turn
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
+from epd_proxy.request.legs.stage_bodies import decode_body
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.turns.kv_budget import NOT_KEPT
 from epd_proxy.request.turns.kv_guard import KvGuard
 from epd_proxy.request.turns.multiturn import (
     BOUND,
     EDITED,
+    LOCAL_PREFILL_PARAMS,
     NO_IDS,
     UNKNOWN,
     USED,
@@ -41,7 +46,6 @@ from epd_proxy.request.turns.multiturn import (
     lookup_key,
     read_answer,
     reuse_params,
-    skips_prefill,
     tokenize_body,
     tokens_of,
 )
@@ -101,6 +105,16 @@ MAX_RELEASES = 64
 _OUTCOME_OF = {UNKNOWN: NOT_HELD, USED: ALREADY_USED, BOUND: EVICTED}
 
 
+@dataclass(slots=True)
+class FoundTurn(PreviousTurn):
+    """A previous turn taken for a request: what the placement reads (``PreviousTurn``), and what
+    its use needs after (the kept entry; the new prompt's tokens, or the request to tokenize it)."""
+
+    entry: Entry
+    asked: dict | None = None
+    tokens: list[int] | None = None
+
+
 class TurnReuse:
     """Multi-turn KV reuse for one proxy process (docs/architecture.md, "Multi-turn KV reuse").
     ``store`` is None with ``--no-kv-reuse``: answers still lose their parameters. With a
@@ -118,9 +132,6 @@ class TurnReuse:
         self.shared = SharedTurns(shared, self.store, self.verify) \
             if shared is not None and self.store is not None else None
         self.writes: set[asyncio.Task] = set()  # kept turns on their way to the shared store
-        self.local_prefill_max = config.local_prefill_max_tokens
-        self.local_prefill_streams = config.local_prefill_max_streams
-        self.balance_abs = config.balance_abs
         self.prefill = prefill
         self.decode = decode
         self.connector = connector
@@ -240,12 +251,43 @@ class TurnReuse:
             elif ctx.path in PROMPT_APIS:
                 self.unkept.add_prompt(body, ctx.path)
 
-    async def previous_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, p: Instance | None,
-                            media: bool = False) -> Instance | None:
-        """The previous turn's parameters, taken (once per request: never on a retry) for this
-        attempt's prefill (``ctx.kv_reuse``); or the decode holding them, when the prefill would
-        compute so little that it alone should serve the request. The turn's outcome goes to
-        ``ctx.kv_outcome`` (outcomes.py)."""
+    async def lookup(self, ctx: RequestContext, body: dict, media: bool) -> FoundTurn | None:
+        """Before the placement (reuse active): the previous turn kept for this request
+        (:meth:`find_turn`), looked for once per request; a later attempt's outcome adjusted."""
+        if ctx.turn_tried:
+            self.again(ctx)
+            return None
+        assert self.store is not None
+        return await self.find_turn(ctx, self.store, body, media)
+
+    async def prepare(self, ctx: RequestContext, body: dict, placed: Placement, found: FoundTurn | None,
+                      media: bool) -> dict:
+        """After the placement, while reuse is active (or, before that, for a decode not heard from
+        yet that ``probes`` says to ask: its first answer may be kept, and the first conversation's
+        second turn reuses): the body decode gets. Decode is asked for the token ids the next turn's
+        prompt is checked against, and the previous turn is used as placed (:meth:`use_turn`)."""
+        if body.get("stream") is not True and not body.get("return_token_ids") and ctx.api is None:
+            # The tokens decode will hold: what the next turn's prompt is checked against.
+            body = dict(body, return_token_ids=True)
+            ctx.ids_asked = True
+        if found is not None:
+            await self.use_turn(ctx, found, placed)
+        if (ctx.api is None and body.get("stream") is True and not body.get("return_token_ids") and not media
+                and self.asks_stream_ids(ctx, body, placed.decode)):
+            # A decode that sends its parameters in a stream: asked for the token ids the next
+            # turn is checked against, taken out of what the client gets (IdStrippingRelay).
+            body = dict(body, return_token_ids=True)
+            ctx.ids_asked = True
+        if placed.decode_why is HOLDS_TURN:  # the prefill skipped: the decode holding the rest computes it
+            body = decode_body(body, kv=LOCAL_PREFILL_PARAMS)
+        return body
+
+    async def find_turn(self, ctx: RequestContext, turns: TurnStore, body: dict, media: bool = False
+                        ) -> FoundTurn | None:
+        """The previous turn kept for this request, taken (once per request: never on a retry),
+        with the decode holding it: the placement's input (placement/decision.py decides whether
+        that decode computes the turn alone or the prefill reads it there). None, with the turn's
+        outcome in ``ctx.kv_outcome`` (outcomes.py), when there is none to use."""
         ctx.turn_tried = True
         if media:
             ctx.kv_outcome = MEDIA
@@ -307,31 +349,37 @@ class TurnReuse:
                 and self._dropped(entry, holder, now - (entry.deadline - turns.life))):
             ctx.kv_outcome = DECODE_DROPPED
             return None
-        if self.local_prefill_max and self._within_bound(ctx, holder):
-            new = estimate_new_tokens(entry, new_chars, new_messages)
-            if skips_prefill(new, holder.inflight + holder.signals.others, self.local_prefill_max,
-                             self.local_prefill_streams):
-                # Not released: the turn's own request on that decode shares those blocks
-                # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
-                ctx.kv_outcome = LOCAL_PREFILL
-                return holder
-            if new <= self.local_prefill_max:
-                self.counts.declined += 1
-        connector = self.connector
-        if p is None or not isinstance(connector, NixlPull):
+        return FoundTurn(holder, estimate_new_tokens(entry, new_chars, new_messages), entry, asked, tokens)
+
+    async def use_turn(self, ctx: RequestContext, found: FoundTurn, placed: Placement) -> None:
+        """The placement's answer for a previous turn: computed on its decode (``placed.decode``
+        holds it), read by the prefill (``placed.kv_from``: the token check first), or let go."""
+        if placed.declined:
+            self.counts.declined += 1
+        if placed.prefill is None and placed.decode is found.holder:
+            # Not released: the turn's own request on that decode shares those blocks
+            # (prefix-cache hits), so freeing them early would save a block, for a prefill call.
+            ctx.kv_outcome = LOCAL_PREFILL
+            return
+        entry = found.entry
+        if placed.kv_from is None or placed.prefill is None:
             ctx.kv_outcome = NO_PULL_PREFILL
             self.release(entry)
-            return None
+            return
+        connector = self.connector
+        assert isinstance(connector, NixlPull)  # placed.kv_from: the pull connector
         # vLLM reads what the parameters name without checking that the new prompt's tokens
         # extend them: the prompt is tokenized and only the tokens it shares with what decode
         # holds are read.
-        if asked is not None:
+        tokens = found.tokens
+        if found.asked is not None:
             # The prefill that will run the prompt tokenizes it; if it cannot be reached, the
             # decode holding the history (the same model, the same tokenizer and template).
-            for stage, inst in ((connector.prefill, p), (self.decode_only.decode, holder)):
+            asked = encode_json(found.asked)
+            for stage, inst in ((connector.prefill, placed.prefill), (self.decode_only.decode, found.holder)):
                 called, t = len(ctx.legs), time.perf_counter()
                 try:
-                    data = await stage.exchange(ctx, inst, "/tokenize", encode_json(asked), ctx.upstream_headers())
+                    data = await stage.exchange(ctx, inst, "/tokenize", asked, ctx.upstream_headers())
                     tokens = tokens_of(data)
                     break
                 except ProxyError as err:
@@ -342,15 +390,14 @@ class TurnReuse:
             if tokens is None:
                 ctx.kv_outcome = TOKENIZE_FAILED
                 self.release(entry)
-                return None
+                return
         params = reuse_params(entry, tokens) if tokens is not None else None
         if params is None:
             ctx.kv_outcome = TOKENS
             self.release(entry)
-            return None
+            return
         ctx.kv_outcome = REUSED
         ctx.kv_reuse = KVReuse(params, entry)
-        return None
 
     @staticmethod
     def again(ctx: RequestContext) -> None:
@@ -418,15 +465,6 @@ class TurnReuse:
         if said[0]:
             self.release(entry)
         return True
-
-    def _within_bound(self, ctx: RequestContext, holder: Instance) -> bool:
-        """Whether the decode holding a conversation is within the load bound routing keeps
-        (``--balance-abs`` requests beyond the least-loaded candidate)."""
-        candidates = self.decode.candidates(ctx.excluded, ctx.model_for("decode"))
-        if holder not in candidates:
-            return False
-        low = min(c.inflight + c.signals.others for c in candidates)
-        return holder.inflight + holder.signals.others <= low + self.balance_abs
 
     def keep(self, ctx: RequestContext, body: dict, leg: DecodeLeg, answer: bytes) -> bytes:
         """Decode's answer held blocks for a later reader: the parameters taken out of what
@@ -571,7 +609,7 @@ class TurnReuse:
         first = ids[0] if ids else 0  # any token: nothing is read (an answer without ids: Messages, Responses)
         try:
             models = self.models.current.route(entry.model if isinstance(entry.model, str) else None)
-            p = self.prefill.choose((), EMPTY_VIEW, None if models is None else models.get("prefill"))
+            p = choose(self.prefill, (), EMPTY_VIEW, None if models is None else models.get("prefill"))
             # Two tokens: less than a block (never cached), and a list vLLM reads as token ids.
             body = {"model": entry.model, "prompt": [first, first], "max_tokens": 1,
                     "kv_transfer_params": dict(entry.params, remote_num_tokens=0)}

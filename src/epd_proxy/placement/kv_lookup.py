@@ -12,31 +12,29 @@ rewrites (Messages, Responses, generate), keep approximate routing: their tokens
 what a text-only tokenization gives. Anything that fails costs the lookup, never the
 request: the view stays without ``held`` and the policy routes as before.
 
-With the index's answer, a P/D request some decode already holds all but a few tokens of
-is sent to that decode alone, the one holding the longest prefix within the load bounds
-(``decode_alone``, the rule in ``routing/disaggregation.py``): the prefill hop would cost
-more than the decode computing the rest. The same index tells the multi-turn reuse whether
-the decode holding a conversation's previous turn still holds its blocks (``holds``).
+The index's answer is an input of the placement (``decision.py``): a P/D request some decode
+already holds all but a few tokens of is sent to that decode alone. The same index tells the
+multi-turn reuse whether the decode holding a conversation's previous turn still holds its
+blocks (``holds``). This module is the lookup's I/O (the ``/tokenize`` call) and the index's
+bookkeeping after a placement (``chosen``); it decides nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import msgspec
 
-from epd_proxy.config import ProxyConfig
 from epd_proxy.http import Headers
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.models import ModelKey
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.kvcache.feed import EventFeed
 from epd_proxy.kvcache.streams import instance_of
-from epd_proxy.request.context import RequestContext
-from epd_proxy.request.ingress import CHAT, COMPLETIONS
-from epd_proxy.routing.disaggregation import decode_alone
+from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.kv_events")
@@ -47,12 +45,31 @@ TOKENIZE_TIMEOUT = 2.0
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
                 "chat_template_kwargs", "tools", "add_special_tokens")
 _JSON = [(b"content-type", b"application/json")]
+# The paths whose prompt is looked up (request/ingress.py's names).
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 # A kept turn younger than this (past the feed's heartbeat) is not judged by the index: the
 # events of its blocks may still be on their way (a live message lost is replayed at the next
 # heartbeat), and a client's next turn can come before they arrive.
 SETTLE_MARGIN = 1.0
 # What a lookup came to (``epd_proxy_kv_lookups``).
 OUTCOMES = ("indexed", "not_live", "media", "api", "no_prompt", "tokenize_failed")
+
+
+class Looking(Protocol):
+    """What a lookup reads of a request and writes to it (``request/context.RequestContext``)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def api(self) -> object: ...
+    @property
+    def view(self) -> RequestView: ...
+
+    def model_for(self, role: str) -> ModelKey | None: ...
+    def queue(self, inst: Instance, tokens: int) -> None: ...
 
 
 class _Tokens(msgspec.Struct):
@@ -78,10 +95,10 @@ class KvLookup:
         self.tokenize_seconds = 0.0  # their time, summed
         self.settle = feed.heartbeat + SETTLE_MARGIN  # a kept turn's age before the index judges it (holds_turn)
 
-    async def prepare(self, ctx: RequestContext, body: dict, media: bool) -> None:
+    async def prepare(self, ctx: Looking, body: dict, media: bool) -> None:
         """Fill ``ctx.view``'s ``held``, ``live``, ``tokens`` and ``kv_keys`` (once)."""
         view = ctx.view
-        if view is None or view.held is not None or not self.feed.readers:
+        if view.held is not None or not self.feed.readers:
             return
         live = self.feed.live()
         outcomes = self.outcomes
@@ -112,36 +129,6 @@ class KvLookup:
         view.kv_keys = [k for chain in keys.values() for k in chain]
         outcomes["indexed"] += 1
 
-    def decode_alone(self, ctx: RequestContext, d: Instance, config: ProxyConfig) -> Instance | None:
-        """Disaggregate only when it pays: the decode (``d``, the policy's pick, or another
-        candidate) that holds all but at most ``--local-prefill-max-tokens`` of the prompt (the
-        index says) and computes it alone, under the busy-decode rule of the multi-turn prefill
-        skip and the load bound (``routing/disaggregation.py``); None: disaggregate with ``d``."""
-        view = ctx.view
-        if view is None or view.held is None or not view.tokens or config.local_prefill_max_tokens <= 0:
-            return None
-        candidates = self.tokenizers.candidates(ctx.excluded, ctx.model_for("decode"))
-        if ctx.timed_out:
-            candidates = [c for c in candidates if c not in ctx.timed_out]
-        return decode_alone(candidates, view.held, view.live, view.tokens, d, view.anchor,
-                            max_tokens=config.local_prefill_max_tokens,
-                            max_streams=config.local_prefill_max_streams,
-                            balance_abs=config.balance_abs, balance_rel=config.balance_rel)
-
-    def place(self, ctx: RequestContext, p: Instance | None, d: Instance, media: bool, config: ProxyConfig,
-              counts: dict[str, int]) -> tuple[Instance | None, Instance]:
-        """After the pick: the prefill and the decode the request keeps (no prefill, and the
-        decode holding nearly all of the prompt, when it computes the rest alone: counted in
-        ``counts["cached"]``), and the chosen instance's blocks counted as held (``chosen``).
-        A turn whose prefill reads the previous turn from a decode (``ctx.kv_reuse``) keeps it."""
-        if p is not None and not media and ctx.kv_reuse is None:
-            alone = self.decode_alone(ctx, d, config)
-            if alone is not None:
-                p, d = None, alone
-                counts["cached"] = counts.get("cached", 0) + 1
-        self.chosen(p if p is not None else d, ctx)
-        return p, d
-
     def holds(self, url: str, ids: Sequence[int], model: object) -> tuple[int, int] | None:
         """What the instance at ``url`` holds of ``ids`` (tokens of their longest prefix, and its
         block size), the index says; None when its events are not live or it never stored a block
@@ -158,18 +145,18 @@ class KvLookup:
                     if instance_of(source) == url), default=0)
         return held, max(sizes)
 
-    def chosen(self, inst: Instance, ctx: RequestContext) -> None:
+    def chosen(self, inst: Instance, ctx: Looking) -> None:
         """``inst`` computes the prompt: its blocks count as held there until its events
         say so (or the entry expires), and what it computes of it is in its backlog (what
         ``cache-aware`` weighs a next prompt's wait by) until that leg ends."""
         view = ctx.view
-        if view is not None and view.held is not None and view.kv_keys:
+        if view.held is not None and view.kv_keys:
             computes = view.tokens - view.held.get(inst.url, 0)
             if computes > 0:
                 ctx.queue(inst, computes)
             self.index.speculate(inst.url, view.kv_keys, self._clock())
 
-    async def _tokens(self, ctx: RequestContext, body: dict) -> list[int] | None:
+    async def _tokens(self, ctx: Looking, body: dict) -> list[int] | None:
         if ctx.path == COMPLETIONS:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
@@ -187,7 +174,7 @@ class KvLookup:
             ask["model"] = body.get("model")
         return await self._tokenize(ctx, ask)
 
-    async def _tokenize(self, ctx: RequestContext, ask: dict) -> list[int] | None:
+    async def _tokenize(self, ctx: Looking, ask: dict) -> list[int] | None:
         try:
             candidates = self.tokenizers.candidates((), ctx.model_for("decode"))
         except ProxyError:  # none serves it: the request's own routing says so
