@@ -10,7 +10,8 @@
 ARG BASE=python:3.11-slim
 
 # -- builder: wheels for the package and its dependencies (uvloop and httptools are
-#    compiled here when the platform has no binary wheel), installed into /opt/venv.
+#    compiled here when the platform has no binary wheel), installed into /opt/venv; with the
+#    gateway extra, so the same image runs `epd-proxy epp` (docs/deploy/gateway.yaml).
 FROM ${BASE} AS builder
 ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
@@ -21,9 +22,9 @@ RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN /opt/venv/bin/pip wheel -q --wheel-dir /wheels . \
- && /opt/venv/bin/pip install -q --no-index --find-links /wheels epd-proxy \
- && /opt/venv/bin/python -c "import epd_proxy, uvloop, httptools, msgspec, blake3" \
+RUN /opt/venv/bin/pip wheel -q --wheel-dir /wheels '.[gateway]' \
+ && /opt/venv/bin/pip install -q --no-index --find-links /wheels 'epd-proxy[gateway]' \
+ && /opt/venv/bin/python -c "import epd_proxy, uvloop, httptools, msgspec, blake3, epd_proxy.gateway.grpc_server" \
  && /opt/venv/bin/pip uninstall -q -y pip
 
 # -- runtime: the virtualenv only; no compiler, no pip, not root.

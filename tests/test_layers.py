@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "epd_proxy"
 
 # Bottom to top: a layer may import the layers before it in this list, never after.
 LAYERS = ("http", "wire", "config", "observe", "state", "encode", "routing", "kvcache", "instances", "tenants",
-          "placement", "request", "api", "runtime", "cli")
+          "placement", "request", "api", "gateway", "runtime", "cli")
 # Beside the stack: what each may import. The simulator stands in for vLLM and shares only the
 # transport; the benchmark drives the whole proxy; ``runtime`` may start the simulator
 # (``--simulate``) and ``cli`` runs both as commands.

@@ -399,6 +399,10 @@ class ProxyApp:
         else:
             writer.send(status, msgspec.json.encode(body), headers=[(b"retry-after", b"5")])
 
+    def ready_locally(self) -> bool:
+        """This process's readiness as ``/ready`` tells it (the endpoint picker's gRPC readiness)."""
+        return self._local_ready()[0] == 200
+
     def _local_ready(self) -> tuple[int, dict]:
         if self.shutting_down:
             return 503, {"status": "draining"}  # the word load balancers have seen since the start

@@ -166,6 +166,12 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                              "requests with media and for Messages, Responses, generate), no_prompt, "
                              "tokenize_failed.", ("outcome",)),
     "epd_proxy_kv_tokenize_seconds": ("counter", "Time spent in /tokenize calls for the block index.", ()),
+    "epd_proxy_epp_decisions": ("counter", "epd-proxy epp: what each request the gateway asked about came to: "
+                                "picked, rewritten (picked, its body changed: an alias, fields the proxy owns), "
+                                "none_eligible (503), shed (429), refused (another status).", ("outcome",)),
+    "epd_proxy_epp_requests": ("gauge", "epd-proxy epp: requests placed whose gateway stream has not ended.", ()),
+    "epd_proxy_epp_served_by_fallback": ("counter", "epd-proxy epp: answers the gateway reports from a fallback "
+                                         "endpoint (not the first one named).", ()),
     "epd_proxy_routing_exact": ("counter", "cache-aware picks made on the KV block index (every candidate's "
                                 "events live).", ("role",)),
     "epd_proxy_routing_spills": ("counter", "cache-aware picks that passed over the preferred instance for its "

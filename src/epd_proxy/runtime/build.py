@@ -24,6 +24,8 @@ from epd_proxy.api.gateway import GatewayBoard
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.encode.media_policy import MediaPolicy
+from epd_proxy.gateway.pick import DEFAULT_FALLBACKS
+from epd_proxy.gateway.picker import EndpointPicker
 from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
 from epd_proxy.http.server import HttpServer
@@ -62,7 +64,7 @@ from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.runtime.reload import Reloader
-from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
+from epd_proxy.runtime.running import ListenError, RunningEpp, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
 from epd_proxy.state.configured import open_store
 from epd_proxy.state.guard import GuardedStore, state_collector
@@ -249,14 +251,17 @@ _REJECTIONS = (400, 408, 413, 431, 503)
 async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
                       backlog: int = 4096, reuse_port: bool = False, link: PeerLink | None = None,
                       siblings: SiblingChannel | None = None, reloads: bool = False, settings=None,
-                      watch: bool = True) -> RunningProxy:
+                      watch: bool = True, surface=None) -> RunningProxy:
     """Build and start a proxy listening on ``host:port``. A ``serve`` process adds its
     ``--workers`` ``link`` (the shared roster) and ``siblings``, and ``reloads`` (SIGHUP, and
-    with ``watch`` a changed cluster file; ``settings``: serve_command.ServeSettings)."""
+    with ``watch`` a changed cluster file; ``settings``: serve_command.ServeSettings).
+    ``surface`` wraps the handler (the endpoint picker's port: ``gateway/surface.py``)."""
     tls = tls_context(config)
     app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings, link=link)
     await app.start()
     handler = log_requests(app) if config.log_requests else app
+    if surface is not None:
+        handler = surface(handler)
     try:
         server = await HttpServer(handler, error_body=front_door_error_body, limits=server_limits(config),
                                   on_large_release=trim_heap).start(host, port, backlog=backlog,
@@ -293,6 +298,38 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
         if link is not None:
             link.serving()
     return RunningProxy(app, server, sources, reloader=reloader)
+
+
+def build_picker(app: ProxyApp, endpoints: int = DEFAULT_FALLBACKS) -> EndpointPicker:
+    """The endpoint picker over the objects ``build_app`` made for the proxy (pools, tenants,
+    admission, the block index, client keys, adapters, metrics): one wiring for both."""
+    pipeline = app.pipeline
+    picker = EndpointPicker(app.config, app.pools, app.metrics, tenants=pipeline.tenants,
+                            admission=pipeline.admission, gate=pipeline.gate, kv=pipeline.kv,
+                            client_keys=app.client_keys, adapters=pipeline.adapters, placement=pipeline.known,
+                            endpoints=endpoints)
+    app.metrics.register(picker.collect)
+    return picker
+
+
+async def start_epp(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *, grpc_host: str = "127.0.0.1",
+                    grpc_port: int = 0, endpoints: int = DEFAULT_FALLBACKS, settings=None,
+                    watch: bool = True) -> RunningEpp:
+    """``epd-proxy epp``: the proxy's runtime (membership, probes, load scraping, KV events,
+    tenants, the state store, reloads) with the operator's HTTP surface on ``host:port`` and the
+    endpoint picker's gRPC service on ``grpc_host:grpc_port``."""
+    from epd_proxy.gateway.grpc_server import GrpcListener  # the optional gateway extra's protos
+    from epd_proxy.gateway.surface import operator_surface
+
+    proxy = await start_proxy(config, host, port, reloads=True, settings=settings, watch=watch,
+                              surface=operator_surface)
+    listener = GrpcListener(build_picker(proxy.app, endpoints), proxy.app.ready_locally)
+    try:
+        await listener.start(grpc_host, grpc_port)
+    except BaseException:
+        await proxy.close()
+        raise
+    return RunningEpp(proxy, listener)
 
 
 def apply_config(proxy: RunningProxy, config: ProxyConfig) -> None:

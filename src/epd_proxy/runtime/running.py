@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from epd_proxy.api.app import ProxyApp
 from epd_proxy.config import InstanceSpec
@@ -12,6 +13,9 @@ from epd_proxy.instances.discovery import DnsDiscovery
 from epd_proxy.instances.shared import SharedRoster
 from epd_proxy.instances.sources import RosterSources
 from epd_proxy.runtime.reload import Reloader
+
+if TYPE_CHECKING:
+    from epd_proxy.gateway.grpc_server import GrpcListener
 
 log = logging.getLogger("epd_proxy")
 
@@ -91,6 +95,37 @@ class RunningProxy:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class RunningEpp:
+    """A started endpoint picker: the proxy's runtime (its HTTP port serving the operator's
+    surface) and the gRPC listener (``gateway/grpc_server.py``)."""
+
+    def __init__(self, proxy: RunningProxy, listener: GrpcListener) -> None:
+        self.proxy = proxy
+        self.listener = listener
+
+    @property
+    def app(self) -> ProxyApp:
+        return self.proxy.app
+
+    @property
+    def grpc_port(self) -> int:
+        return self.listener.port
+
+    async def shutdown(self, grace: float, timeout: float) -> None:
+        """Not ready at once (gRPC health and ``/ready``), then the proxy's graceful shutdown (the
+        gRPC listener still answers meanwhile); the gRPC streams in flight then get what is left
+        of ``timeout`` to end."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        await self.listener.shutting_down()
+        await self.proxy.shutdown(grace, timeout)
+        await self.listener.close(max(0.0, end - loop.time()))
+
+    async def close(self) -> None:
+        await self.listener.close()
+        await self.proxy.close()
 
 
 def listen_url(host: str, port: int, *, tls: bool = False) -> str:

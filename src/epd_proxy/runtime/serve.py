@@ -33,6 +33,7 @@ from epd_proxy.runtime.build import (  # noqa: F401
     connection_cap,
     fd_limit,
     server_limits,
+    start_epp,
     start_proxy,
     tls_context,
 )
@@ -239,6 +240,53 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
         shutil.rmtree(channel_dir, ignore_errors=True)
         if simulator is not None:  # after every worker: their requests in flight end first
             simulator.stop()
+
+
+def serve_epp(config: ProxyConfig, host: str, port: int, *, grpc_host: str, grpc_port: int, endpoints: int,
+              settings=None) -> int:
+    """``epd-proxy epp`` until SIGINT/SIGTERM (a second one exits at once); SIGHUP reloads.
+    One process: replicas, not workers, scale it (they share the state store)."""
+    tune_gc()
+    raise_fd_limit()
+    signal.signal(signal.SIGHUP, _early_sighup)
+    try:
+        event_loop.run(_epp_forever(config, host, port, grpc_host, grpc_port, endpoints, settings))
+    except (ListenError, OSError) as exc:
+        print(f"epd-proxy epp: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+async def _epp_forever(config: ProxyConfig, host: str, port: int, grpc_host: str, grpc_port: int, endpoints: int,
+                       settings) -> None:
+    epp = await start_epp(config, host, port, grpc_host=grpc_host, grpc_port=grpc_port, endpoints=endpoints,
+                          settings=settings)
+    reloader = epp.proxy.reloader
+    if _EARLY_SIGHUP and reloader is not None:
+        _EARLY_SIGHUP.clear()
+        reloader.request()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("%s: exiting at once", signal.Signals(signum).name)
+            os._exit(1)
+        log.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    print(f"epd-proxy epp: gRPC (ext_proc) on {grpc_host}:{epp.grpc_port}, "
+          f"operator surface on {epp.proxy.url} ({len(epp.app.pools['decode'].instances)} serving instances)",
+          flush=True)
+    try:
+        await stop.wait()
+        await epp.shutdown(config.shutdown_grace, config.shutdown_timeout)
+    finally:
+        if reloader is not None:
+            await reloader.close()
+        await epp.close()
 
 
 if __name__ == "__main__":  # pragma: no cover
