@@ -341,6 +341,10 @@ class ProxyConfig:
     decode: list[InstanceSpec] = field(default_factory=list)
     kv_connector: str = "nixl"
     decode_retries: int = 1
+    # A committed chat or completions stream whose decode breaks off is continued on another
+    # decode (request/migration.py), at most this many times per request.
+    stream_migration: bool = True
+    migration_limit: int = 2
     encoder_max_batch_size: int = 0
     # Media items this process keeps in flight to one encoder; more wait in the proxy, up to
     # the encode timeout (docs/architecture.md, "The encode stage"). 0 = no bound.
@@ -509,6 +513,7 @@ class ProxyConfig:
         # (flag, value, lowest, exclusive): every number a flag sets.
         for flag, value, low, above in (
             ("--decode-retries", self.decode_retries, 0, False),
+            ("--migration-limit", self.migration_limit, 0, False),
             ("--kv-reuse-ttl", self.kv_reuse_ttl, 0, True),
             ("--kv-reuse-margin", self.kv_reuse_margin, 0, False),
             ("--kv-reuse-max-held-tokens", self.kv_reuse_max_held_tokens, 0, False),

@@ -89,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="nixl (pull), nixl-push or mooncake (default %(default)s)")
     p.add_argument("--decode-retries", type=int, default=defaults.decode_retries,
                    help="fresh attempts after a retryable failure before the response starts (default %(default)s)")
+    p.add_argument("--no-stream-migration", action="store_false", dest="stream_migration",
+                   default=defaults.stream_migration,
+                   help="end a committed stream whose decode breaks off with an in-band error, as before (by "
+                        "default a chat or completions stream is continued on another decode)")
+    p.add_argument("--migration-limit", type=int, default=defaults.migration_limit, metavar="N",
+                   help="moves of one stream to another decode at most (default %(default)s)")
     p.add_argument("--no-kv-reuse", action="store_false", dest="kv_reuse", default=defaults.kv_reuse,
                    help="never give decode's kv_transfer_params to the next turn's prefill (multi-turn KV "
                         "reuse is on by default when decode answers with them: vLLM's bidirectional_kv_xfer)")
@@ -379,6 +385,8 @@ def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) 
         dns_server=args.dns_server,
         kv_connector=args.kv_connector,
         decode_retries=args.decode_retries,
+        stream_migration=args.stream_migration,
+        migration_limit=args.migration_limit,
         kv_reuse=args.kv_reuse,
         kv_reuse_ttl=args.kv_reuse_ttl,
         kv_reuse_margin=args.kv_reuse_margin,
