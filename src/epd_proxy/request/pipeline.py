@@ -29,7 +29,15 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
-from epd_proxy.placement.decision import HOLDS_PROMPT, Known, Placement, again, place, worth_retrying
+from epd_proxy.placement.decision import (
+    HOLDS_PROMPT,
+    Known,
+    Placement,
+    again,
+    another_decode,
+    place,
+    worth_retrying,
+)
 from epd_proxy.request.admission import ADMIT, SHED, Admission
 from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import (
@@ -265,7 +273,10 @@ class Pipeline:
 
     async def _continuation(self, ctx: RequestContext, body: dict) -> DecodeLeg:
         """A broken stream's continuation opened like an attempt (placed anew without the decodes
-        that failed it), apart from multi-turn reuse: it is not a turn of the conversation."""
+        that failed it), apart from multi-turn reuse: it is not a turn of the conversation; never
+        back on a decode that failed it."""
+        if not another_decode(ctx, self.known):
+            raise ProxyError(503, "no other decode is in rotation")
         return await self._open(ctx, body, [], fresh=True)
 
     async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem], fresh: bool = False) -> DecodeLeg:
