@@ -173,11 +173,13 @@ def own_event(event: dict, got: Received) -> bytes | None:
 
 
 def whole_usage(usage: dict, before: int) -> None:
-    """A continuation's usage as the whole answer's: ``before`` generated tokens moved from its
-    prompt (where the continuation had them) back to the completion. The total is exact; the
-    split is exact when the partial answer re-tokenized to as many tokens as were streamed."""
+    """A continuation's usage as the whole answer's: the ``before`` tokens streamed before it
+    counted in the completion (exact: one streamed event each) and taken out of its prompt
+    (which held them as text): the prompt is exact when the partial answer re-tokenized to as
+    many tokens as were streamed, as at a token boundary on real vLLM."""
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if type(prompt) is int and type(completion) is int:
-        moved = min(before, prompt)
-        usage["prompt_tokens"] = prompt - moved
-        usage["completion_tokens"] = completion + moved
+        usage["prompt_tokens"] = prompt = max(prompt - before, 0)
+        usage["completion_tokens"] = completion = completion + before
+        if "total_tokens" in usage:
+            usage["total_tokens"] = prompt + completion
