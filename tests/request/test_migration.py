@@ -147,3 +147,13 @@ async def test_the_move_is_in_the_metrics_and_the_access_log(fmt):
     else:
         moves = msgspec.json.decode(line)["moves"]
         assert [(m["reason"], m["result"]) for m in moves] == [("reset", "ok")] and moves[0]["from"] != moves[0]["to"]
+
+
+async def test_a_whole_answer_whose_decode_dies_before_answering_is_retried_on_the_other():
+    async with stack(decode=2, sim=SIM, routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=3", times=1)
+        reply = await client.chat(chat_body(max_tokens=10))
+        assert reply.status == 200, reply.body
+        assert reply.json()["usage"]["completion_tokens"] == 10
+        decodes = cluster.records("decode")
+        assert [r.instance for r in decodes] == ["decode-0", "decode-1"]

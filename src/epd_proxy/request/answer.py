@@ -143,11 +143,11 @@ async def _watched(writer: ResponseWriter, relay: StreamRelay, leg: DecodeLeg, h
     """The stream relayed (``relay.py``); with ``migrations`` watched for a break meanwhile."""
     if migrations is None:
         return await relay_stream(writer, relay, leg.first, headers, leg.companion)
-    watch = migrations.watch(relay, leg.inst)
+    migrations.watch(relay, leg.inst)
     try:
         return await relay_stream(writer, relay, leg.first, headers, leg.companion)
     finally:
-        watch.cancel()
+        migrations.unwatch(relay)
 
 
 def _wants_usage(body: dict) -> bool:

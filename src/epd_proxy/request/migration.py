@@ -71,17 +71,57 @@ class Migrations:
     def __init__(self, enabled: bool, limit: int, counts: dict[tuple[str, str], int]) -> None:
         self.limit = limit if enabled else 0
         self.counts = counts  # (reason, result) -> streams (the metrics' dict)
+        # The streams watched now: relay -> [its decode, its reads when last looked, since when].
+        # One task looks at them all every _TICK while there are some (a stream adds an entry,
+        # not a task or a timer).
+        self.watched: dict[StreamRelay, list] = {}
+        self._ticker: asyncio.Task | None = None
 
     def applies(self, path: str, body: dict, items: int) -> bool:
         """Whether this request's stream is watched and continued when it breaks."""
         return self.limit > 0 and not items and unsound(path, body) is None
 
-    def watch(self, relay: StreamRelay, inst: Instance) -> asyncio.Task:
-        """``relay``'s stream watched for a stall or its decode's ejection (a task: cancel it
-        when the stream has ended)."""
+    def watch(self, relay: StreamRelay, inst: Instance) -> None:
+        """``relay``'s stream watched for a stall or its decode's ejection until :meth:`unwatch`."""
         relay.migrate = True
         relay.sent = []
-        return asyncio.ensure_future(_watch(relay, inst))
+        self.watched[relay] = [inst, -1, perf_counter()]
+        if self._ticker is None:
+            self._ticker = asyncio.ensure_future(self._tick())
+
+    def unwatch(self, relay: StreamRelay) -> None:
+        self.watched.pop(relay, None)
+
+    async def _tick(self) -> None:
+        """Break off each watched stream that stalls past :func:`stall_after` or whose decode is
+        ejected; a stream too long to keep is let go (it ends as before if it breaks)."""
+        try:
+            while self.watched:
+                await asyncio.sleep(_TICK)
+                now = perf_counter()
+                for relay, state in list(self.watched.items()):
+                    if not relay.migrate or relay.broken is not None or relay.ended:
+                        continue
+                    inst, seen, since = state
+                    events = relay.events
+                    if events != seen:
+                        state[1], state[2] = events, now
+                    elif now - since > stall_after(events, since - relay.first_at):
+                        relay.break_off("stall")
+                        continue
+                    if inst.health.state is EJECTED:
+                        relay.break_off("ejected")
+                    elif len(relay.sent) > MAX_READS:
+                        relay.migrate = False
+                        relay.sent = NOWHERE
+        finally:
+            self._ticker = None
+
+    async def close(self) -> None:
+        ticker = self._ticker
+        if ticker is not None:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
 
     def count(self, reason: str, result: str) -> None:
         key = (reason, result)
@@ -147,7 +187,7 @@ class Migrations:
         writer.flow = relay
         if writer.writing_paused:
             relay.pause()
-        watch = self.watch(relay, leg.inst)
+        self.watch(relay, leg.inst)
         resp = leg.resp
         try:
             if leg.first:
@@ -158,33 +198,10 @@ class Migrations:
         except Exception:
             pass  # the relay has ended the stream in-band, or says it broke
         finally:
-            watch.cancel()
+            self.unwatch(relay)
             relay.last_at = perf_counter()
             resp.close()
             relay.resp = None
-
-
-async def _watch(relay: StreamRelay, inst: Instance) -> None:
-    """Break ``relay`` off when it stalls past :func:`stall_after` or its decode is ejected."""
-    seen, since = -1, perf_counter()
-    try:
-        while relay.migrate and relay.broken is None and not relay.ended and relay.resp is not None:
-            await asyncio.sleep(_TICK)
-            now = perf_counter()
-            events = relay.events
-            if events != seen:
-                seen, since = events, now
-            elif now - since > stall_after(events, since - relay.first_at):
-                relay.break_off("stall")
-                return
-            if inst.health.state is EJECTED:
-                relay.break_off("ejected")
-                return
-            if len(relay.sent) > MAX_READS:  # too long to keep: ends as before if it breaks
-                relay.migrate = False
-                relay.sent = NOWHERE
-    except asyncio.CancelledError:
-        pass
 
 
 class ContinuedRelay(StreamRelay):

@@ -544,6 +544,7 @@ class Pipeline:
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.migrations.close()
         await self.reuse.close()
         await self.tenants.close()
 
