@@ -157,3 +157,18 @@ async def test_a_whole_answer_whose_decode_dies_before_answering_is_retried_on_t
         assert reply.json()["usage"]["completion_tokens"] == 10
         decodes = cluster.records("decode")
         assert [r.instance for r in decodes] == ["decode-0", "decode-1"]
+
+
+async def test_the_console_shows_the_move_in_the_requests_waterfall():
+    async with stack(decode=2, sim=SIM, routing="round-robin") as (cluster, proxy, client):
+        await client.request("GET", "/console/api/state")  # a console looks: requests are recorded
+        cluster.instances("decode")[0].inject("reset-after=3", times=1)
+        _check_one_stream(await client.chat(chat_body(stream=True, max_tokens=10)), 10)
+        one, = (await client.request("GET", "/console/api/state")).json()["recent"]
+        d0, d1 = cluster.urls("decode")
+        assert one["moves"] and one["moves"][0]["from"] == d0 and one["moves"][0]["to"] == d1
+        move, = [w for w in one["waterfall"] if w["stage"] == "move"]
+        assert move["failed"] == [d0] and move["instances"] == [d1] and move["result"] == "ok"
+        assert "decode broke off (reset)" in move["label"]
+        assert move["start_ms"] >= one["first_byte_ms"]
+        assert [leg[1:] for leg in one["legs"] if leg[0] == "decode"] == [[d0, True], [d1, False]]

@@ -102,7 +102,7 @@ class AccessLog:
                 "outcome": outcome,
                 **({} if moves is None else {"moves": [
                     {"reason": m[0], "result": m[1], "from": _address(m[2]), "to": m[3] and _address(m[3]),
-                     "ms": round(m[4] * 1000, 2)} for m in moves]})}).decode() + "\n")
+                     "at_ms": round(m[4] * 1000, 2), "ms": round(m[5] * 1000, 2)} for m in moves]})}).decode() + "\n")
             return
         chosen = " ".join(f"{inst.role[0]}={_address(inst.url)}" for inst in legs)
         if tokenized:

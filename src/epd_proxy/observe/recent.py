@@ -52,8 +52,9 @@ def as_summary(kept: tuple) -> dict:
     (``failed``: it failed this request, which went on elsewhere or ended in error); ``kv_outcome``:
     what became of the turn's chance to reuse decode's KV (``turns/outcomes.py``; None: not looked up);
     ``placement``: per leg, the instance and why it went there (None: never placed); ``moves``: a
-    stream continued on another decode, per move its reason, result, from, to and time taken
-    (request/migration.py; None: never moved)."""
+    stream continued on another decode, per move its reason, result, the decode it left and the
+    one it went to, when (from arrival) and the time the move took (request/migration.py; None:
+    never moved)."""
     (rid, method, path, model, status, outcome, stream, end, seconds, first_byte, gap, tokens, items, legs,
      timings, nbytes, kv, placement, moves) = kept
     prompt, completion, cached = tokens
@@ -64,7 +65,8 @@ def as_summary(kept: tuple) -> dict:
             "stages_ms": {stage: round(s * 1000, 3) for stage, s in timings.items()}, "bytes": nbytes,
             "kv_outcome": kv, "placement": None if placement is None else placement.summary(),
             "moves": None if moves is None else [
-                {"reason": m[0], "result": m[1], "from": m[2], "to": m[3], "ms": _ms(m[4])} for m in moves]}
+                {"reason": m[0], "result": m[1], "from": m[2], "to": m[3], "at_ms": _ms(m[4]), "ms": _ms(m[5])}
+                for m in moves]}
 
 
 def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float, end: float) -> dict:

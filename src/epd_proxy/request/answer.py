@@ -92,7 +92,13 @@ class Answers:
             usage = hide or ((report is not None or leg.companion is not None)
                              and (_wants_usage(body) or (api is not None and api.usage_event)))
             relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, False, False)
-            relay = await _watched(writer, relay, leg, headers, migrations)
+            if migrations is not None:
+                migrations.watch(relay, leg.inst)
+            try:
+                relay = await relay_stream(writer, relay, leg.first, headers, leg.companion)
+            finally:
+                if migrations is not None:
+                    migrations.unwatch(relay)
             if turns is not None and (relay.last.find(MARK) >= 0 or relay.prev.find(MARK) >= 0):
                 # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
                 # stream, a later vLLM's chat or completions stream, in its last event): reuse
@@ -108,7 +114,13 @@ class Answers:
         usage = hide or api is None or ((report is not None or leg.companion is not None)
                                         and (_wants_usage(body) or api.usage_event))
         relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, keeping, asked)
-        relay = await _watched(writer, relay, leg, headers, migrations)
+        if migrations is not None:
+            migrations.watch(relay, leg.inst)
+        try:
+            relay = await relay_stream(writer, relay, leg.first, headers, leg.companion)
+        finally:
+            if migrations is not None:
+                migrations.unwatch(relay)
         kept = kept_bytes(relay) if keeping else None
         whole = kept is not None
         if kept is None:
@@ -136,18 +148,6 @@ def _relay(writer: ResponseWriter, leg: DecodeLeg, usage_ctx, hide: bool, body: 
     if api is not None:
         return (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, None, leg.first)
     return StreamRelay(writer, resp)
-
-
-async def _watched(writer: ResponseWriter, relay: StreamRelay, leg: DecodeLeg, headers: Headers,
-                   migrations: Migrations | None) -> StreamRelay:
-    """The stream relayed (``relay.py``); with ``migrations`` watched for a break meanwhile."""
-    if migrations is None:
-        return await relay_stream(writer, relay, leg.first, headers, leg.companion)
-    migrations.watch(relay, leg.inst)
-    try:
-        return await relay_stream(writer, relay, leg.first, headers, leg.companion)
-    finally:
-        migrations.unwatch(relay)
 
 
 def _wants_usage(body: dict) -> bool:

@@ -24,9 +24,10 @@ from epd_proxy.request.ingress import CHAT, COMPLETIONS
 
 # What makes a stream's continuation unsound (its answer would not be the uninterrupted one's,
 # or the proxy could not say the rest in the client's terms): it ends as before, in-band.
-_UNSOUND_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions", "response_format",
-                   "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                   "seed", "echo", "suffix", "best_of", "continue_final_message", "logit_bias")
+_UNSOUND_FIELDS = frozenset(("logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions",
+                             "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                             "structured_outputs", "seed", "echo", "suffix", "best_of", "continue_final_message",
+                             "logit_bias", "n"))
 
 _DATA = b"data: "
 _DONE = b"[DONE]"
@@ -40,12 +41,10 @@ def unsound(path: str, body: dict) -> str | None:
     a seed (the continuation would not be the seeded answer) and the like end as before."""
     if path != CHAT and path != COMPLETIONS:
         return "api"
-    if body.get("n") not in (None, 1):
-        return "n"
-    for name in _UNSOUND_FIELDS:
-        value = body.get(name)
-        if value is not None and value is not False and not (name == "tools" and value == []):
-            return name
+    if not _UNSOUND_FIELDS.isdisjoint(body):  # most bodies have none of them (one C-level pass)
+        why = _unsound_field(body)
+        if why is not None:
+            return why
     if path == COMPLETIONS:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
@@ -54,6 +53,15 @@ def unsound(path: str, body: dict) -> str | None:
             return "prompt"
     elif not isinstance(body.get("messages"), list):
         return "messages"
+    return None
+
+
+def _unsound_field(body: dict) -> str | None:
+    """The first field of ``body`` that makes its continuation unsound (unset-like values pass)."""
+    for name in _UNSOUND_FIELDS.intersection(body):
+        value = body[name]
+        if value is not None and value is not False and value != [] and not (name == "n" and value == 1):
+            return name
     return None
 
 

@@ -44,7 +44,8 @@ log = logging.getLogger("epd_proxy.migration")
 STALL_PACES = 10.0
 STALL_FLOOR = 1.5
 STALL_CEILING = 30.0
-_TICK = 0.25  # how often a watched stream is looked at (never per event)
+_TICK = 0.5  # how often the watched streams are looked at (never per event)
+_IDLE_TICKS = 20  # the ticker ends after this many ticks with no stream to watch
 # A stream relayed in more reads than this is not kept for a continuation (memory: the reads
 # are held by reference until the stream ends).
 MAX_READS = 1 << 16
@@ -85,7 +86,7 @@ class Migrations:
         """``relay``'s stream watched for a stall or its decode's ejection until :meth:`unwatch`."""
         relay.migrate = True
         relay.sent = []
-        self.watched[relay] = [inst, -1, perf_counter()]
+        self.watched[relay] = [inst, -1, 0.0]  # the ticker's first look sets the rest
         if self._ticker is None:
             self._ticker = asyncio.ensure_future(self._tick())
 
@@ -95,9 +96,14 @@ class Migrations:
     async def _tick(self) -> None:
         """Break off each watched stream that stalls past :func:`stall_after` or whose decode is
         ejected; a stream too long to keep is let go (it ends as before if it breaks)."""
+        idle = 0
         try:
-            while self.watched:
+            while idle < _IDLE_TICKS:  # kept while streams come and go (a task is made again only after)
                 await asyncio.sleep(_TICK)
+                if not self.watched:
+                    idle += 1
+                    continue
+                idle = 0
                 now = perf_counter()
                 for relay, state in list(self.watched.items()):
                     if not relay.migrate or relay.broken is not None or relay.ended:
@@ -129,10 +135,11 @@ class Migrations:
 
     async def carry_on(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                        relay: StreamRelay, hide: bool, open_leg: OpenLeg, moves: list,
-                       settle: Callable[[asyncio.Task, bool], None]) -> tuple[StreamRelay, DecodeLeg]:
+                       settle: Callable[[asyncio.Task, bool], None], start: float) -> tuple[StreamRelay, DecodeLeg]:
         """``relay``'s stream broke: continued on other decodes until it ends (or ends in-band);
         returns the relay and leg that ended it. ``moves`` gets one (reason, result, from, to,
-        seconds) per move, for the request's record; ``settle`` takes a broken leg's companion
+        when: seconds from ``start``, the request's arrival, took: seconds) per move, for the
+        request's record; ``settle`` takes a broken leg's companion
         (push connectors' prefill) to cancel."""
         got = received(b"".join(relay.sent))
         relay.sent = NOWHERE
@@ -148,18 +155,18 @@ class Migrations:
             why = got.unsound
             if why is not None or got.id is None:
                 return self._end(relay, leg, reason, UNSOUND, f"the answer cannot be continued ({why or 'no event'})",
-                                 moves, broken, t0)
+                                 moves, broken, t0, start)
             if len(moves) >= self.limit:
                 return self._end(relay, leg, reason, LIMIT, f"the migration limit ({self.limit}) was reached",
-                                 moves, broken, t0)
+                                 moves, broken, t0, start)
             log.info("request %s: decode %s broke off (%s) after %d tokens; continuing elsewhere",
                      ctx.request_id, broken.url, reason, got.tokens)
             try:
                 new = await open_leg(ctx, continuation_body(ctx.path, body, got))
             except ProxyError as err:
                 return self._end(relay, leg, reason, FAILED, f"no decode could continue it: {err.message}",
-                                 moves, broken, t0)
-            moves.append((reason, OK, broken.url, new.inst.url, perf_counter() - t0))
+                                 moves, broken, t0, start)
+            moves.append((reason, OK, broken.url, new.inst.url, t0 - start, perf_counter() - t0))
             got.before = got.tokens
             follow = ContinuedRelay(writer, new.resp, got, hide, ctx)
             await self._follow(follow, new)
@@ -171,10 +178,10 @@ class Migrations:
             self.count(reason, "moved")
 
     def _end(self, relay: StreamRelay, leg: DecodeLeg, reason: str, result: str, why: str, moves: list,
-             broken: Instance, t0: float) -> tuple[StreamRelay, DecodeLeg]:
+             broken: Instance, t0: float, start: float) -> tuple[StreamRelay, DecodeLeg]:
         """The stream ends as without migration: the in-band error and the terminator."""
         self.count(reason, result)
-        moves.append((reason, result, broken.url, None, perf_counter() - t0))
+        moves.append((reason, result, broken.url, None, t0 - start, perf_counter() - t0))
         relay.migrate = False
         relay.broken = None
         relay.fail(ProxyError(502, f"decode stream broke off ({reason}); {why}"))

@@ -346,7 +346,7 @@ class Pipeline:
             if relay.broken is not None:  # after the commit: continued on another decode (migration.py)
                 rec.moves = []
                 relay, leg = await migrations.carry_on(writer, ctx, body, leg, relay, rec.hide_usage,
-                                                       self._continuation, rec.moves, self._settle)
+                                                       self._continuation, rec.moves, self._settle, rec.start)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
