@@ -172,3 +172,16 @@ async def test_the_console_shows_the_move_in_the_requests_waterfall():
         assert "decode broke off (reset)" in move["label"]
         assert move["start_ms"] >= one["first_byte_ms"]
         assert [leg[1:] for leg in one["legs"] if leg[0] == "decode"] == [[d0, True], [d1, False]]
+
+
+@pytest.mark.parametrize("connector", ["nixl-push", "mooncake"])
+async def test_a_stream_is_continued_with_a_push_connector_too(connector):
+    sim = SimConfig(itl_ms=2, ttft_ms=0.5, kv_connector=connector)
+    async with stack(decode=2, sim=sim, routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=4", times=1)
+        reply = await client.chat(chat_body(stream=True, max_tokens=16, stream_options={"include_usage": True}))
+        data = _check_one_stream(reply, 16)
+        assert data[-1]["usage"]["completion_tokens"] == 16
+        prefills = [r for r in cluster.records("prefill") if r.path == "/v1/chat/completions"]
+        assert len(prefills) == 2  # the continuation's prompt prefilled too, then handed over
+        assert proxy.app.metrics.migrations == {("reset", "ok"): 1}

@@ -217,18 +217,17 @@ class UsageRelay(StreamRelay):
 
     def on_data(self, data: bytes) -> None:
         self.events += 1
+        self.sent.append(data)  # the reads as received (a no-op unless the stream may move)
         if self._tail:
             data = self._tail + data
             self._tail = b""
         if not self.ending:
             if data.endswith(self.plain):
-                self.sent.append(data)
                 self.writer.write(data)
                 return
             if data.find(self.ENDING) < 0:
                 # Until a choice finishes, nothing here changes an event: out as received, as
                 # StreamRelay does (inline: this runs for every read of the stream).
-                self.sent.append(data)
                 if self.migrate and data.find(ERROR_EVENT) >= 0:
                     self._errored(data)
                     return
