@@ -110,6 +110,10 @@ def _check(events: list) -> None:
     assert data[-1]["usage"]["completion_tokens"] == TOKENS
 
 
+def moved_count(proxy) -> int:
+    return sum(proxy.app.metrics.migrations.values())
+
+
 async def _started(proxy, n: int) -> None:
     """Until ``n`` streams are committed."""
     end = time.monotonic() + 20
@@ -127,8 +131,12 @@ async def test_sigkill_of_a_decode_under_concurrent_streams_costs_no_stream():
         assert victim.inflight > 0
         os.killpg(decodes[victim.url].pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        for events, _ in results:
+        worst = 0.0
+        for events, times in results:
             _check(events)
+            worst = max(worst, max(b - a for a, b in zip(times, times[1:])))
+        print(f"\nSIGKILL: {moved_count(proxy)} of {STREAMS} streams moved; the longest gap between two events "
+              f"of a stream {worst:.2f} s", file=sys.stderr)
         moved = proxy.app.metrics.migrations
         assert set(moved) == {("reset", "ok")} and moved[("reset", "ok")] >= 1
         assert proxy.app.metrics.stream_errors == 0
@@ -152,6 +160,8 @@ async def test_sigstop_of_a_decode_moves_its_streams_within_two_seconds():
             _check(events)
             worst = max(worst, max(b - a for a, b in zip(times, times[1:])))
         # The stall floor (1.5 s) and the continuation's first event; loaded test machines add some.
+        print(f"\nSIGSTOP: {moved_count(proxy)} of {STREAMS} streams moved; the longest gap between two events "
+              f"of a stream {worst:.2f} s", file=sys.stderr)
         assert worst < 3.0, worst
         moved = proxy.app.metrics.migrations
         assert set(moved) == {("stall", "ok")} and moved[("stall", "ok")] >= 1
