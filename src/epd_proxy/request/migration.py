@@ -18,6 +18,7 @@ terminator.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from time import perf_counter
 from typing import TYPE_CHECKING, Awaitable, Callable
@@ -88,7 +89,9 @@ class Migrations:
         relay.sent = []
         self.watched[relay] = [inst, -1, 0.0]  # the ticker's first look sets the rest
         if self._ticker is None:
-            self._ticker = asyncio.ensure_future(self._tick())
+            # In a context of its own: a copy of this request's would keep the request's
+            # objects alive as long as the ticker runs.
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), context=contextvars.Context())
 
     def unwatch(self, relay: StreamRelay) -> None:
         self.watched.pop(relay, None)
@@ -104,24 +107,28 @@ class Migrations:
                     idle += 1
                     continue
                 idle = 0
-                now = perf_counter()
-                for relay, state in list(self.watched.items()):
-                    if not relay.migrate or relay.broken is not None or relay.ended:
-                        continue
-                    inst, seen, since = state
-                    events = relay.events
-                    if events != seen:
-                        state[1], state[2] = events, now
-                    elif now - since > stall_after(events, since - relay.first_at):
-                        relay.break_off("stall")
-                        continue
-                    if inst.health.state is EJECTED:
-                        relay.break_off("ejected")
-                    elif len(relay.sent) > MAX_READS:
-                        relay.migrate = False
-                        relay.sent = NOWHERE
+                self._look(perf_counter())
         finally:
             self._ticker = None
+
+    def _look(self, now: float) -> None:
+        """One look at every watched stream (in a call of its own: the ticker's frame, asleep
+        between looks, holds no stream)."""
+        for relay, state in list(self.watched.items()):
+            if not relay.migrate or relay.broken is not None or relay.ended:
+                continue
+            inst, seen, since = state
+            events = relay.events
+            if events != seen:
+                state[1], state[2] = events, now
+            elif now - since > stall_after(events, since - relay.first_at):
+                relay.break_off("stall")
+                continue
+            if inst.health.state is EJECTED:
+                relay.break_off("ejected")
+            elif len(relay.sent) > MAX_READS:
+                relay.migrate = False
+                relay.sent = NOWHERE
 
     async def close(self) -> None:
         ticker = self._ticker
@@ -207,6 +214,7 @@ class Migrations:
         finally:
             self.unwatch(relay)
             relay.last_at = perf_counter()
+            relay.migrate = False  # a client gone ends the stream as before (no move)
             resp.close()
             relay.resp = None
 

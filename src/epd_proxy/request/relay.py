@@ -417,7 +417,9 @@ async def relay_stream(writer: ResponseWriter, relay: StreamRelay, first: bytes,
         pass  # on_error has already ended the stream in-band
     finally:
         relay.last_at = perf_counter()
-        # Cancelled (client gone) or done: an unfinished upstream is aborted, so vLLM stops.
+        # Cancelled (client gone) or done: nothing more to continue elsewhere (a break has been
+        # seen by now); an unfinished upstream is aborted, so vLLM stops.
+        relay.migrate = False
         resp.close()
         # The response holds the relay as its sink: without this link back the pair is no
         # reference cycle, and is freed with the request instead of by the collector.
