@@ -11,6 +11,7 @@ import pytest
 from helpers import chat_body, stack, wait_for
 
 from epd_proxy.observe.access_log import AccessLog
+from epd_proxy.request.migration import STALL_CEILING, STALL_FLOOR, stall_after
 from epd_proxy.sim import SimConfig
 
 pytestmark = pytest.mark.asyncio
@@ -185,3 +186,10 @@ async def test_a_stream_is_continued_with_a_push_connector_too(connector):
         prefills = [r for r in cluster.records("prefill") if r.path == "/v1/chat/completions"]
         assert len(prefills) == 2  # the continuation's prompt prefilled too, then handed over
         assert proxy.app.metrics.migrations == {("reset", "ok"): 1}
+
+
+def test_the_stall_rule_follows_the_streams_pace_within_its_bounds():
+    assert stall_after(0, 0.0) == STALL_FLOOR  # no pace yet: the floor
+    assert stall_after(100, 1.0) == STALL_FLOOR  # 10 ms a read: 0.1 s, raised to the floor
+    assert stall_after(10, 2.0) == pytest.approx(2.0)  # 200 ms a read: ten of them
+    assert stall_after(2, 20.0) == STALL_CEILING  # 10 s a read: bounded
