@@ -122,14 +122,28 @@ async def _started(proxy, n: int) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _whole(url: str, i: int) -> dict:
+    """One non-streamed chat answer."""
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": f"answer {i}: tell me a long story"}],
+            "max_tokens": TOKENS}
+    reply = await fresh_request(url, "POST", "/v1/chat/completions", msgspec.json.encode(body),
+                                [(b"content-type", b"application/json")])
+    assert reply.status == 200, reply.body
+    return msgspec.json.decode(reply.body)
+
+
 async def test_sigkill_of_a_decode_under_concurrent_streams_costs_no_stream():
     async with cluster_and_proxy() as (proxy, decodes):
         tasks = [asyncio.ensure_future(_stream(proxy.url, i)) for i in range(STREAMS)]
         await _started(proxy, STREAMS)
+        # Whole answers too: nothing of theirs reached the client, they are placed again whole.
+        wholes = [asyncio.ensure_future(_whole(proxy.url, i)) for i in range(4)]
         await asyncio.sleep(0.5)  # every stream well under way
         victim = proxy.app.pools["decode"].instances[0]
         assert victim.inflight > 0
         os.killpg(decodes[victim.url].pid, signal.SIGKILL)
+        for answer in await asyncio.wait_for(asyncio.gather(*wholes), 60):
+            assert answer["usage"]["completion_tokens"] == TOKENS
         results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         worst = 0.0
         for events, times in results:
