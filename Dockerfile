@@ -23,7 +23,7 @@ COPY pyproject.toml README.md ./
 COPY src ./src
 RUN /opt/venv/bin/pip wheel -q --wheel-dir /wheels . \
  && /opt/venv/bin/pip install -q --no-index --find-links /wheels epd-proxy \
- && /opt/venv/bin/python -c "import epd_proxy, uvloop, httptools, msgspec" \
+ && /opt/venv/bin/python -c "import epd_proxy, uvloop, httptools, msgspec, blake3" \
  && /opt/venv/bin/pip uninstall -q -y pip
 
 # -- runtime: the virtualenv only; no compiler, no pip, not root.

@@ -16,7 +16,7 @@ venv: $(STAMP)
 
 # `make run PORT=9000 SIM='prefill=1,decode=1'` overrides either.
 PORT ?= 8000
-SIM ?= encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20,kv_events=1
+SIM ?= encode=2,prefill=1,decode=2,itl_ms=15,ttft_ms=20,kv_events=1,bidirectional=1
 
 ## Start the proxy on 127.0.0.1:$(PORT) in front of an embedded simulated cluster ($(SIM)).
 run: $(STAMP)
@@ -35,7 +35,7 @@ test: $(STAMP) system-packages
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_named_modules.py
 
 ## End-to-end: the container image built and run (podman), then real vLLM instances (installs a
 ## cached vLLM CPU environment). Both run; the target fails if either does.

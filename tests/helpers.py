@@ -112,4 +112,10 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> N
         await asyncio.sleep(interval)
 
 
-__all__ = ["stack", "Client", "Reply", "chat_body", "wait_for", "StageTimeouts"]
+async def probe_round(pool, timeout: float) -> None:
+    """One health probe of every instance of ``pool`` at once, as its probe loops would send
+    them: a test moves instances in or out of rotation without waiting for an interval."""
+    await asyncio.gather(*(pool.checks.probe(inst, timeout) for inst in pool.instances))
+
+
+__all__ = ["stack", "Client", "Reply", "chat_body", "wait_for", "probe_round", "StageTimeouts"]

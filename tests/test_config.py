@@ -254,3 +254,54 @@ def test_every_mistake_of_a_config_is_named_at_once():
         "and decodes is given as --decode only)",
         info.value.errors[3],
     ] and "--kv-connector nixl-push needs" in info.value.errors[3]
+
+
+# -- the sections --------------------------------------------------------------------------------
+
+def test_each_section_names_its_own_mistakes():
+    """A section checks its values alone, each mistake naming its flag."""
+    from epd_proxy.config import AccessConfig, HealthConfig, MultiTurnConfig, StateStoreConfig, UpstreamConfig
+
+    assert MultiTurnConfig().problems() == []
+    assert MultiTurnConfig(kv_reuse_ttl=0, local_prefill_max_streams=-1).problems() == [
+        "--kv-reuse-ttl must be > 0, not 0", "--local-prefill-max-streams must be >= 0, not -1"]
+    assert HealthConfig(ejection_time=20, max_ejection_time=10).problems() == [
+        "--max-ejection-time must be >= --ejection-time (20), not 10"]
+    assert AccessConfig(ssl_keyfile="k.pem").problems() == ["--ssl-keyfile needs --ssl-certfile"]
+    assert StateStoreConfig(state_store="redis://:pw@h:6379/0").problems() == [
+        "--state-store: no password in the URL; use --state-store-password-file or $EPD_PROXY_STATE_STORE_PASSWORD"]
+    upstream = UpstreamConfig(upstream_api_key="k", forward_headers=("authorization",))
+    assert upstream.problems()[0].startswith("--forward-header authorization cannot be combined")
+    assert UpstreamConfig().timeouts.problems() == []
+
+
+def test_a_config_is_built_and_read_by_the_flags_names_or_by_section():
+    from epd_proxy.config import AdmissionConfig, MultiTurnConfig
+
+    cfg = ProxyConfig(kv_reuse_ttl=60, multi_turn=MultiTurnConfig(kv_reuse=False))
+    assert cfg.multi_turn == MultiTurnConfig(kv_reuse=False, kv_reuse_ttl=60)
+    assert (cfg.kv_reuse, cfg.kv_reuse_ttl, cfg.timeouts) == (False, 60, cfg.upstream.timeouts)
+    more = cfg.replace(max_inflight=3)
+    assert more.admission == AdmissionConfig(max_inflight=3) and cfg.admission == AdmissionConfig()
+    assert more.multi_turn is cfg.multi_turn  # the sections not named are shared, as the lists are
+    assert more == cfg.replace(admission=AdmissionConfig(max_inflight=3)) != cfg
+    with pytest.raises(TypeError, match="no_such_knob"):
+        ProxyConfig(no_such_knob=1)
+    with pytest.raises(TypeError, match="MultiTurnConfig"):
+        ProxyConfig(multi_turn=AdmissionConfig())
+
+
+def test_every_section_field_is_declared_once_with_its_type():
+    """Each section field is a ``ProxyConfig`` attribute of its name (declared for the type
+    checker), in exactly one section, and no top-level field or section shares its name."""
+    import dataclasses
+
+    from epd_proxy.config import SECTION_OF, SECTIONS
+    from epd_proxy.config.proxy import _SectionFields
+
+    fields = [(f.name, f.type) for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(SECTION_OF) == len(fields)
+    assert _SectionFields.__annotations__ == dict(fields)
+    assert not set(SECTION_OF) & {f.name for f in dataclasses.fields(ProxyConfig)}
+    cfg = ProxyConfig()
+    assert all(getattr(cfg, name) is getattr(getattr(cfg, SECTION_OF[name]), name) for name in SECTION_OF)

@@ -6,18 +6,19 @@ what the simulated instances received, since that is what a real engine would ac
 
 import asyncio
 import base64
-import hashlib
 
 import msgspec
 import pytest
+from blake3 import blake3
 from helpers import Client, chat_body, stack, wait_for
 
 from epd_proxy.encode.multimodal import client_key
 from epd_proxy.sim import SimConfig, expected_text
 
 
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def digest(text: str) -> str:
+    """The proxy's content key of a URL."""
+    return blake3(text.encode()).hexdigest()
 
 
 def _img(url: str, **extra) -> dict:
@@ -61,7 +62,7 @@ async def test_a_client_uuid_cannot_claim_another_images_cache_key(topology, ec)
     layout = dict(encode=1, prefill=0, decode=0, pd=1) if topology == "E+PD" else dict(encode=1)
     consumer_role = "pd" if topology == "E+PD" else "prefill"
     async with stack(sim=sim, **layout) as (cluster, proxy, client):
-        victim_key = sha(VICTIM)
+        victim_key = digest(VICTIM)
         attack = await client.chat(_media_body(_img(ATTACKER, uuid=victim_key)))
         assert attack.status == 200, attack.body
         stored_by_attacker = {p["uuid"] for p in cluster.records("encode")[-1].json["messages"][0]["content"]}
@@ -90,21 +91,21 @@ async def test_client_uuids_are_namespaced_the_same_for_encoder_and_consumer(rew
 
 async def test_client_uuids_are_namespaced_without_an_encoder_too():
     async with stack(prefill=0, decode=0, pd=1) as (cluster, proxy, client):
-        reply = await client.chat(_media_body(_img("https://x/a.png", uuid=sha("https://x/b.png"))))
+        reply = await client.chat(_media_body(_img("https://x/a.png", uuid=digest("https://x/b.png"))))
         assert reply.status == 200, reply.body
         part = cluster.records("pd")[-1].json["messages"][0]["content"][1]
-        assert part["uuid"] == client_key(sha("https://x/b.png"))
+        assert part["uuid"] == client_key(digest("https://x/b.png"))
 
 
 @pytest.mark.parametrize("rewrite", [True, False])
 async def test_ignore_client_uuids_keys_media_by_content(rewrite):
     async with stack(encode=1, rewrite=rewrite, ignore_client_uuids=True) as (cluster, proxy, client):
-        reply = await client.chat(_media_body(_img("https://x/a.png", uuid=sha(VICTIM))))
+        reply = await client.chat(_media_body(_img("https://x/a.png", uuid=digest(VICTIM))))
         assert reply.status == 200, reply.body
         enc = cluster.records("encode")[-1].json["messages"][0]["content"][0]
         consumer = cluster.records("prefill")[-1].json["messages"][0]["content"][1]
         if rewrite:
-            assert enc["uuid"] == consumer["uuid"] == sha("https://x/a.png")
+            assert enc["uuid"] == consumer["uuid"] == digest("https://x/a.png")
         else:
             assert "uuid" not in enc and "uuid" not in consumer
         assert cluster.instances("prefill")[0].stats.local_encodes == 0

@@ -3,7 +3,7 @@
 import logging
 import socket
 
-from helpers import Client, chat_body, stack
+from helpers import Client, chat_body, probe_round, stack
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.api.app import merge_pool_status
@@ -16,7 +16,7 @@ async def test_ready_stays_200_when_every_backend_is_failing():
             inst.set_health(False)  # /health answers 503: the probes take every instance out
         for pool in proxy.app.pools.values():
             for _ in range(proxy.app.config.fail_threshold):
-                await pool.checks.probe_once(1.0)
+                await probe_round(pool, 1.0)
             assert not any(inst.healthy for inst in pool.instances)
         reply = await client.request("GET", "/ready")
         assert reply.status == 200 and reply.json() == {"status": "ready"}

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 import msgspec
+from cdp import CHROMIUM, Page, in_thread
 from helpers import JSON, chat_body, stack, wait_for
 from procs import child_proxy, fresh_request
 from redis_server import redis_server  # noqa: F401  (the fixture)
@@ -111,6 +112,11 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0}
                 found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
                 assert len(found["requests"]) == 1
+                # Both workers publish their summary to the parent's table: one proxy, two workers.
+                gw = state["gateway"]
+                assert gw["shared"] and gw["scope"] == "proxy" and gw["scope_text"].startswith("one proxy")
+                [replica] = gw["replicas"]
+                assert (replica["workers"], replica["workers_publishing"], replica["state"]) == (2, 2, "live"), gw
 
 
 async def test_requests_shed_at_admission_count_as_errors_by_kind():
@@ -166,7 +172,8 @@ async def test_kv_events_held_kv_and_each_turn_s_reuse_outcome():
             by_role["decode"]["url"]]
         every = state["traffic"]["models"]["*"]
         assert (every["kv_turns"], every["reused_turns"]) == (1, 1)
-        assert state["panel"] == {"state_store": None, "tenants": None, "tenants_store": None}
+        assert state["panel"] == {"state_store": None, "tenants": None, "tenants_store": None,
+                                  "tenants_store_up": None}
 
 
 async def test_without_kv_events_an_instance_says_not_configured_and_tenants_show_their_use(tmp_path):
@@ -218,3 +225,33 @@ async def test_a_requests_path_says_where_its_legs_were_placed_and_why(caplog):
         assert stages["decode"]["why"] == placed["decode"]["why"] and stages["prefill"]["why"]
         logged = [r.getMessage() for r in caplog.records if "placed" in r.getMessage()]
         assert any("request placed:" in m and decode[0] in m for m in logged)
+
+
+async def test_shared_tenant_counters_are_not_called_shared_while_their_store_is_down(tmp_path, redis_server):  # noqa: F811
+    keys = tmp_path / "keys"
+    keys.write_text("team-a:secret-a\n")
+    tenants = {"keys": [{"name": "team-a", "requests_per_minute": 100}]}
+    async with stack(api_key_file=str(keys), tenants=tenants, admin_api_key="admin",
+                     state_store=redis_server.url) as (_, _p, client):
+        admin = [(b"x-api-key", b"admin")]
+        assert (await client.chat(chat_body(), [(b"authorization", b"Bearer secret-a")])).status == 200
+        panel = (await client.request("GET", "/console/api/state", headers=admin)).json()["panel"]
+        assert (panel["tenants_store"], panel["tenants_store_up"]) == ("shared", True)
+        redis_server.stop()
+        panel = (await client.request("GET", "/console/api/state", headers=admin)).json()["panel"]
+        assert (panel["tenants_store"], panel["tenants_store_up"]) == ("shared", False)
+        if CHROMIUM is not None:  # the page's heading says so too
+            heading = await in_thread(_tenants_heading, f"{_p.url}/console", str(tmp_path / "profile"))
+            assert heading["store"] == "down" and "does not answer" in heading["text"], heading
+            assert "(counters shared)" not in heading["text"]
+
+
+def _tenants_heading(url: str, profile: str) -> dict:
+    with Page(profile, 1200, 900) as page:
+        page.open(url)
+        page.wait_for("!document.getElementById('auth').hidden")
+        page.evaluate("document.getElementById('auth-key').value = 'admin';"
+                      "document.getElementById('auth-form').requestSubmit()")
+        page.wait_for("document.getElementById('tenants-store').textContent")
+        return page.evaluate("({text: document.getElementById('tenants-store').textContent,"
+                             " store: document.getElementById('tenants-store').dataset.store})")

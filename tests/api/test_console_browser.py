@@ -11,9 +11,12 @@ import shutil
 from html.parser import HTMLParser
 
 import pytest
+from cdp import Page, in_thread
 from helpers import chat_body, stack, wait_for
 
-from epd_proxy.sim import SimConfig, expected_text
+from epd_proxy import ProxyConfig, start_proxy
+from epd_proxy.runtime.serve import config_for_cluster
+from epd_proxy.sim import SimCluster, SimConfig, expected_text
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/ensure-system-"
@@ -189,3 +192,104 @@ async def test_the_console_shows_kv_events_held_kv_and_a_turn_s_reuse(tmp_path):
     assert "multi-turn KV reused" in stages["kv_reuse"] and decode.split("//")[1] in stages["kv_reuse"]
     assert "2 of 2" in dom.find(data_tile="reused")[0]["text"]
     assert shot.stat().st_size > 10_000
+
+
+LONG_MODEL = "meta-llama/Llama-3.3-70B-Instruct-FP8-dynamic"  # a real model id: one long unbreakable word
+_WHY_BOXES = """(() => {
+  const width = document.documentElement.clientWidth;
+  const cells = [...document.querySelectorAll('#models td, #cluster .why')].filter(
+    (e) => /no decode instance|health probe/.test(e.textContent));
+  return {width, boxes: cells.map((e) => { const r = e.getBoundingClientRect();
+    return {text: e.textContent, left: r.left, right: r.right, height: r.height}; })};
+})()"""
+
+
+def _narrow_look(url: str, profile: str, shot: str) -> dict:
+    with Page(profile, 400, 1400) as page:
+        page.open(url)
+        page.wait_for("document.querySelector('#models tbody tr')"
+                      " && document.querySelector('article[data-role=encode]')"
+                      " && /blocks/.test(document.querySelector('article[data-role=prefill]').textContent)")
+        page.screenshot(shot)
+        out = page.evaluate(_WHY_BOXES)
+        out["scope"] = page.evaluate("document.getElementById('gateway-scope').textContent")
+        out["cards"] = page.evaluate("Object.fromEntries([...document.querySelectorAll('article')].map("
+                                     "(a) => [a.dataset.role + ' ' + a.dataset.url, a.textContent]))")
+        return out
+
+
+async def test_at_400_px_why_a_model_or_instance_is_out_is_on_screen_and_encoders_show_their_queue(tmp_path):
+    """Both decodes down: the models table says why the model cannot be served and each decode
+    card why it is out, inside a 400 px wide screen (the real layout, asked of the browser);
+    the encoder's card shows its queue, not a KV cache; prefill and decode cards say their KV
+    cache's use with its size in blocks (vllm:cache_config_info)."""
+    sim = SimConfig(model=LONG_MODEL, itl_ms=2, ttft_ms=3)
+    async with SimCluster(encode=1, prefill=1, decode=2, config=sim) as cluster:
+        config = config_for_cluster(cluster, ProxyConfig(probe_interval=0.1, scrape_interval=0.1))
+        async with await start_proxy(config) as proxy:
+            for decode in cluster.instances("decode"):
+                await decode.crash()
+            shot = tmp_path / "console-400px.png"
+            look = await in_thread(_narrow_look, f"{proxy.url}/console", str(tmp_path / "profile"), str(shot))
+    print(f"\nconsole screenshot at 400 px: {shot}")
+    texts = " | ".join(b["text"] for b in look["boxes"])
+    assert "no decode instance serves it" in texts and "health probe" in texts, texts
+    for box in look["boxes"]:  # every reason inside the screen, none scrolled off to the right
+        assert box["left"] >= 0 and box["right"] <= look["width"] + 0.5 and box["height"] > 0, (box, look["width"])
+    assert look["scope"].startswith("(one replica: this proxy only")  # no store: the console says what it covers
+    cards = look["cards"]
+    [encoder] = [text for key, text in cards.items() if key.startswith("encode ")]
+    assert "Queue" in encoder and "not from this proxy" in encoder and "KV cache" not in encoder, encoder
+    [prefill] = [text for key, text in cards.items() if key.startswith("prefill ")]
+    assert re.search(r"KV cache [\d.]+ % \([\d,]+ of 65,536 blocks\)", prefill), prefill
+
+
+_CHARTS = """(() => Object.fromEntries([...document.querySelectorAll('#charts figure')].map((f) => [f.dataset.chart, {
+  label: f.querySelector('svg').getAttribute('aria-label'), caption: f.querySelector('figcaption').textContent,
+  lines: [...f.querySelectorAll('polyline')].map((p) => ({series: p.dataset.series,
+    ys: p.getAttribute('points').split(' ').filter(Boolean).map((xy) => Number(xy.split(',')[1]))})),
+  legend: [...f.querySelectorAll('.legend li')].map((li) => li.textContent)}])))()"""
+
+
+def _chart_look(url: str, profile: str, shot: str) -> dict:
+    with Page(profile, 1300, 1800) as page:
+        page.open(url)
+        page.wait_for("(document.querySelector('[data-chart=rps] svg') || {dataset: {}}).dataset.points >= 4", 30)
+        page.evaluate("document.getElementById('traffic-h').scrollIntoView()")
+        page.screenshot(shot, full=False)
+        return page.evaluate(_CHARTS)
+
+
+async def test_the_traffic_charts_draw_the_last_minutes_from_the_polls(tmp_path):
+    """Under load, the page's small charts (requests/s, errors, TTFT and ITL p50/p99, reused
+    turns, the requests on each instance) grow a point per poll, drawn as inline SVG."""
+    sim = SimConfig(itl_ms=2, ttft_ms=3)
+    async with stack(prefill=1, decode=2, sim=sim) as (cluster, proxy, client):
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            i = 0
+            while not stop.is_set():
+                await client.chat(chat_body(f"chart {i}", stream=True, max_tokens=8))
+                i += 1
+                await asyncio.sleep(0.01)
+
+        await client.request("GET", "/console/api/state")
+        loader = asyncio.get_running_loop().create_task(load())
+        try:
+            shot = tmp_path / "console-charts.png"
+            charts = await in_thread(_chart_look, f"{proxy.url}/console", str(tmp_path / "profile"), str(shot))
+        finally:
+            stop.set()
+            await loader
+        print(f"\nconsole charts screenshot: {shot}")
+        urls = cluster.urls("prefill") + cluster.urls("decode")
+    assert set(charts) == {"rps", "errors", "ttft", "itl", "reused", "load"}
+    [rps] = charts["rps"]["lines"]
+    assert len(rps["ys"]) >= 4 and min(rps["ys"]) < 80  # points, off the floor: requests were served
+    assert [line["series"] for line in charts["ttft"]["lines"]] == ["p50", "p99"]
+    assert all(len(line["ys"]) >= 4 for line in charts["ttft"]["lines"] + charts["itl"]["lines"])
+    assert "requests / s, over the last 60 s: now" in charts["rps"]["label"]
+    # One line per instance, named in the legend.
+    assert len(charts["load"]["lines"]) == 3
+    assert sorted(u.split("//")[1] in " ".join(charts["load"]["legend"]) for u in urls) == [True] * 3

@@ -96,7 +96,8 @@ def test_workers_views_of_kv_events_and_held_kv_merge():
 
 def test_the_proxy_panel_the_store_and_each_key_s_use_of_its_limits():
     from epd_proxy.api.console_view import proxy_panel
-    assert proxy_panel(None, None) == {"state_store": None, "tenants": None, "tenants_store": None}
+    assert proxy_panel(None, None) == {"state_store": None, "tenants": None, "tenants_store": None,
+                                       "tenants_store_up": None}
     store = {"kind": "redis", "url": "redis://:secret@r:6379", "up": False, "down_since": 90.0, "timeout": 0.1,
              "errors": {"timeout": 2}}
     tenants = {"store": "shared", "store_failures": {}, "keys": {
@@ -113,3 +114,7 @@ def test_the_proxy_panel_the_store_and_each_key_s_use_of_its_limits():
     assert a["limits"][1]["share"] == 0.25
     assert b["limits"][0]["used"] is None and b["limits"][0]["share"] is None  # the store did not answer
     assert panel["tenants_store"] == "shared"
+    assert panel["tenants_store_up"] is False  # a shared counter unread: the heading must not say "shared" alone
+    answered = dict(tenants, keys={"team-a": tenants["keys"]["team-a"]})
+    assert proxy_panel(store, answered)["tenants_store_up"] is True
+    assert proxy_panel(None, dict(answered, store="in-process"))["tenants_store_up"] is None

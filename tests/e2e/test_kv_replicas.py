@@ -22,8 +22,8 @@ import threading
 
 import pytest
 import vllm_e2e as E
+from rendezvous import rendezvous_order
 
-from epd_proxy.routing.cache_aware import rendezvous_order
 from epd_proxy.routing.view import RequestView
 
 CLUSTER = "kv"

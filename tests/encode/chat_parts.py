@@ -1,10 +1,11 @@
 """Chat bodies with media parts, for the encode path's tests (media discovery, result matching)."""
 
-import hashlib
+from blake3 import blake3
 
 
-def sha(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
+def digest(s: str) -> str:
+    """The proxy's content key of a text (a URL): BLAKE3 in hex."""
+    return blake3(s.encode()).hexdigest()
 
 
 def img(url, **extra):

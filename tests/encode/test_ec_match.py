@@ -2,7 +2,7 @@ import copy
 import hashlib
 
 import pytest
-from chat_parts import body_with, img, sha
+from chat_parts import body_with, digest, img
 
 from epd_proxy.encode.ec_match import (
     ItemResult,
@@ -320,7 +320,7 @@ def test_rewrite_media_replaces_items_and_keeps_the_rest():
     content = out["messages"][1]["content"]
     # Image b has no result and stays raw, so image a does too: vLLM refuses raw images and
     # image_embeds in one request ("Mixing raw image and embedding inputs is not allowed").
-    assert content[0] == {**img("https://x/a.jpg"), "uuid": sha("https://x/a.jpg")}
+    assert content[0] == {**img("https://x/a.jpg"), "uuid": digest("https://x/a.jpg")}
     assert content[1] is text
     assert content[2] == {
         "type": "audio_embeds",
@@ -328,7 +328,7 @@ def test_rewrite_media_replaces_items_and_keeps_the_rest():
         "uuid": content_uuid(audio),
     }
     # No result: the raw part is kept, with the uuid the encoder was given.
-    assert content[3] == {**body["messages"][1]["content"][3], "uuid": sha("https://x/b.jpg")}
+    assert content[3] == {**body["messages"][1]["content"][3], "uuid": digest("https://x/b.jpg")}
     # Untouched messages are shared; changed ones are new objects.
     assert out["messages"][0] is body["messages"][0]
     assert out["messages"][2] is body["messages"][2]
@@ -355,7 +355,7 @@ def test_rewrite_media_empty_metadata_keeps_raw_part():
     items = collect_media(body)
     out = rewrite_media(body, items, [res({})])
     # Raw, but with the encoder's uuid, so the consumer hashes it as the encoder did.
-    assert out["messages"][1]["content"][0] == {**img("https://x/a.jpg"), "uuid": sha("https://x/a.jpg")}
+    assert out["messages"][1]["content"][0] == {**img("https://x/a.jpg"), "uuid": digest("https://x/a.jpg")}
     assert body["messages"][1]["content"][0] == img("https://x/a.jpg")
 
 

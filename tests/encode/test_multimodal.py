@@ -1,11 +1,11 @@
 import copy
-import hashlib
 
 import msgspec
 import pytest
+from blake3 import blake3
 
 # ---------------------------------------------------------------- constants
-from chat_parts import body_with, img, sha
+from chat_parts import body_with, digest, img
 
 from epd_proxy.encode.multimodal import (
     EMBEDS_TYPES,
@@ -31,11 +31,11 @@ def test_media_and_embeds_types():
 # ---------------------------------------------------------------- content_uuid
 
 
-def test_content_uuid_is_sha256_of_url():
-    assert content_uuid(img("https://x/a.jpg")) == sha("https://x/a.jpg")
-    assert content_uuid({"type": "audio_url", "audio_url": {"url": "u"}}) == sha("u")
-    assert content_uuid({"type": "video_url", "video_url": {"url": "v"}}) == sha("v")
-    assert content_uuid({"type": "image_url", "image_url": "https://bare"}) == sha(
+def test_content_uuid_is_the_blake3_of_the_url():
+    assert content_uuid(img("https://x/a.jpg")) == digest("https://x/a.jpg")
+    assert content_uuid({"type": "audio_url", "audio_url": {"url": "u"}}) == digest("u")
+    assert content_uuid({"type": "video_url", "video_url": {"url": "v"}}) == digest("v")
+    assert content_uuid({"type": "image_url", "image_url": "https://bare"}) == digest(
         "https://bare"
     )
 
@@ -43,7 +43,7 @@ def test_content_uuid_is_sha256_of_url():
 def test_content_uuid_input_audio_is_sorted_json_hash_and_stable():
     a = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
     b = {"input_audio": {"format": "wav", "data": "AAAA"}, "type": "input_audio"}
-    expected = hashlib.sha256(msgspec.json.encode(a, order="sorted")).hexdigest()
+    expected = blake3(msgspec.json.encode(a, order="sorted")).hexdigest()
     assert content_uuid(a) == expected
     assert content_uuid(b) == expected
     other = {"type": "input_audio", "input_audio": {"data": "BBBB", "format": "wav"}}
@@ -89,15 +89,15 @@ def test_collect_media_global_order_and_positions():
         (3, 4, 1, "input_audio"),
     ]
     assert items[0].part is body["messages"][1]["content"][1]
-    assert items[0].uuid == sha("https://x/a.jpg")
+    assert items[0].uuid == digest("https://x/a.jpg")
     assert items[3].uuid == content_uuid(body["messages"][4]["content"][1])
 
 
 def test_collect_media_honours_client_uuid_namespaced():
     body = body_with(img("https://x/a.jpg", uuid="client-key"), img("https://x/b.jpg", uuid=""))
     items = collect_media(body)
-    assert items[0].uuid == client_key("client-key") == "client-" + sha("client-key")
-    assert items[1].uuid == sha("https://x/b.jpg")
+    assert items[0].uuid == client_key("client-key") == "client-" + digest("client-key")
+    assert items[1].uuid == digest("https://x/b.jpg")
 
 
 def test_a_client_uuid_can_never_be_a_content_key():
@@ -111,7 +111,7 @@ def test_a_client_uuid_can_never_be_a_content_key():
 def test_collect_media_can_ignore_client_uuids():
     body = body_with(img("https://x/a.jpg", uuid="mine"))
     (item,) = collect_media(body, ignore_client_uuids=True)
-    assert item.uuid == sha("https://x/a.jpg")
+    assert item.uuid == digest("https://x/a.jpg")
 
 
 def test_client_key_is_a_safe_file_name_of_bounded_length():
@@ -142,10 +142,10 @@ def test_own_media_replaces_every_client_uuid_without_touching_the_client_body(i
     content = out["messages"][1]["content"]
     if ignore:
         assert all("uuid" not in part for part in content)
-        assert items[0].uuid == sha("https://x/a.jpg")
+        assert items[0].uuid == digest("https://x/a.jpg")
     else:
         assert content[0]["uuid"] == items[0].uuid == client_key("mine")
-        assert "uuid" not in content[1] and items[1].uuid == sha("https://x/b.jpg")
+        assert "uuid" not in content[1] and items[1].uuid == digest("https://x/b.jpg")
         assert content[2]["uuid"] == client_key("victim")
     assert [i.part for i in items] == content[:2]
     assert all(i.part is content[k] for k, i in enumerate(items))
@@ -155,7 +155,7 @@ def test_own_media_replaces_every_client_uuid_without_touching_the_client_body(i
 def test_collect_media_accepts_bare_string_image_url():
     body = body_with({"type": "image_url", "image_url": "https://x/a.jpg"})
     (item,) = collect_media(body)
-    assert item.uuid == sha("https://x/a.jpg")
+    assert item.uuid == digest("https://x/a.jpg")
 
 
 def test_collect_media_no_media_and_passive_parts():

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from httpkit import RawServer  # noqa: E402
 
-from epd_proxy.http.limits import ServerLimits  # noqa: E402
 from epd_proxy.http.server import HttpServer  # noqa: E402
+from epd_proxy.http.server_limits import ServerLimits  # noqa: E402
 from epd_proxy.wire.errors import error_body  # noqa: E402
 
 

@@ -1071,3 +1071,32 @@ async def test_reused_connection_keeps_its_own_header_deadline(raw_server, pools
     assert await (await pool.request("GET", "/1", timeouts=t)).read() == b"/1"
     assert await (await pool.request("GET", "/2", timeouts=t)).read() == b"/2"
     assert len(srv.conns) == 1
+
+
+async def test_bursts_reuse_the_connections_the_last_burst_opened(http_server, pools):
+    """Bursts with a quiet stretch between them longer than the idle timeout, while a few
+    requests go on: the idle connections are taken in turn, so the quiet stretch keeps every
+    one of the burst's connections warm and each burst after the first opens none."""
+    peers: set = set()  # one client port per connection opened
+
+    async def handler(req, w):
+        peers.add(req.peer)
+        await asyncio.sleep(0.005)
+        w.send(200, b"x")
+
+    srv = await http_server(handler)
+    pool = pools(f"http://127.0.0.1:{srv.port}", idle_timeout=1.0)
+    loop = asyncio.get_running_loop()
+
+    async def one() -> None:
+        resp = await pool.request("GET", "/", timeouts=FAST)
+        assert await resp.read() == b"x"
+
+    burst = 16
+    for _ in range(3):
+        await asyncio.gather(*(one() for _ in range(burst)))
+        quiet_until = loop.time() + 1.5  # longer than idle_timeout
+        while loop.time() < quiet_until:
+            await one()
+            await asyncio.sleep(0.01)
+    assert len(peers) == burst

@@ -10,8 +10,8 @@ from pathlib import Path
 from httpkit import connect, read_response, read_to_eof, request_bytes
 
 import epd_proxy.http
-from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
+from epd_proxy.http.server_limits import ServerLimits
 
 
 def tagged(status: int, message: str, path: str = "") -> bytes:

@@ -3,6 +3,7 @@
 from epd_proxy.instances.health import (
     BY_PROBE,
     BY_RATE,
+    BY_WEDGED,
     EJECTED,
     HALF_OPEN,
     HEALTHY,
@@ -197,3 +198,19 @@ def test_passive_signals_alone_never_take_out_more_than_the_cap():
             assert sum(x.out for x in hs) <= r.max_ejected(n)
 
     check()
+
+
+def test_a_wedged_instance_is_out_at_once_within_the_cap_and_back_when_it_runs():
+    r, h = rules(max_ejection_percent=50), Health()
+    assert r.wedged(h, 0.0, size=2, out=1) is None and h.state is HEALTHY  # the cap
+    verdict = r.wedged(h, 0.0, size=2, out=0)
+    assert verdict is not None and h.state is EJECTED and h.cause is BY_WEDGED and not verdict.stalled
+    assert r.wedged(h, 1.0, size=2, out=1) is None  # already out
+    assert not r.success(h, 1.0, probe=True)  # its probes were fine all along
+    assert r.expire(h, 10.0) and h.state is HALF_OPEN
+    assert not r.success(h, 10.5, probe=True) and h.state is HALF_OPEN
+    assert r.unwedged(h, 11.0) and h.state is HEALTHY
+    assert not r.unwedged(h, 12.0)
+    # another cause is not ended by a running queue
+    fail(r, h, 20.0, 3)
+    assert h.state is EJECTED and not r.unwedged(h, 21.0)

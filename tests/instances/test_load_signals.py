@@ -7,7 +7,15 @@ from helpers import Client, chat_body, stack, wait_for
 
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import TransportTimeouts
-from epd_proxy.instances.load_signals import QUIET_STRETCH, gauge_samples, parse_load
+from epd_proxy.instances.load_signals import (
+    QUIET_STRETCH,
+    LoadSignals,
+    gauge_samples,
+    parse_block_size,
+    parse_kv_blocks,
+    parse_load,
+    wedged,
+)
 from epd_proxy.sim import SimConfig
 
 VLLM_TEXT = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -22,11 +30,47 @@ vllm:num_requests_waiting_by_reason{engine="0",model_name="Qwen/Qwen3-0.6B",reas
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-0.6B"} 0.5
 vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.25
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="27536",swap_space="4"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="27000",swap_space="4"} 1.0
 """
 
 
 def test_parse_sums_queues_over_engines_and_averages_kv_usage():
     assert parse_load(VLLM_TEXT) == (5.0, 4.0, 0.375)
+
+
+def test_the_kv_cache_s_size_is_read_from_cache_config_info():
+    assert parse_kv_blocks(VLLM_TEXT) == 27536 + 27000  # over its engines
+    assert parse_kv_blocks(b'vllm:cache_config_info{num_gpu_blocks="None"} 1.0\n') is None  # not known yet
+    assert parse_kv_blocks(b"# vllm:cache_config_info{num_gpu_blocks=\"9\"} 1.0\n") is None
+    assert parse_kv_blocks(b"") is None
+
+
+def test_the_block_size_is_read_from_cache_config_info():
+    assert parse_block_size(VLLM_TEXT) == 16
+    assert parse_block_size(b"# vllm:cache_config_info{block_size=\"16\"} 1.0\n") is None
+    assert parse_block_size(b'vllm:cache_config_info{block_size="None"} 1.0\n') is None
+    assert parse_block_size(b"") is None
+
+
+def test_a_queue_that_stands_still_past_the_hold_is_wedged_and_running_clears_it():
+    s = LoadSignals()
+    s.update(running=0, waiting=3, kv_usage=0.999, own_inflight=0, now=10.0)
+    assert wedged(s, 10.0) is None  # not yet: a busy engine admits within a step
+    s.update(running=0, waiting=4, kv_usage=0.999, own_inflight=0, now=11.0)
+    assert wedged(s, 11.9) is None
+    why = wedged(s, 12.0)
+    assert why is not None and "4 requests waiting, none running" in why and "KV cache 99.9% full" in why
+    s.update(running=1, waiting=4, kv_usage=0.999, own_inflight=0, now=13.0)
+    assert wedged(s, 20.0) is None and s.stalled_since is None
+    s.update(running=0, waiting=0, kv_usage=0.1, own_inflight=0, now=14.0)
+    assert wedged(s, 20.0) is None  # idle is not wedged
+    s.update(running=0, waiting=2, kv_usage=0.2, own_inflight=0, now=15.0)
+    assert "none admitted" in (wedged(s, 18.0) or "")
+    s.forget()
+    assert wedged(s, 30.0) is None
 
 
 def test_parse_ignores_comments_longer_names_and_bad_values():
@@ -73,6 +117,7 @@ async def test_the_scrape_reads_each_instances_own_queue():
             await direct.close()
         scraper = next(s for s in proxy.app.scrapers if s.pool.role == "decode")
         assert scraper.scrapes > 0 and scraper.failures == 0
+        assert inst_busy.signals.kv_blocks == sim.num_gpu_blocks  # the simulator's cache_config_info
 
 
 async def test_a_failed_scrape_forgets_the_signals_and_ejects_nothing():

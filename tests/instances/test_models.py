@@ -4,8 +4,8 @@ import msgspec
 import pytest
 
 from epd_proxy.config import InstanceSpec, parse_instance, split_instances
-from epd_proxy.instances.catalog import ModelDirectory, model_readiness
 from epd_proxy.instances.health import OutlierSettings
+from epd_proxy.instances.model_directory import ModelDirectory, model_readiness
 from epd_proxy.instances.models import Served, catalog_of, paired_key, parse_models, pinned, serves
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.placement.choose import choose

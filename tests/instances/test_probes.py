@@ -1,6 +1,8 @@
 """Active health checking (probes.py) against real simulated instances: a probe's verdict goes
 to the host set, an answered probe reads what the instance serves, probes follow the roster."""
 
+from helpers import probe_round
+
 from epd_proxy.config import InstanceSpec
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.pool import InstancePool
@@ -13,10 +15,10 @@ async def test_a_failing_probe_ejects_and_an_answered_one_brings_it_back_with_it
         pool = InstancePool("decode", [InstanceSpec(sim.url, "decode")], outlier=OutlierSettings(fail_threshold=1))
         inst = pool.instances[0]
         sim.set_health(False)
-        await pool.checks.probe_once(2.0)
+        await probe_round(pool, 2.0)
         assert inst.state == "ejected" and "HTTP 503" in inst.health.last_error
         sim.set_health(True)
-        await pool.checks.probe_once(2.0)
+        await probe_round(pool, 2.0)
         assert inst.healthy and inst.served is not None and inst.served.names  # /v1/models read after
         await pool.close()
 

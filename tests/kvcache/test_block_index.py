@@ -112,3 +112,23 @@ def test_slot_reused_after_drop():
     _store(index, "c", [5, 6, 7, 8])
     assert index.source("c").slot == 0
     assert index.longest_prefix([1, 2, 3, 4]) == {}
+
+
+def test_a_prompt_and_an_event_key_their_blocks_by_the_one_rule(monkeypatch):
+    """``block_key`` is the rule: a prompt's keys and an event's come from it alone, so a
+    change to it changes both alike and the index still finds what it stored."""
+    from epd_proxy.kvcache import index as module
+
+    calls = []
+
+    def salted(parent, tokens):
+        calls.append(len(tokens))
+        return hash(("salt", parent, *tokens))
+
+    monkeypatch.setattr(module, "block_key", salted)
+    index = BlockIndex()
+    prompt = list(range(1, 13))
+    _store(index, "a", prompt)
+    assert calls == [BS] * 3
+    assert prompt_keys(prompt, BS) == [index.source("a").blocks[1000 + i] for i in range(3)]
+    assert index.longest_prefix(prompt) == {"a": 12}

@@ -8,8 +8,8 @@ import pytest
 from helpers import wait_for
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.health import OutlierSettings
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.placement.choose import AFFINITY, HALF_OPEN_SHARE, PANIC, TRIAL, UNKNOWN_MODELS, pick
 from epd_proxy.placement.decision import (

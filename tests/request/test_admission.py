@@ -106,13 +106,17 @@ async def test_beyond_the_limit_a_request_is_shed_with_429_before_any_upstream_w
         assert reply.status == 429
         assert reply.headers[b"retry-after"] == b"1"
         assert reply.headers[b"x-request-id"] == b"shed-1"
+        # A key's 429 in shape (a string code), without the proxy's configuration.
         err = reply.json()["error"]
-        assert err["type"] == "RateLimitError" and err["code"] == 429 and set(err) == {
-            "message", "type", "param", "code"}
+        assert err == {"message": "the proxy is at capacity; retry later", "type": "RateLimitError", "param": None,
+                       "code": "overloaded"}
+        anthropic = await client.post("/v1/messages", b"{not json")
+        assert anthropic.status == 429 and anthropic.json() == {
+            "type": "error", "error": {"type": "rate_limit_error", "message": "the proxy is at capacity; retry later"}}
         assert len(cluster.records("prefill")) == 1 and cluster.records("decode") == []
         # /health and /metrics are not admission-controlled.
         metrics = (await client.request("GET", "/metrics")).body.decode()
-        assert "epd_proxy_shed_requests_total 1.0" in metrics
+        assert "epd_proxy_shed_requests_total 2.0" in metrics
         assert 'status="429"} 1.0' in metrics
         held.cancel()
         await asyncio.gather(held, return_exceptions=True)

@@ -6,9 +6,8 @@ items; with ``--cache-salt-per-key``, vLLM's ``cache_salt`` keeps each key's pre
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
+from blake3 import blake3
 from helpers import chat_body, stack
 
 from epd_proxy.config import InstanceSpec, ProxyConfig
@@ -22,7 +21,7 @@ SCOPE_A, SCOPE_B = key_scope("key1", KEY_A.encode()), key_scope("key2", KEY_B.en
 
 def client_key(uuid: str, scope: bytes = b"") -> str:
     """What an engine is sent for a client's ``uuid`` (multimodal.client_key), spelled out."""
-    return "client-" + hashlib.sha256(scope + uuid.encode()).hexdigest()
+    return "client-" + blake3(scope + uuid.encode()).hexdigest()
 
 
 def _media_body(*parts) -> dict:

@@ -188,7 +188,7 @@ async def test_a_stream_is_continued_with_a_push_connector_too(connector):
         assert proxy.app.metrics.migrations == {("reset", "ok"): 1}
 
 
-def test_the_stall_rule_follows_the_streams_pace_within_its_bounds():
+async def test_the_stall_rule_follows_the_streams_pace_within_its_bounds():
     assert stall_after(0, 0.0) == STALL_FLOOR  # no pace yet: the floor
     assert stall_after(100, 1.0) == STALL_FLOOR  # 10 ms a read: 0.1 s, raised to the floor
     assert stall_after(10, 2.0) == pytest.approx(2.0)  # 200 ms a read: ten of them

@@ -4,7 +4,7 @@ import asyncio
 
 import msgspec
 import pytest
-from helpers import chat_body, stack, wait_for
+from helpers import chat_body, probe_round, stack, wait_for
 
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.request.turns.multiturn import strip_token_ids
@@ -211,7 +211,7 @@ def _data_url(n: int, seed: int) -> str:
 async def test_large_data_urls_reach_every_stage_byte_for_byte(mode):
     # Large media strings are never decoded by the proxy (epd_proxy.blobs): what each
     # stage receives must still be exactly the client's URL, hashed to the same uuid.
-    import hashlib
+    from blake3 import blake3
 
     urls = [_data_url(40_000, 1), _data_url(3_000, 2), _data_url(40_000, 1)]
     sim = SimConfig(itl_ms=0, ttft_ms=0.5, record_responses=True,
@@ -233,7 +233,7 @@ async def test_large_data_urls_reach_every_stage_byte_for_byte(mode):
                 if mode == "no-rewrite":
                     assert "uuid" not in part
                 else:
-                    assert part["uuid"] == hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()
+                    assert part["uuid"] == blake3(part["image_url"]["url"].encode()).hexdigest()
         d = cluster.records("decode")[-1].json["messages"][0]["content"]
         if mode in ("example", "no-rewrite", "no-encoder"):
             assert [p["image_url"]["url"] for p in d[1:]] == urls
@@ -359,7 +359,7 @@ async def test_no_reachable_decode_is_503_with_retry_after():
             assert reply.headers[b"retry-after"] == b"5"
             assert "no decode instance" in reply.json()["error"]["message"]
             assert d.url not in reply.json()["error"]["message"]
-            await proxy.app.pools["decode"].checks.probe_once(0.5)
+            await probe_round(proxy.app.pools["decode"], 0.5)
         assert proxy.app.pools["decode"].instances[0].state == "ejected"
         await d.restart()
         assert (await client.chat(chat_body())).status == 200

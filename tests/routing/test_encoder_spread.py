@@ -1,11 +1,15 @@
 """Encoder spread over real sockets, through a proxy in front of the simulator: thirty new images
-come out level on three encoders (sent one after another and all at once), one image sent ten
-times stays on one encoder, and ``round-robin`` keeps the reference's rotation."""
+come out level on three encoders (sent one after another and all at once; inline images of one
+size exactly level in every topology), one image sent ten times stays on one encoder, and
+``round-robin`` keeps the reference's rotation."""
 
 import asyncio
+import base64
 from collections import Counter
 
+import pytest
 from helpers import Client, chat_body, stack
+from image_files import data_url, jpeg, png
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.runtime.serve import config_for_cluster
@@ -36,6 +40,37 @@ async def test_thirty_new_images_one_after_another_spread_level():
             assert reply.status == 200, reply.body
         counts = items_per_encoder(cluster)
         assert sum(counts.values()) == 30 and spread(counts) <= 1.2, counts
+
+
+@pytest.mark.parametrize("topology", [dict(prefill=1, decode=1), dict(prefill=0, decode=1),
+                                      dict(prefill=0, decode=0, pd=1)], ids=["E+P+D", "E+PD", "E+PD-plain"])
+async def test_thirty_new_inline_images_of_one_size_spread_exactly_level(topology):
+    """One new image per request, one after another, each of one pixel size but its own file
+    size (a photo's bytes depend on its content): 10/10/10, whatever the P/D side is."""
+    async with stack(encode=3, **topology) as (cluster, proxy, client):
+        for k in range(30):
+            image = data_url(png(160, 160, seed=k)) if k % 2 else data_url(
+                jpeg(160, 160, exif=97 * k, payload=5000 + 3001 * k), "image/jpeg")
+            reply = await client.chat(chat_body("What is it?", images=[image]))
+            assert reply.status == 200, reply.body
+        counts = items_per_encoder(cluster)
+        assert sorted(counts.values()) == [10, 10, 10], counts
+
+
+async def test_thirty_new_images_in_messages_blocks_spread_exactly_level():
+    """The same through /v1/messages (base64 image blocks, E+PD): its items are the chat
+    parts vLLM makes of them, read alike."""
+    async with stack(encode=3, prefill=0, decode=1) as (cluster, proxy, client):
+        for k in range(30):
+            data = png(160, 160, seed=k) if k % 2 else jpeg(160, 160, exif=97 * k, payload=5000 + 3001 * k)
+            source = {"type": "base64", "media_type": "image/png" if k % 2 else "image/jpeg",
+                      "data": base64.b64encode(data).decode()}
+            body = {"model": "sim-model", "max_tokens": 4, "messages": [
+                {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "What?"}]}]}
+            reply = await client.post("/v1/messages", body)
+            assert reply.status == 200, reply.body
+        counts = items_per_encoder(cluster)
+        assert sorted(counts.values()) == [10, 10, 10], counts
 
 
 async def test_thirty_new_images_at_once_spread_level():

@@ -6,11 +6,12 @@ from collections import Counter
 
 import msgspec
 import pytest
+from rendezvous import rendezvous_order
 
 from epd_proxy.encode.multimodal import collect_media
 from epd_proxy.instances.load_signals import LoadSignals
 from epd_proxy.routing import encoders
-from epd_proxy.routing.cache_aware import CacheAware, rendezvous_order
+from epd_proxy.routing.cache_aware import CacheAware
 from epd_proxy.routing.encoders import WORK_DEFAULT, WORK_MAX, WORK_MIN, item_work
 from epd_proxy.routing.view import key_of
 from epd_proxy.wire.blobs import decode_chat_body
@@ -190,3 +191,32 @@ def test_the_estimate_reads_a_lifted_blob_without_decoding_it():
     items = collect_media(decode_chat_body(msgspec.json.encode(body)))
     assert type(items[0].part["image_url"]["url"]).__name__ == "Blob"
     assert item_work(items[0]) == pytest.approx(3000, abs=0.01)
+
+
+def test_an_inline_image_counts_its_patches_whatever_its_file_size():
+    from image_files import data_url as image_data_url
+    from image_files import jpeg, png
+
+    small, noisy = png(448, 448, seed=0), png(448, 448, seed=7)
+    assert len(small) != len(noisy)
+    for data in (small, noisy):
+        assert item_work(Item("x", image(image_data_url(data)))) == 448 * 448 / (28 * 28)
+    photo = image_data_url(jpeg(1024, 896, exif=20000, payload=200000), "image/jpeg")
+    assert item_work(Item("x", image(photo))) == 1024 * 896 / (28 * 28)
+    assert item_work(Item("x", image(image_data_url(png(20, 20))))) == WORK_MIN
+    assert item_work(Item("x", image(image_data_url(png(8000, 8000))))) == WORK_MAX
+    body = {"model": "m", "messages": [{"role": "user", "content": [image(photo)]}]}
+    (item,) = collect_media(decode_chat_body(msgspec.json.encode(body)))
+    assert type(item.part["image_url"]["url"]).__name__ == "Blob"  # read in place, too
+    assert item_work(item) == 1024 * 896 / (28 * 28)
+
+
+def test_images_of_one_size_and_different_file_sizes_spread_exactly_level():
+    from image_files import data_url as image_data_url
+    from image_files import jpeg
+
+    pool = insts(3)
+    images = [Item(f"img-{k}", image(image_data_url(jpeg(800, 600, payload=(5000 + 7919 * k) % 90000),
+                                                    "image/jpeg"))) for k in range(30)]
+    assert len({len(i.part["image_url"]["url"]) for i in images}) > 20
+    assert sorted(spread(CacheAware(), pool, images).values()) == [10, 10, 10]

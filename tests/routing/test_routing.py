@@ -10,13 +10,14 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rendezvous import rendezvous_order
 
 import epd_proxy
 from epd_proxy.encode.multimodal import collect_media
 from epd_proxy.instances.load_signals import LoadSignals
 from epd_proxy.placement.choose import choose
 from epd_proxy.routing import make_policy
-from epd_proxy.routing.cache_aware import OPEN_SLACK_MIN, OPEN_SLACK_REL, OPEN_WINDOW, CacheAware, rendezvous_order
+from epd_proxy.routing.cache_aware import OPEN_SLACK_MIN, OPEN_SLACK_REL, OPEN_WINDOW, CacheAware
 from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
 from epd_proxy.routing.view import EMPTY_VIEW, MEDIA_CHARS, RequestView, key_of
 from epd_proxy.wire.blobs import Blob, decode_chat_body
@@ -106,10 +107,9 @@ def test_separate_processes_agree_whatever_their_hash_seed():
     """Replicas and --workers share nothing: the pick is a function of the URLs and the body."""
     body = chat("Tell me about the moon.", "It is far.", "How far?")
     urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
-    code = ("import sys, msgspec; from epd_proxy.routing.view import RequestView;"
-            "from epd_proxy.routing.cache_aware import rendezvous_order;"
+    code = ("import sys, msgspec; from epd_proxy.routing.view import RequestView, instance_seed, mix64;"
             "b = msgspec.json.decode(sys.argv[1]); v = RequestView(b, [], True);"
-            "print(rendezvous_order(sys.argv[2:], v.anchor)[0], v.anchor)")
+            "print(max(sys.argv[2:], key=lambda u: mix64(v.anchor ^ instance_seed(u))), v.anchor)")
     src = str(Path(epd_proxy.__file__).resolve().parents[1])
     outs = set()
     for seed in ("1", "2"):

@@ -13,7 +13,7 @@ from proxy_process import ProxyProcess
 from epd_proxy import start_proxy
 from epd_proxy.cli import build_parser
 from epd_proxy.cli.serve import ServeSettings
-from epd_proxy.runtime.reload import FileWatch, Reloader, restart_needed
+from epd_proxy.runtime.reload import FileWatch, Reloader, emptied_roles, restart_needed
 from epd_proxy.runtime.serve import apply_config
 from epd_proxy.sim import SimCluster, SimConfig
 
@@ -159,3 +159,109 @@ async def test_sighup_reloads_a_single_process(tmp_path):
                 assert [i.url for i in proxy.app.pools["decode"].instances if i.state != "draining"] == [b]
             finally:
                 await reloader.close()
+
+
+def test_a_reload_may_empty_only_the_roles_its_file_allows():
+    running = argparse.Namespace(encode=["http://e:1"], prefill=None, decode=["http://d:1,http://d:2"])
+
+    def config(*flags):
+        args = build_parser().parse_args(["serve", *flags])
+        return ServeSettings(["serve", *flags], args).config(args)
+
+    emptied = config("--decode", "http://d:1")
+    assert emptied_roles(running, emptied) == ["encode"] and emptied_roles(running, emptied, allowed=True) == []
+    allowed = config("--decode", "http://d:1", "--allow-empty-roles", "prefill,encode")
+    assert allowed.allow_empty_roles == ("prefill", "encode")
+    assert emptied_roles(running, allowed) == [] and emptied_roles(running, allowed, allowed=True) == ["encode"]
+    dns = config("--encode", "dns+http://e.svc:1", "--decode", "http://d:3")
+    assert emptied_roles(running, dns) == []  # a name is an instance
+
+
+async def _status_roles(proxy: ProxyProcess) -> dict:
+    status = (await proxy.fresh_get("/status")).json()
+    return {role: sorted(i["url"] for i in pool if i["state"] != "draining")
+            for role, pool in status["pools"].items()}
+
+
+async def test_a_reload_keeps_the_simulated_instances(tmp_path):
+    """--simulate with a cluster file holding no instances (only [tenants], or simulate as its key):
+    SIGHUP and a changed file keep the simulated cluster, and requests keep being answered."""
+    tenants = '[tenants.default]\nrequests_per_minute = 1000\n'
+    for flags, head in ((["--simulate", "prefill=1,decode=1"], ""), ([], 'simulate = "prefill=1,decode=1"\n')):
+        path = tmp_path / "cluster.toml"
+        path.write_text(head + tenants)
+        async with ProxyProcess([*flags, "--config", str(path), "--probe-interval", "0"]) as proxy:
+            before = await _status_roles(proxy)
+            assert len(before["prefill"]) == 1 and len(before["decode"]) == 1
+            proxy.proc.send_signal(signal.SIGHUP)
+            await proxy.wait_log("reload: ", count=1)
+            path.write_text(head + tenants.replace("1000", "2000"))  # an edit of the file
+            await proxy.wait_log(f"reload: {path} applied", count=2)
+            assert "applied (0 encode, 1 prefill, 1 decode)" in proxy.log()
+            assert await _status_roles(proxy) == before
+            client = Client(proxy.url)
+            try:
+                assert (await client.chat(chat_body())).status == 200
+            finally:
+                await client.close()
+
+
+async def test_a_reload_that_would_empty_a_role_is_refused_unless_the_file_says_so(tmp_path):
+    async with SimCluster(encode=1, decode=2, config=SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
+        (e,), (a, b) = cluster.urls("encode"), cluster.urls("decode")
+        path = tmp_path / "cluster.toml"
+        path.write_text(f'probe_interval = 0\nencode = ["{e}"]\ndecode = ["{a}"]\n')
+        async with ProxyProcess(["--config", str(path)]) as proxy:
+            # The encoders' list emptied (and a decode changed with it): nothing of it applies.
+            path.write_text(f'probe_interval = 0\nencode = []\ndecode = ["{b}"]\n')
+            proxy.proc.send_signal(signal.SIGHUP)
+            await proxy.wait_log(f"WARNING epd_proxy.reload: reload: {path} leaves encode with no instance; "
+                                 "keeping the running configuration (to empty a role on purpose, name it in "
+                                 "allow_empty_roles)")
+            assert await _status_roles(proxy) == {"encode": [e], "prefill": [], "decode": [a]}
+            # A section's name mistyped: refused too, naming the key.
+            path.write_text(f'probe_interval = 0\n[[encoder]]\nurl = "{e}"\n[[decode]]\nurl = "{b}"\n')
+            proxy.proc.send_signal(signal.SIGHUP)
+            await proxy.wait_log("unknown key 'encoder' (did you mean 'encode'?); keeping the running configuration")
+            metrics = (await proxy.fresh_get("/metrics")).body
+            assert b'epd_proxy_reloads_total{result="failed"} 2.0' in metrics
+            assert await _status_roles(proxy) == {"encode": [e], "prefill": [], "decode": [a]}
+            # The operator's word: the role is emptied.
+            path.write_text(f'probe_interval = 0\nallow_empty_roles = ["encode"]\ndecode = ["{b}"]\n')
+            proxy.proc.send_signal(signal.SIGHUP)
+            await proxy.wait_log(f"reload: {path} empties encode, as its allow_empty_roles says")
+            await proxy.wait_log(f"reload: {path} applied (0 encode, 0 prefill, 1 decode)")
+            for _ in range(50):
+                if await _status_roles(proxy) == {"encode": [], "prefill": [], "decode": [b]}:
+                    break
+                await asyncio.sleep(0.1)
+            assert await _status_roles(proxy) == {"encode": [], "prefill": [], "decode": [b]}
+            assert b'epd_proxy_reloads_total{result="ok"} 1.0' in (await proxy.fresh_get("/metrics")).body
+
+
+def test_allow_empty_roles_names_roles_only(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text('allow_empty_roles = ["encoder"]\ndecode = ["http://d:1"]\n')
+    settings = _settings(path)
+    try:
+        settings.config(settings.started)
+    except ValueError as exc:
+        assert "--allow-empty-roles 'encoder': not a role (did you mean 'encode'?)" in str(exc)
+    else:
+        raise AssertionError("accepted")
+
+
+async def test_a_reload_keeps_the_simulated_instances_of_every_worker(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text('simulate = "decode=2"\nworkers = 2\n[tenants.default]\nrequests_per_minute = 1000\n')
+    async with ProxyProcess(["--config", str(path), "--probe-interval", "0"]) as proxy:
+        before = await _roster_of_every_worker(proxy, 2, lambda urls: len(urls) == 2)
+        proxy.proc.send_signal(signal.SIGHUP)
+        await proxy.wait_log(f"reload: {path} applied (0 encode, 0 prefill, 2 decode)", count=2)
+        after = await _roster_of_every_worker(proxy, 2, lambda urls: len(urls) == 2)
+        assert sorted(map(tuple, after.values())) == sorted(map(tuple, before.values()))
+        client = Client(proxy.url)
+        try:
+            assert (await client.chat(chat_body())).status == 200
+        finally:
+            await client.close()

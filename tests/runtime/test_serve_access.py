@@ -7,6 +7,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -294,5 +295,44 @@ def test_the_start_up_lines_say_where_the_console_is():
         assert f"http://127.0.0.1:{port}/console" in console
         page = _get(port, "/console", {})
         assert b"<title>epd-proxy console</title>" in page
+    finally:
+        _stop(proc)
+
+
+def _make_run_sim() -> str:
+    """The Makefile's default `make run` cluster (SIM ?= ...)."""
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    return re.search(r"^SIM \?= (\S+)$", makefile, re.M).group(1)
+
+
+def _chat(port: int, messages: list) -> tuple[str, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("POST", "/v1/chat/completions",
+                     json.dumps({"model": "sim-model", "max_tokens": 32, "messages": messages}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        doc = json.loads(resp.read())
+        return resp.getheader("Server-Timing"), doc["choices"][0]["message"]["content"]
+    finally:
+        conn.close()
+
+
+def test_make_runs_cluster_shows_a_reused_turn_in_the_console():
+    """`make run`'s simulated cluster, driven as the README's two turns: the second reuses the KV
+    decode kept of the first, and the console's reuse numbers count it (not "none yet")."""
+    port = _free_port()
+    proc = _serve("--simulate", _make_run_sim(), "--port", str(port), "--probe-interval", "0")
+    try:
+        while b"console:" not in proc.stdout.readline():
+            assert proc.poll() is None, proc.stderr.read().decode()
+        _get(port, "/console/api/state")  # a console looks: the ring of recent requests fills
+        first = [{"role": "user", "content": "Tell me about disaggregated serving. " * 20}]
+        _, answer = _chat(port, first)
+        timing, _ = _chat(port, first + [{"role": "assistant", "content": answer},
+                                         {"role": "user", "content": "And then?"}])
+        assert re.search(r'kv;desc="(reused|local_prefill)"', timing), timing
+        state = json.loads(_get(port, "/console/api/state"))
+        assert state["traffic"]["models"]["*"]["reused_turns"] == 1, state["traffic"]
     finally:
         _stop(proc)

@@ -356,6 +356,10 @@ async def test_models_health_version_metrics(http):
         assert metric(text, "vllm:num_requests_running") == 0
         assert metric(text, "vllm:num_requests_waiting") == 0
         assert metric(text, "vllm:kv_cache_usage_perc") == 0
+        # vLLM's CacheConfig as an info gauge: what the usage is a fraction of.
+        info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+        assert len(info) == 1 and info[0].endswith("} 1.0")
+        assert 'num_gpu_blocks="65536"' in info[0] and 'block_size="16"' in info[0] and 'engine="0"' in info[0]
         assert metric(text, "vllm:request_success_total") == 2
         assert 'model_name="my/model"' in text
         assert metric(text, "vllm:generation_tokens_total") == 6

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-
+from blake3 import blake3
 from simhelpers import GENERIC_EVENT, failure, fast_config, metric, prefill_body, stream_text
 
 from epd_proxy.sim import SimCluster, expected_text, media_metadata
@@ -12,14 +11,15 @@ URL_A = "https://example.com/a.jpg"
 URL_B = "https://example.com/b.jpg"
 
 
-def sha(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
+def digest(s: str) -> str:
+    """The content hash, as the simulator and the proxy take it: BLAKE3 in hex."""
+    return blake3(s.encode()).hexdigest()
 
 
 def image(url: str, uuid: str | None = "auto") -> dict:
     part = {"type": "image_url", "image_url": {"url": url}}
     if uuid == "auto":
-        part["uuid"] = sha(url)
+        part["uuid"] = digest(url)
     elif uuid is not None:
         part["uuid"] = uuid
     return part
@@ -33,7 +33,7 @@ def flat(meta: dict) -> dict:
 
 
 def embeds(url: str, meta: dict) -> dict:
-    return {"type": "image_embeds", "image_embeds": flat(meta), "uuid": sha(url)}
+    return {"type": "image_embeds", "image_embeds": flat(meta), "uuid": digest(url)}
 
 
 def client_body(*parts, **kw) -> dict:
@@ -58,9 +58,9 @@ async def encode(http, cluster, parts, i=0, **extra) -> dict:
 async def test_encoder_batches_identical_items_and_reports_grids(http):
     async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A), image(URL_B), image(URL_A)])
-        assert set(ec) == {sha(URL_A), sha(URL_B)}
-        a = ec[sha(URL_A)]
-        assert a["item_indices"] == [0, 2] and ec[sha(URL_B)]["item_indices"] == [1]
+        assert set(ec) == {digest(URL_A), digest(URL_B)}
+        a = ec[digest(URL_A)]
+        assert a["item_indices"] == [0, 2] and ec[digest(URL_B)]["item_indices"] == [1]
         assert a["metadata"] == media_metadata(image(URL_A))
         (t, h, w), = a["metadata"]["image_grid_thw"]
         assert t == 1 and 4 <= h <= 32 and 4 <= w <= 32
@@ -74,9 +74,9 @@ async def test_encoder_batches_identical_items_and_reports_grids(http):
 async def test_engine_hash_processed_and_no_uuid(http):
     async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A)], mm_processor_kwargs={"max_pixels": 1000})
-        assert list(ec) == [sha(URL_A) + "-processed"]
+        assert list(ec) == [digest(URL_A) + "-processed"]
         ec = await encode(http, c, [image(URL_B, uuid=None)])  # --no-rewrite: content hash
-        assert list(ec) == [sha(URL_B)]
+        assert list(ec) == [digest(URL_B)]
         audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
         ec = await encode(http, c, [audio])
         (entry,) = ec.values()
@@ -89,10 +89,10 @@ async def test_engine_hash_processed_and_no_uuid(http):
 async def test_consumer_with_embedding_succeeds_and_output_matches_client_body(http):
     async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A), image(URL_B)])
-        meta_a, meta_b = ec[sha(URL_A)]["metadata"], ec[sha(URL_B)]["metadata"]
+        meta_a, meta_b = ec[digest(URL_A)]["metadata"], ec[digest(URL_B)]["metadata"]
         client = client_body(image(URL_A, None), image(URL_B, None), max_tokens=7)
         rewritten = client_body(embeds(URL_A, meta_a), embeds(URL_B, meta_b), max_tokens=7,
-                                ec_transfer_params={"ec_items": [{"mm_hash": sha(URL_A), "transfer_id": "0" * 32}],
+                                ec_transfer_params={"ec_items": [{"mm_hash": digest(URL_A), "transfer_id": "0" * 32}],
                                                     **ec})
         pd = c.instances("pd")[0]
         r = await http.chat(pd.url, rewritten)
@@ -136,13 +136,13 @@ async def test_consumer_without_embedding_fails(http):
 async def test_metadata_mismatch_fails(http):
     async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A), image(URL_B)])
-        meta_a, meta_b = ec[sha(URL_A)]["metadata"], ec[sha(URL_B)]["metadata"]
+        meta_a, meta_b = ec[digest(URL_A)]["metadata"], ec[digest(URL_B)]["metadata"]
         assert meta_a != meta_b
         swapped = client_body(embeds(URL_A, meta_b), embeds(URL_B, meta_a), max_tokens=3)
         r = await http.chat(c.urls("pd")[0], swapped)
         assert r.status == 500 and "metadata mismatch" in failure(r, c.instances("pd")[0])
         # The unflattened form the encoder reported is accepted as well.
-        ok = client_body({"type": "image_embeds", "image_embeds": meta_a, "uuid": sha(URL_A)}, max_tokens=3)
+        ok = client_body({"type": "image_embeds", "image_embeds": meta_a, "uuid": digest(URL_A)}, max_tokens=3)
         assert (await http.chat(c.urls("pd")[0], ok)).status == 200
 
 
@@ -167,7 +167,7 @@ async def test_raw_and_embeds_of_one_modality_are_refused_as_vllm_does(http):
     async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A)])
         pd = c.instances("pd")[0]
-        mixed = client_body(embeds(URL_A, ec[sha(URL_A)]["metadata"]), image(URL_B, None), max_tokens=2)
+        mixed = client_body(embeds(URL_A, ec[digest(URL_A)]["metadata"]), image(URL_B, None), max_tokens=2)
         r = await http.chat(pd.url, mixed)
         assert r.status == 400 and "Mixing raw image and embedding inputs" in r.json["error"]["message"]
         r = await http.chat(pd.url, client_body(image(URL_A), image(URL_B, None), max_tokens=2))
@@ -177,7 +177,7 @@ async def test_raw_and_embeds_of_one_modality_are_refused_as_vllm_does(http):
 async def test_epd_full_flow_with_prefill_as_ec_consumer(http):
     async with SimCluster(encode=1, prefill=1, decode=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A)])
-        meta = ec[sha(URL_A)]["metadata"]
+        meta = ec[digest(URL_A)]["metadata"]
         client = client_body(image(URL_A, None), max_tokens=6, stream=True,
                              stream_options={"include_usage": True})
         rewritten = client_body(embeds(URL_A, meta), max_tokens=6, stream=True,
@@ -203,16 +203,16 @@ async def test_example_connector_reports_empty_metadata(http):
         r = await http.chat(c.urls("encode")[0], {"model": "sim-model", "messages": [
             {"role": "user", "content": [image(URL_A), image(URL_B), image(URL_A)]}]})
         assert r.status == 200
-        assert b'"ec_transfer_params":{"%s":{"item_indices":[0,2],"metadata":{}}' % sha(URL_A).encode() in r.data
+        assert b'"ec_transfer_params":{"%s":{"item_indices":[0,2],"metadata":{}}' % digest(URL_A).encode() in r.data
         ec = r.json["ec_transfer_params"]
-        assert ec == {sha(URL_A): {"item_indices": [0, 2], "metadata": {}},
-                      sha(URL_B): {"item_indices": [1], "metadata": {}}}
+        assert ec == {digest(URL_A): {"item_indices": [0, 2], "metadata": {}},
+                      digest(URL_B): {"item_indices": [1], "metadata": {}}}
         # The cache itself is there, under the hash (the shared directory).
-        assert c.ec_store.get(sha(URL_A)).metadata == media_metadata(image(URL_A))
+        assert c.ec_store.get(digest(URL_A)).metadata == media_metadata(image(URL_A))
     # The default ("nixl") keeps the metadata and the handle.
     async with SimCluster(encode=1, config=fast_config()) as c:
         ec = await encode(http, c, [image(URL_A)])
-        assert set(ec[sha(URL_A)]) == {"metadata", "item_indices", "peer_host", "peer_port", "size_bytes"}
+        assert set(ec[digest(URL_A)]) == {"metadata", "item_indices", "peer_host", "peer_port", "size_bytes"}
 
 
 async def _raw_part_consumption(http, connector: str) -> None:
@@ -257,7 +257,7 @@ async def test_example_connector_refuses_embeds_without_data(http):
     models without embedding fields), before any stream starts."""
     async with SimCluster(encode=1, pd=1, config=fast_config(ec_connector="example")) as c:
         await encode(http, c, [image(URL_A)])
-        part = {"type": "image_embeds", "image_embeds": {}, "uuid": sha(URL_A)}
+        part = {"type": "image_embeds", "image_embeds": {}, "uuid": digest(URL_A)}
         for stream in (False, True):
             r = await http.chat(c.urls("pd")[0], client_body(part, max_tokens=2, stream=stream))
             assert r.status == 400 and r.json == {"error": {

@@ -19,7 +19,7 @@ from epd_proxy.state.redis_store import RedisStore, safe_url
 
 class _Table:
     """The parent's side without the processes: every call encoded, answered by the parent's
-    own function over its table, decoded (the channel itself: tests/runtime/test_workers_state.py)."""
+    own function over its table, decoded (the channel itself: tests/runtime/test_workers_multiturn.py)."""
 
     def __init__(self) -> None:
         self.table = MemoryTable()

@@ -3,10 +3,10 @@
 import pytest
 
 from epd_proxy.config import ConfigErrors
-from epd_proxy.instances.models import Catalog
+from epd_proxy.instances.models import ModelCatalog
 from epd_proxy.tenants.aliases import read_aliases
 
-SERVED = Catalog(parents={"m": None, "lora": "m"}, cards=({"id": "m", "root": "m"}, {"id": "lora", "parent": "m"}),
+SERVED = ModelCatalog(parents={"m": None, "lora": "m"}, cards=({"id": "m", "root": "m"}, {"id": "lora", "parent": "m"}),
                  open=False)
 
 
@@ -14,7 +14,7 @@ def test_resolve():
     aliases = read_aliases({"default": "m", "names": {"claude-sonnet-4": "m", "gpt-4o": "lora"}})
     assert aliases.resolve("claude-sonnet-4", SERVED) == "m" and aliases.resolve("gpt-4o", SERVED) == "lora"
     assert aliases.resolve("m", SERVED) == "m" and aliases.resolve("nope", SERVED) == "m"
-    assert aliases.resolve("nope", Catalog()) == "nope"  # nothing known yet: nothing is unknown
+    assert aliases.resolve("nope", ModelCatalog()) == "nope"  # nothing known yet: nothing is unknown
     assert aliases.resolve(None, SERVED) is None
 
 

@@ -204,7 +204,9 @@ def test_check_config_prints_the_tables(tmp_path, capsys):
     from epd_proxy.cli import check_config
 
     path = tmp_path / "cluster.toml"
-    path.write_text('decode = ["http://d:1"]\n[tenants.default]\nrequests_per_minute = 60\n'
+    keys = tmp_path / "keys"
+    keys.write_text("a:sk-a\n")
+    path.write_text(f'decode = ["http://d:1"]\napi_key_file = "{keys}"\n[tenants.default]\nrequests_per_minute = 60\n'
                     '[[tenants.keys]]\nname = "a"\nclass = "critical"\nmodels = ["m"]\n'
                     '[model_aliases.names]\n"gpt-4o" = "m"\n')
     assert check_config.run(argparse.Namespace(file=str(path))) == 0

@@ -69,3 +69,24 @@ def test_a_key_list_is_checked_on_the_model_that_runs():
     assert not may_use(allowed, aliases, "qwen", "qwen")
     assert may_use(frozenset({"qwen"}), aliases, "claude", "qwen") and may_use(frozenset({"x"}), None, "x", "x")
     assert not may_use(allowed, None, "claude", "qwen")
+
+
+def test_each_part_of_the_table_is_a_dataclass_naming_its_own_mistakes():
+    from epd_proxy.tenants.policy import KeyPolicy, TenantTable, TrafficClass
+
+    errors: list[str] = []
+    classes = TrafficClass.read_all({"gold": {"rank": 5}, "lead": {"rank": "low"}}, "tenants", errors)
+    assert classes == {"gold": TrafficClass("gold", 5)}
+    assert errors == ["tenants.classes.lead.rank must be an integer, got 'low'"]
+    errors.clear()
+    base = KeyPolicy("default", {"requests_per_minute": 60}, classes["gold"])
+    key = base.over({"concurrent": 2, "weight": 0}, classes, "tenants.keys 'a'", errors, named=True)
+    assert key == KeyPolicy("default", {"requests_per_minute": 60, "concurrent": 2}, classes["gold"], 1.0)
+    assert errors == ["tenants.keys 'a': weight must be a number in (0, 1000], got 0"]
+    errors.clear()
+    keys = KeyPolicy.read_keys([{"name": "a"}, {"requests_per_minute": 1}], base, classes, "tenants", errors)
+    assert list(keys) == ["a"] and keys["a"].label == "a"
+    assert errors == ["tenants.keys #2: needs a 'name' (the key's name in --api-key-file)"]
+    assert TenantTable.read({"store_timeout": 1}).store_timeout == 1.0
+    with pytest.raises(ConfigErrors, match="tenants.reserved_slots must be a whole number"):
+        TenantTable.read({"reserved_slots": -1})

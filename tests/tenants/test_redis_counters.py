@@ -128,8 +128,10 @@ async def test_the_workers_of_a_serve_process_share_the_store(tmp_path, redis_se
                         '[[tenants.keys]]\nname = "team-a"\nrequests_per_minute = 5\n')
         async with ProxyProcess(["--config", str(path)]) as proxy:
             statuses, pids = [], set()
-            for _ in range(12):
-                client = Client(proxy.url)  # a new connection each: the kernel spreads them over the workers
+            # A new connection each: the kernel spreads them over the workers. Until both workers
+            # have answered (a loaded machine may hand one worker a long run), at least 12.
+            while len(statuses) < 12 or (len(pids) < 2 and len(statuses) < 80):
+                client = Client(proxy.url)
                 try:
                     reply = await client.chat(chat_body(), _bearer("secret-a"))
                     statuses.append(reply.status)
@@ -137,8 +139,9 @@ async def test_the_workers_of_a_serve_process_share_the_store(tmp_path, redis_se
                              .json()["pid"])
                 finally:
                     await client.close()
-            assert statuses.count(200) == 5 and statuses.count(429) == 7, statuses
-            assert len(pids) == 2  # both workers answered (12 connections; the kernel's hash spreads them)
+            limited = len(statuses) - 5
+            assert statuses.count(200) == 5 and statuses.count(429) == limited, statuses
+            assert len(pids) == 2  # both workers answered, and the five admitted are the key's five in all
             metrics = (await proxy.fresh_get("/metrics", headers=[(b"x-api-key", b"adm")])).body.decode()
             assert 'epd_proxy_tenant_requests_total{key="team-a",result="admitted"} 5.0' in metrics
-            assert 'result="limited_requests_per_minute"} 7.0' in metrics
+            assert f'result="limited_requests_per_minute"}} {float(limited)}' in metrics

@@ -1,9 +1,9 @@
 import base64
-import hashlib
 import random
 
 import msgspec
 import pytest
+from blake3 import blake3
 
 from epd_proxy.encode.encoder_plan import encoder_body, plan_sub_requests
 from epd_proxy.encode.multimodal import collect_media, content_uuid
@@ -83,7 +83,7 @@ def test_large_media_strings_are_lifted_and_hashed_in_place():
     image = body["messages"][1]["content"][0]["image_url"]["url"]
     assert isinstance(image, Blob) and image == url and is_text(image)
     assert bytes(text_bytes(image)) == url.encode()
-    assert collect_media(body)[0].uuid == hashlib.sha256(url.encode()).hexdigest()
+    assert collect_media(body)[0].uuid == blake3(url.encode()).hexdigest()
 
 
 @pytest.mark.parametrize("raw, payload", [

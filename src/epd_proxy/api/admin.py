@@ -7,7 +7,7 @@ answers 200 ``{"registered": true|false}`` (false: known, refreshed);
 ``DELETE /instances`` takes the URL as ``?url=`` or in the registrar's JSON
 body and answers ``{"removed": bool}``; ``GET /instances`` is vLLM's
 ``{role: {"live", "evicted"}}`` plus this proxy's extra state. Every change
-goes through :class:`~epd_proxy.access.AccessPolicy` first; a refusal changes
+goes through :class:`~epd_proxy.api.access.AccessPolicy` first; a refusal changes
 nothing and is logged with the peer.
 """
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
@@ -20,6 +21,7 @@ from epd_proxy.api.client_auth import (
     MISSING_KEY_BODY,
     ClientKeys,
     admin_key_presented,
+    check_tenant_names,
     unauthorized,
 )
 from epd_proxy.api.console import ConsoleApi
@@ -31,10 +33,10 @@ from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances import discovery
 from epd_proxy.instances.adapters import LOAD, UNLOAD
-from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.model_directory import model_readiness
 from epd_proxy.instances.models import models_list
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import check_pinned_topology
@@ -76,19 +78,28 @@ OPEN_PATHS = frozenset({"/health", "/ready"})
 
 def validate_config(config: ProxyConfig) -> None:
     """Everything checkable before serving: raises ConfigErrors (a ValueError) listing every
-    mistake found, each an operator-facing line. Each check lives beside what it protects: the
-    knobs in config.py, the key file in client_auth.py, the KV connector and its instances in
-    connectors.py, a pinned topology in roster.py, the policy names in routing/, the DNS
-    server in discovery.py, the media hosts in media_policy.py."""
+    mistake found, each an operator-facing line. Each check lives beside what it protects: each
+    section's own values in config/sections.py (what spans them in config/proxy.py), the key
+    file in client_auth.py, the KV connector and its instances in connectors.py, a pinned
+    topology in roster.py, the policy names in routing/, the DNS server in discovery.py, the
+    media hosts in media_policy.py; each given the section it checks where one is enough."""
     gather((
         config.validate,
-        lambda: routing.check_config(config),
-        lambda: discovery.check_config(config),
-        lambda: media_policy.check_config(config),
-        lambda: ClientKeys.from_config(config),  # the key file can be read
+        lambda: routing.check_config(config.policies),
+        lambda: discovery.check_config(config.membership),
+        lambda: media_policy.check_config(config.media),
         lambda: check_connector_config(config),
         lambda: check_pinned_topology(config),
+        lambda: validate_tables(config),
+    ))
+
+
+def validate_tables(config: ProxyConfig) -> None:
+    """The client keys and the tenants' tables (what ``--simulate`` leaves to check)."""
+    gather((
+        lambda: ClientKeys.from_config(config),  # the key file can be read
         lambda: check_tenants(config),  # the [tenants] and [model_aliases] tables
+        lambda: check_tenant_names(config),  # each [[tenants.keys]] entry names a client key
     ))
 
 
@@ -122,10 +133,10 @@ class ProxyApp:
         self.admin = admin
         self.forwarder = forwarder  # the endpoints one instance answers (routing/endpoints.py)
         self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
-        other = self._generate_other  # one bound method: the _generation key below
-        self._routes = {
-            ("POST", CHAT): self._generate_chat,
-            ("POST", COMPLETIONS): self._generate_completions,
+        other = Generation("")  # the other generation APIs (request/apis.py): the path is the request's
+        self._routes: dict[tuple[str, str], Callable[[Request, ResponseWriter], Awaitable[None]] | Generation] = {
+            ("POST", CHAT): Generation(CHAT),
+            ("POST", COMPLETIONS): Generation(COMPLETIONS),
             ("POST", MESSAGES): other,
             ("POST", RESPONSES): other,
             ("POST", GENERATE): other,
@@ -165,10 +176,6 @@ class ProxyApp:
             if method == "GET":
                 self._routes[("HEAD", path)] = self._routes[(method, path)]
         self._allow = allowed_methods(self._routes)  # a 405's Allow header, per path
-        # The pipeline's routes: it is handed the client key's name too, and logs them itself.
-        # The other generation APIs (request/apis.py) map to "": the path is the request's.
-        self._generation = {self._routes[("POST", CHAT)]: CHAT, self._routes[("POST", COMPLETIONS)]: COMPLETIONS,
-                            other: ""}
         # Set on SIGTERM (serve.py): /ready 503, every response closes its connection. Not an
         # instance's drain (an operator taking one instance out: membership.py).
         self.shutting_down = False
@@ -201,6 +208,8 @@ class ProxyApp:
             self.kv_events.start(i.spec for pool in self.pools.values() for i in pool.instances)
 
     async def close(self) -> None:
+        if self.console is not None:
+            await self.console.close()  # its last gateway summary, before the store closes
         for scraper in self.scrapers:
             await scraper.close()
         if self.kv_events is not None:
@@ -235,10 +244,9 @@ class ProxyApp:
         handler = self._routes.get((req.method, req.path))
         if handler is None and req.path.startswith(_MODEL_PREFIX) and req.method in ("GET", "HEAD"):
             handler = self._model_views[1]
-        generation = self._generation.get(handler)  # type: ignore[arg-type]
-        if generation is not None:
-            # It writes its own access-log line.
-            await self.pipeline.handle(req, writer, generation or req.path, key, scope)
+        if isinstance(handler, Generation):
+            # The pipeline is handed the client key's name and scope too, and writes its own access-log line.
+            await self.pipeline.handle(req, writer, handler.path or req.path, key, scope)
             return
         if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
             await self.forwarder.handle(req, writer, key)
@@ -283,15 +291,6 @@ class ProxyApp:
             rid = client_request_id(req)
             access.other(rid.decode("ascii") if rid else "-", req.method, req.path, writer.status,
                          writer.bytes_sent, time.perf_counter() - t0, req.peer, req.headers, key=key)
-
-    async def _generate_chat(self, req: Request, writer: ResponseWriter) -> None:
-        await self.pipeline.handle(req, writer, CHAT)
-
-    async def _generate_completions(self, req: Request, writer: ResponseWriter) -> None:
-        await self.pipeline.handle(req, writer, COMPLETIONS)
-
-    async def _generate_other(self, req: Request, writer: ResponseWriter) -> None:
-        await self.pipeline.handle(req, writer, req.path)
 
     async def _models(self, req: Request, writer: ResponseWriter, key: str | None = None) -> None:
         """The models of the live instances, each id once, in vLLM's shape (instances/models.py),
@@ -421,7 +420,7 @@ class ProxyApp:
                    else {})}
 
     def _model_status(self, pools: dict[str, list[dict]]) -> dict:
-        """Per model: its roles' instances in rotation and out, ready or not and why (catalog.py)."""
+        """Per model: its roles' instances in rotation and out, ready or not and why (model_directory.py)."""
         return model_readiness(pools, self.models.current.parents, self.membership.required_roles())
 
     async def _status(self, req: Request, writer: ResponseWriter) -> None:
@@ -469,6 +468,17 @@ class ProxyApp:
 _READY = b'{"status":"ready"}'
 # The refused API call's answers for Anthropic's clients (/v1/messages), encoded once.
 _ANTHROPIC_401 = {body: as_anthropic(401, body) for body in (MISSING_KEY_BODY, INVALID_KEY_BODY)}
+
+
+class Generation:
+    """A generation route's entry in the route table: ``ProxyApp.__call__`` hands the request to
+    the pipeline under ``path`` ("": the request's own), with the client key's name. In the
+    table so the path has its 405 ``Allow`` like any route; never called."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
 
 
 def allowed_methods(routes) -> dict[str, bytes]:

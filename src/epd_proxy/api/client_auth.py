@@ -5,11 +5,14 @@ OpenAI API, or ``X-Api-Key: KEY``, as Anthropic's SDK and the agents built on it
 Keys are compared in constant time, all of them on every check, so neither a key's
 content nor its position in the list shows in the answer's timing.
 
-The key file holds one key per line (blank lines and ``#`` comments ignored), as
-``name:key`` to give it the name the access log shows (never the key itself); a line
-without ``:`` is a key named after its line, ``line<N>``. No key may be named ``-``: that
-is the requests without a key (the access log's ``key=-``, their own counters). ``--api-key`` keys are named
-``key1``, ``key2``, ... in the order given. The file is read again on every reload
+The key file holds one key per line, ``name:key`` (blank lines and ``#`` comments
+ignored): the name is what the access log, the metrics and ``[[tenants.keys]]`` know
+the key by (never the key itself). Without a ``[tenants]`` table a line may hold a key
+alone, named after its line, ``line<N>``; with one, such a line is a mistake (a line
+inserted above it would move another client's limits onto it), and so is a
+``[[tenants.keys]]`` entry no key is named after (``check_tenant_names``). ``--api-key``
+keys are named ``key1``, ``key2``, ... in the order given. No key may be named ``-``: that
+is the requests without a key (the access log's ``key=-``, their own counters). The file is read again on every reload
 (SIGHUP, reload.py; :meth:`ClientKeys.reload`): keys can be rotated without a restart.
 A file that cannot be read at reload keeps the keys in force (a failed rotation must
 not open the proxy to everyone, nor lock everyone out); a file that reads as empty
@@ -31,9 +34,10 @@ _BEARER = b"bearer "
 NO_KEY_NAME = "-"  # the requests without a key: never a key's name
 
 
-def read_key_file(path: str) -> list[tuple[str, str]]:
+def read_key_file(path: str, *, named: bool = False) -> list[tuple[str, str]]:
     """The ``(name, key)`` pairs of a key file; OSError/ValueError with the reason if it
-    cannot be read."""
+    cannot be read. ``named`` (a ``[tenants]`` table is configured): a key without a name
+    is a mistake."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     keys = []
@@ -43,6 +47,10 @@ def read_key_file(path: str) -> list[tuple[str, str]]:
             if any(c.isspace() for c in key):
                 raise ValueError(f"{path}: a key contains whitespace (one key per line)")
             name, colon, secret = key.partition(":")
+            if not colon and named:
+                raise ValueError(f"{path} line {number}: a key without a name: with a [tenants] table every "
+                                 f"key needs one ('name:key'), or a line inserted above it would move "
+                                 f"another client's limits onto it")
             if not colon:
                 name, secret = f"line{number}", key
             elif not name or not secret:
@@ -80,12 +88,14 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
 class ClientKeys:
     """The keys clients may present; the flag's keys plus the key file's."""
 
-    __slots__ = ("_fixed", "_file", "_keys", "_names", "_scopes")
+    __slots__ = ("_fixed", "_file", "_keys", "_names", "_scopes", "_named")
 
-    def __init__(self, keys: tuple[str, ...] | list[str] = (), key_file: str | None = None) -> None:
+    def __init__(self, keys: tuple[str, ...] | list[str] = (), key_file: str | None = None, *,
+                 named: bool = False) -> None:
         self._fixed = tuple(k for k in keys if k)
         self._file = key_file
-        file_keys = read_key_file(key_file) if key_file else []
+        self._named = named  # with a [tenants] table, every file key has a name (read_key_file)
+        file_keys = read_key_file(key_file, named=named) if key_file else []
         self._keys, self._names, self._scopes = _named(self._fixed, file_keys)
         if key_file and not file_keys:
             log.warning("--api-key-file %s holds no key%s", key_file,
@@ -97,16 +107,18 @@ class ClientKeys:
         if not config.api_keys and not config.api_key_file:
             return None
         try:
-            return cls(config.api_keys, config.api_key_file)
-        except (OSError, ValueError) as exc:
+            return cls(config.api_keys, config.api_key_file, named=config.tenants is not None)
+        except OSError as exc:
             raise ValueError(f"--api-key-file: cannot read {config.api_key_file}: {_reason(exc)}") from None
+        except ValueError as exc:  # its own words name the file and the line
+            raise ValueError(f"--api-key-file {exc}") from None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._names
 
     def __len__(self) -> int:
         return len(self._keys)
-
-    def allows(self, authorization: bytes | None) -> bool:
-        """Whether the header carries a valid key (every key is compared, in constant time)."""
-        return self.identify(authorization) is not None
 
     def identify(self, authorization: bytes | None, api_key: bytes | None = None) -> str | None:
         """The name of the valid key the headers carry (``Authorization: Bearer``, else
@@ -130,12 +142,43 @@ class ClientKeys:
         if not self._file:
             return
         try:
-            file_keys = read_key_file(self._file)
+            file_keys = read_key_file(self._file, named=self._named)
         except (OSError, ValueError) as exc:
             raise ValueError(f"--api-key-file {self._file}: cannot read it ({_reason(exc)}); "
                              f"the keys in force stay") from None
         self._keys, self._names, self._scopes = _named(self._fixed, file_keys)
         log.info("--api-key-file %s reloaded: %d key(s) in force", self._file, len(self._keys))
+
+
+def check_tenant_names(config) -> None:
+    """With a ``[tenants]`` table: every ``[[tenants.keys]]`` entry names a key clients can
+    present, or its limits would apply to no one while the key meant runs on the default's.
+    ``ConfigErrors`` names each such entry, with the closest key name. (The table's own
+    mistakes, and a key file that cannot be read, are their owners' to name.)"""
+    import difflib
+
+    from epd_proxy.config import ConfigErrors
+    from epd_proxy.tenants.policy import read_tenants
+
+    if config.tenants is None:
+        return
+    try:
+        table = read_tenants(config.tenants)
+        keys = ClientKeys.from_config(config)
+    except ValueError:
+        return
+    names = keys.names if keys is not None else ()
+    errors = []
+    for name in table.keys:
+        if name in names:
+            continue
+        close = difflib.get_close_matches(name, names, n=1)
+        where = (f"--api-key-file {config.api_key_file}" if config.api_key_file
+                 else "--api-key (named key1, key2, ...)" if config.api_keys else "no client key is configured")
+        errors.append(f"tenants.keys {name!r}: no client key is named {name!r} ({where}"
+                      + (f"; did you mean {close[0]!r}?" if close else "") + "): its limits would apply to no one")
+    if errors:
+        raise ConfigErrors(errors)
 
 
 def _reason(exc: Exception) -> str:

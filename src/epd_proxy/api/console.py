@@ -9,7 +9,8 @@ Read-only: nothing here changes anything.
 
 Reading the state turns on the ring of recent requests (``observe/recent.py``) for a while;
 with ``--workers`` the worker a page reached asks its siblings for their parts
-(``siblings.py``) and answers for the whole proxy (``console_view.py``).
+(``siblings.py``) and answers for the whole proxy (``console_view.py``). With a shared state
+store, its ``gateway`` part is every replica's published summary (``gateway.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import msgspec
 from epd_proxy.api.access import READ
 from epd_proxy.api.admin import AdminApi
 from epd_proxy.api.console_view import RECENT_SHOWN, instance_view, proxy_panel, request_document, state_document
+from epd_proxy.api.gateway import GatewayBoard
+from epd_proxy.api.gateway_view import alone
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http.response import Request, ResponseWriter
@@ -70,7 +73,8 @@ class ConsoleApi:
     def __init__(self, config: ProxyConfig, *, pools: dict[str, InstancePool], membership: Membership,
                  recent: RecentRequests, admin: AdminApi, siblings: SiblingChannel | None = None,
                  window: float = WINDOW, kv_events: EventFeed | None = None, reuse: TurnReuse | None = None,
-                 state: GuardedStore | None = None, tenants: Tenants | None = None) -> None:
+                 state: GuardedStore | None = None, tenants: Tenants | None = None,
+                 board: GatewayBoard | None = None) -> None:
         self.config = config
         self.pools = pools
         self.membership = membership
@@ -82,6 +86,7 @@ class ConsoleApi:
         self.reuse = reuse  # the KV each decode keeps for a next turn (request/turns/reuse.py)
         self.state_store = state  # the shared state store, if any (state/)
         self.tenants = tenants  # each key's use of its limits, with a [tenants] table
+        self.board = board  # every replica's summary, with a shared store (gateway.py)
         self._files = _load_assets()
 
     def routes(self) -> dict:
@@ -107,7 +112,10 @@ class ConsoleApi:
         if self.siblings is not None:
             peers = [p for p in await self.siblings.ask(STATE_QUESTION) if isinstance(p, dict)]
             count = self.siblings.count
-        writer.send(200, msgspec.json.encode(state_document(local, peers, count)), headers=_JSON_HEADERS)
+        doc = state_document(local, peers, count)
+        board = self.board
+        doc["gateway"] = await board.view() if board is not None else alone(count, None)
+        writer.send(200, msgspec.json.encode(doc), headers=_JSON_HEADERS)
 
     async def request(self, req: Request, writer: ResponseWriter) -> None:
         if not self.admin.allowed(req, writer, READ):
@@ -144,6 +152,10 @@ class ConsoleApi:
                           "routing": {role: pool.policy.name for role, pool in self.pools.items()},
                           "admin_key": bool(config.admin_api_key)},
                 "instances": instances, "traffic": traffic, "recent": recent.latest(RECENT_SHOWN)}
+
+    async def close(self) -> None:
+        if self.board is not None:
+            await self.board.close()
 
     async def answer(self, question: str):
         """A sibling worker's question (``siblings.py``), or None if it is not the console's."""

@@ -14,9 +14,9 @@ instance is in rotation and calls the state ``mixed`` when they differ.
 
 from __future__ import annotations
 
-from epd_proxy.instances.catalog import model_readiness
 from epd_proxy.instances.health import DRAINING, EJECTED, HALF_OPEN, HEALTHY
 from epd_proxy.instances.instance import LEAVING, Instance
+from epd_proxy.instances.model_directory import model_readiness
 from epd_proxy.instances.roster import registered_role
 from epd_proxy.observe.traffic import finish, merge, waterfall
 
@@ -98,8 +98,13 @@ def proxy_panel(state_store: dict | None, tenants: dict | None) -> dict:
                        "share": use["used"] / use["limit"] if use.get("used") is not None and use.get("limit")
                        else None} for limit, use in sorted(key["limits"].items())]
             keys.append({"key": name, "class": key["class"], "policy": key["policy"], "limits": limits})
+    shared = tenants is not None and tenants["store"] == "shared"
+    # A shared counter that could not be read is the store not answering now (limiter.status).
+    down = shared and any(lim["used"] is None and lim["limit_name"] != "concurrent" for k in keys or ()
+                          for lim in k["limits"])
     return {"state_store": store, "tenants": keys,
-            "tenants_store": None if tenants is None else tenants["store"]}
+            "tenants_store": None if tenants is None else tenants["store"],
+            "tenants_store_up": None if not shared else not down}
 
 
 def instance_view(inst: Instance, now: float, wall: float, placement=None, kv_streams: list[dict] | None = None,
@@ -128,7 +133,7 @@ def instance_view(inst: Instance, now: float, wall: float, placement=None, kv_st
         "adapters": sorted(name for name, parent in parents.items() if parent is not None),
         "active_adapters": sorted(sig.adapters),
         "load": None if sig.scraped_at is None else {"others": sig.others, "waiting": sig.waiting,
-                                                     "kv_usage": round(sig.kv_usage, 4)},
+                                                     "kv_usage": round(sig.kv_usage, 6), "kv_blocks": sig.kv_blocks},
         "media": None if placement is None else {"items": placement.items.get(inst.url, 0),
                                                  "repeats_home": placement.hits.get(inst.url, 0)},
         "kv_events": None if inst.role == "encode" else kv_events_view(kv_streams),  # encoders hold no KV
@@ -177,7 +182,7 @@ def merge_instances(views: list[list[dict]]) -> list[dict]:
 
 
 def readiness(instances: list[dict], parents: dict, required: list[str]) -> dict:
-    """Per model, ``/status``'s readiness (``catalog.model_readiness``) over the merged views:
+    """Per model, ``/status``'s readiness (``model_directory.model_readiness``) over the merged views:
     which roles serve it, in rotation or out, and whether a request for it can be served."""
     pools: dict[str, list[dict]] = {}
     for v in instances:

@@ -26,7 +26,7 @@ def find_py_spy() -> str | None:
 
 
 def frame_name(frame: str) -> str:
-    """``handle (epd_proxy/pipeline.py:88)`` -> ``pipeline.py:handle``; native frames as they are."""
+    """``handle (epd_proxy/request/pipeline.py:88)`` -> ``pipeline.py:handle``; native frames as they are."""
     m = _FRAME.match(frame.strip())
     if not m:
         return frame.strip()

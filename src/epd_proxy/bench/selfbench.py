@@ -110,7 +110,7 @@ async def _drive(port: int, concurrency: int, tokens: int, duration: float, warm
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m epd_proxy.bench.selfbench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m epd_proxy.bench.selfbench", description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=64)

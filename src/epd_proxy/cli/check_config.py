@@ -36,10 +36,23 @@ def describe(cfg: ProxyConfig, args: argparse.Namespace) -> str:
     from epd_proxy.instances.roster import infer_topology
 
     roles = [r for r in ROLES if getattr(cfg, r) or any(s.role == r for s in cfg.discover)]
+    kv_connector = cfg.kv_connector
+    simulated = []
+    if args.simulate:  # the simulator's instances replace the file's (serve's config_for_addresses)
+        from epd_proxy.sim.cluster import SimCluster
+
+        cluster = SimCluster.from_spec(args.simulate)  # checked by ServeSettings.config
+        roles = [r for r in ROLES if cluster.instances(r) or (r == "decode" and cluster.instances("pd"))]
+        kv_connector = cluster.config.kv_connector
+        simulated = [f"  simulated: {args.simulate} ("
+                     + ", ".join(f"{len(cluster.instances(r))} {r}" for r in ("encode", "prefill", "decode", "pd")
+                                 if cluster.instances(r))
+                     + ("; the file's instances are not used)" if any(getattr(cfg, r) for r in ROLES)
+                        or cfg.discover else ")")]
     topology = infer_topology(roles, cfg.topology)
-    lines = [f"topology {topology}" + (f", kv-connector {cfg.kv_connector}" if "prefill" in roles else ""),
-             f"listen {args.host}:{args.port}, workers {args.workers}"]
-    for role in ROLES:
+    lines = [f"topology {topology}" + (f", kv-connector {kv_connector}" if "prefill" in roles else ""),
+             f"listen {args.host}:{args.port}, workers {args.workers}", *simulated]
+    for role in ROLES if not simulated else ():
         for spec in getattr(cfg, role):
             lines.append(f"  {role:7s} {spec_text(spec)}")
         for spec in cfg.discover:
@@ -57,8 +70,12 @@ def tenant_lines(cfg: ProxyConfig) -> list[str]:
     table, aliases = read_config(cfg)
     lines = []
     if table is not None:
-        lines.append(f"tenants: counters {'in ' + table.store.split('@')[-1] if table.store else 'in-process'}, "
-                     f"store failure {table.store_failure}")
+        # As build_tenants chooses: the table's store, else the replicas' state store, else this process.
+        # A URL's user and password are not shown.
+        store = (f"in {_no_secret(table.store)} (tenants.store)" if table.store
+                 else f"in the shared state store {_no_secret(cfg.state_store)} (--state-store)"
+                 if cfg.state_store else "in-process")
+        lines.append(f"tenants: counters {store}, store failure {table.store_failure}")
         for name, policy in [("(default)", table.default), *table.keys.items()]:
             limits = ", ".join(f"{k}={v}" for k, v in policy.limits.items()) or "no limits"
             models = f"; models {', '.join(sorted(policy.models))}" if policy.models is not None else ""
@@ -68,6 +85,12 @@ def tenant_lines(cfg: ProxyConfig) -> list[str]:
                      + (f"; unknown names -> {aliases.default}" if aliases.default else "")
                      + f"; /v1/models lists {aliases.listed}")
     return lines
+
+
+def _no_secret(url: str) -> str:
+    """A store's URL without its user and password."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.rpartition("@")[2]
 
 
 def spec_text(spec: InstanceSpec) -> str:

@@ -10,11 +10,14 @@ says which.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+from typing import Callable
 
 from epd_proxy.cli.cluster_file import ClusterFileError, Option, read_cluster_path
+from epd_proxy.cli.parser import Parser
 from epd_proxy.config import (
     ALWAYS_FORWARDED,
     ENCODER_FALLBACKS,
@@ -23,6 +26,7 @@ from epd_proxy.config import (
     NO_DECODE,
     ROLE_POLICY_DEFAULTS,
     ROLES,
+    SECTIONS,
     ConfigErrors,
     ProxyConfig,
     ServeOptions,
@@ -69,279 +73,329 @@ def size_text(n: int) -> str:
     return str(n)
 
 
+# ``serve --help`` in groups: the instances, the process, then one group per section of
+# ``ProxyConfig`` (the key: cli tests check that every flag of a group lands in that section).
+GROUPS: dict[str, tuple[str, str]] = {
+    "instances": ("instances", "URLs, optionally with ;key=value attributes (engine_id, kv_host, kv_port, tp, "
+                               "pp, bootstrap_port, dp_size, models, kv_events, kv_events_replay), e.g. "
+                               "'http://p1:8100;engine_id=prefill-0;kv_host=10.0.0.1;kv_port=5600'; "
+                               "'dns+http://NAME:PORT' for every address NAME resolves to"),
+    "process": ("process", "where this process listens, its workers and logs, the cluster file"),
+    "upstream": ("upstream", "how the proxy calls the instances: the KV connector, retries, credentials, headers, "
+                             "connections and every wait's bound"),
+    "policies": ("routing", "which instance of each role a request goes to"),
+    "kv_events": ("KV events", "vLLM's KV cache events and the block index routing follows"),
+    "multi_turn": ("multi-turn KV reuse", "a conversation's next turn reads the KV its decode kept"),
+    "encoders": ("encoders", "the encode stage: batching, bounds, the fallback, the rewrite to *_embeds"),
+    "media": ("media", "what media a client's body may name"),
+    "lora": ("LoRA adapters", "placing and loading adapters"),
+    "health": ("health", "probes, outlier detection and ejection"),
+    "membership": ("membership and discovery", "instances registering at run time, a pinned topology, DNS names"),
+    "admission": ("admission", "requests worked on at once, and the queue"),
+    "listener": ("front door", "what clients may send, how slowly, how many at once; the graceful shutdown"),
+    "access": ("access and TLS", "client keys, the operator's key, HTTPS"),
+    "observability": ("observability", "access log, log format, metrics' labels"),
+    "store": ("state store", "what replicas and workers share"),
+}
+
+
+def _group(parser: argparse.ArgumentParser, key: str) -> argparse._ArgumentGroup:
+    title, description = GROUPS[key]
+    return parser.add_argument_group(title, description)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults, process = ProxyConfig(), ServeOptions()
     timeouts = defaults.timeouts
-    parser.description = ("Run the proxy in front of vLLM encode / prefill / decode instances. Instances are URLs, "
-                          "optionally with ;key=value attributes (engine_id, kv_host, kv_port, tp, pp, "
-                          "bootstrap_port) that push-mode connectors need, e.g. 'http://p1:8100;engine_id=prefill-0;"
-                          "kv_host=10.0.0.1;kv_port=5600'.")
-    p = parser
-    p.add_argument("--host", default=process.host, help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=process.port, help="port to listen on (default %(default)s)")
-    p.add_argument("--encode", "--encode-servers-urls", dest="encode", action="append", metavar="URL",
+    names = list(POLICIES)
+    parser.description = "Run the proxy in front of vLLM encode / prefill / decode instances."
+    g = _group(parser, "instances")
+    g.add_argument("--encode", "--encode-servers-urls", dest="encode", action="append", metavar="URL",
                    help="encoder instance(s); repeatable and comma-separated; omit for P/D only")
-    p.add_argument("--prefill", "--prefill-servers-urls", dest="prefill", action="append", metavar="URL",
+    g.add_argument("--prefill", "--prefill-servers-urls", dest="prefill", action="append", metavar="URL",
                    help="prefill instance(s); omit (or 'none'/'disable') for E+PD")
-    p.add_argument("--decode", "--decode-servers-urls", dest="decode", action="append", metavar="URL",
+    g.add_argument("--decode", "--decode-servers-urls", dest="decode", action="append", metavar="URL",
                    help="decode (or PD) instance(s)")
-    p.add_argument("--kv-connector", default=defaults.kv_connector,
+    g = _group(parser, "process")
+    g.add_argument("--host", default=process.host, help="address to listen on (default %(default)s)")
+    g.add_argument("--port", type=int, default=process.port, help="port to listen on (default %(default)s)")
+    g.add_argument("--workers", type=int, default=process.workers,
+                   help="processes sharing the port (SO_REUSEPORT; default %(default)s)")
+    g.add_argument("--log-level", default=process.log_level, choices=LOG_LEVELS,
+                   help="(default %(default)s)")
+    g.add_argument("--config", metavar="FILE", default=None,
+                   help="cluster file (TOML) holding any of these flags as keys and the instances with "
+                        "their attributes; flags given here override it; re-read on SIGHUP and when it "
+                        "changes (see 'epd-proxy check-config')")
+    g.add_argument("--simulate", metavar="SPEC", default=None,
+                   help="start simulated vLLM instances in-process (with --workers, in one process of "
+                        "their own that every worker uses), e.g. 'encode=2,prefill=1,decode=2'")
+    g = _group(parser, "upstream")
+    g.add_argument("--kv-connector", default=defaults.kv_connector,
                    help="nixl (pull), nixl-push or mooncake (default %(default)s)")
-    p.add_argument("--decode-retries", type=int, default=defaults.decode_retries,
+    g.add_argument("--decode-retries", type=int, default=defaults.decode_retries,
                    help="fresh attempts after a retryable failure before the response starts (default %(default)s)")
-    p.add_argument("--no-stream-migration", action="store_false", dest="stream_migration",
+    g.add_argument("--no-stream-migration", action="store_false", dest="stream_migration",
                    default=defaults.stream_migration,
                    help="end a committed stream whose decode breaks off with an in-band error, as before (by "
                         "default a chat or completions stream is continued on another decode)")
-    p.add_argument("--migration-limit", type=int, default=defaults.migration_limit, metavar="N",
+    g.add_argument("--migration-limit", type=int, default=defaults.migration_limit, metavar="N",
                    help="moves of one stream to another decode at most (default %(default)s)")
-    p.add_argument("--no-kv-reuse", action="store_false", dest="kv_reuse", default=defaults.kv_reuse,
-                   help="never give decode's kv_transfer_params to the next turn's prefill (multi-turn KV "
-                        "reuse is on by default when decode answers with them: vLLM's bidirectional_kv_xfer)")
-    p.add_argument("--kv-reuse-ttl", type=float, default=defaults.kv_reuse_ttl, metavar="SECONDS",
-                   help="decode's decoder_kv_blocks_ttl: how long it keeps a finished request's blocks "
-                        "(default %(default)g)")
-    p.add_argument("--kv-reuse-margin", type=float, default=defaults.kv_reuse_margin, metavar="SECONDS",
-                   help="kept parameters are used only until the TTL less this after their receipt "
-                        "(default %(default)g; vLLM's prefill refuses a read within 5 s of the expiry)")
-    p.add_argument("--kv-reuse-max-held-tokens", type=int, default=defaults.kv_reuse_max_held_tokens,
-                   metavar="N", help="per decode, the tokens kept parameters may hold; past it the oldest "
-                                     "are let go (0 = no bound; default %(default)s)")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=defaults.local_prefill_max_tokens,
-                   metavar="N", help="a turn whose prefill would compute at most N tokens goes to the decode "
-                                     "holding the rest of its prompt, alone (0 = never; default %(default)s)")
-    p.add_argument("--local-prefill-max-streams", type=int, default=defaults.local_prefill_max_streams,
-                   metavar="N", help="... when that decode runs at most N other requests: a local prefill "
-                                     "lengthens every stream's steps on it (default %(default)s)")
-    p.add_argument("--state-store", default=defaults.state_store, metavar="URL",
-                   help="the state store every replica and worker shares (conversations' kept KV parameters, "
-                        "Responses owners): redis://HOST:PORT/DB or rediss:// (TLS), Redis or Valkey "
-                        "(default: this process's memory; with --workers, the parent's)")
-    p.add_argument("--state-store-password-file", default=defaults.state_store_password_file, metavar="FILE",
-                   help="the store's password (default: $EPD_PROXY_STATE_STORE_PASSWORD, else none)")
-    p.add_argument("--state-store-prefix", default=defaults.state_store_prefix, metavar="PREFIX",
-                   help="every store key's prefix (default %(default)s)")
-    p.add_argument("--state-store-timeout", type=float, default=defaults.state_store_timeout, metavar="SECONDS",
-                   help="a store call taking longer counts as failed: the request goes on without reuse "
-                        "(default %(default)g)")
-    p.add_argument("--encoder-max-batch-size", type=int,
-                   default=_env(ENCODER_MAX_BATCH_SIZE_ENV, defaults.encoder_max_batch_size, int),
-                   help=f"images per encoder sub-request (0 = unlimited; default ${ENCODER_MAX_BATCH_SIZE_ENV}, "
-                        f"else {defaults.encoder_max_batch_size})")
-    p.add_argument("--encoder-max-outstanding", type=int, default=defaults.encoder_max_outstanding,
-                   help="media items in flight to one encoder (per process); more wait in the proxy until "
-                        "the encode timeout, then 429 (0 = no bound; default %(default)s)")
-    p.add_argument("--encoder-fallback", choices=ENCODER_FALLBACKS, default=defaults.encoder_fallback,
-                   help="an item no encoder can take (all failed it, or all saturated past the encode "
-                        "timeout): 'none' fails the request, 'local' sends the raw media to the consumer, "
-                        "which encodes it itself (default %(default)s)")
-    p.add_argument("--no-rewrite", action="store_true", default=not defaults.rewrite,
-                   help="send raw media to the consumer (no *_embeds rewrite, no uuids to encoders)")
-    p.add_argument("--ec-consumer-zmq-addrs", default=",".join(defaults.ec_consumer_zmq_addrs),
-                   help="comma-separated EC consumer ZMQ addresses, aligned with --decode (E+PD only)")
-    p.add_argument("--ec-consumer-dp-size", type=int, default=defaults.ec_consumer_dp_size,
-                   help="data-parallel replicas per EC consumer (default %(default)s)")
-    p.add_argument("--upstream-api-key", default=_env(UPSTREAM_API_KEY_ENV, defaults.upstream_api_key),
+    g.add_argument("--upstream-api-key", default=_env(UPSTREAM_API_KEY_ENV, defaults.upstream_api_key),
                    help=f"sent to backends as 'Authorization: Bearer' (default: ${UPSTREAM_API_KEY_ENV}; "
                         "for the reference proxies' behaviour pass --upstream-api-key \"$OPENAI_API_KEY\")")
-    p.add_argument("--forward-header", action="append", default=[], metavar="NAME",
+    g.add_argument("--forward-header", action="append", default=[], metavar="NAME",
                    help=f"client header to pass on to every stage ({'/'.join(ALWAYS_FORWARDED)} always are); "
                         "hop-by-hop, framing and proxy-set headers are refused")
-    p.add_argument("--ignore-client-uuids", action="store_true", default=defaults.ignore_client_uuids,
-                   help="key media by their content even when the client sends a uuid (multi-tenant)")
-    p.add_argument("--max-media-items", type=int, default=defaults.max_media_items,
-                   help="media parts per request, all modalities (default %(default)s; 0 = no media accepted)")
-    p.add_argument("--max-upstream-connections", type=int, default=defaults.max_upstream_connections,
-                   help="concurrent connections to one instance; further requests wait in line "
-                        "(default %(default)s)")
-    p.add_argument("--allowed-media-schemes", default=",".join(defaults.allowed_media_schemes),
-                   help="comma-separated URL schemes media may use (default %(default)s)")
-    p.add_argument("--allowed-media-hosts", action="append", default=list(defaults.allowed_media_hosts),
-                   metavar="HOST|CIDR",
-                   help="hosts or networks media URLs may name although they are loopback, private, "
-                        "link-local, unspecified or multicast addresses; repeatable, comma-separated")
-    names = list(POLICIES)
-    p.add_argument("--routing", choices=names, default=defaults.routing,
-                   help="routing policy of every role without its own flag (default: each role's own, "
-                        + ", ".join(f"{role} {name}" for role, name in ROLE_POLICY_DEFAULTS.items()) + ")")
-    for role in ("prefill", "decode", "encode"):
-        p.add_argument(f"--{role}-policy", choices=names, default=getattr(defaults, f"{role}_policy"),
-                       help=f"routing policy of the {role} instances (default: --routing, else "
-                            f"{ROLE_POLICY_DEFAULTS[role]}" + ("; cache-aware for PD, i.e. without --prefill)"
-                                                               if role == "decode" else ")"))
-    p.add_argument("--balance-abs", type=float, default=defaults.balance_abs,
-                   help="cache-aware passes over its preferred instance when that one has more than this "
-                        f"many requests beyond the least-loaded one (default {defaults.balance_abs:g}) ...")
-    p.add_argument("--balance-rel", type=float, default=defaults.balance_rel,
-                   help=f"... and more than this many times its load (default {defaults.balance_rel:g})")
-    p.add_argument("--no-lora-affinity", action="store_false", dest="lora_affinity", default=defaults.lora_affinity,
-                   help="place a LoRA adapter's requests by the routing policy, like any other request, "
-                        "instead of concentrating them on few of the instances that have it")
-    p.add_argument("--lora-source", action="append", default=[], metavar="NAME=PATH",
-                   help="an adapter the proxy loads (POST /v1/load_lora_adapter) on the instances it picks "
-                        "when a request names it and no instance has it; PATH as the instances see it "
-                        "(repeatable, comma-separated)")
-    p.add_argument("--lora-dir", default=defaults.lora_dir, metavar="DIR",
-                   help="a directory of adapters by name (DIR/NAME/adapter_config.json, as vLLM's "
-                        "VLLM_LORA_RESOLVER_CACHE_DIR), loaded on demand like --lora-source; the instances "
-                        "must see DIR at the same path")
-    p.add_argument("--lora-load-timeout", type=float, default=defaults.lora_load_timeout,
-                   help=f"longest wait for an adapter load on an instance (default {defaults.lora_load_timeout:g} s)")
-    p.add_argument("--max-lora-loads", type=int, default=defaults.max_lora_loads,
-                   help=f"adapters loaded on demand at once (default {defaults.max_lora_loads})")
-    p.add_argument("--kv-events-port", type=int, default=defaults.kv_events_port, metavar="PORT",
-                   help="subscribe to vLLM's KV cache events (--kv-events-config, publisher zmq) of every "
-                        "prefill and decode instance on tcp://HOST:PORT, its replay socket on PORT+1, unless "
-                        "the instance names its own (;kv_events=tcp://host:port); routing then follows the "
-                        "blocks instances hold (default: only instances that name theirs)")
-    p.add_argument("--kv-index-max-blocks", type=int, default=defaults.kv_index_max_blocks, metavar="N",
-                   help="bound of the KV block index, in (instance, block) pairs, about 243 bytes each "
-                        f"(default {defaults.kv_index_max_blocks})")
-    p.add_argument("--scrape-interval", type=float, default=defaults.scrape_interval,
-                   help="seconds between background scrapes of each instance's /metrics for load signals "
-                        f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; up to "
-                        f"{QUIET_STRETCH}x longer while they show only this proxy's load; default "
-                        f"{defaults.scrape_interval:g})")
-    p.add_argument("--upstream-keep-alive", type=float,
+    g.add_argument("--upstream-keep-alive", type=float,
                    default=_env(KEEP_ALIVE_ENV, defaults.upstream_keep_alive, float),
                    help=f"the backends' keep-alive timeout ({KEEP_ALIVE_ENV}); idle pooled connections are "
                         f"retired at half of it (default ${KEEP_ALIVE_ENV}, else {defaults.upstream_keep_alive:g} s)")
-    p.add_argument("--connect-timeout", type=float, default=timeouts.connect,
+    g.add_argument("--max-upstream-connections", type=int, default=defaults.max_upstream_connections,
+                   help="concurrent connections to one instance; further requests wait in line "
+                        "(default %(default)s)")
+    g.add_argument("--connect-timeout", type=float, default=timeouts.connect,
                    help=f"to open a connection to an instance (default {timeouts.connect:g} s)")
-    p.add_argument("--encode-timeout", type=float, default=timeouts.encode,
+    g.add_argument("--encode-timeout", type=float, default=timeouts.encode,
                    help=f"an encoder sub-request of one image: vLLM's image fetch (VLLM_IMAGE_FETCH_TIMEOUT 5 s), "
                         f"its encoding (well under a second on a GPU) and a queue; a batch adds a tenth per further "
                         f"image, audio takes 2x and video 4x (vLLM's fetch limits 10 s and 30 s). An item two "
                         f"encoders time out on fails the request at once (default {timeouts.encode:g} s)")
-    p.add_argument("--prefill-timeout", type=float, default=timeouts.prefill,
+    g.add_argument("--prefill-timeout", type=float, default=timeouts.prefill,
                    help=f"(default {timeouts.prefill:g} s)")
-    p.add_argument("--decode-timeout", type=float, default=timeouts.decode_first,
+    g.add_argument("--decode-timeout", type=float, default=timeouts.decode_first,
                    help=f"until decode's first event (default {timeouts.decode_first:g} s)")
-    p.add_argument("--stream-idle-timeout", type=float, default=timeouts.stream_idle,
+    g.add_argument("--stream-idle-timeout", type=float, default=timeouts.stream_idle,
                    help=f"longest silence inside decode's stream (default {timeouts.stream_idle:g} s)")
-    p.add_argument("--first-byte-timeout", type=float, default=timeouts.first_byte,
+    g.add_argument("--first-byte-timeout", type=float, default=timeouts.first_byte,
                    help=f"from a request's admission to its response's status: past it the client gets 504 "
                         f"and every upstream leg is closed (default {timeouts.first_byte:g} s, 0 = off)")
-    p.add_argument("--max-inflight", type=int, default=defaults.max_inflight,
-                   help=f"client requests this process works on at once (default {defaults.max_inflight}: "
-                        f"unlimited); more wait in the queue or get 429")
-    p.add_argument("--queue-size", type=int, default=defaults.queue_size,
-                   help=f"requests waiting for a slot beyond --max-inflight (default {defaults.queue_size})")
-    p.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout,
-                   help=f"longest wait in that queue before 429 (default {defaults.queue_timeout:g} s)")
-    p.add_argument("--max-inflight-per-role", action="append", default=[], metavar="ROLE=N",
-                   help="requests in the encode or prefill stage at once (repeatable, comma-separated; default "
-                        "none); more wait in the same kind of queue (--queue-size, --queue-timeout) or get 429")
-    p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace,
-                   help=f"after SIGTERM, /ready is 503 and new connections are still accepted for this "
-                        f"long (default {defaults.shutdown_grace:g} s)")
-    p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
-                   help=f"after SIGTERM, in-flight requests may finish until this long after the signal; "
-                        f"then the rest are ended (default {defaults.shutdown_timeout:g} s)")
-    p.add_argument("--probe-interval", type=float, default=defaults.probe_interval,
+    g = _group(parser, "policies")
+    g.add_argument("--routing", choices=names, default=defaults.routing,
+                   help="routing policy of every role without its own flag (default: each role's own, "
+                        + ", ".join(f"{role} {name}" for role, name in ROLE_POLICY_DEFAULTS.items()) + ")")
+    for role in ("prefill", "decode", "encode"):
+        g.add_argument(f"--{role}-policy", choices=names, default=getattr(defaults, f"{role}_policy"),
+                       help=f"routing policy of the {role} instances (default: --routing, else "
+                            f"{ROLE_POLICY_DEFAULTS[role]}" + ("; cache-aware for PD, i.e. without --prefill)"
+                                                               if role == "decode" else ")"))
+    g.add_argument("--balance-abs", type=float, default=defaults.balance_abs,
+                   help="cache-aware passes over its preferred instance when that one has more than this "
+                        f"many requests beyond the least-loaded one (default {defaults.balance_abs:g}) ...")
+    g.add_argument("--balance-rel", type=float, default=defaults.balance_rel,
+                   help=f"... and more than this many times its load (default {defaults.balance_rel:g})")
+    g.add_argument("--scrape-interval", type=float, default=defaults.scrape_interval,
+                   help="seconds between background scrapes of each instance's /metrics for load signals "
+                        f"(vllm:num_requests_running/_waiting, kv_cache_usage_perc; 0 = off; up to "
+                        f"{QUIET_STRETCH}x longer while they show only this proxy's load; default "
+                        f"{defaults.scrape_interval:g})")
+    g = _group(parser, "kv_events")
+    g.add_argument("--kv-events-port", type=int, default=defaults.kv_events_port, metavar="PORT",
+                   help="subscribe to vLLM's KV cache events (--kv-events-config, publisher zmq) of every "
+                        "prefill and decode instance on tcp://HOST:PORT, its replay socket on PORT+1, unless "
+                        "the instance names its own (;kv_events=tcp://host:port); routing then follows the "
+                        "blocks instances hold (default: only instances that name theirs)")
+    g.add_argument("--kv-index-max-blocks", type=int, default=defaults.kv_index_max_blocks, metavar="N",
+                   help="bound of the KV block index, in (instance, block) pairs, about 243 bytes each "
+                        f"(default {defaults.kv_index_max_blocks})")
+    g = _group(parser, "multi_turn")
+    g.add_argument("--no-kv-reuse", action="store_false", dest="kv_reuse", default=defaults.kv_reuse,
+                   help="never give decode's kv_transfer_params to the next turn's prefill (multi-turn KV "
+                        "reuse is on by default when decode answers with them: vLLM's bidirectional_kv_xfer)")
+    g.add_argument("--kv-reuse-ttl", type=float, default=defaults.kv_reuse_ttl, metavar="SECONDS",
+                   help="decode's decoder_kv_blocks_ttl: how long it keeps a finished request's blocks "
+                        "(default %(default)g)")
+    g.add_argument("--kv-reuse-margin", type=float, default=defaults.kv_reuse_margin, metavar="SECONDS",
+                   help="kept parameters are used only until the TTL less this after their receipt "
+                        "(default %(default)g; vLLM's prefill refuses a read within 5 s of the expiry)")
+    g.add_argument("--kv-reuse-max-held-tokens", type=int, default=defaults.kv_reuse_max_held_tokens,
+                   metavar="N", help="per decode, the tokens kept parameters may hold; past it the oldest "
+                                     "are let go (0 = no bound; default %(default)s)")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=defaults.local_prefill_max_tokens,
+                   metavar="N", help="a turn whose prefill would compute at most N tokens goes to the decode "
+                                     "holding the rest of its prompt, alone (0 = never; default %(default)s)")
+    g.add_argument("--local-prefill-max-streams", type=int, default=defaults.local_prefill_max_streams,
+                   metavar="N", help="... when that decode runs at most N other requests: a local prefill "
+                                     "lengthens every stream's steps on it (default %(default)s)")
+    g = _group(parser, "encoders")
+    g.add_argument("--encoder-max-batch-size", type=int,
+                   default=_env(ENCODER_MAX_BATCH_SIZE_ENV, defaults.encoder_max_batch_size, int),
+                   help=f"images per encoder sub-request (0 = unlimited; default ${ENCODER_MAX_BATCH_SIZE_ENV}, "
+                        f"else {defaults.encoder_max_batch_size})")
+    g.add_argument("--encoder-max-outstanding", type=int, default=defaults.encoder_max_outstanding,
+                   help="media items in flight to one encoder (per process); more wait in the proxy until "
+                        "the encode timeout, then 429 (0 = no bound; default %(default)s)")
+    g.add_argument("--encoder-fallback", choices=ENCODER_FALLBACKS, default=defaults.encoder_fallback,
+                   help="an item no encoder can take (all failed it, or all saturated past the encode "
+                        "timeout): 'none' fails the request, 'local' sends the raw media to the consumer, "
+                        "which encodes it itself (default %(default)s)")
+    g.add_argument("--no-rewrite", action="store_true", default=not defaults.rewrite,
+                   help="send raw media to the consumer (no *_embeds rewrite, no uuids to encoders)")
+    g.add_argument("--ec-consumer-zmq-addrs", default=",".join(defaults.ec_consumer_zmq_addrs),
+                   help="comma-separated EC consumer ZMQ addresses, aligned with --decode (E+PD only)")
+    g.add_argument("--ec-consumer-dp-size", type=int, default=defaults.ec_consumer_dp_size,
+                   help="data-parallel replicas per EC consumer (default %(default)s)")
+    g = _group(parser, "media")
+    g.add_argument("--ignore-client-uuids", action="store_true", default=defaults.ignore_client_uuids,
+                   help="key media by their content even when the client sends a uuid (multi-tenant)")
+    g.add_argument("--max-media-items", type=int, default=defaults.max_media_items,
+                   help="media parts per request, all modalities (default %(default)s; 0 = no media accepted)")
+    g.add_argument("--allowed-media-schemes", default=",".join(defaults.allowed_media_schemes),
+                   help="comma-separated URL schemes media may use (default %(default)s)")
+    g.add_argument("--allowed-media-hosts", action="append", default=list(defaults.allowed_media_hosts),
+                   metavar="HOST|CIDR",
+                   help="hosts or networks media URLs may name although they are loopback, private, "
+                        "link-local, unspecified or multicast addresses; repeatable, comma-separated")
+    g = _group(parser, "lora")
+    g.add_argument("--no-lora-affinity", action="store_false", dest="lora_affinity", default=defaults.lora_affinity,
+                   help="place a LoRA adapter's requests by the routing policy, like any other request, "
+                        "instead of concentrating them on few of the instances that have it")
+    g.add_argument("--lora-source", action="append", default=[], metavar="NAME=PATH",
+                   help="an adapter the proxy loads (POST /v1/load_lora_adapter) on the instances it picks "
+                        "when a request names it and no instance has it; PATH as the instances see it "
+                        "(repeatable, comma-separated)")
+    g.add_argument("--lora-dir", default=defaults.lora_dir, metavar="DIR",
+                   help="a directory of adapters by name (DIR/NAME/adapter_config.json, as vLLM's "
+                        "VLLM_LORA_RESOLVER_CACHE_DIR), loaded on demand like --lora-source; the instances "
+                        "must see DIR at the same path")
+    g.add_argument("--lora-load-timeout", type=float, default=defaults.lora_load_timeout,
+                   help=f"longest wait for an adapter load on an instance (default {defaults.lora_load_timeout:g} s)")
+    g.add_argument("--max-lora-loads", type=int, default=defaults.max_lora_loads,
+                   help=f"adapters loaded on demand at once (default {defaults.max_lora_loads})")
+    g = _group(parser, "health")
+    g.add_argument("--probe-interval", type=float, default=defaults.probe_interval,
                    help=f"health probe period (0 = off; default {defaults.probe_interval:g} s)")
-    p.add_argument("--probe-timeout", type=float, default=defaults.probe_timeout,
+    g.add_argument("--probe-timeout", type=float, default=defaults.probe_timeout,
                    help=f"(default {defaults.probe_timeout:g} s)")
-    p.add_argument("--fail-threshold", type=int, default=defaults.fail_threshold,
+    g.add_argument("--fail-threshold", type=int, default=defaults.fail_threshold,
                    help="consecutive probe or transport failures that eject an instance (default %(default)s)")
-    p.add_argument("--outlier-failure-percent", type=float, default=defaults.outlier_failure_percent,
+    g.add_argument("--outlier-failure-percent", type=float, default=defaults.outlier_failure_percent,
                    help="share of requests failing with HTTP 500 that ejects an instance "
                         f"(default {defaults.outlier_failure_percent:g})")
-    p.add_argument("--outlier-min-requests", type=int, default=defaults.outlier_min_requests,
+    g.add_argument("--outlier-min-requests", type=int, default=defaults.outlier_min_requests,
                    help="requests an instance must have had before that share counts (default %(default)s)")
-    p.add_argument("--outlier-interval", type=float, default=defaults.outlier_interval,
+    g.add_argument("--outlier-interval", type=float, default=defaults.outlier_interval,
                    help=f"seconds over which the share is measured (default {defaults.outlier_interval:g})")
-    p.add_argument("--ejection-time", type=float, default=defaults.ejection_time,
+    g.add_argument("--ejection-time", type=float, default=defaults.ejection_time,
                    help="base ejection time, multiplied by the number of ejections in a row "
                         f"(default {defaults.ejection_time:g} s)")
-    p.add_argument("--max-ejection-time", type=float, default=defaults.max_ejection_time,
+    g.add_argument("--max-ejection-time", type=float, default=defaults.max_ejection_time,
                    help=f"longest ejection (default {defaults.max_ejection_time:g} s)")
-    p.add_argument("--max-ejection-percent", type=int, default=defaults.max_ejection_percent,
+    g.add_argument("--max-ejection-percent", type=int, default=defaults.max_ejection_percent,
                    help="most of a role that request failures may eject, rounded down (default "
                         "%(default)s); failed probes are not capped")
-    p.add_argument("--max-body-size", type=parse_size, default=defaults.max_body_size, metavar="BYTES",
+    g = _group(parser, "membership")
+    g.add_argument("--dynamic-registration", action="store_true", default=defaults.dynamic_registration,
+                   help="instances may register at run time (POST /instances); the proxy may start with "
+                        "none. Needs --admin-api-key or --registration-allow")
+    g.add_argument("--registration-allow", action="append", default=list(defaults.registration_allow),
+                   metavar="CIDR",
+                   help="network allowed to register without a key (vLLM's registrar sends none); repeatable")
+    g.add_argument("--evicted-ttl", type=float, default=defaults.evicted_ttl,
+                   help="forget a registered instance out of rotation this long, in s "
+                        f"(default {defaults.evicted_ttl:g}; 0 = never)")
+    g.add_argument("--topology", default=defaults.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
+                   help="pin the topology (default: inferred from the instances present)")
+    g.add_argument("--allow-empty-roles", action="append", default=list(defaults.allow_empty_roles),
+                   metavar="ROLE,...",
+                   help="roles (encode, prefill, decode) a reload may leave with no instance; a reload that "
+                        "would empty any other role running instances is refused and the running roster kept "
+                        "(repeatable, comma-separated; default none; usually a cluster-file key)")
+    g.add_argument("--dns-interval", type=float, default=defaults.dns_interval,
+                   help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
+                        f"shorter record TTL (at least 1 s) is honoured (default {defaults.dns_interval:g} s)")
+    g.add_argument("--dns-server", metavar="HOST:PORT", default=defaults.dns_server,
+                   help="DNS server for 'dns+http://' instances (default: the system's resolver)")
+    g = _group(parser, "admission")
+    g.add_argument("--max-inflight", type=int, default=defaults.max_inflight,
+                   help=f"client requests this process works on at once (default {defaults.max_inflight}: "
+                        f"unlimited); more wait in the queue or get 429")
+    g.add_argument("--queue-size", type=int, default=defaults.queue_size,
+                   help=f"requests waiting for a slot beyond --max-inflight (default {defaults.queue_size})")
+    g.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout,
+                   help=f"longest wait in that queue before 429 (default {defaults.queue_timeout:g} s)")
+    g.add_argument("--max-inflight-per-role", action="append", default=[], metavar="ROLE=N",
+                   help="requests in the encode or prefill stage at once (repeatable, comma-separated; default "
+                        "none); more wait in the same kind of queue (--queue-size, --queue-timeout) or get 429")
+    g = _group(parser, "listener")
+    g.add_argument("--max-body-size", type=parse_size, default=defaults.max_body_size, metavar="BYTES",
                    help="largest request body; larger ones get 413 (K/M/G suffixes; default "
                         f"{size_text(defaults.max_body_size)})")
-    p.add_argument("--max-buffered-bytes", type=parse_size, default=defaults.max_buffered_bytes, metavar="BYTES",
+    g.add_argument("--max-buffered-bytes", type=parse_size, default=defaults.max_buffered_bytes, metavar="BYTES",
                    help="request bodies held at once across all connections; beyond it 503 with "
                         f"Retry-After (0 = no limit; default {size_text(defaults.max_buffered_bytes)})")
-    p.add_argument("--max-connections", type=int, default=defaults.max_connections,
+    g.add_argument("--max-connections", type=int, default=defaults.max_connections,
                    help="client connections per process; beyond it idle keep-alive connections are "
                         "closed, then new ones refused with 503 (default %(default)s: a third of the descriptor "
                         "limit, the rest kept for upstream connections)")
-    p.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
+    g.add_argument("--header-timeout", type=float, default=defaults.header_timeout,
                    help="seconds from a request's first byte to the end of its headers "
                         f"(408; default {defaults.header_timeout:g})")
-    p.add_argument("--body-timeout", type=float, default=defaults.body_timeout,
+    g.add_argument("--body-timeout", type=float, default=defaults.body_timeout,
                    help="seconds from the end of the headers to the end of the body "
                         f"(408; default {defaults.body_timeout:g})")
-    p.add_argument("--dynamic-registration", action="store_true", default=defaults.dynamic_registration,
-                   help="instances may register at run time (POST /instances); the proxy may start with "
-                        "none. Needs --admin-api-key or --registration-allow")
-    p.add_argument("--admin-api-key", default=_env(ADMIN_API_KEY_ENV, defaults.admin_api_key),
-                   help="the operator's key, as X-API-Key or 'Authorization: Bearer', for roster changes, "
-                        "GET /instances, /status, /metrics and profiling "
-                        f"(default: ${ADMIN_API_KEY_ENV}; unset = roster changes off)")
-    p.add_argument("--registration-allow", action="append", default=list(defaults.registration_allow),
-                   metavar="CIDR",
-                   help="network allowed to register without a key (vLLM's registrar sends none); repeatable")
-    p.add_argument("--evicted-ttl", type=float, default=defaults.evicted_ttl,
-                   help="forget a registered instance out of rotation this long, in s "
-                        f"(default {defaults.evicted_ttl:g}; 0 = never)")
-    p.add_argument("--topology", default=defaults.topology, choices=["auto", "PD", "E+PD", "P+D", "P/D", "E+P+D"],
-                   help="pin the topology (default: inferred from the instances present)")
-    p.add_argument("--log-requests", action="store_true", default=defaults.log_requests,
-                   help="log every request's method, path, status and time (and set --log-level debug)")
-    p.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
+    g.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace,
+                   help=f"after SIGTERM, /ready is 503 and new connections are still accepted for this "
+                        f"long (default {defaults.shutdown_grace:g} s)")
+    g.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                   help=f"after SIGTERM, in-flight requests may finish until this long after the signal; "
+                        f"then the rest are ended (default {defaults.shutdown_timeout:g} s)")
+    g = _group(parser, "access")
+    g.add_argument("--api-key", action="append", default=list(defaults.api_keys), metavar="KEY",
                    help="a key clients must send as 'Authorization: Bearer KEY' on every path (repeatable; "
                         "default none: the API is open); /health, /ready and the console's page stay open, "
                         "/instances, /status and /metrics then need --admin-api-key")
-    p.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
-                   help="more client keys, one per line ('#' comments), read again on SIGHUP")
-    p.add_argument("--cache-salt-per-key", action="store_true", default=defaults.cache_salt_per_key,
+    g.add_argument("--api-key-file", default=defaults.api_key_file, metavar="PATH",
+                   help="more client keys, one per line as name:key ('#' comments; the name is what logs, "
+                        "metrics and [[tenants.keys]] know it by; a key alone is named line<N>, refused with a "
+                        "[tenants] table), read again on SIGHUP")
+    g.add_argument("--cache-salt-per-key", action="store_true", default=defaults.cache_salt_per_key,
                    help="with client keys, set vLLM's cache_salt from each key on chat and completions: no "
                         "key shares or can time another key's prefix cache (off: keys share it)")
-    p.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,
+    g.add_argument("--admin-api-key", default=_env(ADMIN_API_KEY_ENV, defaults.admin_api_key),
+                   help="the operator's key, as X-API-Key or 'Authorization: Bearer', for roster changes, "
+                        "GET /instances, /status, /metrics and profiling "
+                        f"(default: ${ADMIN_API_KEY_ENV}; unset = roster changes off)")
+    g.add_argument("--protect-metrics", action="store_true", default=defaults.protect_metrics,
                    help="insist on an admin key: /metrics needs it (as X-API-Key or Bearer) whenever "
                         "--admin-api-key is set anyway")
-    p.add_argument("--ssl-certfile", default=defaults.ssl_certfile, metavar="PATH",
+    g.add_argument("--ssl-certfile", default=defaults.ssl_certfile, metavar="PATH",
                    help="serve HTTPS with this certificate chain (PEM), as vllm serve's flag")
-    p.add_argument("--ssl-keyfile", default=defaults.ssl_keyfile, metavar="PATH",
+    g.add_argument("--ssl-keyfile", default=defaults.ssl_keyfile, metavar="PATH",
                    help="the certificate's private key (PEM; default: in --ssl-certfile)")
-    p.add_argument("--workers", type=int, default=process.workers,
-                   help="processes sharing the port (SO_REUSEPORT; default %(default)s)")
-    p.add_argument("--simulate", metavar="SPEC", default=None,
-                   help="start simulated vLLM instances in-process (with --workers, in one process of "
-                        "their own that every worker uses), e.g. 'encode=2,prefill=1,decode=2'")
-    p.add_argument("--log-level", default=process.log_level, choices=LOG_LEVELS,
-                   help="(default %(default)s)")
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="cluster file (TOML) holding any of these flags as keys and the instances with "
-                        "their attributes; flags given here override it; re-read on SIGHUP and when it "
-                        "changes (see 'epd-proxy check-config')")
-    p.add_argument("--dns-interval", type=float, default=defaults.dns_interval,
-                   help="longest wait between re-resolutions of 'dns+http://NAME:PORT' instances; a "
-                        f"shorter record TTL (at least 1 s) is honoured (default {defaults.dns_interval:g} s)")
-    p.add_argument("--dns-server", metavar="HOST:PORT", default=defaults.dns_server,
-                   help="DNS server for 'dns+http://' instances (default: the system's resolver)")
-    p.add_argument("--no-access-log", action="store_false", dest="access_log", default=defaults.access_log,
+    g = _group(parser, "observability")
+    g.add_argument("--log-requests", action="store_true", default=defaults.log_requests,
+                   help="log every request's method, path, status and time (and set --log-level debug)")
+    g.add_argument("--no-access-log", action="store_false", dest="access_log", default=defaults.access_log,
                    help="no access-log line per request (on by default, at INFO)")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=defaults.log_format,
+    g.add_argument("--log-format", choices=LOG_FORMATS, default=defaults.log_format,
                    help="log lines as readable text or one JSON object each (default %(default)s)")
-    p.add_argument("--trusted-proxies", action="append", default=list(defaults.trusted_proxies),
+    g.add_argument("--trusted-proxies", action="append", default=list(defaults.trusted_proxies),
                    metavar="CIDR,...",
                    help="networks of proxies in front of this one: from a peer in them the access log's "
                         "client is the X-Forwarded-For chain's, read right to left past trusted addresses "
                         "(repeatable, comma-separated; default none: the peer)")
-    p.add_argument("--metrics-max-models", type=int, default=defaults.metrics_max_models, metavar="N",
+    g.add_argument("--metrics-max-models", type=int, default=defaults.metrics_max_models, metavar="N",
                    help="models (LoRA adapters included) with their own label in the per-model request, "
                         "latency and token metrics, per process; later ones share model=\"other\" "
                         "(default %(default)s)")
+    g = _group(parser, "store")
+    g.add_argument("--state-store", default=defaults.state_store, metavar="URL",
+                   help="the state store every replica and worker shares (conversations' kept KV parameters, "
+                        "Responses owners): redis://HOST:PORT/DB or rediss:// (TLS), Redis or Valkey "
+                        "(default: this process's memory; with --workers, the parent's)")
+    g.add_argument("--state-store-password-file", default=defaults.state_store_password_file, metavar="FILE",
+                   help="the store's password (default: $EPD_PROXY_STATE_STORE_PASSWORD, else none)")
+    g.add_argument("--state-store-prefix", default=defaults.state_store_prefix, metavar="PREFIX",
+                   help="every store key's prefix (default %(default)s)")
+    g.add_argument("--state-store-timeout", type=float, default=defaults.state_store_timeout, metavar="SECONDS",
+                   help="a store call taking longer counts as failed: the request goes on without reuse "
+                        "(default %(default)g)")
 
 
 def serve_parser() -> argparse.ArgumentParser:
     """The ``serve`` flags alone (what the cluster file may set, and which flags were given)."""
-    parser = argparse.ArgumentParser(prog="epd-proxy serve")
+    parser = Parser(prog="epd-proxy serve")
     add_arguments(parser)
     return parser
 
@@ -371,102 +425,49 @@ def _lora_sources(items: list[str], errors: list[str]) -> dict[str, str]:
     return out
 
 
+# Where a section field is not its flag's value as parsed: how it is read from the flags
+# (``errors`` collects what cannot be read). Every other field is the flag of its name.
+Read = Callable[[argparse.Namespace, list[str]], object]
+FROM_FLAGS: dict[str, Read] = {
+    "upstream_api_key": lambda a, e: a.upstream_api_key or None,
+    "forward_headers": lambda a, e: (*ALWAYS_FORWARDED, *a.forward_header),
+    "timeouts": lambda a, e: StageTimeouts(connect=a.connect_timeout, encode=a.encode_timeout,
+                                           prefill=a.prefill_timeout, decode_first=a.decode_timeout,
+                                           stream_idle=a.stream_idle_timeout, first_byte=a.first_byte_timeout),
+    "rewrite": lambda a, e: not a.no_rewrite,
+    "ec_consumer_zmq_addrs": lambda a, e: split_instances([a.ec_consumer_zmq_addrs]),
+    "allowed_media_schemes": lambda a, e: tuple(split_instances([a.allowed_media_schemes])),
+    "allowed_media_hosts": lambda a, e: tuple(split_instances(a.allowed_media_hosts)),
+    "lora_sources": lambda a, e: _lora_sources(a.lora_source, e),
+    "lora_dir": lambda a, e: a.lora_dir or None,
+    "registration_allow": lambda a, e: tuple(a.registration_allow),
+    "allow_empty_roles": lambda a, e: tuple(split_instances(a.allow_empty_roles)),
+    "topology": lambda a, e: "P+D" if a.topology == "P/D" else a.topology,
+    "max_inflight_per_role": lambda a, e: _role_caps(a.max_inflight_per_role, e),
+    "api_keys": lambda a, e: tuple(a.api_key),
+    "api_key_file": lambda a, e: a.api_key_file or None,
+    "admin_api_key": lambda a, e: a.admin_api_key or None,
+    "ssl_certfile": lambda a, e: a.ssl_certfile or None,
+    "ssl_keyfile": lambda a, e: a.ssl_keyfile or None,
+    "trusted_proxies": lambda a, e: tuple(split_instances(a.trusted_proxies)),
+}
+
+
+def section_from_args(cls: type, args: argparse.Namespace, errors: list[str]) -> object:
+    """One section of the config, each field read from its flag (``FROM_FLAGS``)."""
+    return cls(**{f.name: FROM_FLAGS[f.name](args, errors) if f.name in FROM_FLAGS else getattr(args, f.name)
+                  for f in dataclasses.fields(cls)})
+
+
 def config_from_args(args: argparse.Namespace, errors: list[str] | None = None) -> ProxyConfig:
     """The config the settings describe. What cannot be read (an instance, a role cap) is left
     out and its message appended to ``errors``; without that list, ``ConfigErrors`` names them all."""
     found: list[str] = []
     static, discover = split_discovered({role: split_instances(getattr(args, role)) for role in ROLES}, found)
-    cfg = ProxyConfig(
-        encode=static["encode"],
-        prefill=static["prefill"],
-        decode=static["decode"],
-        discover=discover,
-        dns_interval=args.dns_interval,
-        dns_server=args.dns_server,
-        kv_connector=args.kv_connector,
-        decode_retries=args.decode_retries,
-        stream_migration=args.stream_migration,
-        migration_limit=args.migration_limit,
-        kv_reuse=args.kv_reuse,
-        kv_reuse_ttl=args.kv_reuse_ttl,
-        kv_reuse_margin=args.kv_reuse_margin,
-        kv_reuse_max_held_tokens=args.kv_reuse_max_held_tokens,
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_max_streams=args.local_prefill_max_streams,
-        state_store=args.state_store,
-        state_store_password_file=args.state_store_password_file,
-        state_store_prefix=args.state_store_prefix,
-        state_store_timeout=args.state_store_timeout,
-        encoder_max_batch_size=args.encoder_max_batch_size,
-        encoder_max_outstanding=args.encoder_max_outstanding,
-        encoder_fallback=args.encoder_fallback,
-        rewrite=not args.no_rewrite,
-        ec_consumer_zmq_addrs=split_instances([args.ec_consumer_zmq_addrs]),
-        ec_consumer_dp_size=args.ec_consumer_dp_size,
-        upstream_api_key=args.upstream_api_key or None,
-        forward_headers=(*ALWAYS_FORWARDED, *args.forward_header),
-        ignore_client_uuids=args.ignore_client_uuids,
-        max_media_items=args.max_media_items,
-        max_upstream_connections=args.max_upstream_connections,
-        allowed_media_schemes=tuple(split_instances([args.allowed_media_schemes])),
-        allowed_media_hosts=tuple(split_instances(args.allowed_media_hosts)),
-        routing=args.routing,
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        encode_policy=args.encode_policy,
-        balance_abs=args.balance_abs,
-        balance_rel=args.balance_rel,
-        scrape_interval=args.scrape_interval,
-        kv_events_port=args.kv_events_port,
-        kv_index_max_blocks=args.kv_index_max_blocks,
-        lora_affinity=args.lora_affinity,
-        lora_sources=_lora_sources(args.lora_source, found),
-        lora_dir=args.lora_dir or None,
-        lora_load_timeout=args.lora_load_timeout,
-        max_lora_loads=args.max_lora_loads,
-        upstream_keep_alive=args.upstream_keep_alive,
-        timeouts=StageTimeouts(connect=args.connect_timeout, encode=args.encode_timeout,
-                               prefill=args.prefill_timeout, decode_first=args.decode_timeout,
-                               stream_idle=args.stream_idle_timeout, first_byte=args.first_byte_timeout),
-        probe_interval=args.probe_interval,
-        probe_timeout=args.probe_timeout,
-        fail_threshold=args.fail_threshold,
-        outlier_failure_percent=args.outlier_failure_percent,
-        outlier_min_requests=args.outlier_min_requests,
-        outlier_interval=args.outlier_interval,
-        ejection_time=args.ejection_time,
-        max_ejection_time=args.max_ejection_time,
-        max_ejection_percent=args.max_ejection_percent,
-        max_body_size=args.max_body_size,
-        max_buffered_bytes=args.max_buffered_bytes,
-        max_connections=args.max_connections,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        max_inflight=args.max_inflight,
-        max_inflight_per_role=_role_caps(args.max_inflight_per_role, found),
-        queue_size=args.queue_size,
-        queue_timeout=args.queue_timeout,
-        shutdown_grace=args.shutdown_grace,
-        shutdown_timeout=args.shutdown_timeout,
-        dynamic_registration=args.dynamic_registration,
-        admin_api_key=args.admin_api_key or None,
-        registration_allow=tuple(args.registration_allow),
-        evicted_ttl=args.evicted_ttl,
-        topology="P+D" if args.topology == "P/D" else args.topology,
-        log_requests=args.log_requests,
-        api_keys=tuple(args.api_key),
-        api_key_file=args.api_key_file or None,
-        cache_salt_per_key=args.cache_salt_per_key,
-        protect_metrics=args.protect_metrics,
-        ssl_certfile=args.ssl_certfile or None,
-        ssl_keyfile=args.ssl_keyfile or None,
-        access_log=args.access_log,
-        log_format=args.log_format,
-        trusted_proxies=tuple(split_instances(args.trusted_proxies)),
-        metrics_max_models=args.metrics_max_models,
-        tenants=getattr(args, "tenants", None),  # cluster-file tables, no flags
-        model_aliases=getattr(args, "model_aliases", None),
-    )
+    sections = {name: section_from_args(cls, args, found) for name, cls in SECTIONS.items()}
+    cfg = ProxyConfig(encode=static["encode"], prefill=static["prefill"], decode=static["decode"],
+                      discover=discover, tenants=getattr(args, "tenants", None),  # cluster-file tables, no flags
+                      model_aliases=getattr(args, "model_aliases", None), **sections)
     if errors is not None:
         errors.extend(found)
     elif found:
@@ -536,18 +537,30 @@ class ServeSettings:
         errors: list[str] = []
         cfg = config_from_args(args, errors)
         errors += serve_options(args).problems()
-        if not args.simulate:
-            from epd_proxy.api.app import validate_config
+        from epd_proxy.api.app import validate_config, validate_tables
 
-            try:
-                validate_config(cfg)
-            except ConfigErrors as exc:
-                errors += exc.errors
+        try:  # simulated instances are the simulator's: only the client keys and the tables to check
+            (validate_tables if args.simulate else validate_config)(cfg)
+        except ConfigErrors as exc:
+            errors += exc.errors
+        if args.simulate:
+            errors += _simulate_spec(args.simulate)
         if NO_DECODE in errors and split_instances(args.decode):
             errors.remove(NO_DECODE)  # decode instances were given: their own lines say what is wrong
         if errors:
             raise ConfigErrors(errors)
         return cfg
+
+
+def _simulate_spec(spec: str) -> list[str]:
+    """``--simulate``'s spec read as the simulator will (one line for a mistake, no traceback)."""
+    from epd_proxy.sim.cluster import SimCluster
+
+    try:
+        SimCluster.from_spec(spec)
+    except (ValueError, TypeError) as exc:
+        return [f"--simulate {spec!r}: {exc}"]
+    return []
 
 
 def error_text(exc: ValueError, path: str | None) -> str:

@@ -23,6 +23,7 @@ import unicodedata
 from typing import Iterable, Sequence
 from urllib.parse import unquote, urlsplit
 
+from epd_proxy.config import MediaConfig
 from epd_proxy.encode.multimodal import MediaItem, media_url
 from epd_proxy.wire.blobs import Blob
 from epd_proxy.wire.errors import bad_request
@@ -74,22 +75,14 @@ def is_internal(addr: Address) -> bool:
     return inner is not None and is_internal(inner)
 
 
-def check_config(config) -> None:
+def check_config(media: MediaConfig) -> None:
     """``--allowed-media-hosts`` and friends, beside the policy that parses them."""
-    MediaPolicy(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
-                allowed_hosts=config.allowed_media_hosts)
+    MediaPolicy.of(media)
 
 
 class MediaPolicy:
     """The media rules of one proxy: item limit, URL schemes, and internal hosts
     allowed by name or network."""
-
-    @classmethod
-    def from_config(cls, config) -> MediaPolicy:
-        """The rules of a :class:`~epd_proxy.config.ProxyConfig` (``--max-media-items``,
-        ``--allowed-media-schemes``, ``--allowed-media-hosts``)."""
-        return cls(max_items=config.max_media_items, schemes=config.allowed_media_schemes,
-                   allowed_hosts=config.allowed_media_hosts)
 
     def __init__(self, *, max_items: int, schemes: Iterable[str], allowed_hosts: Iterable[str] = ()) -> None:
         self.max_items = max_items
@@ -107,6 +100,12 @@ class MediaPolicy:
                 if "/" in entry or " " in entry:
                     raise ValueError(f"--allowed-media-hosts {entry!r} is neither a host name nor a CIDR") from None
                 self._names.add(entry)
+
+    @classmethod
+    def of(cls, media: MediaConfig) -> MediaPolicy:
+        """The policy of the config's media section."""
+        return cls(max_items=media.max_media_items, schemes=media.allowed_media_schemes,
+                   allowed_hosts=media.allowed_media_hosts)
 
     def check(self, items: Sequence[MediaItem]) -> None:
         """Raise a 400 for the first item the policy refuses."""

@@ -563,9 +563,15 @@ class ConnectionPool:
             self._slots -= 1
 
     def _take_idle(self) -> _Connection | None:
+        """The least recently used idle connection still within ``idle_timeout``. Taking the
+        oldest first turns every idle connection over, so those a burst opened stay warm
+        through the quieter stretch after it and the next burst finds them open; most
+        recently used first would keep only the quiet stretch's few alive and reconnect the
+        rest (docs/benchmarks.md, "Upstream connections under bursts"). The idle line is in
+        release order, so the expired ones are at its head."""
         now = self.loop.time()
         while self._idle:
-            conn = self._idle.pop()  # most recently used first: warmest socket
+            conn = self._idle.popleft()
             if conn.closed:
                 continue
             if now - conn.idle_since >= self.idle_timeout:

@@ -14,8 +14,8 @@ from typing import Awaitable, Callable, Protocol
 
 import httptools
 
-from epd_proxy.http.limits import BodyBudget, ServerLimits
 from epd_proxy.http.response import Request, ResponseWriter, date_cache, status_line
+from epd_proxy.http.server_limits import BodyBudget, ServerLimits
 from epd_proxy.http.timers import ConnectionTimer
 
 log = logging.getLogger("epd_proxy.http")

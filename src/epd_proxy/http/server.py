@@ -13,7 +13,7 @@ the path's API, the simulator vLLM's), used for the errors it answers itself
 when no request line was read.
 
 Each client connection is an ``HttpServerProtocol`` (``http/protocol.py``); the limits
-and the body budget they share are in ``http/limits.py``.
+and the body budget they share are in ``http/server_limits.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from epd_proxy.http.limits import BodyBudget, ServerLimits
 from epd_proxy.http.protocol import ErrorBody, Handler, HttpServerProtocol
+from epd_proxy.http.server_limits import BodyBudget, ServerLimits
 
 # Once released bodies call for it (``BodyBudget``), the heap is trimmed this long after.
 _TRIM_DELAY = 0.5

@@ -32,7 +32,7 @@ import msgspec
 from epd_proxy.http import Headers
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import Catalog
+from epd_proxy.instances.models import ModelCatalog
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.routing.lora_affinity import AdapterAffinity
 from epd_proxy.state.guard import GuardedStore
@@ -146,7 +146,7 @@ def _base_in(path: str) -> str | None:
     return base if isinstance(base, str) else None
 
 
-def base_for(catalog: Catalog, wanted: str | None) -> str:
+def base_for(catalog: ModelCatalog, wanted: str | None) -> str:
     """The served base model an adapter goes on: ``wanted`` when it is a base id or a base's
     ``root`` (an adapter_config's ``base_model_name_or_path`` is the model's path), else the
     cluster's only base model; ProxyError otherwise."""
@@ -190,7 +190,7 @@ class Adapters:
         self.calls: dict[tuple[str, str, str], int] = {}
 
     @property
-    def catalog(self) -> Catalog:
+    def catalog(self) -> ModelCatalog:
         return next(iter(self.pools.values())).models.current
 
     @property

@@ -21,7 +21,7 @@ import logging
 from typing import Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
-from epd_proxy.config import InstanceSpec
+from epd_proxy.config import InstanceSpec, MembershipConfig
 
 log = logging.getLogger("epd_proxy.discovery")
 
@@ -56,10 +56,10 @@ def next_delay(ttl: float | None, interval: float) -> float:
     return min(interval, max(MIN_INTERVAL, float(ttl)))
 
 
-def check_config(config) -> None:
+def check_config(membership: MembershipConfig) -> None:
     """``--dns-server``, beside the resolver that uses it."""
-    if config.dns_server:
-        parse_server(config.dns_server)
+    if membership.dns_server:
+        parse_server(membership.dns_server)
 
 
 def parse_server(text: str) -> tuple[str, int]:

@@ -38,6 +38,13 @@ DRAINING = "draining"  # an operator asked it to leave (set by membership.py; it
 BY_PROBE = "probe"  # probes failed (or kept failing): a probe or request success ends it
 BY_INSTANCE = "instance"  # requests saw instance signals: out for the ejection time
 BY_RATE = "rate"  # too many request failures: out for the ejection time, back on a live success
+# Its /metrics showed requests waiting and none running for longer than a short hold (a decode
+# whose KV cache is full of blocks pinned for a later turn: vLLM hangs them without an error,
+# its /health stays 200). Out until a scrape shows it running again (``unwedged``), or half-open
+# after the ejection time like any passive ejection.
+BY_WEDGED = "wedged"
+# Its failure kind (``epd_proxy_instance_failures_total{kind="wedged"}``), counted per ejection.
+WEDGED = BY_WEDGED
 
 # The failure kind of a stage or probe timeout: an instance signal of its own (the
 # instance stopped answering), never a request signal; an ejection for it also fails
@@ -45,10 +52,10 @@ BY_RATE = "rate"  # too many request failures: out for the ejection time, back o
 TIMEOUT = "timeout"
 # The failure kinds every instance shows from the start (0 until one happens), so that
 # dashboards and alerts read 0 rather than nothing: the transport's (http/transport.py),
-# the gateway and engine statuses, an in-band error, a probe's non-200. A rarer status
-# (``http_501``, ...) gets its series when it first happens.
+# the gateway and engine statuses, an in-band error, a probe's non-200, a queue that stood
+# still (``wedged``). A rarer status (``http_501``, ...) gets its series when it first happens.
 FAILURE_KINDS = ("connect", "connection", TIMEOUT, "protocol", "ejected", "http_500", "http_502", "http_503",
-                 "http_504", "in_band", "probe_status")
+                 "http_504", "in_band", "probe_status", WEDGED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +168,22 @@ class OutlierRules:
             return None
         return self._eject(h, now, BY_RATE, False)
 
+    def wedged(self, h: Health, now: float, *, size: int, out: int) -> Ejection | None:
+        """Its queue stands still (requests waiting, none running, past the hold): out of
+        routing at once, within the passive cap; its requests in flight stay (they may still
+        be admitted when a pinned block is freed)."""
+        if h.state is not HEALTHY or out >= self.max_ejected(size):
+            return None
+        return self._eject(h, now, BY_WEDGED, False)
+
+    def unwedged(self, h: Health, now: float) -> bool:
+        """A scrape shows it running again (or nothing waiting): back in rotation, if it was
+        out for standing still. True if the state changed."""
+        if h.out and h.cause is BY_WEDGED:
+            self._restore(h, now)
+            return True
+        return False
+
     def success(self, h: Health, now: float, *, probe: bool = False) -> bool:
         """A probe answered 200, or a request was answered; True if the state changed."""
         h.failures = 0
@@ -171,7 +194,7 @@ class OutlierRules:
             return False
         if state is EJECTED and h.cause is not BY_PROBE:
             return False  # passive ejections run their time
-        if state is HALF_OPEN and probe and h.cause is BY_RATE:
+        if state is HALF_OPEN and probe and (h.cause is BY_RATE or h.cause is BY_WEDGED):
             return False  # its probes were fine all along: only a live success counts
         self._restore(h, now)
         return True

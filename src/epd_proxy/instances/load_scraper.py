@@ -9,7 +9,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError
-from epd_proxy.instances.load_signals import QUIET_STRETCH, parse_adapters, parse_load
+from epd_proxy.instances.load_signals import (
+    QUIET_STRETCH,
+    parse_adapters,
+    parse_block_size,
+    parse_kv_blocks,
+    parse_load,
+    wedged,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from epd_proxy.instances.instance import Instance
@@ -86,6 +93,11 @@ class LoadScraper:
         self.scrapes += 1
         inst.signals.update(*load, own_inflight=max(own_before, inst.inflight), now=loop.time())
         inst.signals.adapters = parse_adapters(data)
+        inst.signals.kv_blocks = parse_kv_blocks(data)
+        inst.signals.block_size = parse_block_size(data)
+        if self.pool.role == "decode":
+            # A decode whose queue stands still is out of routing at once (health.py, BY_WEDGED).
+            self.pool.standing(inst, wedged(inst.signals, inst.signals.scraped_at or 0.0))
 
     def _failed(self, inst: Instance, why: str) -> None:
         self.failures += 1

@@ -22,6 +22,9 @@ _RUNNING = b"vllm:num_requests_running"
 _WAITING = b"vllm:num_requests_waiting"
 _KV_USAGE = b"vllm:kv_cache_usage_perc"
 _LORA_INFO = b"vllm:lora_requests_info{"
+_CACHE_INFO = b"vllm:cache_config_info{"
+_GPU_BLOCKS = b'num_gpu_blocks="'
+_BLOCK_SIZE = b'block_size="'
 
 
 class LoadSignals:
@@ -31,21 +34,37 @@ class LoadSignals:
     waiting at the scrape, minus this proxy's in-flight during it; 0 when unknown or stale).
     ``kv_usage``: ``vllm:kv_cache_usage_perc`` (0..1).
     ``adapters``: the LoRA adapters running or waiting there (``vllm:lora_requests_info``).
+    ``kv_blocks``: its KV cache's size in blocks (``vllm:cache_config_info``'s ``num_gpu_blocks``,
+    over its engines; None: not exported), so a small usage reads as blocks, not as 0 %.
+    ``block_size``: tokens per block (the same gauge's ``block_size``; None: not exported).
+    ``running``: ``vllm:num_requests_running``; ``stalled_since``: since when its scrapes show
+    requests waiting and none running (None: it runs, or nothing waits), see :func:`wedged`.
     """
 
-    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at", "adapters")
+    __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at", "adapters", "kv_blocks", "block_size",
+                 "running", "stalled_since")
 
     def __init__(self) -> None:
         self.others = 0.0
         self.kv_usage = 0.0
         self.waiting = 0.0
-        self.load = 0.0  # what the load-aware score adds to the in-flight count (routing.py)
+        self.load = 0.0  # what the load-aware score adds to the in-flight count (routing/policies.py)
         self.scraped_at: float | None = None
         self.adapters: frozenset[str] = frozenset()
+        self.kv_blocks: int | None = None
+        self.block_size: int | None = None
+        self.running = 0.0
+        self.stalled_since: float | None = None
 
     def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
         self.others = max(0.0, running + waiting - own_inflight)
         self.waiting = waiting
+        self.running = running
+        if waiting > 0 and running <= 0:
+            if self.stalled_since is None:
+                self.stalled_since = now
+        else:
+            self.stalled_since = None
         self.kv_usage = kv_usage
         self.load = self.others + kv_penalty(kv_usage)
         self.scraped_at = now
@@ -58,6 +77,8 @@ class LoadSignals:
         self.load = 0.0
         self.scraped_at = None
         self.adapters = frozenset()
+        self.running = 0.0
+        self.stalled_since = None
 
 
 # The KV cache weighs in only as it nears full: from KV_FULL_FROM to full it counts as up to
@@ -67,6 +88,26 @@ class LoadSignals:
 # whole scrape interval.
 KV_FULL_FROM = 0.75
 KV_USAGE_WEIGHT = 8.0
+
+
+# A queue that stands still this long (requests waiting, none running, over consecutive scrapes)
+# is a wedged instance, not a busy one: a busy engine admits something within a step. vLLM's
+# decode with bidirectional KV transfer stands still while its cache is full of blocks pinned
+# for later turns (their TTL is minutes); see docs/operations.md, "A decode starved by kept KV".
+WEDGED_HOLD = 2.0
+# A KV cache this full with requests waiting counts as full of pinned blocks (said in the reason).
+KV_FULL = 0.98
+
+
+def wedged(signals: LoadSignals, now: float, hold: float = WEDGED_HOLD) -> str | None:
+    """Why an instance's last scrapes say it stands still (requests waiting, none running for
+    ``hold`` seconds or more), or None while it runs."""
+    since = signals.stalled_since
+    if since is None or signals.scraped_at is None or now - since < hold:
+        return None
+    what = (f"KV cache {signals.kv_usage:.1%} full" if signals.kv_usage >= KV_FULL
+            else "none admitted")
+    return f"{signals.waiting:g} requests waiting, none running for {now - since:.1f} s ({what})"
 
 
 def kv_penalty(kv_usage: float) -> float:
@@ -151,3 +192,44 @@ def parse_adapters(text: bytes) -> frozenset[str]:
 # ``no_traffic_interval``.) A single proxy in front of its own cluster then pays a quarter of
 # the scrapes; replicas that see each other's load keep the full rate.
 QUIET_STRETCH = 4
+
+
+def parse_block_size(text: bytes) -> int | None:
+    """Tokens per KV block: ``block_size`` of vLLM's ``vllm:cache_config_info`` (the first
+    engine's; every engine of an instance has the same); None when it is not exported."""
+    pos = text.find(_CACHE_INFO)
+    while pos >= 0:
+        end = text.find(b"}", pos)
+        if end < 0:
+            return None
+        if not pos or text[pos - 1] == 10:
+            at = text.find(_BLOCK_SIZE, pos, end)
+            if at >= 0:
+                start = at + len(_BLOCK_SIZE)
+                value = text[start:text.find(b'"', start)]
+                return int(value) if value.isdigit() and int(value) > 0 else None
+        pos = text.find(_CACHE_INFO, end)
+    return None
+
+
+def parse_kv_blocks(text: bytes) -> int | None:
+    """The KV cache's size in blocks: ``num_gpu_blocks`` of vLLM's ``vllm:cache_config_info``
+    (one sample per engine, summed); None when it is not exported or not a number yet."""
+    total, found = 0, False
+    pos = 0
+    while True:
+        pos = text.find(_CACHE_INFO, pos)
+        if pos < 0:
+            return total if found else None
+        end = text.find(b"}", pos)
+        if (pos and text[pos - 1] != 10) or end < 0:
+            pos += 1
+            continue
+        at = text.find(_GPU_BLOCKS, pos, end)
+        if at >= 0:
+            start = at + len(_GPU_BLOCKS)
+            value = text[start:text.find(b'"', start)]
+            if value.isdigit():
+                total += int(value)
+                found = True
+        pos = end

@@ -6,7 +6,7 @@ has answered, it may take a request for any model the cluster serves (``None``),
 cluster that has just started is not refused. A model no instance has listed is 404 at
 once (the request's fault, never a reason to try instances that are out), unless a role
 a request needs has not answered at all yet (503, not ready). The cluster's
-:class:`Catalog` is rebuilt when an instance's models or the roster change, never per
+:class:`ModelCatalog` is rebuilt when an instance's models or the roster change, never per
 request: a request asks it once which filter key its legs use (``route``), and with one
 set of models everywhere (the common case) the answer is "none" and the pools route as
 if models did not exist.
@@ -111,7 +111,7 @@ def paired_key(key: ModelKey, served: Served | None) -> ModelKey:
 
 
 @dataclass(frozen=True, slots=True)
-class Catalog:
+class ModelCatalog:
     """The models of the live instances, as one request needs them."""
 
     parents: dict[str, str | None] = field(default_factory=dict)  # every id known, first parent seen
@@ -171,10 +171,10 @@ class Catalog:
         return None
 
 
-NOTHING_KNOWN = Catalog()
+NOTHING_KNOWN = ModelCatalog()
 
 
-def catalog_of(served: Iterable[Served | None], waiting: tuple[str, ...] = ()) -> Catalog:
+def catalog_of(served: Iterable[Served | None], waiting: tuple[str, ...] = ()) -> ModelCatalog:
     """The catalog over the live instances' models (None: not known yet); ``waiting``: the
     deciding roles none of whose instances has answered yet."""
     parents: dict[str, str | None] = {}
@@ -198,7 +198,7 @@ def catalog_of(served: Iterable[Served | None], waiting: tuple[str, ...] = ()) -
                 cards.append(card)
         for name, parent in s.parents.items():  # pinned names without a card
             parents.setdefault(name, parent)
-    return Catalog(parents, tuple(cards), open_ or count == 0, uniform, waiting)
+    return ModelCatalog(parents, tuple(cards), open_ or count == 0, uniform, waiting)
 
 
 def models_list(cards: Iterable[dict]) -> bytes:

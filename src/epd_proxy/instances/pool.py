@@ -24,10 +24,18 @@ from epd_proxy.config import InstanceSpec
 from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
 from epd_proxy.http.transport import UpstreamError
-from epd_proxy.instances.catalog import ModelDirectory
-from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, Ejection, OutlierRules, OutlierSettings
+from epd_proxy.instances.health import (
+    DRAINING,
+    HALF_OPEN,
+    HEALTHY,
+    WEDGED,
+    Ejection,
+    OutlierRules,
+    OutlierSettings,
+)
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
 from epd_proxy.instances.probes import HealthChecks
 from epd_proxy.routing import make_policy
@@ -257,6 +265,20 @@ class InstancePool:
         if verdict is not None:
             self._ejected(inst, verdict, f"{inst.health.window_failures} of {inst.health.window_requests} "
                                          f"requests failed; last: {reason}")
+
+    def standing(self, inst: Instance, why: str | None) -> None:
+        """What the load scrape says of the instance's queue (load_signals.py, ``wedged``):
+        standing still (``why``), it leaves routing at once; running again, it is back."""
+        h = inst.health
+        if why is None:
+            if self.rules.unwedged(h, _now()):
+                self._changed(inst, "running again")
+            return
+        verdict = self.rules.wedged(h, _now(), size=len(self.instances), out=self._out)
+        if verdict is not None:
+            h.errors[WEDGED] = h.errors.get(WEDGED, 0) + 1
+            h.last_error = why
+            self._ejected(inst, verdict, why)
 
     def record_local_error(self) -> None:
         """The proxy itself ran out of something (descriptors, buffers, memory)."""

@@ -65,9 +65,6 @@ class HealthChecks:
         if task is not None:
             task.cancel()
 
-    async def probe_once(self, timeout: float) -> None:
-        await asyncio.gather(*(self._probe(i, timeout) for i in self.hosts.instances))
-
     def _start(self, inst: Instance, interval: float, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         self.tasks[inst] = loop.create_task(self._loop(inst, interval, timeout))
@@ -80,7 +77,7 @@ class HealthChecks:
         while True:
             started = loop.time()
             try:
-                await self._probe(inst, timeout)
+                await self.probe(inst, timeout)
             except Exception:  # never let the prober die
                 log.exception("health probe loop error (%s %s)", self.hosts.role, inst.url)
             h = inst.health
@@ -88,7 +85,8 @@ class HealthChecks:
             # Periods run from each probe's start: a probe that timed out has waited already.
             await asyncio.sleep(max(0.0, started + (interval if steady else fast) - loop.time()))
 
-    async def _probe(self, inst: Instance, timeout: float) -> None:
+    async def probe(self, inst: Instance, timeout: float) -> None:
+        """One health probe of ``inst``, its verdict told to the host set."""
         hosts = self.hosts
         t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         try:

@@ -1,6 +1,6 @@
 """The event plane's shell: one subscriber per event stream, following the roster.
 
-Each stream (one engine of one instance: ``endpoints.py``) gets a ZMQ SUB socket on its
+Each stream (one engine of one instance: ``streams.py``) gets a ZMQ SUB socket on its
 publisher and a DEALER on its replay socket. What arrives goes through the stream's
 ``SequenceTracker`` into the ``BlockIndex``:
 
@@ -42,10 +42,10 @@ import zmq
 import zmq.asyncio
 
 from epd_proxy.config import InstanceSpec
-from epd_proxy.kvcache import wire
-from epd_proxy.kvcache.endpoints import Stream, streams_of
+from epd_proxy.kvcache import events
 from epd_proxy.kvcache.index import BlockIndex
 from epd_proxy.kvcache.sequence import DUPLICATE, GAP, RESTART, SequenceTracker
+from epd_proxy.kvcache.streams import Stream, streams_of
 
 log = logging.getLogger("epd_proxy.kv_events")
 
@@ -130,7 +130,7 @@ class StreamReader:
                     frames = await sub.recv_multipart()
                     try:
                         await self._live(frames)
-                    except wire.WireError as exc:
+                    except events.WireError as exc:
                         self.errors += 1
                         log.warning("KV events of %s: %s", s.name, exc)
         finally:
@@ -140,8 +140,8 @@ class StreamReader:
     # -- live messages -------------------------------------------------------------------
     async def _live(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
-            raise wire.WireError(f"{len(frames)} frames, not [topic, seq, payload]")
-        seq = wire.sequence(frames[1])
+            raise events.WireError(f"{len(frames)} frames, not [topic, seq, payload]")
+        seq = events.sequence(frames[1])
         tracker = self.tracker
         if self._unverified and self.stream.replay is not None and self._clock() >= self._verify_after:
             # A new engine whose first messages were not seen live (a subscriber reconnects late)
@@ -168,8 +168,8 @@ class StreamReader:
         self.live_received += 1
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        events = wire.decode_batch(payload)
-        wire.apply(self.index, self.stream.name, events)
+        batch = events.decode_batch(payload)
+        events.apply(self.index, self.stream.name, batch)
         self.tracker.applied(seq, zlib.crc32(payload))
         self.received += 1
         self.last_event = time.time()
@@ -224,7 +224,7 @@ class StreamReader:
                 self._lost(expected, seq)
             try:
                 self._apply(seq, payload)
-            except wire.WireError as exc:
+            except events.WireError as exc:
                 self.errors += 1
                 log.warning("KV events of %s (replay): %s", self.stream.name, exc)
         if frames:
@@ -243,16 +243,16 @@ class StreamReader:
         out: list[tuple[int, bytes]] = []
         try:
             async with asyncio.timeout(self.replay_timeout):
-                await dealer.send_multipart(wire.replay_request(start))
+                await dealer.send_multipart(events.replay_request(start))
                 while len(out) <= REPLAY_MAX:
                     frames = await dealer.recv_multipart()
                     if len(frames) != 4:
-                        raise wire.WireError(f"replay answer of {len(frames)} frames, not 4")
-                    seq = wire.sequence(frames[2])
-                    if seq == wire.END_SEQ:
+                        raise events.WireError(f"replay answer of {len(frames)} frames, not 4")
+                    seq = events.sequence(frames[2])
+                    if seq == events.END_SEQ:
                         break
                     out.append((seq, frames[3]))
-        except (TimeoutError, wire.WireError) as exc:
+        except (TimeoutError, events.WireError) as exc:
             if self.connected:
                 log.warning("KV events of %s: the replay socket %s did not answer (%s); routing on its blocks "
                             "stops until it does", s.name, s.replay, exc or "timeout")

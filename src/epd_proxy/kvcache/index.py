@@ -53,7 +53,8 @@ def adapter_root(adapter: str | None) -> int:
 
 
 def block_key(parent: int, tokens: Sequence[int]) -> int:
-    """The key of one block: its tokens chained to its parent's key."""
+    """The key of one block: its tokens chained to its parent's key. The one rule: a prompt's
+    keys (:func:`prompt_keys`) and an event's (:meth:`BlockIndex.stored`) must come out alike."""
     return hash((parent, *tokens))
 
 
@@ -65,8 +66,9 @@ def prompt_keys(token_ids: Sequence[int], block_size: int, adapter: str | None =
     end = len(token_ids) - block_size + 1
     if limit is not None:
         end = min(end, limit * block_size)
+    key = block_key
     for start in range(0, end, block_size):
-        parent = hash((parent, *token_ids[start:start + block_size]))
+        parent = key(parent, token_ids[start:start + block_size])
         keys.append(parent)
     return keys
 
@@ -174,7 +176,7 @@ class BlockIndex:
             tokens = token_ids[i * block_size:(i + 1) * block_size]
             if len(tokens) < block_size:
                 break
-            key = hash((key, *tokens))
+            key = block_key(key, tokens)
             extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
             if extra is not None:
                 extra = _beyond_adapter(extra, adapter)

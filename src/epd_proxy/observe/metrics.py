@@ -218,8 +218,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_kv_reuse_turns": ("counter", "Multi-turn KV reuse: requests by their turn's one outcome: reused "
                                  "(the prefill read the previous turn's KV from decode), local_prefill (the decode "
                                  "holding it computed the new part alone), opening, or why it fell back: "
-                                 "unmatched, not_keyed, not_held, older_turn, edited, already_used, expired, "
-                                 "evicted, superseded, decode_gone, decode_dropped, tokens, tokenize_failed, "
+                                 "unmatched, not_keyed, not_held, stream_no_params, older_turn, edited, already_used, "
+                                 "expired, evicted, superseded, decode_gone, decode_dropped, tokens, tokenize_failed, "
                                  "prefill_failed, no_pull_prefill, media, retried, request_failed, invalid (the turn "
                                  "read back from the shared store failed its checks).", ("outcome",)),
     "epd_proxy_kv_reuse_answers": ("counter", "Decode answers that held blocks for a later reader: kept for the "
@@ -235,6 +235,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                     "the proxy hands them to a prefill (released).", ("reason",)),
     "epd_proxy_kv_reuse_held_tokens": ("gauge", "Tokens of KV that parameters kept by this proxy hold on the "
                                        "decode (what decode pins for them until read or expired).", ("url",)),
+    "epd_proxy_kv_reuse_pressure": ("counter", "Kept turns let go, or not kept, to keep what they pin below the "
+                                    "decode's KV capacity, by decode and reason: pressure (usage high or "
+                                    "requests waiting; new turns not kept either when the traffic "
+                                    "offered times a turn's life cannot fit), share (past the budget).",
+                                    ("url", "reason")),
     "epd_proxy_state_store_errors": ("counter", "Calls to the shared state store (--state-store, or the --workers "
                                      "parent) that failed or took longer than --state-store-timeout, by "
                                      "operation (ping: the background probe while it is down); each cost "
@@ -251,6 +256,11 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "epd_proxy_state_store_up": ("gauge", "1 while the shared state store answers (0: down, calls skipped until "
                                  "a probe succeeds), by kind (redis, parent); summed over --workers.",
                                  ("store",)),
+    "epd_proxy_shared_homes": ("counter", "cache-aware's conversation placements shared through the state store, "
+                               "by event: published (a turn placed off the rendezvous order, written), "
+                               "dropped (not written: too many writes in flight), recalled (a turn whose "
+                               "previous turn another replica routed, looked up), found (and its placement "
+                               "found).", ("event",)),
     "epd_proxy_lora_calls": ("counter", "LoRA adapter loads and unloads this proxy made on instances, one per "
                              "instance: by trigger (admin: POST /v1/load_lora_adapter or /v1/unload_lora_adapter "
                              "through the proxy; on_demand: a request named an adapter a source knows), verb and "
@@ -431,6 +441,11 @@ class ProxyMetrics:
         self.itl.observe(gap)
         if series is not None:
             series.itl.observe(gap)
+
+    def completion_tokens(self) -> int:
+        """Completion tokens answered so far, over every model label (the console's gateway summary)."""
+        every = [self.no_model, *self.models.values()] + ([self._other] if self._other is not None else [])
+        return sum(s.tokens[1] for s in every)
 
     # -- exposition (scrape time) ----------------------------------------------------------
     def render(self, peers: list | None = None) -> bytes:

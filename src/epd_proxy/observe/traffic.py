@@ -25,6 +25,7 @@ KV_OUTCOME_TEXT = {
     "unmatched": "nothing to reuse: the prompt extends no turn held here",
     "not_keyed": "not reusable: the earlier answer holds what decode never held",
     "not_held": "not reused: nothing held here for the earlier answer",
+    "stream_no_params": "not reused: the earlier answer was a stream without KV parameters (vLLM 0.32)",
     "older_turn": "not reused: only an older turn of the conversation is held here",
     "edited": "not reused: the history differs from the turn held",
     "already_used": "not reused: already given to a prefill (a retry or a second request)",

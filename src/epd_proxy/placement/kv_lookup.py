@@ -32,8 +32,8 @@ from epd_proxy.http.transport import TransportTimeouts, UpstreamError
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey
 from epd_proxy.instances.pool import InstancePool
-from epd_proxy.kvcache.endpoints import instance_of
 from epd_proxy.kvcache.feed import EventFeed
+from epd_proxy.kvcache.streams import instance_of
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
 

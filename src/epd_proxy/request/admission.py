@@ -43,9 +43,18 @@ def decide(active: int, waiting: int, limit: int, queue_size: int, sheddable: bo
     return SHED
 
 
-def shed_error(reason: str) -> ProxyError:
-    return ProxyError(429, f"the proxy is at its concurrency limit ({reason}); retry later",
-                      type="RateLimitError")
+# A refusal for the proxy's own capacity: shaped as a key's 429 (tenants/limiter.py), its code a
+# string that tells the two apart; its message says what to do, never how the proxy is configured.
+OVERLOADED = "overloaded"
+
+
+def overloaded(what: str) -> ProxyError:
+    """429: ``what`` (the proxy, a stage, the encoders) has no room now."""
+    return ProxyError(429, f"{what} at capacity; retry later", code=OVERLOADED)
+
+
+def shed_error() -> ProxyError:
+    return overloaded("the proxy is")
 
 
 class Admission:

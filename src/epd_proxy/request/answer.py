@@ -128,7 +128,7 @@ class Answers:
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
         elif relay.error is None and relay.broken is None and api is None:
-            self.reuse.stream_ended_plain(ctx, leg.inst)
+            self.reuse.stream_ended_plain(ctx, leg.inst, body)
         return relay
 
 

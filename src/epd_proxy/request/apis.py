@@ -48,8 +48,8 @@ class GenerationApi:
 
     path = ""
     chat_view = False  # the routing keys are read from ``messages`` (else ``prompt``)
-    rewrite_usage = False  # the P/D usage rewrite (usage.py, api_usage.py) reads this API's usage
-    usage_event = b""  # the named stream event that carries the final usage (api_usage.py)
+    rewrite_usage = False  # the P/D usage rewrite (usage/rewrite.py, usage/api_fields.py) reads this API's usage
+    usage_event = b""  # the named stream event that carries the final usage (usage/api_fields.py)
     # How a read ends when its last event is a text delta: the final usage event is still to
     # come, so the relay passes such a read on without searching it (vLLM's key order).
     text_delta_ends: tuple[bytes, ...] = ()
@@ -89,7 +89,7 @@ class GenerationApi:
         return events
 
     def merge_usage(self, decode: dict, prefill: dict | None) -> dict | None:
-        """The client's usage object from decode's and the prefill's (api_usage.py)."""
+        """The client's usage object from decode's and the prefill's (usage/api_fields.py)."""
         return None
 
     def client_answer(self, doc: bytes, report: PrefillReport) -> bytes:

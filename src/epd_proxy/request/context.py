@@ -46,7 +46,7 @@ class RequestContext:
         self._backlog: list[tuple[Instance, int]] | None = None
         self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
         self.trace: RequestTrace | None = None  # when tracing is on
-        # The prefill's answer about the prompt (usage.py), for the client's usage; set by
+        # The prefill's answer about the prompt (usage/rewrite.py), for the client's usage; set by
         # the prefill stage, cleared at each attempt's start.
         self.prefill_report: PrefillReport | None = None
         # The instances that timed out on this request: no attempt goes back to them.

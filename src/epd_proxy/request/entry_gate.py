@@ -12,7 +12,7 @@ import time
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http.response import Request, ResponseWriter
-from epd_proxy.instances.catalog import ModelDirectory
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
@@ -42,7 +42,7 @@ class EntryGate:
         self.closing = False
         self.gated = bool(config.max_inflight)  # admission has work to do: a limit, or closing
         # The refusals are built once, in each envelope (indexed by speaks_anthropic(path)).
-        shed = shed_error(f"--max-inflight {config.max_inflight}")
+        shed = shed_error()
         closing = ProxyError(503, "the proxy is shutting down; retry the request")
         self._429 = (shed.body(), shed.body(anthropic=True))
         self._503_closing = (closing.body(), closing.body(anthropic=True))

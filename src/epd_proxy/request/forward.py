@@ -63,7 +63,7 @@ class Forwarder:
         self.metrics = metrics
         self.gate = gate  # admission: the same --max-inflight slots and queue as the pipeline's
         self.tenants = tenants
-        self.models = pools["decode"].models  # the cluster's models (instances/catalog.py)
+        self.models = pools["decode"].models  # the cluster's models (instances/model_directory.py)
         self.policy = LeastLoaded()  # among the candidates of every pool the endpoint may use
         self._base_headers = base_headers
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)

@@ -38,7 +38,7 @@ from epd_proxy.placement.decision import (
     place,
     worth_retrying,
 )
-from epd_proxy.request.admission import ADMIT, SHED, Admission
+from epd_proxy.request.admission import ADMIT, SHED, Admission, overloaded
 from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import (
     GENERATE,
@@ -70,6 +70,7 @@ from epd_proxy.wire.errors import ProxyError, drop_traceback
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
     from epd_proxy.placement.kv_lookup import KvLookup
+    from epd_proxy.request.shared_homes import SharedHomes
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -81,8 +82,8 @@ class Pipeline:
                  admission: Admission, role_caps: dict[str, Admission], gate: EntryGate, reuse: TurnReuse,
                  answers: Answers, stored: StoredResponses, media_policy: MediaPolicy, deadlines: Deadlines | None,
                  tenants: Tenants, base_headers: Headers, recent: RecentRequests,
-                 tracing: Tracing | None = None, adapters: Adapters | None = None, kv: KvLookup | None = None
-                 ) -> None:
+                 tracing: Tracing | None = None, adapters: Adapters | None = None, kv: KvLookup | None = None,
+                 homes: SharedHomes | None = None) -> None:
         """Every collaborator is built for it (``runtime/build.py``)."""
         self.config = config
         self.metrics = metrics
@@ -109,8 +110,10 @@ class Pipeline:
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
         self._base_headers = base_headers  # every upstream call's (--upstream-api-key)
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
-        self._salt_per_key = config.cache_salt_per_key  # vLLM's cache_salt from each client key
+        self._salt_per_key = config.access.cache_salt_per_key  # vLLM's cache_salt from each client key
         self.media_policy = media_policy
+        # Read on every chat request: bound here, not looked up in the config each time.
+        self._ignore_client_uuids = config.media.ignore_client_uuids
         self.admission = admission
         # Per-stage caps (--max-inflight-per-role): a slow pool cannot gather unbounded waiters.
         self.role_caps = role_caps
@@ -133,6 +136,7 @@ class Pipeline:
         self.tenants = tenants
         self.gate = gate  # the key's limits and the slot, before the body is read (entry_gate.py)
         self.kv = kv  # the block index from KV events, consulted before the placement (placement/kv_lookup.py)
+        self.homes = homes  # where other replicas sent turns, consulted before the placement (shared_homes.py)
 
     @property
     def access_log(self) -> AccessLog | None:
@@ -215,7 +219,7 @@ class Pipeline:
         if body.get("stream") is True:
             rec.stream = True
             # Every stream's tokens are counted: decode is asked for its usage event, which
-            # the client gets only if it asked for it too (hidden_usage.py).
+            # the client gets only if it asked for it too (usage/hidden.py).
             options = stream_options_with_usage(body.get("stream_options")) if api is None else None
             if options is not None:
                 body["stream_options"] = options
@@ -433,6 +437,8 @@ class Pipeline:
         kv = self.kv if self.kv is not None and self.kv.feed.readers else None  # KV events subscribed
         if kv is not None:
             await kv.prepare(ctx, body, bool(items))
+        if self.homes is not None and ctx.view is not None:  # where other replicas sent turns (shared_homes.py)
+            await self.homes.recall(ctx.view)
         reuse = self.reuse
         turns = self.turns
         # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
@@ -552,7 +558,7 @@ class Pipeline:
     def _media(self, body: dict, scope: bytes | None) -> tuple[dict, list[MediaItem]]:
         """The media items, checked against the operator's rules, and the body with client
         uuids namespaced, by the key's scope too (what every stage gets instead of the client's body)."""
-        body, items = own_media(body, ignore_client_uuids=self.config.ignore_client_uuids, scope=scope)
+        body, items = own_media(body, ignore_client_uuids=self._ignore_client_uuids, scope=scope)
         if items:
             self.media_policy.check(items)
         return body, items
@@ -570,4 +576,4 @@ async def _take_slot(role: str, cap: Admission) -> None:
     verdict = cap.try_enter()
     if verdict == ADMIT or (verdict != SHED and await cap.wait()):
         return
-    raise ProxyError(429, f"the {role} stage is at its concurrency limit ({cap.limit} requests); retry later")
+    raise overloaded(f"the {role} stage is")

@@ -151,7 +151,7 @@ class StreamRelay(FlowListener):
 class ApiRelay(StreamRelay):
     """A relay whose in-band error is another API's form (apis.py: Anthropic's ``event:
     error``, the Responses ``error`` event); with ``ctx`` (P/D) the usage of the API's final
-    usage event is the client's (api_usage.py), every other byte as received."""
+    usage event is the client's (usage/api_fields.py), every other byte as received."""
 
     __slots__ = ("api", "ctx", "plain", "head")
 
@@ -194,14 +194,14 @@ class ApiRelay(StreamRelay):
 
 
 class UsageRelay(StreamRelay):
-    """A relay that rewrites the usage of decode's final usage event (usage.py), for a P/D
-    stream, and with ``hidden`` takes that event out (hidden_usage.py: the client did not
+    """A relay that rewrites the usage of decode's final usage event (usage/rewrite.py), for a P/D
+    stream, and with ``hidden`` takes that event out (usage/hidden.py: the client did not
     ask for it); every other byte goes out as received."""
 
     __slots__ = ("ctx", "hidden", "ending", "plain")
 
     # What the first event this relay may change carries: the usage event and the events
-    # whose fingerprint moves (hidden_usage.py) all come at or after a choice's finish.
+    # whose fingerprint moves (usage/hidden.py) all come at or after a choice's finish.
     ENDING = FINISHED
 
     def __init__(self, writer: ResponseWriter, resp: Response, ctx, hidden: HiddenUsage | None = None,
@@ -246,7 +246,7 @@ class UsageRelay(StreamRelay):
         if report is not None and events.find(b'"usage"') >= 0:
             events = rewrite_final_usage_events(events, report)
         # What the client got, or with ``hidden`` what decode sent: its usage for the access
-        # log (and decode's parameters, if it sent them: turn_streams.py).
+        # log (and decode's parameters, if it sent them: turns/streams.py).
         self.prev, self.last = self.last, events
         if events.find(MARK) >= 0:  # never a client's
             events = strip_stream_params(events)[0]
@@ -284,7 +284,7 @@ _OnData = TypeVar("_OnData", bound=Callable)
 
 class Keeping:
     """What makes a relay keep what decode sent (up to ``MAX_KEPT`` bytes), for the
-    parameters of a stream's last event and the answer they hold (turn_streams.py): first
+    parameters of a stream's last event and the answer they hold (turns/streams.py): first
     among the bases of a relay class that names the slots ``reads`` and ``size`` and takes
     its ``on_data`` from :func:`keeping_on_data`."""
 
@@ -325,7 +325,7 @@ class KeepingApiRelay(Keeping, ApiRelay):
 class IdStrippingRelay(KeepingUsageRelay):
     """A KeepingUsageRelay for a chat or completions stream whose decode the proxy asked for
     token ids the client did not ask for (``return_token_ids``: a decode that sends its
-    parameters in a stream, turn_reuse.py). What decode sent is kept, ids and all, for the
+    parameters in a stream, turns/reuse.py). What decode sent is kept, ids and all, for the
     next turn; the client gets each event with the id lists as vLLM writes them when not
     asked (``null``: multiturn.strip_token_ids, two byte searches a read, no JSON decode), so
     it receives the bytes it would have had without them. Reads are cut at event ends first:

@@ -223,7 +223,7 @@ class StoredResponses:
                     data = await self.stage.read_body(ctx, inst, resp)
                     if data.find(MARK) >= 0:
                         # vLLM 0.32 stores the answer whole, a bidirectional decode's parameters
-                        # included: never a client's (turn_streams.py).
+                        # included: never a client's (turns/streams.py).
                         data = strip_stream_params(data)[0]
                     writer.send(resp.status, data, resp.content_type, out)
                 else:  # a background response's event stream (``?stream=true``), as it comes

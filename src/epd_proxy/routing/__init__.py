@@ -8,8 +8,9 @@ a policy only picks among them, from two kinds of input:
   *anchor* (a hash of the prompt's beginning), the media items' uuids, the
   prompt's size and its chained block hashes;
 * each candidate's load: this proxy's in-flight count, plus the instance's
-  own queue as last scraped from its ``/metrics`` (``LoadSignals``, kept
-  fresh by ``load_signals.py`` in the background).
+  own queue as last scraped from its ``/metrics`` (``LoadSignals``, read by
+  ``instances/load_signals.py``, kept fresh by ``instances/load_scraper.py`` in the
+  background).
 
 ``cache-aware`` routes by rendezvous (highest-random-weight) hashing of the
 anchor (encoders: new media level by estimated work, preferring the item uuid's
@@ -30,7 +31,7 @@ encoders the recent work placed per encoder and a bounded map of items' encoders
 
 from __future__ import annotations
 
-from epd_proxy.config import ConfigErrors, check_range
+from epd_proxy.config import ConfigErrors, RoutingConfig, check_range
 from epd_proxy.routing.cache_aware import CacheAware
 from epd_proxy.routing.candidate import RoutingPolicy
 from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
@@ -54,13 +55,14 @@ def make_policy(name: str, *, balance_abs: float = 4, balance_rel: float = 1.5) 
     return cls()
 
 
-def check_config(config) -> None:
-    """The routing flags of a :class:`~epd_proxy.config.ProxyConfig` (beside what they name)."""
+def check_config(policies: RoutingConfig) -> None:
+    """The routing section's policy names and load bound, beside the policies they name."""
     errors: list[str] = []
-    for policy in dict.fromkeys((config.routing, config.prefill_policy, config.decode_policy, config.encode_policy)):
+    for policy in dict.fromkeys((policies.routing, policies.prefill_policy, policies.decode_policy,
+                                 policies.encode_policy)):
         if policy is not None and policy not in POLICIES:
             errors.append(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
-    check_range(errors, "--balance-abs", config.balance_abs, 0)
-    check_range(errors, "--balance-rel", config.balance_rel, 1)
+    check_range(errors, "--balance-abs", policies.balance_abs, 0)
+    check_range(errors, "--balance-rel", policies.balance_rel, 1)
     if errors:
         raise ConfigErrors(errors)

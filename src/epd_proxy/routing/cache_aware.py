@@ -4,7 +4,7 @@ a conversation kept where this proxy sent its previous turn and opening turns sp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from epd_proxy.routing.candidate import C
 from epd_proxy.routing.encoders import EncoderPlacement
@@ -46,6 +46,13 @@ class CacheAware:
     turn any of them could not see (the same turn sent again keeps its home too). The
     homes are bounded (``HOMES``, oldest forgotten).
 
+    With a shared state store, what one replica placed where the rendezvous order would not
+    (an opening on the least-loaded instance, a turn spilled for load) is told to ``learned``
+    (``request/shared_homes.py`` writes it to the store), and a turn whose previous turn
+    another replica routed reads it back (``RequestView.recalled``) and takes it as its home,
+    within the same load bound: replicas agree on where a conversation's prefix lives, not
+    only on where the rendezvous order says it should.
+
     With KV events (the view's ``held``, exact for every candidate), what an instance
     holds replaces the guess: the candidate where the prompt waits least goes first, what it
     computes there and the queue ahead of it counted in prompt tokens, within the same load
@@ -69,6 +76,9 @@ class CacheAware:
         self.spills = 0  # picks that passed over the preferred instance (for load, or an opening's count)
         self.encoders: EncoderPlacement | None = None  # media items' placement, on first assign
         self.exact = 0  # picks made on the block index (KV events)
+        # With a shared store: told (anchor, mark, URL) of each turn placed off the rendezvous
+        # order's first instance, what another replica could not compute (shared_homes.py).
+        self.learned: Callable[[int, int, str], None] | None = None
 
     def seed(self, url: str) -> int:
         seed = self._seeds.get(url)
@@ -95,9 +105,31 @@ class CacheAware:
             home = self._homes.get(key) if mark else None
             if home is not None and home[1] != view.previous and home[1] != mark:
                 home = None  # another turn came between (not this proxy's): rendezvous, as any replica
-            inst = candidates[self._pick(candidates, key, loads, reuse, home[0] if home is not None else None)]
+            url = home[0] if home is not None else None
+            if url is None and view.recalled:  # where another replica sent it (the shared store)
+                url = _first_candidate(candidates, view.recalled)
+            inst = candidates[self._pick(candidates, key, loads, reuse, url)]
         self._home(view, inst)
+        if self.learned is not None and mark:
+            self._tell(candidates, key, mark, inst)
         return inst
+
+    def unknown_home(self, view: RequestView) -> bool:
+        """Whether a later turn's previous turn was not routed here (or long forgotten): only
+        the shared store can say where it went. Openings, requests without an anchor and
+        those the block index speaks for (KV events) need no store."""
+        key = view.anchor
+        if not key or view.held is not None or not view.previous:
+            return False
+        home = self._homes.get(key)
+        return home is None or (home[1] != view.previous and home[1] != view.mark)
+
+    def _tell(self, candidates: list[C], key: int, mark: int, inst: C) -> None:
+        """A turn placed off the rendezvous order's first instance: ``learned`` is told."""
+        seed = self.seed
+        top = max(candidates, key=lambda c: mix64(key ^ seed(c.url)))
+        if top is not inst:
+            self.learned(key, mark, inst.url)  # type: ignore[misc]  # only called when set
 
     def _home(self, view: RequestView, inst: C) -> None:
         """The conversation's last turn went to ``inst`` (kept for its next turn)."""
@@ -233,7 +265,7 @@ OPEN_WINDOW = 512
 HOMES = 65536
 
 
-def rendezvous_order(urls: Sequence[str], key: int) -> list[str]:
-    """The URLs in rendezvous order for ``key`` (what ``cache-aware`` tries first to last
-    when every instance is within the load bound)."""
-    return sorted(urls, key=lambda u: mix64(key ^ instance_seed(u)), reverse=True)
+def _first_candidate(candidates: list[C], urls: tuple[str, ...]) -> str | None:
+    """The first of ``urls`` that is a candidate (the store's answer may name another pool's)."""
+    here = {c.url for c in candidates}
+    return next((u for u in urls if u in here), None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from epd_proxy.encode.image_size import base64_reader, image_size
 from epd_proxy.encode.multimodal import media_url
 from epd_proxy.routing.candidate import C
 from epd_proxy.routing.view import M64, key_of
@@ -18,13 +19,17 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from epd_proxy.encode.multimodal import MediaItem
 
 # An item's work, in estimated encoder tokens. A remote URL says nothing of its size: it
-# counts as a typical image (a video as several frames' worth). Inline media (``data:``
-# URLs, ``input_audio``) count their decoded bytes at ``BYTES_PER_TOKEN``, about what a
-# JPEG photo takes per 28x28-pixel patch, within ``WORK_MIN``..``WORK_MAX`` (a model resizes
-# images within its own pixel bounds, so neither a thumbnail nor a huge PNG is unbounded).
+# counts as a typical image (a video as several frames' worth). An inline image whose header
+# gives its size (``encode/image_size.py``) counts its 28x28-pixel patches (``PIXELS_PER_TOKEN``):
+# what the encoder computes, so images of one size are equal work whatever their file sizes.
+# Other inline media (``data:`` URLs, ``input_audio``) count their decoded bytes at
+# ``BYTES_PER_TOKEN``, about what a JPEG photo takes per patch. Both within
+# ``WORK_MIN``..``WORK_MAX`` (a model resizes images within its own pixel bounds, so neither a
+# thumbnail nor a huge PNG is unbounded).
 WORK_DEFAULT = 1024.0
 WORK_REMOTE = {"video_url": 8 * WORK_DEFAULT}
 BYTES_PER_TOKEN = 160
+PIXELS_PER_TOKEN = 28 * 28
 WORK_MIN = 64.0
 WORK_MAX = 16384.0
 # New items go to an encoder whose recent work is within this share of the most (and at
@@ -40,9 +45,10 @@ ITEM_HOMES = 65536
 
 
 def item_work(item: MediaItem) -> float:
-    """The estimated encoder work of one item (see ``WORK_DEFAULT``): its decoded bytes for
-    inline media, a typical item's for a remote URL. Reads only the part's string lengths
-    (a ``Blob`` is never copied), so it costs the same for a 10 MB image as a 10 KB one."""
+    """The estimated encoder work of one item (see ``WORK_DEFAULT``): an inline image's
+    patches when its header gives its size, else its decoded bytes for inline media, a
+    typical item's for a remote URL. Reads only the part's string lengths and an image's
+    header (a ``Blob`` is never copied), so it costs the same for a 10 MB image as a 10 KB one."""
     part = getattr(item, "part", None)
     if not isinstance(part, dict):
         return WORK_DEFAULT
@@ -59,7 +65,13 @@ def item_work(item: MediaItem) -> float:
     if comma < 0:
         return WORK_DEFAULT
     size = len(url) - comma - 1
-    return _clamp(size * 3 / 4 if lead[:comma].endswith(b";base64") else size)
+    if not lead[:comma].endswith(b";base64"):
+        return _clamp(size)
+    if lead[5:11].lower() == b"image/":
+        pixels = image_size(base64_reader(url.value if isinstance(url, Blob) else url, comma + 1))
+        if pixels is not None:
+            return min(WORK_MAX, max(WORK_MIN, pixels[0] * pixels[1] / PIXELS_PER_TOKEN))
+    return _clamp(size * 3 / 4)
 
 
 def _clamp(nbytes: float) -> float:

@@ -71,10 +71,12 @@ class RequestView:
     ``held``: with KV events, the prompt tokens each instance holds (by URL, from the block
     index: ``placement/kv_lookup.py``), over ``live``, the instances the index speaks for;
     ``tokens`` the prompt's length in tokens. None without (approximate routing).
+    ``recalled``: with a shared state store, the instances another replica sent the turn
+    before this one to (``request/shared_homes.py``).
     """
 
     __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_reuse", "_mark", "_previous", "held", "live",
-                 "tokens", "kv_keys")
+                 "tokens", "kv_keys", "recalled")
 
     def __init__(self, body: dict | None = None, media: Sequence[MediaItem] = (), chat: bool = True, *,
                  anchor: int | None = None) -> None:
@@ -89,6 +91,9 @@ class RequestView:
         self.live: frozenset[str] = frozenset()
         self.tokens = 0
         self.kv_keys: list[int] = []  # the prompt's block keys (the speculative entries of the choice)
+        # Where another replica sent the turn before this one, read from the shared state store
+        # (request/shared_homes.py): None until looked up.
+        self.recalled: tuple[str, ...] | None = None
 
     def exact(self, urls) -> bool:
         """Whether the block index speaks for every one of ``urls`` (then ``held`` is exact)."""

@@ -20,19 +20,20 @@ from epd_proxy.api.admin import AdminApi
 from epd_proxy.api.app import ProxyApp, log_requests, validate_config
 from epd_proxy.api.client_auth import ClientKeys
 from epd_proxy.api.console import ConsoleApi
+from epd_proxy.api.gateway import GatewayBoard
 from epd_proxy.api.siblings import SiblingChannel
 from epd_proxy.config import ROLES, ProxyConfig
 from epd_proxy.encode.media_policy import MediaPolicy
 from epd_proxy.http import Headers
 from epd_proxy.http.heap import trim_heap
-from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
+from epd_proxy.http.server_limits import ServerLimits
 from epd_proxy.instances.adapters import Adapters
-from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.collectors import adapters_collector, pool_collector, roster_collector
 from epd_proxy.instances.health import OutlierSettings
 from epd_proxy.instances.load_scraper import LoadScraper
 from epd_proxy.instances.membership import Membership
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.instances.roster import needs_role
 from epd_proxy.instances.shared import SharedRoster
@@ -54,6 +55,7 @@ from epd_proxy.request.legs.connectors import CONNECTORS, DecodeOnly
 from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
+from epd_proxy.request.shared_homes import shared_homes
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing import make_policy
@@ -62,7 +64,7 @@ from epd_proxy.runtime.reload import Reloader
 from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url
 from epd_proxy.runtime.workers import PeerLink
 from epd_proxy.state.configured import open_store
-from epd_proxy.state.guard import state_collector
+from epd_proxy.state.guard import GuardedStore, state_collector
 from epd_proxy.tenants.limiter import Tenants, build_tenants
 
 
@@ -128,11 +130,15 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                      access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
                      if access_log.enabled(config) else None, pools["decode"].models)
     tracer = tracing.from_environment()
+    homes = shared_homes(state, pools)  # where other replicas sent turns (cache-aware with a shared store)
+    if homes is not None:
+        metrics.register(homes.collect)
     pipeline = Pipeline(config, pools, metrics, known=known, fanout=fanout, connector=connector,
                         decode_only=decode_only, admission=admission, role_caps=role_caps, gate=gate, reuse=reuse,
-                        answers=Answers(reuse), stored=stored, media_policy=MediaPolicy.from_config(config),
+                        answers=Answers(reuse), stored=stored, media_policy=MediaPolicy.of(config.media),
                         deadlines=Deadlines(t.first_byte) if t.first_byte > 0 else None, tenants=tenants,
-                        base_headers=base_headers, recent=recent, tracing=tracer, adapters=adapters, kv=kv)
+                        base_headers=base_headers, recent=recent, tracing=tracer, adapters=adapters, kv=kv,
+                        homes=homes)
     membership.subscribe(_forget_departed(connector))
     membership.subscribe(_drop_held(reuse))
     membership.subscribe(kv_events.changed)  # an instance that joins is subscribed, one that leaves dropped
@@ -140,8 +146,15 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     metrics.register(kv.collect)
     admin = AdminApi(membership, AccessPolicy.from_config(config), base_headers, adapters)
     forwarder = Forwarder(config, pools, metrics, gate, tenants, base_headers)
+    # With a shared store, each process publishes a summary of itself for every console (the
+    # gateway), through a guard of its own: its failures never open the request path's breaker.
+    board = None if state is None else GatewayBoard(
+        GuardedStore(state.store, config.state_store_prefix, config.state_store_timeout, state.url, owns=False),
+        metrics, membership, worker=None if siblings is None else siblings.index,
+        workers=1 if siblings is None else siblings.count)
     console = ConsoleApi(config, pools=pools, membership=membership, recent=recent, admin=admin,
-                         siblings=siblings, kv_events=kv_events, reuse=reuse, state=state, tenants=tenants)
+                         siblings=siblings, kv_events=kv_events, reuse=reuse, state=state, tenants=tenants,
+                         board=board)
     return ProxyApp(config, pools=pools, membership=membership, metrics=metrics, pipeline=pipeline, admin=admin,
                     scrapers=scrapers, client_keys=ClientKeys.from_config(config), base_headers=base_headers,
                     forwarder=forwarder, gate=gate, stored=stored, reuse=reuse, tenants=tenants, state=state,
@@ -257,6 +270,8 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
                             register=app.metrics.register)
     sources.follow_dns(config.discover)
     app.reuse.start()  # after the channel to the parent is read (SharedRoster)
+    if app.console is not None and app.console.board is not None:  # its store calls too
+        app.console.board.start(f"{server.host}:{server.port}")
     reloader = None
     if reloads:
         reloader = Reloader(settings, sources.apply_config, args=settings.started if settings is not None else None,

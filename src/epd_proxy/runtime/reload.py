@@ -8,6 +8,11 @@ roster diff (``Membership.apply(..., source="config")``: requests in flight
 finish on the instances that leave), then re-targets DNS discovery. Every
 other setting is read at start only: a changed one is logged as needing a
 restart. Other reloadable things add themselves with ``Reloader.on_reload``.
+
+A reload never empties a role by accident: a file that would leave a role running
+instances with none (an emptied list, a section renamed) is refused like a bad file
+unless ``allow_empty_roles`` names the role; with ``--simulate`` the simulated
+instances stay whatever the file lists.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import os
 import signal
 from typing import Callable
 
-from epd_proxy.config import ROLES, ProxyConfig
+from epd_proxy.config import ROLES, ProxyConfig, split_instances
+from epd_proxy.runtime.simulated import config_for_addresses
 
 # Besides the instances, what a reload applies at once (tenants/limiter.py's hook).
-RELOADED = (*ROLES, "tenants", "model_aliases")
+RELOADED = (*ROLES, "tenants", "model_aliases", "allow_empty_roles")
 
 log = logging.getLogger("epd_proxy.reload")
 
@@ -36,6 +42,14 @@ def restart_needed(old: argparse.Namespace, new: argparse.Namespace) -> list[str
     before, after = vars(old), vars(new)
     return sorted(key for key in before.keys() | after.keys()
                   if key not in RELOADED and before.get(key) != after.get(key))
+
+
+def emptied_roles(running: argparse.Namespace, config: ProxyConfig, *, allowed: bool = False) -> list[str]:
+    """The roles the running settings give instances (URLs or DNS names) that ``config``
+    leaves with none: those its ``allow_empty_roles`` does not name (``allowed``: those it does)."""
+    return [role for role in ROLES
+            if (role in config.allow_empty_roles) == allowed and split_instances(getattr(running, role, None))
+            and not getattr(config, role) and not any(spec.role == role for spec in config.discover)]
 
 
 def file_stamp(path: str) -> tuple[int, int, int] | None:
@@ -72,6 +86,9 @@ class Reloader:
         self._apply = apply  # the new config's instances into the roster
         self.args = args  # the settings in force
         self.watch = watch and settings is not None and settings.path is not None
+        # With --simulate, the simulated cluster's addresses (simulated.addresses_of): its
+        # instances are the roster whatever the file lists.
+        self.simulated: dict | None = None
         self.reloads = 0  # reloads run (tests wait on it)
         self.failures = 0  # of which failed (a bad file, a failed hook): the running configuration kept
         self._hooks: list[Callable[[], None]] = []
@@ -137,6 +154,18 @@ class Reloader:
             log.error("reload: %s; keeping the running configuration", msg if msg.startswith(path)
                       else f"{path}: {msg}")
             return False
+        if self.simulated is not None:
+            config = config_for_addresses(self.simulated, config)
+        else:
+            emptied = emptied_roles(self.args, config)
+            if emptied:
+                log.warning("reload: %s leaves %s with no instance; keeping the running configuration "
+                            "(to empty a role on purpose, name it in allow_empty_roles)", path,
+                            " and ".join(emptied))
+                return False
+            drained = emptied_roles(self.args, config, allowed=True)
+            if drained:
+                log.warning("reload: %s empties %s, as its allow_empty_roles says", path, " and ".join(drained))
         changed = restart_needed(self.args, args)
         if changed:
             log.warning("reload: %s changed %s: applied at the next restart only", path, ", ".join(changed))

@@ -67,14 +67,16 @@ def config_for_cluster(cluster, config: ProxyConfig | None = None) -> ProxyConfi
 async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_port: bool,
                          simulate: str | None, announce: bool, worker: bool = False, settings=None,
                          link: PeerLink | None = None, watch: bool = True,
-                         siblings: SiblingChannel | None = None, simulated: str | None = None) -> None:
+                         siblings: SiblingChannel | None = None, simulated: str | None = None,
+                         sim_addresses: dict | None = None) -> None:
     """Serve until a signal, then shut down gracefully; SIGHUP reloads (reload.py).
 
     Alone, SIGTERM or SIGINT starts the graceful shutdown and a second one exits at once.
     As a ``--workers`` worker, SIGTERM starts it (again and again: a service manager that
     signals the whole group must not count twice) and SIGQUIT, which the parent sends on
     a second signal, exits at once. ``simulated``: where the simulated instances run when
-    another process runs them (``--workers``), for the announcement.
+    another process runs them (``--workers``), for the announcement, and ``sim_addresses``
+    their addresses, which every reload keeps as the roster.
     """
     cluster = None
     if simulate:
@@ -82,7 +84,8 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
 
         cluster = SimCluster.from_spec(simulate)
         await cluster.start()
-        config = config_for_cluster(cluster, config)
+        sim_addresses = addresses_of(cluster)
+        config = config_for_addresses(sim_addresses, config)
     try:
         proxy = await start_proxy(config, host, port, reuse_port=reuse_port, link=link, siblings=siblings,
                                   reloads=True, settings=settings, watch=watch)
@@ -92,6 +95,7 @@ async def _serve_forever(config: ProxyConfig, host: str, port: int, *, reuse_por
         raise
     reloader = proxy.reloader  # other reloadable things: proxy.reloader.on_reload(hook)
     assert reloader is not None
+    reloader.simulated = sim_addresses  # a reload keeps the simulated instances
     if _EARLY_SIGHUP:  # a reload asked for while this worker was starting
         _EARLY_SIGHUP.clear()
         reloader.request()
@@ -217,7 +221,8 @@ def serve(config: ProxyConfig, host: str, port: int, *, workers: int = 1, simula
                                           announce=index == 0 and not carry.replacement, worker=True,
                                           settings=settings, link=PeerLink(channel, carry.roster), watch=False,
                                           siblings=SiblingChannel(channel_dir, index, workers,
-                                                                  carried=carry.counters), simulated=simulated))
+                                                                  carried=carry.counters), simulated=simulated,
+                                          sim_addresses=simulator.addresses if simulator is not None else None))
             code = 0
         except ListenError as exc:
             if index == 0:  # every worker fails alike: one line is enough

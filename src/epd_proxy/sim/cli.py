@@ -91,6 +91,15 @@ def config_from_args(args: argparse.Namespace, base: SimConfig | None = None) ->
 
 
 def cluster_from_args(args: argparse.Namespace) -> SimCluster:
+    """The cluster the flags describe; a spec it cannot read is one line and exit status 2."""
+    try:
+        return _cluster_from_args(args)
+    except ValueError as exc:
+        print(f"epd-proxy sim: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _cluster_from_args(args: argparse.Namespace) -> SimCluster:
     cfg = config_from_args(args)
     extra = ",".join(getattr(args, "set", []) or [])
     if args.spec:
@@ -129,6 +138,7 @@ async def run_cluster(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd_proxy.sim", description="Simulated vLLM cluster")
+    parser = argparse.ArgumentParser(prog="python -m epd_proxy.sim", description="Simulated vLLM cluster",
+                                     allow_abbrev=False)
     add_arguments(parser)
     return run(parser.parse_args(argv))

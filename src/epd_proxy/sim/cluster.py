@@ -17,6 +17,18 @@ _ROLE_ALIASES = {"encode": "encode", "e": "encode", "encoder": "encode", "encode
                  "pd": "pd"}
 
 
+def unknown_key(key: str) -> str:
+    """One line for a topology spec key that is none: the valid keys, and the closest."""
+    import difflib
+
+    keys = ["encode", "prefill", "decode", "pd", "kv", "base_port", "host", *SimConfig.field_names()]
+    close = difflib.get_close_matches(key, [*keys, *_ROLE_ALIASES], n=1)
+    return (f"unknown topology spec key {key!r}" + (f" (did you mean {_ROLE_ALIASES.get(close[0], close[0])!r}?)"
+                                                    if close else "")
+            + "; keys: encode, prefill, decode, pd (counts), kv, base_port, host, a simulator setting "
+              "(e.g. itl_ms) or ROLE.setting")
+
+
 class SimCluster:
     """Simulated vLLM instances sharing one encoder cache and nothing else.
 
@@ -75,12 +87,16 @@ class SimCluster:
             if not sep:
                 raise ValueError(f"topology spec item {item!r} is not key=value")
             if key in _ROLE_ALIASES:
+                if not value.isdigit():
+                    raise ValueError(f"{key}={value!r}: a count of instances, e.g. {key}=2")
                 counts[_ROLE_ALIASES[key]] = int(value)
             elif key in ("kv", "kv_connector", "connector"):
                 if value not in KV_CONNECTORS:
                     raise ValueError(f"kv connector must be one of {KV_CONNECTORS}, not {value!r}")
                 values["kv_connector"] = value
             elif key in ("base_port", "port"):
+                if not value.isdigit():
+                    raise ValueError(f"{key}={value!r}: a port number")
                 options["base_port"] = int(value)
             elif key == "host":
                 options["host"] = value
@@ -95,7 +111,7 @@ class SimCluster:
             elif key in SimConfig.field_names():
                 values[key] = value
             else:
-                raise ValueError(f"unknown topology spec key {key!r}")
+                raise ValueError(unknown_key(key))
         return counts, values, per_role, options
 
     @classmethod

@@ -21,8 +21,8 @@ from collections import deque
 
 import msgspec
 
-from epd_proxy.http.limits import ServerLimits
 from epd_proxy.http.server import HttpServer
+from epd_proxy.http.server_limits import ServerLimits
 from epd_proxy.sim import faults as _faults
 from epd_proxy.sim import observability, utility
 from epd_proxy.sim.config import SimConfig

@@ -83,6 +83,15 @@ def metrics_text(inst: SimHost) -> str:
         "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
         "# TYPE vllm:kv_cache_usage_perc gauge",
         f"vllm:kv_cache_usage_perc{{{lbl}}} {usage!r}",
+        # vLLM's CacheConfig as an info gauge (value 1, the fields as labels, one per engine):
+        # what a usage fraction is a fraction of.
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+        f'vllm:cache_config_info{{block_size="{cfg.block_size}",cache_dtype="auto",calculate_kv_scales="False",'
+        f'cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+        f'is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="{cfg.num_gpu_blocks}",'
+        f'num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256",sliding_window="None",'
+        f'swap_space="4"}} 1.0',
         "# HELP vllm:request_success_total Count of successfully processed requests.",
         "# TYPE vllm:request_success_total counter",
     ]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from blake3 import blake3
 
 from epd_proxy.sim.validation import output_cap, plan_output
 
@@ -122,8 +123,10 @@ def media_payload(part: dict) -> bytes:
 
 
 def content_hash(part: dict) -> str:
-    """sha256 of the media payload: the engine hash of an item sent without ``uuid``."""
-    return hashlib.sha256(media_payload(part)).hexdigest()
+    """BLAKE3 of the media payload: the engine hash of an item sent without ``uuid`` (vLLM's
+    multimodal hasher is BLAKE3 too, over the decoded media; here over the part as sent, which
+    makes it the key the proxy derives from the same content)."""
+    return blake3(media_payload(part)).hexdigest()
 
 
 def engine_hash(part: dict, processed: bool) -> str | None:

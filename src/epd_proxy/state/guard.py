@@ -25,8 +25,9 @@ class GuardedStore:
     """``store`` with a budget per call (``timeout`` seconds), keys under ``prefix``, the
     error counts by operation and the breaker."""
 
-    def __init__(self, store: StateStore, prefix: str, timeout: float, url: str = "") -> None:
+    def __init__(self, store: StateStore, prefix: str, timeout: float, url: str = "", owns: bool = True) -> None:
         self.store = store
+        self.owns = owns  # closing this guard closes the store (False: another guard's store, own breaker)
         self.prefix = prefix.encode()
         self.timeout = timeout
         self.url = url
@@ -131,7 +132,8 @@ class GuardedStore:
                 await self._probe
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
-        await self.store.close()
+        if self.owns:
+            await self.store.close()
 
 
 def state_collector(store: GuardedStore | None) -> Callable[[dict[str, list]], None]:

@@ -29,7 +29,8 @@ extension's criticalities, unless ``[tenants.classes]`` names others
 request's class is also the ``priority`` its instances get (vLLM runs lower values first):
 the highest rank minus the class's rank (``critical`` 0, ``standard`` 1, ``sheddable`` 2);
 without, it stays the proxy's (instances without priority scheduling refuse any value but 0).
-Every mistake of the table is reported at once (:func:`read_tenants` raises ``ConfigErrors``).
+Every mistake of the table is reported at once (:meth:`TenantTable.read` raises ``ConfigErrors``):
+the classes, each entry and the table's own settings each name their own, from the dataclass they make.
 """
 
 from __future__ import annotations
@@ -61,8 +62,35 @@ class TrafficClass:
     rank: int
     sheddable: bool = False
 
+    @staticmethod
+    def read_all(table: object, source: str, errors: list[str]) -> dict[str, TrafficClass]:
+        """``[tenants.classes]`` (``name = {rank = N, sheddable = bool}``), its mistakes appended
+        to ``errors``; the default classes without one."""
+        if table is None:
+            return {c.name: c for c in DEFAULT_CLASSES}
+        if not isinstance(table, dict) or not table:
+            errors.append(f"{source}.classes must be a table of classes (name = {{rank = N}}), got {table!r}")
+            return {c.name: c for c in DEFAULT_CLASSES}
+        out = {}
+        for name, spec in table.items():
+            where = f"{source}.classes.{name}"
+            if not isinstance(spec, dict) or set(spec) - {"rank", "sheddable"}:
+                errors.append(f"{where} must be a table with 'rank' (and 'sheddable'), got {spec!r}")
+                continue
+            rank, shed = spec.get("rank"), spec.get("sheddable", False)
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                errors.append(f"{where}.rank must be an integer, got {rank!r}")
+                continue
+            if not isinstance(shed, bool):
+                errors.append(f"{where}.sheddable must be true or false, got {shed!r}")
+                continue
+            out[name.lower()] = TrafficClass(name.lower(), rank, shed)
+        return out or {c.name: c for c in DEFAULT_CLASSES}
+
 
 DEFAULT_CLASSES = (TrafficClass("critical", 2), TrafficClass("standard", 1), TrafficClass("sheddable", 0, True))
+
+_KEY_FIELDS = set(LIMIT_FIELDS) | {"name", "class", "weight", "models"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +104,72 @@ class KeyPolicy:
     traffic: TrafficClass = DEFAULT_CLASSES[1]
     weight: float = 1.0
     models: frozenset[str] | None = None
+
+    def over(self, entry: object, classes: dict[str, TrafficClass], where: str, errors: list[str], *,
+             named: bool) -> KeyPolicy:
+        """This policy with one entry's fields over it (``[tenants.default]`` over the base, a
+        key's over the default), its mistakes appended to ``errors``."""
+        if not isinstance(entry, dict):
+            errors.append(f"{where} must be a table, got {entry!r}")
+            return self
+        allowed = _KEY_FIELDS if named else _KEY_FIELDS - {"name"}
+        for key in entry:
+            if key not in allowed:
+                errors.append(f"{where}: unknown key {key!r} (one of {', '.join(sorted(allowed))})")
+        limits = dict(self.limits)
+        for name in LIMIT_FIELDS:
+            if name not in entry:
+                continue
+            value = entry[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                errors.append(f"{where}: {name} must be a whole number >= 0 (0: no limit), got {value!r}")
+            elif value == 0:
+                limits.pop(name, None)
+            else:
+                limits[name] = value
+        traffic = self.traffic
+        if "class" in entry:
+            chosen = classes.get(str(entry["class"]).lower())
+            if chosen is None:
+                errors.append(f"{where}: class must be one of {', '.join(classes)}, got {entry['class']!r}")
+            else:
+                traffic = chosen
+        weight = entry.get("weight", self.weight)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1000:
+            errors.append(f"{where}: weight must be a number in (0, 1000], got {weight!r}")
+            weight = self.weight
+        models = self.models
+        if "models" in entry:
+            names = entry["models"]
+            if not isinstance(names, list) or not names or not all(isinstance(m, str) and m for m in names):
+                errors.append(f"{where}: models must be a non-empty list of model names, got {names!r}")
+            else:
+                models = frozenset(names)
+        return KeyPolicy(self.label, limits, traffic, float(weight), models)
+
+    @staticmethod
+    def read_keys(entries: object, default: KeyPolicy, classes: dict[str, TrafficClass], source: str,
+                  errors: list[str]) -> dict[str, KeyPolicy]:
+        """``[[tenants.keys]]``: each named key's policy over the default's."""
+        keys: dict[str, KeyPolicy] = {}
+        if not isinstance(entries, list):
+            errors.append(f"{source}.keys must be an array of tables ([[{source}.keys]]), got {entries!r}")
+            return keys
+        for n, entry in enumerate(entries, 1):
+            name = entry.get("name") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or not name:
+                errors.append(f"{source}.keys #{n}: needs a 'name' (the key's name in --api-key-file)")
+                continue
+            where = f"{source}.keys {name!r}"
+            if name in keys:
+                errors.append(f"{where}: named twice")
+                continue
+            keys[name] = replace(default, label=name).over(entry, classes, where, errors, named=True)
+        return keys
+
+
+_TOP_FIELDS = {"default", "keys", "classes", "store_failure", "priority_header", "store", "store_timeout",
+               "reserved_slots", "engine_priority"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,127 +210,48 @@ class TenantTable:
             return policy.traffic
         return chosen
 
-
-_KEY_FIELDS = set(LIMIT_FIELDS) | {"name", "class", "weight", "models"}
-_TOP_FIELDS = {"default", "keys", "classes", "store_failure", "priority_header", "store", "store_timeout",
-               "reserved_slots", "engine_priority"}
+    @classmethod
+    def read(cls, table: object, source: str = "tenants") -> TenantTable:
+        """The ``[tenants]`` table as read from TOML; ``ConfigErrors`` lists every mistake, each
+        part (the classes, the default, the keys, the table's own settings) naming its own."""
+        errors: list[str] = []
+        if not isinstance(table, dict):
+            raise ConfigErrors([f"{source} must be a table, got {table!r}"])
+        for key in table:
+            if key not in _TOP_FIELDS:
+                errors.append(f"{source}: unknown key {key!r} (one of {', '.join(sorted(_TOP_FIELDS))})")
+        classes = TrafficClass.read_all(table.get("classes"), source, errors)
+        default_class = classes.get("standard") or min(classes.values(), key=lambda c: c.rank)
+        default = KeyPolicy("default", traffic=default_class).over(table.get("default", {}), classes,
+                                                                   f"{source}.default", errors, named=False)
+        keys = KeyPolicy.read_keys(table.get("keys", []), default, classes, source, errors)
+        failure = table.get("store_failure", "open")
+        if failure not in STORE_FAILURE:
+            errors.append(f"{source}.store_failure must be one of {', '.join(STORE_FAILURE)}, got {failure!r}")
+        header = table.get("priority_header")
+        if header is not None and (not isinstance(header, str) or not header or not header.isascii()
+                                   or any(c.isspace() or c == ":" for c in header)):
+            errors.append(f"{source}.priority_header must be a header name, got {header!r}")
+        store = table.get("store")
+        if store is not None and (not isinstance(store, str)
+                                  or not store.startswith(("redis://", "rediss://", "unix://"))):
+            errors.append(f"{source}.store must be a redis://, rediss:// or unix:// URL, got {store!r}")
+        timeout = table.get("store_timeout", 0.25)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 10:
+            errors.append(f"{source}.store_timeout must be a number of seconds in (0, 10], got {timeout!r}")
+        reserved = table.get("reserved_slots", 0)
+        if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+            errors.append(f"{source}.reserved_slots must be a whole number >= 0, got {reserved!r}")
+        engine = table.get("engine_priority", False)
+        if not isinstance(engine, bool):
+            errors.append(f"{source}.engine_priority must be true or false, got {engine!r}")
+        if errors:
+            raise ConfigErrors(errors)
+        return cls(default=default, keys=keys, classes=classes, store_failure=failure,
+                   priority_header=header.lower().encode() if header else None, store=store,
+                   store_timeout=float(timeout), reserved_slots=reserved, engine_priority=engine)
 
 
 def read_tenants(table: object, source: str = "tenants") -> TenantTable:
-    """The ``[tenants]`` table as a :class:`TenantTable`; ``ConfigErrors`` lists every mistake."""
-    errors: list[str] = []
-    if not isinstance(table, dict):
-        raise ConfigErrors([f"{source} must be a table, got {table!r}"])
-    for key in table:
-        if key not in _TOP_FIELDS:
-            errors.append(f"{source}: unknown key {key!r} (one of {', '.join(sorted(_TOP_FIELDS))})")
-    classes = _classes(table.get("classes"), source, errors)
-    default_class = classes.get("standard") or min(classes.values(), key=lambda c: c.rank)
-    base = KeyPolicy("default", traffic=default_class)
-    default = _entry(table.get("default", {}), base, classes, f"{source}.default", errors, named=False)
-    keys: dict[str, KeyPolicy] = {}
-    entries = table.get("keys", [])
-    if not isinstance(entries, list):
-        errors.append(f"{source}.keys must be an array of tables ([[{source}.keys]]), got {entries!r}")
-        entries = []
-    for n, entry in enumerate(entries, 1):
-        where = f"{source}.keys #{n}"
-        name = entry.get("name") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not name:
-            errors.append(f"{where}: needs a 'name' (the key's name in --api-key-file)")
-            continue
-        where = f"{source}.keys {name!r}"
-        if name in keys:
-            errors.append(f"{where}: named twice")
-            continue
-        keys[name] = _entry(entry, replace(default, label=name), classes, where, errors, named=True)
-    failure = table.get("store_failure", "open")
-    if failure not in STORE_FAILURE:
-        errors.append(f"{source}.store_failure must be one of {', '.join(STORE_FAILURE)}, got {failure!r}")
-    header = table.get("priority_header")
-    if header is not None and (not isinstance(header, str) or not header or not header.isascii()
-                               or any(c.isspace() or c == ":" for c in header)):
-        errors.append(f"{source}.priority_header must be a header name, got {header!r}")
-    store = table.get("store")
-    if store is not None and (not isinstance(store, str) or not store.startswith(("redis://", "rediss://",
-                                                                                  "unix://"))):
-        errors.append(f"{source}.store must be a redis://, rediss:// or unix:// URL, got {store!r}")
-    timeout = table.get("store_timeout", 0.25)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 10:
-        errors.append(f"{source}.store_timeout must be a number of seconds in (0, 10], got {timeout!r}")
-    reserved = table.get("reserved_slots", 0)
-    if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
-        errors.append(f"{source}.reserved_slots must be a whole number >= 0, got {reserved!r}")
-    engine = table.get("engine_priority", False)
-    if not isinstance(engine, bool):
-        errors.append(f"{source}.engine_priority must be true or false, got {engine!r}")
-    if errors:
-        raise ConfigErrors(errors)
-    return TenantTable(default=default, keys=keys, classes=classes, store_failure=failure,
-                       priority_header=header.lower().encode() if header else None, store=store,
-                       store_timeout=float(timeout), reserved_slots=reserved, engine_priority=engine)
-
-
-def _classes(table: object, source: str, errors: list[str]) -> dict[str, TrafficClass]:
-    if table is None:
-        return {c.name: c for c in DEFAULT_CLASSES}
-    if not isinstance(table, dict) or not table:
-        errors.append(f"{source}.classes must be a table of classes (name = {{rank = N}}), got {table!r}")
-        return {c.name: c for c in DEFAULT_CLASSES}
-    out = {}
-    for name, spec in table.items():
-        where = f"{source}.classes.{name}"
-        if not isinstance(spec, dict) or set(spec) - {"rank", "sheddable"}:
-            errors.append(f"{where} must be a table with 'rank' (and 'sheddable'), got {spec!r}")
-            continue
-        rank, shed = spec.get("rank"), spec.get("sheddable", False)
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            errors.append(f"{where}.rank must be an integer, got {rank!r}")
-            continue
-        if not isinstance(shed, bool):
-            errors.append(f"{where}.sheddable must be true or false, got {shed!r}")
-            continue
-        out[name.lower()] = TrafficClass(name.lower(), rank, shed)
-    return out or {c.name: c for c in DEFAULT_CLASSES}
-
-
-def _entry(entry: object, base: KeyPolicy, classes: dict[str, TrafficClass], where: str, errors: list[str], *,
-           named: bool) -> KeyPolicy:
-    """One key's (or the default's) entry over ``base``."""
-    if not isinstance(entry, dict):
-        errors.append(f"{where} must be a table, got {entry!r}")
-        return base
-    allowed = _KEY_FIELDS if named else _KEY_FIELDS - {"name"}
-    for key in entry:
-        if key not in allowed:
-            errors.append(f"{where}: unknown key {key!r} (one of {', '.join(sorted(allowed))})")
-    limits = dict(base.limits)
-    for name in LIMIT_FIELDS:
-        if name not in entry:
-            continue
-        value = entry[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            errors.append(f"{where}: {name} must be a whole number >= 0 (0: no limit), got {value!r}")
-        elif value == 0:
-            limits.pop(name, None)
-        else:
-            limits[name] = value
-    traffic = base.traffic
-    if "class" in entry:
-        chosen = classes.get(str(entry["class"]).lower())
-        if chosen is None:
-            errors.append(f"{where}: class must be one of {', '.join(classes)}, got {entry['class']!r}")
-        else:
-            traffic = chosen
-    weight = entry.get("weight", base.weight)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1000:
-        errors.append(f"{where}: weight must be a number in (0, 1000], got {weight!r}")
-        weight = base.weight
-    models = base.models
-    if "models" in entry:
-        names = entry["models"]
-        if not isinstance(names, list) or not names or not all(isinstance(m, str) and m for m in names):
-            errors.append(f"{where}: models must be a non-empty list of model names, got {names!r}")
-        else:
-            models = frozenset(names)
-    return KeyPolicy(base.label, limits, traffic, float(weight), models)
+    """The ``[tenants]`` table as a :class:`TenantTable` (:meth:`TenantTable.read`)."""
+    return TenantTable.read(table, source)

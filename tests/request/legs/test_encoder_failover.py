@@ -188,7 +188,8 @@ async def test_saturated_encoders_make_items_wait_then_429(fallback):
             assert statuses == [200, 200, 429], [(r.body, t) for r, t in done]
             refused, after = next((r, t) for r, t in done if r.status == 429)
             assert refused.headers.get(b"retry-after") == b"1"
-            assert "--encoder-max-outstanding" in refused.json()["error"]["message"]
+            assert refused.json()["error"]["message"] == "every encode instance is at capacity; retry later"
+            assert refused.json()["error"]["code"] == "overloaded"
             assert after >= 0.75
             assert len(encoded) == 2
         else:

@@ -212,3 +212,49 @@ async def test_status_shows_held_kv_per_decode_and_metrics_the_outcomes():
         assert b'epd_proxy_kv_reuse_turns_total{outcome="reused"} 1' in metrics
         assert b'epd_proxy_kv_reuse_turns_total{outcome="opening"} 1' in metrics
         assert b'epd_proxy_kv_reuse_answers_total{result="kept"} 3' in metrics
+
+
+# -- a turn after a stream without parameters (vLLM 0.32's chat and completions streams) ---------
+
+async def test_a_turn_after_a_stream_without_parameters_says_so_not_not_held():
+    """On 0.32 (the simulator's default: parameters in non-stream answers only) a streamed turn
+    is never kept: its next turn is ``stream_no_params``, chat and completions alike, while a
+    turn nothing here ever answered stays ``not_held``."""
+    async with stack(sim=_sim(), local_prefill_max_tokens=0) as (cluster, proxy, client):
+        proxy.app.pipeline.access_log = AccessLog("text", stream=io.StringIO())
+        await _ask(client, _t1("a conversation kept the usual way"))  # reuse is on from here
+        streamed = dict(_t1("a conversation whose client streams"), stream=True)
+        for _ in range(2):  # the first stream is asked for its token ids; the second is not
+            r = await client.chat(streamed)
+            assert r.status == 200 and r.events[-1] == b"data: [DONE]"
+            streamed = dict(_next(streamed), stream=True)
+        r = await client.chat(streamed)
+        assert 'kv;desc="stream_no_params"' in r.headers[b"server-timing"].decode()
+        assert proxy.app.pipeline.reuse.counts.turns["stream_no_params"] == 2
+        # A history no process here answered: still not_held.
+        stranger = _next(_t1("a conversation served elsewhere"))
+        r = await client.chat(stranger)
+        assert 'kv;desc="not_held"' in r.headers[b"server-timing"].decode()
+        # Completions: a prompt that extends a streamed prompt and its answer.
+        prompt = "Once upon a time " * 10
+        first = {"model": "sim-model", "prompt": prompt, "max_tokens": 16, "stream": True}
+        r = await client.post("/v1/completions", msgspec.json.encode(first))
+        assert r.status == 200
+        follow = {"model": "sim-model", "prompt": prompt + expected_text(first) + " and then?", "max_tokens": 16}
+        r = await client.post("/v1/completions", msgspec.json.encode(follow))
+        assert 'kv;desc="stream_no_params"' in r.headers[b"server-timing"].decode(), r.headers
+        assert proxy.app.pipeline.reuse.counts.turns["stream_no_params"] == 3
+        metrics = (await client.request("GET", "/metrics")).body.decode()
+        assert 'epd_proxy_kv_reuse_turns_total{outcome="stream_no_params"} 3.0' in metrics
+
+
+def test_unkept_streams_are_bounded_oldest_first():
+    from epd_proxy.request.turns.unkept import UnkeptStreams
+
+    unkept = UnkeptStreams(capacity=2)
+    bodies = [_t1(f"conversation {n}") for n in range(3)]
+    for body in bodies:
+        unkept.add_chat(body)
+    assert len(unkept) == 2
+    follows = [unkept.chat_follows(_next(b), len(b["messages"])) for b in bodies]
+    assert follows == [False, True, True]

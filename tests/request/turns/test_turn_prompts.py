@@ -1,4 +1,4 @@
-"""turn_prompts.py and turn_reuse.py for completions and generate (and what Messages and
+"""turns/prompts.py and turns/reuse.py for completions and generate (and what Messages and
 Responses get): a prompt API's turns found by what decode holds, read once, never wrong."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""turn_streams.py: decode's parameters out of the one event that carries them; a stream's
+"""turns/streams.py: decode's parameters out of the one event that carries them; a stream's
 answer read back."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ async def test_a_streams_last_event_parameters_are_kept_when_it_carries_the_toke
         got = r.body.split(b"\n\n")
         params = [e for e in sent if b"remote_block_ids" in e]
         assert len(params) == 1 and strip_stream_params(params[0])[0] in got
-        # (the finishing event is hidden_usage.py's to change)
+        # (the finishing event is usage/hidden.py's to change)
         changed = [e for e in got if e not in sent and b'"kv_transfer_params"' not in e]
         assert [e for e in changed if b'"finish_reason":null' in e] == []
         text = _stream_text(r.body)

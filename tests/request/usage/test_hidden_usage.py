@@ -1,4 +1,4 @@
-"""A stream's usage event the client did not ask for (hidden_usage.py): taken out, with the
+"""A stream's usage event the client did not ask for (usage/hidden.py): taken out, with the
 fingerprint put back where vLLM writes it without the option; and over real sockets, the
 client's bytes are decode's own answer to the request without the option."""
 

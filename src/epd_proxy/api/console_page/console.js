@@ -105,9 +105,22 @@ function groupByRole(instances) {
   return out;
 }
 
+// A KV cache's fill: precise when small (a large cache under light load is a fraction of a
+// per cent, never "0 %" while blocks are in use), with its blocks when the instance says its size.
+function kvUsageText(load) {
+  const u = load.kv_usage;
+  const digits = u === 0 || u >= 0.1 ? 0 : u >= 0.01 ? 1 : 2;
+  let text = `KV cache ${(u * 100).toFixed(digits)} %`;
+  if (u > 0 && u < 0.0001) text = "KV cache < 0.01 %";
+  if (load.kv_blocks) text += ` (${Math.round(u * load.kv_blocks).toLocaleString("en")} of ${load.kv_blocks.toLocaleString("en")} blocks)`;
+  return text;
+}
+
+// What an instance's own /metrics said. An encoder holds no KV for the requests: its queue is what counts.
 function loadText(inst) {
   if (!inst.load) return "not scraped";
-  return `KV cache ${pct(inst.load.kv_usage)} · ${num(inst.load.waiting, 0)} waiting · ${num(inst.load.others, 0)} not ours`;
+  const queue = `${num(inst.load.waiting, 0)} waiting · ${num(inst.load.others, 0)} not from this proxy`;
+  return inst.role === "encode" ? queue : `${kvUsageText(inst.load)} · ${queue}`;
 }
 
 function plural(n, word) { return `${n} ${word}${n === 1 ? "" : "s"}`; }
@@ -146,7 +159,7 @@ function instanceCard(inst, workers) {
   if (workers > 1) fact("In rotation in", `${inst.workers_in_rotation} of ${inst.workers} workers`);
   fact("Source", inst.source || "–");
   fact("In flight", String(inst.inflight));
-  fact("Load", loadText(inst));
+  fact(inst.role === "encode" ? "Queue" : "Load", loadText(inst), { "data-load": inst.role });
   fact("Requests", String(inst.requests));
   const errors = Object.entries(inst.errors).map(([k, n]) => `${k} ${n}`).join(", ");
   fact("Errors", errors || "none");
@@ -180,11 +193,12 @@ function drawModels(state) {
     const m = state.models[name];
     const roles = Object.entries(m.roles).map(([role, n]) => `${ROLE_SHORT[role] || role} ${n.in_rotation} in, ${n.out} out`);
     const ready = m.ready ? (m.media === false ? "✓ text only (no encoder)" : "✓ ready") : "✕ not ready";
+    // data-label: a narrow screen shows each row as a block, every cell under its column's name.
     body.append(el("tr", { "data-model": name, className: m.ready ? "" : "failed" },
       el("th", { scope: "row", text: name + (m.parent ? ` (adapter of ${m.parent})` : "") }),
-      el("td", { text: ready }),
-      el("td", { text: roles.join(" · ") }),
-      el("td", { text: m.why || "–" })));
+      el("td", { text: ready, "data-label": "Can serve" }),
+      el("td", { text: m.why || "–", "data-label": "Why not", "data-why": m.why ? "yes" : "" }),
+      el("td", { text: roles.join(" · "), "data-label": "Instances per role" })));
   }
 }
 
@@ -212,7 +226,10 @@ function drawPanel(state) {
   const body = $("tenants").tBodies[0];
   body.replaceChildren();
   if (!tenants) return;
-  $("tenants-store").textContent = panel.tenants_store ? `(counters ${panel.tenants_store}${state.workers > 1 ? ", as the worker that answered sees them" : ""})` : "";
+  let counters = panel.tenants_store ? `(counters ${panel.tenants_store}${state.workers > 1 ? ", as the worker that answered sees them" : ""})` : "";
+  if (panel.tenants_store_up === false) counters = "(counters shared: ✕ the store does not answer, their use is not known now)";
+  $("tenants-store").textContent = counters;
+  $("tenants-store").dataset.store = panel.tenants_store_up === false ? "down" : (panel.tenants_store || "");
   for (const key of tenants) {
     const limits = key.limits.map((l) => `${l.limit_name} ${l.used ?? "?"} of ${l.limit}${l.share === null ? "" : ` (${pct(l.share)})`}`);
     body.append(el("tr", { "data-tenant": key.key },
@@ -241,6 +258,59 @@ function drawCluster(state) {
     section.append(grid);
     root.append(section);
   }
+}
+
+// -- the gateway: every replica, from the summaries they publish to the shared store --------
+const REPLICA_MARK = { live: "●", stale: "◌", stopped: "⏸" };
+
+function replicaCells(r, traffic, label) {
+  const t = traffic;
+  const out = r ? r.out.map((i) => `${ROLE_SHORT[i.role] || i.role} ${host(i.url)} out${i.reason ? ": " + i.reason : ""}`) : [];
+  const rotation = r ? `${r.instances_in_rotation} of ${r.instances}${out.length ? " — " + out.join("; ") : ""}` : "";
+  return [
+    el("td", { text: r ? `${REPLICA_MARK[r.state] || ""} ${r.state_text}${r.state === "live" ? "" : ` (last ${clock(r.published)})`}` : label,
+               "data-label": "State" }),
+    el("td", { text: num(t.rps, 2), "data-label": "Req/s" }),
+    el("td", { text: num(t.errors_per_s, 2), "data-label": "Errors/s" }),
+    el("td", { text: String(t.inflight), "data-label": "In flight" }),
+    el("td", { text: `${ms(t.ttft_p50_ms)} / ${ms(t.ttft_p99_ms)}`, "data-label": "TTFT p50 / p99" }),
+    el("td", { text: rotation, "data-label": "Instances in rotation" }),
+    el("td", { text: r ? `${r.version}, ${r.workers > 1 ? `${r.workers_publishing} of ${r.workers} workers` : "1 process"}` : "",
+               "data-label": "Version, workers" }),
+  ];
+}
+
+function drawGateway(state) {
+  const gw = state.gateway;
+  if (!gw) return;
+  $("gateway-scope").textContent = `(${gw.scope_text})`;
+  $("gateway").dataset.scope = gw.scope;
+  const note = $("gateway-note");
+  $("replicas-wrap").hidden = !gw.shared;
+  if (!gw.shared) {
+    note.hidden = true;
+    return;
+  }
+  const bits = [];
+  if (gw.store && !gw.store.up) bits.push(`✕ the state store does not answer${gw.store.down_since ? ` since ${clock(gw.store.down_since)}` : ""}: only this replica is shown, as it knows itself`);
+  const failed = Object.entries(gw.failures).filter(([, n]) => n).map(([k, n]) => `${k} ${n}`);
+  if (failed.length) bits.push(`summaries not published or read: ${failed.join(", ")}`);
+  const seen = (d) => `${host(d.url)} in rotation in ${d.in_rotation} of ${d.replicas}${d.replicas < gw.live ? ` (not in the roster of ${gw.live - d.replicas})` : ""}`;
+  if (gw.disagree.length) bits.push(`replicas see differently: ${gw.disagree.map(seen).join("; ")}`);
+  note.textContent = bits.join(" · ");
+  note.hidden = !bits.length;
+  note.dataset.store = gw.store && !gw.store.up ? "down" : "up";
+  const body = $("replicas").tBodies[0];
+  body.replaceChildren();
+  for (const r of gw.replicas) {
+    body.append(el("tr", { className: r.state, "data-replica": r.listen, "data-replica-state": r.state, "data-this": r.this ? "yes" : "" },
+      el("th", { scope: "row", text: `${r.host} ${r.listen}${r.this ? " (this one)" : ""}` }),
+      ...replicaCells(r, r.traffic)));
+  }
+  const foot = $("replicas").tFoot;
+  foot.replaceChildren(el("tr", { "data-replica-sum": String(gw.live) },
+    el("th", { scope: "row", text: `All ${plural(gw.live, "live replica")}${gw.stopped ? ` (${gw.stopped} not publishing, left out)` : ""}` }),
+    ...replicaCells(null, gw.sum, "sum; latency: the slowest replica's")));
 }
 
 // -- the traffic ---------------------------------------------------------------------------
@@ -283,6 +353,93 @@ function drawTraffic(state) {
       el("td", { text: num(r.retried_per_s, 2) }),
       el("td", { text: r.kv_turns ? `${r.reused_turns} of ${r.kv_turns}` : "–", "data-reused": String(r.reused_turns) })));
   }
+}
+
+// -- charts: the last minutes, from the states this page polled ----------------------------
+// Each point is one poll's numbers (each over the traffic window, so a line is that window's
+// moving value). Kept in the page only: a reload starts them again. Inline SVG, no library.
+const HISTORY_S = 600;
+const SVG_NS = "http://www.w3.org/2000/svg";
+const CHART_W = 320;
+const CHART_H = 90;
+const PALETTE = ["#0b5cad", "#1a7f37", "#8250df", "#b42318", "#9a6700", "#0a7b83", "#bf3989", "#57606a"];
+const history = [];
+
+function remember(state) {
+  const all = state.traffic.models["*"];
+  const load = {};
+  for (const inst of state.instances) {
+    load[`${ROLE_SHORT[inst.role] || inst.role} ${host(inst.url)}`] = inst.inflight + (inst.load ? inst.load.others : 0);
+  }
+  const last = history[history.length - 1];
+  if (last && last.t >= state.generated) return;
+  history.push({
+    t: state.generated, rps: all.rps, errors: Object.values(all.errors_per_s).reduce((a, b) => a + b, 0),
+    ttft50: all.ttft_ms.p50, ttft99: all.ttft_ms.p99, itl50: all.itl_ms.p50, itl99: all.itl_ms.p99,
+    reused: all.reused_turns_per_s, load,
+  });
+  while (history.length && history[0].t < state.generated - HISTORY_S) history.shift();
+}
+
+function svg(tag, attrs) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
+  return node;
+}
+
+// One small chart: series [{name, values: [[t, v|null]], dash}], a value formatter.
+function chart(id, title, series, fmt) {
+  // The x axis: from the oldest point kept to now, at least a minute (a fresh page fills it from the right).
+  const now = history.length ? history[history.length - 1].t : 0;
+  const span = Math.max(60, Math.min(HISTORY_S, history.length ? now - history[0].t : 0));
+  const start = now - span;
+  const values = series.flatMap((s) => s.values.map(([, v]) => v)).filter((v) => v !== null && v !== undefined);
+  const top = Math.max(...values, 0) * 1.1 || 1;
+  const box = svg("svg", { viewBox: `0 0 ${CHART_W} ${CHART_H}`, preserveAspectRatio: "none", class: "chart-svg",
+                            role: "img", "data-points": String(history.length) });
+  box.append(svg("line", { x1: 0, y1: CHART_H - 0.5, x2: CHART_W, y2: CHART_H - 0.5, class: "axis" }));
+  const legend = el("ul", { className: "legend" });
+  const words = [];
+  series.forEach((s, i) => {
+    const points = s.values.filter(([, v]) => v !== null && v !== undefined)
+      .map(([t, v]) => `${((t - start) / span * CHART_W).toFixed(1)},${(CHART_H - 1 - v / top * (CHART_H - 4)).toFixed(1)}`);
+    const colour = s.colour || PALETTE[i % PALETTE.length];
+    const line = svg("polyline", { points: points.join(" "), fill: "none", stroke: colour, "stroke-width": 1.6,
+                                   "vector-effect": "non-scaling-stroke", "data-series": s.name });
+    if (s.dash) line.setAttribute("stroke-dasharray", "4 3");
+    box.append(line);
+    const latest = s.values.length ? s.values[s.values.length - 1][1] : null;
+    words.push(`${s.name} ${fmt(latest)}`);
+    if (series.length > 1) {
+      const swatch = el("span", { className: "swatch" + (s.dash ? " dashed" : ""), "aria-hidden": "true" });
+      swatch.style.borderColor = colour;
+      legend.append(el("li", {}, swatch, `${s.name} ${fmt(latest)}`));
+    }
+  });
+  const peak = values.length ? Math.max(...values) : null;
+  const over = span >= 120 ? `${Math.round(span / 60)} minutes` : `${Math.round(span)} s`;
+  box.setAttribute("aria-label", `${title}, over the last ${over}: now ${words.join(", ")}; highest ${fmt(peak)}`);
+  box.dataset.span = String(Math.round(span));
+  return el("figure", { className: "chart", "data-chart": id },
+    el("figcaption", {}, el("strong", { text: title }), " ",
+       el("span", { className: "muted", text: series.length > 1 ? `max ${fmt(peak)}` : `now ${fmt(series[0].values.length ? series[0].values[series[0].values.length - 1][1] : null)} · max ${fmt(peak)}` })),
+    box, series.length > 1 ? legend : null);
+}
+
+function drawCharts() {
+  const root = $("charts");
+  const at = (key) => history.map((p) => [p.t, p[key]]);
+  const names = [...new Set(history.flatMap((p) => Object.keys(p.load)))].sort();
+  const shown = names.slice(0, PALETTE.length);
+  root.replaceChildren(
+    chart("rps", "requests / s", [{ name: "requests / s", values: at("rps") }], (v) => num(v, 1)),
+    chart("errors", "errors / s", [{ name: "errors / s", values: at("errors"), colour: "#b42318" }], (v) => num(v, 2)),
+    chart("ttft", "TTFT", [{ name: "p50", values: at("ttft50") }, { name: "p99", values: at("ttft99"), dash: true }], ms),
+    chart("itl", "ITL", [{ name: "p50", values: at("itl50") }, { name: "p99", values: at("itl99"), dash: true }], ms),
+    chart("reused", "reused turns / s", [{ name: "reused turns / s", values: at("reused"), colour: "#9a6700" }], (v) => num(v, 2)),
+    chart("load", "requests on each instance", shown.map((name) => ({ name, values: history.map((p) => [p.t, p.load[name] ?? null]) })),
+          (v) => num(v, 0)));
+  $("charts-note").textContent = names.length > shown.length ? `(the first ${shown.length} of ${names.length} instances)` : "";
 }
 
 // -- requests ------------------------------------------------------------------------------
@@ -398,11 +555,15 @@ function draw(state) {
   if (p.kv_connector) bits.push(`KV connector ${p.kv_connector}`);
   bits.push(`${state.instances.length} instances`);
   bits.push(state.workers_configured > 1 ? `${state.workers} of ${state.workers_configured} workers answered` : "1 process");
+  if (state.gateway && state.gateway.shared) bits.push(plural(state.gateway.live, "replica") + " live");
   $("summary").textContent = bits.join(" · ");
+  drawGateway(state);
   drawFlow(state);
   drawCluster(state);
   drawPanel(state);
   drawTraffic(state);
+  remember(state);
+  drawCharts();
   drawRecent(state);
   $("live").textContent = `live: updated ${clock(state.generated)}`;
 }

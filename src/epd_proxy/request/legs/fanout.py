@@ -27,6 +27,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import Collector
 from epd_proxy.placement.media import place_items
+from epd_proxy.request.admission import overloaded
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.legs.upstream import HeldFailure, UpstreamStage
 from epd_proxy.wire.blobs import encode_json
@@ -259,8 +260,7 @@ class EncoderFanout(UpstreamStage):
             self._fall_back(todo, f"every encode instance had {self.max_outstanding} items in flight "
                                   f"for {self.timeout:g} s")
             return []
-        raise ProxyError(429, f"every {self.role} instance has --encoder-max-outstanding {self.max_outstanding} "
-                              f"items in flight (waited {self.timeout:g} s); retry later")
+        raise overloaded(f"every {self.role} instance is")
 
     def _fall_back(self, todo: list[MediaItem], why: str) -> None:
         self.fallbacks += len(todo)

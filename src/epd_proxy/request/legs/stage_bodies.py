@@ -107,7 +107,7 @@ def decode_body(body: dict, *, kv: dict | msgspec.Raw | None | _Keep = _KEEP, ec
 
 def stream_options_with_usage(options: object) -> dict | None:
     """The ``stream_options`` that make decode end a stream with its usage event, for a
-    client that did not ask for it (hidden_usage.py takes the event out again); None when
+    client that did not ask for it (usage/hidden.py takes the event out again); None when
     the client asked. ``continuous_usage_stats`` is dropped: without ``include_usage`` it
     did nothing, and with it every event would carry usage."""
     if isinstance(options, dict):

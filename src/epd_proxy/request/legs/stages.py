@@ -1,7 +1,7 @@
 """The prefill and decode stages, each one call to an instance of its pool.
 
 How their failures become the client's :class:`ProxyError` is ``upstream.py``'s
-business; the encode stage is ``encode/fanout.py``.
+business; the encode stage is ``legs/fanout.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ log = logging.getLogger("epd_proxy.stages")
 
 class _PrefillReply(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
-    usage: msgspec.Raw = msgspec.Raw(b"null")  # kept for the client's usage (usage.py)
+    usage: msgspec.Raw = msgspec.Raw(b"null")  # kept for the client's usage (usage/rewrite.py)
 
 
 class PrefillStage(UpstreamStage):

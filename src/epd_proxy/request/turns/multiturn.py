@@ -8,8 +8,8 @@ instead of computing the previous answer again. vLLM checks nothing (docs/protoc
 the parameters are good for one use, only for a prompt that really extends that turn, and only
 before decode frees the blocks. This module is the pure part that keeps those promises:
 
-* :func:`turn_keys`: the key a turn's parameters are kept under, and the key a request looks
-  them up with: a digest of everything that makes the prompt's tokens (the model, the tools,
+* :func:`keep_key` and :func:`lookup_key`: the key a turn's parameters are kept under, and
+  the key a request looks them up with: a digest of everything that makes the prompt's tokens (the model, the tools,
   the template's arguments: every body field but the sampling ones) and of the messages up to
   and including the previous answer, byte for byte. The next turn's messages must reproduce
   the previous prompt and its answer exactly, or the lookup misses;
@@ -86,10 +86,10 @@ class Entry:
         self.tokens = tokens  # remote_num_tokens: the prompt and the answer
         self.chars = chars  # the characters of the messages those tokens are (for estimates)
         self.deadline = deadline  # on the proxy's clock: decode's TTL from receipt, less the margin
-        self.conversation = conversation  # its conversation (turn_keys), for SUPERSEDED and EDITED
+        self.conversation = conversation  # its conversation (keep_key), for SUPERSEDED and EDITED
         self.model = model  # the body's model (a release call names it)
         self.ids = ids  # the token ids decode holds (prompt, then answer): what a next prompt must start with
-        # A prompt API's turn (turn_prompts.py): its lengths-index key; ``chars`` is then the
+        # A prompt API's turn (turns/prompts.py): its lengths-index key; ``chars`` is then the
         # bytes of what decode holds, as the next prompt spells them.
         self.prefix = prefix
         self.key = key  # a chat turn's key: whether a later request extends it (earlier_keys)
@@ -233,6 +233,22 @@ class TurnStore:
         self.held.pop(url, None)
         for by in [by for by in self._held_by if by[0] == url]:
             del self._held_by[by]
+        return out
+
+    def trim(self, decode: str, tokens: int, reason: str, most: int) -> list[Entry]:
+        """Let go of the oldest turns kept on ``decode`` (whoever's), at least ``tokens`` worth
+        and at most ``most`` of them (kv_guard.py: the decode's KV is under pressure)."""
+        out: list[Entry] = []
+        if tokens <= 0 or most <= 0:
+            return out
+        for key in [k for k, e in self._entries.items() if e.decode == decode]:
+            if tokens <= 0 or len(out) >= most:
+                break
+            entry = self._pop(key)
+            if entry is not None:
+                out.append(entry)
+                tokens -= entry.tokens
+                self.count_release(reason, key)
         return out
 
     def lengths(self, prefix: bytes) -> list[int]:

@@ -20,7 +20,8 @@ LOCAL_PREFILL = "local_prefill"  # the decode holding it computed the new part a
 OPENING = "opening"  # no earlier answer in the request: nothing to reuse
 UNMATCHED = "unmatched"  # completions/generate: the prompt extends no turn held here (opening, or kept elsewhere)
 NOT_KEYED = "not_keyed"  # the earlier answer carries what decode never held (a name, reasoning), or is continued
-NOT_HELD = "not_held"  # an earlier answer, but nothing held for it here (another process, a stream, a restart)
+NOT_HELD = "not_held"  # an earlier answer, but nothing held for it here (another process, a restart)
+STREAM_NO_PARAMS = "stream_no_params"  # the previous turn was answered by a stream without KV parameters (0.32)
 OLDER_TURN = "older_turn"  # this process holds an older turn of the conversation (later ones went elsewhere)
 EDITED = "edited"  # this process holds the conversation's latest turn, and the history differs from it
 ALREADY_USED = "already_used"  # given to a prefill before: a retry, a regeneration, a second request at once
@@ -40,9 +41,9 @@ REQUEST_FAILED = "request_failed"  # the request ended before its prefill ran: d
 # elsewhere than at a decode of the pool as this process knows it (or at one it cannot verify yet).
 INVALID = "invalid"
 
-OUTCOMES = (REUSED, LOCAL_PREFILL, OPENING, UNMATCHED, NOT_KEYED, NOT_HELD, OLDER_TURN, EDITED, ALREADY_USED,
-            EXPIRED, EVICTED, SUPERSEDED, DECODE_GONE, DECODE_DROPPED, TOKENS, TOKENIZE_FAILED, PREFILL_FAILED,
-            NO_PULL_PREFILL, MEDIA, RETRIED, REQUEST_FAILED, INVALID)
+OUTCOMES = (REUSED, LOCAL_PREFILL, OPENING, UNMATCHED, NOT_KEYED, NOT_HELD, STREAM_NO_PARAMS, OLDER_TURN, EDITED,
+            ALREADY_USED, EXPIRED, EVICTED, SUPERSEDED, DECODE_GONE, DECODE_DROPPED, TOKENS, TOKENIZE_FAILED,
+            PREFILL_FAILED, NO_PULL_PREFILL, MEDIA, RETRIED, REQUEST_FAILED, INVALID)
 
 # -- a decode answer that held blocks (epd_proxy_kv_reuse_answers_total{result}) ----------------
 KEPT = "kept"  # kept for the conversation's next turn

@@ -16,8 +16,8 @@ import msgspec
 
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http import Headers
-from epd_proxy.instances.catalog import ModelDirectory
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.model_directory import ModelDirectory
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.placement.choose import choose
 from epd_proxy.placement.decision import HOLDS_TURN, Placement, PreviousTurn
@@ -27,6 +27,8 @@ from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, NixlPull
 from epd_proxy.request.legs.stage_bodies import decode_body
 from epd_proxy.request.legs.stages import DecodeLeg
+from epd_proxy.request.turns.kv_budget import NOT_KEPT
+from epd_proxy.request.turns.kv_guard import KvGuard
 from epd_proxy.request.turns.multiturn import (
     BOUND,
     EDITED,
@@ -65,6 +67,7 @@ from epd_proxy.request.turns.outcomes import (
     RETRIED,
     REUSED,
     SHORT,
+    STREAM_NO_PARAMS,
     TOKENIZE_FAILED,
     TOKENS,
     UNMATCHED,
@@ -85,6 +88,7 @@ from epd_proxy.request.turns.prompts import keep_key as prompt_keep_key
 from epd_proxy.request.turns.read_back import DecodeAddresses
 from epd_proxy.request.turns.shared_turns import SharedTurns
 from epd_proxy.request.turns.streams import params_of, read_stream, strip_stream_params
+from epd_proxy.request.turns.unkept import UnkeptStreams
 from epd_proxy.routing.view import EMPTY_VIEW
 from epd_proxy.state.guard import GuardedStore
 from epd_proxy.wire.blobs import encode_json
@@ -135,6 +139,9 @@ class TurnReuse:
         self.models = models
         self.base_headers = base_headers
         self.releases: set[asyncio.Task] = set()
+        # What kept turns may pin of each decode's KV cache (kv_budget.py), checked every scrape.
+        self.guard = KvGuard(self.store, self.shared, decode, config.scrape_interval, self.release,
+                             lambda: MAX_RELEASES - len(self.releases)) if self.store is not None else None
         self.pull = isinstance(connector, NixlPull)  # reuse is for the pull connector (protocol.md §2.10)
         self.counts = TurnCounts()
         # The KV block index (KV events): whether the decode holding a turn still holds its blocks.
@@ -147,6 +154,8 @@ class TurnReuse:
         # to learn it (asks_stream_ids): not asked again. A decode in neither set is asked once,
         # so that the first stream it gives this process can be kept too.
         self.stream_plain: set[str] = set()
+        # Turns answered by a stream without parameters: their next turn's outcome says so.
+        self.unkept = UnkeptStreams()
         # Per decode URL, whether its answers through the pull connector hold blocks for a later
         # reader (True: one came with parameters; False: one came without). A decode not in it is
         # asked for token ids (probes) until it answers, so the first answer it gives this process
@@ -198,12 +207,13 @@ class TurnReuse:
         for url in set(held) | set(self.decodes):
             tokens, conversations = held.get(url, (0, 0))
             out[url] = {"keeps_blocks": self.decodes.get(url), "held_tokens": tokens,
-                        "held_conversations": conversations}
+                        "held_conversations": conversations,
+                        "kv_budget": self.guard.status(url) if self.guard is not None else None}
         return out
 
     def collector(self) -> Callable[[dict[str, list]], None]:
         """What multi-turn KV reuse tells ``/metrics`` (``epd_proxy_kv_reuse_*``)."""
-        store, counts = self.store, self.counts
+        store, counts, guard = self.store, self.counts, self.guard
 
         def collect(f: dict[str, list]) -> None:
             if store is None:
@@ -214,6 +224,8 @@ class TurnReuse:
             f["epd_proxy_kv_reuse_freed"].append([counts.freed])
             f["epd_proxy_kv_reuse_released"] += [[r, n] for r, n in store.released.items()]
             f["epd_proxy_kv_reuse_held_tokens"] += [[u, n] for u, n in store.held.items()]
+            if guard is not None:
+                f["epd_proxy_kv_reuse_pressure"] += [[u, r, n] for (u, r), n in guard.let_go.items()]
         return collect
 
     def asks_stream_ids(self, ctx: RequestContext, body: dict, decode: Instance) -> bool:
@@ -227,11 +239,17 @@ class TurnReuse:
                 and (ctx.path == CHAT or ctx.path == COMPLETIONS)
                 and body.get("n") in (None, 1) and not body.get("echo"))
 
-    def stream_ended_plain(self, ctx: RequestContext, decode: Instance) -> None:
-        """A stream whose token ids the proxy asked for ended without parameters: ``decode``
-        sends none in its streams, and is not asked again (until it joins anew)."""
+    def stream_ended_plain(self, ctx: RequestContext, decode: Instance, body: dict) -> None:
+        """A stream ended without parameters: nothing kept for its next turn, which is told
+        why (``unkept``). If the proxy asked for its token ids, ``decode`` sends none in its
+        streams, and is not asked again (until it joins anew)."""
         if ctx.ids_asked and decode.url not in self.stream_decodes:
             self.stream_plain.add(decode.url)
+        if ctx.turn_tried:  # a turn of a conversation, as reuse reads them
+            if ctx.path == CHAT:
+                self.unkept.add_chat(body)
+            elif ctx.path in PROMPT_APIS:
+                self.unkept.add_prompt(body, ctx.path)
 
     async def lookup(self, ctx: RequestContext, body: dict, media: bool) -> FoundTurn | None:
         """Before the placement (reuse active): the previous turn kept for this request
@@ -293,7 +311,7 @@ class TurnReuse:
                     reason = OLDER_TURN  # its later turns were served elsewhere, or not kept
                 self.release(stale)
             asked = tokenize_body(body)
-        else:  # completions, generate (turn_prompts.py)
+        else:  # completions, generate (turns/prompts.py)
             material = prompt_material(body, ctx.path)
             scope = ctx.scope or b""
             prefix = None if material is None else prefix_key(body, ctx.path, material[0], scope)
@@ -309,8 +327,8 @@ class TurnReuse:
                     break
             else:
                 # No held turn of this prompt here: an opening prompt cannot be told from a turn
-                # another process kept.
-                ctx.kv_outcome = UNMATCHED
+                # another process kept (a stream without parameters can: it is remembered).
+                ctx.kv_outcome = STREAM_NO_PARAMS if self.unkept.prompt_follows(body, ctx.path) else UNMATCHED
                 return None
             if material[1]:
                 asked = tokenize_prompt_body(body)
@@ -318,6 +336,9 @@ class TurnReuse:
                 tokens = prompt_ids(material[0])
         if entry is None:
             ctx.kv_outcome = _OUTCOME_OF.get(reason, reason)
+            if reason == UNKNOWN and ctx.path == CHAT and self.unkept.chat_follows(
+                    body, len(body["messages"]) - 1 - _after_last_answer(body["messages"])):
+                ctx.kv_outcome = STREAM_NO_PARAMS
             return None
         holder = self.decode.find(entry.decode)
         if holder is None or not holder.healthy or holder in ctx.excluded:
@@ -427,6 +448,8 @@ class TurnReuse:
         """With a shared store: learn from it that reuse is on (``SharedTurns.watch``)."""
         if self.shared is not None:
             self.shared.watch()
+        if self.guard is not None:
+            self.guard.start()
 
     def _dropped(self, entry: Entry, holder: Instance, age: float) -> bool:
         """Whether ``holder``'s own KV events (live) say it no longer holds ``entry``'s blocks,
@@ -515,8 +538,11 @@ class TurnReuse:
         if message is None:
             self._let_go(leg, turns, params, body.get("model"), now, UNKNOWN)
             return
-        self.addresses.learn(leg.inst.url, params)
         tokens = params.get("remote_num_tokens")
+        if self.guard is not None and not self.guard.admit(leg.inst, tokens if type(tokens) is int else 0):
+            self._let_go(leg, turns, params, body.get("model"), now, NOT_KEPT)  # its KV cannot take more
+            return
+        self.addresses.learn(leg.inst.url, params)
         key, conversation, chars = keep_key(body, message, ctx.conversation, ctx.scope or b"")
         entry = Entry(params, leg.inst.url, tokens if type(tokens) is int else 0, chars, now + turns.life,
                       conversation, body.get("model"), ids, key=key, owner=ctx.scope)
@@ -531,8 +557,11 @@ class TurnReuse:
         if held.params is None or held.held is None or prefix is None:
             self.counts.answer(held.reason or SHORT)
             return
-        self.addresses.learn(leg.inst.url, held.params)
         tokens = held.params.get("remote_num_tokens")
+        if self.guard is not None and not self.guard.admit(leg.inst, tokens if type(tokens) is int else 0):
+            self._let_go(leg, turns, held.params, body.get("model"), now, NOT_KEPT)
+            return
+        self.addresses.learn(leg.inst.url, held.params)
         entry = Entry(held.params, leg.inst.url, tokens if type(tokens) is int else 0, len(held.held),
                       now + turns.life, prompt_keep_key(body, ctx.path, held.held, scope), body.get("model"), held.ids,
                       prefix, owner=ctx.scope)
@@ -592,6 +621,8 @@ class TurnReuse:
             ctx.release_all()
 
     async def close(self) -> None:
+        if self.guard is not None:
+            await self.guard.close()
         if self.shared is not None:
             await self.shared.close()
         for task in list(self.releases | self.writes):

@@ -219,6 +219,20 @@ class SharedTurns:
         for old in out:
             release(old)
 
+    async def trim(self, decode: str, tokens: int, reason: str, most: int, now: float) -> list[Entry]:
+        """``TurnStore.trim`` on the turns this process put on ``decode`` (the oldest first: it
+        cannot see the others'; each replica trims its own under the same pressure)."""
+        out: list[Entry] = []
+        for key in [k for k, (d, _, _) in self._own.items() if d == decode]:
+            if tokens <= 0 or len(out) >= most:
+                break
+            entry = await self._take_entry(key, now)
+            if entry is not None:
+                out.append(entry)
+                tokens -= entry.tokens
+                self.turns.count_release(reason, key)
+        return out
+
     async def held(self, decode: str) -> int:
         """The tokens all replicas' kept parameters hold on ``decode`` (within a quarter)."""
         now = int(time.time() // self.width)

@@ -1,5 +1,5 @@
 """The usage a client sees for a disaggregated Messages or Responses request, as one vLLM
-instance reports it (chat's rule, usage.py, in these APIs' own fields).
+instance reports it (chat's rule, usage/rewrite.py, in these APIs' own fields).
 
 Decode's usage describes decode's share: the prompt tokens whose KV it received from the
 prefill count as cached there. vLLM 0.32 writes the usage of these APIs from the same

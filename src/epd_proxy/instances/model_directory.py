@@ -1,4 +1,4 @@
-"""The cluster's models: one :class:`~epd_proxy.instances.models.Catalog` over every pool's
+"""The cluster's models: one :class:`~epd_proxy.instances.models.ModelCatalog` over every pool's
 live instances, rebuilt when an instance's models or a pool's states change (the pools
 say so), so a request reads a ready answer (``current``) and never walks the roster; and
 each model's readiness as ``/status`` shows it (``model_readiness``, pure)."""
@@ -9,7 +9,7 @@ from typing import Protocol, Sequence
 
 from epd_proxy.instances.health import DRAINING
 from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import DECIDING_ROLES, NOTHING_KNOWN, Catalog, card_key, catalog_of
+from epd_proxy.instances.models import DECIDING_ROLES, NOTHING_KNOWN, ModelCatalog, card_key, catalog_of
 
 
 class Members(Protocol):
@@ -28,7 +28,7 @@ class ModelDirectory:
 
     def __init__(self) -> None:
         self._pools: list[Members] = []
-        self.current: Catalog = NOTHING_KNOWN
+        self.current: ModelCatalog = NOTHING_KNOWN
         # The model cards the instances hold, each once (models.parse_models): what a new answer
         # is matched against. Rebuilt from the cards still held when it has grown past twice
         # their number, so it never outgrows what the instances serve, however often adapters

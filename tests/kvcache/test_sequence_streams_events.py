@@ -1,4 +1,4 @@
-"""The pure parts of the event plane: sequence numbers, where instances publish, the wire."""
+"""The pure parts of the event plane: sequence numbers, where instances publish, the messages."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 
 from epd_proxy.config import InstanceSpec, parse_instance
 from epd_proxy.instances.roster import RegistrationError, parse_registration
-from epd_proxy.kvcache import wire
-from epd_proxy.kvcache.endpoints import instance_of, offset, streams_of
+from epd_proxy.kvcache import events
 from epd_proxy.kvcache.index import BlockIndex
 from epd_proxy.kvcache.sequence import APPLY, DUPLICATE, GAP, RESTART, SequenceTracker
+from epd_proxy.kvcache.streams import instance_of, offset, streams_of
 
 
 def test_sequence_classification():
@@ -56,7 +56,7 @@ def test_bad_endpoints_are_refused():
         parse_registration(b'{"role": "prefill", "url": "http://p1:8000", "kv_events": "5557"}')
 
 
-def test_wire_batch_applied():
+def test_event_batch_applied():
     payload = msgspec.msgpack.encode([1.0, [
         {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": list(range(8)),
          "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None, None],
@@ -66,14 +66,14 @@ def test_wire_batch_applied():
         {"type": "SomethingNew"},
     ], 0])
     index = BlockIndex()
-    assert wire.apply(index, "a", wire.decode_batch(payload)) == 2
+    assert events.apply(index, "a", events.decode_batch(payload)) == 2
     assert index.longest_prefix(list(range(8))) == {"a": 8}
     removed = msgspec.msgpack.encode([2.0, [{"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}], 0])
-    wire.apply(index, "a", wire.decode_batch(removed))
+    events.apply(index, "a", events.decode_batch(removed))
     assert index.longest_prefix(list(range(8))) == {"a": 4}
-    wire.apply(index, "a", wire.decode_batch(msgspec.msgpack.encode([3.0, [{"type": "AllBlocksCleared"}], 0])))
+    events.apply(index, "a", events.decode_batch(msgspec.msgpack.encode([3.0, [{"type": "AllBlocksCleared"}], 0])))
     assert len(index) == 0
-    assert wire.sequence((-1).to_bytes(8, "big", signed=True)) == wire.END_SEQ
-    assert wire.replay_request(7) == [b"", (7).to_bytes(8, "big")]
-    with pytest.raises(wire.WireError):
-        wire.decode_batch(b"\xc1")
+    assert events.sequence((-1).to_bytes(8, "big", signed=True)) == events.END_SEQ
+    assert events.replay_request(7) == [b"", (7).to_bytes(8, "big")]
+    with pytest.raises(events.WireError):
+        events.decode_batch(b"\xc1")
