@@ -109,7 +109,8 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 assert decode["workers"] == 2 and decode["requests"] == n
                 kv = decode["kv_events"]  # each worker subscribes itself: connected in both
                 assert (kv["state"], kv["workers"], kv["workers_connected"]) == ("connected", 2, 2), kv
-                assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0}
+                assert decode["kv_reuse"] == {"keeps_blocks": False, "held_tokens": 0, "held_conversations": 0,
+                                                "kv_budget": None}
                 found = (await fresh_request(url, "GET", "/console/api/request?id=w-7")).json()
                 assert len(found["requests"]) == 1
                 # Both workers publish their summary to the parent's table: one proxy, two workers.
