@@ -29,11 +29,11 @@ def proxy(two, start_proxy):
                        extra=["--probe-interval", "1"])
 
 
-def _running(inst: E.Vllm) -> float:
-    try:
-        return E.Metrics.scrape(inst.url).get("vllm:num_requests_running")
-    except Exception:
-        return 0.0
+def _serving(base: str, two) -> E.Vllm:
+    """The decode the proxy has the stream on (its /status: the one with a request in flight)."""
+    pool = E.request(base, "GET", "/status").json()["pools"]["decode"]
+    (url,) = [d["url"] for d in pool if d["inflight"] > 0]
+    return two.decode if url == two.decode.url else two.decode_b
 
 
 def _stream_and_kill(base: str, path: str, body: dict, two) -> tuple[list, E.Vllm]:
@@ -61,7 +61,7 @@ def _stream_and_kill(base: str, path: str, body: dict, two) -> tuple[list, E.Vll
             if events[-1] == "[DONE]":
                 break
             if len(events) == KILL_AFTER and victim is None:
-                victim = next(i for i in (two.decode, two.decode_b) if _running(i) > 0)
+                victim = _serving(base, two)
                 victim.kill()
     finally:
         conn.close()
