@@ -164,6 +164,12 @@ def kv(clusters):
     return clusters.get("kv")
 
 
+@pytest.fixture(scope="module")
+def two(clusters):
+    """2 plain instances (tiny Llama) serving one model: the decodes a stream moves between."""
+    return clusters.get("two")
+
+
 @pytest.fixture(scope="session")
 def proxy_ready():
     ok, detail = E.proxy_available()

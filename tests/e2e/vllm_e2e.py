@@ -442,6 +442,15 @@ def models_cluster(log_dir: str) -> Cluster:
     }, log_dir)
 
 
+def two_decodes_cluster(log_dir: str) -> Cluster:
+    """2 plain instances (tiny Llama, no KV transfer) serving one model: two decodes to move a
+    stream between (test_stream_migration.py)."""
+    return Cluster("two", {
+        "decode": Vllm("two-a", "tiny-model", 0, max_model_len=2048),
+        "decode_b": Vllm("two-b", "tiny-model", 1, max_model_len=2048),
+    }, log_dir)
+
+
 LORAS = os.path.join(MODELS, "tiny-loras")  # lora-a, lora-b, lora-c (e2e/make_tiny_loras.py)
 
 
@@ -503,8 +512,9 @@ CLUSTERS: dict[str, Callable[[str], Cluster]] = {"pd": pd_cluster, "push": push_
                                                   "epd": epd_cluster, "models": models_cluster,
                                                   "mt": multiturn_cluster,
                                                   "lora": lora_cluster,
-                                                  "api": api_cluster, "kv": kv_events_cluster}
-CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt", "lora", "api", "kv"]
+                                                  "api": api_cluster, "kv": kv_events_cluster,
+                                                  "two": two_decodes_cluster}
+CLUSTER_ORDER = ["pd", "push", "epd", "models", "mt", "lora", "api", "kv", "two"]
 
 
 # ---------------------------------------------------------------------------------------------

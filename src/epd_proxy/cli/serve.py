@@ -148,6 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="... and always by then; also the delay until 20 answers were seen (default %(default)g)")
     g.add_argument("--hedge-max-per-instance", type=int, default=defaults.hedge_max_per_instance, metavar="N",
                    help="hedges in flight to one instance at most (0 = no bound; default %(default)s)")
+    g.add_argument("--no-stream-migration", action="store_false", dest="stream_migration",
+                   default=defaults.stream_migration,
+                   help="end a committed stream whose decode breaks off with an in-band error, as before (by "
+                        "default a chat or completions stream is continued on another decode)")
+    g.add_argument("--migration-limit", type=int, default=defaults.migration_limit, metavar="N",
+                   help="moves of one stream to another decode at most (default %(default)s)")
     g.add_argument("--upstream-api-key", default=_env(UPSTREAM_API_KEY_ENV, defaults.upstream_api_key),
                    help=f"sent to backends as 'Authorization: Bearer' (default: ${UPSTREAM_API_KEY_ENV}; "
                         "for the reference proxies' behaviour pass --upstream-api-key \"$OPENAI_API_KEY\")")

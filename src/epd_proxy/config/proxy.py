@@ -95,6 +95,8 @@ class _SectionFields:
     hedge_min_delay: float
     hedge_max_delay: float
     hedge_max_per_instance: int
+    stream_migration: bool
+    migration_limit: int
     upstream_api_key: str | None
     forward_headers: tuple[str, ...]
     upstream_keep_alive: float

@@ -128,6 +128,10 @@ class UpstreamConfig:
     hedge_min_delay: float = 0.1
     hedge_max_delay: float = 2.0
     hedge_max_per_instance: int = 4
+    # A committed chat or completions stream whose decode breaks off is continued on another
+    # decode (request/migration.py), at most this many times per request.
+    stream_migration: bool = True
+    migration_limit: int = 2
     upstream_api_key: str | None = None
     forward_headers: tuple[str, ...] = ALWAYS_FORWARDED  # and those --forward-header names
     # vLLM closes idle keep-alive connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE
@@ -145,6 +149,7 @@ class UpstreamConfig:
             ("--hedge-min-delay", self.hedge_min_delay, 0, True),
             ("--hedge-max-delay", self.hedge_max_delay, 0, True),
             ("--hedge-max-per-instance", self.hedge_max_per_instance, 0, False),
+            ("--migration-limit", self.migration_limit, 0, False),
             ("--max-upstream-connections", self.max_upstream_connections, 1, False),
             ("--upstream-keep-alive", self.upstream_keep_alive, 0, False),
         ))

@@ -49,8 +49,10 @@ log = logging.getLogger("epd_proxy.epp")
 
 # What one decision came to (``epd_proxy_epp_decisions_total{outcome}``).
 OUTCOMES = ("picked", "rewritten", "none_eligible", "shed", "refused")
-_MISSING_KEY = unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-_INVALID_KEY = unauthorized("invalid API key")
+# A refused key's messages, as the proxy's own front door words them (client_auth.py); each
+# refusal raises a fresh error (one raised again and again would carry every traceback).
+_MISSING_KEY = "missing API key: send 'Authorization: Bearer <key>'"
+_INVALID_KEY = "invalid API key"
 
 
 @dataclasses.dataclass
@@ -211,7 +213,7 @@ class EndpointPicker:
         authorization, api_key = req.headers.get(b"authorization"), req.headers.get(b"x-api-key")
         key = keys.identify(authorization, api_key)
         if key is None:
-            raise _INVALID_KEY if authorization or api_key else _MISSING_KEY
+            raise unauthorized(_INVALID_KEY if authorization or api_key else _MISSING_KEY)
         return key
 
     async def _admit(self, lease: Lease, anthropic: bool) -> Refusal | None:

@@ -84,6 +84,7 @@ class AccessLog:
         client = self.client(rec.peer, rec.headers)
         p, c, cached = tokens
         now, stamp = self._now()
+        moves = rec.moves  # a stream continued on another decode (request/migration.py)
         if self.json:
             instances: dict[str, list[str]] = {}
             if tokenized:
@@ -98,7 +99,10 @@ class AccessLog:
                 "cached_tokens": cached, "bytes": nbytes, "client": client, "model": rec.model, "key": rec.key,
                 "kv": kv,
                 "class": rec.ticket.traffic.name if rec.ticket is not None else None,
-                "outcome": outcome}).decode() + "\n")
+                "outcome": outcome,
+                **({} if moves is None else {"moves": [
+                    {"reason": m[0], "result": m[1], "from": _address(m[2]), "to": m[3] and _address(m[3]),
+                     "at_ms": round(m[4] * 1000, 2), "ms": round(m[5] * 1000, 2)} for m in moves]})}).decode() + "\n")
             return
         chosen = " ".join(f"{inst.role[0]}={_address(inst.url)}" for inst in legs)
         if tokenized:
@@ -109,7 +113,8 @@ class AccessLog:
                     f"tokens={'-' if p is None else p}/{'-' if c is None else c} "
                     f"cached={'-' if cached is None else cached} bytes={nbytes} client={client} "
                     f"model={text_field(rec.model)} key={text_field(rec.key)}{f' kv={kv}' if kv else ''}"
-                    f"{'' if rec.ticket is None else ' class=' + rec.ticket.traffic.name} {outcome}\n")
+                    f"{'' if rec.ticket is None else ' class=' + rec.ticket.traffic.name}"
+                    f"{'' if moves is None else ' moved=' + ','.join(f'{m[0]}:{m[1]}' for m in moves)} {outcome}\n")
 
     def other(self, rid: str, method: str, path: str, status: int, nbytes: int, seconds: float, peer=None,
               headers=None, model: str | None = None, key: str | None = None) -> None:

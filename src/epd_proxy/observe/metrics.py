@@ -95,6 +95,13 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                     "says the chosen decode holds all but --local-prefill-max-tokens of the prompt).",
                                     ("reason",)),
     "epd_proxy_stream_errors": ("counter", "Committed streams ended with an in-band error event.", ()),
+    "epd_proxy_stream_migrations": ("counter", "Committed streams whose decode broke off, by why (reset: the "
+                                    "connection broke or closed before the terminator; error: decode's in-band "
+                                    "error; stall: silent past the stall rule; ejected: the decode was ejected; "
+                                    "eof) and what followed (ok: continued to the end on another decode; moved: "
+                                    "continued, and that decode broke off too; failed: no decode could continue "
+                                    "it; limit: --migration-limit reached; unsound: the answer cannot be "
+                                    "continued).", ("reason", "result")),
     "epd_proxy_client_disconnects": ("counter", "Requests whose client went away before the end.", ()),
     "epd_proxy_inflight_requests": ("gauge", "Client requests in progress.", ()),
     "epd_proxy_shed_requests": ("counter", "Requests answered 429 by admission control (queue full or queue "
@@ -348,6 +355,7 @@ class ProxyMetrics:
         self.retries = 0
         self.instance_retries: dict[tuple[str, str], int] = {}  # (role, url) -> attempts it failed, retried
         self.stream_errors = 0
+        self.migrations: dict[tuple[str, str], int] = {}  # (reason, result) -> streams (request/migration.py)
         self.not_disaggregated: dict[str, int] = {}  # reason -> requests served whole by one instance
         self.hedges: dict[tuple[str, str], int] = {}  # (role, result) -> hedges (request/legs/hedged.py)
         self.disconnects = 0
@@ -470,6 +478,7 @@ class ProxyMetrics:
         f["epd_proxy_retries"] = [[self.retries]]
         f["epd_proxy_instance_retries"] = [[r, u, n] for (r, u), n in self.instance_retries.items()]
         f["epd_proxy_stream_errors"] = [[self.stream_errors]]
+        f["epd_proxy_stream_migrations"] = [[r, res, n] for (r, res), n in self.migrations.items()]
         f["epd_proxy_not_disaggregated"] = [[r, n] for r, n in self.not_disaggregated.items()]
         f["epd_proxy_hedges"] = [[r, result, n] for (r, result), n in self.hedges.items()]
         f["epd_proxy_client_disconnects"] = [[self.disconnects]]

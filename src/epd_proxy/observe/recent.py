@@ -43,7 +43,7 @@ def captured(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, second
         legs = tuple((inst.role, inst.url, inst in excluded) for inst in ctx.legs)
         timings = ctx.timings  # the request is over: nothing adds to it any more
     return (rec.request_id, rec.method, rec.path, rec.model, status, rec.outcome, rec.stream, end, seconds,
-            rec.first_byte, rec.gap, tokens, rec.items, legs, timings, nbytes, kv, placement)
+            rec.first_byte, rec.gap, tokens, rec.items, legs, timings, nbytes, kv, placement, rec.moves)
 
 
 def as_summary(kept: tuple) -> dict:
@@ -51,16 +51,22 @@ def as_summary(kept: tuple) -> dict:
     time at its end; ``legs``: each instance called, in order, as ``[role, url, failed]``
     (``failed``: it failed this request, which went on elsewhere or ended in error); ``kv_outcome``:
     what became of the turn's chance to reuse decode's KV (``turns/outcomes.py``; None: not looked up);
-    ``placement``: per leg, the instance and why it went there (None: never placed)."""
+    ``placement``: per leg, the instance and why it went there (None: never placed); ``moves``: a
+    stream continued on another decode, per move its reason, result, the decode it left and the
+    one it went to, when (from arrival) and the time the move took (request/migration.py; None:
+    never moved)."""
     (rid, method, path, model, status, outcome, stream, end, seconds, first_byte, gap, tokens, items, legs,
-     timings, nbytes, kv, placement) = kept
+     timings, nbytes, kv, placement, moves) = kept
     prompt, completion, cached = tokens
     return {"id": rid, "method": method, "path": path, "model": model, "status": status, "outcome": outcome,
             "stream": stream, "end": round(end, 3), "total_ms": _ms(seconds), "first_byte_ms": _ms(first_byte),
             "itl_ms": _ms(gap), "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
             "items": items, "legs": [list(leg) for leg in legs],
             "stages_ms": {stage: round(s * 1000, 3) for stage, s in timings.items()}, "bytes": nbytes,
-            "kv_outcome": kv, "placement": None if placement is None else placement.summary()}
+            "kv_outcome": kv, "placement": None if placement is None else placement.summary(),
+            "moves": None if moves is None else [
+                {"reason": m[0], "result": m[1], "from": m[2], "to": m[3], "at_ms": _ms(m[4]), "ms": _ms(m[5])}
+                for m in moves]}
 
 
 def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds: float, end: float) -> dict:
@@ -71,7 +77,7 @@ def summary(rec: RequestRecord, status: int, tokens: tuple, nbytes: int, seconds
 def refused(request_id: str, method: str, path: str, status: int, seconds: float, end: float) -> tuple:
     """A request refused before it was parsed (admission's 429, a 503 while shutting down)."""
     return (request_id, method, path, None, status, "error", False, end, seconds, None, None, (None, None, None), 0,
-            (), {}, 0, None, None)
+            (), {}, 0, None, None, None)
 
 
 class RecentRequests:

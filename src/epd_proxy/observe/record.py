@@ -22,7 +22,7 @@ class RequestRecord:
 
     __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
                  "headers", "key", "model", "series", "hide_usage", "first_byte", "gap", "items",
-                 "ticket")
+                 "ticket", "moves")
 
     def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
                  key: str | None = None, series: Any = None) -> None:
@@ -44,3 +44,6 @@ class RequestRecord:
         self.gap: float | None = None
         self.items = 0
         self.ticket: Any = None
+        # A stream continued on another decode: (reason, result, from, to, seconds) per move
+        # (request/migration.py); None: never moved.
+        self.moves: list | None = None

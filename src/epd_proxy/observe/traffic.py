@@ -220,7 +220,10 @@ def waterfall(s: dict) -> list[dict]:
     decode's wait once the prefill answered); then the first byte to the client and, for a
     stream, the relay until the last byte. A turn looked up for multi-turn KV reuse starts
     with its outcome (``kv_reuse``, a mark at 0, with the decode it was held on when reused);
-    the prefill's and the decode's stage say why the last attempt placed them there (``why``)."""
+    the prefill's and the decode's stage say why the last attempt placed them there (``why``); a
+    stream moved to another decode after the commit adds a ``move`` per move, from when its
+    decode broke off until the continuation answered, with the decode it left (``failed``) and
+    the one it went to."""
     stages = s["stages_ms"]
     legs = s["legs"]
     total = s["total_ms"] or 0.0
@@ -281,4 +284,10 @@ def waterfall(s: dict) -> list[dict]:
         if s["stream"] and total > fb:
             out.append({"stage": "stream", "label": "stream relayed until the last byte", "start_ms": round(fb, 3),
                         "end_ms": round(total, 3), "instances": [], "failed": []})
+    for move in s.get("moves") or ():  # a stream continued on another decode (request/migration.py)
+        to = move["to"]
+        out.append({"stage": "move", "start_ms": move["at_ms"], "end_ms": round(move["at_ms"] + move["ms"], 3),
+                    "label": f"decode broke off ({move['reason']}): "
+                             + ("stream continued on another decode" if to else f"not continued ({move['result']})"),
+                    "instances": [to] if to else [], "failed": [move["from"]], "result": move["result"]})
     return out

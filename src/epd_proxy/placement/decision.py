@@ -227,6 +227,13 @@ def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
     return chosen
 
 
+def another_decode(ask: Asking, known: Known) -> bool:
+    """Whether a decode that has not failed the request can take it: a broken stream is continued
+    only on another decode (its own may be wedged, or gone), never back where it broke."""
+    models = ask.models
+    return known.decode.spare(ask.excluded, None if models is None else models.get("decode"))
+
+
 def worth_retrying(ask: Asking, known: Known, unsent: bool) -> bool:
     """Whether a failed attempt is worth placing again. A retry runs prefill again: only worth
     it when a decode can take the request now, one that has not failed it, or one still in

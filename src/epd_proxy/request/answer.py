@@ -23,6 +23,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.response import ResponseWriter
 from epd_proxy.request.apis import GENERATE, GenerationApi
 from epd_proxy.request.legs.stages import DecodeLeg
+from epd_proxy.request.migration import Migrations
 from epd_proxy.request.relay import (
     ApiRelay,
     IdStrippingRelay,
@@ -76,9 +77,12 @@ class Answers:
         return api.client_answer(answer, report) if api.rewrite_usage else answer
 
     async def stream(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
-                     headers: Headers, hide: bool, api: GenerationApi | None) -> StreamRelay:
+                     headers: Headers, hide: bool, api: GenerationApi | None,
+                     migrations: Migrations | None = None) -> StreamRelay:
         """A stream relayed to the end through the relay composed for it; then decode's
-        parameters, if its last event carried them, kept for the next turn or let go."""
+        parameters, if its last event carried them, kept for the next turn or let go. With
+        ``migrations`` the stream is watched, and ends broken (``relay.broken``) rather than
+        in-band when its decode breaks off: the caller continues it (migration.py)."""
         report = ctx.prefill_report
         if api is not None and not api.rewrite_usage:
             report = None
@@ -87,8 +91,14 @@ class Answers:
             # No decode keeps blocks (yet): the plain relays, and a look at the last event.
             usage = hide or ((report is not None or leg.companion is not None)
                              and (_wants_usage(body) or (api is not None and api.usage_event)))
-            relay = _relay(writer, leg, ctx if usage else None, hide, body, api, False, False)
-            relay = await relay_stream(writer, relay, leg.first, headers, leg.companion)
+            relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, False, False)
+            if migrations is not None:
+                migrations.watch(relay, leg.inst)
+            try:
+                relay = await relay_stream(writer, relay, leg.first, headers, leg.companion)
+            finally:
+                if migrations is not None:
+                    migrations.unwatch(relay)
             if turns is not None and (relay.last.find(MARK) >= 0 or relay.prev.find(MARK) >= 0):
                 # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
                 # stream, a later vLLM's chat or completions stream, in its last event): reuse
@@ -103,15 +113,21 @@ class Answers:
         keeping = asked or ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
         usage = hide or api is None or ((report is not None or leg.companion is not None)
                                         and (_wants_usage(body) or api.usage_event))
-        relay = _relay(writer, leg, ctx if usage else None, hide, body, api, keeping, asked)
-        relay = await relay_stream(writer, relay, leg.first, headers, leg.companion)
+        relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, keeping, asked)
+        if migrations is not None:
+            migrations.watch(relay, leg.inst)
+        try:
+            relay = await relay_stream(writer, relay, leg.first, headers, leg.companion)
+        finally:
+            if migrations is not None:
+                migrations.unwatch(relay)
         kept = kept_bytes(relay) if keeping else None
         whole = kept is not None
         if kept is None:
             kept = relay.prev + relay.last  # the last event: its parameters, to let them go
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
-        elif relay.error is None and api is None:
+        elif relay.error is None and relay.broken is None and api is None:
             self.reuse.stream_ended_plain(ctx, leg.inst, body)
         return relay
 

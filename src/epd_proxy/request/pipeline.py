@@ -29,7 +29,15 @@ from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.observe.record import RequestRecord
 from epd_proxy.observe.server_timing import ServerTiming
 from epd_proxy.observe.tokens import usage_of
-from epd_proxy.placement.decision import HOLDS_PROMPT, Known, Placement, again, place, worth_retrying
+from epd_proxy.placement.decision import (
+    HOLDS_PROMPT,
+    Known,
+    Placement,
+    again,
+    another_decode,
+    place,
+    worth_retrying,
+)
 from epd_proxy.request.admission import ADMIT, SHED, Admission, overloaded
 from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import (
@@ -50,6 +58,7 @@ from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
 from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
+from epd_proxy.request.migration import Migrations
 from epd_proxy.request.relay import StreamRelay
 from epd_proxy.request.stored_responses import StoredResponses
 from epd_proxy.request.turns.reuse import TurnReuse
@@ -94,6 +103,8 @@ class Pipeline:
         self.connector = connector
         self.decode_only = decode_only  # no prefill instances (E+PD, PD)
         self.retries = config.decode_retries
+        # A committed chat or completions stream whose decode breaks off goes on elsewhere (migration.py).
+        self.migrations = Migrations(config.stream_migration, config.migration_limit, metrics.migrations)
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response
@@ -264,7 +275,15 @@ class Pipeline:
             self.tenants.model_ids(ticket.key, self.models.current)
         return err if ids is None else self.models.current.not_found(str(rec.model), ids)
 
-    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+    async def _continuation(self, ctx: RequestContext, body: dict) -> DecodeLeg:
+        """A broken stream's continuation opened like an attempt (placed anew without the decodes
+        that failed it), apart from multi-turn reuse: it is not a turn of the conversation; never
+        back on a decode that failed it."""
+        if not another_decode(ctx, self.known):
+            raise ProxyError(503, "no other decode is in rotation")
+        return await self._open(ctx, body, [], fresh=True)
+
+    async def _open(self, ctx: RequestContext, body: dict, items: list[MediaItem], fresh: bool = False) -> DecodeLeg:
         """Attempts until decode is open and checked, under the first-byte deadline
         (``--first-byte-timeout``) if there is one; retryable failures get a fresh attempt."""
         deadlines = self.deadlines
@@ -274,7 +293,7 @@ class Pipeline:
             while True:
                 first_leg = len(ctx.legs)
                 try:
-                    return await self._attempt(ctx, body, items)
+                    return await self._attempt(ctx, body, items, fresh)
                 except ProxyError as err:
                     if not err.retryable or attempt >= self.retries or not worth_retrying(ctx, self.known, err.unsent):
                         raise
@@ -324,7 +343,14 @@ class Pipeline:
                 ok = True
                 rec.outcome = "ok"
                 return
-            relay = await self.answers.stream(writer, ctx, body, leg, headers, rec.hide_usage, api)
+            migrations = self.migrations
+            if not (api is None and migrations.applies(ctx.path, body, rec.items)):
+                migrations = None  # type: ignore[assignment]
+            relay = await self.answers.stream(writer, ctx, body, leg, headers, rec.hide_usage, api, migrations)
+            if relay.broken is not None:  # after the commit: continued on another decode (migration.py)
+                rec.moves = []
+                relay, leg = await migrations.carry_on(writer, ctx, body, leg, relay, rec.hide_usage,
+                                                       self._continuation, rec.moves, self._settle, rec.start)
             ok = relay.error is None
             rec.outcome, rec.answer = "ok" if ok else "in_band_error", relay.final_bytes()
             gap = relay.gap()
@@ -399,7 +425,8 @@ class Pipeline:
         log.warning("request %s: ended by the shutdown timeout", rid)
         return True
 
-    async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem]) -> DecodeLeg:
+    async def _attempt(self, ctx: RequestContext, body: dict, items: list[MediaItem], fresh: bool = False
+                       ) -> DecodeLeg:
         """One attempt: what the placement needs looked up (only where its feature applies), the
         placement made (placement/decision.py), and carried out, every handle built anew from the
         untouched client body."""
@@ -415,7 +442,7 @@ class Pipeline:
         reuse = self.reuse
         turns = self.turns
         # Chat, completions, generate (turns/reuse.py); generate answers with its token ids anyway.
-        reusing = turns is not None and (ctx.api is None or ctx.path == GENERATE)
+        reusing = turns is not None and not fresh and (ctx.api is None or ctx.path == GENERATE)
         found = await reuse.lookup(ctx, body, bool(items)) if reusing and turns.active else None  # type: ignore[union-attr]
         encoded = items if items and (self.encode or self._need_encode) else ()
         placed = place(ctx, self.known, bool(items), found, False, None, encoded)
@@ -523,6 +550,7 @@ class Pipeline:
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.migrations.close()
         await self.reuse.close()
         await self.tenants.close()
 

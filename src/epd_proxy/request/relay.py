@@ -10,6 +10,7 @@ for chat; ``apis.py`` for the others) instead of being glued to half an event.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from time import perf_counter
 from typing import Callable, TypeVar
 
@@ -25,6 +26,11 @@ from epd_proxy.wire.errors import ProxyError
 
 # A "partial event" larger than this is not SSE framing we understand: pass it on.
 _MAX_HELD = 1 << 20
+# What a relay keeps of the reads it relayed when its stream is not continued elsewhere
+# (``migration.py``): nothing (appending to it is a no-op).
+NOWHERE: deque = deque(maxlen=0)
+# The start of decode's own in-band error event in a chat or completions stream.
+ERROR_EVENT = b'data: {"error"'
 # How vLLM ends a chat or completions event whose choice has not finished (pydantic with
 # ``exclude_unset``: nothing is set after ``finish_reason`` until the finish).
 _UNFINISHED_ENDS = (b'"finish_reason":null}]}\n\n', b'"finish_reason":null,"token_ids":null}]}\n\n',
@@ -35,7 +41,7 @@ class StreamRelay(FlowListener):
     """Upstream body sink + client flow listener for one committed stream."""
 
     __slots__ = ("writer", "resp", "_tail", "error", "ended", "events", "first_at", "last_at", "prev",
-                 "last")
+                 "last", "sent", "migrate", "broken")
 
     def __init__(self, writer: ResponseWriter, resp: Response) -> None:
         self.writer = writer
@@ -49,6 +55,12 @@ class StreamRelay(FlowListener):
         self.events = 0
         self.first_at = self.last_at = 0.0
         self.prev = self.last = b""  # the last two reads: where the final usage event is
+        # A stream that may be continued elsewhere (migration.py): the reads relayed, kept by
+        # reference (parsed only if it breaks), and why it broke (then the relay ends nothing:
+        # the continuation does). Otherwise a sink that keeps nothing.
+        self.sent: list[bytes] | deque = NOWHERE
+        self.migrate = False
+        self.broken: str | None = None
 
     def final_bytes(self) -> bytes:
         return self.prev + self.last
@@ -89,12 +101,30 @@ class StreamRelay(FlowListener):
         return data[: cut + 2]
 
     def on_end(self) -> None:
+        if self.broken is not None:
+            return
+        if self.migrate:  # the body ended cleanly without its terminator (vLLM always sends one)
+            self.broken = "eof"
+            return
         self.ended = True
         tail, self._tail = self._tail, b""
         self.writer.end(tail)
 
     def on_error(self, exc: Exception) -> None:
+        if self.migrate or self.broken is not None:
+            if self.broken is None:
+                self.broken = "reset"
+            return
         self.fail(ProxyError(502, f"decode stream broke off: {exc}"))
+
+    def break_off(self, reason: str) -> None:
+        """The stream is broken (``reason``): decode's response closed, the client told nothing
+        (the continuation goes on from what it has)."""
+        if self.broken is None and not self.ended:
+            self.broken = reason
+            self._tail = b""
+            if self.resp is not None:
+                self.resp.close()
 
     def fail(self, error: ProxyError) -> None:
         """End a committed stream with an in-band error event (the partial event is dropped)."""
@@ -187,24 +217,27 @@ class UsageRelay(StreamRelay):
 
     def on_data(self, data: bytes) -> None:
         self.events += 1
+        self.sent.append(data)  # the reads as received (a no-op unless the stream may move)
         if self._tail:
             data = self._tail + data
             self._tail = b""
         if not self.ending:
             if data.endswith(self.plain):
-                self.prev, self.last = self.last, data
                 self.writer.write(data)
                 return
             if data.find(self.ENDING) < 0:
                 # Until a choice finishes, nothing here changes an event: out as received, as
                 # StreamRelay does (inline: this runs for every read of the stream).
-                self.prev, self.last = self.last, data
+                if self.migrate and data.find(ERROR_EVENT) >= 0:
+                    self._errored(data)
+                    return
                 if data.endswith(b"\n\n"):
                     self.writer.write(data)
                 else:
                     self._write_whole(data)
                 return
             self.ending = True
+            self.migrate = False  # the choice has finished: nothing is left to continue
         # From the first finish on (the stream's last few reads): whole events, looked at.
         events = self._whole_events(data)
         if not events:
@@ -222,6 +255,13 @@ class UsageRelay(StreamRelay):
             if not events:
                 return
         self.writer.write(events)
+
+    def _errored(self, data: bytes) -> None:
+        """Decode's own in-band error event: the whole events before it out, the stream broken."""
+        cut = data.find(ERROR_EVENT)
+        if cut:
+            self._write_whole(data[:cut])
+        self.break_off("error")
 
     def on_end(self) -> None:
         self._flush_held()
@@ -377,7 +417,9 @@ async def relay_stream(writer: ResponseWriter, relay: StreamRelay, first: bytes,
         pass  # on_error has already ended the stream in-band
     finally:
         relay.last_at = perf_counter()
-        # Cancelled (client gone) or done: an unfinished upstream is aborted, so vLLM stops.
+        # Cancelled (client gone) or done: nothing more to continue elsewhere (a break has been
+        # seen by now); an unfinished upstream is aborted, so vLLM stops.
+        relay.migrate = False
         resp.close()
         # The response holds the relay as its sink: without this link back the pair is no
         # reference cycle, and is freed with the request instead of by the collector.
