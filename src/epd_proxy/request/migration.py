@@ -1,7 +1,7 @@
 """A committed stream whose decode broke off, continued on another decode (issue: a stream
 survives its decode).
 
-After the commit point a chat or completions stream is watched for four breaks: the
+After the commit point a chat, completions or generate stream is watched for four breaks: the
 connection reset or closed before the terminator, decode's own in-band error event, the
 instance ejected while streaming, and a stall: no read for ``stall_after`` (the stream's own
 pace times :data:`STALL_PACES`, at least :data:`STALL_FLOOR` and at most :data:`STALL_CEILING`
@@ -29,7 +29,7 @@ from epd_proxy.http.client import Response
 from epd_proxy.http.response import ResponseWriter
 from epd_proxy.instances.health import EJECTED
 from epd_proxy.instances.instance import Instance
-from epd_proxy.request.continuation import Received, continuation_body, own_event, received, unsound
+from epd_proxy.request.continuation import received, unsound
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.relay import NOWHERE, StreamRelay
 from epd_proxy.request.turns.answers import strip_token_ids
@@ -148,7 +148,7 @@ class Migrations:
         when: seconds from ``start``, the request's arrival, took: seconds) per move, for the
         request's record; ``settle`` takes a broken leg's companion
         (push connectors' prefill) to cancel."""
-        got = received(b"".join(relay.sent))
+        got = received(ctx.path, b"".join(relay.sent))
         relay.sent = NOWHERE
         while True:
             reason = relay.broken or "reset"
@@ -169,7 +169,7 @@ class Migrations:
             log.info("request %s: decode %s broke off (%s) after %d tokens; continuing elsewhere",
                      ctx.request_id, broken.url, reason, got.tokens)
             try:
-                new = await open_leg(ctx, continuation_body(ctx.path, body, got))
+                new = await open_leg(ctx, got.body(ctx.path, body))
             except ProxyError as err:
                 return self._end(relay, leg, reason, FAILED, f"no decode could continue it: {err.message}",
                                  moves, broken, t0, start)
@@ -221,13 +221,13 @@ class Migrations:
 
 class ContinuedRelay(StreamRelay):
     """The continuation's stream on the client's: each event parsed and made the stream's own
-    (``continuation.own_event``: its id, created and model, no second role, the usage of the
+    (the received answer's ``own``: its id, created and model, no second role, the usage of the
     whole answer; the usage event taken out when the client did not ask for it). A stream that
     was continued pays this per event; one that never broke, nothing."""
 
     __slots__ = ("got", "hide", "ctx", "pending")
 
-    def __init__(self, writer: ResponseWriter, resp: Response, got: Received, hide: bool, ctx) -> None:
+    def __init__(self, writer: ResponseWriter, resp: Response, got, hide: bool, ctx) -> None:
         super().__init__(writer, resp)
         self.got = got
         self.hide = hide
@@ -248,7 +248,7 @@ class ContinuedRelay(StreamRelay):
         report = self.ctx.prefill_report
         if report is not None and events.find(b'"usage"') >= 0:
             events = rewrite_final_usage_events(events, report)
-        if events.find(b'"token_ids"') >= 0:
+        if self.got.strip_ids and events.find(b'"token_ids"') >= 0:
             events = strip_token_ids(events)
         out = []
         for raw in events.split(b"\n\n"):
@@ -275,7 +275,7 @@ class ContinuedRelay(StreamRelay):
                 continue
             event.pop("kv_transfer_params", None)
             finished = self.got.finished
-            own = own_event(event, self.got)
+            own = self.got.own(event)
             if self.got.finished and not finished:
                 self.migrate = False  # the answer is whole: a break from here ends as before
             if own is None:

@@ -103,7 +103,7 @@ class Pipeline:
         self.connector = connector
         self.decode_only = decode_only  # no prefill instances (E+PD, PD)
         self.retries = config.decode_retries
-        # A committed chat or completions stream whose decode breaks off goes on elsewhere (migration.py).
+        # A committed stream whose decode breaks off goes on elsewhere (migration.py).
         self.migrations = Migrations(config.stream_migration, config.migration_limit, metrics.migrations)
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
@@ -344,7 +344,7 @@ class Pipeline:
                 rec.outcome = "ok"
                 return
             migrations = self.migrations
-            if not (api is None and migrations.applies(ctx.path, body, rec.items)):
+            if not migrations.applies(ctx.path, body, rec.items):
                 migrations = None  # type: ignore[assignment]
             relay = await self.answers.stream(writer, ctx, body, leg, headers, rec.hide_usage, api, migrations)
             if relay.broken is not None:  # after the commit: continued on another decode (migration.py)

@@ -6,7 +6,7 @@ stream is parsed only here, and only when it broke: a stream that never breaks p
 none of it (its relay keeps the reads it relayed by reference, ``relay.py``).
 
 The continuation is a *text* continuation, measured against a token-in one (docs/protocol.md
-§2.10): chat sends the conversation with the partial answer as the last assistant message and
+§5.3.1): chat sends the conversation with the partial answer as the last assistant message and
 ``continue_final_message: true``, ``add_generation_prompt: false`` (vLLM renders the template
 without closing that message, so the model goes on from its last token); completions sends the
 prompt with the partial text appended. Both ask for the rest of the token budget. At
@@ -27,7 +27,10 @@ from epd_proxy.request.ingress import CHAT, COMPLETIONS
 _UNSOUND_FIELDS = frozenset(("logprobs", "top_logprobs", "prompt_logprobs", "tools", "functions",
                              "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                              "structured_outputs", "seed", "echo", "suffix", "best_of", "continue_final_message",
-                             "logit_bias", "n"))
+                             "logit_bias", "n", "presence_penalty", "frequency_penalty"))
+# Penalties over the generated tokens only: the answer so far moves into the continuation's
+# prompt, where they no longer count it (unsound unless zero).
+_PENALTIES = frozenset(("presence_penalty", "frequency_penalty"))
 
 _DATA = b"data: "
 _DONE = b"[DONE]"
@@ -60,8 +63,11 @@ def _unsound_field(body: dict) -> str | None:
     """The first field of ``body`` that makes its continuation unsound (unset-like values pass)."""
     for name in _UNSOUND_FIELDS.intersection(body):
         value = body[name]
-        if value is not None and value is not False and value != [] and not (name == "n" and value == 1):
-            return name
+        if value is None or value is False or value == [] or (name == "n" and value == 1):
+            continue
+        if name in _PENALTIES and value == 0:
+            continue
+        return name
     return None
 
 
@@ -79,6 +85,15 @@ class Received:
     finished: bool = False  # the choice's finish was sent: nothing is left to continue
     unsound: str | None = None  # something in the answer cannot be continued (a tool call, reasoning)
     before: int = 0  # the tokens of the answer before the leg now streaming (its usage adds them)
+    # The events' ``token_ids`` are not the answer (the proxy asked for them, or the client did
+    # on chat and completions): taken out of the continuation's events (generate's are kept).
+    strip_ids = True
+
+    def body(self, path: str, body: dict) -> dict:
+        return continuation_body(path, body, self)
+
+    def own(self, event: dict) -> bytes | None:
+        return own_event(event, self)
 
     def take(self, event: dict) -> None:
         """Account for one event the client got."""

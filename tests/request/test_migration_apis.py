@@ -1,0 +1,94 @@
+"""A committed generate or Messages stream whose decode breaks off is continued on another decode,
+over real sockets (request/migration.py, request/continuation/): the client sees one stream in
+its API's form, and what the continuation streamed is the stream's own."""
+
+import msgspec
+import pytest
+from helpers import stack
+
+from epd_proxy.sim import SimConfig
+from epd_proxy.sim.tokens import VOCAB, expected_tokens
+
+pytestmark = pytest.mark.asyncio
+
+GENERATE = "/inference/v1/generate"
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+def sim(**kw) -> SimConfig:
+    return SimConfig(itl_ms=2, ttft_ms=0.5, enable_scale_out=True, **kw)
+
+
+def _data(reply) -> list:
+    out = []
+    for raw in reply.events:
+        assert raw.startswith(b"data: "), raw
+        data = raw[len(b"data: "):]
+        out.append("[DONE]" if data == b"[DONE]" else msgspec.json.decode(data))
+    return out
+
+
+def _generate(n: int, **kw) -> dict:
+    body = {"model": "sim-model", "token_ids": PROMPT, "sampling_params": {"max_tokens": n}, "stream": True}
+    body.update(kw)
+    return body
+
+
+def _vocab_ids(completion_body: dict) -> list[int]:
+    """The simulator's answer to a completions body of token ids, as vocabulary indices."""
+    return [VOCAB.index(t) for t in expected_tokens(completion_body)]
+
+
+@pytest.mark.parametrize("fault,reason", [("reset-after=5", "reset"), ("error-after=5", "error")])
+async def test_a_generate_stream_is_continued_token_in(fault, reason):
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject(fault, times=1)
+        body = _generate(20, stream_options={"include_usage": True})
+        reply = await client.post(GENERATE, body)
+        assert reply.status == 200, reply.body
+        events = _data(reply)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        data = events[:-1]
+        assert not [e for e in data if "error" in e], data
+        assert len({e["request_id"] for e in data}) == 1
+        ids = [t for e in data for c in e["choices"] for t in c["token_ids"]]
+        assert len(ids) == 20
+        assert [c["finish_reason"] for e in data for c in e["choices"] if c["finish_reason"]] == ["length"]
+        assert data[-1]["choices"] == [] and data[-1]["usage"]["completion_tokens"] == 20
+        assert data[-1]["usage"]["prompt_tokens"] == len(PROMPT)
+        assert data[-1]["usage"]["total_tokens"] == len(PROMPT) + 20
+        # The continuation: the prompt's ids and the five streamed, the rest of the budget.
+        first, cont = (msgspec.json.decode(r.body) for r in cluster.records("decode"))
+        assert cont["token_ids"] == PROMPT + ids[:5]
+        assert cont["sampling_params"]["max_tokens"] == 15
+        assert ids[:5] == _vocab_ids({"prompt": PROMPT, "max_tokens": 20})[:5]
+        assert ids[5:] == _vocab_ids({"prompt": PROMPT + ids[:5], "max_tokens": 15})
+        assert proxy.app.metrics.migrations == {(reason, "ok"): 1}
+        assert proxy.app.metrics.stream_errors == 0
+
+
+async def test_a_generate_stream_without_usage_and_with_prompt_ids_asked():
+    """``return_token_ids`` puts the prompt's ids in the first event only: the continuation's
+    (the prompt and the answer so far) are not repeated; no usage event the client did not ask."""
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=3", times=1)
+        reply = await client.post(GENERATE, _generate(12, return_token_ids=True))
+        events = _data(reply)
+        assert events[-1] == "[DONE]"
+        ids = [t for e in events[:-1] for c in e["choices"] for t in c["token_ids"]]
+        assert len(ids) == 12
+        assert not [e for e in events[:-1] if not e["choices"]]
+        assert len([e for e in events[:-1] if "prompt_token_ids" in e]) <= 1
+
+
+@pytest.mark.parametrize("params", [{"seed": 3}, {"n": 2}, {"logprobs": 0}, {"presence_penalty": 0.5}])
+async def test_an_unsound_generate_stream_ends_in_band(params):
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=3", times=1)
+        body = _generate(10)
+        body["sampling_params"].update(params)
+        reply = await client.post(GENERATE, body)
+        events = _data(reply)
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        assert len(cluster.records("decode")) == 1
+        assert proxy.app.metrics.migrations == {}
