@@ -2,12 +2,17 @@
 decodes; the one serving a stream is SIGKILLed mid-answer, and the client's stream goes on from
 the other (request/migration.py): complete, one id, one terminator, and at temperature 0 the
 text compared with one instance's uninterrupted answer (docs/protocol.md §5.3.1: the text
-continuation is exact where the partial answer re-tokenizes to the tokens that made it)."""
+continuation is exact where the partial answer re-tokenizes to the tokens that made it; the
+generate stream's token-in continuation is exact by construction). Then the exactness over many
+cut points: the decode serving a stream SIGSTOPped (wedged: the stall rule moves the stream)
+after k events, k = 1..EPD_E2E_MIGRATION_CUTS (default 3; docs/benchmarks.md has a run with 24)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import re
 import sys
 import time
 import urllib.parse
@@ -29,16 +34,21 @@ def proxy(two, start_proxy):
                        extra=["--probe-interval", "1"])
 
 
-def _serving(base: str, two) -> E.Vllm:
-    """The decode the proxy has the stream on (its /status: the one with a request in flight)."""
+def _serving(base: str, two) -> E.Vllm | None:
+    """The decode the proxy has the stream on (its /status: the one with a request in flight;
+    None when the stream has already ended there)."""
     pool = E.request(base, "GET", "/status").json()["pools"]["decode"]
-    (url,) = [d["url"] for d in pool if d["inflight"] > 0]
+    urls = [d["url"] for d in pool if d["inflight"] > 0]
+    if not urls:
+        return None
+    (url,) = urls
     return two.decode if url == two.decode.url else two.decode_b
 
 
-def _stream_and_kill(base: str, path: str, body: dict, two) -> tuple[list, E.Vllm]:
+def _stream_and_kill(base: str, path: str, body: dict, two, after: int = KILL_AFTER,
+                     freeze: bool = False) -> tuple[list, E.Vllm]:
     """The stream's events as they come (parsed; the terminator as the string); after
-    KILL_AFTER of them the instance running it is SIGKILLed."""
+    ``after`` of them the instance running it is SIGKILLed (``freeze``: SIGSTOPped)."""
     u = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=E.REQUEST_TIMEOUT)
     conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -60,9 +70,14 @@ def _stream_and_kill(base: str, path: str, body: dict, two) -> tuple[list, E.Vll
             events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
             if events[-1] == "[DONE]":
                 break
-            if len(events) == KILL_AFTER and victim is None:
+            if len(events) == after and victim is None:
                 victim = _serving(base, two)
-                victim.kill()
+                if victim is None:
+                    break  # decode had already sent the whole answer
+                if freeze:
+                    victim.freeze()
+                else:
+                    victim.kill()
     finally:
         conn.close()
     assert victim is not None, "the stream ended before the kill"
@@ -121,3 +136,95 @@ def test_a_killed_decode_costs_the_stream_nothing(two, proxy, endpoint, e2e_log_
             assert same >= len(before)
     finally:
         victim.restart(e2e_log_dir)
+
+
+GENERATE = "/inference/v1/generate"
+
+
+def _ids(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, dict) for c in e.get("choices") or [] for t in c.get("token_ids") or []]
+
+
+def _generate_body(two, tokens: int) -> dict:
+    tok = E.post(two.decode.url, "/tokenize", {"model": E.MODEL_NAME, "prompt": E.unique_prompt()})
+    assert tok.status == 200, E.describe(tok)
+    return {"model": E.MODEL_NAME, "token_ids": tok.json()["tokens"], "stream": True,
+            "stream_options": {"include_usage": True},
+            "sampling_params": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def test_a_killed_decode_costs_the_generate_stream_nothing_and_its_answer_is_exact(two, proxy, e2e_log_dir):
+    """Token in: the continuation is the prompt's ids and the ids streamed, so at temperature 0
+    the client's ids are the uninterrupted answer's, token for token."""
+    body = _generate_body(two, TOKENS)
+    plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    ref = E.post(two.decode.url, GENERATE, plain)
+    assert ref.status == 200, E.describe(ref)
+    want = ref.json()["choices"][0]["token_ids"]
+    events, victim = _stream_and_kill(proxy.url, GENERATE, body, two)
+    try:
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        data = events[:-1]
+        assert not [e for e in data if "error" in e], [e for e in data if "error" in e]
+        assert len({e["request_id"] for e in data}) == 1
+        usage = data[-1]["usage"]
+        assert usage["completion_tokens"] == TOKENS and usage["prompt_tokens"] == len(body["token_ids"])
+        got = _ids(events)
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        print(f"\n[e2e] generate: stream moved off {victim.url} after {KILL_AFTER} events; {same} of {len(want)} "
+              f"ids equal to the uninterrupted answer; usage {usage}", file=sys.stderr)
+        assert got == want
+    finally:
+        victim.restart(e2e_log_dir)
+
+
+CUTS = int(os.environ.get("EPD_E2E_MIGRATION_CUTS", "3"))
+SWEEP_TOKENS = 160
+_BROKE = re.compile(r"broke off \((\w+)\) after (\d+) tokens")
+
+
+def _both_healthy(base: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pool = E.request(base, "GET", "/status").json()["pools"]["decode"]
+        if all(d["healthy"] and d["inflight"] == 0 for d in pool):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the decodes did not come back: {pool}")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "generate"])
+def test_exactness_over_cut_points(two, proxy, endpoint):
+    """For k = 1..CUTS: the decode serving the stream is wedged (SIGSTOP) after k events; the
+    stall rule moves the stream; the answer is compared with the uninterrupted one. Generate must
+    be exact at every cut; the text continuations' share is reported (docs/benchmarks.md)."""
+    if endpoint == "generate":
+        body = _generate_body(two, SWEEP_TOKENS)
+        path = GENERATE
+        plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        want: object = E.post(two.decode.url, GENERATE, plain).json()["choices"][0]["token_ids"]
+    else:
+        body = E.text_body(endpoint, E.unique_prompt(), max_tokens=SWEEP_TOKENS, stream=True,
+                           stream_options={"include_usage": True})
+        path = E.endpoint_path(endpoint)
+        plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        choice = E.post(two.decode.url, path, plain).json()["choices"][0]
+        want = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    exact, rows = 0, []
+    for k in range(1, CUTS + 1):
+        _both_healthy(proxy.url)
+        log_at = len(proxy.proc.log_text())
+        events, victim = _stream_and_kill(proxy.url, path, body, two, after=k + (endpoint == "chat"), freeze=True)
+        victim.thaw()
+        assert events[-1] == "[DONE]" and not [e for e in events[:-1] if "error" in e], events[-3:]
+        assert events[-2]["usage"]["completion_tokens"] == SWEEP_TOKENS
+        got = _ids(events) if endpoint == "generate" else _text(events, endpoint)
+        broke = _BROKE.findall(proxy.proc.log_text()[log_at:])
+        cut = int(broke[-1][1]) if broke else None
+        exact += got == want
+        rows.append((k, cut, broke[-1][0] if broke else None, got == want))
+    print(f"\n[e2e] {endpoint}: {exact} of {CUTS} continued answers equal to the uninterrupted one "
+          f"({SWEEP_TOKENS} tokens, temperature 0); (k, tokens before the break, reason, exact): {rows}",
+          file=sys.stderr)
+    if endpoint == "generate":
+        assert exact == CUTS, rows

@@ -270,6 +270,16 @@ class Vllm:
         self.proc._signal_group(signal.SIGKILL)
         self.proc.stop(grace=0)
 
+    def freeze(self) -> None:
+        """SIGSTOP to its whole process group: wedged, its connections open and silent."""
+        assert self.proc is not None
+        self.proc._signal_group(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        assert self.proc is not None
+        self.proc._signal_group(signal.SIGCONT)
+
     def restart(self, log_dir: str) -> None:
         """Started again on the same ports (as a pod's container restarts), ready when this returns."""
         self.stop()
@@ -444,10 +454,10 @@ def models_cluster(log_dir: str) -> Cluster:
 
 def two_decodes_cluster(log_dir: str) -> Cluster:
     """2 plain instances (tiny Llama, no KV transfer) serving one model: two decodes to move a
-    stream between (test_stream_migration.py)."""
+    stream between (test_stream_migration.py); ``/inference/v1/generate`` on both."""
     return Cluster("two", {
-        "decode": Vllm("two-a", "tiny-model", 0, max_model_len=2048),
-        "decode_b": Vllm("two-b", "tiny-model", 1, max_model_len=2048),
+        "decode": Vllm("two-a", "tiny-model", 0, max_model_len=2048, args=["--enable-scale-out"]),
+        "decode_b": Vllm("two-b", "tiny-model", 1, max_model_len=2048, args=["--enable-scale-out"]),
     }, log_dir)
 
 

@@ -37,8 +37,8 @@ def test_what_may_be_continued(extra, why):
     assert unsound(CHAT, dict(CHAT_BODY, **extra)) == why
 
 
-def test_only_chat_and_completions_with_a_text_prompt():
-    assert unsound("/v1/messages", CHAT_BODY) == "api"
+def test_completions_with_a_text_prompt_and_not_responses():
+    assert unsound("/v1/responses", {"input": "x"}) == "api"
     assert unsound(COMPLETIONS, {"prompt": "x"}) is None
     assert unsound(COMPLETIONS, {"prompt": ["x"]}) is None
     assert unsound(COMPLETIONS, {"prompt": [1, 2, 3]}) == "prompt"
@@ -129,3 +129,63 @@ def test_a_generate_continuation_is_token_in():
     final = msgspec.json.decode(got.own({"request_id": "generate-tokens-2", "usage": usage, "choices": []})[6:])
     assert final["request_id"] == "generate-tokens-1"
     assert final["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+
+
+MESSAGES_BODY = {"model": "m", "max_tokens": 10, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _named(name, data) -> bytes:
+    return b"event: " + name + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+@pytest.mark.parametrize("change,why", [
+    ({}, None), ({"tools": [], "thinking": None, "system": [{"type": "text", "text": "s"}]}, None),
+    ({"tools": [{"name": "t"}]}, "tools"), ({"thinking": {"type": "disabled"}}, "thinking"),
+    ({"output_config": {"effort": "low"}}, "output_config"),
+    ({"system": [{"type": "image"}]}, "system"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A"}]}, "prefill"),
+])
+def test_what_messages_streams_may_be_continued(change, why):
+    assert unsound("/v1/messages", dict(MESSAGES_BODY, **change)) == why
+
+
+def test_a_messages_continuation_is_the_chat_vllm_makes_of_it_continued():
+    start = {"type": "message_start", "message": {"id": "msg-1", "model": "m", "usage": {
+        "input_tokens": 7, "output_tokens": 0, "cache_read_input_tokens": 2}}}
+    block = {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0}
+    data = (_named(b"message_start", start) + _named(b"content_block_start", block)
+            + b"".join(_named(b"content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                         "delta": {"type": "text_delta", "text": t}})
+                       for t in ("Hel", "lo")) + b"event: content_block_delta\ndata: {\"type\"")
+    got = received("/v1/messages", data)
+    assert (got.id, got.tokens, got.open, got.index, got.unsound) == ("msg-1", 2, True, 0, None)
+    body = dict(MESSAGES_BODY, system=[{"type": "text", "text": "x-anthropic-billing-header: 1"},
+                                       {"type": "text", "text": "Sys"}], stop_sequences=["END"], temperature=0)
+    cont = got.body("/v1/messages", body)
+    assert cont["messages"] == [{"role": "system", "content": "Sys"}, {"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "Hello"}]
+    assert cont["stop"] == ["END"] and cont["temperature"] == 0 and cont["max_tokens"] == 8
+    got.before = got.tokens
+    assert got.own({"id": "chatcmpl-9", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                     "finish_reason": None}]}) is None
+    out = got.own({"id": "chatcmpl-9", "choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "stop",
+                                                    "stop_reason": "END"}]})
+    assert out == _named(b"content_block_delta", {"type": "content_block_delta",
+                                                  "delta": {"type": "text_delta", "text": "!"}, "index": 0})
+    end = got.own({"id": "chatcmpl-9", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}})
+    assert end == (_named(b"content_block_stop", {"type": "content_block_stop", "index": 0})
+                   + _named(b"message_delta", {"type": "message_delta",
+                                               "delta": {"stop_reason": "stop_sequence", "stop_sequence": "END"},
+                                               "usage": {"input_tokens": 7, "output_tokens": 3,
+                                                         "cache_read_input_tokens": 2}})
+                   + _named(b"message_stop", {"type": "message_stop"}))
+    assert got.done() == b""  # the closing events went out once
+
+
+def test_a_messages_answer_with_a_thinking_block_is_not_continued():
+    block = {"type": "content_block_start", "content_block": {"type": "thinking", "thinking": ""}, "index": 0}
+    start = {"type": "message_start", "message": {"id": "msg-1", "model": "m", "usage": {}}}
+    got = received("/v1/messages", _named(b"message_start", start) + _named(b"content_block_start", block))
+    assert got.unsound == "thinking"

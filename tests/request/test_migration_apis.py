@@ -92,3 +92,90 @@ async def test_an_unsound_generate_stream_ends_in_band(params):
         assert events[-1] == "[DONE]" and "error" in events[-2]
         assert len(cluster.records("decode")) == 1
         assert proxy.app.metrics.migrations == {}
+
+
+MESSAGES = "/v1/messages"
+
+
+def _named(reply) -> list[tuple[str, dict]]:
+    out = []
+    for raw in reply.events:
+        name, data = raw.split(b"\n", 1)
+        assert name.startswith(b"event: ") and data.startswith(b"data: "), raw
+        out.append((name[7:].decode(), msgspec.json.decode(data[6:])))
+    return out
+
+
+def _messages(n: int, **kw) -> dict:
+    more = [{"type": "text", "text": "more"}, {"type": "text", "text": "!"}]
+    body = {"model": "sim-model", "max_tokens": n, "stream": True, "system": [{"type": "text", "text": "Be brief."}],
+            "messages": [{"role": "user", "content": "say something"}, {"role": "assistant", "content": "Well"},
+                         {"role": "user", "content": more}]}
+    body.update(kw)
+    return body
+
+
+@pytest.mark.parametrize("fault,reason", [("reset-after=5", "reset"), ("error-after=5", "error")])
+async def test_a_messages_stream_is_continued_as_one_message(fault, reason):
+    """The continuation is the conversation vLLM's Messages endpoint makes a chat of, on vLLM's
+    chat endpoint with the answer so far continued; its chunks reach the client as the same
+    message: one message_start, the text block's deltas at its index, one content_block_stop,
+    one message_delta with the whole answer's usage, one message_stop."""
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject(fault, times=1)
+        reply = await client.post(MESSAGES, _messages(20))
+        assert reply.status == 200, reply.body
+        events = _named(reply)
+        names = [n for n, _ in events]
+        assert names[0] == "message_start" and names.count("message_start") == 1
+        assert names[-2:] == ["message_delta", "message_stop"] and names.count("message_stop") == 1
+        assert "error" not in names and names.count("content_block_start") == 1
+        assert names.count("content_block_stop") == 1
+        deltas = [d for n, d in events if n == "content_block_delta"]
+        assert len(deltas) == 20 and {d["index"] for d in deltas} == {0}
+        assert {d["delta"]["type"] for d in deltas} == {"text_delta"}
+        start, delta = events[0][1], events[-2][1]
+        assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+        assert delta["usage"]["output_tokens"] == 20
+        assert delta["usage"]["input_tokens"] == start["message"]["usage"]["input_tokens"]
+        first, cont = cluster.records("decode")
+        assert first.path == MESSAGES and cont.path == "/v1/chat/completions"
+        body = msgspec.json.decode(cont.body)
+        text = "".join(d["delta"]["text"] for d in deltas)
+        assert body["messages"] == [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "say something"},
+            {"role": "assistant", "content": "Well"},
+            {"role": "user", "content": [{"type": "text", "text": "more"}, {"type": "text", "text": "!"}]},
+            {"role": "assistant", "content": text[:len(body["messages"][-1]["content"])]}]
+        assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+        assert body["max_tokens"] == body["max_completion_tokens"] == 15
+        assert proxy.app.metrics.migrations == {(reason, "ok"): 1}
+        assert proxy.app.metrics.stream_errors == 0
+
+
+async def test_the_anthropic_sdk_reads_a_continued_message_whole():
+    anthropic = pytest.importorskip("anthropic")
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=4", times=1)
+        sdk = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="x", max_retries=0)
+        body = _messages(12)
+        body.pop("stream")
+        async with sdk.messages.stream(**body) as stream:
+            message = await stream.get_final_message()
+        assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 12
+        assert len(message.content) == 1 and message.content[0].type == "text" and message.content[0].text
+        assert proxy.app.metrics.migrations == {("reset", "ok"): 1}
+
+
+@pytest.mark.parametrize("extra", [{"tools": [{"name": "t", "input_schema": {"type": "object"}}]},
+                                   {"thinking": {"type": "enabled", "budget_tokens": 8}},
+                                   {"messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "Once"}]}])
+async def test_an_unsound_messages_stream_ends_in_band(extra):
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=3", times=1)
+        reply = await client.post(MESSAGES, _messages(10, **extra))
+        name, data = _named(reply)[-1]
+        assert name == "error" and data["error"]["type"] == "api_error"
+        assert len(cluster.records("decode")) == 1
+        assert proxy.app.metrics.migrations == {}

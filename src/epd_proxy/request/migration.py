@@ -168,14 +168,19 @@ class Migrations:
                                  moves, broken, t0, start)
             log.info("request %s: decode %s broke off (%s) after %d tokens; continuing elsewhere",
                      ctx.request_id, broken.url, reason, got.tokens)
+            path, api = ctx.path, ctx.api
+            if got.via is not None:  # continued through another endpoint (Messages: chat's)
+                ctx.path, ctx.api = got.via, None
             try:
-                new = await open_leg(ctx, got.body(ctx.path, body))
+                new = await open_leg(ctx, got.body(path, body))
             except ProxyError as err:
                 return self._end(relay, leg, reason, FAILED, f"no decode could continue it: {err.message}",
                                  moves, broken, t0, start)
+            finally:
+                ctx.path, ctx.api = path, api
             moves.append((reason, OK, broken.url, new.inst.url, t0 - start, perf_counter() - t0))
             got.before = got.tokens
-            follow = ContinuedRelay(writer, new.resp, got, hide, ctx)
+            follow = ContinuedRelay(writer, new.resp, got, hide and got.via is None, ctx)
             await self._follow(follow, new)
             if follow.broken is None:
                 self.count(reason, OK)
@@ -191,7 +196,8 @@ class Migrations:
         moves.append((reason, result, broken.url, None, t0 - start, perf_counter() - t0))
         relay.migrate = False
         relay.broken = None
-        relay.fail(ProxyError(502, f"decode stream broke off ({reason}); {why}"))
+        said = f": {relay.said}" if relay.said else ""  # decode's own error message, kept
+        relay.fail(ProxyError(502, f"decode stream broke off ({reason}{said}); {why}"))
         return relay, leg
 
     async def _follow(self, relay: ContinuedRelay, leg: DecodeLeg) -> None:
@@ -257,7 +263,7 @@ class ContinuedRelay(StreamRelay):
                 continue
             payload = line[6:]
             if payload == b"[DONE]":
-                out.append(b"data: [DONE]\n\n")
+                out.append(self.got.done())
                 self.migrate = False
                 continue
             try:
@@ -269,9 +275,11 @@ class ContinuedRelay(StreamRelay):
             if "error" in event and "choices" not in event:
                 if self.migrate:
                     self._out(out)
+                    err = event["error"]
+                    self.said = err.get("message") if isinstance(err, dict) else None
                     self.break_off("error")
                     return
-                out.append(raw + b"\n\n")
+                out.append(self.got.error(event, raw))
                 continue
             event.pop("kv_transfer_params", None)
             finished = self.got.finished
@@ -286,6 +294,9 @@ class ContinuedRelay(StreamRelay):
                     continue
             out.append(own)
         self._out(out)
+
+    def error_event(self, error: ProxyError) -> bytes:
+        return self.got.in_band(error)
 
     def _out(self, out: list[bytes]) -> None:
         if out:

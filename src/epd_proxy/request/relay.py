@@ -14,6 +14,8 @@ from collections import deque
 from time import perf_counter
 from typing import Callable, TypeVar
 
+import msgspec
+
 from epd_proxy.http import Headers
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import FlowListener, ResponseWriter
@@ -41,7 +43,7 @@ class StreamRelay(FlowListener):
     """Upstream body sink + client flow listener for one committed stream."""
 
     __slots__ = ("writer", "resp", "_tail", "error", "ended", "events", "first_at", "last_at", "prev",
-                 "last", "sent", "migrate", "broken")
+                 "last", "sent", "migrate", "broken", "said")
 
     def __init__(self, writer: ResponseWriter, resp: Response) -> None:
         self.writer = writer
@@ -61,6 +63,7 @@ class StreamRelay(FlowListener):
         self.sent: list[bytes] | deque = NOWHERE
         self.migrate = False
         self.broken: str | None = None
+        self.said: str | None = None  # decode's own error message, when that broke the stream
 
     def final_bytes(self) -> bytes:
         return self.prev + self.last
@@ -172,6 +175,7 @@ class ApiRelay(StreamRelay):
         # with ``ctx`` the usage event's usage the client's.
         self.events += 1
         self.prev, self.last = self.last, data
+        self.sent.append(data)  # the reads as received (a no-op unless the stream may move)
         if self._tail:
             data = self._tail + data
             self._tail = b""
@@ -185,12 +189,27 @@ class ApiRelay(StreamRelay):
             events = strip_stream_params(events)[0]
         foreign = self.api.foreign_error
         if foreign and events.find(foreign) >= 0:  # decode's own in-band error, in the API's types
+            if self.migrate:  # continued elsewhere instead (migration.py): the events before it out
+                self._errored_named(events)
+                return
             events = self.api.own_error_event(events)
+        if self.migrate and events.find(b"event: message_delta\n") >= 0:  # Messages only may move
+            self.migrate = False  # the answer is whole: nothing is left to continue
         if self.ctx is not None and events.find(b'"usage":{') >= 0:
             report = self.ctx.prefill_report
             if report is not None:
                 events = self.api.client_events(events, report)
         self.writer.write(events)
+
+
+    def _errored_named(self, events: bytes) -> None:
+        """Decode's own in-band error among named events: the events before it out, the stream
+        broken."""
+        cut = events.find(b"event: error\n")
+        if cut > 0:
+            self.writer.write(events[:cut])
+        self.said = error_message(events[max(cut, 0):])
+        self.break_off("error")
 
 
 class UsageRelay(StreamRelay):
@@ -261,6 +280,7 @@ class UsageRelay(StreamRelay):
         cut = data.find(ERROR_EVENT)
         if cut:
             self._write_whole(data[:cut])
+        self.said = error_message(data[cut:])
         self.break_off("error")
 
     def on_end(self) -> None:
@@ -277,6 +297,20 @@ class UsageRelay(StreamRelay):
             held = self.hidden.flush()
             if held:
                 self.writer.write(held)
+
+
+def error_message(events: bytes) -> str | None:
+    """The message of the error event that starts ``events`` (vLLM's ``{"error": {"message"}}``
+    or Anthropic's ``{"type": "error", "error": {"message"}}``), if it says one."""
+    start = events.find(b"data: ")
+    end = events.find(b"\n", start)
+    try:
+        event = msgspec.json.decode(events[start + 6:end if end >= 0 else len(events)])
+    except msgspec.DecodeError:
+        return None
+    err = event.get("error") if isinstance(event, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    return message if isinstance(message, str) else None
 
 
 _OnData = TypeVar("_OnData", bound=Callable)

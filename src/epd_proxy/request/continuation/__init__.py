@@ -16,8 +16,8 @@ Responses streams are not continued (docs/protocol.md §5.3.1 says why).
 
 from __future__ import annotations
 
-from epd_proxy.request.apis import GENERATE
-from epd_proxy.request.continuation import text, tokens
+from epd_proxy.request.apis import GENERATE, MESSAGES
+from epd_proxy.request.continuation import messages, text, tokens
 from epd_proxy.request.continuation.text import Received, continuation_body, own_event, whole_usage
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
 
@@ -30,6 +30,8 @@ def unsound(path: str, body: dict) -> str | None:
         return text.unsound(path, body)
     if path == GENERATE:
         return tokens.unsound(body)
+    if path == MESSAGES:
+        return messages.unsound(body)
     return "api"
 
 
@@ -37,4 +39,6 @@ def received(path: str, data: bytes):
     """What the client has of the answer, from the reads its stream relayed."""
     if path == GENERATE:
         return tokens.received(data)
+    if path == MESSAGES:
+        return messages.received(data)
     return text.received(data)

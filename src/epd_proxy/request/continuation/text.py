@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
+from epd_proxy.wire.errors import ProxyError
 
 # What makes a stream's continuation unsound (its answer would not be the uninterrupted one's,
 # or the proxy could not say the rest in the client's terms): it ends as before, in-band.
@@ -88,12 +89,25 @@ class Received:
     # The events' ``token_ids`` are not the answer (the proxy asked for them, or the client did
     # on chat and completions): taken out of the continuation's events (generate's are kept).
     strip_ids = True
+    via: str | None = None  # the continuation goes to the client's path
 
     def body(self, path: str, body: dict) -> dict:
         return continuation_body(path, body, self)
 
     def own(self, event: dict) -> bytes | None:
         return own_event(event, self)
+
+    def done(self) -> bytes:
+        """The terminator, as the stream's."""
+        return b"data: [DONE]\n\n"
+
+    def error(self, event: dict, raw: bytes) -> bytes:
+        """Decode's own in-band error event, as the stream's."""
+        return raw + b"\n\n"
+
+    def in_band(self, error: ProxyError) -> bytes:
+        """The proxy's in-band error, in the stream's form."""
+        return error.sse_event()
 
     def take(self, event: dict) -> None:
         """Account for one event the client got."""

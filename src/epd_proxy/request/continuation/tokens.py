@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from epd_proxy.request.continuation.text import whole_usage
+from epd_proxy.wire.errors import ProxyError
 
 # Sampling parameters whose answer a continuation cannot reproduce: more than one choice, log
 # probabilities (the client's would restart), a seed (the continuation draws anew), guided
@@ -71,10 +72,23 @@ class TokensReceived:
     unsound: str | None = None
     before: int = 0  # the ids of the answer before the leg now streaming (its usage adds them)
     strip_ids = False  # the events' token ids are the answer
+    via: str | None = None  # the continuation goes to the client's path
 
     @property
     def tokens(self) -> int:
         return len(self.ids)
+
+    def done(self) -> bytes:
+        """The terminator, as the stream's."""
+        return b"data: [DONE]\n\n"
+
+    def error(self, event: dict, raw: bytes) -> bytes:
+        """Decode's own in-band error event, as the stream's."""
+        return raw + b"\n\n"
+
+    def in_band(self, error: ProxyError) -> bytes:
+        """The proxy's in-band error, in the stream's form."""
+        return error.sse_event()
 
     def take(self, event: dict) -> None:
         if self.id is None:
