@@ -65,10 +65,10 @@ def _stream_and_kill(base: str, path: str, body: dict, two, after: int = KILL_AF
             buf += line
             if not buf.endswith(b"\n\n"):
                 continue
-            data = buf.strip()[len(b"data: "):]
+            data = buf.strip().rsplit(b"\n", 1)[-1][len(b"data: "):]  # Messages: after its event: line
             buf = b""
             events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-            if events[-1] == "[DONE]":
+            if events[-1] == "[DONE]" or events[-1].get("type") in ("message_stop", "response.completed"):
                 break
             if len(events) == after and victim is None:
                 victim = _serving(base, two)
@@ -193,7 +193,77 @@ def _both_healthy(base: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"the decodes did not come back: {pool}")
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions", "generate"])
+MESSAGES = "/v1/messages"
+
+
+def _message_text(events: list) -> str:
+    return "".join(e["delta"]["text"] for e in events if isinstance(e, dict) and e.get("type") == "content_block_delta")
+
+
+def test_a_killed_decode_costs_the_messages_stream_nothing(two, proxy, e2e_log_dir):
+    """A Messages stream continued through vLLM's chat endpoint (its Messages endpoint does not
+    continue a final assistant message): one message, its text block going on at its index, one
+    message_delta with the whole answer's output tokens, one message_stop."""
+    body = {"model": E.MODEL_NAME, "max_tokens": TOKENS, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": E.unique_prompt()}]}
+    ref = E.post(two.decode.url, MESSAGES, dict(body, stream=False))
+    assert ref.status == 200, E.describe(ref)
+    want = "".join(b["text"] for b in ref.json()["content"] if b["type"] == "text")
+    events, victim = _stream_and_kill(proxy.url, MESSAGES, body, two)
+    try:
+        types = [e["type"] for e in events]
+        assert types[0] == "message_start" and types.count("message_start") == 1, types
+        assert types[-2:] == ["message_delta", "message_stop"] and types.count("message_stop") == 1, types
+        assert "error" not in types and types.count("content_block_stop") == 1
+        assert {e["index"] for e in events if e["type"] == "content_block_delta"} == {0}
+        assert events[-2]["usage"]["output_tokens"] == ref.json()["usage"]["output_tokens"]
+        assert events[-2]["usage"]["input_tokens"] == events[0]["message"]["usage"]["input_tokens"]
+        got = _message_text(events)
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        print(f"\n[e2e] messages: stream moved off {victim.url} after {KILL_AFTER} events; {same} of {len(want)} "
+              f"characters equal to the uninterrupted answer ({'exact' if got == want else 'differs from there'}); "
+              f"usage {events[-2]['usage']}", file=sys.stderr)
+        assert got.startswith(_message_text(events[:KILL_AFTER]))
+    finally:
+        victim.restart(e2e_log_dir)
+
+
+RESPONSES = "/v1/responses"
+
+
+def _response_text(events: list) -> str:
+    return "".join(e["delta"] for e in events if isinstance(e, dict) and e.get("type") == "response.output_text.delta")
+
+
+def test_a_killed_decode_costs_the_responses_stream_nothing(two, proxy, e2e_log_dir):
+    """A ``store: false`` Responses stream continued with the text so far as a partial assistant
+    message, which vLLM continues: one response, sequence numbers counting on, the completed
+    response holding the whole text and the whole answer's output tokens."""
+    body = {"model": E.MODEL_NAME, "max_output_tokens": TOKENS, "temperature": 0, "stream": True, "store": False,
+            "input": [{"role": "user", "content": E.unique_prompt()}]}
+    ref = E.post(two.decode.url, RESPONSES, dict(body, stream=False))
+    assert ref.status == 200, E.describe(ref)
+    want = "".join(c["text"] for o in ref.json()["output"] if o["type"] == "message" for c in o["content"])
+    events, victim = _stream_and_kill(proxy.url, RESPONSES, body, two)
+    try:
+        types = [e["type"] for e in events]
+        assert types[0] == "response.created" and types.count("response.created") == 1, types
+        assert types[-1] == "response.completed" and "error" not in types, types[-3:]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        done = events[-1]["response"]
+        assert done["id"] == events[0]["response"]["id"]
+        assert done["usage"]["output_tokens"] == ref.json()["usage"]["output_tokens"]
+        got = _response_text(events)
+        assert done["output"][-1]["content"][0]["text"] == got
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        print(f"\n[e2e] responses: stream moved off {victim.url} after {KILL_AFTER} events; {same} of {len(want)} "
+              f"characters equal to the uninterrupted answer ({'exact' if got == want else 'differs from there'}); "
+              f"usage {done['usage']}", file=sys.stderr)
+    finally:
+        victim.restart(e2e_log_dir)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "generate", "messages", "responses"])
 def test_exactness_over_cut_points(two, proxy, endpoint):
     """For k = 1..CUTS: the decode serving the stream is wedged (SIGSTOP) after k events; the
     stall rule moves the stream; the answer is compared with the uninterrupted one. Generate must
@@ -203,6 +273,18 @@ def test_exactness_over_cut_points(two, proxy, endpoint):
         path = GENERATE
         plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         want: object = E.post(two.decode.url, GENERATE, plain).json()["choices"][0]["token_ids"]
+    elif endpoint == "messages":
+        body = {"model": E.MODEL_NAME, "max_tokens": SWEEP_TOKENS, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": E.unique_prompt()}]}
+        path = MESSAGES
+        content = E.post(two.decode.url, MESSAGES, dict(body, stream=False)).json()["content"]
+        want = "".join(b["text"] for b in content if b["type"] == "text")
+    elif endpoint == "responses":
+        body = {"model": E.MODEL_NAME, "max_output_tokens": SWEEP_TOKENS, "temperature": 0, "stream": True,
+                "store": False, "input": [{"role": "user", "content": E.unique_prompt()}]}
+        path = RESPONSES
+        output = E.post(two.decode.url, RESPONSES, dict(body, stream=False)).json()["output"]
+        want = "".join(c["text"] for o in output if o["type"] == "message" for c in o["content"])
     else:
         body = E.text_body(endpoint, E.unique_prompt(), max_tokens=SWEEP_TOKENS, stream=True,
                            stream_options={"include_usage": True})
@@ -214,11 +296,21 @@ def test_exactness_over_cut_points(two, proxy, endpoint):
     for k in range(1, CUTS + 1):
         _both_healthy(proxy.url)
         log_at = len(proxy.proc.log_text())
-        events, victim = _stream_and_kill(proxy.url, path, body, two, after=k + (endpoint == "chat"), freeze=True)
+        lead = {"chat": 1, "messages": 2, "responses": 4}.get(endpoint, 0)  # events before the first token's
+        events, victim = _stream_and_kill(proxy.url, path, body, two, after=k + lead, freeze=True)
         victim.thaw()
-        assert events[-1] == "[DONE]" and not [e for e in events[:-1] if "error" in e], events[-3:]
-        assert events[-2]["usage"]["completion_tokens"] == SWEEP_TOKENS
-        got = _ids(events) if endpoint == "generate" else _text(events, endpoint)
+        if endpoint == "messages":
+            assert events[-1]["type"] == "message_stop" and not [e for e in events if e["type"] == "error"]
+            assert events[-2]["usage"]["output_tokens"] == SWEEP_TOKENS
+            got = _message_text(events)
+        elif endpoint == "responses":
+            assert events[-1]["type"] == "response.completed" and not [e for e in events if e["type"] == "error"]
+            assert events[-1]["response"]["usage"]["output_tokens"] == SWEEP_TOKENS
+            got = _response_text(events)
+        else:
+            assert events[-1] == "[DONE]" and not [e for e in events[:-1] if "error" in e], events[-3:]
+            assert events[-2]["usage"]["completion_tokens"] == SWEEP_TOKENS
+            got = _ids(events) if endpoint == "generate" else _text(events, endpoint)
         broke = _BROKE.findall(proxy.proc.log_text()[log_at:])
         cut = int(broke[-1][1]) if broke else None
         exact += got == want

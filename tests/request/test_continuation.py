@@ -37,8 +37,8 @@ def test_what_may_be_continued(extra, why):
     assert unsound(CHAT, dict(CHAT_BODY, **extra)) == why
 
 
-def test_completions_with_a_text_prompt_and_not_responses():
-    assert unsound("/v1/responses", {"input": "x"}) == "api"
+def test_completions_with_a_text_prompt_and_not_other_paths():
+    assert unsound("/v1/embeddings", {"input": "x"}) == "api"
     assert unsound(COMPLETIONS, {"prompt": "x"}) is None
     assert unsound(COMPLETIONS, {"prompt": ["x"]}) is None
     assert unsound(COMPLETIONS, {"prompt": [1, 2, 3]}) == "prompt"
@@ -189,3 +189,52 @@ def test_a_messages_answer_with_a_thinking_block_is_not_continued():
     start = {"type": "message_start", "message": {"id": "msg-1", "model": "m", "usage": {}}}
     got = received("/v1/messages", _named(b"message_start", start) + _named(b"content_block_start", block))
     assert got.unsound == "thinking"
+
+
+RESPONSES_BODY = {"model": "m", "max_output_tokens": 10, "stream": True, "store": False, "input": "hi"}
+
+
+@pytest.mark.parametrize("change,why", [
+    ({}, None), ({"tools": [], "text": {"format": {"type": "text"}}, "truncation": "disabled"}, None),
+    ({"store": True}, "store"), ({"store": None}, "store"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"), ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"text": {"format": {"type": "json_schema"}}}, "text"), ({"truncation": "auto"}, "truncation"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "content"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A"}]}, "prefill"),
+])
+def test_what_responses_streams_may_be_continued(change, why):
+    assert unsound("/v1/responses", dict(RESPONSES_BODY, **change)) == why
+
+
+def test_a_responses_continuation_continues_a_partial_assistant_message():
+    created = {"type": "response.created", "sequence_number": 0,
+               "response": {"id": "resp_1", "created_at": 5, "status": "in_progress", "output": []}}
+    added = {"type": "response.output_item.added", "sequence_number": 1, "output_index": 0,
+             "item": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}
+    deltas = [{"type": "response.output_text.delta", "sequence_number": 2 + i, "item_id": "msg_1", "output_index": 0,
+               "content_index": 0, "delta": t} for i, t in enumerate(("Hel", "lo"))]
+    data = b"".join(_named(e["type"].encode(), e) for e in (created, added, *deltas))
+    got = received("/v1/responses", data)
+    assert (got.id, got.item, got.tokens, got.seq, got.unsound) == ("resp_1", "msg_1", 2, 3, None)
+    cont = got.body("/v1/responses", RESPONSES_BODY)
+    assert cont["input"] == [{"type": "message", "role": "user", "content": "hi"},
+                             {"id": "msg_1", "type": "message", "role": "assistant", "status": "incomplete",
+                              "content": [{"type": "output_text", "text": "Hello", "annotations": []}]}]
+    assert cont["max_output_tokens"] == 8 and RESPONSES_BODY["input"] == "hi"
+    got.before = got.tokens
+    assert got.own(dict(created, response={"id": "resp_2", "created_at": 9})) is None
+    delta = got.own({"type": "response.output_text.delta", "sequence_number": 4, "item_id": "msg_2", "delta": "!"})
+    assert msgspec.json.decode(delta.split(b"data: ", 1)[1]) == {
+        "type": "response.output_text.delta", "sequence_number": 4, "item_id": "msg_1", "delta": "!"}
+    done = {"type": "response.completed", "sequence_number": 9, "response": {
+        "id": "resp_2", "created_at": 9, "output": [{"id": "msg_2", "type": "message", "content": [{"text": "!"}]}],
+        "usage": {"input_tokens": 6, "output_tokens": 1, "total_tokens": 7}}}
+    out = got.own(done)
+    assert out.startswith(b"event: response.completed\ndata: ")
+    response = msgspec.json.decode(out.split(b"data: ", 1)[1])["response"]
+    assert (response["id"], response["created_at"], response["output"][0]["id"]) == ("resp_1", 5, "msg_1")
+    assert response["output"][0]["content"][0]["text"] == "Hello!"
+    assert response["usage"] == {"input_tokens": 4, "output_tokens": 3, "total_tokens": 7}
+    assert got.seq == 5 and got.finished

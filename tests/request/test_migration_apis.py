@@ -179,3 +179,80 @@ async def test_an_unsound_messages_stream_ends_in_band(extra):
         assert name == "error" and data["error"]["type"] == "api_error"
         assert len(cluster.records("decode")) == 1
         assert proxy.app.metrics.migrations == {}
+
+
+RESPONSES = "/v1/responses"
+
+
+def _responses(n: int, **kw) -> dict:
+    body = {"model": "sim-model", "max_output_tokens": n, "stream": True, "store": False,
+            "instructions": "Be brief.", "input": [{"role": "user", "content": "say something"}]}
+    body.update(kw)
+    return body
+
+
+@pytest.mark.parametrize("fault,reason", [("reset-after=5", "reset"), ("stall-after=5:5", "stall")])
+async def test_a_responses_stream_is_continued_as_one_response(fault, reason):
+    """The continuation is the request with the text so far as a partial (``incomplete``)
+    assistant message, which vLLM continues; its events reach the client as the same response:
+    one response.created, sequence numbers counting on, the item's id, the done events and
+    response.completed with the whole text and the whole answer's usage."""
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject(fault, times=1)
+        reply = await client.post(RESPONSES, _responses(20))
+        assert reply.status == 200, reply.body
+        events = _named(reply)
+        names = [n for n, _ in events]
+        assert names.count("response.created") == 1 and names.count("response.output_item.added") == 1
+        assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.completed"]
+        assert "error" not in names and "response.failed" not in names
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+        created, done = events[0][1]["response"], events[-1][1]["response"]
+        item = events[names.index("response.output_item.added")][1]["item"]["id"]
+        deltas = [d for n, d in events if n == "response.output_text.delta"]
+        assert len(deltas) == 20 and {d["item_id"] for d in deltas} == {item}
+        text = "".join(d["delta"] for d in deltas)
+        assert events[-4][1]["text"] == text and events[-3][1]["part"]["text"] == text
+        assert events[-2][1]["item"]["id"] == item and events[-2][1]["item"]["content"][0]["text"] == text
+        assert done["id"] == created["id"] and done["created_at"] == created["created_at"]
+        assert done["output"][0]["id"] == item and done["output"][0]["content"][0]["text"] == text
+        assert done["usage"]["output_tokens"] == 20
+        assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + 20
+        cont = msgspec.json.decode(cluster.records("decode")[1].body)
+        last = cont["input"][-1]
+        assert last["role"] == "assistant" and last["status"] == "incomplete" and last["id"] == item
+        assert last["content"][0]["text"] == text[:len(last["content"][0]["text"])] and last["content"][0]["text"]
+        assert cont["max_output_tokens"] == 15
+        assert proxy.app.metrics.migrations == {(reason, "ok"): 1}
+
+
+async def test_the_openai_sdk_reads_a_continued_response_whole():
+    openai = pytest.importorskip("openai")
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=4", times=1)
+        sdk = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+        body = _responses(12)
+        body.pop("stream")
+        async with sdk.responses.stream(**body) as stream:
+            deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            final = await stream.get_final_response()
+        assert final.output_text == "".join(deltas) and len(deltas) == 12
+        assert final.usage.output_tokens == 12
+        assert proxy.app.metrics.migrations == {("reset", "ok"): 1}
+
+
+@pytest.mark.parametrize("extra", [{"store": True}, {"store": None},
+                                   {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+                                   {"text": {"format": {"type": "json_object"}}}])
+async def test_an_unsound_responses_stream_ends_in_band(extra):
+    async with stack(decode=2, sim=sim(), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=3", times=1)
+        body = _responses(10, **extra)
+        if body["store"] is None:
+            del body["store"]  # vLLM's default: stored
+        reply = await client.post(RESPONSES, body)
+        names = [n for n, _ in _named(reply)]
+        assert names[-2:] == ["error", "response.failed"]
+        assert len(cluster.records("decode")) == 1
+        assert proxy.app.metrics.migrations == {}

@@ -50,6 +50,7 @@ class GenerationApi:
     chat_view = False  # the routing keys are read from ``messages`` (else ``prompt``)
     rewrite_usage = False  # the P/D usage rewrite (usage/rewrite.py, usage/api_fields.py) reads this API's usage
     usage_event = b""  # the named stream event that carries the final usage (usage/api_fields.py)
+    ending = b"\x00"  # that event's line: the answer is whole (a stream that may move stops watching)
     # How a read ends when its last event is a text delta: the final usage event is still to
     # come, so the relay passes such a read on without searching it (vLLM's key order).
     text_delta_ends: tuple[bytes, ...] = ()
@@ -148,6 +149,7 @@ class Messages(GenerationApi):
     chat_view = True
     rewrite_usage = True
     usage_event = b"message_delta"  # message_start's usage is the whole prompt, as decode has it
+    ending = b"event: message_delta\n"
     text_delta_ends = (b'},"index":0}\n\n', b'},"index":1}\n\n')  # a text block, after a thinking one
     cache_after_output = True
     lead = frozenset((b"message_start", b"content_block_start", b"ping"))
@@ -197,6 +199,7 @@ class Responses(GenerationApi):
     stateful = True
     rewrite_usage = True
     usage_event = b"response.completed"
+    ending = b"event: response.completed\n"
     text_delta_ends = (b'"type":"response.output_text.delta"}\n\n',)
     lead = frozenset((b"response.created", b"response.in_progress", b"response.output_item.added",
                       b"response.content_part.added"))

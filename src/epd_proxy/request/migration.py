@@ -33,6 +33,7 @@ from epd_proxy.request.continuation import received, unsound
 from epd_proxy.request.legs.stages import DecodeLeg
 from epd_proxy.request.relay import NOWHERE, StreamRelay
 from epd_proxy.request.turns.answers import strip_token_ids
+from epd_proxy.request.turns.streams import MARK, strip_stream_params
 from epd_proxy.request.usage.rewrite import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
 
@@ -159,7 +160,7 @@ class Migrations:
             if leg.companion is not None:
                 settle(leg.companion, False)
                 leg.companion = None
-            why = got.unsound
+            why = got.unsound or ("the answer was whole" if got.finished else None)
             if why is not None or got.id is None:
                 return self._end(relay, leg, reason, UNSOUND, f"the answer cannot be continued ({why or 'no event'})",
                                  moves, broken, t0, start)
@@ -251,17 +252,24 @@ class ContinuedRelay(StreamRelay):
             return
         self.pending = data[cut + 2:]
         events = data[:cut + 2]
+        got = self.got
         report = self.ctx.prefill_report
         if report is not None and events.find(b'"usage"') >= 0:
-            events = rewrite_final_usage_events(events, report)
-        if self.got.strip_ids and events.find(b'"token_ids"') >= 0:
+            api = self.ctx.api
+            if got.via is None and api is not None and api.usage_event:  # Responses' own fields
+                events = api.client_events(events, report)
+            else:
+                events = rewrite_final_usage_events(events, report)
+        if got.strip_ids and events.find(b'"token_ids"') >= 0:
             events = strip_token_ids(events)
+        if events.find(MARK) >= 0:  # decode's parameters, in a Responses stream's last event
+            events = strip_stream_params(events)[0]
         out = []
         for raw in events.split(b"\n\n"):
-            line = raw.strip()
-            if not line.startswith(b"data: "):
+            at = raw.find(b"data: ")  # after a named event's ``event:`` line (Responses)
+            if at < 0:
                 continue
-            payload = line[6:]
+            payload = raw[at + 6:].strip()
             if payload == b"[DONE]":
                 out.append(self.got.done())
                 self.migrate = False
@@ -272,19 +280,19 @@ class ContinuedRelay(StreamRelay):
                 continue
             if not isinstance(event, dict):
                 continue
-            if "error" in event and "choices" not in event:
+            if got.is_error(event):
                 if self.migrate:
                     self._out(out)
-                    err = event["error"]
+                    err = event.get("error", event)
                     self.said = err.get("message") if isinstance(err, dict) else None
                     self.break_off("error")
                     return
                 out.append(self.got.error(event, raw))
                 continue
             event.pop("kv_transfer_params", None)
-            finished = self.got.finished
-            own = self.got.own(event)
-            if self.got.finished and not finished:
+            finished = got.finished
+            own = got.own(event)
+            if got.finished and not finished:
                 self.migrate = False  # the answer is whole: a break from here ends as before
             if own is None:
                 continue
@@ -292,6 +300,8 @@ class ContinuedRelay(StreamRelay):
                 self.prev, self.last = self.last, own  # the access log's usage
                 if self.hide:
                     continue
+            elif got.via is None and own.find(b'"usage":{') >= 0:  # Responses' response.completed
+                self.prev, self.last = self.last, own
             out.append(own)
         self._out(out)
 

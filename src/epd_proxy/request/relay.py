@@ -187,14 +187,15 @@ class ApiRelay(StreamRelay):
             return
         if events.find(MARK) >= 0:
             events = strip_stream_params(events)[0]
-        foreign = self.api.foreign_error
-        if foreign and events.find(foreign) >= 0:  # decode's own in-band error, in the API's types
-            if self.migrate:  # continued elsewhere instead (migration.py): the events before it out
+        if self.migrate:  # a stream continued elsewhere when it breaks (migration.py)
+            if events.find(b"event: error\n") >= 0:  # decode's own in-band error: continued instead
                 self._errored_named(events)
                 return
+            if events.find(self.api.ending) >= 0:
+                self.migrate = False  # the answer is whole: nothing is left to continue
+        foreign = self.api.foreign_error
+        if foreign and events.find(foreign) >= 0:  # decode's own in-band error, in the API's types
             events = self.api.own_error_event(events)
-        if self.migrate and events.find(b"event: message_delta\n") >= 0:  # Messages only may move
-            self.migrate = False  # the answer is whole: nothing is left to continue
         if self.ctx is not None and events.find(b'"usage":{') >= 0:
             report = self.ctx.prefill_report
             if report is not None:

@@ -9,15 +9,15 @@ each of its events made the stream's own (the received object's ``body`` and ``o
 * Messages (``messages.py``): vLLM 0.32's Messages endpoint does not continue a final
   assistant message, so the continuation is the same conversation on vLLM's chat endpoint
   (the conversion vLLM makes of it, continued there), its chunks rendered as the Messages
-  stream's events.
-
-Responses streams are not continued (docs/protocol.md §5.3.1 says why).
+  stream's events;
+* Responses (``responses.py``): the request with the text so far as a partial assistant
+  message, which vLLM continues; ``store: false`` only.
 """
 
 from __future__ import annotations
 
-from epd_proxy.request.apis import GENERATE, MESSAGES
-from epd_proxy.request.continuation import messages, text, tokens
+from epd_proxy.request.apis import GENERATE, MESSAGES, RESPONSES
+from epd_proxy.request.continuation import messages, responses, text, tokens
 from epd_proxy.request.continuation.text import Received, continuation_body, own_event, whole_usage
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
 
@@ -32,6 +32,8 @@ def unsound(path: str, body: dict) -> str | None:
         return tokens.unsound(body)
     if path == MESSAGES:
         return messages.unsound(body)
+    if path == RESPONSES:
+        return responses.unsound(body)
     return "api"
 
 
@@ -41,4 +43,6 @@ def received(path: str, data: bytes):
         return tokens.received(data)
     if path == MESSAGES:
         return messages.received(data)
+    if path == RESPONSES:
+        return responses.received(data)
     return text.received(data)

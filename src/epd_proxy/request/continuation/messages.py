@@ -225,6 +225,10 @@ class MessagesReceived:
                                         "usage": usage})
         return out + _event("message_stop", {"type": "message_stop"})
 
+    def is_error(self, event: dict) -> bool:
+        """Decode's own in-band error event (vLLM's ``{"error": ...}``)."""
+        return "error" in event and "choices" not in event
+
     def done(self) -> bytes:
         """The chat stream's terminator: the closing events if the usage chunk did not bring them."""
         return self.end(self.tokens - self.before)

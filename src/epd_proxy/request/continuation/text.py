@@ -97,6 +97,10 @@ class Received:
     def own(self, event: dict) -> bytes | None:
         return own_event(event, self)
 
+    def is_error(self, event: dict) -> bool:
+        """Decode's own in-band error event (vLLM's ``{"error": ...}``)."""
+        return "error" in event and "choices" not in event
+
     def done(self) -> bytes:
         """The terminator, as the stream's."""
         return b"data: [DONE]\n\n"

@@ -78,6 +78,10 @@ class TokensReceived:
     def tokens(self) -> int:
         return len(self.ids)
 
+    def is_error(self, event: dict) -> bool:
+        """Decode's own in-band error event (vLLM's ``{"error": ...}``)."""
+        return "error" in event and "choices" not in event
+
     def done(self) -> bytes:
         """The terminator, as the stream's."""
         return b"data: [DONE]\n\n"
