@@ -5,7 +5,8 @@ text compared with one instance's uninterrupted answer (docs/protocol.md §5.3.1
 continuation is exact where the partial answer re-tokenizes to the tokens that made it; the
 generate stream's token-in continuation is exact by construction). Then the exactness over many
 cut points: the decode serving a stream SIGSTOPped (wedged: the stall rule moves the stream)
-after k events, k = 1..EPD_E2E_MIGRATION_CUTS (default 3; docs/benchmarks.md has a run with 24)."""
+after the client got k events, k = 1..EPD_E2E_MIGRATION_CUTS (default 3; docs/benchmarks.md has
+a run with 16); the cut falls where the decode was when it stopped, the proxy's log says where."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _serving(base: str, two) -> E.Vllm | None:
 
 
 def _stream_and_kill(base: str, path: str, body: dict, two, after: int = KILL_AFTER,
-                     freeze: bool = False) -> tuple[list, E.Vllm]:
+                     freeze: bool = False, must: bool = True) -> tuple[list, E.Vllm | None]:
     """The stream's events as they come (parsed; the terminator as the string); after
     ``after`` of them the instance running it is SIGKILLed (``freeze``: SIGSTOPped)."""
     u = urllib.parse.urlsplit(base)
@@ -56,6 +57,7 @@ def _stream_and_kill(base: str, path: str, body: dict, two, after: int = KILL_AF
     assert resp.status == 200, resp.read()
     events: list = []
     victim = None
+    frozen = 0.0
     buf = b""
     try:
         while True:
@@ -68,19 +70,27 @@ def _stream_and_kill(base: str, path: str, body: dict, two, after: int = KILL_AF
             data = buf.strip().rsplit(b"\n", 1)[-1][len(b"data: "):]  # Messages: after its event: line
             buf = b""
             events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+            if frozen and time.monotonic() - frozen > 1.0:  # the stream came back after a stall: moved
+                victim.thaw()  # before the probes eject it (it is back in rotation for the next cut)
+                frozen = 0.0
             if events[-1] == "[DONE]" or events[-1].get("type") in ("message_stop", "response.completed"):
                 break
             if len(events) == after and victim is None:
                 victim = _serving(base, two)
-                if victim is None:
-                    break  # decode had already sent the whole answer
+                if victim is None:  # decode had already sent the whole answer
+                    if must:
+                        break
+                    continue
                 if freeze:
                     victim.freeze()
+                    frozen = time.monotonic()
                 else:
                     victim.kill()
     finally:
         conn.close()
-    assert victim is not None, "the stream ended before the kill"
+        if frozen:
+            victim.thaw()
+    assert victim is not None or not must, "the stream ended before the kill"
     return events, victim
 
 
@@ -179,7 +189,7 @@ def test_a_killed_decode_costs_the_generate_stream_nothing_and_its_answer_is_exa
 
 
 CUTS = int(os.environ.get("EPD_E2E_MIGRATION_CUTS", "3"))
-SWEEP_TOKENS = 160
+SWEEP_TOKENS = 1000  # long enough that the cut lands mid-answer: the tiny model is fast
 _BROKE = re.compile(r"broke off \((\w+)\) after (\d+) tokens")
 
 
@@ -292,13 +302,12 @@ def test_exactness_over_cut_points(two, proxy, endpoint):
         plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         choice = E.post(two.decode.url, path, plain).json()["choices"][0]
         want = choice["message"]["content"] if endpoint == "chat" else choice["text"]
-    exact, rows = 0, []
+    exact, moved, rows = 0, 0, []
     for k in range(1, CUTS + 1):
         _both_healthy(proxy.url)
         log_at = len(proxy.proc.log_text())
         lead = {"chat": 1, "messages": 2, "responses": 4}.get(endpoint, 0)  # events before the first token's
-        events, victim = _stream_and_kill(proxy.url, path, body, two, after=k + lead, freeze=True)
-        victim.thaw()
+        events, victim = _stream_and_kill(proxy.url, path, body, two, after=k + lead, freeze=True, must=False)
         if endpoint == "messages":
             assert events[-1]["type"] == "message_stop" and not [e for e in events if e["type"] == "error"]
             assert events[-2]["usage"]["output_tokens"] == SWEEP_TOKENS
@@ -312,11 +321,15 @@ def test_exactness_over_cut_points(two, proxy, endpoint):
             assert events[-2]["usage"]["completion_tokens"] == SWEEP_TOKENS
             got = _ids(events) if endpoint == "generate" else _text(events, endpoint)
         broke = _BROKE.findall(proxy.proc.log_text()[log_at:])
-        cut = int(broke[-1][1]) if broke else None
+        if victim is None or not broke:  # the answer was whole before the cut: nothing moved
+            rows.append((k, None, None, got == want))
+            continue
+        moved += 1
         exact += got == want
-        rows.append((k, cut, broke[-1][0] if broke else None, got == want))
-    print(f"\n[e2e] {endpoint}: {exact} of {CUTS} continued answers equal to the uninterrupted one "
-          f"({SWEEP_TOKENS} tokens, temperature 0); (k, tokens before the break, reason, exact): {rows}",
-          file=sys.stderr)
+        rows.append((k, int(broke[0][1]), broke[0][0], got == want))
+    print(f"\n[e2e] {endpoint}: {exact} of {moved} continued answers equal to the uninterrupted one "
+          f"({SWEEP_TOKENS} tokens, temperature 0; {CUTS - moved} streams whole before the cut); "
+          f"(k, tokens before the break, reason, exact): {rows}", file=sys.stderr)
+    assert moved >= CUTS // 2, rows
     if endpoint == "generate":
-        assert exact == CUTS, rows
+        assert exact == moved, rows

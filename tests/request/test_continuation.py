@@ -238,3 +238,12 @@ def test_a_responses_continuation_continues_a_partial_assistant_message():
     assert response["output"][0]["content"][0]["text"] == "Hello!"
     assert response["usage"] == {"input_tokens": 4, "output_tokens": 3, "total_tokens": 7}
     assert got.seq == 5 and got.finished
+
+
+def test_a_completions_event_with_empty_text_counts_its_token():
+    """vLLM's completions stream sends one event per token, an incomplete character's text empty."""
+    events = [{"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"index": 0, "text": t}]}
+              for t in ("a", "", "b")]
+    got = received(COMPLETIONS, _sse(*events))
+    assert got.tokens == 3 and "".join(got.text) == "ab"
+    assert continuation_body(COMPLETIONS, {"prompt": "x", "max_tokens": 10}, got)["max_tokens"] == 7

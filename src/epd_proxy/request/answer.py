@@ -28,7 +28,9 @@ from epd_proxy.request.relay import (
     ApiRelay,
     IdStrippingRelay,
     KeepingApiRelay,
+    KeepingMovingApiRelay,
     KeepingUsageRelay,
+    MovingApiRelay,
     StreamRelay,
     UsageRelay,
     kept_bytes,
@@ -91,7 +93,8 @@ class Answers:
             # No decode keeps blocks (yet): the plain relays, and a look at the last event.
             usage = hide or ((report is not None or leg.companion is not None)
                              and (_wants_usage(body) or (api is not None and api.usage_event)))
-            relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, False, False)
+            relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, False, False,
+                           migrations is not None)
             if migrations is not None:
                 migrations.watch(relay, leg.inst)
             try:
@@ -99,11 +102,11 @@ class Answers:
             finally:
                 if migrations is not None:
                     migrations.unwatch(relay)
-            if turns is not None and (relay.last.find(MARK) >= 0 or relay.prev.find(MARK) >= 0):
+            if turns is not None and relay.final_bytes().find(MARK) >= 0:
                 # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
                 # stream, a later vLLM's chat or completions stream, in its last event): reuse
                 # is on from here; these blocks are let go.
-                self.reuse.keep_stream(ctx, body, leg, relay.prev + relay.last, whole=False)
+                self.reuse.keep_stream(ctx, body, leg, relay.final_bytes(), whole=False)
             return relay
         # Decodes keep blocks: the last event's parameters (turns/streams.py) taken out by a relay
         # that looks at the ending events, and with the token ids decode holds in the stream
@@ -113,7 +116,8 @@ class Answers:
         keeping = asked or ctx.path == GENERATE or (api is None and body.get("return_token_ids") is True)
         usage = hide or api is None or ((report is not None or leg.companion is not None)
                                         and (_wants_usage(body) or api.usage_event))
-        relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, keeping, asked)
+        relay = _relay(writer, leg, ctx if usage or migrations else None, hide, body, api, keeping, asked,
+                       migrations is not None)
         if migrations is not None:
             migrations.watch(relay, leg.inst)
         try:
@@ -124,7 +128,7 @@ class Answers:
         kept = kept_bytes(relay) if keeping else None
         whole = kept is not None
         if kept is None:
-            kept = relay.prev + relay.last  # the last event: its parameters, to let them go
+            kept = relay.final_bytes()  # the last event: its parameters, to let them go
         if kept.find(MARK) >= 0:
             self.reuse.keep_stream(ctx, body, leg, kept, whole)
         elif relay.error is None and relay.broken is None and api is None:
@@ -133,14 +137,17 @@ class Answers:
 
 
 def _relay(writer: ResponseWriter, leg: DecodeLeg, usage_ctx, hide: bool, body: dict, api: GenerationApi | None,
-           keeping: bool, strip_ids: bool) -> StreamRelay:
+           keeping: bool, strip_ids: bool, moving: bool = False) -> StreamRelay:
     """The relay a stream needs: with ``usage_ctx`` (the request's context) the final usage event
     rewritten, and with ``hide`` taken out (UsageRelay); with ``api`` an in-band error in its form
     (ApiRelay); ``keeping``: decode's bytes kept too, for the parameters of its last event;
+    ``moving``: Messages' and Responses' reads kept for a continuation (MovingApiRelay);
     ``strip_ids`` (with ``usage_ctx``): the token ids the proxy asked for kept and taken out of
     what the client gets (IdStrippingRelay)."""
     resp = leg.resp
     if api is not None and api.usage_event:
+        if moving:  # continued elsewhere when it breaks: its reads kept (``usage_ctx`` is the context)
+            return (KeepingMovingApiRelay if keeping else MovingApiRelay)(writer, resp, api, usage_ctx, leg.first)
         return (KeepingApiRelay if keeping else ApiRelay)(writer, resp, api, usage_ctx, leg.first)
     if usage_ctx is not None:
         cls = IdStrippingRelay if strip_ids else KeepingUsageRelay if keeping else UsageRelay

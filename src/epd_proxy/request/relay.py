@@ -31,6 +31,9 @@ _MAX_HELD = 1 << 20
 # What a relay keeps of the reads it relayed when its stream is not continued elsewhere
 # (``migration.py``): nothing (appending to it is a no-op).
 NOWHERE: deque = deque(maxlen=0)
+# Where decode's own named error event is looked for in a read of a stream that may move: the
+# read's last bytes (the event ends decode's stream).
+_ERROR_TAIL = 4096
 # The start of decode's own in-band error event in a chat or completions stream.
 ERROR_EVENT = b'data: {"error"'
 # How vLLM ends a chat or completions event whose choice has not finished (pydantic with
@@ -167,7 +170,7 @@ class ApiRelay(StreamRelay):
         self.head = head  # the stream's first read: the response an in-band error ends (Responses)
 
     def error_event(self, error: ProxyError) -> bytes:
-        return self.api.in_band_error(error, self.prev + self.last, self.head)
+        return self.api.in_band_error(error, self.final_bytes(), self.head)
 
     def on_data(self, data: bytes) -> None:
         # StreamRelay's, with decode's parameters taken out of the event that carries them
@@ -175,7 +178,6 @@ class ApiRelay(StreamRelay):
         # with ``ctx`` the usage event's usage the client's.
         self.events += 1
         self.prev, self.last = self.last, data
-        self.sent.append(data)  # the reads as received (a no-op unless the stream may move)
         if self._tail:
             data = self._tail + data
             self._tail = b""
@@ -187,12 +189,6 @@ class ApiRelay(StreamRelay):
             return
         if events.find(MARK) >= 0:
             events = strip_stream_params(events)[0]
-        if self.migrate:  # a stream continued elsewhere when it breaks (migration.py)
-            if events.find(b"event: error\n") >= 0:  # decode's own in-band error: continued instead
-                self._errored_named(events)
-                return
-            if events.find(self.api.ending) >= 0:
-                self.migrate = False  # the answer is whole: nothing is left to continue
         foreign = self.api.foreign_error
         if foreign and events.find(foreign) >= 0:  # decode's own in-band error, in the API's types
             events = self.api.own_error_event(events)
@@ -202,6 +198,51 @@ class ApiRelay(StreamRelay):
                 events = self.api.client_events(events, report)
         self.writer.write(events)
 
+
+class MovingApiRelay(ApiRelay):
+    """An ApiRelay for a stream continued elsewhere when its decode breaks off (migration.py:
+    Messages, Responses): every read kept by reference in ``sent`` in place of the two-read
+    window (the same work per read: a stream that never breaks pays no more per event), decode's
+    own error event a break, the final usage event the end of what may move. ``ctx`` is the
+    request's context."""
+
+    __slots__ = ()
+
+    def final_bytes(self) -> bytes:
+        sent = self.sent  # NOWHERE once the stream was let go (too long to keep): the window
+        return self.prev + self.last if sent is NOWHERE else b"".join(sent[-2:])
+
+    def on_data(self, data: bytes) -> None:
+        # ApiRelay's (kept in step with it), with the reads kept and the two checks of a stream
+        # that may move where a read is looked at anyway (not a text delta).
+        self.events += 1
+        self.sent.append(data)
+        if self._tail:
+            data = self._tail + data
+            self._tail = b""
+        elif data.endswith(self.plain):
+            self.writer.write(data)
+            return
+        events = data if data.endswith(b"\n\n") else self._whole_events(data)
+        if not events:
+            return
+        if events.find(MARK) >= 0:
+            events = strip_stream_params(events)[0]
+        # Decode's own in-band error ends decode's stream: it is in the read's last bytes (a
+        # bounded search, not the whole read).
+        if self.migrate and events.find(b"event: error\n", max(len(events) - _ERROR_TAIL, 0)) >= 0:
+            self._errored_named(events)
+            return
+        foreign = self.api.foreign_error
+        if foreign and events.find(foreign) >= 0:
+            events = self.api.own_error_event(events)
+        if events.find(b'"usage":{') >= 0:
+            if self.migrate and events.find(self.api.ending) >= 0:  # the final usage event
+                self.migrate = False  # the answer is whole: nothing is left to continue
+            report = self.ctx.prefill_report
+            if report is not None:
+                events = self.api.client_events(events, report)
+        self.writer.write(events)
 
     def _errored_named(self, events: bytes) -> None:
         """Decode's own in-band error among named events: the events before it out, the stream
@@ -355,6 +396,13 @@ class KeepingApiRelay(Keeping, ApiRelay):
 
     __slots__ = ("reads", "size")
     on_data = keeping_on_data(ApiRelay.on_data)
+
+
+class KeepingMovingApiRelay(Keeping, MovingApiRelay):
+    """A MovingApiRelay that also keeps what decode sent."""
+
+    __slots__ = ("reads", "size")
+    on_data = keeping_on_data(MovingApiRelay.on_data)
 
 
 class IdStrippingRelay(KeepingUsageRelay):

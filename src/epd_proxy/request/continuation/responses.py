@@ -33,8 +33,8 @@ _decode = msgspec.json.decode
 _EVENT = b"event: "
 _DATA = b"data: "
 # Request fields whose answer a continuation cannot reproduce, or whose state it would split.
-_UNSOUND_FIELDS = ("tools", "tool_choice", "reasoning", "include", "top_logprobs", "prompt", "conversation",
-                   "previous_response_id", "previous_input_messages", "background")
+_UNSOUND_FIELDS = frozenset(("tools", "tool_choice", "reasoning", "include", "top_logprobs", "prompt",
+                             "conversation", "previous_response_id", "previous_input_messages", "background"))
 _LEADING = frozenset(("response.created", "response.in_progress", "response.output_item.added",
                       "response.content_part.added"))
 _TEXT_PARTS = frozenset(("input_text", "output_text", "text"))
@@ -44,10 +44,11 @@ def unsound(body: dict) -> str | None:
     """Why this Responses request's stream cannot be continued (None: it can)."""
     if body.get("store") is not False:
         return "store"
-    for name in _UNSOUND_FIELDS:
-        value = body.get(name)
-        if value is not None and value is not False and value != [] and value != 0:
-            return name
+    if not _UNSOUND_FIELDS.isdisjoint(body):  # most bodies have none of them (one C-level pass)
+        for name in sorted(_UNSOUND_FIELDS.intersection(body)):
+            value = body[name]
+            if value is not None and value is not False and value != [] and value != 0:
+                return name
     if body.get("truncation") not in (None, "disabled"):
         return "truncation"
     text = body.get("text")

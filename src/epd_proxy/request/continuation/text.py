@@ -131,11 +131,17 @@ class Received:
             if delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning"):
                 self.unsound = "tool_calls" if delta.get("tool_calls") else "reasoning"
             text = delta.get("content")
+            if isinstance(text, str) and text:
+                self.text.append(text)
+                self.tokens += 1
         else:
+            # vLLM's completions stream sends an event per token, its text empty while the
+            # token's character is incomplete or held back for a stop string: each one counts.
             text = choice.get("text")
-        if isinstance(text, str) and text:
-            self.text.append(text)
-            self.tokens += 1
+            if isinstance(text, str):
+                if text:
+                    self.text.append(text)
+                self.tokens += 1
         if choice.get("finish_reason") is not None:
             self.finished = True
 
