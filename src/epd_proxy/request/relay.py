@@ -210,7 +210,9 @@ class MovingApiRelay(ApiRelay):
 
     def final_bytes(self) -> bytes:
         sent = self.sent  # NOWHERE once the stream was let go (too long to keep): the window
-        return self.prev + self.last if sent is NOWHERE else b"".join(sent[-2:])
+        if isinstance(sent, list):
+            return b"".join(sent[-2:])
+        return self.prev + self.last
 
     def on_data(self, data: bytes) -> None:
         # ApiRelay's (kept in step with it), with the reads kept and the two checks of a stream
