@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -129,7 +130,7 @@ class Migrations:
                 relay.break_off("ejected")
             elif len(relay.sent) > MAX_READS:
                 relay.migrate = False
-                relay.sent = NOWHERE
+                relay.sent = deque(relay.sent, maxlen=2)  # its last two reads still kept (final_bytes)
 
     async def close(self) -> None:
         ticker = self._ticker

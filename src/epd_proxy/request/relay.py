@@ -209,10 +209,10 @@ class MovingApiRelay(ApiRelay):
     __slots__ = ()
 
     def final_bytes(self) -> bytes:
-        sent = self.sent  # NOWHERE once the stream was let go (too long to keep): the window
+        sent = self.sent  # the last two reads only once the stream was let go (too long to keep)
         if isinstance(sent, list):
             return b"".join(sent[-2:])
-        return self.prev + self.last
+        return b"".join(sent) or self.prev + self.last
 
     def on_data(self, data: bytes) -> None:
         # ApiRelay's (kept in step with it), with the reads kept and the two checks of a stream
