@@ -51,6 +51,34 @@ async def test_learnt_instances_join_their_pool_bounded_the_least_recently_named
     await learnt.close()
 
 
+async def test_apply_takes_the_first_named_in_rotation_not_failed_and_keeps_a_decode_holding_the_turn():
+    from epd_proxy.instances.health import EJECTED
+    from epd_proxy.placement.decision import HOLDS_TURN, Placement
+    from epd_proxy.placement.steered import WHY, Steered, Steering
+
+    prefill, encode, decode = InstancePool("prefill", ()), InstancePool("encode", ()), InstancePool("decode", ())
+    steering = Steering(prefill, encode)
+    d = decode.add(InstanceSpec("http://10.0.0.9:1", "decode"))
+    steered = steering.read({b"x-prefiller-host-port": b"10.0.0.1:1,10.0.0.2:1,10.0.0.3:1",
+                             b"x-encoder-hosts-ports": b"10.0.1.1:1"}, set())
+    a, b, c = steered.prefills
+    a.health.state = EJECTED  # out of rotation here: the next one named
+    placed = steering.apply(steered, Placement(d, "least-loaded"), {b})  # b failed this request
+    assert (placed.prefill, placed.prefill_why, placed.connector, list(placed.prefill_among)) == (c, WHY, "nixl",
+                                                                                                   [a, c])
+    placed = steering.apply(steered, Placement(d, "least-loaded"), {b, c})  # only an ejected one left: it
+    assert placed.prefill is a
+    placed = steering.apply(steered, Placement(d, "least-loaded"), {a, b, c})  # none left: the decode computes
+    assert placed.prefill is None and placed.connector == "none"
+    placed = steering.apply(steered, Placement(d, HOLDS_TURN), set())  # it holds the conversation
+    assert placed.prefill is None
+    assert steering.apply(Steered(), Placement(d, "least-loaded"), set()).prefill is None  # no header
+    excluded: set = set()
+    steering.read({b"x-encoder-hosts-ports": b"10.0.1.2:1"}, excluded)
+    assert [i.url for i in excluded] == ["http://10.0.1.1:1"]  # the encoders not named are out of the request
+    await steering.close()
+
+
 def _sidecar_config(cluster: SimCluster, **kw) -> ProxyConfig:
     kw.setdefault("kv_connector", "nixl")
     return ProxyConfig(probe_interval=0, scrape_interval=0, decode=[InstanceSpec(cluster.urls("decode")[0], "decode")],
