@@ -456,7 +456,7 @@ class ProxyApp:
         """This process's exposition (its workers' too): ``/metrics``, or the sidecar's own path."""
         if self._metrics_key is not None:
             if not admin_key_presented(req.headers, self._metrics_key):
-                err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
+                err = unauthorized(f"{req.path} needs the admin API key (X-API-Key or Authorization: Bearer)")
                 writer.send(401, err.body(), b"application/json", CHALLENGE)
                 return
         elif self.client_keys is not None and not self.admin.allowed(req, writer, READ):
