@@ -102,11 +102,13 @@ class Answers:
             finally:
                 if migrations is not None:
                     migrations.unwatch(relay)
-            if turns is not None and relay.final_bytes().find(MARK) >= 0:
-                # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
-                # stream, a later vLLM's chat or completions stream, in its last event): reuse
-                # is on from here; these blocks are let go.
-                self.reuse.keep_stream(ctx, body, leg, relay.final_bytes(), whole=False)
+            if turns is not None:
+                final = relay.final_bytes()
+                if final.find(MARK) >= 0:
+                    # The first stream whose decode says it keeps blocks (vLLM 0.32's Responses
+                    # stream, a later vLLM's chat or completions stream, in its last event):
+                    # reuse is on from here; these blocks are let go.
+                    self.reuse.keep_stream(ctx, body, leg, final, whole=False)
             return relay
         # Decodes keep blocks: the last event's parameters (turns/streams.py) taken out by a relay
         # that looks at the ending events, and with the token ids decode holds in the stream
