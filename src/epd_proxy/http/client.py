@@ -40,12 +40,14 @@ from epd_proxy.http.transport import BodySink, TransportTimeouts, UpstreamError,
 class Response:
     """One upstream response: status and headers first, then the body."""
 
-    __slots__ = ("status", "headers", "_conn", "_chunks", "_waiter", "_done", "_error", "_sink",
+    __slots__ = ("status", "headers", "content_type", "_conn", "_chunks", "_waiter", "_done", "_error", "_sink",
                  "complete", "_released")
 
     def __init__(self, conn: "_Connection", status: int, headers: dict[bytes, bytes]) -> None:
         self.status = status
         self.headers = headers
+        # An attribute, not a property over the headers: read on every answer.
+        self.content_type: bytes | None = headers.get(b"content-type")
         self._conn = conn
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future | None = None
@@ -54,10 +56,6 @@ class Response:
         self._sink: BodySink | None = None
         self.complete = False
         self._released = False
-
-    @property
-    def content_type(self) -> bytes | None:
-        return self.headers.get(b"content-type")
 
     # -- fed by the connection (its ``on_body`` appends to ``_chunks`` or feeds the sink) ---
     def _finish(self, exc: Exception | None) -> None:

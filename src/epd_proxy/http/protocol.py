@@ -475,7 +475,7 @@ class HttpServerProtocol(asyncio.Protocol):
 
     # -- running handlers ---------------------------------------------------------
     def _start(self, request: Request) -> None:
-        self._timer.disarm()
+        self._timer.due = None  # disarmed
         self._active_size = len(request.body)
         writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
                                 chunked=request.http_version != "1.0")

@@ -47,7 +47,14 @@ class ConnectionTimer:
     def arm(self, delay: float) -> None:
         """Expire ``delay`` seconds from now; a delay of 0 (or less) disarms."""
         if delay > 0:
-            self.arm_at(self._loop.time() + delay)
+            due = self.due = self._loop.time() + delay  # arm_at's, inline: a keep-alive request arms twice
+            if self._when <= due:
+                return
+            handle = self._handle
+            if handle is not None:
+                handle.cancel()
+            self._handle = self._loop.call_at(due, self._fire)
+            self._when = due
         else:
             self.due = None
 

@@ -564,7 +564,12 @@ class Pipeline:
         return body, items
 
     def _headers_for(self, req: Request) -> Headers:
-        extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
+        extra = []  # a loop, not a list comprehension (its own frame): every request
+        headers = req.headers
+        for name in self._forward:
+            value = headers.get(name)
+            if value is not None:
+                extra.append((name, value))
         return self._base_headers + extra if extra else self._base_headers
 
 
