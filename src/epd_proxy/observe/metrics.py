@@ -444,12 +444,12 @@ class ProxyMetrics:
                        series: ModelSeries | None = None) -> None:
         """The response is about to be committed: the proxy's own share of the time so far
         (``upstream``: the wall time of the stage phases), and for a stream its time to first token."""
-        b = self.overhead
         own = since_arrival - upstream
         if own < 0.0:
             own = 0.0
-        b.counts[bisect_left(b.bounds, own)] += 1
-        b.sum += own
+        overhead = self.overhead
+        overhead.counts[bisect_left(overhead.bounds, own)] += 1  # Buckets.observe, inline
+        overhead.sum += own
         if stream:
             b = self.ttft.get(endpoint)
             if b is None:
