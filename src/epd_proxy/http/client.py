@@ -379,7 +379,14 @@ class _Connection(asyncio.Protocol):
         if self._paused:
             self.resume_reading()
         if self.reusable and not self.closed:
-            self.pool._release(self)
+            pool = self.pool
+            if pool._slots <= pool._limit and not pool._waiters and not pool.closed \
+                    and len(pool._idle) < pool.max_idle:
+                # ConnectionPool._release's common case, inline: back to the idle line.
+                self.idle_since = self.loop.time()
+                pool._idle.append(self)
+            else:
+                pool._release(self)
         else:
             self.abort()
 
@@ -624,7 +631,14 @@ class ConnectionPool:
         else:
             parts.append(b"\r\n")
         head = b"".join(parts)
-        conn = self._take_idle() if self._idle else None
+        conn = None
+        idle = self._idle
+        if idle:  # _take_idle's common case, inline: the oldest idle connection, fresh
+            conn = idle[0]
+            if not conn.closed and self.loop.time() - conn.idle_since < self.idle_timeout:
+                idle.popleft()
+            else:
+                conn = self._take_idle()
         reused = conn is not None
         if conn is None:
             conn, reused = await self._fresh(timeouts, queue)
