@@ -224,7 +224,10 @@ class ProxyApp:
         for pool in self.pools.values():
             await pool.close()
 
-    async def __call__(self, req: Request, writer: ResponseWriter) -> None:
+    def __call__(self, req: Request, writer: ResponseWriter) -> Awaitable[None]:
+        """The request's handling, to be awaited. Not a coroutine itself: a generation request
+        is the pipeline's coroutine, awaited by the connection directly (one coroutine less
+        between the connection and every await of the request path)."""
         if self.shutting_down:
             writer.keep_alive = False
         keys = self.client_keys
@@ -239,21 +242,25 @@ class ProxyApp:
                     body = _ANTHROPIC_401[body]
                 writer.send(401, body, b"application/json", CHALLENGE)
                 self._served(req, writer, time.perf_counter())
-                return
+                return _answered()
             scope = keys.scope(key)  # what the request stores and reads back is its key's (key_scope.py)
         handler = self._routes.get((req.method, req.path))
         if handler is None and req.path.startswith(_MODEL_PREFIX) and req.method in ("GET", "HEAD"):
             handler = self._model_views[1]
         if isinstance(handler, Generation):
             # The pipeline is handed the client key's name and scope too, and writes its own access-log line.
-            await self.pipeline.handle(req, writer, handler.path or req.path, key, scope)
-            return
+            return self.pipeline.handle(req, writer, handler.path or req.path, key, scope)
+        return self._other(req, writer, handler, key, scope)
+
+    async def _other(self, req: Request, writer: ResponseWriter, handler, key: str | None,
+                     scope: bytes | None) -> None:
+        """Every request but a generation request (``handler``: its route's, None: none)."""
         if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
             await self.forwarder.handle(req, writer, key)
             return
         if handler in self._model_views:  # the models the caller's key may use
             t0 = time.perf_counter()
-            await handler(req, writer, key)  # type: ignore[call-arg]
+            await handler(req, writer, key)
             self._served(req, writer, t0, key)
             return
         t0 = time.perf_counter()
@@ -483,6 +490,10 @@ class Generation:
 
     def __init__(self, path: str) -> None:
         self.path = path
+
+
+async def _answered() -> None:
+    """What a request answered before any await has left to do: nothing."""
 
 
 def allowed_methods(routes) -> dict[str, bytes]:
