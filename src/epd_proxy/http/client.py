@@ -259,8 +259,9 @@ class _Connection(asyncio.Protocol):
         # Switch the timer from the header wait to the idle-body wait here, not when the
         # requesting task resumes: by then the body may be complete and this connection
         # back in the pool, carrying someone else's request (and header timer).
-        # (_arm_timer's idle wait, inline.)
-        self._last_activity = now = self.loop.time()
+        # (_arm_timer's idle wait, inline.) From the read that completed the head: the
+        # parser runs inside ``data_received``, which has just noted the time.
+        now = self._last_activity
         delay = self._timeouts.idle
         if delay is None:
             self._timer.due = None
