@@ -18,6 +18,7 @@ import tempfile
 from helpers import Client
 from procs import free_port
 
+from epd_proxy.api.decode_metrics import SIDECAR_METRICS
 from epd_proxy.sim import SimCluster, SimConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -96,6 +97,8 @@ class Envoy:
 class EppProcess:
     """``epd-proxy epp`` as a child process, answering ``/ready`` on its operator port."""
 
+    metrics_path = "/metrics"  # its own exposition (``metric``)
+
     def __init__(self, args: list[str], *, grpc_port: int | None = None, ready: bool = True) -> None:
         self.args = args
         self.ready = ready  # wait for /ready (else /health: no instance known yet)
@@ -141,7 +144,8 @@ class EppProcess:
         key = args[args.index("--admin-api-key") + 1] if "--admin-api-key" in args else None
         client = Client(self.url)
         try:
-            reply = await client.request("GET", "/metrics", headers=[(b"x-api-key", key.encode())] if key else None)
+            reply = await client.request("GET", self.metrics_path,
+                                         headers=[(b"x-api-key", key.encode())] if key else None)
         finally:
             await client.close()
         assert reply.status == 200, reply.body
@@ -161,6 +165,8 @@ class EppProcess:
 
 class SidecarProcess(EppProcess):
     """``epd-proxy sidecar`` as a child process beside one decode, answering ``/ready``."""
+
+    metrics_path = SIDECAR_METRICS  # its /metrics is its decode's
 
     async def start(self) -> "SidecarProcess":
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [SRC, os.environ.get("PYTHONPATH", "")] if p))

@@ -103,9 +103,11 @@ async def test_a_store_that_fails_costs_the_summary_never_a_request(redis_server
             # A call of the board's that fails: its own breaker opens, the request path's does not.
             real = board.store.store
             board.store.store = Refusing()
-            assert not await board.publish() and not board.store.up
-            assert a.app.state.up and board.failures["publish"] == 1
-            board.store.store = real
+            try:
+                assert not await board.publish() and not board.store.up
+                assert a.app.state.up and board.failures["publish"] == 1
+            finally:  # the real one back, failed or not: the replica's close closes it
+                board.store.store = real
             redis_server.stop()
             assert (await client.chat(chat_body())).status == 200
             assert not await board.publish() and board.failures["publish"] >= 1

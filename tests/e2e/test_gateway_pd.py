@@ -19,6 +19,8 @@ import tempfile
 import pytest
 import vllm_e2e as E
 
+from epd_proxy.instances.load_signals import parse_kv_blocks
+
 CLUSTER = "kv"
 ORDER = 5
 pytestmark = pytest.mark.vllm
@@ -161,3 +163,23 @@ def test_a_prefill_outside_the_sidecars_allow_list_is_refused(kv, gateway):
                headers={"x-prefiller-host-port": "10.255.255.1:8000"})
     assert r.status == 403, E.describe(r)
     assert r.json()["error"]["message"] == "the prefill address named is not allowed here"
+
+
+def test_the_picker_reads_the_decodes_vllm_gauges_at_the_sidecars_port(kv, gateway):
+    """The sidecar's /metrics is its vLLM's (llm-d's convention for the pod's served port): the
+    picker's view of the decode pod holds vLLM's KV cache size; the sidecar's own families are at
+    /sidecar/metrics."""
+    vllm = E.request(kv.decode.url, "GET", "/metrics").body
+    relayed = E.request(gateway.sidecar, "GET", "/metrics")
+    assert relayed.status == 200 and b"vllm:num_requests_running" in relayed.body, E.describe(relayed)
+    own = E.request(gateway.sidecar, "GET", "/sidecar/metrics")
+    assert own.status == 200 and b"epd_proxy_requests_total" in own.body and b"vllm:" not in own.body
+    blocks = parse_kv_blocks(vllm)
+    assert blocks
+
+    def seen():
+        state = E.request(gateway.epp, "GET", "/console/api/state").json()
+        [view] = [i for i in state["instances"] if i["url"] == gateway.sidecar]
+        return view["load"] is not None and view["load"]["kv_blocks"] == blocks
+
+    assert E.wait_for(seen, 30), E.request(gateway.epp, "GET", "/console/api/state").json()["instances"]

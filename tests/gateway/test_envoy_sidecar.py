@@ -120,3 +120,35 @@ async def test_a_client_gone_mid_stream_ends_both_legs_and_no_prefill_kv_stays_h
         await wait_for(lambda: all(r.done for r in legs()), timeout=10)
         assert all(r.aborted for r in legs())
         await wait_for(lambda: gw.cluster.held_kv_blocks == 0, timeout=5)
+
+
+async def test_the_picker_weighs_a_sidecar_fronted_decodes_queue_read_through_the_pods_metrics():
+    """Requests the picker did not place (straight to the first decode's vLLM: one running, two
+    waiting) are load it reads at that pod's served port, the sidecar's /metrics being vLLM's:
+    what the gateway sends goes to the idle decode."""
+    async with gateway("decode=2,max_num_seqs=1,itl_ms=20", ("--scrape-interval", "0.1"), sidecar_args=()) as gw:
+        busy = Client(gw.cluster.urls("decode")[0])
+        tasks = [asyncio.create_task(busy.chat(chat_body(f"busy {i}", max_tokens=1000))) for i in range(3)]
+        picker = Client(gw.epp.url)
+        try:
+            async def loaded() -> bool:
+                state = msgspec.json.decode((await picker.request("GET", "/console/api/state")).body)
+                [view] = [i for i in state["instances"] if i["url"] == gw.sidecars[0].url]
+                return view["load"] is not None and view["load"]["others"] == 3 and view["load"]["waiting"] == 2
+
+            for _ in range(200):
+                if await loaded():
+                    break
+                await asyncio.sleep(0.05)
+            assert await loaded()
+            for n in range(4):
+                body = chat_body(f"placed {n}", max_tokens=4)
+                reply = await _post(gw.streamed, body)
+                assert reply.status == 200 and reply.text() == expected_text(body), reply.body
+            assert {url for url, _, _ in _received(gw, "decode", "placed")} == {gw.cluster.urls("decode")[1]}
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await busy.close()
+            await picker.close()

@@ -145,7 +145,7 @@ class ProxyApp:
             ("GET", "/ready"): self._ready,
             ("GET", "/load"): self._load,
             ("GET", "/status"): self._status,
-            ("GET", "/metrics"): self._metrics,
+            ("GET", "/metrics"): self.own_metrics,
             ("POST", "/instances"): self.admin.register,
             ("DELETE", "/instances"): self.admin.unregister,
             ("GET", "/instances"): self.admin.roster,
@@ -185,6 +185,17 @@ class ProxyApp:
         # key's whenever any key is set.
         self.client_keys = client_keys
         self._metrics_key = config.admin_api_key.encode() if config.admin_api_key else None
+
+    def add_route(self, method: str, path: str, handler: Callable[[Request, ResponseWriter], Awaitable[None]], *,
+                  keyless: bool = False) -> None:
+        """A route set after construction (the sidecar's: ``runtime/sidecar.py``); a GET one
+        answers HEAD too. ``keyless``: reached without a client key (the handler decides who may)."""
+        self._routes[(method, path)] = handler
+        if method == "GET":
+            self._routes[("HEAD", path)] = handler
+        if keyless:
+            self._keyless = self._keyless | {path}
+        self._allow = allowed_methods(self._routes)
 
     def reload(self) -> None:
         """A reload hook (reload.py): read the client key file again; ValueError if it cannot be
@@ -448,10 +459,11 @@ class ProxyApp:
                         pools=pools, models=self._model_status(pools))
         writer.send(200, msgspec.json.encode(body))
 
-    async def _metrics(self, req: Request, writer: ResponseWriter) -> None:
+    async def own_metrics(self, req: Request, writer: ResponseWriter) -> None:
+        """This process's exposition (its workers' too): ``/metrics``, or the sidecar's own path."""
         if self._metrics_key is not None:
             if not admin_key_presented(req.headers, self._metrics_key):
-                err = unauthorized("/metrics needs the admin API key (X-API-Key or Authorization: Bearer)")
+                err = unauthorized(f"{req.path} needs the admin API key (X-API-Key or Authorization: Bearer)")
                 writer.send(401, err.body(), b"application/json", CHALLENGE)
                 return
         elif self.client_keys is not None and not self.admin.allowed(req, writer, READ):

@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 from epd_proxy.api.app import ProxyApp
+from epd_proxy.api.decode_metrics import SIDECAR_METRICS, DecodeMetrics
 from epd_proxy.config import ProxyConfig
 from epd_proxy.http import event_loop
 from epd_proxy.instances.pool import InstancePool
@@ -24,7 +25,9 @@ log = logging.getLogger("epd_proxy.sidecar")
 def steered(allowed: Sequence[str]):
     """What makes a proxy's app a sidecar's: its pipeline steered by the picker's headers to
     prefills and encoders in ``allowed`` (CIDR blocks), learnt into its prefill and encode pools,
-    and a placement that names no prefill of its own (the gateway does)."""
+    and a placement that names no prefill of its own (the gateway does); ``/metrics`` its decode's
+    (what the picker scrapes at the pod's port: ``api/decode_metrics.py``), its own at
+    ``SIDECAR_METRICS``."""
     def adapt(app: ProxyApp) -> None:
         pipeline = app.pipeline
         known = pipeline.known
@@ -32,6 +35,8 @@ def steered(allowed: Sequence[str]):
                                      check=type(app.connector).check_instances)
         known.prefill = InstancePool("prefill", ())
         known.prefill_needed = False
+        app.add_route("GET", SIDECAR_METRICS, app.own_metrics, keyless=True)  # it checks the admin key
+        app.add_route("GET", "/metrics", DecodeMetrics(app.pools["decode"], app.config.probe_timeout), keyless=True)
     return adapt
 
 
