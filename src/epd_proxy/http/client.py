@@ -77,12 +77,7 @@ class Response:
         fut = self._done
         if fut is not None and not fut.done():
             fut.set_result(None)
-        if exc is None and not self._released:  # _release, inline: every response ends here
-            self._released = True
-            self._conn.response_done(self)
-
-    def _release(self) -> None:
-        if not self._released:
+        if exc is None and not self._released:  # a finished body hands the connection back
             self._released = True
             self._conn.response_done(self)
 
@@ -151,10 +146,10 @@ class Response:
         is how vLLM learns that the request is abandoned."""
         if self._released:
             return
+        self._released = True
         if self.complete:
-            self._release()
+            self._conn.response_done(self)
         else:
-            self._released = True
             self._conn.abort()
 
 
@@ -259,14 +254,12 @@ class _Connection(asyncio.Protocol):
         # Switch the timer from the header wait to the idle-body wait here, not when the
         # requesting task resumes: by then the body may be complete and this connection
         # back in the pool, carrying someone else's request (and header timer).
-        # (_arm_timer's idle wait, inline.) From the read that completed the head: the
-        # parser runs inside ``data_received``, which has just noted the time.
-        now = self._last_activity
+        # From the read that completed the head (the parser runs in ``data_received``).
         delay = self._timeouts.idle
         if delay is None:
             self._timer.due = None
         else:
-            self._timer.arm_at(now + delay)
+            self._timer.arm_at(self._last_activity + delay)
         if fut is not None and not fut.done():
             fut.set_result(resp)
         if self._head_request:
@@ -314,24 +307,17 @@ class _Connection(asyncio.Protocol):
                 self.transport.writelines((head, body))
         else:
             self.transport.write(head)
-        delay = timeouts.headers  # _arm_timer's header wait, inline
+        delay = timeouts.headers
         if delay is None:
             self._timer.due = None
         else:
             self._timer.arm_at(now + delay)
         return fut
 
-    # One timer, moved lazily (``timers``): disarming leaves it to fire into nothing.
+    # One timer, moved lazily (``timers``): armed for the header wait in ``send``, for the
+    # idle-body wait in ``on_headers_complete``; disarming leaves it to fire into nothing.
     # Body bytes move the idle deadline without touching it: ``_on_timeout`` looks at
     # the last activity and re-arms when the connection was not silent that long.
-    def _arm_timer(self) -> None:
-        t = self._timeouts
-        delay = t.headers if self._head_future is not None else t.idle
-        if delay is None:
-            self._timer.disarm()
-        else:
-            self._timer.arm_at(self._last_activity + delay)
-
     def _on_timeout(self) -> None:
         if self.closed:
             return
@@ -643,23 +629,26 @@ class ConnectionPool:
         reused = conn is not None
         if conn is None:
             conn, reused = await self._fresh(timeouts, queue)
-        # _exchange, inline: one coroutine less on every upstream request.
-        fut = conn.send(head, body, timeouts)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                fut.result().close()  # see _exchange
-            else:
-                conn.abort()
-            raise
-        except UpstreamError as exc:
-            conn.abort()
-            if not (reused and not exc.response_started and exc.kind == "connection"):
+        while True:  # the exchange, in this coroutine (none of its own: every upstream request)
+            fut = conn.send(head, body, timeouts)
+            try:
+                return await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    # Cancelled after the head arrived: the response may be complete and its
+                    # connection already back in the pool (maybe carrying another request).
+                    # Close the response: that aborts only if its body is still running.
+                    fut.result().close()
+                else:
+                    conn.abort()
                 raise
-        # The server closed the idle connection as we reused it: once more, on a fresh one.
-        conn, _ = await self._fresh(timeouts, queue)
-        return await self._exchange(conn, head, body, timeouts)
+            except UpstreamError as exc:
+                conn.abort()
+                if not (reused and not exc.response_started and exc.kind == "connection"):
+                    raise
+            # The server closed the idle connection as we reused it: once more, on a fresh one.
+            conn, _ = await self._fresh(timeouts, queue)
+            reused = False
 
     async def fetch(self, method: str, path: str, *, headers: Headers | None = None,
                     timeouts: TransportTimeouts | None = None, body: bytes = b"",
@@ -675,24 +664,6 @@ class ConnectionPool:
         finally:
             resp.close()
         return resp.status, resp.content_type, data
-
-    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: TransportTimeouts) -> Response:
-        fut = conn.send(head, body, timeouts)
-        try:
-            resp = await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # Cancelled after the head arrived: the response may be complete and its
-                # connection already back in the pool (maybe carrying another request).
-                # Close the response: that aborts only if its body is still running.
-                fut.result().close()
-            else:
-                conn.abort()
-            raise
-        except UpstreamError:
-            conn.abort()
-            raise
-        return resp
 
     def fail_pending(self, error) -> int:
         """Fail every exchange still waiting for its answer: no headers yet, or a body
