@@ -63,7 +63,7 @@ class Forwarder:
         self.metrics = metrics
         self.gate = gate  # admission: the same --max-inflight slots and queue as the pipeline's
         self.tenants = tenants
-        self.models = pools["decode"].models  # the cluster's models (instances/model_directory.py)
+        self.models = pools["decode"].served.directory  # the cluster's models (instances/model_directory.py)
         self.policy = LeastLoaded()  # among the candidates of every pool the endpoint may use
         self._base_headers = base_headers
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
@@ -148,7 +148,7 @@ class Forwarder:
             if resp.status >= 400:
                 data = await stage.read_body(ctx, inst, resp)
                 raise stage.status_error(ctx, inst, resp.status, data, resp.content_type)
-            stage.pool.record_success(inst)
+            stage.outliers.record_success(inst)
             out = [(b"x-request-id", ctx.request_id.encode())]
             if b"content-length" in resp.headers:
                 data = await stage.read_body(ctx, inst, resp)
