@@ -70,7 +70,7 @@ from epd_proxy.wire.errors import ProxyError, drop_traceback
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
     from epd_proxy.placement.kv_lookup import KvLookup
-    from epd_proxy.request.shared_homes import SharedHomes
+    from epd_proxy.placement.shared_homes import SharedHomes
 
 log = logging.getLogger("epd_proxy.pipeline")
 

@@ -47,6 +47,7 @@ from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.placement.decision import Known
 from epd_proxy.placement.kv_lookup import KvLookup
+from epd_proxy.placement.shared_homes import shared_homes
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import front_door_error_body
@@ -58,7 +59,6 @@ from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.hedged import EncoderHedging, PrefillHedging
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
-from epd_proxy.request.shared_homes import shared_homes
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing import make_policy
