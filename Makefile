@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint e2e container bench venv clean system-packages instructions-check
+.PHONY: run test lint e2e container bench venv clean system-packages instructions-check lower-bounds
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -51,9 +51,14 @@ container: $(STAMP)
 instructions-check: $(STAMP) system-packages
 	PY=$(PY) $(PY) scripts/instructions_guard.py
 
+## The declared lower bounds tested: every runtime dependency at exactly its `>=` bound in
+## .venv-lower, and the suites that exercise them (scripts/lower_bounds.py).
+lower-bounds: system-packages
+	$(PYTHON) scripts/lower_bounds.py
+
 ## The benchmark; see docs/benchmarks.md.
 bench: $(STAMP)
 	$(PY) -m epd_proxy bench --compare
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-lower build dist src/*.egg-info .pytest_cache

@@ -159,6 +159,34 @@ class EppProcess:
         os.unlink(self._log.name)
 
 
+class SidecarProcess(EppProcess):
+    """``epd-proxy sidecar`` as a child process beside one decode, answering ``/ready``."""
+
+    async def start(self) -> "SidecarProcess":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [SRC, os.environ.get("PYTHONPATH", "")] if p))
+        for attempt in range(3):  # a port free when drawn may be taken by another process meanwhile
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "epd_proxy", "sidecar", "--port", str(self.port), "--shutdown-grace", "0",
+                "--shutdown-timeout", "2", "--scrape-interval", "0", *self.args,
+                env=env, stdout=self._log, stderr=self._log, start_new_session=True)
+            try:
+                await _until(lambda: _get(self.url, "/ready"), self.proc, self.log)
+                return self
+            except AssertionError:
+                if attempt == 2 or "cannot listen" not in self.log():
+                    raise
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+
+def identity(spec: dict) -> str:
+    """A simulated prefill's flag with its identity (``SimCluster.prefill_identities``' entry)."""
+    out = f"{spec['url']};engine_id={spec['engine_id']};kv_host={spec['kv_host']};kv_port={spec['kv_port']}"
+    out += f";tp={spec['tp']};pp={spec['pp']}"
+    return out + (f";bootstrap_port={spec['bootstrap_port']}" if spec.get("bootstrap_port") else "")
+
+
 @dataclasses.dataclass
 class Gateway:
     cluster: SimCluster
@@ -167,6 +195,7 @@ class Gateway:
     streamed: str  # the FULL_DUPLEX_STREAMED, fail-closed listener's URL
     buffered: str  # the BUFFERED, fail-open one's
     pool: list[str]  # the pool's endpoints as Envoy has them
+    sidecars: list[SidecarProcess] = dataclasses.field(default_factory=list)  # one per decode, in its order
 
     @property
     def epp(self) -> EppProcess:
@@ -193,32 +222,50 @@ def dead_address() -> str:
 
 @contextlib.asynccontextmanager
 async def gateway(spec: str = "decode=3", epp_args: tuple = (), *, extra_pool: tuple[str, ...] = (),
-                  extra_envoy: dict | None = None, replicas: int = 1, register: bool = False):
+                  extra_envoy: dict | None = None, replicas: int = 1, register: bool = False,
+                  sidecar_args: tuple | None = None):
     """Simulated instances (``spec``: ``SimCluster.from_spec``'s, their decodes serve; plus
     ``extra_pool`` addresses the picker and the pool list too), the picker's ``replicas``, each in
     its process, and Envoy; yields a :class:`Gateway`. With ``register``, the picker is told of no
-    instance: they register themselves (``POST /instances``) once the test says so."""
+    instance: they register themselves (``POST /instances``) once the test says so. With
+    ``sidecar_args``, each decode gets an ``epd-proxy sidecar`` in front (those flags, the KV
+    connector's, and each prefill with its identity), and the pool's endpoints are the sidecars',
+    as a pod's served port is its sidecar's."""
     async with SimCluster.from_spec(spec, SimConfig(itl_ms=0, ttft_ms=0.5)) as cluster:
-        flags = []
-        for role in ("encode", "prefill", "decode"):  # P/D, E/P/D: the decode's sidecar is told the others
-            for inst in cluster.instances(role):
-                spec = inst.url
-                if inst.kv_events is not None:
-                    spec += f";kv_events={inst.kv_events.endpoint};kv_events_replay={inst.kv_events.replay_endpoint}"
-                flags += [f"--{role}", spec]
-        flags += [arg for a in extra_pool for arg in ("--decode", f"http://{a}")]
-        if register:
-            flags = ["--dynamic-registration", "--registration-allow", "127.0.0.1/32"]
         async with contextlib.AsyncExitStack() as stack:
+            sidecars: list[SidecarProcess] = []
+            if sidecar_args is not None:
+                connector = ["--kv-connector", cluster.config.kv_connector]
+                known = [a for p in cluster.prefill_identities() for a in ("--prefill", identity(p))]
+                for url in cluster.urls("decode"):
+                    args = ["--decode", url, *connector, *(known if connector[1] != "nixl" else ()), *sidecar_args]
+                    sidecars.append(await stack.enter_async_context(SidecarProcess(args)))
+            flags = []
+            for role in ("encode", "prefill", "decode"):  # P/D, E/P/D: the decode's sidecar is told the others
+                for n, inst in enumerate(cluster.instances(role)):
+                    spec = sidecars[n].url if role == "decode" and sidecars else inst.url
+                    if role == "prefill" and sidecars:
+                        spec = identity(cluster.prefill_identities()[n])
+                    events = inst.kv_events
+                    if events is not None:
+                        spec += f";kv_events={events.endpoint};kv_events_replay={events.replay_endpoint}"
+                    flags += [f"--{role}", spec]
+            if sidecars:
+                flags += ["--kv-connector", cluster.config.kv_connector]
+            flags += [arg for a in extra_pool for arg in ("--decode", f"http://{a}")]
+            if register:
+                flags = ["--dynamic-registration", "--registration-allow", "127.0.0.1/32"]
             epps = [await stack.enter_async_context(EppProcess(flags + list(epp_args), ready=not register))
                     for _ in range(replicas)]
-            pool = [address(u) for u in cluster.urls("decode")] + list(extra_pool)
+            pool = [address(u) for u in (s.url for s in sidecars)] if sidecars else \
+                [address(u) for u in cluster.urls("decode")]
+            pool += list(extra_pool)
             streamed, buffered, admin = free_port(), free_port(), free_port()
             config = envoy_config(streamed=streamed, buffered=buffered, admin=admin,
                                   epp=[f"127.0.0.1:{e.grpc_port}" for e in epps], pool=pool)
             async with Envoy(config, admin, extra_envoy) as envoy:
                 yield Gateway(cluster, epps, envoy, f"http://127.0.0.1:{streamed}",
-                              f"http://127.0.0.1:{buffered}", pool)
+                              f"http://127.0.0.1:{buffered}", pool, sidecars)
 
 
 async def _get(url: str, path: str) -> bool:

@@ -11,6 +11,7 @@ from helpers import JSON, chat_body, stack, wait_for
 from procs import child_proxy, fresh_request
 from redis_server import redis_server  # noqa: F401  (the fixture)
 
+from epd_proxy.api.gateway import READ_EVERY
 from epd_proxy.sim import SimCluster, SimConfig, expected_text
 
 
@@ -95,6 +96,16 @@ async def test_with_workers_the_state_answers_for_the_whole_proxy():
                 await asyncio.sleep(0.05)
             for _ in range(4):  # fresh connections: each worker is asked, and each starts recording
                 await fresh_request(url, "GET", "/console/api/state")
+
+            def publishing(state: dict) -> int:
+                return sum(r["workers_publishing"] for r in state["gateway"]["replicas"])
+
+            # Each worker publishes its summary on its own period and reads the board at most
+            # every so often (a view it keeps a moment): until both workers' views show both.
+            while publishing((await fresh_request(url, "GET", "/console/api/state")).json()) != 2:
+                assert loop.time() < end, "the workers never both published"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(READ_EVERY)  # the other worker's kept view, read before, expires
             body = msgspec.json.encode(chat_body(max_tokens=2))
             n = 12
             replies = await asyncio.gather(*(fresh_request(url, "POST", "/v1/chat/completions", body,

@@ -201,7 +201,8 @@ async def test_a_clients_sidecar_headers_are_taken_out_of_every_placed_request()
     x = ext_proc.Exchange(Recorder(_routed()))  # type: ignore[arg-type]
     [head] = await x.on(_headers(True, MODE.FULL_DUPLEX_STREAMED, extra=[("x-prefiller-host-port", b"10.9.9.9:1")]))
     mutation = head.request_headers.response.header_mutation
-    assert set(mutation.remove_headers) == {ext_proc.PREFILLER, ext_proc.ENCODERS}
+    assert set(mutation.remove_headers) == {ext_proc.PREFILLER, ext_proc.ENCODERS, "x-data-parallel-host-port",
+                                            "x-kv-cache-source-host-port"}
 
 
 async def test_without_lb_metadata_the_upstream_address_attribute_names_the_served_endpoint():

@@ -48,3 +48,23 @@ def test_the_pool_the_picker_and_the_route_fit_together():
     assert container["livenessProbe"]["grpc"] == {"port": args.grpc_port, "service": "liveness"}
     assert pod["spec"]["terminationGracePeriodSeconds"] > args.shutdown_timeout
     assert epp["spec"]["replicas"] > objs[("PodDisruptionBudget", "epd-proxy-epp")]["spec"]["maxUnavailable"]
+
+
+def test_the_sidecar_listens_on_the_pools_port_in_front_of_the_pods_vllm():
+    """llm-d's routing-sidecar convention: the sidecar on the pod's served port, vLLM on another."""
+    pool = _objects("gateway.yaml")[("InferencePool", "vllm-pool")]["spec"]
+    instances = _objects("instances.yaml")
+    decode = _objects("gateway-sidecar.yaml")[("Deployment", "vllm-decode")]
+    labels = decode["spec"]["template"]["metadata"]["labels"]
+    assert labels == pool["selector"]["matchLabels"] == instances[("Service", "vllm-decode")]["spec"]["selector"]
+    sidecar, vllm = decode["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(sidecar["args"])  # exits on a flag the sidecar does not take
+    assert args.command == "sidecar" and args.allowed_targets
+    assert [{"number": args.port}] == pool["targetPorts"]
+    assert [p["containerPort"] for p in sidecar["ports"]] == [args.port]
+    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/ready"
+    vllm_args = vllm["args"]
+    vllm_port = int(vllm_args[vllm_args.index("--port") + 1])
+    assert vllm_port != args.port and args.decode == [f"http://127.0.0.1:{vllm_port}"]
+    assert vllm_args[vllm_args.index("--host") + 1] == "127.0.0.1"  # only the sidecar reaches it
+    assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.shutdown_timeout

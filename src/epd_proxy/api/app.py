@@ -531,7 +531,8 @@ def _with_held_kv(pools: dict[str, list[dict]], reuse: TurnReuse) -> None:
         return
     held = reuse.status()
     for inst in pools.get("decode", ()):
-        inst["kv_reuse"] = held.get(inst["url"]) or {"keeps_blocks": None, "held_tokens": 0, "held_conversations": 0}
+        inst["kv_reuse"] = held.get(inst["url"]) or {"keeps_blocks": None, "held_tokens": 0, "held_conversations": 0,
+                                                  "kv_budget": None}
 
 
 def _merge_held_kv(have: dict, inst: dict) -> None:

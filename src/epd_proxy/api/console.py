@@ -59,7 +59,7 @@ _PAGE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-content-type-options", b"
                  (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'")]
 _JSON_HEADERS = [(b"cache-control", b"no-store")]
 # A decode multi-turn reuse knows nothing of yet (as /status shows it).
-_NOT_HELD = {"keeps_blocks": None, "held_tokens": 0, "held_conversations": 0}
+_NOT_HELD = {"keeps_blocks": None, "held_tokens": 0, "held_conversations": 0, "kv_budget": None}
 
 
 def _load_assets() -> dict[str, bytes]:

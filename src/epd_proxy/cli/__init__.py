@@ -1,4 +1,4 @@
-"""The ``epd-proxy`` command line: ``serve``, ``epp``, ``check-config``, ``sim`` and ``bench``.
+"""The ``epd-proxy`` command line: ``serve``, ``epp``, ``sidecar``, ``check-config``, ``sim`` and ``bench``.
 
 Each command is a module offering ``add_arguments(parser)`` and ``run(args) -> int``;
 this one only registers them and hands the parsed command line to the right one.
@@ -12,6 +12,7 @@ from epd_proxy.bench import cli as bench_command
 from epd_proxy.cli import check_config
 from epd_proxy.cli import epp as epp_command
 from epd_proxy.cli import serve as serve_command
+from epd_proxy.cli import sidecar as sidecar_command
 from epd_proxy.cli.parser import Parser
 from epd_proxy.sim import cli as sim_command
 
@@ -19,6 +20,7 @@ from epd_proxy.sim import cli as sim_command
 COMMANDS = {
     "serve": (serve_command, "run the proxy"),
     "epp": (epp_command, "run the endpoint picker of a Gateway API inference extension InferencePool"),
+    "sidecar": (sidecar_command, "run beside a decode vLLM: carry out the prefill a gateway's endpoint picker names"),
     "check-config": (check_config, "validate a cluster file and print the resolved topology"),
     "sim": (sim_command, "run simulated vLLM instances"),
     "bench": (bench_command, "benchmark an OpenAI-compatible endpoint (see docs/benchmarks.md)"),

@@ -43,6 +43,9 @@ SERVED = "x-gateway-destination-endpoint-served"
 # Only the picker sets them: a client's are taken out of every request it places.
 PREFILLER = "x-prefiller-host-port"
 ENCODERS = "x-encoder-hosts-ports"
+# llm-d's other two steering headers (its routing sidecar's data-parallel rank's and KV source's
+# address): the picker never names them, and no client may, so they are taken out of every request.
+STEERING = ("x-data-parallel-host-port", "x-kv-cache-source-host-port")
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -192,7 +195,7 @@ def routed(decision: Routed, body: bytes, streamed: bool, *, headers_only: bool,
     value = ",".join(decision.endpoints)
     new_body = decision.body
     sets = [_header(DESTINATION, value)]
-    removes = []
+    removes = list(STEERING)
     prefill, encoders = decision.pick.prefill, decision.pick.encoders
     if prefill is not None:
         sets.append(_header(PREFILLER, endpoint(prefill)))

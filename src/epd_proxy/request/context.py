@@ -12,6 +12,7 @@ from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import RequestTrace
     from epd_proxy.placement.decision import Placement
+    from epd_proxy.placement.steered import Steered
     from epd_proxy.request.apis import GenerationApi
     from epd_proxy.request.turns.multiturn import KVReuse
     from epd_proxy.request.usage.rewrite import PrefillReport
@@ -31,7 +32,7 @@ class RequestContext:
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
                  "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models",
                  "conversation", "turn_tried", "kv_reuse", "ids_asked", "kv_outcome", "tokenized",
-                 "_backlog", "scope", "placement")
+                 "_backlog", "scope", "placement", "steered")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -71,6 +72,7 @@ class RequestContext:
         # stores or reads back (responses, turns, media uuids) is its key's. None without keys.
         self.scope: bytes | None = None
         self.placement: Placement | None = None  # the last attempt's (placement/decision.py)
+        self.steered: Steered | None = None  # what the gateway named (placement/steered.py; the sidecar)
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]

@@ -38,6 +38,7 @@ from epd_proxy.placement.decision import (
     place,
     worth_retrying,
 )
+from epd_proxy.placement.steered import Steering
 from epd_proxy.request.admission import ADMIT, SHED, Admission, overloaded
 from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import (
@@ -95,6 +96,8 @@ class Pipeline:
         # Loads a LoRA adapter no instance has when a source knows it (None, or without sources: never).
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
         self.known = known  # what the placement knows besides the request (placement/decision.py)
+        # The sidecar's (placement/steered.py): the prefill and encoders the gateway's headers name. None: the proxy.
+        self.steering: Steering | None = None
         self._debug = log.isEnabledFor(logging.DEBUG)  # each placement's reasons logged (set at start-up)
         # The encode stage runs while encoders are there, or when the topology needs it (its empty
         # pool then answers 503).
@@ -266,6 +269,8 @@ class Pipeline:
             ctx.view = RequestView(body, items, path == CHAT or (api is not None and api.chat_view))
         if self.tracing is not None:
             ctx.trace = self.tracing.start(req.method, path, rec.request_id, req.headers)
+        if self.steering is not None:  # the sidecar: the legs the gateway named (403: an address not allowed)
+            ctx.steered = self.steering.read(req.headers, ctx.excluded)
         return ctx, body, items
 
     def _not_found(self, err: ProxyError, rec: RequestRecord) -> ProxyError:
@@ -445,7 +450,12 @@ class Pipeline:
         reusing = turns is not None and not fresh and (ctx.api is None or ctx.path == GENERATE)
         found = await reuse.lookup(ctx, body, bool(items)) if reusing and turns.active else None  # type: ignore[union-attr]
         encoded = items if items and (self.encode or self._need_encode) else ()
+        steered = ctx.steered
+        if steered is not None and not steered.encoders:  # the sidecar: no encoder named, none runs
+            encoded = ()
         placed = place(ctx, self.known, bool(items), found, False, None, encoded)
+        if steered is not None:  # the sidecar: the prefill the gateway named
+            placed = self.steering.apply(steered, placed, ctx.excluded)  # type: ignore[union-attr]
         if self._debug:
             log.debug("request %s: placed %s", ctx.request_id, placed.reasons())
         ctx.placement = placed
@@ -553,6 +563,8 @@ class Pipeline:
         await self.migrations.close()
         await self.reuse.close()
         await self.tenants.close()
+        if self.steering is not None:
+            await self.steering.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _media(self, body: dict, scope: bytes | None) -> tuple[dict, list[MediaItem]]:

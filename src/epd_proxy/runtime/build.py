@@ -251,13 +251,16 @@ _REJECTIONS = (400, 408, 413, 431, 503)
 async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 0, *,
                       backlog: int = 4096, reuse_port: bool = False, link: PeerLink | None = None,
                       siblings: SiblingChannel | None = None, reloads: bool = False, settings=None,
-                      watch: bool = True, surface=None) -> RunningProxy:
+                      watch: bool = True, surface=None, adapt=None) -> RunningProxy:
     """Build and start a proxy listening on ``host:port``. A ``serve`` process adds its
     ``--workers`` ``link`` (the shared roster) and ``siblings``, and ``reloads`` (SIGHUP, and
     with ``watch`` a changed cluster file; ``settings``: serve_command.ServeSettings).
-    ``surface`` wraps the handler (the endpoint picker's port: ``gateway/surface.py``)."""
+    ``surface`` wraps the handler (the endpoint picker's port: ``gateway/surface.py``);
+    ``adapt(app)`` is called before the app starts (the sidecar's steering: ``runtime/sidecar.py``)."""
     tls = tls_context(config)
     app = build_app(config, worker=siblings.index if siblings is not None else 0, siblings=siblings, link=link)
+    if adapt is not None:
+        adapt(app)
     await app.start()
     handler = log_requests(app) if config.log_requests else app
     if surface is not None:
