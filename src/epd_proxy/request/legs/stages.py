@@ -92,7 +92,7 @@ class DecodeStage(UpstreamStage):
                     data = await resp.read()
                 except UpstreamError as exc:
                     raise self.transport_error(ctx, inst, exc, "reading its answer") from None
-                self.pool.record_success(inst)
+                self.outliers.record_success(inst)
                 ctx.timing("decode", time.perf_counter() - t0)
                 return DecodeLeg(inst, resp, body=data)
             first = await self._first_event(ctx, inst, resp)
@@ -100,7 +100,7 @@ class DecodeStage(UpstreamStage):
             resp.close()
             ctx.release(inst)
             raise
-        self.pool.record_success(inst)
+        self.outliers.record_success(inst)
         ctx.timing("decode_first", time.perf_counter() - t0)
         return DecodeLeg(inst, resp, first=first)
 
@@ -156,7 +156,7 @@ class DecodeStage(UpstreamStage):
     def _in_band(self, ctx: RequestContext, inst: Instance, message: str) -> ProxyError:
         """Decode's stream opened with an error event: a request failure, retryable."""
         log.warning("request %s: decode instance %s failed in-band: %s", ctx.request_id, inst.url, message)
-        self.pool.record_request_failure(inst, f"in-band error: {message}", "in_band", ctx)
+        self.outliers.record_request_failure(inst, f"in-band error: {message}", "in_band", ctx)
         return ProxyError(502, f"decode instance failed: {message}", retryable=True)
 
 
