@@ -129,7 +129,7 @@ class ProxyApp:
         self.connector = connector  # started with the app (Mooncake's engine ids)
         self.state = state  # the shared state store, if any: /status, closed with the app
         self.tracing = tracing
-        self.models = pools["decode"].models  # the cluster's models (every pool tells the same directory)
+        self.models = pools["decode"].served.directory  # the cluster's models (every pool tells the same directory)
         self.admin = admin
         self.forwarder = forwarder  # the endpoints one instance answers (routing/endpoints.py)
         self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
@@ -353,7 +353,7 @@ class ProxyApp:
         writer.send(404, catalog.not_found(name, tenants.model_ids(key, catalog)).body())
 
     async def _models_of_one(self, writer: ResponseWriter | None) -> None:
-        """A live decode instance's model list: learnt (pool.py), and relayed to ``writer`` if given."""
+        """A live decode instance's model list: learnt (served_models.py), and relayed to ``writer`` if given."""
         pool = self.pools["decode"]
         t = self.config.timeouts
         timeouts = TransportTimeouts(connect=t.connect, headers=10.0, idle=10.0)
@@ -370,13 +370,13 @@ class ProxyApp:
                 status, content_type, data = await inst.connections.fetch(
                     "GET", "/v1/models", headers=self._base_headers, timeouts=timeouts)
             except UpstreamError as exc:
-                pool.record_failure(inst, str(exc))
+                pool.outliers.record_failure(inst, str(exc))
                 log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
                 last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
             if status == 200:
                 try:
-                    pool.learned(inst, data)
+                    pool.served.learned(inst, data)
                 except ValueError:
                     pass  # not a model list: relayed as it is
             if writer is not None:

@@ -71,7 +71,7 @@ from epd_proxy.wire.errors import ProxyError, drop_traceback
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
     from epd_proxy.placement.kv_lookup import KvLookup
-    from epd_proxy.request.shared_homes import SharedHomes
+    from epd_proxy.placement.shared_homes import SharedHomes
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -92,7 +92,7 @@ class Pipeline:
         self.encode = pools["encode"] if "encode" in pools else InstancePool("encode", ())
         self.prefill = pools["prefill"] if "prefill" in pools else InstancePool("prefill", ())
         self.decode = pools["decode"]
-        self.models = self.decode.models  # the cluster's models (every pool tells the same directory)
+        self.models = self.decode.served.directory  # the cluster's models (every pool tells the same directory)
         # Loads a LoRA adapter no instance has when a source knows it (None, or without sources: never).
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
         self.known = known  # what the placement knows besides the request (placement/decision.py)

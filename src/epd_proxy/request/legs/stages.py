@@ -114,7 +114,7 @@ class DecodeStage(UpstreamStage):
                     data = await resp.read()
                 except UpstreamError as exc:
                     raise self.transport_error(ctx, inst, exc, "reading its answer") from None
-                self.pool.record_success(inst)
+                self.outliers.record_success(inst)
                 timings = ctx.timings
                 timings["decode"] = timings.get("decode", 0.0) + (time.perf_counter() - t0)
                 return DecodeLeg(inst, resp, body=data)
@@ -123,7 +123,7 @@ class DecodeStage(UpstreamStage):
             resp.close()
             ctx.release(inst)
             raise
-        self.pool.record_success(inst)
+        self.outliers.record_success(inst)
         timings = ctx.timings
         timings["decode_first"] = timings.get("decode_first", 0.0) + (time.perf_counter() - t0)
         return DecodeLeg(inst, resp, first=first)
@@ -180,7 +180,7 @@ class DecodeStage(UpstreamStage):
     def _in_band(self, ctx: RequestContext, inst: Instance, message: str) -> ProxyError:
         """Decode's stream opened with an error event: a request failure, retryable."""
         log.warning("request %s: decode instance %s failed in-band: %s", ctx.request_id, inst.url, message)
-        self.pool.record_request_failure(inst, f"in-band error: {message}", "in_band", ctx)
+        self.outliers.record_request_failure(inst, f"in-band error: {message}", "in_band", ctx)
         return ProxyError(502, f"decode instance failed: {message}", retryable=True)
 
 
