@@ -555,6 +555,38 @@ async def test_interim_1xx_responses_are_skipped(raw_server, pools):
     assert len(srv.conns) == 1
 
 
+@pytest.mark.parametrize("split", [False, True])
+async def test_head_fields_as_a_field_callback_would_give_them(raw_server, pools, split):
+    """The head's fields are read from its bytes once it is complete: names lower-cased,
+    repeated fields joined, a value's leading whitespace dropped and its trailing kept, empty
+    values kept, a colon inside a value kept; the same whether the head comes in one read or a
+    byte at a time, after an interim head and blank lines."""
+    head = (b"HTTP/1.1 100 Continue\r\nX-Interim: 1\r\n\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Type:  text/plain \r\nX-Dup: a\r\nx-dup:\tb\r\nX-Empty:\r\n"
+            b"X-Url: http://h:1/p\r\nContent-Length: 4\r\n\r\nbody")
+
+    async def handler(conn):
+        await conn.request()
+        if split:
+            for i in range(len(head)):
+                conn.send(head[i:i + 1])
+                await conn.writer.drain()
+                await asyncio.sleep(0)
+        else:
+            conn.send(head)
+        await serve_ok(conn)
+
+    srv = await raw_server(handler)
+    pool = pools(srv.url)
+    resp = await pool.request("POST", "/", body=b"x", timeouts=FAST)
+    assert resp.headers == {b"content-type": b"text/plain ", b"x-dup": b"a, b", b"x-empty": b"",
+                            b"x-url": b"http://h:1/p", b"content-length": b"4"}
+    assert resp.content_type == b"text/plain "
+    assert await resp.read() == b"body"
+    assert await (await pool.request("GET", "/next", timeouts=FAST)).read() == b"/next"  # the next head alone
+    assert len(srv.conns) == 1
+
+
 @pytest.mark.parametrize("status", [204, 304])
 async def test_no_body_status_and_reuse(raw_server, pools, status):
     async def handler(conn):

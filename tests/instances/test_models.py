@@ -152,7 +152,7 @@ def make_pools(*models):
                         outlier=OutlierSettings(fail_threshold=1), models=directory)
     for inst, names in zip(pool.instances, models):
         if names is not None:
-            pool.learned(inst, listing(*[card(n) for n in names]))
+            pool.served.learned(inst, listing(*[card(n) for n in names]))
     return pool, directory
 
 
@@ -168,10 +168,10 @@ async def test_pool_chooses_only_instances_serving_the_model():
 async def test_pool_panics_within_the_model_and_503_when_none_serves_it():
     pool, _ = make_pools(["a"], ["b"])
     a, b = pool.instances
-    pool.record_failure(a, "down")  # a out: b in rotation, but it does not serve a
+    pool.outliers.record_failure(a, "down")  # a out: b in rotation, but it does not serve a
     assert not a.healthy and b.healthy
     assert choose(pool, model="a") is a  # panic routing within a's instances
-    pool.drain(a)
+    pool.outliers.drain(a)
     with pytest.raises(ProxyError) as err:
         choose(pool, model="a")
     assert err.value.status == 503 and "model `a`" in err.value.message
@@ -184,9 +184,9 @@ async def test_directory_says_which_deciding_roles_have_not_answered():
     prefill = InstancePool("prefill", [InstanceSpec("http://127.0.0.1:9001", "prefill")], models=directory)
     InstancePool("encode", [InstanceSpec("http://127.0.0.1:9002", "encode")], models=directory)
     assert directory.current.waiting == ("decode", "prefill")  # encoders never decide
-    prefill.learned(prefill.instances[0], listing(card("a")))
+    prefill.served.learned(prefill.instances[0], listing(card("a")))
     assert directory.current.waiting == ("decode",)
-    decode.drain(decode.instances[0])  # a draining instance serves nothing new: no decode left to wait for
+    decode.outliers.drain(decode.instances[0])  # a draining instance serves nothing new: no decode left to wait for
     assert directory.current.waiting == ()
     with pytest.raises(ProxyError) as err:
         directory.current.route("b")
@@ -198,11 +198,11 @@ async def test_panic_is_counted_only_over_instances_known_to_serve_the_model():
     (which a prefill lists, say) may try it, but no decode serving b is out: no panic."""
     pool, _ = make_pools(["a"], ["a"], None)
     unknown = pool.instances[2]
-    pool.record_failure(unknown, "down")
+    pool.outliers.record_failure(unknown, "down")
     assert not unknown.healthy
     assert choose(pool, model="b") is unknown and pool.panics == 0
     for inst in pool.instances[:2]:  # a's own instances out too (failed probes: no cap): panic for a
-        pool.probe_failed(inst, "connection", "health probe: refused")
+        pool.outliers.probe_failed(inst, "connection", "health probe: refused")
     assert choose(pool, model="a") in pool.instances and pool.panics == 1
     assert choose(pool, model="b") is unknown and pool.panics == 2  # the whole role is out: panic, whatever the model
 
@@ -256,20 +256,6 @@ def test_instances_reporting_the_same_models_share_their_cards():
     moved = parse_models(vllm_answer(card("base"), dict(card("lora-0", "base"), max_model_len=64)), held=held)
     assert moved != first and moved.cards[1]["max_model_len"] == 64  # a real difference is one
     assert len(held) == 52
-
-
-async def test_repeated_answers_do_not_rebuild_the_catalog_and_the_table_stays_bounded():
-    pool, directory = make_pools(["a"], ["a"])
-    one, two = pool.instances
-    catalog = directory.current
-    for now in range(2, 6):
-        pool.learned(one, vllm_answer(card("a"), now=now))
-        pool.learned(two, vllm_answer(card("a"), now=now))
-    assert directory.current is catalog  # the same models: nothing rebuilt, nothing logged
-    for k in range(500):  # adapters come and go on one instance
-        pool.learned(one, vllm_answer(card("a"), card(f"lora-{k}", "a"), now=k))
-    assert set(directory.current.parents) == {"a", "lora-499"}
-    assert len(directory.cards) <= 2 * 2 + 64  # the cards held now, not every one seen
 
 
 # -- per-model readiness (catalog.model_readiness, pure) ----------------------------------------

@@ -56,7 +56,8 @@ def test_exposition_has_every_family():
                            health=SimpleNamespace(ejections=4, errors={"connect": 3, "http_503": 2}),
                            signals=SimpleNamespace(others=3.0),
                            served=Served({"base": None, "alias": None, "sql": "base", "chat": "base"}))
-    pool = SimpleNamespace(instances=[inst], panics=6, local_errors=7, policy=SimpleNamespace(spills=8))
+    pool = SimpleNamespace(instances=[inst], panics=6, outliers=SimpleNamespace(local_errors=7),
+                           policy=SimpleNamespace(spills=8))
     m = ProxyMetrics()
     m.register(pool_collector({"decode": pool}, worker=0))
     m.observe_request("/v1/chat/completions", 200, 0.3)

@@ -46,6 +46,6 @@ async def test_excluded_instances_are_avoided_while_others_exist():
 async def test_excluded_healthy_instances_give_way_to_a_half_open_one():
     pool = make_pool(2, threshold=1, ejection_time=0.01)
     a, b = pool.instances
-    pool.record_failure(a, "reset")
+    pool.outliers.record_failure(a, "reset")
     await wait_for(lambda: a.state == "half-open")
     assert choose(pool, exclude={b}) is a

@@ -102,7 +102,7 @@ async def test_excluded_first_then_a_timed_out_pick_is_replaced_with_its_reason(
 async def test_a_half_open_decode_gets_its_trial_share_with_the_reason():
     k = known()
     a, b = k.decode.instances
-    k.decode.record_failure(a, "reset")
+    k.decode.outliers.record_failure(a, "reset")
     await wait_for(lambda: a.state == "half-open")
     placed = [place(ctx(), k) for _ in range(2 * HALF_OPEN_SHARE)]
     trials = [p for p in placed if p.decode is a]
@@ -114,7 +114,7 @@ async def test_a_half_open_decode_gets_its_trial_share_with_the_reason():
 async def test_panic_routing_is_the_reason_when_no_decode_is_in_rotation():
     k = known()
     for inst in k.decode.instances:
-        k.decode.probe_failed(inst, "connection", "probe")
+        k.decode.outliers.probe_failed(inst, "connection", "probe")
     placed = place(ctx(), k)
     assert placed.decode_why == PANIC and k.decode.panics == 1
 
@@ -123,8 +123,8 @@ async def test_an_instance_whose_models_are_unknown_is_no_panic():
     models = ModelDirectory()
     d = pool("decode", 2, models=models)
     known_one, unknown = d.instances
-    d.learned(known_one, _listing(_card("a")))
-    d.record_failure(unknown, "down")
+    d.served.learned(known_one, _listing(_card("a")))
+    d.outliers.record_failure(unknown, "down")
     choice = pick(d, model="b")
     assert choice[:2] == (unknown, UNKNOWN_MODELS) and d.panics == 0
 
@@ -132,11 +132,11 @@ async def test_an_instance_whose_models_are_unknown_is_no_panic():
 async def test_an_adapter_goes_by_affinity_and_its_prefill_on_the_decodes_base():
     models = ModelDirectory()
     d = pool("decode", 2, models=models)
-    d.affinity = AdapterAffinity(4, 1.5)
+    d.served.affinity = AdapterAffinity(4, 1.5)
     p = pool("prefill", 2, port=9100, models=models)
     for inst in d.instances + p.instances:
         inst.served = None
-        (d if inst in d.instances else p).learned(inst, _listing(_card("base"), _card("fin", "base")))
+        (d if inst in d.instances else p).served.learned(inst, _listing(_card("base"), _card("fin", "base")))
     c = ctx()
     c.models = models.current.route("fin")
     placed = place(c, Known(d, p))

@@ -63,7 +63,7 @@ async def test_a_hung_prefill_is_retried_on_the_other_one():
 async def test_no_prefill_runs_when_every_decode_is_draining():
     async with stack(sim=SIM) as (cluster, proxy, client):
         pool = proxy.app.pools["decode"]
-        pool.drain(pool.instances[0])
+        pool.outliers.drain(pool.instances[0])
         reply = await client.chat(chat_body())
         assert reply.status == 503 and reply.headers.get(b"retry-after") == b"5"
         assert "decode" in reply.json()["error"]["message"]

@@ -261,7 +261,7 @@ async def test_an_adapters_prefill_and_decode_sit_on_the_same_base():
             for pool in proxy.app.pools.values():
                 for inst in pool.instances:
                     if inst.url in urls:
-                        pool.learned(inst, body)
+                        pool.served.learned(inst, body)
         assert proxy.app.pipeline.models.current.parents == {"a": None, "sql": "a", "b": None}
         for _ in range(8):
             before = count(a), count(b)

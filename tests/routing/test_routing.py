@@ -495,20 +495,20 @@ async def test_an_ejected_instance_gives_up_only_its_conversations_and_takes_the
     keyed = [Keyed(v.anchor) for v in views]
     before = [choose(pool, view=v) for v in keyed]
     victim = pool.instances[1]
-    pool.probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
+    pool.outliers.probe_failed(victim, "timeout", "probe")  # a failed probe ejects (uncapped)
     assert victim.state == "ejected"
     during = [choose(pool, view=v) for v in keyed]
     assert all(d is b for b, d in zip(before, during) if b is not victim)
     assert victim not in during and sum(b is victim for b in before) > 50
-    pool.record_success(victim)  # it answers again
+    pool.outliers.record_success(victim)  # it answers again
     assert victim.healthy
     assert [choose(pool, view=v) for v in keyed] == before
     # The same turns with their shapes: this proxy remembers where it sent each. Those it
     # moved off the ejected instance stay on the instance that now holds them.
     assert [choose(pool, view=v) for v in views] == before
-    pool.probe_failed(victim, "timeout", "probe")
+    pool.outliers.probe_failed(victim, "timeout", "probe")
     during = [choose(pool, view=v) for v in views]
-    pool.record_success(victim)
+    pool.outliers.record_success(victim)
     assert [choose(pool, view=v) for v in views] == during
     await pool.close()
 

@@ -13,7 +13,7 @@ from epd_proxy.tenants.limits import (
     settlement,
     window,
 )
-from epd_proxy.tenants.policy import KeyPolicy
+from epd_proxy.tenants.table import KeyPolicy
 
 NOW = 1_767_225_600.0 + 30.5  # 2026-01-01 00:00:30.5 UTC
 

@@ -11,8 +11,8 @@ from epd_proxy.runtime.serve import config_for_cluster
 from epd_proxy.sim import SimCluster, SimConfig
 from epd_proxy.tenants.counters import LocalCounters, StoreUnavailable
 from epd_proxy.tenants.limits import hits
-from epd_proxy.tenants.policy import KeyPolicy
 from epd_proxy.tenants.redis_counters import RedisCounters, redis_client
+from epd_proxy.tenants.table import KeyPolicy
 
 SIM = SimConfig(itl_ms=0, ttft_ms=0.5)
 POLICY = KeyPolicy("a", {"requests_per_minute": 3, "input_tokens_per_minute": 100, "output_tokens_per_minute": 10})

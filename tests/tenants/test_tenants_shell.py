@@ -7,7 +7,7 @@ import pytest
 
 from epd_proxy.tenants.counters import LocalCounters
 from epd_proxy.tenants.limiter import Tenants
-from epd_proxy.tenants.policy import read_tenants
+from epd_proxy.tenants.table import read_tenants
 from epd_proxy.wire.errors import ProxyError
 
 

@@ -129,7 +129,7 @@ class ProxyApp:
         self.connector = connector  # started with the app (Mooncake's engine ids)
         self.state = state  # the shared state store, if any: /status, closed with the app
         self.tracing = tracing
-        self.models = pools["decode"].models  # the cluster's models (every pool tells the same directory)
+        self.models = pools["decode"].served.directory  # the cluster's models (every pool tells the same directory)
         self.admin = admin
         self.forwarder = forwarder  # the endpoints one instance answers (routing/endpoints.py)
         self._base_headers = base_headers  # /v1/models' upstream headers (--upstream-api-key)
@@ -235,7 +235,10 @@ class ProxyApp:
         for pool in self.pools.values():
             await pool.close()
 
-    async def __call__(self, req: Request, writer: ResponseWriter) -> None:
+    def __call__(self, req: Request, writer: ResponseWriter) -> Awaitable[None]:
+        """The request's handling, to be awaited. Not a coroutine itself: a generation request
+        is the pipeline's coroutine, awaited by the connection directly (one coroutine less
+        between the connection and every await of the request path)."""
         if self.shutting_down:
             writer.keep_alive = False
         keys = self.client_keys
@@ -250,21 +253,25 @@ class ProxyApp:
                     body = _ANTHROPIC_401[body]
                 writer.send(401, body, b"application/json", CHALLENGE)
                 self._served(req, writer, time.perf_counter())
-                return
+                return _answered()
             scope = keys.scope(key)  # what the request stores and reads back is its key's (key_scope.py)
         handler = self._routes.get((req.method, req.path))
         if handler is None and req.path.startswith(_MODEL_PREFIX) and req.method in ("GET", "HEAD"):
             handler = self._model_views[1]
         if isinstance(handler, Generation):
             # The pipeline is handed the client key's name and scope too, and writes its own access-log line.
-            await self.pipeline.handle(req, writer, handler.path or req.path, key, scope)
-            return
+            return self.pipeline.handle(req, writer, handler.path or req.path, key, scope)
+        return self._other(req, writer, handler, key, scope)
+
+    async def _other(self, req: Request, writer: ResponseWriter, handler, key: str | None,
+                     scope: bytes | None) -> None:
+        """Every request but a generation request (``handler``: its route's, None: none)."""
         if handler == self._forwarded:  # a routed endpoint: it writes its line too, with its model
             await self.forwarder.handle(req, writer, key)
             return
         if handler in self._model_views:  # the models the caller's key may use
             t0 = time.perf_counter()
-            await handler(req, writer, key)  # type: ignore[call-arg]
+            await handler(req, writer, key)
             self._served(req, writer, t0, key)
             return
         t0 = time.perf_counter()
@@ -346,7 +353,7 @@ class ProxyApp:
         writer.send(404, catalog.not_found(name, tenants.model_ids(key, catalog)).body())
 
     async def _models_of_one(self, writer: ResponseWriter | None) -> None:
-        """A live decode instance's model list: learnt (pool.py), and relayed to ``writer`` if given."""
+        """A live decode instance's model list: learnt (served_models.py), and relayed to ``writer`` if given."""
         pool = self.pools["decode"]
         t = self.config.timeouts
         timeouts = TransportTimeouts(connect=t.connect, headers=10.0, idle=10.0)
@@ -363,13 +370,13 @@ class ProxyApp:
                 status, content_type, data = await inst.connections.fetch(
                     "GET", "/v1/models", headers=self._base_headers, timeouts=timeouts)
             except UpstreamError as exc:
-                pool.record_failure(inst, str(exc))
+                pool.outliers.record_failure(inst, str(exc))
                 log.warning("GET /v1/models: decode instance %s unreachable: %s", inst.url, exc)
                 last = ProxyError(502, "decode instance unreachable")  # the address stays in the log
                 continue
             if status == 200:
                 try:
-                    pool.learned(inst, data)
+                    pool.served.learned(inst, data)
                 except ValueError:
                     pass  # not a model list: relayed as it is
             if writer is not None:
@@ -495,6 +502,10 @@ class Generation:
 
     def __init__(self, path: str) -> None:
         self.path = path
+
+
+async def _answered() -> None:
+    """What a request answered before any await has left to do: nothing."""
 
 
 def allowed_methods(routes) -> dict[str, bytes]:

@@ -158,7 +158,7 @@ def check_tenant_names(config) -> None:
     import difflib
 
     from epd_proxy.config import ConfigErrors
-    from epd_proxy.tenants.policy import read_tenants
+    from epd_proxy.tenants.table import read_tenants
 
     if config.tenants is None:
         return

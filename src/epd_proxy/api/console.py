@@ -145,7 +145,7 @@ class ConsoleApi:
                           recent.oldest if recent.saturated else None)
         config = self.config
         return {"generated": round(wall, 3), "window_s": self.window, "pid": os.getpid(),
-                "parents": self.pools["decode"].models.current.parents,  # the catalog's: adapter -> base
+                "parents": self.pools["decode"].served.directory.current.parents,  # the catalog's: adapter -> base
                 "required": list(self.membership.required_roles()),
                 "proxy": {"topology": self.membership.topology,
                           "kv_connector": config.kv_connector if self.pools["prefill"].instances else None,

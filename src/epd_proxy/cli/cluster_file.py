@@ -29,7 +29,7 @@ from typing import Callable
 from epd_proxy.config import ConfigErrors
 
 ROLE_KEYS = ("encode", "prefill", "decode")
-# Tables that are no flag: kept as read, checked by their owners (tenants/policy.py, tenants/aliases.py).
+# Tables that are no flag: kept as read, checked by their owners (tenants/table.py, tenants/aliases.py).
 TABLE_KEYS = ("tenants", "model_aliases")
 
 

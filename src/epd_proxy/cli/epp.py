@@ -12,7 +12,6 @@ import argparse
 import sys
 
 from epd_proxy.cli import serve as serve_command
-from epd_proxy.cli.cluster_file import ClusterFileError
 from epd_proxy.gateway.pick import DEFAULT_FALLBACKS
 
 # The ports llm-d's and the inference extension's pickers use: gRPC 9002, metrics 9090.
@@ -56,17 +55,10 @@ def run(args: argparse.Namespace) -> int:
         print("epd-proxy epp: --endpoints must be at least 1", file=sys.stderr)
         return 2
     settings = serve_command.ServeSettings(serve_argv(args.argv), args)
-    try:
-        loaded = settings.started = settings.load()
-    except ClusterFileError as exc:
-        print(f"epd-proxy epp: {serve_command.error_text(exc, settings.path)}", file=sys.stderr)
+    settled = serve_command.load_for("epp", settings)
+    if settled is None:
         return 2
-    serve_command.configure_logging(loaded.log_level, loaded.log_format)
-    try:
-        cfg = settings.config(loaded)
-    except ValueError as exc:
-        print(f"epd-proxy epp: {serve_command.error_text(exc, settings.path)}", file=sys.stderr)
-        return 2
+    loaded, cfg = settled
     from epd_proxy.runtime.serve import serve_epp
 
     return serve_epp(cfg, loaded.host, loaded.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,

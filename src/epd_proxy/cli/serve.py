@@ -605,6 +605,22 @@ def configure_logging(level: str, fmt: str) -> None:
             handler.setFormatter(JsonFormatter())
 
 
+def load_for(prog: str, settings: ServeSettings) -> tuple[argparse.Namespace, ProxyConfig] | None:
+    """The settings and config of a command that takes serve's flags (``epp``, ``sidecar``),
+    logging configured; None once the mistake is printed in one line (the command exits 2)."""
+    try:
+        loaded = settings.started = settings.load()
+    except ClusterFileError as exc:
+        print(f"epd-proxy {prog}: {error_text(exc, settings.path)}", file=sys.stderr)
+        return None
+    configure_logging(loaded.log_level, loaded.log_format)
+    try:
+        return loaded, settings.config(loaded)
+    except ValueError as exc:
+        print(f"epd-proxy {prog}: {error_text(exc, settings.path)}", file=sys.stderr)
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     """``epd-proxy serve``; ``args.argv`` is the command line (cli.main sets it)."""
     settings = ServeSettings(args.argv, args)

@@ -15,7 +15,6 @@ import argparse
 import sys
 
 from epd_proxy.cli import serve as serve_command
-from epd_proxy.cli.cluster_file import ClusterFileError
 from epd_proxy.placement.steered import DEFAULT_ALLOWED, parse_networks
 
 # The port the vLLM container's clients reach the pod on (llm-d's routing sidecar's too).
@@ -54,17 +53,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"epd-proxy sidecar: --allowed-targets: {exc}", file=sys.stderr)
         return 2
     settings = serve_command.ServeSettings(serve_argv(args.argv), args)
-    try:
-        loaded = settings.started = settings.load()
-    except ClusterFileError as exc:
-        print(f"epd-proxy sidecar: {serve_command.error_text(exc, settings.path)}", file=sys.stderr)
+    settled = serve_command.load_for("sidecar", settings)
+    if settled is None:
         return 2
-    serve_command.configure_logging(loaded.log_level, loaded.log_format)
-    try:
-        cfg = settings.config(loaded)
-    except ValueError as exc:
-        print(f"epd-proxy sidecar: {serve_command.error_text(exc, settings.path)}", file=sys.stderr)
-        return 2
+    loaded, cfg = settled
     if loaded.workers != 1 or loaded.simulate or len(cfg.decode) != 1 or cfg.discover:
         print("epd-proxy sidecar: one --decode (the pod's own instance), one process (no --workers, no "
               "--simulate), no discovery (the gateway names the prefill and encoders)", file=sys.stderr)

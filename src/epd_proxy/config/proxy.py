@@ -201,7 +201,7 @@ class ProxyConfig(_SectionFields):
     # DNS discovery (docs/architecture.md, "Discovery and reload"): templates whose host is a DNS name.
     discover: list[InstanceSpec] = field(default_factory=list)
     # Tenants (docs/architecture.md, "Tenants"): the cluster file's [tenants] and [model_aliases]
-    # tables as read from TOML; checked and read by tenants/ (policy.py, aliases.py). Reloadable.
+    # tables as read from TOML; checked and read by tenants/ (table.py, aliases.py). Reloadable.
     tenants: dict | None = None
     model_aliases: dict | None = None
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)

@@ -132,7 +132,7 @@ class EndpointPicker:
                  endpoints: int) -> None:
         self.config = config
         self.serving = pools["decode"]  # the pods the gateway sends requests to (decode, or PD)
-        self.models = self.serving.models
+        self.models = self.serving.served.directory
         self.metrics = metrics
         self.tenants = tenants
         self.admission = admission
@@ -322,7 +322,7 @@ class EndpointPicker:
         lease.status = status
         if not address or not lease.chosen:
             return
-        chosen, ctx, pool = lease.chosen, lease.ctx, self.serving
+        chosen, ctx, outliers = lease.chosen, lease.ctx, self.serving.outliers
         at = next((n for n, inst in enumerate(chosen) if endpoint(inst) == address), None)
         if at is None:  # not one the picker named (a fail-open answer, or another cluster's)
             return
@@ -331,18 +331,18 @@ class EndpointPicker:
         if at:  # a fallback served: it holds the request, and its prompt's blocks
             self.served_elsewhere += 1
             for skipped in chosen[:at]:
-                pool.record_failure(skipped, "the gateway could not connect (a fallback served)", "connection",
+                outliers.record_failure(skipped, "the gateway could not connect (a fallback served)", "connection",
                                     ctx)
             ctx.release(chosen[0])
             ctx.hold(inst)
             if self.kv is not None:
                 self.kv.chosen(inst, ctx)
         if status in _GATEWAY_STATUSES:  # an overloaded or dying instance, or the gateway's own
-            pool.record_failure(inst, f"HTTP {status} through the gateway", f"http_{status}", ctx)
+            outliers.record_failure(inst, f"HTTP {status} through the gateway", f"http_{status}", ctx)
         elif status >= 500:  # vLLM failed this one request
-            pool.record_request_failure(inst, f"HTTP {status} through the gateway", f"http_{status}", ctx)
+            outliers.record_request_failure(inst, f"HTTP {status} through the gateway", f"http_{status}", ctx)
         elif status:
-            pool.record_success(inst)
+            outliers.record_success(inst)
 
     def answered(self, lease: Lease, chunk: bytes) -> None:
         """A piece of the answer's body passed (kept: its tail, for the usage)."""

@@ -40,12 +40,14 @@ from epd_proxy.http.transport import BodySink, TransportTimeouts, UpstreamError,
 class Response:
     """One upstream response: status and headers first, then the body."""
 
-    __slots__ = ("status", "headers", "_conn", "_chunks", "_waiter", "_done", "_error", "_sink",
+    __slots__ = ("status", "headers", "content_type", "_conn", "_chunks", "_waiter", "_done", "_error", "_sink",
                  "complete", "_released")
 
     def __init__(self, conn: "_Connection", status: int, headers: dict[bytes, bytes]) -> None:
         self.status = status
         self.headers = headers
+        # An attribute, not a property over the headers: read on every answer.
+        self.content_type: bytes | None = headers.get(b"content-type")
         self._conn = conn
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future | None = None
@@ -55,21 +57,7 @@ class Response:
         self.complete = False
         self._released = False
 
-    @property
-    def content_type(self) -> bytes | None:
-        return self.headers.get(b"content-type")
-
-    # -- fed by the connection ------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            sink.on_data(data)
-            return
-        self._chunks.append(data)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
+    # -- fed by the connection (its ``on_body`` appends to ``_chunks`` or feeds the sink) ---
     def _finish(self, exc: Exception | None) -> None:
         if self.complete or self._error is not None:
             return
@@ -83,14 +71,13 @@ class Response:
                 sink.on_end()
             else:
                 sink.on_error(exc)
-        for fut in (self._waiter, self._done):
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        if exc is None:
-            self._release()
-
-    def _release(self) -> None:
-        if not self._released:
+        fut = self._waiter
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        fut = self._done
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        if exc is None and not self._released:  # a finished body hands the connection back
             self._released = True
             self._conn.response_done(self)
 
@@ -159,10 +146,10 @@ class Response:
         is how vLLM learns that the request is abandoned."""
         if self._released:
             return
+        self._released = True
         if self.complete:
-            self._release()
+            self._conn.response_done(self)
         else:
-            self._released = True
             self._conn.abort()
 
 
@@ -243,10 +230,11 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if name in self._headers:
-            self._headers[name] += b", " + value
+        headers = self._headers
+        if name in headers:
+            headers[name] += b", " + value
         else:
-            self._headers[name] = value
+            headers[name] = value
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -256,32 +244,43 @@ class _Connection(asyncio.Protocol):
         self._ignore_message = False
         if not self.parser.should_keep_alive():
             self.reusable = False
-        te = self._headers.get(b"transfer-encoding", b"")
-        self._body_has_length = b"content-length" in self._headers or te.lower().find(b"chunked") >= 0 \
-            or status in (204, 304)
-        resp = Response(self, status, self._headers)
+        headers = self._headers
+        self._body_has_length = b"content-length" in headers or status in (204, 304) \
+            or b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        resp = Response(self, status, headers)
         self._response = resp
         fut = self._head_future
         self._head_future = None
         # Switch the timer from the header wait to the idle-body wait here, not when the
         # requesting task resumes: by then the body may be complete and this connection
         # back in the pool, carrying someone else's request (and header timer).
-        self._timer.disarm()
-        self._last_activity = self.loop.time()
-        self._arm_timer()
+        # From the read that completed the head (the parser runs in ``data_received``).
+        delay = self._timeouts.idle
+        if delay is None:
+            self._timer.due = None
+        else:
+            self._timer.arm_at(self._last_activity + delay)
         if fut is not None and not fut.done():
             fut.set_result(resp)
         if self._head_request:
             # No body follows, whatever the headers say; httptools cannot be told so,
             # so the parser would wait for one: do not reuse this connection.
             self.reusable = False
-            self._timer.disarm()
+            self._timer.due = None
             resp._finish(None)
 
     def on_body(self, body: bytes) -> None:
         resp = self._response
         if resp is not None:
-            resp._feed(body)
+            # Response._feed, inline: one call less for every piece of every body.
+            sink = resp._sink
+            if sink is not None:
+                sink.on_data(body)
+                return
+            resp._chunks.append(body)
+            w = resp._waiter
+            if w is not None and not w.done():
+                w.set_result(None)
 
     def on_message_complete(self) -> None:
         if self._ignore_message:
@@ -289,7 +288,7 @@ class _Connection(asyncio.Protocol):
             return
         resp = self._response
         if resp is not None:
-            self._timer.disarm()
+            self._timer.due = None  # disarmed
             resp._finish(None)
 
     # -- request lifecycle ----------------------------------------------------------------
@@ -299,8 +298,8 @@ class _Connection(asyncio.Protocol):
         self._response = None
         self._head_request = head.startswith(b"HEAD ")
         self._timeouts = timeouts
-        self._head_future = self.loop.create_future()
-        self._last_activity = self._sent_at = self.loop.time()
+        self._head_future = fut = self.loop.create_future()
+        self._last_activity = self._sent_at = now = self.loop.time()
         if body:
             if len(body) < 65536:
                 self.transport.write(head + body)
@@ -308,20 +307,17 @@ class _Connection(asyncio.Protocol):
                 self.transport.writelines((head, body))
         else:
             self.transport.write(head)
-        self._arm_timer()
-        return self._head_future
+        delay = timeouts.headers
+        if delay is None:
+            self._timer.due = None
+        else:
+            self._timer.arm_at(now + delay)
+        return fut
 
-    # One timer, moved lazily (``timers``): disarming leaves it to fire into nothing.
+    # One timer, moved lazily (``timers``): armed for the header wait in ``send``, for the
+    # idle-body wait in ``on_headers_complete``; disarming leaves it to fire into nothing.
     # Body bytes move the idle deadline without touching it: ``_on_timeout`` looks at
     # the last activity and re-arms when the connection was not silent that long.
-    def _arm_timer(self) -> None:
-        t = self._timeouts
-        delay = t.headers if self._head_future is not None else t.idle
-        if delay is None:
-            self._timer.disarm()
-        else:
-            self._timer.arm_at(self._last_activity + delay)
-
     def _on_timeout(self) -> None:
         if self.closed:
             return
@@ -366,11 +362,18 @@ class _Connection(asyncio.Protocol):
         if resp is not self._response:
             return
         self._response = None
-        self._timer.disarm()
+        self._timer.due = None  # disarmed
         if self._paused:
             self.resume_reading()
         if self.reusable and not self.closed:
-            self.pool._release(self)
+            pool = self.pool
+            if pool._slots <= pool._limit and not pool._waiters and not pool.closed \
+                    and len(pool._idle) < pool.max_idle:
+                # ConnectionPool._release's common case, inline: back to the idle line.
+                self.idle_since = self.loop.time()
+                pool._idle.append(self)
+            else:
+                pool._release(self)
         else:
             self.abort()
 
@@ -409,6 +412,7 @@ class ConnectionPool:
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.base_path = parts.path.rstrip("/")
+        self._base_path = self.base_path.encode()
         self._ssl = ssl_context if ssl_context is not None else (
             _ssl.create_default_context() if parts.scheme == "https" else None)
         default_port = 443 if parts.scheme == "https" else 80
@@ -455,16 +459,6 @@ class ConnectionPool:
     @property
     def idle_connections(self) -> int:
         return len(self._idle)
-
-    def _head(self, method: bytes, path: bytes, headers: Headers | None, body_len: int) -> bytes:
-        parts = [method, b" ", self.base_path.encode() + path, b" HTTP/1.1\r\n", self._fixed_headers]
-        if headers:
-            for name, value in headers:
-                parts.append(name + b": " + value + b"\r\n")
-        if body_len or method in (b"POST", b"PUT", b"PATCH"):
-            parts.append(b"content-length: %d\r\n" % body_len)
-        parts.append(b"\r\n")
-        return b"".join(parts)
 
     async def _connect(self, timeout: float | None) -> _Connection:
         """A new connection, in a slot the caller holds (freed here if the connect fails)."""
@@ -614,19 +608,47 @@ class ConnectionPool:
         if self.closed:
             raise UpstreamError("connection pool is closed", kind="connect")
         timeouts = timeouts or _DEFAULT_TIMEOUTS
-        head = self._head(method.encode(), path.encode(), headers, len(body))
-        conn = self._take_idle()
+        # _head, inline (every upstream request).
+        parts = [method.encode(), b" ", self._base_path + path.encode(), b" HTTP/1.1\r\n", self._fixed_headers]
+        if headers:
+            for name, value in headers:
+                parts += (name, b": ", value, b"\r\n")
+        if body or method in _WITH_BODY:
+            parts.append(b"content-length: %d\r\n\r\n" % len(body))
+        else:
+            parts.append(b"\r\n")
+        head = b"".join(parts)
+        conn = None
+        idle = self._idle
+        if idle:  # _take_idle's common case, inline: the oldest idle connection, fresh
+            conn = idle[0]
+            if not conn.closed and self.loop.time() - conn.idle_since < self.idle_timeout:
+                idle.popleft()
+            else:
+                conn = self._take_idle()
         reused = conn is not None
         if conn is None:
             conn, reused = await self._fresh(timeouts, queue)
-        try:
-            return await self._exchange(conn, head, body, timeouts)
-        except UpstreamError as exc:
-            if not (reused and not exc.response_started and exc.kind == "connection"):
+        while True:  # the exchange, in this coroutine (none of its own: every upstream request)
+            fut = conn.send(head, body, timeouts)
+            try:
+                return await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    # Cancelled after the head arrived: the response may be complete and its
+                    # connection already back in the pool (maybe carrying another request).
+                    # Close the response: that aborts only if its body is still running.
+                    fut.result().close()
+                else:
+                    conn.abort()
                 raise
-        # The server closed the idle connection as we reused it: once more, on a fresh one.
-        conn, _ = await self._fresh(timeouts, queue)
-        return await self._exchange(conn, head, body, timeouts)
+            except UpstreamError as exc:
+                conn.abort()
+                if not (reused and not exc.response_started and exc.kind == "connection"):
+                    raise
+            # The server closed the idle connection as we reused it: once more, on a fresh one.
+            conn, _ = await self._fresh(timeouts, queue)
+            reused = False
 
     async def fetch(self, method: str, path: str, *, headers: Headers | None = None,
                     timeouts: TransportTimeouts | None = None, body: bytes = b"",
@@ -642,24 +664,6 @@ class ConnectionPool:
         finally:
             resp.close()
         return resp.status, resp.content_type, data
-
-    async def _exchange(self, conn: _Connection, head: bytes, body: bytes, timeouts: TransportTimeouts) -> Response:
-        fut = conn.send(head, body, timeouts)
-        try:
-            resp = await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # Cancelled after the head arrived: the response may be complete and its
-                # connection already back in the pool (maybe carrying another request).
-                # Close the response: that aborts only if its body is still running.
-                fut.result().close()
-            else:
-                conn.abort()
-            raise
-        except UpstreamError:
-            conn.abort()
-            raise
-        return resp
 
     def fail_pending(self, error) -> int:
         """Fail every exchange still waiting for its answer: no headers yet, or a body
@@ -690,5 +694,6 @@ class ConnectionPool:
 
 
 _DEFAULT_TIMEOUTS = TransportTimeouts()
+_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})  # methods whose request says its length even when empty
 # Connect failures that are this process's own shortage, not the upstream's.
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

@@ -402,7 +402,11 @@ class HttpServerProtocol(asyncio.Protocol):
                 raise _ParseError(413, f"request body larger than {self._limits.max_body_bytes} bytes")
             if n:
                 self._length = n
-                self._charge(n)
+                budget = self._budget  # _charge's, inline: every request with a body
+                if budget.used + n > budget.limit:
+                    raise _ParseError(503, "the proxy is holding too many request bodies; retry shortly")
+                budget.used += n
+                self._charged += n
         if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._task is None \
                 and version != "1.0":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -475,7 +479,7 @@ class HttpServerProtocol(asyncio.Protocol):
 
     # -- running handlers ---------------------------------------------------------
     def _start(self, request: Request) -> None:
-        self._timer.disarm()
+        self._timer.due = None  # disarmed
         self._active_size = len(request.body)
         writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
                                 chunked=request.http_version != "1.0")
@@ -509,9 +513,15 @@ class HttpServerProtocol(asyncio.Protocol):
             return
         self._writer = None
         self._task = None
-        if self._active_size:
-            self._release(self._active_size)
+        n = self._active_size
+        if n:
             self._active_size = 0
+            # _release's, inline: every request with a body.
+            if n > self._charged:
+                n = self._charged
+            if n > 0:
+                self._charged -= n
+                self._budget.release(n)
         if self.closed:
             return
         if not writer.keep_alive:
@@ -530,7 +540,12 @@ class HttpServerProtocol(asyncio.Protocol):
             if self._reading_paused:
                 self._reading_paused = False
                 self.transport.resume_reading()
-            self._arm_waiting()
+            # _arm_waiting's, inline: after every keep-alive response.
+            limits = self._limits
+            if not self._parsing:
+                self._timer.arm(limits.keep_alive_timeout)
+            else:
+                self._timer.arm(limits.header_timeout if self._in_head else limits.body_timeout)
 
     def _next(self) -> None:
         if self.closed or self._task is not None:

@@ -135,7 +135,7 @@ class ResponseWriter:
         parts = [status_line(status), date_cache.get()]
         if headers:
             for name, value in headers:
-                parts.append(name + b": " + value + b"\r\n")
+                parts += (name, b": ", value, b"\r\n")
         if not self.keep_alive:
             parts.append(b"connection: close\r\n")
         parts.append(extra)
@@ -152,10 +152,19 @@ class ResponseWriter:
         if content_type:
             extra = b"content-type: " + content_type + b"\r\n"
         if status >= 200 and status not in (204, 304):
-            extra += b"content-length: %d\r\n" % len(body)
+            extra += b"content-length: %d\r\n\r\n" % len(body)
         else:
             body = b""
-        data = self._head(status, headers, extra + b"\r\n")
+            extra += b"\r\n"
+        # _head's, inline: every whole answer.
+        parts = [_STATUS_LINES.get(status) or status_line(status), date_cache.get()]
+        if headers:
+            for name, value in headers:
+                parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(extra)
+        data = b"".join(parts)
         if not self._conn.closed:
             self._transport.write(data if self._head_only else data + body)
             self.bytes_sent += len(body)

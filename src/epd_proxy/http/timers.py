@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
+_NEVER = float("inf")
+
 
 class ConnectionTimer:
     """A connection's one timeout: ``arm_at(due)``, ``disarm()``; ``on_expiry`` is called once
@@ -20,28 +22,39 @@ class ConnectionTimer:
     arm again). ``close()`` when the connection is gone: it lets go of the callback, which
     refers back to the connection."""
 
-    __slots__ = ("_loop", "_on_expiry", "_handle", "due")
+    __slots__ = ("_loop", "_on_expiry", "_handle", "_when", "due")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
         self._loop = loop
         self._on_expiry: Callable[[], None] | None = on_expiry
         self._handle: asyncio.TimerHandle | None = None
-        self.due: float | None = None  # the armed deadline (loop time); None = disarmed
+        self._when = _NEVER  # when the loop timer fires (its ``when()``, kept: no call to ask it)
+        # The armed deadline (loop time); None = disarmed. Disarming is setting it to None,
+        # which the connections' hot paths do inline rather than calling ``disarm``.
+        self.due: float | None = None
 
     def arm_at(self, due: float) -> None:
         """Expire at ``due`` (loop time), replacing any earlier deadline."""
         self.due = due
+        if self._when <= due:
+            return  # the loop timer fires in time; it re-aims then
         handle = self._handle
         if handle is not None:
-            if handle.when() <= due:
-                return  # fires in time; it re-aims then
             handle.cancel()
         self._handle = self._loop.call_at(due, self._fire)
+        self._when = due
 
     def arm(self, delay: float) -> None:
         """Expire ``delay`` seconds from now; a delay of 0 (or less) disarms."""
         if delay > 0:
-            self.arm_at(self._loop.time() + delay)
+            due = self.due = self._loop.time() + delay  # arm_at's, inline: a keep-alive request arms twice
+            if self._when <= due:
+                return
+            handle = self._handle
+            if handle is not None:
+                handle.cancel()
+            self._handle = self._loop.call_at(due, self._fire)
+            self._when = due
         else:
             self.due = None
 
@@ -55,14 +68,17 @@ class ConnectionTimer:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        self._when = _NEVER
 
     def _fire(self) -> None:
         self._handle = None
+        self._when = _NEVER
         due = self.due
         if due is None or self._on_expiry is None:
             return
         if self._loop.time() < due:
             self._handle = self._loop.call_at(due, self._fire)
+            self._when = due
             return
         self.due = None
         self._on_expiry()

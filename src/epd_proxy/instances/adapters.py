@@ -191,7 +191,7 @@ class Adapters:
 
     @property
     def catalog(self) -> ModelCatalog:
-        return next(iter(self.pools.values())).models.current
+        return next(iter(self.pools.values())).served.directory.current
 
     @property
     def pending(self) -> int:
@@ -338,7 +338,7 @@ class Adapters:
             except ProxyError:
                 raise ProxyError(503, f"no {role} instance serving model `{base}` available",
                                  retryable=False) from None
-            affinity = pool.affinity or self._affinity
+            affinity = pool.served.affinity or self._affinity
             out.append((role, affinity.choose(candidates, name)))
         return out
 

@@ -49,7 +49,7 @@ def pool_collector(pools: dict[str, InstancePool], worker: int) -> Collector:
             f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
             f["epd_proxy_routing_exact"].append([role, getattr(pool.policy, "exact", 0)])
             f["epd_proxy_panic_routing"].append([role, pool.panics])
-            f["epd_proxy_local_errors"].append([role, pool.local_errors])
+            f["epd_proxy_local_errors"].append([role, pool.outliers.local_errors])
     return collect
 
 

@@ -2,9 +2,10 @@
 
 Pure logic over plain data, with the clock passed in (``now``: seconds on any
 monotonic clock), so every rule is testable without sockets or sleeps. The
-pool is the I/O shell: it feeds in what probes and requests observe and acts
-on the verdicts (routing lists, the re-admission timer, failing the pending
-requests of an instance that stopped answering).
+outlier detector (``outliers.py``) is the I/O shell: it feeds in what probes and
+requests observe and acts on the verdicts (the host set's lists rebuilt, the
+re-admission timer, failing the pending requests of an instance that stopped
+answering).
 
 What an answer says is kept apart from what it says about the request:
 

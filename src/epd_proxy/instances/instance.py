@@ -20,19 +20,20 @@ Who moves each edge:
 - registered: ``InstancePool(specs)`` for the flags (``Membership`` sets their ``source``
   to ``static``), else ``Membership.register`` → ``InstancePool.add`` (the API, through
   ``api/admin.py``; a reloaded cluster file and DNS, through ``Membership.apply``; another
-  worker, through ``shared.py``). It starts ``HEALTHY`` but not ``seen_healthy``: ``pool.py``
+  worker, through ``shared.py``). It starts ``HEALTHY`` but not ``seen_healthy``: ``probes.py``
   probes it at the fast interval until a probe answers.
 - (1) failures past ``health.py``'s outlier rules (``instance_failure``,
-  ``request_failure``), fed by ``pool.py``'s probes and its ``record_*`` (called from
-  ``request/legs/upstream.py``); ``pool.py`` arms the re-admission timer (``expiry``).
-- (2) the ejection time is over: ``pool.py``'s timer (``OutlierRules.expire``).
+  ``request_failure``), fed by the probes (``probes.py``) and the requests' ``record_*``
+  (called from ``request/legs/upstream.py``) through ``outliers.py``, which arms the
+  re-admission timer (``expiry``).
+- (2) the ejection time is over: ``outliers.py``'s timer (``OutlierRules.expire``).
 - (3) a probe or request success, when probes caused or confirmed the ejection
-  (``OutlierRules.success``, through ``pool.py``).
-- (4) the first success: a request (``pool.py`` gives it one pick in ``HALF_OPEN_SHARE``)
+  (``OutlierRules.success``, through ``outliers.py``).
+- (4) the first success: a request (``placement/choose.py`` gives it one pick in ``HALF_OPEN_SHARE``)
   or a probe, but only a request when request failures caused the ejection
-  (``OutlierRules.success``, through ``pool.py``).
-- (5) the first failure: out again, for longer (the outlier rules, through ``pool.py``).
-- (6) ``Membership.drain`` → ``InstancePool.drain`` (``OutlierRules.drain``): the admin
+  (``OutlierRules.success``, through ``outliers.py``).
+- (5) the first failure: out again, for longer (the outlier rules, through ``outliers.py``).
+- (6) ``Membership.drain`` → ``OutlierDetector.drain`` (``OutlierRules.drain``): the admin
   API, a source whose set no longer has it (``Membership.apply``), another worker. No
   rule moves it out of ``DRAINING``; it gets no new requests, not even in panic routing.
 - (7) in flight reaches 0: ``Membership.sweep`` (removal reason ``drained``).
@@ -41,7 +42,7 @@ Who moves each edge:
 - (9) out since ``out_since`` for ``--evicted-ttl`` (sources in ``PINNED_SOURCES``
   never): ``Membership.sweep`` (reason ``forgotten``). A re-announcement restarts the clock.
 - (7), (8), (9) take it out of the pool and its routing lists (``InstancePool.remove``,
-  which stops its probes and its ejection timer); ``Membership`` sets ``leaving`` and
+  which stops its probes and its ejection timer: ``OutlierDetector.forget``); ``Membership`` sets ``leaving`` and
   keeps it until (10). Requests holding it carry on.
 - (10) in flight reaches 0: ``Membership.sweep`` closes its connections and tells the
   subscribers ``left``.
@@ -88,7 +89,7 @@ class Instance:
         self.stranded = 0
         self.expiry: asyncio.TimerHandle | None = None  # the end of an ejection
         self.signals = LoadSignals()  # its own load, from its /metrics (load_signals.py)
-        # What it serves (models.py): from its /v1/models, read by pool.py's probe, within its
+        # What it serves (models.py): its /v1/models read after each probe (served_models.py), within its
         # ``models`` attribute; None until known (it counts as serving any model meanwhile).
         self.served: Served | None = pinned(spec.models) if spec.models else None
         # The roster's (membership.py): who put it there, since when it is out of rotation

@@ -97,7 +97,7 @@ class LoadScraper:
         inst.signals.block_size = parse_block_size(data)
         if self.pool.role == "decode":
             # A decode whose queue stands still is out of routing at once (health.py, BY_WEDGED).
-            self.pool.standing(inst, wedged(inst.signals, inst.signals.scraped_at or 0.0))
+            self.pool.outliers.standing(inst, wedged(inst.signals, inst.signals.scraped_at or 0.0))
 
     def _failed(self, inst: Instance, why: str) -> None:
         self.failures += 1

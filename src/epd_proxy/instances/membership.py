@@ -140,7 +140,7 @@ class Membership:
                 models_changed = inst.spec.models != spec.models
                 inst.spec = spec
                 if models_changed:
-                    self.pools[spec.role].pin_models(inst)
+                    self.pools[spec.role].served.pin(inst)
                 log.info("%s instance %s: attributes updated (%s)", registered_role(spec), spec.url, source)
                 self._emit("updated", spec, _source(inst, source))
             else:
@@ -170,7 +170,7 @@ class Membership:
             return False
         pool = self.pools[inst.spec.role]
         if inst.state is not DRAINING:
-            pool.drain(inst)
+            pool.outliers.drain(inst)
             log.info("%s instance %s draining (%d in flight)", registered_role(inst.spec), inst.url, inst.inflight)
             self._emit("draining", inst.spec, _source(inst, "api"))
         self._kick()

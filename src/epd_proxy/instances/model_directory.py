@@ -15,8 +15,8 @@ from epd_proxy.instances.models import DECIDING_ROLES, NOTHING_KNOWN, ModelCatal
 class Members(Protocol):
     """A pool, as far as the catalog reads it."""
 
-    role: str
-
+    @property
+    def role(self) -> str: ...
     @property
     def instances(self) -> Sequence[Instance]: ...
 

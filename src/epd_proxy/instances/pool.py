@@ -1,21 +1,22 @@
-"""One role's host set: its instances, their health, and which of them a leg may use.
+"""One role's host set: its instances, and which of them a leg may use (Envoy's host set, as
+its ``source/common/upstream/`` keeps it apart from health checking and outlier detection).
 
-Each instance has one health state machine (``health.py``: healthy, ejected, half-open,
-draining) fed by the active health checks (``probes.py``: ``GET /health``, then its
-``/v1/models``) and by the outlier signals requests give (``record_*``). This module is its
-shell: it keeps the lists a pick reads (in rotation, half-open, every one not draining; per
-model, among the instances serving it: ``models.py``) in step with the states, re-admits an
-instance (half-open) when its ejection time is over, fails the pending requests of an instance
-ejected for not answering, and offers every instance when none is in rotation ("panic"
-routing, counted and logged here) rather than nothing. It chooses nothing: a leg's pick
-(the half-open trial share, LoRA affinity, the policy) is the placement's
-(``placement/choose.py``); the role's policy and adapter affinity are carried here as its
-configuration. Load signals are each instance's (``load_signals.py``, ``load_scraper.py``).
+It keeps the lists a pick reads (in rotation, half-open, every one not draining; per model,
+among the instances serving it: ``models.py``), rebuilt on every change of state or membership,
+never per request, and offers every instance when none is in rotation ("panic" routing, counted
+and logged here) rather than nothing. Its parts, one concern each, are made with it and reached
+through it: the outlier signals requests and probes give and the ejection timers
+(``outliers.py``: ``OutlierDetector``, over the pure health machine of ``health.py``), the
+active health checks (``probes.py``: ``HealthChecks``), what each instance serves
+(``served_models.py``: ``ServedModels``); each tells the host set to ``refresh`` when a state
+changes. It chooses nothing: a leg's pick (the half-open trial share, LoRA affinity, the
+policy) is the placement's (``placement/choose.py``); the role's policy is carried here as its
+configuration, LoRA adapter affinity by ``served``. Load signals are each instance's
+(``load_signals.py``, ``load_scraper.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Iterable
@@ -23,21 +24,14 @@ from typing import Iterable
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
-from epd_proxy.http.transport import UpstreamError
-from epd_proxy.instances.health import (
-    DRAINING,
-    HALF_OPEN,
-    HEALTHY,
-    WEDGED,
-    Ejection,
-    OutlierRules,
-    OutlierSettings,
-)
+from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.instances.model_directory import ModelDirectory
-from epd_proxy.instances.models import ModelKey, parse_models, pinned, serves
+from epd_proxy.instances.models import ModelKey, serves
+from epd_proxy.instances.outliers import OutlierDetector
 from epd_proxy.instances.probes import HealthChecks
+from epd_proxy.instances.served_models import ServedModels
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.candidate import RoutingPolicy
 from epd_proxy.routing.lora_affinity import AdapterAffinity
@@ -66,11 +60,7 @@ class InstancePool:
         self._max_connections = max_connections
         self.instances = [self._new_instance(s) for s in specs]
         self.policy: RoutingPolicy = make_policy(policy) if isinstance(policy, str) else policy
-        # A LoRA adapter's requests concentrated on few of its instances (None: the policy places them).
-        self.affinity = affinity
-        self.rules = OutlierRules(outlier or OutlierSettings())  # every ejection knob
         self.panics = 0  # requests routed with no instance in rotation
-        self.local_errors = 0  # the proxy's own resource failures (never blamed on an instance)
         self._last_panic_log = -PANIC_LOG_INTERVAL
         self.picks = 0  # picks made while a half-open instance was there (the trial share's count)
         # The host set as a pick reads it (placement/choose.py): lists replaced, never changed in
@@ -81,14 +71,15 @@ class InstancePool:
         self.every: list[Instance] = []
         # The three lists above per model a request named, built on first use after a change.
         self._by_model: dict[ModelKey, tuple[list[Instance], list[Instance], list[Instance]]] = {}
-        self._out = 0
-        self._homes_stale = True  # LoRA adapters' homes (affinity) to compute on the next adapter request
-        self._headers = headers or []  # a /v1/models read's (--upstream-api-key)
-        self.models = models or ModelDirectory()  # the cluster's models, told of every change here
-        self._refresh()
-        self.models.track(self)
+        self.out = 0  # instances out of rotation (ejected or half-open): the outlier rules' cap reads it
+        # What each instance serves (/v1/models), told to the cluster's models on every change;
+        # with ``affinity``, where each LoRA adapter's requests go.
+        self.served = ServedModels(self, models or ModelDirectory(), affinity)
+        # The outlier signals requests and probes give, and the ejection timers.
+        self.outliers = OutlierDetector(self, OutlierRules(outlier or OutlierSettings()))
+        self.refresh()
         # Active health checking: GET /health and /v1/models per instance (probes.py).
-        self.checks = HealthChecks(self, headers or [])
+        self.checks = HealthChecks(self, self.outliers, self.served, headers or [])
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -103,18 +94,6 @@ class InstancePool:
         if model is None:
             return self.in_rotation, self.half_open, self.every
         return self._lists(model)
-
-    def adapter_of(self, model: ModelKey) -> str | None:
-        """The LoRA adapter a request's model key names (None: a base model)."""
-        if isinstance(model, tuple):
-            return model[0]
-        return model if self.models.current.parents.get(model) else None
-
-    def rehome(self) -> None:
-        """The adapters' homes (affinity) computed again after a change of the roster."""
-        if self._homes_stale and self.affinity is not None:
-            self._homes_stale = False
-            self.affinity.rehome(self._adapters_served())
 
     def candidates(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> list[Instance]:
         """The instances to route over: healthy ones not in ``exclude``; else a half-open
@@ -164,16 +143,6 @@ class InstancePool:
                 [i for i in self.every if serves(i.served, model)])
         return lists
 
-    def _adapters_served(self) -> dict[str, list[str]]:
-        """Per LoRA adapter, the URLs of the instances (not draining) that serve it."""
-        out: dict[str, list[str]] = {}
-        for inst in self.every:
-            if inst.served is not None:
-                for name, parent in inst.served.parents.items():
-                    if parent is not None:
-                        out.setdefault(name, []).append(inst.url)
-        return out
-
     def _panic(self, exclude, panic_set: list[Instance], model: ModelKey | None) -> list[Instance]:
         """Routing over instances out of rotation. It is panic routing (counted, logged) only when
         the instances it covers are out: the role's, or the model's own (those known to serve it).
@@ -195,19 +164,19 @@ class InstancePool:
         preferred = [i for i in panic_set if i not in exclude] if exclude else panic_set
         return preferred or panic_set
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """The lists a pick reads rebuilt: a state, a member or what one serves changed."""
         insts = self.instances
         self.in_rotation = [i for i in insts if i.health.state is HEALTHY]
         self.half_open = [i for i in insts if i.health.state is HALF_OPEN]
-        self._out = sum(1 for i in insts if i.health.out)
+        self.out = sum(1 for i in insts if i.health.out)
         # Draining instances get no new requests, not even in panic: otherwise one that
         # is the last of its role would never become idle and leave.
         self.every = [i for i in insts if i.health.state is not DRAINING]
         self._by_model = {}
-        self._homes_stale = True  # adapter homes computed again on the next adapter request
-        self.models.changed()
+        self.served.changed()  # the cluster's models now, the adapters' homes on the next adapter request
 
-    # -- membership (membership.py decides; this keeps the routing lists in step) ------------
+    # -- membership (membership.py decides; this keeps the lists in step) -------------------
     def _new_instance(self, spec: InstanceSpec) -> Instance:
         return Instance(spec, ConnectionPool(spec.url, idle_timeout=self._idle,
                                              max_connections=self._max_connections))
@@ -217,7 +186,7 @@ class InstancePool:
         policy's cursor is left alone: a join never restarts the rotation."""
         inst = self._new_instance(spec)
         self.instances.append(inst)
-        self._refresh()
+        self.refresh()
         self.checks.added(inst)
         return inst
 
@@ -229,8 +198,8 @@ class InstancePool:
         except ValueError:
             return
         self.checks.removed(inst)
-        self._cancel_expiry(inst)
-        self._refresh()
+        self.outliers.forget(inst)
+        self.refresh()
 
     def find(self, url: str) -> Instance | None:
         for inst in self.instances:
@@ -238,146 +207,10 @@ class InstancePool:
                 return inst
         return None
 
-    # -- what requests observe -----------------------------------------------------------
-    def record_success(self, inst: Instance) -> None:
-        """The instance answered (a 200, or a 4xx: the request's fault, not its)."""
-        h = inst.health
-        h.failures = 0
-        h.window_requests += 1
-        if h.state is not HEALTHY and self.rules.success(h, _now()):
-            self._changed(inst, "answered again")
-
-    def record_failure(self, inst: Instance, reason: str, kind: str = "connection", ctx=None) -> None:
-        """An instance signal (connection failure, timeout, gateway status). With ``ctx``
-        (the request's context) it counts once per client request."""
-        if self._note(inst, kind, reason, ctx):
-            return
-        h = inst.health
-        verdict = self.rules.instance_failure(h, _now(), kind=kind, size=len(self.instances), out=self._out)
-        if verdict is not None:
-            self._ejected(inst, verdict, reason)
-
-    def record_request_failure(self, inst: Instance, reason: str, kind: str = "http_500", ctx=None) -> None:
-        """A request signal (vLLM failed this one request): feeds the rate detector only."""
-        if self._note(inst, kind, reason, ctx):
-            return
-        verdict = self.rules.request_failure(inst.health, _now(), size=len(self.instances), out=self._out)
-        if verdict is not None:
-            self._ejected(inst, verdict, f"{inst.health.window_failures} of {inst.health.window_requests} "
-                                         f"requests failed; last: {reason}")
-
-    def standing(self, inst: Instance, why: str | None) -> None:
-        """What the load scrape says of the instance's queue (load_signals.py, ``wedged``):
-        standing still (``why``), it leaves routing at once; running again, it is back."""
-        h = inst.health
-        if why is None:
-            if self.rules.unwedged(h, _now()):
-                self._changed(inst, "running again")
-            return
-        verdict = self.rules.wedged(h, _now(), size=len(self.instances), out=self._out)
-        if verdict is not None:
-            h.errors[WEDGED] = h.errors.get(WEDGED, 0) + 1
-            h.last_error = why
-            self._ejected(inst, verdict, why)
-
-    def record_local_error(self) -> None:
-        """The proxy itself ran out of something (descriptors, buffers, memory)."""
-        self.local_errors += 1
-
-    def _note(self, inst: Instance, kind: str, reason: str, ctx) -> bool:
-        """Count the error; True if this request already blamed the instance."""
-        inst.errors += 1
-        h = inst.health
-        h.errors[kind] = h.errors.get(kind, 0) + 1
-        h.last_error = reason
-        if ctx is None:
-            return False
-        if inst in ctx.excluded:
-            return True
-        ctx.failed(inst)
-        return False
-
-    def drain(self, inst: Instance) -> None:
-        """Take an instance out of rotation for good (an operator's decision)."""
-        self.rules.drain(inst.health)
-        self._cancel_expiry(inst)
-        self._refresh()
-
-    # -- transitions (the I/O side) -------------------------------------------------------
-    def _ejected(self, inst: Instance, verdict: Ejection, reason: str) -> None:
-        self._refresh()
-        h = inst.health
-        log.warning("%s instance %s ejected for %.1f s (ejection %d, %s): %s", self.role, inst.url,
-                    verdict.until - _now(), h.ejections, h.cause, reason)
-        self._cancel_expiry(inst)
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (pure use): re-admission on the next signal
-            loop = None
-        if loop is not None:
-            inst.expiry = loop.call_at(verdict.until, self._expire, inst)
-        if verdict.stalled:
-            # It stopped answering: what it has not answered yet will not be answered
-            # either. Fail it now, so those requests are retried elsewhere.
-            n = inst.connections.fail_pending(lambda: UpstreamError(
-                "instance taken out of rotation: it stopped answering", kind="ejected"))
-            if n:
-                log.warning("%s instance %s: failed over %d pending request(s)", self.role, inst.url, n)
-
-    def _expire(self, inst: Instance) -> None:
-        inst.expiry = None
-        if self.rules.expire(inst.health, _now()):
-            log.info("%s instance %s half-open: trying it again", self.role, inst.url)
-            self._refresh()
-
-    def _changed(self, inst: Instance, why: str) -> None:
-        self._cancel_expiry(inst)
-        self._refresh()
-        log.info("%s instance %s is back in rotation (%s)", self.role, inst.url, why)
-
-    @staticmethod
-    def _cancel_expiry(inst: Instance) -> None:
-        if inst.expiry is not None:
-            inst.expiry.cancel()
-            inst.expiry = None
-
-    # -- probes ---------------------------------------------------------------------------
-    def learned(self, inst: Instance, body: bytes) -> None:
-        """``inst``'s /v1/models answer (``body``), within its ``models`` attribute; ValueError
-        when it is not a model list."""
-        served = parse_models(body, inst.spec.models, self.models.cards)
-        if served != inst.served:
-            if inst.spec.models and not served.parents:
-                log.warning("%s instance %s serves none of its models (%s)", self.role, inst.url,
-                            ", ".join(inst.spec.models))
-            # What it serves at first is in /status; a change later is worth a line.
-            log.log(logging.DEBUG if inst.served is None else logging.INFO, "%s instance %s serves %s", self.role,
-                    inst.url, ", ".join(served.names) or "nothing")
-            inst.served = served
-            self._refresh()
-
-    def pin_models(self, inst: Instance) -> None:
-        """Its ``models`` attribute changed: what it serves is that (or unknown) until it answers again."""
-        inst.served = pinned(inst.spec.models) if inst.spec.models else None
-        self._refresh()
-
-    def probe_answered(self, inst: Instance) -> None:
-        """A health probe answered 200 (probes.py): the instance may come back at once."""
-        if self.rules.success(inst.health, _now(), probe=True):
-            self._changed(inst, "health probe answered")
-
-    def probe_failed(self, inst: Instance, kind: str, reason: str) -> None:
-        """A health probe failed (probes.py): an instance signal, never capped."""
-        self._note(inst, kind, reason, None)
-        verdict = self.rules.instance_failure(inst.health, _now(), kind=kind, size=len(self.instances),
-                                              out=self._out, probe=True)
-        if verdict is not None:
-            self._ejected(inst, verdict, reason)
-
     async def close(self) -> None:
         await self.checks.close()
         for inst in self.instances:
-            self._cancel_expiry(inst)
+            self.outliers.forget(inst)
             await inst.connections.close()
 
     def snapshot(self) -> list[dict]:

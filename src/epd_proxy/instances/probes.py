@@ -1,10 +1,11 @@
 """Active health checking: each instance's ``GET /health`` probe loop, and its ``/v1/models``
 read after every probe that answered (Envoy's health checker, beside the host set that
-``pool.py`` keeps and the outlier signals requests give there).
+``pool.py`` keeps and the outlier detection of ``outliers.py``).
 
-A probe's verdict goes to the host set (:class:`HostSet`: ``probe_answered``, ``probe_failed``),
-where the health state machine (``health.py``) decides; what an instance serves goes there too
-(``learned``). Failing, ejected and never-yet-healthy instances are probed at the fast interval.
+A probe's verdict goes to the outlier detector (:class:`Verdicts`: ``probe_answered``,
+``probe_failed``), where the health state machine (``health.py``) decides; what an instance
+serves goes to the role's ``ServedModels`` (``served_models.py``: ``learned``). Failing, ejected
+and never-yet-healthy instances are probed at the fast interval.
 """
 
 from __future__ import annotations
@@ -26,24 +27,35 @@ FAST_PROBE_INTERVAL = 1.0
 
 
 class HostSet(Protocol):
-    """What a probe's verdict is told to (``pool.InstancePool``)."""
+    """The instances probed (``pool.InstancePool``)."""
 
     @property
     def role(self) -> str: ...
     @property
     def instances(self) -> Sequence[Instance]: ...
 
+
+class Verdicts(Protocol):
+    """What a probe's verdict is told to (``outliers.OutlierDetector``)."""
+
     def probe_answered(self, inst: Instance) -> None: ...
     def probe_failed(self, inst: Instance, kind: str, reason: str) -> None: ...
     def record_local_error(self) -> None: ...
+
+
+class Learner(Protocol):
+    """What an instance's ``/v1/models`` answer is told to (``served_models.ServedModels``)."""
+
     def learned(self, inst: Instance, body: bytes) -> None: ...
 
 
 class HealthChecks:
     """The probe loops of one role's instances."""
 
-    def __init__(self, hosts: HostSet, headers: Headers) -> None:
+    def __init__(self, hosts: HostSet, verdicts: Verdicts, served: Learner, headers: Headers) -> None:
         self.hosts = hosts
+        self.verdicts = verdicts
+        self.served = served
         self._headers = headers  # a /v1/models read's (--upstream-api-key)
         self.tasks: dict[Instance, asyncio.Task] = {}
         self._probing: tuple[float, float] | None = None  # (interval, timeout) once started
@@ -86,8 +98,8 @@ class HealthChecks:
             await asyncio.sleep(max(0.0, started + (interval if steady else fast) - loop.time()))
 
     async def probe(self, inst: Instance, timeout: float) -> None:
-        """One health probe of ``inst``, its verdict told to the host set."""
-        hosts = self.hosts
+        """One health probe of ``inst``, its verdict told to the outlier detector."""
+        verdicts = self.verdicts
         t = TransportTimeouts(connect=timeout, headers=timeout, idle=timeout)
         try:
             async with asyncio.timeout(timeout):
@@ -95,21 +107,21 @@ class HealthChecks:
                 status, _, _ = await inst.connections.fetch("GET", "/health", timeouts=t, queue=False)
         except UpstreamError as exc:
             if exc.kind == "local":
-                hosts.record_local_error()
+                verdicts.record_local_error()
                 return
-            hosts.probe_failed(inst, TIMEOUT if exc.kind == TIMEOUT else "connection", f"health probe: {exc}")
+            verdicts.probe_failed(inst, TIMEOUT if exc.kind == TIMEOUT else "connection", f"health probe: {exc}")
             return
         except TimeoutError:
-            hosts.probe_failed(inst, TIMEOUT, f"health probe: no answer within {timeout:g} s")
+            verdicts.probe_failed(inst, TIMEOUT, f"health probe: no answer within {timeout:g} s")
             return
         except OSError as exc:
-            hosts.probe_failed(inst, "connection", f"health probe: {exc}")
+            verdicts.probe_failed(inst, "connection", f"health probe: {exc}")
             return
         if status == 200:
-            hosts.probe_answered(inst)
+            verdicts.probe_answered(inst)
             await self.learn_models(inst, timeout)
         else:
-            hosts.probe_failed(inst, "probe_status", f"health probe: HTTP {status}")
+            verdicts.probe_failed(inst, "probe_status", f"health probe: HTTP {status}")
 
     async def learn_models(self, inst: Instance, timeout: float) -> None:
         """Read what ``inst`` serves from its ``/v1/models`` (after each probe that answered;
@@ -122,7 +134,7 @@ class HealthChecks:
                                                                timeouts=t, queue=False)
             if status != 200:
                 raise ValueError(f"HTTP {status}")
-            self.hosts.learned(inst, data)
+            self.served.learned(inst, data)
         except (UpstreamError, TimeoutError, OSError, ValueError) as exc:
             log.debug("%s instance %s: /v1/models not read: %s", self.hosts.role, inst.url, exc)
 

@@ -399,7 +399,8 @@ class ProxyMetrics:
         d = self.durations.get(dkey)
         if d is None:
             d = self.durations[dkey] = Buckets()
-        d.observe(seconds)
+        d.counts[bisect_left(d.bounds, seconds)] += 1  # Buckets.observe, inline (so below): every request
+        d.sum += seconds
         if series is not None:
             counts = series.requests
             counts[status] = counts.get(status, 0) + 1
@@ -413,10 +414,14 @@ class ProxyMetrics:
         counts = series.tokens
         if prompt is not None:
             counts[0] += prompt
-            series.prompt.observe(prompt)
+            b = series.prompt
+            b.counts[bisect_left(b.bounds, prompt)] += 1
+            b.sum += prompt
         if completion is not None:
             counts[1] += completion
-            series.completion.observe(completion)
+            b = series.completion
+            b.counts[bisect_left(b.bounds, completion)] += 1
+            b.sum += completion
         if cached is not None:
             counts[2] += cached
 
@@ -432,13 +437,19 @@ class ProxyMetrics:
             b = stages.get(stage)
             if b is None:
                 b = stages[stage] = Buckets()
-            b.observe(seconds)
+            b.counts[bisect_left(b.bounds, seconds)] += 1
+            b.sum += seconds
 
     def observe_commit(self, endpoint: str, since_arrival: float, upstream: float, stream: bool,
                        series: ModelSeries | None = None) -> None:
         """The response is about to be committed: the proxy's own share of the time so far
         (``upstream``: the wall time of the stage phases), and for a stream its time to first token."""
-        self.overhead.observe(max(0.0, since_arrival - upstream))
+        own = since_arrival - upstream
+        if own < 0.0:
+            own = 0.0
+        overhead = self.overhead
+        overhead.counts[bisect_left(overhead.bounds, own)] += 1  # Buckets.observe, inline
+        overhead.sum += own
         if stream:
             b = self.ttft.get(endpoint)
             if b is None:

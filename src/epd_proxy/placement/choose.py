@@ -78,13 +78,15 @@ def pick(pool: InstancePool, exclude: Collection[Instance] = (), view: RequestVi
         candidates = pool.candidates(exclude, model)
         if not healthy:
             why = PANIC if pool.panics != panics else UNKNOWN_MODELS
-    affinity = pool.affinity
-    if model is not None and affinity is not None:
-        adapter = pool.adapter_of(model)
-        if adapter is not None:
-            pool.rehome()
-            return _not_timed_out(pool, (affinity.choose(candidates, adapter), AFFINITY, candidates), view, model,
-                                  timed_out)
+    if model is not None:
+        served = pool.served
+        affinity = served.affinity
+        if affinity is not None:
+            adapter = served.adapter_of(model)
+            if adapter is not None:
+                served.rehome()
+                return _not_timed_out(pool, (affinity.choose(candidates, adapter), AFFINITY, candidates), view,
+                                      model, timed_out)
     policy = pool.policy
     chosen = policy.choose(candidates, view)
     choice = (chosen, why or policy.name, candidates)

@@ -116,7 +116,7 @@ class KvLookup:
             return
         model = body.get("model")
         # An adapter's blocks are keyed under its name (the events' lora_name).
-        adapter = model if isinstance(model, str) and self.tokenizers.models.current.parents.get(model) else None
+        adapter = self.tokenizers.served.adapter_of(model) if isinstance(model, str) else None
         keys: dict[int, list[int]] = {}
         held: dict[str, int] = {}
         for source, tokens in self.index.longest_prefix(ids, adapter, self._clock(), keys).items():
@@ -140,7 +140,7 @@ class KvLookup:
         sizes = [size for src in index.sources() if instance_of(src.name) == url for size in src.block_sizes]
         if not sizes:
             return None
-        adapter = model if isinstance(model, str) and self.tokenizers.models.current.parents.get(model) else None
+        adapter = self.tokenizers.served.adapter_of(model) if isinstance(model, str) else None
         held = max((tokens for source, tokens in index.longest_prefix(ids, adapter).items()
                     if instance_of(source) == url), default=0)
         return held, max(sizes)

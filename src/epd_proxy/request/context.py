@@ -30,9 +30,9 @@ class RequestContext:
     """
 
     __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
-                 "_base_headers", "_held", "prefill_report", "timed_out", "api", "whole", "models",
+                 "_base_headers", "held", "prefill_report", "timed_out", "api", "whole", "models",
                  "conversation", "turn_tried", "kv_reuse", "ids_asked", "kv_outcome", "tokenized",
-                 "_backlog", "scope", "placement", "steered")
+                 "_backlog", "scope", "placement", "steered", "_first_headers")
 
     def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
         self.request_id = request_id
@@ -42,7 +42,9 @@ class RequestContext:
         self.upstream = 0.0  # wall time in the stage phases (the proxy's overhead is the rest)
         self.view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
         self._base_headers = base_headers
-        self._held: list[Instance] = []
+        self._first_headers: tuple | None = None  # upstream_headers' first two, for this request's id
+        # The instances whose legs are open (``hold``; the stages append inline on every leg).
+        self.held: list[Instance] = []
         # Prompt tokens counted in instances' backlog for this request (``queue``), with KV events.
         self._backlog: list[tuple[Instance, int]] | None = None
         self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
@@ -75,8 +77,13 @@ class RequestContext:
         self.steered: Steered | None = None  # what the gateway named (placement/steered.py; the sidecar)
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
-        headers = [_JSON_HEADER, (b"x-request-id", (request_id or self.request_id).encode())]
-        headers += self._base_headers
+        if not request_id:
+            first = self._first_headers  # made once: a request has two or more legs
+            if first is None:
+                first = self._first_headers = (_JSON_HEADER, (b"x-request-id", self.request_id.encode()))
+            headers = [*first, *self._base_headers]
+        else:
+            headers = [_JSON_HEADER, (b"x-request-id", request_id.encode()), *self._base_headers]
         if extra:
             headers += extra
         return headers
@@ -97,12 +104,12 @@ class RequestContext:
 
     def hold(self, inst: Instance) -> None:
         inst.inflight += 1
-        self._held.append(inst)
+        self.held.append(inst)
         self.legs.append(inst)
 
     def release(self, inst: Instance) -> None:
         try:
-            self._held.remove(inst)
+            self.held.remove(inst)
         except ValueError:
             return
         inst.inflight -= 1
@@ -112,9 +119,9 @@ class RequestContext:
             self.trace.end(inst)
 
     def release_all(self) -> None:
-        for inst in self._held:
+        for inst in self.held:
             inst.inflight -= 1
-        self._held.clear()
+        self.held.clear()
         if self._backlog is not None:
             self._unqueue(None)
 

@@ -7,7 +7,8 @@ operator forwards. What comes back is the instance's: status, content type and b
 received (a ``Content-Length`` answer in one piece, any other streamed through). The pool
 is ``routing/endpoints.py``'s rule; the instance the least loaded of those serving the request's model
 (its ``model``: a JSON body's field, a multipart form's field; ``routing/endpoints.py``
-reads it without copying the body), within the pools' health rules. A model no instance
+reads it without copying the body), within the pools' health rules, placed by
+``placement/routed.py``. A model no instance
 serves is the proxy's 404 (``model_not_found``), a model whose instances are all out a 503
 with ``Retry-After``, before any upstream work, as for generation. These requests take
 ``--max-inflight`` slots like generation, count in ``epd_proxy_requests`` under their path
@@ -28,11 +29,10 @@ from epd_proxy.config import ProxyConfig
 from epd_proxy.http import Headers
 from epd_proxy.http.response import Request, ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts
-from epd_proxy.instances.instance import Instance
-from epd_proxy.instances.models import ModelKey
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.observe.metrics import ProxyMetrics
 from epd_proxy.observe.tokens import NO_TOKENS, usage_of
+from epd_proxy.placement.routed import another_routed, place_routed
 from epd_proxy.request.apis import speaks_anthropic
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.entry_gate import EntryGate
@@ -63,7 +63,7 @@ class Forwarder:
         self.metrics = metrics
         self.gate = gate  # admission: the same --max-inflight slots and queue as the pipeline's
         self.tenants = tenants
-        self.models = pools["decode"].models  # the cluster's models (instances/model_directory.py)
+        self.models = pools["decode"].served.directory  # the cluster's models (instances/model_directory.py)
         self.policy = LeastLoaded()  # among the candidates of every pool the endpoint may use
         self._base_headers = base_headers
         self._forward = tuple(h.lower().encode() for h in config.forward_headers)
@@ -134,13 +134,17 @@ class Forwarder:
         method = ROUTED[path].method  # HEAD on a GET route asks GET: the writer drops the body
         target = f"{path}?{req.query}" if req.query else path
         headers = self._headers(req, ctx.request_id)
+        pools, roles, spread = self.pools, roles_for(path), least_loaded_first(path)
         while True:
-            inst = self.choose(path, ctx.excluded, ctx.models)
+            # The instance: placement/routed.py's, the least loaded of the pools' candidates.
+            inst = place_routed(pools, roles, self.policy, spread=spread, exclude=ctx.excluded, models=ctx.models,
+                                path=path)
             stage = self.stages[inst.role]
             try:
                 resp = await stage.call(ctx, inst, target, req.body, headers, method)
             except ProxyError as err:
-                if err.status in _NOT_TAKEN and err.retryable and self._another(path, ctx.excluded, ctx.models):
+                if err.status in _NOT_TAKEN and err.retryable and another_routed(pools, roles, ctx.excluded,
+                                                                                 ctx.models):
                     continue
                 raise
             break
@@ -148,7 +152,7 @@ class Forwarder:
             if resp.status >= 400:
                 data = await stage.read_body(ctx, inst, resp)
                 raise stage.status_error(ctx, inst, resp.status, data, resp.content_type)
-            stage.pool.record_success(inst)
+            stage.outliers.record_success(inst)
             out = [(b"x-request-id", ctx.request_id.encode())]
             if b"content-length" in resp.headers:
                 data = await stage.read_body(ctx, inst, resp)
@@ -159,37 +163,6 @@ class Forwarder:
         finally:
             resp.close()
             ctx.release(inst)
-
-    def choose(self, path: str, excluded: set[Instance], models: dict[str, ModelKey] | None = None) -> Instance:
-        """The instance for one attempt: the least loaded (fewest requests in flight from this
-        proxy, ties rotating) of the candidates serving the request's model (``models``: the
-        key per role, None: any instance) in the pools ``roles_for(path)`` names: for tokenizer
-        work every such pool's, for model work the first pool's that has one; pools with an
-        instance in rotation that has not failed this request first. 503 when none serves it."""
-        roles = roles_for(path)
-        options: list[tuple[list[Instance], bool]] = []
-        for role in roles:
-            pool = self.pools.get(role)
-            if not pool:
-                continue
-            key = None if models is None else models.get(role)
-            try:
-                candidates = pool.candidates(excluded, key)  # health, half-open, panic: the pool's rules
-            except ProxyError:
-                continue  # none of this role serves the model (or every one is draining)
-            options.append((candidates, pool.reachable(excluded, key)))
-        if not options:
-            raise ProxyError(503, f"no {' or '.join(roles)} instance{_serving(models)} can answer {path}",
-                             retryable=True)
-        fresh = [c for c, reachable in options if reachable] or [c for c, _ in options]
-        if len(fresh) == 1 or not least_loaded_first(path):
-            return self.policy.choose(fresh[0])
-        return self.policy.choose([inst for candidates in fresh for inst in candidates])
-
-    def _another(self, path: str, excluded: set[Instance], models: dict[str, ModelKey] | None) -> bool:
-        """Whether an instance in rotation that serves the model and has not failed this request is left."""
-        return any(self.pools[role].reachable(excluded, None if models is None else models.get(role))
-                   for role in roles_for(path) if role in self.pools)
 
     def _headers(self, req: Request, rid: str) -> Headers:
         """The client's content type (a multipart boundary must survive) and request id, the
@@ -238,9 +211,3 @@ def _rewritten(req: Request, model: object, asked: object, priority: int | None)
         body["priority"] = priority
     return model, msgspec.json.encode(body)
 
-
-def _serving(models: dict[str, ModelKey] | None) -> str:
-    if not models:
-        return ""
-    key = models.get("decode")
-    return "" if key is None else f" serving model `{key if isinstance(key, str) else key[0]}`"

@@ -47,7 +47,7 @@ def parse_body(req: Request, path: str) -> dict:
     Fields the proxy owns (:data:`PROXY_OWNED_FIELDS`) are removed here, once, so no
     stage can pass a client's value on.
     """
-    ctype = (req.header(b"content-type") or b"").split(b";", 1)[0].strip().lower()
+    ctype = (req.headers.get(b"content-type") or b"").split(b";", 1)[0].strip().lower()
     if ctype != b"application/json":
         raise ProxyError(415, "Content-Type must be application/json")
     body = _decode_json(req.body, path == CHAT)
@@ -79,7 +79,7 @@ _REQUEST_ID_CHARS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345
 
 def client_request_id(req: Request) -> bytes | None:
     """The client's ``X-Request-Id`` if it is safe to echo and pass on byte for byte."""
-    raw = req.header(b"x-request-id")
+    raw = req.headers.get(b"x-request-id")
     if raw and len(raw) <= MAX_REQUEST_ID and not raw.translate(None, _REQUEST_ID_CHARS):
         return raw
     return None

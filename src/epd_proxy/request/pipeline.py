@@ -71,7 +71,7 @@ from epd_proxy.wire.errors import ProxyError, drop_traceback
 if TYPE_CHECKING:
     from epd_proxy.observe.tracing import Tracing
     from epd_proxy.placement.kv_lookup import KvLookup
-    from epd_proxy.request.shared_homes import SharedHomes
+    from epd_proxy.placement.shared_homes import SharedHomes
 
 log = logging.getLogger("epd_proxy.pipeline")
 
@@ -92,7 +92,7 @@ class Pipeline:
         self.encode = pools["encode"] if "encode" in pools else InstancePool("encode", ())
         self.prefill = pools["prefill"] if "prefill" in pools else InstancePool("prefill", ())
         self.decode = pools["decode"]
-        self.models = self.decode.models  # the cluster's models (every pool tells the same directory)
+        self.models = self.decode.served.directory  # the cluster's models (every pool tells the same directory)
         # Loads a LoRA adapter no instance has when a source knows it (None, or without sources: never).
         self.adapters = adapters if adapters is not None and adapters.on_demand else None
         self.known = known  # what the placement knows besides the request (placement/decision.py)
@@ -576,7 +576,12 @@ class Pipeline:
         return body, items
 
     def _headers_for(self, req: Request) -> Headers:
-        extra = [(name, value) for name in self._forward if (value := req.headers.get(name)) is not None]
+        extra = []  # a loop, not a list comprehension (its own frame): every request
+        headers = req.headers
+        for name in self._forward:
+            value = headers.get(name)
+            if value is not None:
+                extra.append((name, value))
         return self._base_headers + extra if extra else self._base_headers
 
 

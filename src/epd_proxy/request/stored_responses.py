@@ -291,7 +291,7 @@ class StoredResponses:
             finally:
                 asked += 1
             if resp.status != 404:
-                self.stage.pool.record_success(inst)
+                self.stage.outliers.record_success(inst)
                 self._count(OWNER if owner is not None and inst.url == owner.url else SEARCHED)
                 self.owners.remember(response_id, inst.url, ctx.scope)
                 return inst, resp

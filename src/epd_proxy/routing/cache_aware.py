@@ -48,7 +48,7 @@ class CacheAware:
 
     With a shared state store, what one replica placed where the rendezvous order would not
     (an opening on the least-loaded instance, a turn spilled for load) is told to ``learned``
-    (``request/shared_homes.py`` writes it to the store), and a turn whose previous turn
+    (``placement/shared_homes.py`` writes it to the store), and a turn whose previous turn
     another replica routed reads it back (``RequestView.recalled``) and takes it as its home,
     within the same load bound: replicas agree on where a conversation's prefix lives, not
     only on where the rendezvous order says it should.

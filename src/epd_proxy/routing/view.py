@@ -72,7 +72,7 @@ class RequestView:
     index: ``placement/kv_lookup.py``), over ``live``, the instances the index speaks for;
     ``tokens`` the prompt's length in tokens. None without (approximate routing).
     ``recalled``: with a shared state store, the instances another replica sent the turn
-    before this one to (``request/shared_homes.py``).
+    before this one to (``placement/shared_homes.py``).
     """
 
     __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_reuse", "_mark", "_previous", "held", "live",
@@ -92,7 +92,7 @@ class RequestView:
         self.tokens = 0
         self.kv_keys: list[int] = []  # the prompt's block keys (the speculative entries of the choice)
         # Where another replica sent the turn before this one, read from the shared state store
-        # (request/shared_homes.py): None until looked up.
+        # (placement/shared_homes.py): None until looked up.
         self.recalled: tuple[str, ...] | None = None
 
     def exact(self, urls) -> bool:

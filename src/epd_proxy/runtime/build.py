@@ -47,6 +47,7 @@ from epd_proxy.observe.metrics import Collector, ProxyMetrics
 from epd_proxy.observe.recent import RecentRequests
 from epd_proxy.placement.decision import Known
 from epd_proxy.placement.kv_lookup import KvLookup
+from epd_proxy.placement.shared_homes import shared_homes
 from epd_proxy.request.admission import Admission, admission_collector
 from epd_proxy.request.answer import Answers
 from epd_proxy.request.apis import front_door_error_body
@@ -58,7 +59,6 @@ from epd_proxy.request.legs.fanout import EncoderFanout, encoder_collector
 from epd_proxy.request.legs.hedged import EncoderHedging, PrefillHedging
 from epd_proxy.request.legs.stages import DecodeStage, PrefillStage
 from epd_proxy.request.pipeline import Pipeline
-from epd_proxy.request.shared_homes import shared_homes
 from epd_proxy.request.stored_responses import ResponseOwners, StoredResponses
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.routing import make_policy
@@ -129,14 +129,14 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
                   encode_bound=config.encoder_max_outstanding)
     # Multi-turn KV reuse: decode's parameters kept for each conversation's next turn.
     reuse = TurnReuse(config, prefill=pools["prefill"], decode=pools["decode"], connector=connector,
-                      decode_only=decode_only, models=pools["decode"].models, base_headers=base_headers,
+                      decode_only=decode_only, models=pools["decode"].served.directory, base_headers=base_headers,
                       shared=state, kv=kv)
     metrics.register(reuse.collector())
     stored = StoredResponses(config, pools["decode"], ResponseOwners(shared=state), metrics, base_headers)
     metrics.register(stored.collect)
     gate = EntryGate(config, admission, tenants, metrics, recent,
                      access_log.AccessLog(config.log_format, trusted_proxies=config.trusted_proxies)
-                     if access_log.enabled(config) else None, pools["decode"].models)
+                     if access_log.enabled(config) else None, pools["decode"].served.directory)
     tracer = tracing.from_environment()
     homes = shared_homes(state, pools)  # where other replicas sent turns (cache-aware with a shared store)
     if homes is not None:

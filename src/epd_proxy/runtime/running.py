@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from typing import TYPE_CHECKING
 
 from epd_proxy.api.app import ProxyApp
@@ -145,3 +147,21 @@ async def _wait_until(done, deadline: float, interval: float = 0.05) -> None:
     loop = asyncio.get_running_loop()
     while not done() and loop.time() < deadline:
         await asyncio.sleep(min(interval, max(0.0, deadline - loop.time())))
+
+
+def stop_on_signals(logger: logging.Logger) -> asyncio.Event:
+    """An event the first SIGINT or SIGTERM sets (a graceful shutdown: the caller drains); a
+    second exits at once, for an operator who will not wait."""
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            logger.warning("%s: exiting at once", signal.Signals(signum).name)
+            os._exit(1)
+        logger.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(signum).name)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return stop

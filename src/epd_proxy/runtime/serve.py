@@ -37,7 +37,7 @@ from epd_proxy.runtime.build import (  # noqa: F401
     start_proxy,
     tls_context,
 )
-from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url  # noqa: F401
+from epd_proxy.runtime.running import ListenError, RunningProxy, listen_url, stop_on_signals  # noqa: F401
 from epd_proxy.runtime.simulated import SimulatorProcess, addresses_of, config_for_addresses
 from epd_proxy.runtime.workers import Carry, PeerLink, supervise
 
@@ -265,18 +265,7 @@ async def _epp_forever(config: ProxyConfig, host: str, port: int, grpc_host: str
     if _EARLY_SIGHUP and reloader is not None:
         _EARLY_SIGHUP.clear()
         reloader.request()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            log.warning("%s: exiting at once", signal.Signals(signum).name)
-            os._exit(1)
-        log.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(signum).name)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+    stop = stop_on_signals(log)
     print(f"epd-proxy epp: gRPC (ext_proc) on {grpc_host}:{epp.grpc_port}, "
           f"operator surface on {epp.proxy.url} ({len(epp.app.pools['decode'].instances)} serving instances)",
           flush=True)

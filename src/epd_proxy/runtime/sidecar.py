@@ -3,10 +3,7 @@ encoders the gateway's endpoint picker names per request (``placement/steered.py
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import signal
 import sys
 from typing import Sequence
 
@@ -17,7 +14,7 @@ from epd_proxy.http import event_loop
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.placement.steered import DEFAULT_ALLOWED, Steering
 from epd_proxy.runtime.build import start_proxy
-from epd_proxy.runtime.running import ListenError, RunningProxy
+from epd_proxy.runtime.running import ListenError, RunningProxy, stop_on_signals
 
 log = logging.getLogger("epd_proxy.sidecar")
 
@@ -60,18 +57,7 @@ def serve_sidecar(config: ProxyConfig, host: str, port: int, *, allowed: Sequenc
 async def _forever(config: ProxyConfig, host: str, port: int, allowed: Sequence[str], settings) -> None:
     proxy = await start_sidecar(config, host, port, allowed=allowed, reloads=settings is not None,
                                 settings=settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            log.warning("%s: exiting at once", signal.Signals(signum).name)
-            os._exit(1)
-        log.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(signum).name)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+    stop = stop_on_signals(log)
     decode = ", ".join(i.url for i in proxy.app.pools["decode"].instances)
     print(f"epd-proxy sidecar on {proxy.url} for {decode} (prefills and encoders allowed in "
           f"{', '.join(allowed)})", flush=True)

@@ -1,7 +1,7 @@
 """The tenants' shell: each request's key against its limits, its class, its models.
 
 ``Tenants.enter`` runs before admission (a request over its key's limits never takes a
-queue place): the key's policy (policy.py), its concurrent requests (counted in this
+queue place): the key's policy (table.py), its concurrent requests (counted in this
 process), then every windowed counter in one ``take`` of the counters' store
 (counters.py: in-process, or redis_counters.py shared by replicas). Refused: 429 with
 ``Retry-After`` and the rate-limit headers its SDK reads (limits.py). Admitted: a
@@ -34,7 +34,7 @@ from epd_proxy.tenants.limits import (
     retry_after,
     settlement,
 )
-from epd_proxy.tenants.policy import KeyPolicy, TenantTable, TrafficClass, read_tenants
+from epd_proxy.tenants.table import KeyPolicy, TenantTable, TrafficClass, read_tenants
 from epd_proxy.wire.errors import ProxyError
 
 log = logging.getLogger("epd_proxy.tenants")

@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from epd_proxy.tenants.policy import LIMITS, KeyPolicy
+from epd_proxy.tenants.table import LIMITS, KeyPolicy
 
 _COUNTS = {name: counts for name, counts, _ in LIMITS}  # limit -> what it counts
 WINDOW_SECONDS = {"second": 1, "minute": 60, "day": 86400}

@@ -91,7 +91,7 @@ async def test_the_proxys_own_shortage_is_a_503_and_not_the_instances_fault():
                           "sending the request")
     assert (err.status, err.retryable) == (503, False)
     assert err.message == "the proxy is short of local resources (Too many open files); retry later"
-    assert pool.local_errors == 1 and inst.errors == 0 and not ctx.excluded
+    assert pool.outliers.local_errors == 1 and inst.errors == 0 and not ctx.excluded
 
 
 async def test_a_held_timeout_or_500_excludes_the_instance_and_blames_it_only_on_the_verdict():

@@ -193,14 +193,14 @@ async def test_a_decode_that_stands_still_leaves_routing_at_once_and_comes_back(
         d1, d2 = cluster.instances("decode")
         pool = proxy.app.pipeline.decode
         pool.find(d2.url).health.state = DRAINING  # every request to d1 meanwhile
-        pool._refresh()
+        pool.refresh()
         # Fill d1's cache with kept blocks the proxy does not know of (as streams' are)
         while d1.kv_reuse.kept_blocks < 40:
             await client.chat(_turn(d1.kv_reuse.kept_blocks))
         stuck = [asyncio.ensure_future(client.chat(_turn(1000 + i), timeout=60)) for i in range(2)]
         await wait_for(lambda: d1.engine.num_waiting > 0 and d1.engine.num_running == 0, timeout=10)
         pool.find(d2.url).health.state = HEALTHY
-        pool._refresh()
+        pool.refresh()
         inst1 = pool.find(d1.url)
         await wait_for(lambda: inst1.health.out, timeout=5)
         assert inst1.health.cause == "wedged" and "waiting" in (inst1.health.last_error or "")

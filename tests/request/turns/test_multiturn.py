@@ -426,7 +426,7 @@ async def test_a_decode_out_of_rotation_is_not_read_from():
         pool = proxy.app.pipeline.decode
         held = set(proxy.app.pipeline.turns.held)
         assert len(held) == 1
-        pool.drain(pool.find(held.pop()))
+        pool.outliers.drain(pool.find(held.pop()))
         await _ask(client, _next(b1))
         assert not _reads(cluster) and _counts(proxy)["decode_gone"] == 1
 

@@ -262,8 +262,8 @@ class PrefillHedging:
         first = placed.prefill
         if blame and first is not None:
             ctx.timed_out_on(first)
-            self.pool.record_failure(first, f"no answer within the hedge delay ({race.delay * 1000:.0f} ms) while "
-                                            f"{target.url} answered", STALLED, ctx)
+            self.pool.outliers.record_failure(first, f"no answer within the hedge delay ({race.delay * 1000:.0f} ms) "
+                                                     f"while {target.url} answered", STALLED, ctx)
         placed.prefill, placed.prefill_why, placed.hedged = target, f"hedge: {why}", first
         ctx.timing("hedge", asyncio.get_running_loop().time() - race.started)
         return kv, target
@@ -361,9 +361,9 @@ class EncoderHedging:
                         self._count(WON)
                         if not first.done():  # slower than the hedge on the same items: the encoder stalled
                             ctx.timed_out_on(sub.encoder)
-                            self.pool.record_failure(sub.encoder, f"no answer within the hedge delay "
-                                                     f"({latencies.delay * 1000:.0f} ms) while {other.url} "
-                                                     f"answered the same items", STALLED, ctx)
+                            self.pool.outliers.record_failure(sub.encoder, f"no answer within the hedge delay "
+                                                              f"({latencies.delay * 1000:.0f} ms) while {other.url} "
+                                                              f"answered the same items", STALLED, ctx)
                         return task.result()
             self._count(FAILED)
             failure = first.exception()

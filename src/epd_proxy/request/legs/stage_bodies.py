@@ -61,7 +61,8 @@ def prefill_body(body: dict, kv_transfer_params: dict | None, api: GenerationApi
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     for key in _PREFILL_DROPPED:
-        out.pop(key, None)
+        if key in out:
+            del out[key]
     if "n" in out:
         out["n"] = 1
     if kv_transfer_params is not None:
@@ -95,13 +96,17 @@ def decode_body(body: dict, *, kv: dict | msgspec.Raw | None | _Keep = _KEEP, ec
     Callers on a P/D or EPD route always pass the argument they own.
     """
     out = dict(body)
-    for key, value in (("kv_transfer_params", kv), ("ec_transfer_params", ec)):
-        if value is _KEEP:
-            continue
-        if value is None:
-            out.pop(key, None)
+    # Unrolled over the two keys: every decode leg's body is made here.
+    if kv is not _KEEP:
+        if kv is None:
+            out.pop("kv_transfer_params", None)
         else:
-            out[key] = value
+            out["kv_transfer_params"] = kv
+    if ec is not _KEEP:
+        if ec is None:
+            out.pop("ec_transfer_params", None)
+        else:
+            out["ec_transfer_params"] = ec
     return out
 
 

@@ -7,9 +7,9 @@ is relayed as received (it is the client's mistake, e.g. vLLM's validation
 (retryable only while another instance of the role is left to try),
 a refused connection with no other instance of the role in rotation a
 (retryable) 503, and the proxy's own shortage of descriptors or memory a 503.
-On the way, each failure tells the instance pool what it says about the
-instance (``health.py``): an instance signal, a request signal, or nothing;
-the pool's ``record_*`` call with the request's ``ctx`` also marks the
+On the way, each failure tells the role's outlier detector what it says about
+the instance (``instances/outliers.py``): an instance signal, a request signal, or
+nothing; its ``record_*`` call with the request's ``ctx`` also marks the
 instance failed for this request, so a retry prefers another. A stage that
 ``holds_signals`` (the encode stage) gets a failure the work itself may have
 caused (a timeout, vLLM's 500) as a :class:`HeldFailure` instead: the instance
@@ -66,7 +66,7 @@ def status_error(pool: InstancePool, inst: Instance, ctx: RequestContext, stage:
     if 400 <= status < 500:
         # The request itself is wrong: the client gets the engine's own answer, and the
         # instance, which answered properly, is not blamed.
-        pool.record_success(inst)
+        pool.outliers.record_success(inst)
         return ProxyError(status, upstream_message(body), upstream_body=body,
                           upstream_content_type=content_type or _JSON)
     message = upstream_message(body)
@@ -74,13 +74,13 @@ def status_error(pool: InstancePool, inst: Instance, ctx: RequestContext, stage:
                 message)
     if status in _GATEWAY_STATUSES:
         # What gateways and an overloaded or dying vLLM answer: about the instance.
-        pool.record_failure(inst, f"HTTP {status}: {message}", f"http_{status}", ctx)
+        pool.outliers.record_failure(inst, f"HTTP {status}: {message}", f"http_{status}", ctx)
     else:
         # vLLM's 500: this request failed on it (e.g. one odd image), not the instance.
         reason, text = f"HTTP {status}: {message}", f"{stage} instance failed with HTTP {status}: {message}"
         if hold:
             return held_failure(pool, inst, ctx, 502, text, reason, f"http_{status}", request_signal=True)
-        pool.record_request_failure(inst, reason, f"http_{status}", ctx)
+        pool.outliers.record_request_failure(inst, reason, f"http_{status}", ctx)
     return ProxyError(502, f"{stage} instance failed with HTTP {status}: {message}", retryable=True)
 
 
@@ -95,7 +95,7 @@ def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, sta
     kind = exc.kind
     if kind == "local":
         # This process is short of descriptors, buffers or memory: nothing the instance did.
-        pool.record_local_error()
+        pool.outliers.record_local_error()
         log.error("request %s: cannot reach %s instance %s for lack of local resources: %s",
                   ctx.request_id, stage, inst.url, exc)
         return ProxyError(503, f"the proxy is short of local resources ({_reason(exc)}); retry later",
@@ -108,10 +108,10 @@ def transport_error(pool: InstancePool, inst: Instance, ctx: RequestContext, sta
         ctx.timed_out_on(inst)
         if hold:
             return held_failure(pool, inst, ctx, 504, f"{stage} instance timed out: {exc}", f"{doing}: {exc}", TIMEOUT)
-        pool.record_failure(inst, f"{doing}: {exc}", TIMEOUT, ctx)
+        pool.outliers.record_failure(inst, f"{doing}: {exc}", TIMEOUT, ctx)
         return ProxyError(504, f"{stage} instance timed out: {exc}",
                           retryable=pool.spare(ctx.excluded, ctx.model_for(pool.role)))
-    pool.record_failure(inst, f"{doing}: {exc}", kind, ctx)
+    pool.outliers.record_failure(inst, f"{doing}: {exc}", kind, ctx)
     if kind == "connect":
         if not pool.reachable(ctx.excluded, ctx.model_for(pool.role)):
             # Nothing in rotation that has not already refused this request: the role is
@@ -147,9 +147,9 @@ class HeldFailure(ProxyError):
         if inst is None or not blame:
             return
         if self.request_signal:
-            pool.record_request_failure(inst, self.reason, self.kind)
+            pool.outliers.record_request_failure(inst, self.reason, self.kind)
         else:
-            pool.record_failure(inst, self.reason, self.kind)
+            pool.outliers.record_failure(inst, self.reason, self.kind)
 
 
 def held_failure(pool: InstancePool, inst: Instance, ctx: RequestContext, status: int, message: str, reason: str,
@@ -179,6 +179,7 @@ class UpstreamStage:
     def __init__(self, pool: InstancePool, timeouts: TransportTimeouts) -> None:
         self.pool = pool
         self.role = pool.role
+        self.outliers = pool.outliers  # what its calls say of an instance (instances/outliers.py)
         self.timeouts = timeouts
 
     async def call(self, ctx: RequestContext, inst: Instance, path: str, body: bytes, headers: Headers,
@@ -218,7 +219,27 @@ class UpstreamStage:
                        timeouts: TransportTimeouts | None = None) -> bytes:
         """A whole request/response with one instance; a non-200 answer raises (and a
         5xx is retryable elsewhere)."""
-        resp = await self.call(ctx, inst, path, body, headers, "POST", timeouts)
+        # call's, inline: one coroutine less on every exchange (prefill, encoders, /tokenize).
+        inst.requests += 1
+        inst.inflight += 1  # ctx.hold's, inline
+        ctx.held.append(inst)
+        ctx.legs.append(inst)
+        trace = ctx.trace
+        if trace is not None:
+            headers = trace.leg(inst, self.role, headers)
+        try:
+            resp = await inst.connections.request("POST", path, body=body, headers=headers,
+                                                  timeouts=timeouts or self.timeouts)
+            if trace is not None:
+                trace.status(inst, resp.status)
+        except UpstreamError as exc:
+            if trace is not None:
+                trace.failed(inst, str(exc))
+            ctx.release(inst)
+            raise self.transport_error(ctx, inst, exc, "sending the request") from None
+        except BaseException:
+            ctx.release(inst)
+            raise
         try:
             try:  # read_body's, inline: one coroutine less on every exchange
                 data = await resp.read()
@@ -229,7 +250,7 @@ class UpstreamStage:
             ctx.release(inst)
         if resp.status != 200:
             raise self.status_error(ctx, inst, resp.status, data, resp.content_type)
-        self.pool.record_success(inst)
+        self.outliers.record_success(inst)
         return data
 
     def status_error(self, ctx: RequestContext, inst: Instance, status: int, body: bytes,

@@ -138,7 +138,7 @@ def _already_right(decode: dict, prefill: bytes) -> bool:
     completion = decode.get("completion_tokens")
     return (type(prompt) is int and type(completion) is int and decode.get("total_tokens") == prompt + completion
             and decode.get("prompt_tokens_details") is None
-            and (prefill.find(b'"prompt_tokens_details"') < 0 or prefill.find(b'"prompt_tokens_details":null') >= 0)
+            and (b'"prompt_tokens_details"' not in prefill or b'"prompt_tokens_details":null' in prefill)
             and prefill.startswith(b'{"prompt_tokens":%d,' % prompt))
 
 

@@ -11,7 +11,7 @@ from redis_server import SERVER, RedisServer
 
 from epd_proxy import ProxyConfig, start_proxy
 from epd_proxy.instances.load_signals import LoadSignals
-from epd_proxy.request.shared_homes import SharedHomes
+from epd_proxy.placement.shared_homes import SharedHomes
 from epd_proxy.routing.cache_aware import CacheAware
 from epd_proxy.routing.view import RequestView, mix64
 from epd_proxy.runtime.serve import config_for_cluster

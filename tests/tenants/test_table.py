@@ -4,7 +4,7 @@ import pytest
 
 from epd_proxy.config import ConfigErrors
 from epd_proxy.tenants.aliases import ModelAliases, may_use
-from epd_proxy.tenants.policy import read_tenants
+from epd_proxy.tenants.table import read_tenants
 
 
 def test_a_key_overrides_the_default_field_by_field_and_zero_lifts_a_limit():
@@ -72,7 +72,7 @@ def test_a_key_list_is_checked_on_the_model_that_runs():
 
 
 def test_each_part_of_the_table_is_a_dataclass_naming_its_own_mistakes():
-    from epd_proxy.tenants.policy import KeyPolicy, TenantTable, TrafficClass
+    from epd_proxy.tenants.table import KeyPolicy, TenantTable, TrafficClass
 
     errors: list[str] = []
     classes = TrafficClass.read_all({"gold": {"rank": 5}, "lead": {"rank": "low"}}, "tenants", errors)
