@@ -23,7 +23,8 @@ NAME = re.compile(r"(?<![\w./<>-])((?:[\w.-]+/)*\w+\.py)\b")
 
 # vLLM's source tree (and its sdist's), cited by path: the first folder of the path.
 VLLM_FOLDERS = ("vllm/", "vllm-", "examples/", "tests/v1/", "entrypoints/", "distributed/", "v1/", "openai/",
-                "anthropic/", "serve/", "pooling/", "scale_out/", "nixl/", "chat_completion/", "completion/")
+                "anthropic/", "serve/", "pooling/", "scale_out/", "nixl/", "chat_completion/", "completion/",
+                "responses/")
 # vLLM's files (and Python's own, as py-spy names their frames), cited by their file name alone.
 VLLM_FILES = {"disagg_epd_proxy.py", "disagg_proxy_multiturn.py", "pull_scheduler.py", "pull_worker.py",
               "base_worker.py", "runners.py", "base_events.py", "serve_command.py"}

@@ -6,7 +6,7 @@ connection reset or closed before the terminator, decode's own in-band error eve
 instance ejected while streaming, and a stall: no read for ``stall_after`` (the stream's own
 pace times :data:`STALL_PACES`, at least :data:`STALL_FLOOR` and at most :data:`STALL_CEILING`
 seconds). Then the broken leg is aborted (its connection closed: vLLM aborts the request and
-frees its KV) and released, what the client has received is parsed (``continuation.py``), the
+frees its KV) and released, what the client has received is parsed (the ``continuation`` package), the
 placement is made again without that decode (its ``excluded``) and the continuation is opened
 like any attempt (a prefill of the prompt plus the answer so far where the topology has one,
 its prefix cache holding most of it). Its events reach the client as the same stream's. One
