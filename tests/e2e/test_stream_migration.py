@@ -310,16 +310,19 @@ def test_exactness_over_cut_points(two, proxy, endpoint):
         events, victim = _stream_and_kill(proxy.url, path, body, two, after=k + lead, freeze=True, must=False)
         if endpoint == "messages":
             assert events[-1]["type"] == "message_stop" and not [e for e in events if e["type"] == "error"]
-            assert events[-2]["usage"]["output_tokens"] == SWEEP_TOKENS
+            used = events[-2]["usage"]["output_tokens"]
             got = _message_text(events)
         elif endpoint == "responses":
             assert events[-1]["type"] == "response.completed" and not [e for e in events if e["type"] == "error"]
-            assert events[-1]["response"]["usage"]["output_tokens"] == SWEEP_TOKENS
+            used = events[-1]["response"]["usage"]["output_tokens"]
             got = _response_text(events)
         else:
             assert events[-1] == "[DONE]" and not [e for e in events[:-1] if "error" in e], events[-3:]
-            assert events[-2]["usage"]["completion_tokens"] == SWEEP_TOKENS
+            used = events[-2]["usage"]["completion_tokens"]
             got = _ids(events) if endpoint == "generate" else _text(events, endpoint)
+        # The uninterrupted answer runs to the budget; a text continuation that is not exact is
+        # another answer from the cut on, which may end sooner (the model's end of text).
+        assert used == SWEEP_TOKENS if got == want or endpoint == "generate" else 0 < used <= SWEEP_TOKENS, used
         broke = _BROKE.findall(proxy.proc.log_text()[log_at:])
         if victim is None or not broke:  # the answer was whole before the cut: nothing moved
             rows.append((k, None, None, got == want))
