@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from epd_proxy.request.continuation.text import whole_usage
-from epd_proxy.wire.errors import ProxyError
+from epd_proxy.request.continuation.text import OpenAiStream, whole_usage
 
 # Sampling parameters whose answer a continuation cannot reproduce: more than one choice, log
 # probabilities (the client's would restart), a seed (the continuation draws anew), guided
@@ -62,7 +61,7 @@ def unsound(body: dict) -> str | None:
 
 
 @dataclass(slots=True)
-class TokensReceived:
+class TokensReceived(OpenAiStream):
     """What the client has of a generate answer: the stream's ``request_id`` (its first
     event's) and the token ids streamed so far."""
 
@@ -77,22 +76,6 @@ class TokensReceived:
     @property
     def tokens(self) -> int:
         return len(self.ids)
-
-    def is_error(self, event: dict) -> bool:
-        """Decode's own in-band error event (vLLM's ``{"error": ...}``)."""
-        return "error" in event and "choices" not in event
-
-    def done(self) -> bytes:
-        """The terminator, as the stream's."""
-        return b"data: [DONE]\n\n"
-
-    def error(self, event: dict, raw: bytes) -> bytes:
-        """Decode's own in-band error event, as the stream's."""
-        return raw + b"\n\n"
-
-    def in_band(self, error: ProxyError) -> bytes:
-        """The proxy's in-band error, in the stream's form."""
-        return error.sse_event()
 
     def take(self, event: dict) -> None:
         if self.id is None:
