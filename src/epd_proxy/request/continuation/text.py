@@ -154,9 +154,13 @@ class Received(OpenAiStream):
 
 
 def received(data: bytes) -> Received:
-    """The client's part of a stream from the reads relayed (a trailing partial event was not
-    sent and does not count; nothing after an error event does)."""
-    got = Received()
+    """The client's part of a chat or completions stream from the reads relayed."""
+    return read_events(data, Received())
+
+
+def read_events(data: bytes, got):
+    """``got`` (a stream's received record) given every event of ``data``, the reads relayed: a
+    trailing partial event was not sent and does not count; nothing after an error event does."""
     end = data.rfind(b"\n\n")
     for raw in data[:end].split(b"\n\n") if end > 0 else ():
         line = raw.strip()

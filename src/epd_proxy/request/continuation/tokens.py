@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from epd_proxy.request.continuation.text import OpenAiStream, whole_usage
+from epd_proxy.request.continuation.text import OpenAiStream, read_events, whole_usage
 
 # Sampling parameters whose answer a continuation cannot reproduce: more than one choice, log
 # probabilities (the client's would restart), a seed (the continuation draws anew), guided
@@ -126,25 +126,5 @@ class TokensReceived(OpenAiStream):
 
 
 def received(data: bytes) -> TokensReceived:
-    """The client's part of a generate stream from the reads relayed (a trailing partial event
-    was not sent and does not count; nothing after an error event does)."""
-    got = TokensReceived()
-    end = data.rfind(b"\n\n")
-    for raw in data[:end].split(b"\n\n") if end > 0 else ():
-        line = raw.strip()
-        if not line.startswith(_DATA):
-            continue
-        payload = line[len(_DATA):]
-        if payload == _DONE:
-            break
-        try:
-            event = _decode(payload)
-        except msgspec.DecodeError:
-            got.unsound = "unparsable"
-            break
-        if not isinstance(event, dict):
-            continue
-        if "error" in event and "choices" not in event:
-            break
-        got.take(event)
-    return got
+    """The client's part of a generate stream from the reads relayed."""
+    return read_events(data, TokensReceived())
