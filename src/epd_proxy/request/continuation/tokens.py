@@ -31,9 +31,7 @@ _UNSOUND_PARAMS = frozenset(("n", "best_of", "logprobs", "prompt_logprobs", "see
 _DEFAULTS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
 
 _DATA = b"data: "
-_DONE = b"[DONE]"
 _encode = msgspec.json.encode
-_decode = msgspec.json.decode
 
 
 def unsound(body: dict) -> str | None:
