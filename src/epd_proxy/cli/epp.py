@@ -33,17 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve_argv(argv: list[str]) -> list[str]:
-    """The command line as ``serve`` reads it (the picker's own flags taken out), so a cluster
-    file's values yield to the flags given exactly as they do for ``serve``."""
-    out, skip = ["serve"], False
-    for arg in argv[1:] if argv[:1] == ["epp"] else argv:
-        if skip:
-            skip = False
-        elif arg in _OWN:
-            skip = True
-        elif arg.split("=", 1)[0] not in _OWN:
-            out.append(arg)
-    return out
+    """The command line as ``serve`` reads it (the picker's own flags taken out)."""
+    return serve_command.argv_for_serve(argv, "epp", _OWN)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -605,6 +605,21 @@ def configure_logging(level: str, fmt: str) -> None:
             handler.setFormatter(JsonFormatter())
 
 
+def argv_for_serve(argv: list[str], command: str, own: frozenset[str] | set[str]) -> list[str]:
+    """A command's line as ``serve`` reads it (``epp``'s, ``sidecar``'s): its own flags (``own``,
+    with their values) taken out, so a cluster file's values yield to the flags given exactly as
+    they do for ``serve``."""
+    out, skip = ["serve"], False
+    for arg in argv[1:] if argv[:1] == [command] else argv:
+        if skip:
+            skip = False
+        elif arg in own:
+            skip = True
+        elif arg.split("=", 1)[0] not in own:
+            out.append(arg)
+    return out
+
+
 def load_for(prog: str, settings: ServeSettings) -> tuple[argparse.Namespace, ProxyConfig] | None:
     """The settings and config of a command that takes serve's flags (``epp``, ``sidecar``),
     logging configured; None once the mistake is printed in one line (the command exits 2)."""

@@ -34,15 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def serve_argv(argv: list[str]) -> list[str]:
     """The command line as ``serve`` reads it (the sidecar's own flags taken out)."""
-    out, skip = ["serve"], False
-    for arg in argv[1:] if argv[:1] == ["sidecar"] else argv:
-        if skip:
-            skip = False
-        elif arg in _OWN:
-            skip = True
-        elif arg.split("=", 1)[0] not in _OWN:
-            out.append(arg)
-    return out
+    return serve_command.argv_for_serve(argv, "sidecar", _OWN)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,8 +72,31 @@ def _unsound_field(body: dict) -> str | None:
     return None
 
 
+class OpenAiStream:
+    """The ends of an OpenAI-style stream (chat, completions, generate): ``data:`` events,
+    vLLM's ``{"error": ...}`` in band, ``[DONE]`` last."""
+
+    __slots__ = ()
+
+    def is_error(self, event: dict) -> bool:
+        """Decode's own in-band error event (vLLM's ``{"error": ...}``)."""
+        return "error" in event and "choices" not in event
+
+    def done(self) -> bytes:
+        """The terminator, as the stream's."""
+        return b"data: [DONE]\n\n"
+
+    def error(self, event: dict, raw: bytes) -> bytes:
+        """Decode's own in-band error event, as the stream's."""
+        return raw + b"\n\n"
+
+    def in_band(self, error: ProxyError) -> bytes:
+        """The proxy's in-band error, in the stream's form."""
+        return error.sse_event()
+
+
 @dataclass(slots=True)
-class Received:
+class Received(OpenAiStream):
     """What the client has of the answer: the stream's identity (its first event's), the text so
     far and the tokens it came in (one streamed event each, as vLLM streams them)."""
 
@@ -96,22 +119,6 @@ class Received:
 
     def own(self, event: dict) -> bytes | None:
         return own_event(event, self)
-
-    def is_error(self, event: dict) -> bool:
-        """Decode's own in-band error event (vLLM's ``{"error": ...}``)."""
-        return "error" in event and "choices" not in event
-
-    def done(self) -> bytes:
-        """The terminator, as the stream's."""
-        return b"data: [DONE]\n\n"
-
-    def error(self, event: dict, raw: bytes) -> bytes:
-        """Decode's own in-band error event, as the stream's."""
-        return raw + b"\n\n"
-
-    def in_band(self, error: ProxyError) -> bytes:
-        """The proxy's in-band error, in the stream's form."""
-        return error.sse_event()
 
     def take(self, event: dict) -> None:
         """Account for one event the client got."""
@@ -147,9 +154,13 @@ class Received:
 
 
 def received(data: bytes) -> Received:
-    """The client's part of a stream from the reads relayed (a trailing partial event was not
-    sent and does not count; nothing after an error event does)."""
-    got = Received()
+    """The client's part of a chat or completions stream from the reads relayed."""
+    return read_events(data, Received())
+
+
+def read_events(data: bytes, got):
+    """``got`` (a stream's received record) given every event of ``data``, the reads relayed: a
+    trailing partial event was not sent and does not count; nothing after an error event does."""
     end = data.rfind(b"\n\n")
     for raw in data[:end].split(b"\n\n") if end > 0 else ():
         line = raw.strip()

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from epd_proxy.request.continuation.text import whole_usage
-from epd_proxy.wire.errors import ProxyError
+from epd_proxy.request.continuation.text import OpenAiStream, read_events, whole_usage
 
 # Sampling parameters whose answer a continuation cannot reproduce: more than one choice, log
 # probabilities (the client's would restart), a seed (the continuation draws anew), guided
@@ -32,9 +31,7 @@ _UNSOUND_PARAMS = frozenset(("n", "best_of", "logprobs", "prompt_logprobs", "see
 _DEFAULTS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
 
 _DATA = b"data: "
-_DONE = b"[DONE]"
 _encode = msgspec.json.encode
-_decode = msgspec.json.decode
 
 
 def unsound(body: dict) -> str | None:
@@ -62,7 +59,7 @@ def unsound(body: dict) -> str | None:
 
 
 @dataclass(slots=True)
-class TokensReceived:
+class TokensReceived(OpenAiStream):
     """What the client has of a generate answer: the stream's ``request_id`` (its first
     event's) and the token ids streamed so far."""
 
@@ -77,22 +74,6 @@ class TokensReceived:
     @property
     def tokens(self) -> int:
         return len(self.ids)
-
-    def is_error(self, event: dict) -> bool:
-        """Decode's own in-band error event (vLLM's ``{"error": ...}``)."""
-        return "error" in event and "choices" not in event
-
-    def done(self) -> bytes:
-        """The terminator, as the stream's."""
-        return b"data: [DONE]\n\n"
-
-    def error(self, event: dict, raw: bytes) -> bytes:
-        """Decode's own in-band error event, as the stream's."""
-        return raw + b"\n\n"
-
-    def in_band(self, error: ProxyError) -> bytes:
-        """The proxy's in-band error, in the stream's form."""
-        return error.sse_event()
 
     def take(self, event: dict) -> None:
         if self.id is None:
@@ -143,25 +124,5 @@ class TokensReceived:
 
 
 def received(data: bytes) -> TokensReceived:
-    """The client's part of a generate stream from the reads relayed (a trailing partial event
-    was not sent and does not count; nothing after an error event does)."""
-    got = TokensReceived()
-    end = data.rfind(b"\n\n")
-    for raw in data[:end].split(b"\n\n") if end > 0 else ():
-        line = raw.strip()
-        if not line.startswith(_DATA):
-            continue
-        payload = line[len(_DATA):]
-        if payload == _DONE:
-            break
-        try:
-            event = _decode(payload)
-        except msgspec.DecodeError:
-            got.unsound = "unparsable"
-            break
-        if not isinstance(event, dict):
-            continue
-        if "error" in event and "choices" not in event:
-            break
-        got.take(event)
-    return got
+    """The client's part of a generate stream from the reads relayed."""
+    return read_events(data, TokensReceived())
