@@ -72,6 +72,15 @@ def _unsound_field(body: dict) -> str | None:
     return None
 
 
+def first_choice(event: dict) -> dict | None:
+    """An OpenAI-style event's first choice, if it has one that is an object."""
+    choices = event.get("choices")
+    if not choices or not isinstance(choices, list):
+        return None
+    choice = choices[0]
+    return choice if isinstance(choice, dict) else None
+
+
 class OpenAiStream:
     """The ends of an OpenAI-style stream (chat, completions, generate): ``data:`` events,
     vLLM's ``{"error": ...}`` in band, ``[DONE]`` last."""
@@ -127,11 +136,8 @@ class Received(OpenAiStream):
             self.created = event.get("created")
             self.model = event.get("model")
             self.fingerprint = event.get("system_fingerprint")
-        choices = event.get("choices")
-        if not choices:
-            return
-        choice = choices[0]
-        if not isinstance(choice, dict):
+        choice = first_choice(event)
+        if choice is None:
             return
         delta = choice.get("delta")
         if isinstance(delta, dict):  # chat

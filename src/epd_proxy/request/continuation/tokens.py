@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from epd_proxy.request.continuation.text import OpenAiStream, read_events, whole_usage
+from epd_proxy.request.continuation.text import OpenAiStream, first_choice, read_events, whole_usage
 
 # Sampling parameters whose answer a continuation cannot reproduce: more than one choice, log
 # probabilities (the client's would restart), a seed (the continuation draws anew), guided
@@ -78,11 +78,8 @@ class TokensReceived(OpenAiStream):
     def take(self, event: dict) -> None:
         if self.id is None:
             self.id = event.get("request_id")
-        choices = event.get("choices")
-        if not choices:
-            return
-        choice = choices[0]
-        if not isinstance(choice, dict):
+        choice = first_choice(event)
+        if choice is None:
             return
         ids = choice.get("token_ids")
         if isinstance(ids, list):
