@@ -240,6 +240,29 @@ async def test_stream_carries_no_params_unless_asked_but_blocks_are_kept(http):
         assert metric(await metrics(http, c.instances("prefill")[0]), "vllm:external_prefix_cache_hits_total") > 0
 
 
+async def test_a_plain_request_pins_nothing_whatever_the_role(http):
+    """vLLM 0.32's NixlConnector.request_finished: ``if not params: return False, None``. A
+    request without kv_transfer_params is never pinned, bidirectional transfer on or not: on a
+    decode (stream or not) and on a prefill (a full engine of the model) it generates and frees
+    its blocks at once."""
+    async with SimCluster(prefill=1, decode=1, config=bidi(strict_roles=False)) as c:
+        d, p = c.instances("decode")[0], c.instances("prefill")[0]
+        for inst in (d, p):
+            for stream in (False, True):
+                body = dict(turn1(f"plain on {inst.role} {stream}", answer=24), stream=stream)
+                r = await http.chat(inst.url, body, rid=f"plain-{inst.role}-{stream}")
+                assert r.status == 200, r.data
+                if not stream:
+                    assert r.json["choices"][0]["message"]["content"] == expected_text(body)
+                    assert r.json.get("kv_transfer_params") is None
+            assert inst.kv_reuse.kept_blocks == 0
+            m = await metrics(http, inst)
+            assert metric(m, "sim:kept_kv_requests") == 0 and metric(m, "vllm:kv_cache_usage_perc") == 0
+        # the same request after a prefill, with its parameters: pinned for the next turn
+        _, dr = await pd_turn(http, c, turn1(), rid="pd")
+        assert d.kv_reuse.kept_blocks == len(dr.json["kv_transfer_params"]["remote_block_ids"][0]) > 0
+
+
 async def test_a_full_decode_makes_new_requests_wait_until_blocks_are_freed(http):
     # 40 blocks: a turn keeps 26 of them, so a second request (27 blocks) does not fit
     async with SimCluster(prefill=1, decode=1, config=bidi(num_gpu_blocks=40)) as c:
@@ -268,7 +291,9 @@ async def test_plain_request_to_decode_computes_from_its_prefix_cache(http):
         kept = d1.json["kv_transfer_params"]["remote_num_tokens"]
         b2 = follow(b1, user="ok")
         before = await metrics(http, d)
-        r = await http.chat(d.url, b2, rid="local")  # prefill skipped: decode alone
+        # prefill skipped: decode alone, with the parameters a proxy sends to have it kept
+        r = await http.chat(d.url, dict(b2, kv_transfer_params={"do_remote_decode": False,
+                                                                 "do_remote_prefill": False}), rid="local")
         assert r.status == 200 and r.json["choices"][0]["message"]["content"] == expected_text(b2)
         after = await metrics(http, d)
         hits = metric(after, "vllm:prefix_cache_hits_total") - metric(before, "vllm:prefix_cache_hits_total")
@@ -319,12 +344,14 @@ async def test_chunked_local_prefill_delays_the_other_streams(http):
 async def test_every_generation_api_carries_decode_params(http):
     async with SimCluster(prefill=1, decode=1, config=bidi()) as c:
         d = c.urls("decode")[0]
-        msg = {"model": "sim-model", "max_tokens": 5, "messages": [{"role": "user", "content": "hi there"}]}
+        local = {"kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": False}}
+        msg = {"model": "sim-model", "max_tokens": 5, "messages": [{"role": "user", "content": "hi there"}], **local}
         r = await http.post(d, "/v1/messages", msg)
         assert r.status == 200 and r.json["kv_transfer_params"]["do_remote_decode"] is True
-        r = await http.post(d, "/v1/responses", {"model": "sim-model", "input": "hi there", "max_output_tokens": 5})
+        r = await http.post(d, "/v1/responses", {"model": "sim-model", "input": "hi there", "max_output_tokens": 5,
+                                                 **local})
         assert r.status == 200 and r.json["kv_transfer_params"]["do_remote_decode"] is True
-        r = await http.completion(d, {"model": "sim-model", "prompt": "hi there", "max_tokens": 5})
+        r = await http.completion(d, {"model": "sim-model", "prompt": "hi there", "max_tokens": 5, **local})
         assert r.status == 200 and r.json["kv_transfer_params"]["do_remote_decode"] is True
         assert c.instances("decode")[0].kv_reuse.kept_requests == 3
 
@@ -381,7 +408,8 @@ async def test_kept_blocks_stay_findable_for_a_local_prefill_until_freed(http):
         kept = d1.json["kv_transfer_params"]["remote_num_tokens"]
         b2 = follow(b1, user="ok")
         before = await metrics(http, d)
-        r = await http.chat(d.url, b2, rid="local")
+        r = await http.chat(d.url, dict(b2, kv_transfer_params={"do_remote_decode": False,
+                                                                 "do_remote_prefill": False}), rid="local")
         assert r.json["choices"][0]["message"]["content"] == expected_text(b2)
         after = await metrics(http, d)
         hits = metric(after, "vllm:prefix_cache_hits_total") - metric(before, "vllm:prefix_cache_hits_total")
@@ -396,7 +424,8 @@ async def test_kept_blocks_stay_findable_for_a_local_prefill_until_freed(http):
 
 async def test_stream_return_token_ids_add_up_to_the_non_stream_ones(http):
     async with SimCluster(prefill=1, decode=1, config=bidi(bidirectional_stream_params=True)) as c:
-        body = dict(turn1(), return_token_ids=True)
+        body = dict(turn1(), return_token_ids=True,
+                    kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": False})
         d = c.urls("decode")[0]
         whole = (await http.chat(d, body)).json
         events = (await http.chat(d, dict(body, stream=True))).events

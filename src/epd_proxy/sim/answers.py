@@ -83,7 +83,10 @@ class AnswerWriter:
                                        host=inst.host, port=inst.port)
             st.encoded_items += items
             ec_out = out or None
-        if self.config.bidirectional and inst.role == "decode":
+        if self.config.bidirectional and inst.role == "decode" and g.body.get("kv_transfer_params"):
+            # vLLM 0.32 (NixlConnector.request_finished: ``if not params: return False, None``)
+            # pins only a request that came with parameters (a decode's pull from its prefill); a
+            # plain one frees its blocks at once, bidirectional transfer or not.
             kv_out = self._keep(g, seq)
         ncomp = seq.n * g.n_choices
         st.success[seq.finish_reason] += 1

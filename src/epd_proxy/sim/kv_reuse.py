@@ -1,10 +1,12 @@
 """Multi-turn KV reuse between decode and prefill, as vLLM 0.32's bidirectional NIXL transfer
 (``kv_connector_extra_config.bidirectional_kv_xfer``, ``SimConfig.bidirectional``) does it.
 
-Decode side (:meth:`KvReuse.keep`): every request a decode finishes pins its blocks (the
-prompt and the answer) for ``bidirectional_kv_ttl`` seconds, streams and answers nobody
-continues included; they count against the instance's KV capacity, so a decode full of
-them makes new requests wait (vLLM hangs there too). Its answer names them in
+Decode side (:meth:`KvReuse.keep`): every request a decode finishes that came with
+``kv_transfer_params`` (its pull from a prefill) pins its blocks (the prompt and the answer)
+for ``bidirectional_kv_ttl`` seconds, streams and answers nobody continues included; a plain
+request (no parameters) pins nothing, as in vLLM 0.32 (``request_finished``: ``if not params:
+return False, None``). Pinned blocks count against the instance's KV capacity, so a decode
+full of them makes new requests wait (vLLM hangs there too). Its answer names them in
 ``kv_transfer_params`` (``do_remote_decode: true``, ``remote_num_tokens``,
 ``remote_blocks_expiry_time`` on its monotonic clock).
 
