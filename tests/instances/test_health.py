@@ -200,20 +200,30 @@ def test_passive_signals_alone_never_take_out_more_than_the_cap():
     check()
 
 
-def test_a_wedged_instance_is_out_at_once_within_the_cap_and_back_when_it_runs():
-    r, h = rules(max_ejection_percent=50), Health()
-    assert r.wedged(h, 0.0, size=2, out=1) is None and h.state is HEALTHY  # the cap
-    verdict = r.wedged(h, 0.0, size=2, out=0)
+def test_a_wedged_instance_is_out_at_once_whatever_the_cap_and_back_when_it_runs():
+    """Its queue standing still is its own gauges: no passive cap keeps it in rotation (two of
+    two decodes may be out this way), and it stays out while its scrape says so."""
+    r, h, other = rules(max_ejection_percent=50), Health(), Health()
+    assert r.wedged(other, 0.0) is not None  # one of two out already: the cap does not apply
+    verdict = r.wedged(h, 0.0)
     assert verdict is not None and h.state is EJECTED and h.cause is BY_WEDGED and not verdict.stalled
-    assert r.wedged(h, 1.0, size=2, out=1) is None  # already out
+    assert other.out and h.out
+    assert r.wedged(h, 1.0) is None  # already out
     assert not r.success(h, 1.0, probe=True)  # its probes were fine all along
-    assert r.expire(h, 10.0) and h.state is HALF_OPEN
-    assert not r.success(h, 10.5, probe=True) and h.state is HALF_OPEN
-    assert r.unwedged(h, 11.0) and h.state is HEALTHY
-    assert not r.unwedged(h, 12.0)
-    # another cause is not ended by a running queue
-    fail(r, h, 20.0, 3)
-    assert h.state is EJECTED and not r.unwedged(h, 21.0)
+    assert not r.success(h, 1.5)  # nor does a request it finally finished bring it back
+    # the ejection time over while its scrape still shows it standing: out another term
+    assert not r.expire(h, 10.0, standing=True) and h.state is EJECTED and h.ejected_until == 20.0
+    assert r.expire(h, 20.0) and h.state is HALF_OPEN  # the scrape lost: a trial decides
+    assert not r.success(h, 20.5, probe=True) and h.state is HALF_OPEN
+    assert r.wedged(h, 20.6) is not None and h.state is EJECTED  # half-open, still standing: out again
+    assert r.unwedged(h, 21.0) and h.state is HEALTHY
+    assert not r.unwedged(h, 22.0)
+    # another cause is not ended by a running queue, nor kept out by a standing one
+    fail(r, h, 30.0, 3)
+    assert h.state is EJECTED and not r.unwedged(h, 31.0)
+    assert r.expire(h, h.ejected_until, standing=True) and h.state is HALF_OPEN
+    # a half-open instance out for another cause is not "wedged" by a scrape (its trial decides)
+    assert r.wedged(h, 60.0) is None
 
 
 def test_stalled_signals_eject_like_timeouts_and_half_open_brings_it_back():

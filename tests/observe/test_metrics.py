@@ -57,7 +57,7 @@ def test_exposition_has_every_family():
                            signals=SimpleNamespace(others=3.0),
                            served=Served({"base": None, "alias": None, "sql": "base", "chat": "base"}))
     pool = SimpleNamespace(instances=[inst], panics=6, outliers=SimpleNamespace(local_errors=7),
-                           policy=SimpleNamespace(spills=8))
+                           policy=SimpleNamespace(spills=8), wedged_routing={"prefill_alone": 5, "refused": 1})
     m = ProxyMetrics()
     m.register(pool_collector({"decode": pool}, worker=0))
     m.observe_request("/v1/chat/completions", 200, 0.3)
@@ -91,6 +91,8 @@ def test_exposition_has_every_family():
     assert s[("epd_proxy_routing_spills_total", (("role", "decode"),))] == 8
     assert s[("epd_proxy_instance_other_requests", inst + (("worker", "0"),))] == 3
     assert s[("epd_proxy_local_errors_total", (("role", "decode"),))] == 7
+    assert s[("epd_proxy_wedged_routing_total", (("outcome", "prefill_alone"), ("role", "decode")))] == 5
+    assert s[("epd_proxy_wedged_routing_total", (("outcome", "refused"), ("role", "decode")))] == 1
     assert s[("epd_proxy_instance_model_info", (("model", "alias"),) + inst)] == 1
     assert s[("epd_proxy_instance_model_info", (("model", "base"),) + inst)] == 1
     assert s[("epd_proxy_instance_adapters", inst)] == 2

@@ -49,6 +49,9 @@ def pool_collector(pools: dict[str, InstancePool], worker: int) -> Collector:
             f["epd_proxy_routing_spills"].append([role, getattr(pool.policy, "spills", 0)])
             f["epd_proxy_routing_exact"].append([role, getattr(pool.policy, "exact", 0)])
             f["epd_proxy_panic_routing"].append([role, pool.panics])
+            if role == "decode":
+                for outcome, n in pool.wedged_routing.items():
+                    f["epd_proxy_wedged_routing"].append([role, outcome, n])
             f["epd_proxy_local_errors"].append([role, pool.outliers.local_errors])
     return collect
 

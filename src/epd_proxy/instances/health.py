@@ -21,8 +21,9 @@ What an answer says is kept apart from what it says about the request:
 Passive signals (what requests saw) never take out more than
 ``max_ejection_percent`` of a role (rounded down: a role's only instance is
 never ejected by them). A failed probe is the instance's own answer and ejects
-regardless; routing covers the case where every instance is out (panic
-routing, in the pool).
+regardless, and so does a queue that stands still (``wedged``: its own gauges);
+routing covers the case where every instance is out (panic routing, in the
+pool, over every one not draining and not standing still).
 """
 
 from __future__ import annotations
@@ -174,13 +175,18 @@ class OutlierRules:
             return None
         return self._eject(h, now, BY_RATE, False)
 
-    def wedged(self, h: Health, now: float, *, size: int, out: int) -> Ejection | None:
+    def wedged(self, h: Health, now: float) -> Ejection | None:
         """Its queue stands still (requests waiting, none running, past the hold): out of
-        routing at once, within the passive cap; its requests in flight stay (they may still
-        be admitted when a pinned block is freed)."""
-        if h.state is not HEALTHY or out >= self.max_ejected(size):
-            return None
-        return self._eject(h, now, BY_WEDGED, False)
+        routing at once, **whatever the passive cap**. The cap keeps a doubtful signal from
+        emptying a role, where panic routing would still find an instance that answers; this
+        one is the instance's own gauges (as a failed probe is its own answer), and a decode
+        that admits nothing answers no one, in rotation or in panic. When every decode stands
+        still the placement answers elsewhere (``placement/decision.py``). A half-open one whose
+        scrape says it still stands still goes out again. Its requests in flight stay (they may
+        still be admitted when a pinned block is freed)."""
+        if h.state is HEALTHY or (h.state is HALF_OPEN and h.cause is BY_WEDGED):
+            return self._eject(h, now, BY_WEDGED, False)
+        return None
 
     def unwedged(self, h: Health, now: float) -> bool:
         """A scrape shows it running again (or nothing waiting): back in rotation, if it was
@@ -205,9 +211,14 @@ class OutlierRules:
         self._restore(h, now)
         return True
 
-    def expire(self, h: Health, now: float) -> bool:
-        """The ejection time is over: half-open. True if the state changed."""
+    def expire(self, h: Health, now: float, standing: bool = False) -> bool:
+        """The ejection time is over: half-open. True if the state changed. ``standing``: the
+        last scrape still shows its queue standing still; one out for that stays out another
+        term (a trial request would wait in that queue until its pinned blocks expire)."""
         if h.state is EJECTED and now >= h.ejected_until:
+            if standing and h.cause is BY_WEDGED:
+                h.ejected_until = now + self.ejection_time(h.streak)
+                return False
             h.state = HALF_OPEN
             return True
         return False

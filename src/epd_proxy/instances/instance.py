@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http.client import ConnectionPool
@@ -70,7 +71,7 @@ class Instance:
     """One upstream vLLM instance: its connections and what we know of its state."""
 
     __slots__ = ("spec", "url", "role", "connections", "inflight", "backlog", "health", "requests", "errors", "expiry",
-                 "signals", "source", "out_since", "leaving", "stranded", "served")
+                 "signals", "source", "out_since", "leaving", "stranded", "served", "detector")
 
     def __init__(self, spec: InstanceSpec, connections: ConnectionPool) -> None:
         self.spec = spec
@@ -97,6 +98,10 @@ class Instance:
         self.source: str | None = None
         self.out_since: float | None = None
         self.leaving = False
+        # Its role's outlier detector (``outliers.OutlierDetector``, set by its pool; not imported:
+        # it imports this): what another role's leg saw of it (a prefill answering alone on the
+        # decode stage) is told there.
+        self.detector: Any = None
 
     @property
     def healthy(self) -> bool:

@@ -18,7 +18,7 @@ import logging
 from typing import Protocol, Sequence
 
 from epd_proxy.http.transport import UpstreamError
-from epd_proxy.instances.health import HEALTHY, WEDGED, Ejection, OutlierRules
+from epd_proxy.instances.health import BY_WEDGED, EJECTED, HEALTHY, WEDGED, Ejection, OutlierRules
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 
@@ -54,12 +54,18 @@ class OutlierDetector:
         h = inst.health
         h.failures = 0
         h.window_requests += 1
-        if h.state is not HEALTHY and self.rules.success(h, _now()):
-            self._changed(inst, "answered again")
+        if h.state is not HEALTHY:
+            own = self._own(inst)
+            if own.rules.success(h, _now()):
+                own._changed(inst, "answered again")
 
     def record_failure(self, inst: Instance, reason: str, kind: str = "connection", ctx=None) -> None:
         """An instance signal (connection failure, timeout, gateway status). With ``ctx``
         (the request's context) it counts once per client request."""
+        own = inst.detector
+        if own is not self and own is not None:  # another role's instance (a prefill answering alone)
+            own.record_failure(inst, reason, kind, ctx)
+            return
         if self._note(inst, kind, reason, ctx):
             return
         hosts = self.hosts
@@ -70,6 +76,10 @@ class OutlierDetector:
 
     def record_request_failure(self, inst: Instance, reason: str, kind: str = "http_500", ctx=None) -> None:
         """A request signal (vLLM failed this one request): feeds the rate detector only."""
+        own = inst.detector
+        if own is not self and own is not None:  # another role's instance (a prefill answering alone)
+            own.record_request_failure(inst, reason, kind, ctx)
+            return
         if self._note(inst, kind, reason, ctx):
             return
         hosts = self.hosts
@@ -86,12 +96,16 @@ class OutlierDetector:
             if self.rules.unwedged(h, _now()):
                 self._changed(inst, "running again")
             return
-        hosts = self.hosts
-        verdict = self.rules.wedged(h, _now(), size=len(hosts.instances), out=hosts.out)
+        verdict = self.rules.wedged(h, _now())
         if verdict is not None:
             h.errors[WEDGED] = h.errors.get(WEDGED, 0) + 1
             h.last_error = why
             self._ejected(inst, verdict, why)
+
+    def _own(self, inst: Instance) -> OutlierDetector:
+        """The detector of the instance's own role (its host set's lists are the ones to rebuild)."""
+        own = inst.detector
+        return self if own is None else own
 
     def record_local_error(self) -> None:
         """The proxy itself ran out of something (descriptors, buffers, memory)."""
@@ -162,9 +176,17 @@ class OutlierDetector:
 
     def _expire(self, inst: Instance) -> None:
         inst.expiry = None
-        if self.rules.expire(inst.health, _now()):
+        h = inst.health
+        # Its last scrape still shows its queue standing still: a trial would wait there.
+        standing = h.cause is BY_WEDGED and inst.signals.stalled_since is not None
+        if self.rules.expire(h, _now(), standing):
             log.info("%s instance %s half-open: trying it again", self.role, inst.url)
             self.hosts.refresh()
+        elif h.state is EJECTED and h.ejected_until > _now():
+            try:
+                inst.expiry = asyncio.get_running_loop().call_at(h.ejected_until, self._expire, inst)
+            except RuntimeError:  # no loop (pure use)
+                pass
 
     def _changed(self, inst: Instance, why: str) -> None:
         self.forget(inst)

@@ -4,7 +4,9 @@ its ``source/common/upstream/`` keeps it apart from health checking and outlier 
 It keeps the lists a pick reads (in rotation, half-open, every one not draining; per model,
 among the instances serving it: ``models.py``), rebuilt on every change of state or membership,
 never per request, and offers every instance when none is in rotation ("panic" routing, counted
-and logged here) rather than nothing. Its parts, one concern each, are made with it and reached
+and logged here) rather than nothing, except those whose queue stands still (``wedged``: they
+admit nothing, so a request sent there waits until their pinned KV expires; the placement
+answers without them, ``placement/decision.py``). Its parts, one concern each, are made with it and reached
 through it: the outlier signals requests and probes give and the ejection timers
 (``outliers.py``: ``OutlierDetector``, over the pure health machine of ``health.py``), the
 active health checks (``probes.py``: ``HealthChecks``), what each instance serves
@@ -19,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Collection, Iterable
 
 from epd_proxy.config import InstanceSpec
 from epd_proxy.http import Headers
 from epd_proxy.http.client import ConnectionPool
-from epd_proxy.instances.health import DRAINING, HALF_OPEN, HEALTHY, OutlierRules, OutlierSettings
+from epd_proxy.instances.health import BY_WEDGED, DRAINING, EJECTED, HALF_OPEN, HEALTHY, OutlierRules, OutlierSettings
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
 from epd_proxy.instances.model_directory import ModelDirectory
@@ -65,10 +67,16 @@ class InstancePool:
         self.picks = 0  # picks made while a half-open instance was there (the trial share's count)
         # The host set as a pick reads it (placement/choose.py): lists replaced, never changed in
         # place, on every state change (never per request): the instances in rotation, the
-        # half-open ones, and every one not draining (panic routing's).
+        # half-open ones, and every one neither draining nor wedged (panic routing's).
         self.in_rotation: list[Instance] = []
         self.half_open: list[Instance] = []
         self.every: list[Instance] = []
+        # Out because their queue stands still (requests waiting, none running): no pick, not even
+        # in panic, takes one (placement/decision.py answers without them).
+        self.wedged: list[Instance] = []
+        # Requests placed while every instance of the role (for their model) stood still: answered
+        # by another role's instance alone ("prefill_alone") or refused at once ("refused").
+        self.wedged_routing = {"prefill_alone": 0, "refused": 0}
         # The three lists above per model a request named, built on first use after a change.
         self._by_model: dict[ModelKey, tuple[list[Instance], list[Instance], list[Instance]]] = {}
         self.out = 0  # instances out of rotation (ejected or half-open): the outlier rules' cap reads it
@@ -77,6 +85,8 @@ class InstancePool:
         self.served = ServedModels(self, models or ModelDirectory(), affinity)
         # The outlier signals requests and probes give, and the ejection timers.
         self.outliers = OutlierDetector(self, OutlierRules(outlier or OutlierSettings()))
+        for inst in self.instances:
+            inst.detector = self.outliers
         self.refresh()
         # Active health checking: GET /health and /v1/models per instance (probes.py).
         self.checks = HealthChecks(self, self.outliers, self.served, headers or [])
@@ -89,15 +99,15 @@ class InstancePool:
 
     # -- the host set as one leg's pick reads it (placement/choose.py picks) ----------------
     def hosts(self, model: ModelKey | None = None) -> tuple[list[Instance], list[Instance], list[Instance]]:
-        """The instances in rotation, the half-open ones and every one not draining (of those
-        serving ``model``): lists replaced, never changed in place, on every change of state."""
+        """The instances in rotation, the half-open ones and every one neither draining nor
+        wedged (of those serving ``model``): lists replaced, never changed in place, on every change of state."""
         if model is None:
             return self.in_rotation, self.half_open, self.every
         return self._lists(model)
 
     def candidates(self, exclude: Iterable[Instance] = (), model: ModelKey | None = None) -> list[Instance]:
         """The instances to route over: healthy ones not in ``exclude``; else a half-open
-        one that might answer; else the healthy ones; else all of them (panic)."""
+        one that might answer; else the healthy ones; else all of them but the wedged (panic)."""
         if model is None:
             return self._candidates(exclude, self.in_rotation, self.half_open, self.every, None)
         return self._candidates(exclude, *self._lists(model), model)
@@ -130,6 +140,18 @@ class InstancePool:
         if healthy:
             return any(i not in exclude for i in healthy) or any(i not in exclude for i in half_open)
         return any(i not in exclude for i in panic_set)
+
+    def standing(self, model: ModelKey | None = None, exclude: Collection[Instance] = ()) -> bool:
+        """Whether every instance (serving ``model``) that is neither draining nor in ``exclude``
+        (those that failed the request) stands still: none in rotation, none half-open, none for
+        panic routing, and at least one wedged."""
+        wedged = self.wedged
+        if not wedged:
+            return False
+        every = self.every if model is None else self._lists(model)[2]
+        if any(i not in exclude for i in every):
+            return False
+        return model is None or any(serves(i.served, model) for i in wedged)
 
     def _lists(self, model: ModelKey) -> tuple[list[Instance], list[Instance], list[Instance]]:
         """The routing lists of the instances serving ``model`` (cached until the next change)."""
@@ -171,8 +193,10 @@ class InstancePool:
         self.half_open = [i for i in insts if i.health.state is HALF_OPEN]
         self.out = sum(1 for i in insts if i.health.out)
         # Draining instances get no new requests, not even in panic: otherwise one that
-        # is the last of its role would never become idle and leave.
-        self.every = [i for i in insts if i.health.state is not DRAINING]
+        # is the last of its role would never become idle and leave. Nor do wedged ones: a
+        # request there waits in a queue that cannot move.
+        self.wedged = [i for i in insts if i.health.state is EJECTED and i.health.cause is BY_WEDGED]
+        self.every = [i for i in insts if i.health.state is not DRAINING and i not in self.wedged]
         self._by_model = {}
         self.served.changed()  # the cluster's models now, the adapters' homes on the next adapter request
 
@@ -185,6 +209,7 @@ class InstancePool:
         """A new instance, in rotation at once (and probed, if probing is on). The
         policy's cursor is left alone: a join never restarts the rotation."""
         inst = self._new_instance(spec)
+        inst.detector = self.outliers
         self.instances.append(inst)
         self.refresh()
         self.checks.added(inst)

@@ -147,6 +147,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                     "parent).", ("role", "url")),
     "epd_proxy_panic_routing": ("counter", "Requests routed over every instance of a role because none was "
                                 "in rotation.", ("role",)),
+    "epd_proxy_wedged_routing": ("counter", "Requests placed while every decode of their model stood still "
+                                 "(requests waiting, none running: wedged), by outcome: prefill_alone (a prefill "
+                                 "answered the request whole), refused (503 overloaded at once, no instance could "
+                                 "take it).", ("role", "outcome")),
     "epd_proxy_local_errors": ("counter", "Upstream connects that failed for lack of the proxy's own "
                                "resources (EMFILE, ENOBUFS, memory); never blamed on an instance.", ("role",)),
     "epd_proxy_kv_events_received": ("counter", "KV cache event batches applied to the block index from the "

@@ -12,8 +12,16 @@ from, the connector, the decode's data-parallel rank, and a short reason for eac
 
 The rules, in order (each one a step here, none anywhere else):
 
-1. *Served whole* (an API the proxy does not split): the decode holding the previous response,
-   else the decode role's pick.
+0. *Every decode stands still* (each one that is neither draining nor failed the request is out
+   as ``wedged``: requests waiting, none running, its KV full of blocks vLLM pins for a later
+   turn): no decode gets the request, not even by panic routing (it would wait until the pins
+   expire, minutes). A prefill in rotation answers it alone (a full engine of the same model:
+   without KV parameters it generates and pins nothing), else it is refused at once, 503
+   ``overloaded``. A decode that stands still while another runs is out of the host set
+   already (``instances/pool.py``).
+1. *Served whole* (an API the proxy does not split): the decode holding the previous response
+   (refused at once when it stands still: no other instance holds the response), else the
+   decode role's pick.
 2. *The decode*: the role's pick (``choose.py``: the half-open trial share, LoRA affinity, the
    policy; never one that timed out on this request).
 3. *The prefill*, while the topology has the role: the role's pick, on the decode's base for an
@@ -52,6 +60,10 @@ from epd_proxy.routing.disaggregation import decode_alone, skips_prefill
 from epd_proxy.routing.view import RequestView
 from epd_proxy.wire.errors import ProxyError
 
+# The refusal when every decode stands still and no prefill can answer alone: the proxy's own
+# capacity, in the client API's envelope (the code request/admission.py's refusals carry).
+OVERLOADED = "overloaded"
+
 # Why (the reasons that are not a policy's name or choose.py's).
 OWNER = "holds the previous response"
 HOLDS_TURN = "holds the previous turn: computes the new part alone"
@@ -59,6 +71,7 @@ HOLDS_PROMPT = "holds the prompt (KV events): computes the rest alone"
 NO_PREFILL = "none: the decode computes the prompt"
 READS_TURN = "reads the previous turn's KV from its decode"
 HAND_OVER = "the KV handed over: the decode chosen refused the connection"
+PREFILL_ALONE = "every decode wedged: the prefill answers alone"
 # The connector name when no prefill runs.
 DECODE_ONLY = "none"
 
@@ -174,8 +187,12 @@ def place(ask: Asking, known: Known, media: bool = False, turn: PreviousTurn | N
 def _place(ask: Asking, known: Known, media: bool, turn: PreviousTurn | None, whole: bool,
            owner: Instance | None) -> Placement:
     models = ask.models
+    if known.decode.wedged and known.decode.standing(None if models is None else models["decode"], ask.excluded):
+        return _ranked(known, _prefill_alone(ask, known))
     if whole:
         if owner is not None and owner not in ask.timed_out:
+            if owner in known.decode.wedged:
+                raise _overloaded("the instance holding the previous response is")
             return Placement(owner, OWNER)
         d = pick(known.decode, ask.excluded, ask.view, None if models is None else models["decode"], ask.timed_out)
         return Placement(d[0], d[1], decode_among=d[2])
@@ -209,6 +226,42 @@ def _place(ask: Asking, known: Known, media: bool, turn: PreviousTurn | None, wh
     return _ranked(known, placed) if known.ranked or spec.dp_size > 1 or spec.ec_zmq_addrs else placed
 
 
+def _prefill_alone(ask: Asking, known: Known) -> Placement:
+    """Step 0: a prefill in rotation (or half-open) that has not failed the request, serving
+    its model, answers it whole (counted on the decode role); else 503 ``overloaded`` at once."""
+    model = None if ask.models is None else ask.models["decode"]
+    prefill = known.prefill
+    counts = known.decode.wedged_routing
+    healthy, half_open, _ = prefill.hosts(model)
+    gone = ask.excluded
+    if any(i not in gone and i not in ask.timed_out for i in healthy) or any(
+            i not in gone and i not in ask.timed_out for i in half_open):
+        chosen, _, among = pick(prefill, gone, ask.view, model, ask.timed_out)
+        counts["prefill_alone"] += 1
+        return Placement(chosen, PREFILL_ALONE, None, NO_PREFILL, DECODE_ONLY, None, None, None, False, among)
+    counts["refused"] += 1
+    raise _overloaded("the decode instances are")
+
+
+def _overloaded(what: str) -> ProxyError:
+    """503: every instance that could answer stands still (its pinned KV will free in time)."""
+    return ProxyError(503, f"{what} at capacity; retry later", code=OVERLOADED)
+
+
+def can_answer(ask: Asking, known: Known) -> bool:
+    """Whether an instance that has not failed the request can take it now: a decode, or, with
+    every decode standing still, a prefill alone (step 0)."""
+    models = ask.models
+    model = None if models is None else models.get("decode")
+    decode = known.decode
+    if decode.spare(ask.excluded, model):
+        return True
+    if not decode.wedged or not decode.standing(model, ask.excluded):
+        return False
+    healthy, half_open, _ = known.prefill.hosts(model)
+    return any(i not in ask.excluded for i in healthy) or any(i not in ask.excluded for i in half_open)
+
+
 def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
     """Another decode for a placement whose decode refused the connection before it saw the
     prefill's KV parameters (``ask.excluded`` has it now): on the prefill's base for an adapter;
@@ -228,10 +281,10 @@ def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
 
 
 def another_decode(ask: Asking, known: Known) -> bool:
-    """Whether a decode that has not failed the request can take it: a broken stream is continued
-    only on another decode (its own may be wedged, or gone), never back where it broke."""
-    models = ask.models
-    return known.decode.spare(ask.excluded, None if models is None else models.get("decode"))
+    """Whether a decode that has not failed the request can take it (or, every decode standing
+    still, a prefill alone: step 0): a broken stream is continued only elsewhere (its own decode
+    may be wedged, or gone), never back where it broke."""
+    return can_answer(ask, known)
 
 
 def worth_retrying(ask: Asking, known: Known, unsent: bool) -> bool:
@@ -240,9 +293,8 @@ def worth_retrying(ask: Asking, known: Known, unsent: bool) -> bool:
     rotation that failed it for the request's sake (an HTTP 500, an in-band error), not by
     refusing it (``unsent``) or timing out. Otherwise the failure is the answer, and no
     prefill's KV is left held for a decode that will not read it."""
-    models = ask.models
     decode = known.decode
-    if not known.prefill.instances or decode.spare(ask.excluded, None if models is None else models.get("decode")):
+    if not known.prefill.instances or can_answer(ask, known):
         return True
     return not unsent and any(i.healthy and i in ask.excluded and i not in ask.timed_out
                               for i in decode.instances)

@@ -84,9 +84,10 @@ def build_app(config: ProxyConfig, *, worker: int = 0, siblings: SiblingChannel 
     metrics = ProxyMetrics(worker=worker, max_models=config.metrics_max_models)
     metrics.register(pool_collector(pools, worker))
     metrics.register(roster_collector(membership))
-    # Load signals are scraped only for the pools whose policy reads them.
+    # Load signals are scraped for the pools whose policy reads them, and always for the decodes:
+    # their queue gauges find one that stands still (wedged), whatever the policy.
     scrapers = [LoadScraper(pool, config.scrape_interval, config.probe_timeout)
-                for pool in pools.values() if pool.policy.uses_signals]
+                for role, pool in pools.items() if pool.policy.uses_signals or role == "decode"]
     admission = Admission(config.max_inflight, config.queue_size, config.queue_timeout)
     role_caps = {role: Admission(n, config.queue_size, config.queue_timeout)
                  for role, n in config.max_inflight_per_role.items() if n > 0 and role in pools}

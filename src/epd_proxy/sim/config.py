@@ -90,9 +90,10 @@ class SimConfig:
     strict_roles: bool = True
     # vLLM's bidirectional NIXL transfer (kv_connector_extra_config.bidirectional_kv_xfer on both
     # sides; see kv_reuse.py): a decode pins every finished request's blocks (prompt and answer)
-    # that came with kv_transfer_params (a plain one pins nothing, as in vLLM) for bidirectional_kv_ttl seconds (vLLM's decoder_kv_blocks_ttl) and its non-stream answer
-    # carries kv_transfer_params naming them; a prefill given those reads from that decode what
-    # lies beyond its own prefix cache when that is at least kv_recompute_threshold tokens.
+    # that came with kv_transfer_params (a plain one pins nothing, as in vLLM) for
+    # bidirectional_kv_ttl seconds (vLLM's decoder_kv_blocks_ttl) and its non-stream answer carries
+    # kv_transfer_params naming them; a prefill given those reads from that decode what lies beyond
+    # its own prefix cache when that is at least kv_recompute_threshold tokens.
     bidirectional: bool = False
     bidirectional_kv_ttl: float = 480.0
     kv_recompute_threshold: int = 64
