@@ -148,15 +148,32 @@ async def test_a_wedged_decode_stays_out_past_its_ejection_while_its_scrape_says
     a, b = k.decode.instances
     d = k.decode
     d.outliers.rules = type(d.outliers.rules)(OutlierSettings(ejection_time=0.05))
-    a.signals.stalled_since = 1.0  # the last scrape: waiting, none running
+    a.signals.update(0, 3, 1.0, 0, 1.0)  # the last scrape: 3 waiting, none running, its KV full
     wedge(k, a)
     await asyncio.sleep(0.15)
     assert a.health.state is EJECTED and a in d.wedged  # a trial there would wait in its queue
-    a.signals.stalled_since = None  # scrapes lost (or it runs): a trial may decide
+    a.signals.forget()  # scrapes lost: a trial may decide
     await asyncio.sleep(0.3)
     assert a.health.state is HALF_OPEN and a not in d.wedged and a in d.half_open
+    a.signals.update(0, 3, 1.0, 0, 5.0)
     d.outliers.standing(a, WHY)  # half-open, still standing: out again
     assert a.health.state is EJECTED and a in d.wedged
+    assert a.signals.wedged_kv == 1.0  # its KV usage then
+    # its waiting requests failed over: nothing waits, but its pins hold on
+    a.signals.update(0, 0, 0.97, 0, 6.0)
+    d.outliers.standing(a, None)
+    assert a.health.state is EJECTED and a in d.wedged
+    # a queue standing again, within the hold: no sign it admits anything
+    a.signals.update(0, 2, 0.5, 0, 7.0)
+    d.outliers.standing(a, None)
+    assert a.health.state is EJECTED
+    a.signals.update(0, 0, 0.95, 0, 8.0)  # pins expiring: 5 % of its cache freed, nothing waiting
+    d.outliers.standing(a, None)
+    assert a.health.state is HEALTHY and not d.wedged
+    wedge(k, a)
+    a.signals.update(2, 1, 0.99, 0, 9.0)  # running again, however full
+    d.outliers.standing(a, None)
+    assert a.health.state is HEALTHY
     d.outliers.forget(a)
 
 

@@ -38,11 +38,12 @@ class LoadSignals:
     over its engines; None: not exported), so a small usage reads as blocks, not as 0 %.
     ``block_size``: tokens per block (the same gauge's ``block_size``; None: not exported).
     ``running``: ``vllm:num_requests_running``; ``stalled_since``: since when its scrapes show
-    requests waiting and none running (None: it runs, or nothing waits), see :func:`wedged`.
+    requests waiting and none running (None: it runs, or nothing waits), see :func:`wedged`;
+    ``wedged_kv``: its KV usage when it was taken out for that (:func:`running_again`).
     """
 
     __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at", "adapters", "kv_blocks", "block_size",
-                 "running", "stalled_since")
+                 "running", "stalled_since", "wedged_kv")
 
     def __init__(self) -> None:
         self.others = 0.0
@@ -55,6 +56,7 @@ class LoadSignals:
         self.block_size: int | None = None
         self.running = 0.0
         self.stalled_since: float | None = None
+        self.wedged_kv: float | None = None  # its KV usage when it was taken out for standing still
 
     def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
         self.others = max(0.0, running + waiting - own_inflight)
@@ -108,6 +110,26 @@ def wedged(signals: LoadSignals, now: float, hold: float = WEDGED_HOLD) -> str |
     what = (f"KV cache {signals.kv_usage:.1%} full" if signals.kv_usage >= KV_FULL
             else "none admitted")
     return f"{signals.waiting:g} requests waiting, none running for {now - since:.1f} s ({what})"
+
+
+# The share of its KV cache a decode taken out for standing still must have freed since (its
+# pinned blocks expiring) before a scrape that shows nothing waiting brings it back: its
+# waiting requests were failed over, so "nothing waiting" alone says nothing of its room.
+KV_FREED = 0.05
+# A cache at most this full is not one full of pinned blocks: nothing waiting is enough there.
+KV_LOW = 0.5
+
+
+def running_again(signals: LoadSignals) -> bool:
+    """Whether the last scrape shows an instance out for standing still able to take requests:
+    requests running, or nothing waiting and ``KV_FREED`` of its cache freed since it stood
+    (``wedged_kv``), or its cache at most ``KV_LOW`` full."""
+    if signals.running > 0:
+        return True
+    if signals.waiting > 0:
+        return False
+    at = signals.wedged_kv
+    return at is None or signals.kv_usage <= max(at - KV_FREED, KV_LOW)
 
 
 def kv_penalty(kv_usage: float) -> float:

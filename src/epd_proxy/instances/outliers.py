@@ -21,6 +21,7 @@ from epd_proxy.http.transport import UpstreamError
 from epd_proxy.instances.health import BY_WEDGED, EJECTED, HEALTHY, WEDGED, Ejection, OutlierRules
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.instance import now as _now  # the instances' one clock
+from epd_proxy.instances.load_signals import running_again
 
 # The pool's logger: operators filter on it (docs/architecture.md, "Modules").
 log = logging.getLogger("epd_proxy.pool")
@@ -93,10 +94,17 @@ class OutlierDetector:
         standing still (``why``), it leaves routing at once; running again, it is back."""
         h = inst.health
         if why is None:
-            if self.rules.unwedged(h, _now()):
+            # Back only when the scrape shows it running, or nothing waiting and some of its KV
+            # cache freed since (load_signals.running_again): a queue still standing (within the
+            # hold again after a lost scrape), or one emptied by failing its requests over while
+            # its pinned blocks hold on, is no sign it admits anything. Else the ejection time
+            # runs out to a trial.
+            if running_again(inst.signals) and self.rules.unwedged(h, _now()):
                 self._changed(inst, "running again")
             return
         verdict = self.rules.wedged(h, _now())
+        if verdict is not None:
+            inst.signals.wedged_kv = inst.signals.kv_usage
         if verdict is not None:
             h.errors[WEDGED] = h.errors.get(WEDGED, 0) + 1
             h.last_error = why
@@ -146,7 +154,8 @@ class OutlierDetector:
         inst.errors += 1
         h = inst.health
         h.errors[kind] = h.errors.get(kind, 0) + 1
-        h.last_error = reason
+        if kind != "ejected":  # a request failed over from it keeps the reason it was taken out
+            h.last_error = reason
         if ctx is None:
             return False
         if inst in ctx.excluded:
@@ -167,10 +176,11 @@ class OutlierDetector:
         if loop is not None:
             inst.expiry = loop.call_at(verdict.until, self._expire, inst)
         if verdict.stalled:
-            # It stopped answering: what it has not answered yet will not be answered
-            # either. Fail it now, so those requests are retried elsewhere.
+            # It stopped answering (or its queue stands still): what it has not answered yet
+            # will not be answered either. Fail it now, so those requests are retried elsewhere.
+            why = "its queue stands still" if h.cause is BY_WEDGED else "it stopped answering"
             n = inst.connections.fail_pending(lambda: UpstreamError(
-                "instance taken out of rotation: it stopped answering", kind="ejected"))
+                f"instance taken out of rotation: {why}", kind="ejected"))
             if n:
                 log.warning("%s instance %s: failed over %d pending request(s)", self.role, inst.url, n)
 

@@ -277,7 +277,7 @@ def waterfall(s: dict) -> list[dict]:
             leg = placed.get(entry["stage"])
             if isinstance(leg, dict) and leg["instance"]:
                 entry["why"] = leg["why"]
-                if not entry["instances"] and not entry["failed"]:  # another role's instance in the leg
+                if not entry["instances"]:  # another role's instance in the leg
                     entry["instances"] = [leg["instance"]]  # (a prefill answering alone: decision.py)
     if s["first_byte_ms"] is not None:
         fb = s["first_byte_ms"]
