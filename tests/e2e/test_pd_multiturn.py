@@ -331,3 +331,39 @@ def test_generate_turns_read_the_previous_answer_from_decode(mt, proxy):
         assert out == ref, f"turn {turn}"
         ids = _padded(ids + out, pool[turn * 100:])
     assert _proxy_metric(proxy, "epd_proxy_kv_reuse_turns_total", outcome="reused") - used0 == 2
+
+
+def test_a_plain_request_on_the_prefill_answers_and_pins_nothing(mt):
+    """What the proxy sends a prefill when every decode stands still (docs/architecture.md,
+    "Every decode standing still: the prefill answers alone"): a request without
+    kv_transfer_params on the kv_producer with bidirectional transfer on generates like any
+    instance (the decode's greedy answer, token for token) and pins nothing (vLLM 0.32's
+    NixlConnector.request_finished: ``if not params: return False, None``): its KV usage is back
+    where it was as soon as the answer is."""
+    before = E.Metrics.scrape(mt.prefill.url).get("vllm:kv_cache_usage_perc")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user("alone", 120)}]
+    # Its own cache_salt, as the reference's: computed whole, as the reference is.
+    r = E.post(mt.prefill.url, "/v1/chat/completions", dict(_body(messages), cache_salt=f"alone-{uuid.uuid4().hex}"))
+    assert r.status == 200, E.describe(r)
+    doc = r.json()
+    assert doc.get("kv_transfer_params") is None, E.describe(r)  # nothing kept to name
+    assert doc["usage"]["completion_tokens"] == ANSWER_TOKENS
+    assert doc["choices"][0]["message"]["content"] == _reference(mt, messages)
+    s = E.post(mt.prefill.url, "/v1/chat/completions",
+               dict(_body(messages, stream=True), cache_salt=f"alone-{uuid.uuid4().hex}"))
+    assert s.status == 200, E.describe(s)
+    events = s.events()
+    assert events[-1] == "[DONE]" and not any(isinstance(ev, dict) and ev.get("kv_transfer_params")
+                                              for ev in events)
+    assert E.text_of(s, "chat") == doc["choices"][0]["message"]["content"]
+    # Both answers' blocks (prompt and 96 tokens: several blocks each) freed at once, not pinned
+    # for decoder_kv_blocks_ttl or the prefill's lease.
+    deadline = time.monotonic() + 5
+    while True:
+        m = E.Metrics.scrape(mt.prefill.url)
+        usage = m.get("vllm:kv_cache_usage_perc")
+        if usage <= before + 1e-9 and m.get("vllm:num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, f"prefill's KV usage {usage} stays above {before}: blocks pinned"
+        time.sleep(0.2)
+    assert usage < 0.01, usage

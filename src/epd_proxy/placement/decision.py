@@ -232,15 +232,21 @@ def _prefill_alone(ask: Asking, known: Known) -> Placement:
     model = None if ask.models is None else ask.models["decode"]
     prefill = known.prefill
     counts = known.decode.wedged_routing
-    healthy, half_open, _ = prefill.hosts(model)
-    gone = ask.excluded
-    if any(i not in gone and i not in ask.timed_out for i in healthy) or any(
-            i not in gone and i not in ask.timed_out for i in half_open):
-        chosen, _, among = pick(prefill, gone, ask.view, model, ask.timed_out)
+    if _prefill_can(ask, prefill, model):
+        chosen, _, among = pick(prefill, ask.excluded, ask.view, model, ask.timed_out)
         counts["prefill_alone"] += 1
         return Placement(chosen, PREFILL_ALONE, None, NO_PREFILL, DECODE_ONLY, None, None, None, False, among)
     counts["refused"] += 1
     raise _overloaded("the decode instances are")
+
+
+def _prefill_can(ask: Asking, prefill: InstancePool, model: ModelKey | None) -> bool:
+    """Whether a prefill in rotation or half-open, serving ``model``, has neither failed the
+    request nor timed out on it (never a panic pick: a prefill that is out may be down)."""
+    healthy, half_open, _ = prefill.hosts(model)
+    gone, late = ask.excluded, ask.timed_out
+    return any(i not in gone and i not in late for i in healthy) or any(
+        i not in gone and i not in late for i in half_open)
 
 
 def _overloaded(what: str) -> ProxyError:
@@ -256,10 +262,7 @@ def can_answer(ask: Asking, known: Known) -> bool:
     decode = known.decode
     if decode.spare(ask.excluded, model):
         return True
-    if not decode.wedged or not decode.standing(model, ask.excluded):
-        return False
-    healthy, half_open, _ = known.prefill.hosts(model)
-    return any(i not in ask.excluded for i in healthy) or any(i not in ask.excluded for i in half_open)
+    return bool(decode.wedged) and decode.standing(model, ask.excluded) and _prefill_can(ask, known.prefill, model)
 
 
 def again(placed: Placement, ask: Asking, known: Known) -> Instance | None:
@@ -289,7 +292,8 @@ def another_decode(ask: Asking, known: Known) -> bool:
 
 def worth_retrying(ask: Asking, known: Known, unsent: bool) -> bool:
     """Whether a failed attempt is worth placing again. A retry runs prefill again: only worth
-    it when a decode can take the request now, one that has not failed it, or one still in
+    it when a decode can take the request now (or, every decode standing still, a prefill
+    alone: step 0), one that has not failed it, or one still in
     rotation that failed it for the request's sake (an HTTP 500, an in-band error), not by
     refusing it (``unsent``) or timing out. Otherwise the failure is the answer, and no
     prefill's KV is left held for a decode that will not read it."""
