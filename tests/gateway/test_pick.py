@@ -116,3 +116,20 @@ async def test_with_encoders_each_media_item_has_one_and_each_encoder_is_named_o
     assert [endpoint(e) for e in chosen.encoders] == ["10.0.2.1:8000", "10.0.2.2:8000"]
     assert "encoders 10.0.2.1:8000,10.0.2.2:8000" in chosen.reasons[0]
     assert pick(PickView(), known).encoders == ()  # no media, no encoders
+
+
+async def test_every_decode_wedged_the_prefill_is_the_one_endpoint_and_none_left_is_a_503():
+    from epd_proxy.placement.decision import PREFILL_ALONE
+    from epd_proxy.wire.errors import ProxyError
+
+    decode, prefill, known = _pd()
+    for inst in decode.instances:  # both queues stand still (the load scrape's verdict)
+        decode.outliers.standing(inst, "3 requests waiting, none running for 2.0 s (KV cache 100.0% full)")
+    chosen = pick(PickView(), known)
+    assert [endpoint(i) for i in chosen.instances] == ["10.0.1.1:8000"] and chosen.prefill is None
+    assert chosen.reasons == (PREFILL_ALONE,)
+    for inst in prefill.instances:
+        prefill.outliers.drain(inst)
+    with pytest.raises(ProxyError) as err:
+        pick(PickView(), known)
+    assert err.value.status == 503 and err.value.code == "overloaded"

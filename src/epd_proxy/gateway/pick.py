@@ -23,7 +23,7 @@ from epd_proxy.encode.multimodal import MediaItem
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey
 from epd_proxy.placement.decision import Known as PlacementKnown
-from epd_proxy.placement.decision import place
+from epd_proxy.placement.decision import PREFILL_ALONE, place
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 # Endpoints named per answer: the first and the fallbacks the gateway's retries walk.
@@ -101,7 +101,10 @@ def pick(view: PickView, known: Known) -> Pick:
     excluded.add(first)
     held = view.routing.held or {}
     model = None if view.models is None else view.models.get("decode")
-    rest = [i for i in pool.candidates(excluded, model) if i not in excluded]
+    # Every decode standing still: the prefill answering alone is the only endpoint (no decode
+    # to fall back on, not even by panic: placement/decision.py, step 0).
+    rest = [] if placed.decode_why is PREFILL_ALONE else [i for i in pool.candidates(excluded, model)
+                                                          if i not in excluded]
     rest.sort(key=lambda i: (-held.get(i.url, 0), i.inflight + i.signals.others))
     for inst in rest[:known.endpoints - 1]:
         chosen.append(inst)
