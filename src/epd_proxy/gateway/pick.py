@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 from epd_proxy.encode.multimodal import MediaItem
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey
-from epd_proxy.placement.decision import Known as PlacementKnown
 from epd_proxy.placement.decision import PREFILL_ALONE, place
+from epd_proxy.placement.decision import Known as PlacementKnown
 from epd_proxy.routing.view import EMPTY_VIEW, RequestView
 
 # Endpoints named per answer: the first and the fallbacks the gateway's retries walk.
