@@ -152,6 +152,9 @@ async def test_a_wedged_decode_stays_out_past_its_ejection_while_its_scrape_says
     wedge(k, a)
     await asyncio.sleep(0.15)
     assert a.health.state is EJECTED and a in d.wedged  # a trial there would wait in its queue
+    a.signals.update(0, 0, 0.99, 0, 2.0)  # its waiting requests failed over; its pins hold on
+    await asyncio.sleep(0.15)
+    assert a.health.state is EJECTED and a in d.wedged  # still no trial
     a.signals.forget()  # scrapes lost: a trial may decide
     await asyncio.sleep(0.3)
     assert a.health.state is HALF_OPEN and a not in d.wedged and a in d.half_open

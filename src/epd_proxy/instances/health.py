@@ -215,8 +215,9 @@ class OutlierRules:
 
     def expire(self, h: Health, now: float, standing: bool = False) -> bool:
         """The ejection time is over: half-open. True if the state changed. ``standing``: the
-        last scrape still shows its queue standing still; one out for that stays out another
-        term (a trial request would wait in that queue until its pinned blocks expire)."""
+        last scrape still shows it unable to take requests (its queue standing, or its pinned
+        KV not freed yet); one out for standing still stays out another term (a trial request
+        would wait in that queue until its pinned blocks expire)."""
         if h.state is EJECTED and now >= h.ejected_until:
             if standing and h.cause is BY_WEDGED:
                 h.ejected_until = now + self.ejection_time(h.streak)

@@ -187,8 +187,10 @@ class OutlierDetector:
     def _expire(self, inst: Instance) -> None:
         inst.expiry = None
         h = inst.health
-        # Its last scrape still shows its queue standing still: a trial would wait there.
-        standing = h.cause is BY_WEDGED and inst.signals.stalled_since is not None
+        # Its last scrape still shows it unable to take requests (its queue standing, or its
+        # pinned KV not freed yet): a trial would wait there. Scrapes lost: a trial decides.
+        signals = inst.signals
+        standing = h.cause is BY_WEDGED and signals.scraped_at is not None and not running_again(signals)
         if self.rules.expire(h, _now(), standing):
             log.info("%s instance %s half-open: trying it again", self.role, inst.url)
             self.hosts.refresh()
