@@ -24,6 +24,7 @@ from epd_proxy.placement.decision import (
     again,
     another_decode,
     can_answer,
+    moved_off_wedged,
     place,
     worth_retrying,
 )
@@ -274,3 +275,18 @@ async def test_a_model_whose_decodes_all_stand_still_goes_to_its_prefill_while_o
     c.models = {"decode": "b", "prefill": "b"}
     placed = place(c, k)
     assert placed.decode is db and placed.prefill is p.instances[0]
+
+
+async def test_an_attempt_failed_over_from_a_wedged_decode_is_moved_not_retried():
+    k = known()
+    a, b = k.decode.instances
+    prefill = k.prefill.instances[0]
+    c = ctx()
+    assert not moved_off_wedged(c, k, [prefill, a])  # nothing wedged
+    c.failed(a)  # a failed it (say, a reset): a retry like any
+    wedge(k, b)
+    assert not moved_off_wedged(c, k, [prefill, a])
+    wedge(k, a)  # then its queue stood still: its waiting request was failed over from it
+    assert moved_off_wedged(c, k, [prefill, a])
+    assert not moved_off_wedged(c, k, [prefill])  # not this attempt's decode
+    assert not moved_off_wedged(ctx(), k, [prefill, a])  # not one that failed this request

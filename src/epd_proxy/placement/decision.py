@@ -290,6 +290,16 @@ def another_decode(ask: Asking, known: Known) -> bool:
     return can_answer(ask, known)
 
 
+def moved_off_wedged(ask: Asking, known: Known, tried: Sequence[Instance]) -> bool:
+    """Whether a failed attempt's decode (among ``tried``, the attempt's instances) was taken
+    out for standing still while the request waited in its queue, never admitted, and failed
+    over: placed again without counting against ``--decode-retries`` (the caller bounds these
+    by the decodes; each excludes one more of them). Two decodes filling at once would otherwise
+    spend a request's one retry on the second, wedged two seconds after the first."""
+    wedged = known.decode.wedged
+    return bool(wedged) and any(i in wedged and i in ask.excluded for i in tried)
+
+
 def worth_retrying(ask: Asking, known: Known, unsent: bool) -> bool:
     """Whether a failed attempt is worth placing again. A retry runs prefill again: only worth
     it when a decode can take the request now (or, every decode standing still, a prefill

@@ -35,6 +35,7 @@ from epd_proxy.placement.decision import (
     Placement,
     again,
     another_decode,
+    moved_off_wedged,
     place,
     worth_retrying,
 )
@@ -294,16 +295,22 @@ class Pipeline:
         deadlines = self.deadlines
         task = None if deadlines is None else deadlines.enter()
         attempt = 0
+        moved = 0  # attempts whose decode stood still (placement/decision.py: moved_off_wedged)
         try:
             while True:
                 first_leg = len(ctx.legs)
                 try:
                     return await self._attempt(ctx, body, items, fresh)
                 except ProxyError as err:
-                    if not err.retryable or attempt >= self.retries or not worth_retrying(ctx, self.known, err.unsent):
+                    free = moved < len(self.known.decode) and moved_off_wedged(ctx, self.known, ctx.legs[first_leg:])
+                    if not err.retryable or (attempt >= self.retries and not free) or not worth_retrying(
+                            ctx, self.known, err.unsent):
                         raise
                     drop_traceback(err)
-                    attempt += 1
+                    if free:
+                        moved += 1
+                    else:
+                        attempt += 1
                     self.metrics.retries += 1
                     retried = self.metrics.instance_retries
                     for inst in ctx.legs[first_leg:]:  # the instances this attempt failed on
