@@ -340,7 +340,9 @@ def test_a_plain_request_on_the_prefill_answers_and_pins_nothing(mt):
     instance (the decode's greedy answer, token for token) and pins nothing (vLLM 0.32's
     NixlConnector.request_finished: ``if not params: return False, None``): its KV usage is back
     where it was as soon as the answer is."""
-    before = E.Metrics.scrape(mt.prefill.url).get("vllm:kv_cache_usage_perc")
+    m = E.Metrics.scrape(mt.prefill.url)
+    assert m.has("vllm:kv_cache_usage_perc") and m.has("vllm:num_requests_running")
+    before = m.get("vllm:kv_cache_usage_perc")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _user("alone", 120)}]
     # Its own cache_salt, as the reference's: computed whole, as the reference is.
     r = E.post(mt.prefill.url, "/v1/chat/completions", dict(_body(messages), cache_salt=f"alone-{uuid.uuid4().hex}"))
