@@ -29,7 +29,7 @@ import msgspec
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import ResponseWriter
 from epd_proxy.http.transport import TransportTimeouts
-from epd_proxy.instances.health import EJECTED
+from epd_proxy.instances.health import EJECTED, STALLED
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.continuation import received, unsound
@@ -50,8 +50,12 @@ log = logging.getLogger("epd_proxy.migration")
 STALL_PACES = 10.0
 STALL_FLOOR = 1.5
 STALL_CEILING = 30.0
-_TICK = 0.5  # how often the watched streams are looked at (never per event)
-_IDLE_TICKS = 20  # the ticker ends after this many ticks with no stream to watch
+# How often the watched streams are looked at (never per event): a stream is found silent at
+# most two looks past the rule (the look that saw its last read, the one that sees the rule
+# passed), so with the 1.5 s floor a wedged decode's streams move within 1.7 s of their last
+# event.
+_TICK = 0.1
+_IDLE_TICKS = 100  # the ticker ends after this many ticks (10 s) with no stream to watch
 # A stream relayed in more reads than this is not kept for a continuation (memory: the reads
 # are held by reference until the stream ends).
 MAX_READS = 1 << 16
@@ -78,10 +82,11 @@ class Migrations:
     """The proxy's stream migration: on (``limit`` > 0) unless ``--no-stream-migration``."""
 
     def __init__(self, enabled: bool, limit: int, counts: dict[tuple[str, str], int],
-                 tokenizer: tuple[InstancePool, DecodeStage] | None = None) -> None:
+                 decodes: InstancePool | None = None, stage: DecodeStage | None = None) -> None:
         self.limit = limit if enabled else 0
         self.counts = counts  # (reason, result) -> streams (the metrics' dict)
-        self.tokenizer = tokenizer  # the decodes and their stage, for :meth:`_recount`'s /tokenize
+        self.decodes = decodes  # told of a stall (an instance signal); :meth:`_recount` asks one
+        self.stage = stage  # decode's stage, for :meth:`_recount`'s /tokenize
         # The streams watched now: relay -> [its decode, its reads when last looked, since when].
         # One task looks at them all every _TICK while there are some (a stream adds an entry,
         # not a task or a timer).
@@ -163,6 +168,13 @@ class Migrations:
             reason = relay.broken or "reset"
             t0 = perf_counter()
             broken = leg.inst
+            if reason == "stall" and self.decodes is not None:
+                # No read for the stall rule's time, its connection open: the instance stopped
+                # answering (SIGSTOPped, hung), the signal a hedge's win gives. Streams stall
+                # together on a wedged decode: a few of them take it out of rotation at once
+                # (its pending requests failed over), not after the probes' timeouts.
+                self.decodes.outliers.record_failure(
+                    broken, "a stream silent past the stall rule, its connection open", STALLED, ctx)
             ctx.failed(broken)  # placed again without it
             ctx.release(broken)  # its connection is closed: vLLM aborted the request, its KV freed
             if leg.companion is not None:
@@ -175,7 +187,7 @@ class Migrations:
             if len(moves) >= self.limit:
                 return self._end(relay, leg, reason, LIMIT, f"the migration limit ({self.limit}) was reached",
                                  moves, broken, t0, start)
-            if self.tokenizer is not None and hasattr(got, "recount"):
+            if self.stage is not None and hasattr(got, "recount"):
                 await self._recount(ctx, got, body)
             log.info("request %s: decode %s broke off (%s) after %d tokens; continuing elsewhere",
                      ctx.request_id, broken.url, reason, got.tokens)
@@ -205,8 +217,8 @@ class Migrations:
         (``got.recount``'s two ``/tokenize`` calls; Responses: a delta may hold several tokens),
         so the continuation's budget and the whole answer's usage are right. Any failure leaves
         the count as it was: the continuation goes on all the same."""
-        assert self.tokenizer is not None
-        pool, stage = self.tokenizer
+        pool, stage = self.decodes, self.stage
+        assert pool is not None and stage is not None
         models = ctx.models
         spare = [i for i in pool.candidates(ctx.excluded, None if models is None else models.get("decode"))
                  if i not in ctx.excluded]
