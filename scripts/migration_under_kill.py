@@ -20,10 +20,11 @@ shared machine move with its load: compare within one run.
 stream's longest silence (the issue's bound: a stream on the wedged decode resumes within 2 s
 of its last event, none stalls past 3 s), the moves, when the last new request was placed on
 the wedged decode, and TTFT and ITL before, around (the stop's first 3 s) and after.
-``--stop prefill``: two prefills; after a warm-up of 40 short requests (the hedge delay's
-samples), one prefill is SIGSTOPped, and a new stream starts every 50 ms for 3 s. Reported: the
-TTFT of the warm-up and of the streams sent into the stop (the bound: at most the hedge delay
-added), the hedges, and the longest silence per stream.
+``--stop prefill``: two prefills; after a warm-up of ``--warmup`` (40) short requests (the
+hedge delay's samples; the hedge budget is a share of the requests), one prefill is
+SIGSTOPped, and a new stream starts every 50 ms for 3 s. Reported: the TTFT of the warm-up and
+of the streams sent into the stop (the bound: at most the hedge delay added), the hedges, and
+the longest silence per stream.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ async def run_stop_decode(streams: int, tokens: int, seconds: float) -> int:
     return 1 if bad else 0
 
 
-async def run_stop_prefill(tokens: int, seconds: float) -> int:
+async def run_stop_prefill(tokens: int, seconds: float, warmup: int) -> int:
     async with sim_process("prefill") as (p0, p0_url), sim_process("prefill") as (p1, p1_url), \
             sim_process("decode") as (_, d0_url), sim_process("decode") as (_, d1_url):
         prefills = {p0_url: p0, p1_url: p1}
@@ -291,7 +292,7 @@ async def run_stop_prefill(tokens: int, seconds: float) -> int:
                              decode=[InstanceSpec(d0_url, "decode"), InstanceSpec(d1_url, "decode")],
                              probe_interval=1, scrape_interval=0, routing="round-robin")
         async with await start_proxy(config) as proxy:
-            warm = await stagger(proxy.url, 0, 40, 0.02, 16)
+            warm = await stagger(proxy.url, 100, warmup, 0.02, 16)
             victim = proxy.app.pools["prefill"].instances[0]
             pid = prefills[victim.url].pid
             stopped = time.monotonic()
@@ -299,14 +300,14 @@ async def run_stop_prefill(tokens: int, seconds: float) -> int:
             placed: list[float] = []
             watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
             try:
-                during = await stagger(proxy.url, 100, 60, 0.05, tokens)
+                during = await stagger(proxy.url, 0, 60, 0.05, tokens)
                 await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
             finally:
                 os.killpg(pid, signal.SIGCONT)
                 watch.cancel()
             hedges = dict(proxy.app.metrics.hedges)
             health = victim.health.state
-    print(f"2 prefills, 2 decodes (itl {ITL_MS} ms); 40 warm-up requests of 16 tokens, then prefill {victim.url} "
+    print(f"2 prefills, 2 decodes (itl {ITL_MS} ms); {warmup} warm-up requests of 16 tokens, then prefill {victim.url} "
           f"SIGSTOPped for {seconds:g} s and a stream of {tokens} tokens sent every 50 ms for 3 s")
     print(f"hedges: {hedges}; the wedged prefill's state at the end of the stop: {health}")
     print(f"new requests placed on the wedged prefill after the stop: {len(placed)}, the last "
@@ -324,12 +325,14 @@ def main() -> int:
     parser.add_argument("--stop", choices=("decode", "prefill"), default=None,
                         help="SIGSTOP this role's instance instead of SIGKILLing a decode")
     parser.add_argument("--stop-seconds", type=float, default=15.0)
+    parser.add_argument("--warmup", type=int, default=40,
+                        help="--stop prefill: requests before the stop (the hedge budget is a share of them)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the kill's warnings (a refused connection, the ejection) are expected
     if args.stop == "decode":
         return asyncio.run(run_stop_decode(args.streams, args.tokens, args.stop_seconds))
     if args.stop == "prefill":
-        return asyncio.run(run_stop_prefill(args.tokens, args.stop_seconds))
+        return asyncio.run(run_stop_prefill(args.tokens, args.stop_seconds, args.warmup))
     return asyncio.run(run(args.streams, args.tokens))
 
 
