@@ -5,7 +5,10 @@ is an assistant output message whose ``status`` is ``in_progress`` or ``incomple
 (``responses/utils.py``, ``should_continue_final_message``) it renders the conversation with
 ``continue_final_message`` and without a generation prompt, as chat does. So the continuation
 is the client's request with that item appended, holding the text so far, and the rest of
-``max_output_tokens``; exact as the chat continuation is (``text.py``). Its events are the
+``max_output_tokens``; exact as the chat continuation is (``text.py``). The tokens so far are
+not the deltas: vLLM merges the outputs a stream has not sent yet into one delta when the
+stream falls behind, which its Responses stream does often (more work per event than chat's),
+so the shell counts them by ``/tokenize`` (:meth:`ResponsesReceived.recount`). Its events are the
 stream's own: its leading events (``response.created`` … ``content_part.added``) dropped, every
 other one carrying the stream's item id and the next ``sequence_number``, the ``done`` events
 and ``response.completed`` holding the whole text, the first response's id and creation time,
