@@ -125,3 +125,27 @@ async def test_every_decode_wedged_without_a_prefill_is_refused_at_once_with_the
                                                "messages": [{"role": "user", "content": "hi"}]}, timeout=4)
         assert r.status == 503 and msgspec.json.decode(r.body)["error"]["type"] == "overloaded_error"
         stuck.cancel()
+
+
+async def test_a_stream_on_a_decode_taken_out_for_standing_still_is_continued_on_the_prefill_alone():
+    """The same rule for a stream's continuation (request/migration.py): its decode taken out
+    for standing still mid-answer (vLLM preempts it when pinned blocks fill the cache) and the
+    other decode out too, the stream goes on on the prefill alone, whole."""
+    sim = SimConfig(itl_ms=20, ttft_ms=1, strict_roles=False)
+    async with stack(prefill=1, decode=2, sim=sim) as (cluster, proxy, client):
+        pool = proxy.app.pools["decode"]
+        body = {"model": "sim-model", "max_tokens": 40, "stream": True,
+                "messages": [{"role": "user", "content": "a long answer please"}]}
+        reply = asyncio.ensure_future(client.chat(body, timeout=20))
+        await wait_for(lambda: any(i.inflight for i in pool.instances), timeout=5)
+        await asyncio.sleep(0.2)  # the stream committed, a few events relayed
+        for inst in pool.instances:  # the load scrape's verdict on both
+            pool.outliers.standing(inst, "4 requests waiting, none running for 2.0 s (KV cache 100.0% full)")
+        r = await asyncio.wait_for(reply, 10)
+        assert r.status == 200
+        events = [e for e in r.events if e != b"data: [DONE]"]
+        assert r.events[-1] == b"data: [DONE]" and b'"error"' not in r.body
+        texts = [c["delta"].get("content") for e in events for c in msgspec.json.decode(e[6:])["choices"]]
+        assert len([t for t in texts if t]) == 40
+        assert pool.wedged_routing["prefill_alone"] == 1
+        assert len(cluster.records("prefill")) == 2  # its prefill leg, then the continuation
