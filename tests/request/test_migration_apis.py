@@ -138,9 +138,17 @@ async def test_a_messages_stream_is_continued_as_one_message(fault, reason):
         assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
         assert delta["usage"]["output_tokens"] == 20
         assert delta["usage"]["input_tokens"] == start["message"]["usage"]["input_tokens"]
-        first, cont = cluster.records("decode")
+        first, *tokenize, cont = cluster.records("decode")
         assert first.path == MESSAGES and cont.path == "/v1/chat/completions"
         body = msgspec.json.decode(cont.body)
+        # The answer so far counted in tokens by the other decode's /tokenize, on the chat the
+        # continuation sends: with the generation prompt, then with the text so far continued.
+        assert [r.path for r in tokenize] == ["/tokenize", "/tokenize"]
+        assert {r.instance for r in tokenize} == {cont.instance}
+        asked = [msgspec.json.decode(r.body) for r in tokenize]
+        assert asked == [{"model": "sim-model", "messages": body["messages"][:-1], "add_generation_prompt": True},
+                         {"model": "sim-model", "messages": body["messages"], "add_generation_prompt": False,
+                          "continue_final_message": True}]
         text = "".join(d["delta"]["text"] for d in deltas)
         assert body["messages"] == [
             {"role": "system", "content": "Be brief."}, {"role": "user", "content": "say something"},
