@@ -253,9 +253,10 @@ def own_event(event: dict, got: Received) -> bytes | None:
 
 def whole_usage(usage: dict, before: int) -> None:
     """A continuation's usage as the whole answer's: the ``before`` tokens streamed before it
-    counted in the completion (exact: one streamed event each) and taken out of its prompt
-    (which held them as text): the prompt is exact when the partial answer re-tokenized to as
-    many tokens as were streamed, as at a token boundary on real vLLM."""
+    counted in the completion (generate's ids; the text APIs' by ``/tokenize``, ``recount.py``,
+    or their events where that failed) and taken out of its prompt (which held them as text):
+    the prompt is exact when the partial answer re-tokenized to as many tokens as were
+    streamed, as at a token boundary on real vLLM."""
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if type(prompt) is int and type(completion) is int:
         usage["prompt_tokens"] = prompt = max(prompt - before, 0)
