@@ -6,6 +6,7 @@ import pytest
 
 from epd_proxy.request.apis import GENERATE
 from epd_proxy.request.continuation import continuation_body, own_event, received, unsound, whole_usage
+from epd_proxy.request.continuation.recount import answer_tokens
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
 
 
@@ -281,3 +282,62 @@ def test_a_responses_answer_so_far_is_counted_by_what_its_text_renders_to():
     got.counted([1, 2, 3], [1, 2, 3, 7, 8, 9])
     assert got.tokens == 3
     assert got.body("/v1/responses", body)["max_output_tokens"] == 7
+
+
+def test_a_chat_answer_so_far_is_counted_by_what_its_text_renders_to():
+    """Chat merges outputs too (952-959 chunks for 1,000 tokens on the e2e's model): the same two
+    requests as Responses', over the request's conversation and the fields that shape its
+    rendering; the count goes into the continuation's budget."""
+    got = received(CHAT, _sse(_chunk("", role="assistant"), _chunk("Hel"), _chunk("lo wor")))
+    body = dict(CHAT_BODY, chat_template_kwargs={"enable_thinking": False}, chat_template="{{x}}", temperature=0,
+                max_completion_tokens=10)
+    prompt, continued = got.recount(body)
+    shaped = {"model": "m", "chat_template": "{{x}}", "chat_template_kwargs": {"enable_thinking": False}}
+    assert prompt == dict(shaped, messages=CHAT_BODY["messages"], add_generation_prompt=True)
+    assert continued == dict(shaped, messages=CHAT_BODY["messages"] + [{"role": "assistant", "content": "Hello wor"}],
+                             add_generation_prompt=False, continue_final_message=True)
+    assert got.tokens == 2
+    got.counted([1, 2, 3], [1, 2, 3, 7, 8, 9])
+    assert got.tokens == 3
+    cont = got.body(CHAT, body)
+    assert cont["max_tokens"] == cont["max_completion_tokens"] == 7
+
+
+def test_a_completions_answer_so_far_is_counted_from_its_prompt_and_the_text_appended():
+    events = [{"id": "cmpl-1", "created": 5, "model": "m", "choices": [{"index": 0, "text": t, "finish_reason": None}]}
+              for t in (" once", " upon a")]
+    got = received(COMPLETIONS, _sse(*events))
+    prompt, continued = got.recount({"model": "m", "prompt": ["Tell:"], "max_tokens": 10})
+    assert prompt == {"model": "m", "prompt": "Tell:"} and continued == {"model": "m", "prompt": "Tell: once upon a"}
+    asked = got.recount({"model": "m", "prompt": "Tell:", "add_special_tokens": False})
+    assert [a["add_special_tokens"] for a in asked] == [False, False]
+    got.counted([5, 6], [5, 6, 7, 8, 9])
+    assert got.tokens == 3
+    assert continuation_body(COMPLETIONS, {"prompt": "Tell:", "max_tokens": 10}, got)["max_tokens"] == 7
+
+
+def test_a_messages_answer_so_far_is_counted_on_the_chat_vllm_makes_of_it():
+    start = {"type": "message_start", "message": {"id": "msg-1", "model": "m", "usage": {"input_tokens": 7}}}
+    data = _named(b"message_start", start) + b"".join(
+        _named(b"content_block_delta", {"type": "content_block_delta", "index": 0,
+                                        "delta": {"type": "text_delta", "text": t}}) for t in ("Hel", "lo"))
+    got = received("/v1/messages", data)
+    body = dict(MESSAGES_BODY, system="Sys", chat_template_kwargs={"x": 1})
+    prompt, continued = got.recount(body)
+    conversation = [{"role": "system", "content": "Sys"}, {"role": "user", "content": "hi"}]
+    assert prompt == {"model": "m", "chat_template_kwargs": {"x": 1}, "messages": conversation,
+                      "add_generation_prompt": True}
+    assert continued["messages"] == conversation + [{"role": "assistant", "content": "Hello"}]
+    assert continued["continue_final_message"] is True and continued["add_generation_prompt"] is False
+    got.counted([1, 2], [1, 2, 3, 4, 5, 6])
+    assert got.tokens == 4 and got.body("/v1/messages", body)["max_tokens"] == 6
+
+
+def test_the_count_is_never_below_the_events_nor_taken_from_a_prompt_that_is_no_prefix():
+    assert answer_tokens(4, [1, 2], [1, 2, 3, 4, 5, 6, 7]) == 5
+    assert answer_tokens(4, [1, 2], [1, 2, 3]) == 4  # fewer than the events: the events
+    assert answer_tokens(4, [1, 2], [1, 9, 3, 4, 5, 6, 7]) == 4  # the text merged with the prompt's end
+    assert answer_tokens(4, None, [1, 2, 3]) == 4 and answer_tokens(4, [1], None) == 4
+    assert answer_tokens(4, [1, 2, 3], [1, 2]) == 4
+    # generate streams its ids: nothing to recount.
+    assert not hasattr(received(GENERATE, _sse(_gen([1, 2]))), "recount")

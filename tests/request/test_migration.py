@@ -50,6 +50,16 @@ def _check_one_stream(reply, tokens: int, field: str = "content") -> list:
     return data
 
 
+def _generations(cluster) -> list:
+    """Decode's records of generation requests (the recount's /tokenize calls left out)."""
+    return [r for r in cluster.records("decode") if r.path != "/tokenize"]
+
+
+def _tokenized(cluster) -> list[dict]:
+    """The bodies of the /tokenize calls that counted the answer so far in tokens."""
+    return [msgspec.json.decode(r.body) for r in cluster.records("decode") if r.path == "/tokenize"]
+
+
 @pytest.mark.parametrize("fault,reason", [("reset-after=5", "reset"), ("error-after=5", "error")])
 async def test_a_chat_stream_whose_decode_breaks_off_is_continued_on_the_other(fault, reason):
     async with stack(decode=2, sim=SIM, routing="round-robin") as (cluster, proxy, client):
@@ -60,7 +70,7 @@ async def test_a_chat_stream_whose_decode_breaks_off_is_continued_on_the_other(f
         usage = data[-1]["usage"]
         assert usage["completion_tokens"] == 40
         assert usage["prompt_tokens"] + usage["completion_tokens"] == usage["total_tokens"]
-        decodes = cluster.records("decode")
+        decodes = _generations(cluster)
         assert len(decodes) == 2 and decodes[0].instance != decodes[1].instance
         assert proxy.app.metrics.migrations == {(reason, "ok"): 1}
         assert proxy.app.metrics.stream_errors == 0
@@ -69,6 +79,14 @@ async def test_a_chat_stream_whose_decode_breaks_off_is_continued_on_the_other(f
         assert cont["continue_final_message"] is True and cont["add_generation_prompt"] is False
         assert cont["messages"][-1]["role"] == "assistant" and cont["messages"][-1]["content"]
         assert cont["max_tokens"] == 35
+        # The answer so far counted in tokens by the other decode's /tokenize: the conversation
+        # with the generation prompt, then with the text so far as the message to continue.
+        tokenize = [r for r in cluster.records("decode") if r.path == "/tokenize"]
+        assert {r.instance for r in tokenize} == {decodes[1].instance}
+        assert _tokenized(cluster) == [
+            {"model": "sim-model", "messages": body["messages"], "add_generation_prompt": True},
+            {"model": "sim-model", "messages": cont["messages"], "add_generation_prompt": False,
+             "continue_final_message": True}]
 
 
 async def test_a_stream_without_usage_asked_gets_none_after_a_move():
@@ -85,9 +103,12 @@ async def test_a_completions_stream_is_continued_with_its_prompt_and_the_text_so
         body = {"model": "sim-model", "prompt": "Once upon a time", "max_tokens": 20, "stream": True}
         reply = await client.post("/v1/completions", body)
         _check_one_stream(reply, 20)
-        cont = msgspec.json.decode(cluster.records("decode")[1].body)
+        cont = msgspec.json.decode(_generations(cluster)[1].body)
         assert cont["prompt"].startswith("Once upon a time") and len(cont["prompt"]) > len("Once upon a time")
         assert cont["max_tokens"] == 16
+        # The answer so far counted by /tokenize: the prompt, then the prompt and the text so far.
+        assert _tokenized(cluster) == [{"model": "sim-model", "prompt": "Once upon a time"},
+                                       {"model": "sim-model", "prompt": cont["prompt"]}]
 
 
 async def test_a_stalled_decode_is_left_within_the_stall_rule():
@@ -99,7 +120,7 @@ async def test_a_stalled_decode_is_left_within_the_stall_rule():
         assert time.monotonic() - t0 < 4  # the 1.5 s floor, not the 20 s stall
         assert proxy.app.metrics.migrations == {("stall", "ok"): 1}
         # The stalled decode's request was aborted (its connection closed).
-        stalled = cluster.records("decode")[0]
+        stalled = _generations(cluster)[0]
         await wait_for(lambda: stalled.aborted, timeout=5)
         # A stall is an instance signal (``stalled``); one alone does not take the decode out.
         decode = proxy.app.pools["decode"].instances[0]

@@ -138,9 +138,17 @@ async def test_a_messages_stream_is_continued_as_one_message(fault, reason):
         assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
         assert delta["usage"]["output_tokens"] == 20
         assert delta["usage"]["input_tokens"] == start["message"]["usage"]["input_tokens"]
-        first, cont = cluster.records("decode")
+        first, *tokenize, cont = cluster.records("decode")
         assert first.path == MESSAGES and cont.path == "/v1/chat/completions"
         body = msgspec.json.decode(cont.body)
+        # The answer so far counted in tokens by the other decode's /tokenize, on the chat the
+        # continuation sends: with the generation prompt, then with the text so far continued.
+        assert [r.path for r in tokenize] == ["/tokenize", "/tokenize"]
+        assert {r.instance for r in tokenize} == {cont.instance}
+        asked = [msgspec.json.decode(r.body) for r in tokenize]
+        assert asked == [{"model": "sim-model", "messages": body["messages"][:-1], "add_generation_prompt": True},
+                         {"model": "sim-model", "messages": body["messages"], "add_generation_prompt": False,
+                          "continue_final_message": True}]
         text = "".join(d["delta"]["text"] for d in deltas)
         assert body["messages"] == [
             {"role": "system", "content": "Be brief."}, {"role": "user", "content": "say something"},
@@ -264,3 +272,60 @@ async def test_an_unsound_responses_stream_ends_in_band(extra):
         assert names[-2:] == ["error", "response.failed"]
         assert len(cluster.records("decode")) == 1
         assert proxy.app.metrics.migrations == {}
+
+
+def _worded(make) -> dict:
+    """A request (``make(k)``) whose answer's first six tokens are six words: the simulator's
+    tokenizer, a word per token, re-tokenizes that text to as many tokens as it came in, as a
+    real tokenizer re-tokenizes an answer's text (the chat vLLM makes of a Messages request)."""
+    for k in range(500):
+        body = make(k)
+        first = expected_tokens(body["chat"] if "chat" in body else body)[:6]
+        if all(t.startswith(" ") and len(t.split()) == 1 for t in first):
+            return body
+    raise AssertionError("no such prompt")
+
+
+def _merged_body(api: str, k: int) -> dict:
+    if api == "chat":
+        return {"model": "sim-model", "messages": [{"role": "user", "content": f"tell me {k}"}], "max_tokens": 20,
+                "stream": True, "stream_options": {"include_usage": True}}
+    if api == "completions":
+        return {"model": "sim-model", "prompt": f"Once upon {k}", "max_tokens": 20, "stream": True,
+                "stream_options": {"include_usage": True}}
+    body = _messages(20, system="Be brief.", messages=[{"role": "user", "content": f"tell me {k}"}])
+    return dict(body, chat={"model": "sim-model", "messages": [{"role": "system", "content": "Be brief."},
+                                                               {"role": "user", "content": f"tell me {k}"}]})
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "messages"])
+async def test_an_answer_streamed_in_merged_events_is_continued_with_the_tokens_left(api):
+    """vLLM merges the outputs a stream has not sent into one event when the stream falls behind
+    its engine: here two tokens per event, six tokens in three events before the decode resets.
+    Counted by events, the continuation would ask for 17 more tokens and the answer would hold
+    23; counted by the other decode's /tokenize it asks for 14 and the answer holds the client's
+    20, its usage 20."""
+    async with stack(decode=2, sim=sim(stream_merge=2), routing="round-robin") as (cluster, proxy, client):
+        cluster.instances("decode")[0].inject("reset-after=6", times=1)
+        body = _worded(lambda k: _merged_body(api, k))
+        chat = body.pop("chat", None)
+        path = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "messages": MESSAGES}[api]
+        reply = await client.post(path, body)
+        assert reply.status == 200, reply.body
+        cont = msgspec.json.decode(cluster.records("decode")[-1].body)
+        assert [r.path for r in cluster.records("decode")[1:3]] == ["/tokenize", "/tokenize"]
+        assert cont["max_tokens"] == 14
+        first = expected_tokens(chat or body)[:6]
+        rest = expected_tokens(cont)
+        assert len(rest) == 14
+        if api == "messages":
+            events = _named(reply)
+            text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
+            assert events[-2][1]["usage"]["output_tokens"] == 20
+        else:
+            data = [e for e in _data(reply) if e != "[DONE]"]
+            text = "".join(c["delta"].get("content") or "" if "delta" in c else c["text"]
+                           for e in data for c in e["choices"])
+            assert data[-1]["usage"]["completion_tokens"] == 20
+        assert text == "".join(first) + "".join(rest)
+        assert proxy.app.metrics.migrations == {("reset", "ok"): 1}

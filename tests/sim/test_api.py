@@ -8,6 +8,7 @@ import msgspec
 from simhelpers import chat_body, fast_config, metric, sse_events, stream_pieces, stream_text
 
 from epd_proxy.sim import VOCAB, SimCluster, expected_text, prompt_tokens
+from epd_proxy.sim.tokens import expected_tokens
 
 
 async def test_chat_stream_format(http):
@@ -428,3 +429,22 @@ async def test_several_served_names_each_a_card_and_others_404(http):
         r = await http.chat(url, chat_body(model="c", max_tokens=2))
         assert r.status == 404
         assert r.json["error"]["type"] == "NotFoundError" and r.json["error"]["code"] == 404
+
+
+
+async def test_a_stream_merges_tokens_into_events_as_vllm_behind_its_engine(http):
+    """``stream_merge``: every N tokens (and the last ones) in one event, their text joined, the
+    role chunk with the first; the answer and its usage are the same."""
+    async with SimCluster(pd=1, config=fast_config(stream_merge=3)) as c:
+        url = c.urls("pd")[0]
+        body = chat_body("merged", max_tokens=8, stream=True, stream_options={"include_usage": True})
+        events = (await http.chat(url, body)).events
+        tokens = expected_tokens(body)
+        assert [ch["delta"].get("content") for e in events[:-2] for ch in e["choices"]] == [
+            "", "".join(tokens[0:3]), "".join(tokens[3:6]), "".join(tokens[6:8])]
+        assert events[-2]["usage"]["completion_tokens"] == 8 and events[-1] == "[DONE]"
+        prompt = {"model": "sim-model", "prompt": "merged text", "max_tokens": 7, "stream": True}
+        events = (await http.post(url, "/v1/completions", prompt)).events
+        tokens = expected_tokens(prompt)
+        assert [ch["text"] for e in events[:-1] for ch in e["choices"]] == [
+            "".join(tokens[0:3]), "".join(tokens[3:6]), tokens[6]]

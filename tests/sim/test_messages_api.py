@@ -9,6 +9,7 @@ from simhelpers import chat_body, fast_config, named_events, nixl_prefill_params
 
 from epd_proxy.sim import SimCluster, expected_text, prompt_tokens
 from epd_proxy.sim.messages import to_chat
+from epd_proxy.sim.tokens import expected_tokens
 
 PATH = "/v1/messages"
 
@@ -188,3 +189,14 @@ async def test_cache_read_tokens_with_prompt_tokens_details(http):
     async with SimCluster(pd=1, config=fast_config()) as c:
         r = await http.post(c.urls("pd")[0], PATH, messages_body(long))
         assert "cache_read_input_tokens" not in r.json["usage"]
+
+
+async def test_a_stream_merges_tokens_into_deltas(http):
+    async with SimCluster(pd=1, config=fast_config(stream_merge=2)) as c:
+        body = messages_body(max_tokens=5, stream=True)
+        reply = await http.post(c.urls("pd")[0], "/v1/messages", body)
+        deltas = [d["delta"]["text"] for name, d in named_events(reply.data) if name == "content_block_delta"]
+        tokens = expected_tokens(to_chat(body))
+        assert deltas == ["".join(tokens[0:2]), "".join(tokens[2:4]), tokens[4]]
+        names = [name for name, _ in named_events(reply.data)]
+        assert names.count("message_start") == 1 and names[-1] == "message_stop"

@@ -68,3 +68,17 @@ def test_a_long_lived_simulator_reads_back_what_it_tokenized_lately(monkeypatch)
         assert _call(tokenize, {"model": "sim-model", "prompt": f"filler{i}a filler{i}b filler{i}c"})[0] == 200
     status, out = _call(tokenize, {"model": "sim-model", "prompt": "the quick brown fox"})
     assert _call(detokenize, {"tokens": out["tokens"]}) == (200, {"prompt": "the quick brown fox"})
+
+
+def test_a_generation_prompt_asked_by_name_is_the_assistant_header_a_continued_message_starts_with():
+    """vLLM renders a chat /tokenize with its generation prompt, the header a final assistant
+    message continued (``continue_final_message``) starts with: the difference of the two is
+    the continued text's tokens (what stream migration counts an answer so far by)."""
+    conversation = [{"role": "user", "content": "hi there"}]
+    _, plain = _call(tokenize, {"messages": conversation, "return_token_strs": True})
+    _, asked = _call(tokenize, {"messages": conversation, "add_generation_prompt": True, "return_token_strs": True})
+    _, continued = _call(tokenize, {"messages": conversation + [{"role": "assistant", "content": " the model"}],
+                                    "add_generation_prompt": False, "continue_final_message": True})
+    assert plain["count"] == prompt_tokens({"messages": conversation}) == 3  # what generation renders
+    assert asked["token_strs"] == ["<|user|>", "hi", "there", "<|assistant|>"]
+    assert continued["tokens"][:asked["count"]] == asked["tokens"] and continued["count"] - asked["count"] == 2

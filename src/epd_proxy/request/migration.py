@@ -214,9 +214,10 @@ class Migrations:
 
     async def _recount(self, ctx: RequestContext, got, body: dict) -> None:
         """The answer so far counted in tokens by a decode that has not failed the request
-        (``got.recount``'s two ``/tokenize`` calls; Responses: a delta may hold several tokens),
-        so the continuation's budget and the whole answer's usage are right. Any failure leaves
-        the count as it was: the continuation goes on all the same."""
+        (``got.recount``'s two ``/tokenize`` calls, ``continuation/recount.py``: an event may
+        hold several tokens on chat, completions, Messages and Responses; generate's ids are
+        their own count), so the continuation's budget and the whole answer's usage are right.
+        Any failure leaves the count as it was: the continuation goes on all the same."""
         pool, stage = self.decodes, self.stage
         assert pool is not None and stage is not None
         models = ctx.models

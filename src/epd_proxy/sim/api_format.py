@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from epd_proxy.sim.engine import Sequence
+from epd_proxy.sim.engine import Sequence, merged_literal
 from epd_proxy.sim.responses import GENERATION_ERROR_BODY, api_error_body
 from epd_proxy.sim.tokens import VOCAB_JSON, VOCAB_SPLIT
 from epd_proxy.sim.validation import ApiError
@@ -27,6 +27,8 @@ class ApiFormat:
     # The answer reports cached prompt tokens without --enable-prompt-tokens-details (vLLM's
     # Responses usage always has ``input_tokens_details.cached_tokens``).
     always_cached = False
+    # Its stream may merge tokens into one event (``SimConfig.stream_merge``).
+    merges = False
 
     def translate(self, body: Any) -> dict:
         """The request as the chat (or completions) body the engine runs; raises ApiError."""
@@ -120,11 +122,14 @@ class EventSequence(Sequence):
     def _emit(self, i: int) -> None:
         fmt: ApiFormat = self.fmt
         last = len(self.tokens) - 1
+        start = self.merged_from(i)
         for c, toks in enumerate(self.tokens):
             tok = toks[i]
             before, lit, after = fmt.token_event(self, c, i, tok)
-            if i == 0:
+            if start == 0:
                 before = fmt.first_events(self, c) + before
+            if start != i:
+                lit = merged_literal(toks[start:i + 1])
             cut = VOCAB_SPLIT[tok] if lit is VOCAB_JSON[tok] else -1
             self._write_event(before + lit + after, cut + len(before) if cut > 0 else cut, c == last)
 

@@ -129,6 +129,12 @@ class SimConfig:
 
     # --- output -----------------------------------------------------------------------
     split_utf8: bool = True  # write some SSE events in two pieces cut inside a character
+    # Tokens per stream event. vLLM sends the outputs a stream has not sent yet as one event
+    # when the stream falls behind the engine (vLLM 0.32, measured: 952-959 chat chunks and
+    # 829-900 Responses deltas per 1,000 tokens); N > 1 merges every N tokens (and the last
+    # ones) into one event, their text joined, on chat, completions and Messages streams.
+    # 1 = one event per token.
+    stream_merge: int = 1
     # Echo X-Request-Id (or a generated id) on every response, as vLLM does with
     # --enable-request-id-headers. vLLM's default is not to echo (it still uses the id).
     echo_request_id: bool = True

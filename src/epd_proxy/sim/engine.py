@@ -56,7 +56,7 @@ class Sequence:
         "stalled", "slow_body", "split", "prefixes", "suffix", "final_suffix", "role_events",
         "include_usage", "continuous_usage", "head", "on_complete", "on_error", "on_reset",
         "loading", "ctx", "fast", "on_ready", "fingerprint", "prefill_tokens", "blocks", "prompt_ids_json",
-        "chunk_ids",
+        "chunk_ids", "merge",
     )
 
     def __init__(self, *, writer: "ResponseWriter", rec: "SimRecord | None", stream: bool, chat: bool,
@@ -109,6 +109,7 @@ class Sequence:
         self.fingerprint = fingerprint
         # Called once, when the prefill is done (before the first token and its faults).
         self.on_ready: Callable[["Sequence"], None] | None = None
+        self.merge = 1  # tokens per stream event (SimConfig.stream_merge)
         # Non-stream without per-token faults: jump straight to the last token.
         self.fast = not stream
         # ``head`` is ``data: {"id":..,"object":..,"created":..,"model":..,"choices":[{"index":``
@@ -193,28 +194,36 @@ class Sequence:
         else:
             w.write(ev)
 
+    def merged_from(self, i: int) -> int:
+        """The first token of the event that token ``i`` ends (itself unless merged)."""
+        return i - i % self.merge if self.merge > 1 else i
+
     def _emit(self, i: int) -> None:
         last = i == self.n - 1
         end = self.final_suffix if last else self.suffix
         prefixes = self.prefixes
         simple = not self.continuous_usage
         chunk_ids = self.chunk_ids
+        start = self.merged_from(i)
         for c, toks in enumerate(self.tokens):
             tok = toks[i]
             prefix = prefixes[c]
+            lit = VOCAB_JSON[tok] if start == i else merged_literal(toks[start:i + 1])
             if chunk_ids is not None:
+                ids = chunk_ids[c][i] if start == i else b"[" + b",".join(
+                    [j[1:-1] for j in chunk_ids[c][start:i + 1] if len(j) > 2]) + b"]"
                 end = (self.final_suffix if last else self.suffix).replace(
-                    b'"token_ids":null', b'"token_ids":' + chunk_ids[c][i], 1)
+                    b'"token_ids":null', b'"token_ids":' + ids, 1)
             if simple:
-                ev = prefix + VOCAB_JSON[tok] + end + b"}\n\n"
+                ev = prefix + lit + end + b"}\n\n"
             else:
-                ev = prefix + VOCAB_JSON[tok] + self._tail(end, i + 1)
-            if i == 0 and self.role_events is not None:
+                ev = prefix + lit + self._tail(end, i + 1)
+            if start == 0 and self.role_events is not None:
                 # The role chunk goes out with the first token (one write, two SSE events).
                 role = self._role_event(c)
                 prefix = role + prefix
                 ev = role + ev
-            cut = VOCAB_SPLIT[tok]
+            cut = VOCAB_SPLIT[tok] if start == i else -1
             self._write_event(ev, cut + len(prefix) if cut > 0 else cut, c == len(self.tokens) - 1)
 
     def stream_tail(self) -> bytes:
@@ -259,7 +268,8 @@ class Sequence:
             self.on_complete(self)
             return True
         if self.stream:
-            self._emit(i)
+            if self.merge == 1 or (i + 1) % self.merge == 0 or i == self.n - 1:
+                self._emit(i)  # else: the token goes out with the next ones, merged
         elif self.fast and i == 0 and self.n > 1:
             # Nobody sees the tokens of a non-stream answer: skip to the last one.
             self.emitted = self.n - 1
@@ -272,6 +282,11 @@ class Sequence:
         if self.slow_body > 0:
             self.next_at = now + self.slow_body
         return False
+
+
+def merged_literal(tokens: list[int]) -> bytes:
+    """The JSON string of several tokens' text, one event's when merged."""
+    return msgspec.json.encode("".join([VOCAB[t] for t in tokens]))
 
 
 class Engine:

@@ -399,6 +399,8 @@ class GenerationHandler(AnswerWriter):
         if isinstance(seq, EventSequence):
             assert g.api is not None
             seq.fmt = g.api
+        if stream and self.config.stream_merge > 1 and (g.api is None or g.api.merges):
+            seq.merge = self.config.stream_merge
         if g.hold_kv and not g.drop_kv:
             seq.on_ready = self.on_prefilled
         cfg = self.config

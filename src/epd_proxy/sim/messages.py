@@ -125,6 +125,8 @@ def usage(prompt_tokens: int, output_tokens: int, cached: int, details: bool = F
 class MessagesFormat(ApiFormat):
     """``/v1/messages`` on one instance."""
 
+    merges = True  # its deltas are the chat stream's, merged as they are
+
     def __init__(self, details: bool = False) -> None:
         self.details = details  # the instance's prompt_tokens_details
 

@@ -3,7 +3,12 @@
 (``serve/tokenize/protocol.py``, ``pooling/embed/protocol.py``).
 
 The tokenizer is ``tokens.py``'s: ``/tokenize`` gives the ids the prefix cache uses and the
-count generation reports as ``prompt_tokens``. A word's id is a crc32, so ``/detokenize``
+count generation reports as ``prompt_tokens``. The simulated chat template renders no
+generation prompt there; a chat ``/tokenize`` that asks for one by name
+(``add_generation_prompt: true``, without ``continue_final_message``) gets the assistant
+message's header, its role token, at the end, as a real template's generation prompt is the
+header a final assistant message continued with ``continue_final_message`` starts with (so the
+difference of the two is the continued text's tokens). A word's id is a crc32, so ``/detokenize``
 reads ids back through the words tokenized so far in this process (every instance of a
 cluster shares them, as they share one real tokenizer); the ids below ``len(VOCAB)`` are the
 output tokens. An id never seen is out of vocabulary: vLLM's 400. Pure functions of the body
@@ -87,6 +92,9 @@ def tokenize(raw: bytes, config: SimConfig) -> tuple[int, bytes]:
         return _bad(str(exc))
     ids = prompt_token_ids(body, chat, prompt)
     strs = _token_strs(body, chat)
+    if chat and body.get("add_generation_prompt") is True and body.get("continue_final_message") is not True:
+        ids.append(zlib.crc32(b"\x00role:assistant"))
+        strs.append("<|assistant|>")
     if len(strs) == len(ids):
         _remember(ids, strs)
     return 200, _encode({"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids,

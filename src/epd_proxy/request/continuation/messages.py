@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from epd_proxy.request.continuation.recount import answer_tokens, chat_requests
 from epd_proxy.request.ingress import CHAT
 from epd_proxy.wire.errors import ProxyError
 
@@ -121,7 +122,7 @@ class MessagesReceived:
     model: object = None
     usage: dict = field(default_factory=dict)  # message_start's (the prompt's, as the client has it)
     text: list[str] = field(default_factory=list)
-    tokens: int = 0  # text deltas: one per chat chunk, one token each as vLLM streams them
+    tokens: int = 0  # the answer so far in tokens: its text deltas (one per chat chunk), until :meth:`counted`
     index: int = 0  # the index of the open block, or of the next one
     open: bool = False  # a text block is open
     finished: bool = False  # message_delta was sent: nothing is left to continue
@@ -173,6 +174,15 @@ class MessagesReceived:
         cont["stream"] = True
         cont["stream_options"] = {"include_usage": True}
         return cont
+
+    def recount(self, body: dict) -> tuple[dict, dict]:
+        """The two ``/tokenize`` requests whose difference is the answer so far in tokens
+        (``recount.py``): the chat vLLM makes of the conversation, without and with it."""
+        return chat_requests(body, chat_messages(body), "".join(self.text))
+
+    def counted(self, prompt: list[int] | None, continued: list[int] | None) -> None:
+        """The answer so far in tokens from :meth:`recount`'s two answers."""
+        self.tokens = answer_tokens(self.tokens, prompt, continued)
 
     def own(self, event: dict) -> bytes | None:
         """One chat chunk of the continuation as the Messages stream's events (None: nothing)."""

@@ -8,7 +8,7 @@ is the client's request with that item appended, holding the text so far, and th
 ``max_output_tokens``; exact as the chat continuation is (``text.py``). The tokens so far are
 not the deltas: vLLM merges the outputs a stream has not sent yet into one delta when the
 stream falls behind, which its Responses stream does often (more work per event than chat's),
-so the shell counts them by ``/tokenize`` (:meth:`ResponsesReceived.recount`). Its events are the
+so the shell counts them by ``/tokenize`` (:meth:`ResponsesReceived.recount`, ``recount.py``). Its events are the
 stream's own: its leading events (``response.created`` … ``content_part.added``) dropped, every
 other one carrying the stream's item id and the next ``sequence_number``, the ``done`` events
 and ``response.completed`` holding the whole text, the first response's id and creation time,
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from epd_proxy.request.apis import GENERATION_APIS, RESPONSES
+from epd_proxy.request.continuation.recount import answer_tokens, chat_requests
 from epd_proxy.wire.errors import ProxyError
 
 _encode = msgspec.json.encode
@@ -140,25 +141,12 @@ class ResponsesReceived:
             if item.get("role") == "assistant" and isinstance(content, list) and content:
                 content = content[0].get("text")
             messages.append({"role": item.get("role"), "content": content})
-        common = {"model": body.get("model")}
-        if isinstance(body.get("chat_template_kwargs"), dict):
-            common["chat_template_kwargs"] = body["chat_template_kwargs"]
-        return (dict(common, messages=messages, add_generation_prompt=True),
-                dict(common, messages=messages + [{"role": "assistant", "content": "".join(self.text)}],
-                     add_generation_prompt=False, continue_final_message=True))
+        return chat_requests(body, messages, "".join(self.text))
 
     def counted(self, prompt: list[int] | None, continued: list[int] | None) -> None:
-        """The answer so far in tokens from :meth:`recount`'s two answers: what the continued
-        prompt holds after the original one. vLLM merges the outputs a slow stream has not
-        sent yet into one delta (its Responses stream does more work per event than chat's, so
-        it merges more), so counting deltas undercounts; the tokens the text renders to are
-        the answer's own wherever the continuation can be exact at all (the text re-tokenizes
-        to the ids that made it), and never fewer than the deltas. Left as counted when either
-        is missing or the original prompt is no prefix of the continued one."""
-        if prompt is None or continued is None or len(continued) < len(prompt) \
-                or continued[:len(prompt)] != prompt:
-            return
-        self.tokens = max(self.tokens, len(continued) - len(prompt))
+        """The answer so far in tokens from :meth:`recount`'s two answers (``recount.py``: its
+        Responses stream merges deltas more often than chat's, having more to do per event)."""
+        self.tokens = answer_tokens(self.tokens, prompt, continued)
 
     def body(self, path: str, body: dict) -> dict:
         """The client's request with the text so far as a partial assistant message to continue."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from epd_proxy.request.continuation.recount import answer_tokens, chat_requests, prompt_requests
 from epd_proxy.request.ingress import CHAT, COMPLETIONS
 from epd_proxy.wire.errors import ProxyError
 
@@ -107,7 +108,8 @@ class OpenAiStream:
 @dataclass(slots=True)
 class Received(OpenAiStream):
     """What the client has of the answer: the stream's identity (its first event's), the text so
-    far and the tokens it came in (one streamed event each, as vLLM streams them)."""
+    far and its tokens (the events it came in, until :meth:`counted`: vLLM merges the outputs a
+    slow stream has not sent into one event)."""
 
     id: object = None
     created: object = None
@@ -128,6 +130,19 @@ class Received(OpenAiStream):
 
     def own(self, event: dict) -> bytes | None:
         return own_event(event, self)
+
+    def recount(self, body: dict) -> tuple[dict, dict]:
+        """The two ``/tokenize`` requests whose difference is the answer so far in tokens
+        (``recount.py``): chat's conversation, or completions' prompt, without and with it."""
+        text = "".join(self.text)
+        if "messages" in body:
+            return chat_requests(body, list(body["messages"]), text)
+        prompt = body["prompt"]
+        return prompt_requests(body, prompt[0] if isinstance(prompt, list) else prompt, text)
+
+    def counted(self, prompt: list[int] | None, continued: list[int] | None) -> None:
+        """The answer so far in tokens from :meth:`recount`'s two answers."""
+        self.tokens = answer_tokens(self.tokens, prompt, continued)
 
     def take(self, event: dict) -> None:
         """Account for one event the client got."""
@@ -238,9 +253,10 @@ def own_event(event: dict, got: Received) -> bytes | None:
 
 def whole_usage(usage: dict, before: int) -> None:
     """A continuation's usage as the whole answer's: the ``before`` tokens streamed before it
-    counted in the completion (exact: one streamed event each) and taken out of its prompt
-    (which held them as text): the prompt is exact when the partial answer re-tokenized to as
-    many tokens as were streamed, as at a token boundary on real vLLM."""
+    counted in the completion (generate's ids; the text APIs' by ``/tokenize``, ``recount.py``,
+    or their events where that failed) and taken out of its prompt (which held them as text):
+    the prompt is exact when the partial answer re-tokenized to as many tokens as were
+    streamed, as at a token boundary on real vLLM."""
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if type(prompt) is int and type(completion) is int:
         usage["prompt_tokens"] = prompt = max(prompt - before, 0)
