@@ -221,8 +221,11 @@ class Migrations:
         pool, stage = self.decodes, self.stage
         assert pool is not None and stage is not None
         models = ctx.models
-        spare = [i for i in pool.candidates(ctx.excluded, None if models is None else models.get("decode"))
-                 if i not in ctx.excluded]
+        try:  # every decode out (the prefill answering alone): no decode to ask, the count stays
+            spare = [i for i in pool.candidates(ctx.excluded, None if models is None else models.get("decode"))
+                     if i not in ctx.excluded]
+        except ProxyError:
+            return
         if not spare:
             return
         found: list[list[int] | None] = []
