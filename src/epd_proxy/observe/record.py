@@ -18,11 +18,12 @@ class RequestRecord:
     series). ``hide_usage``: the proxy asked decode for a usage event the client did not.
     ``first_byte``: seconds from arrival to the commit (None: never committed); ``gap``: a
     stream's mean gap between events; ``items``: its media items (the console's, recent.py);
-    ``ticket``: its key's tenancy (tenants/limiter.py: the class the access log shows), if any."""
+    ``ticket``: its key's tenancy (tenants/limiter.py: the class the access log shows), if any;
+    ``tokens``: the answer's tokens, when read before the end."""
 
     __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
                  "headers", "key", "model", "series", "hide_usage", "first_byte", "gap", "items",
-                 "ticket", "moves")
+                 "ticket", "moves", "tokens")
 
     def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
                  key: str | None = None, series: Any = None) -> None:
@@ -47,3 +48,6 @@ class RequestRecord:
         # A stream continued on another decode: (reason, result, from, to, seconds) per move
         # (request/migration.py); None: never moved.
         self.moves: list | None = None
+        # The answer's tokens (observe/tokens.py), when the client's usage rewrite read them on the
+        # way (request/answer.py); None: read from ``answer`` at the end.
+        self.tokens: tuple | None = None

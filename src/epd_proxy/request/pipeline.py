@@ -341,7 +341,7 @@ class Pipeline:
                 self._remember(leg, ctx.scope)
             if leg.body is not None:
                 answers = self.answers
-                rec.answer = answers.whole(ctx, body, leg, api)
+                rec.answer, rec.tokens = answers.whole(ctx, body, leg, api)
                 if answers.writes:  # a kept turn: in the shared store before the client can send the next
                     await answers.written()
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
@@ -391,7 +391,7 @@ class Pipeline:
         # 499: the client went away before a status was sent (nginx's convention).
         status = writer.status or 499
         access = self.gate.access_log  # the attribute, not the property: every request reads it
-        tokens = usage_of(rec.answer)
+        tokens = rec.tokens or usage_of(rec.answer)  # read once: the usage rewrite's, if it read them
         if tokens[1] is not None:
             self.metrics.observe_tokens(rec.series, tokens)
         ctx = rec.ctx

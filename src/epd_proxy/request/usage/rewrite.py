@@ -130,6 +130,27 @@ def rewrite_usage(doc: bytes, report: PrefillReport) -> bytes:
     return doc[:at] + msgspec.json.encode(new) + doc[at + raw_len:]
 
 
+def rewrite_answer_usage(doc: bytes, report: PrefillReport) -> tuple[bytes, tuple | None]:
+    """:func:`rewrite_usage` for a whole answer, with the tokens it reports (``Tokens``,
+    observe/tokens.py) when the usage object read on the way says them: vLLM's chat usage,
+    already right (the common case). None: the caller reads them (``usage_of``), so an
+    answer's usage is found and decoded once on the common path, not once for the client
+    and again for the metrics."""
+    span = _usage_span(doc)
+    if span is not None:
+        decode = span[2]
+        # Counts that add up, the details null and none of the other APIs' usage keys: what
+        # usage_of reads from this object.
+        if _already_right(decode, report.usage) and _OTHER_APIS_KEYS.isdisjoint(decode):
+            return doc, (decode["prompt_tokens"], decode["completion_tokens"], None)
+    return rewrite_usage(doc, report), None
+
+
+# The usage keys of Messages and Responses that observe/tokens.py reads too.
+_OTHER_APIS_KEYS = frozenset(("input_tokens", "output_tokens", "cache_read_input_tokens",
+                              "cache_creation_input_tokens", "input_tokens_details"))
+
+
 def _already_right(decode: dict, prefill: bytes) -> bool:
     """What :func:`merged_usage` decides in the common case, read from the prefill's raw usage
     without decoding it: neither instance reports details, both counted the same prompt and
