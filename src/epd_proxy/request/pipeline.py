@@ -55,7 +55,7 @@ from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, parse_body, request_id
-from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
+from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, leg_plan
 from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
@@ -488,7 +488,7 @@ class Pipeline:
             await _take_slot("prefill", cap)
         t = time.perf_counter()
         try:
-            return await connector.open(ctx, LegPlan(body, placed, self._again))
+            return await connector.open(ctx, leg_plan(body, placed, self._again))
         finally:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
@@ -526,7 +526,7 @@ class Pipeline:
         placed = ctx.placement = place(ctx, self.known, whole=True, owner=owner)
         t = time.perf_counter()
         try:
-            return await self.decode_only.open(ctx, LegPlan(body, placed))
+            return await self.decode_only.open(ctx, leg_plan(body, placed))
         finally:
             ctx.upstream += time.perf_counter() - t
 

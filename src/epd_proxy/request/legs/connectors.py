@@ -31,24 +31,27 @@ from epd_proxy.wire.ids import hex_id, uuid4_str
 log = logging.getLogger("epd_proxy.connectors")
 
 
-class LegPlan:
+class LegPlan(msgspec.Struct, eq=False):
     """What one attempt sends where: the body, and the placement it carries out
     (placement/decision.py): its prefill, its decode and the decode's headers (X-data-parallel-rank
     for an EC consumer replica); ``again`` makes its decode anew without the ones that failed
-    (the KV hand-over), when the caller allows it."""
+    (the KV hand-over), when the caller allows it. Made by :func:`leg_plan` (a ``msgspec.Struct``:
+    no ``__init__`` frame on every attempt)."""
 
-    __slots__ = ("body", "placement", "again", "prefill", "decode", "decode_headers")
+    body: dict  # the consumer body: the client's, with media rewritten to embeddings
+    placement: Placement
+    again: Callable[[RequestContext, Placement], Instance | None] | None
+    prefill: Instance | None
+    decode: Instance
+    decode_headers: Headers | None
 
-    def __init__(self, body: dict, placement: Placement,
-                 again: Callable[[RequestContext, Placement], Instance | None] | None = None) -> None:
-        self.body = body  # the consumer body: the client's, with media rewritten to embeddings
-        self.placement = placement
-        self.again = again
-        self.prefill = placement.prefill
-        self.decode = placement.decode
-        rank = placement.rank
-        self.decode_headers: Headers | None = None if rank is None else [
-            (b"x-data-parallel-rank", str(rank).encode())]
+
+def leg_plan(body: dict, placement: Placement,
+             again: Callable[[RequestContext, Placement], Instance | None] | None = None) -> LegPlan:
+    """The plan carrying out ``placement`` with ``body``."""
+    rank = placement.rank
+    return LegPlan(body, placement, again, placement.prefill, placement.decode,
+                   None if rank is None else [(b"x-data-parallel-rank", str(rank).encode())])
 
 
 class KVConnector:

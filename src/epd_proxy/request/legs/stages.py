@@ -57,19 +57,19 @@ class PrefillStage(UpstreamStage):
         return None if bytes(raw) == b"null" else raw
 
 
-class DecodeLeg:
+class DecodeLeg(msgspec.Struct, eq=False):
     """An opened decode response: headers received, and for a stream the first
-    SSE event already read (``first``), so nothing has been committed yet."""
+    SSE event already read (``first``), so nothing has been committed yet.
 
-    __slots__ = ("inst", "resp", "first", "body", "companion")
+    A ``msgspec.Struct`` (so the other per-request records): built in C, without the
+    ``__init__`` frame a class pays on every request."""
 
-    def __init__(self, inst: Instance, resp: Response, first: bytes = b"", body: bytes | None = None) -> None:
-        self.inst = inst
-        self.resp = resp
-        self.first = first
-        self.body = body  # the whole answer, non-stream
-        # A leg still running beside decode (push mode's prefill), watched by the relay.
-        self.companion: asyncio.Task | None = None
+    inst: Instance
+    resp: Response
+    first: bytes = b""
+    body: bytes | None = None  # the whole answer, non-stream
+    # A leg still running beside decode (push mode's prefill), watched by the relay.
+    companion: asyncio.Task | None = None
 
 
 class DecodeStage(UpstreamStage):

@@ -36,14 +36,12 @@ class _Kv(msgspec.Struct):
     remote_prefill_cached_tokens: object = None
 
 
-class PrefillReport:
-    """What the prefill's answer says about the prompt (kept raw until a rewrite needs it)."""
+class PrefillReport(msgspec.Struct, eq=False):
+    """What the prefill's answer says about the prompt (kept raw until a rewrite needs it).
+    A ``msgspec.Struct``: built on every P/D request, without an ``__init__`` frame."""
 
-    __slots__ = ("usage", "kv")
-
-    def __init__(self, usage: bytes, kv: bytes) -> None:
-        self.usage = usage  # the prefill answer's usage object, raw
-        self.kv = kv  # its kv_transfer_params, raw
+    usage: bytes  # the prefill answer's usage object, raw
+    kv: bytes  # its kv_transfer_params, raw
 
     def prompt_usage(self) -> dict | None:
         """The prefill's usage object (None if absent or unreadable)."""
