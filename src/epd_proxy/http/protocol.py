@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Protocol
 
 import httptools
 
-from epd_proxy.http.response import Request, ResponseWriter, date_cache, status_line
+from epd_proxy.http.response import Request, ResponseWriter, date_cache, parsed_request, status_line
 from epd_proxy.http.server_limits import BodyBudget, ServerLimits
 from epd_proxy.http.timers import ConnectionTimer
 
@@ -442,7 +442,7 @@ class HttpServerProtocol(asyncio.Protocol):
         if self._ignoring_upgrade:
             return  # parsed again by _without_upgrade
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        request = Request(
+        request = parsed_request(
             self._method.decode("latin-1"),
             self._url,
             self._headers,
@@ -481,8 +481,8 @@ class HttpServerProtocol(asyncio.Protocol):
     def _start(self, request: Request) -> None:
         self._timer.due = None  # disarmed
         self._active_size = len(request.body)
-        writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
-                                chunked=request.http_version != "1.0")
+        writer = ResponseWriter(self, self.transport, request.keep_alive, request.method == "HEAD",
+                                request.http_version != "1.0")
         self._writer = writer
         self._task = self._loop.create_task(self._run(request, writer))
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from email.utils import formatdate
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from epd_proxy.http import Headers
 
@@ -55,27 +57,30 @@ class DateCache:
 date_cache = DateCache()
 
 
-class Request:
-    """One parsed request; the body is fully buffered before the handler runs."""
+class Request(msgspec.Struct, eq=False):
+    """One parsed request; the body is fully buffered before the handler runs. Made by
+    :func:`parsed_request` (a ``msgspec.Struct``: no ``__init__`` frame on every request)."""
 
-    __slots__ = ("method", "target", "path", "query", "headers", "body", "keep_alive", "peer",
-                 "http_version")
-
-    def __init__(self, method: str, target: bytes, headers: dict[bytes, bytes], body: bytes,
-                 keep_alive: bool, peer, http_version: str = "1.1") -> None:
-        self.method = method
-        self.target = target
-        path, _, query = target.partition(b"?")
-        self.path = path.decode("latin-1")
-        self.query = query.decode("latin-1")
-        self.headers = headers  # lower-case names
-        self.body = body
-        self.keep_alive = keep_alive
-        self.peer = peer
-        self.http_version = http_version  # "1.1" or "1.0"
+    method: str
+    target: bytes
+    path: str
+    query: str
+    headers: dict[bytes, bytes]  # lower-case names
+    body: bytes
+    keep_alive: bool
+    peer: Any
+    http_version: str = "1.1"  # or "1.0"
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         return self.headers.get(name, default)
+
+
+def parsed_request(method: str, target: bytes, headers: dict[bytes, bytes], body: bytes, keep_alive: bool, peer,
+                   http_version: str = "1.1") -> Request:
+    """The request for ``target`` (its path and query split apart, as text)."""
+    path, _, query = target.partition(b"?")
+    return Request(method, target, path.decode("latin-1"), query.decode("latin-1"), headers, body, keep_alive, peer,
+                   http_version)
 
 
 class FlowListener:
@@ -101,31 +106,28 @@ class ResponseChannel(Protocol):
     async def drain(self) -> None: ...
 
 
-class ResponseWriter:
+class ResponseWriter(msgspec.Struct, eq=False):
     """Writes one response to the client connection.
 
     ``send`` writes a complete response. ``start`` / ``write`` / ``end`` write a
     chunked one, each call a single ``transport.write`` with no ``await``. (To an
     HTTP/1.0 client, which cannot parse chunked framing, the streamed body is sent
-    as is and ends when the connection closes.)
+    as is and ends when the connection closes.) A ``msgspec.Struct``: built in C, without the
+    ``__init__`` frame a class pays on every request; made with its connection, the connection's
+    transport and whether the connection is kept alive (then ``_head_only``, ``_chunked``).
     """
 
-    __slots__ = ("_conn", "_transport", "started", "finished", "status", "bytes_sent",
-                 "keep_alive", "flow", "_head_only", "_chunked", "_held")
-
-    def __init__(self, conn: ResponseChannel, keep_alive: bool, head_only: bool = False,
-                 chunked: bool = True) -> None:
-        self._conn = conn
-        self._transport = conn.transport
-        self.started = False
-        self.finished = False
-        self.status = 0
-        self.bytes_sent = 0
-        self.keep_alive = keep_alive
-        self.flow: FlowListener | None = None
-        self._head_only = head_only
-        self._chunked = chunked
-        self._held = b""  # a head written with the next write (start(hold=True))
+    _conn: ResponseChannel
+    _transport: asyncio.Transport  # the connection's
+    keep_alive: bool
+    _head_only: bool = False
+    _chunked: bool = True
+    started: bool = False
+    finished: bool = False
+    status: int = 0
+    bytes_sent: int = 0
+    flow: FlowListener | None = None
+    _held: bytes = b""  # a head written with the next write (start(hold=True))
 
     @property
     def disconnected(self) -> bool:
