@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -41,7 +42,9 @@ class RequestContext(msgspec.Struct, eq=False):
     excluded: set[Instance] = set()
     timings: dict[str, float] = {}
     upstream: float = 0.0  # wall time in the stage phases (the proxy's overhead is the rest)
-    view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
+    # The routing keys, when a policy reads them (the one EMPTY_VIEW else, from a C callable:
+    # a Struct default must be immutable or made by a factory).
+    view: RequestView = msgspec.field(default_factory=repeat(EMPTY_VIEW).__next__)
     _first_headers: tuple | None = None  # upstream_headers' first two, for this request's id
     # The instances whose legs are open (``hold``; the stages append inline on every leg).
     held: list[Instance] = []
