@@ -290,11 +290,13 @@ class _Connection(asyncio.Protocol):
             resp._finish(None)
 
     # -- request lifecycle ----------------------------------------------------------------
-    def send(self, head: bytes, body: bytes, timeouts: TransportTimeouts) -> asyncio.Future:
+    def send(self, head: bytes, body: bytes, timeouts: TransportTimeouts, head_request: bool = False
+             ) -> asyncio.Future:
+        """Send one request (``head_request``: its method is HEAD: no body will follow its answer)."""
         self.requests += 1
         self._got_bytes = False
         self._response = None
-        self._head_request = head.startswith(b"HEAD ")
+        self._head_request = head_request
         self._timeouts = timeouts
         self._head_future = fut = self.loop.create_future()
         self._last_activity = self._sent_at = now = self.loop.time()
@@ -628,7 +630,7 @@ class ConnectionPool:
         if conn is None:
             conn, reused = await self._fresh(timeouts, queue)
         while True:  # the exchange, in this coroutine (none of its own: every upstream request)
-            fut = conn.send(head, body, timeouts)
+            fut = conn.send(head, body, timeouts, method == "HEAD")
             try:
                 return await fut
             except asyncio.CancelledError:

@@ -53,8 +53,9 @@ class PrefillStage(UpstreamStage):
             log.warning("request %s: prefill instance %s returned an unreadable answer", ctx.request_id,
                         inst.url)
             raise ProxyError(502, "prefill instance returned an unreadable answer", retryable=True) from None
-        ctx.prefill_report = PrefillReport(bytes(reply.usage), bytes(raw))
-        return None if bytes(raw) == b"null" else raw
+        kv = bytes(raw)
+        ctx.prefill_report = PrefillReport(bytes(reply.usage), kv)
+        return None if kv == b"null" else raw
 
 
 class DecodeLeg(msgspec.Struct, eq=False):

@@ -157,7 +157,8 @@ def _already_right(decode: dict, prefill: bytes) -> bool:
     completion = decode.get("completion_tokens")
     return (type(prompt) is int and type(completion) is int and decode.get("total_tokens") == prompt + completion
             and decode.get("prompt_tokens_details") is None
-            and (b'"prompt_tokens_details"' not in prefill or b'"prompt_tokens_details":null' in prefill)
+            # vLLM's null details first: one search in the common case, not two.
+            and (b'"prompt_tokens_details":null' in prefill or b'"prompt_tokens_details"' not in prefill)
             and prefill.startswith(b'{"prompt_tokens":%d,' % prompt))
 
 
