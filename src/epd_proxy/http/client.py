@@ -39,14 +39,12 @@ from epd_proxy.http.transport import BodySink, TransportTimeouts, UpstreamError,
 
 
 class Response(msgspec.Struct, eq=False):
-    """One upstream response: status and headers first, then the body. A ``msgspec.Struct``:
-    built in C, without the ``__init__`` frame a class pays on every upstream answer."""
+    """One upstream response: status and headers first, then the body (a Struct: no ``__init__`` frame)."""
 
     _conn: _Connection
     status: int
     headers: dict[bytes, bytes]
-    # An attribute, not a property over the headers: read on every answer.
-    content_type: bytes | None
+    content_type: bytes | None  # an attribute, not a property over the headers: read on every answer
     _chunks: list[bytes] = []
     _waiter: asyncio.Future | None = None
     _done: asyncio.Future | None = None
@@ -256,8 +254,10 @@ class _Connection(asyncio.Protocol):
         delay = self._timeouts.idle
         if delay is None:
             self._timer.due = None
-        else:
-            self._timer.arm_at(self._last_activity + delay)
+        elif self._timer.fires > (due := self._last_activity + delay):
+            self._timer.arm_at(due)
+        else:  # arm_at's common case, inline: the loop timer fires in time
+            self._timer.due = due
         if fut is not None and not fut.done():
             fut.set_result(resp)
         if self._head_request:
@@ -290,13 +290,12 @@ class _Connection(asyncio.Protocol):
             resp._finish(None)
 
     # -- request lifecycle ----------------------------------------------------------------
-    def send(self, head: bytes, body: bytes, timeouts: TransportTimeouts, head_request: bool = False
-             ) -> asyncio.Future:
-        """Send one request (``head_request``: its method is HEAD: no body will follow its answer)."""
+    def send(self, head: bytes, body: bytes, timeouts: TransportTimeouts, is_head: bool = False) -> asyncio.Future:
+        """Send one request (``is_head``: its method is HEAD: no body will follow its answer)."""
         self.requests += 1
         self._got_bytes = False
         self._response = None
-        self._head_request = head_request
+        self._head_request = is_head
         self._timeouts = timeouts
         self._head_future = fut = self.loop.create_future()
         self._last_activity = self._sent_at = now = self.loop.time()
@@ -310,8 +309,10 @@ class _Connection(asyncio.Protocol):
         delay = timeouts.headers
         if delay is None:
             self._timer.due = None
-        else:
-            self._timer.arm_at(now + delay)
+        elif self._timer.fires > (due := now + delay):
+            self._timer.arm_at(due)
+        else:  # arm_at's common case, inline: the loop timer fires in time
+            self._timer.due = due
         return fut
 
     # One timer, moved lazily (``timers``): armed for the header wait in ``send``, for the
