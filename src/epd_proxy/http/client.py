@@ -89,8 +89,14 @@ class Response(msgspec.Struct, eq=False):
             self._conn.resume_reading()
             await self._waiter
             self._waiter = None
-        chunk = self._chunks.pop(0) if len(self._chunks) > 1 else self._chunks.pop()
-        return chunk
+        return self._chunks.pop(0) if len(self._chunks) > 1 else self._chunks.pop()
+
+    def body(self) -> bytes | None:
+        """The whole body if all of it is here, else None (then ``await read()``): no coroutine."""
+        if not self.complete:
+            return None
+        chunks, self._chunks = self._chunks, []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -101,11 +107,7 @@ class Response(msgspec.Struct, eq=False):
             self._conn.resume_reading()
             await self._waiter
             self._waiter = None
-        if self._error is not None:
-            raise self._error
-        data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
-        self._chunks = []
-        return data
+        return self.body()  # type: ignore[return-value]  # complete: the body
 
     def relay(self, sink: BodySink) -> None:
         """Send the rest of the body to ``sink`` as it arrives (anything buffered first)."""
@@ -207,9 +209,8 @@ class _Connection(asyncio.Protocol):
             # A close-delimited body ends at a clean EOF (a reset is a truncation).
             resp._finish(None)
         else:
-            self._fail(UpstreamError(
-                "upstream closed the connection" + (f": {exc}" if exc else ""),
-                response_started=self._got_bytes))
+            self._fail(UpstreamError("upstream closed the connection" + (f": {exc}" if exc else ""),
+                                     response_started=self._got_bytes))
         # The parser holds this connection's callbacks and the response refers back to it:
         # let go of both, so a closed connection is freed without the cyclic collector.
         self._response = None
@@ -469,9 +470,8 @@ class ConnectionPool:
         # cancelled request running.
         try:
             async with asyncio.timeout(timeout):
-                await self.loop.create_connection(
-                    lambda: conn, self.host, self.port, ssl=self._ssl,
-                    server_hostname=self.host if self._ssl else None)
+                await self.loop.create_connection(lambda: conn, self.host, self.port, ssl=self._ssl,
+                                                  server_hostname=self.host if self._ssl else None)
         except TimeoutError:
             self._free_slot()
             raise UpstreamError(f"connect to {self.url} timed out after {timeout:g} s", kind="connect") from None

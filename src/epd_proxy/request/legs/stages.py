@@ -32,6 +32,9 @@ class _PrefillReply(msgspec.Struct):
     usage: msgspec.Raw = msgspec.Raw(b"null")  # kept for the client's usage (usage/rewrite.py)
 
 
+_prefill_reply = msgspec.json.Decoder(_PrefillReply).decode  # a decoder made once: every prefill's answer
+
+
 class PrefillStage(UpstreamStage):
     """One prefill call: the whole (1-token, non-streamed) answer, and its
     ``kv_transfer_params`` kept as raw bytes so decode gets them verbatim."""
@@ -66,10 +69,12 @@ class PrefillStage(UpstreamStage):
             ctx.release(inst)
             raise
         try:
-            try:
-                data = await resp.read()
-            except UpstreamError as exc:
-                raise self.transport_error(ctx, inst, exc, "reading its answer") from None
+            data = resp.body()  # all here with its head (a small answer's common case): no coroutine
+            if data is None:
+                try:
+                    data = await resp.read()
+                except UpstreamError as exc:
+                    raise self.transport_error(ctx, inst, exc, "reading its answer") from None
         finally:
             resp.close()
             ctx.release(inst)
@@ -79,7 +84,7 @@ class PrefillStage(UpstreamStage):
         timings = ctx.timings  # ctx.timing's, inline (so below): every request
         timings["prefill"] = timings.get("prefill", 0.0) + (time.perf_counter() - t0)
         try:
-            reply = msgspec.json.decode(data, type=_PrefillReply)
+            reply = _prefill_reply(data)
             raw = reply.kv_transfer_params
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("request %s: prefill instance %s returned an unreadable answer", ctx.request_id,
@@ -143,14 +148,16 @@ class DecodeStage(UpstreamStage):
                 raise self.status_error(ctx, inst, resp.status, data, resp.content_type)
             ctype = resp.content_type or b""
             if not ctype.startswith(b"text/event-stream"):
-                try:  # read_body's, inline: every non-stream answer passes here
-                    data = await resp.read()
-                except UpstreamError as exc:
-                    raise self.transport_error(ctx, inst, exc, "reading its answer") from None
+                whole = resp.body()  # all here with its head: no coroutine
+                if whole is None:
+                    try:  # read_body's, inline: every non-stream answer passes here
+                        whole = await resp.read()
+                    except UpstreamError as exc:
+                        raise self.transport_error(ctx, inst, exc, "reading its answer") from None
                 self.outliers.record_success(inst)
                 timings = ctx.timings
                 timings["decode"] = timings.get("decode", 0.0) + (time.perf_counter() - t0)
-                return DecodeLeg(inst, resp, body=data)
+                return DecodeLeg(inst, resp, body=whole)
             first = await self._first_event(ctx, inst, resp)
         except BaseException:
             resp.close()
@@ -201,7 +208,7 @@ class DecodeStage(UpstreamStage):
                     raise self._in_band(ctx, inst, upstream_message(event[data + 6:] if data >= 0 else event))
                 continue
             try:
-                parsed = msgspec.json.decode(event[6:], type=_StreamEvent)
+                parsed = _stream_event(event[6:])
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return buf
             if parsed.error is not None:
@@ -239,3 +246,6 @@ class _StreamEvent(msgspec.Struct):
             if c.finish_reason is not None or d is None or d.get("content") or set(d) - {"role", "content"}:
                 return False
         return True
+
+
+_stream_event = msgspec.json.Decoder(_StreamEvent).decode  # a decoder made once: every stream's first event
