@@ -33,7 +33,7 @@ test: $(STAMP) system-packages
 ## Lint (ruff: pyflakes, pycodestyle, import order, bugbear, absolute imports), type check (mypy on src/)
 ## and the layering rule (tests/test_layers.py: no upward import, no import cycle); config in pyproject.toml.
 lint: $(STAMP)
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_named_modules.py tests/test_module_size.py
 

@@ -40,8 +40,9 @@ def main():
         pool = [Inst(f"http://10.0.0.{i}:8000") for i in range(n)]
         ca, la = CacheAware(), LoadAware()
         for name, body in (("later turn", LATER), ("opening", OPENING)):
-            prefill = per_call_us(lambda: ca.choose(pool, RequestView(body, (), True)))
-            pd = per_call_us(lambda: (ca.choose(pool, RequestView(body, (), True)), la.choose(pool)))
+            prefill = per_call_us(lambda ca=ca, pool=pool, body=body: ca.choose(pool, RequestView(body, (), True)))
+            pd = per_call_us(lambda ca=ca, la=la, pool=pool, body=body:
+                             (ca.choose(pool, RequestView(body, (), True)), la.choose(pool)))
             print(f"{n} instance(s), {name}: view + cache-aware {prefill:.2f} us; "
                   f"+ load-aware decode {pd:.2f} us")
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from blake3 import blake3
 from simhelpers import GENERIC_EVENT, failure, fast_config, metric, prefill_body, stream_text
 
 from epd_proxy.sim import SimCluster, expected_text, media_metadata
+from epd_proxy.sim.tokens import prompt_tokens
 
 URL_A = "https://example.com/a.jpg"
 URL_B = "https://example.com/b.jpg"
@@ -195,6 +198,71 @@ async def test_epd_full_flow_with_prefill_as_ec_consumer(http):
         other = client_body(embeds(URL_B, media_metadata(image(URL_B))), max_tokens=2)
         r = await http.chat(p.url, prefill_body(other))
         assert r.status == 500 and "no embedding" in failure(r, p)
+
+
+def sha256_uuid(url: str) -> str:
+    """vLLM 0.33's EPD proxy's ``content_uuid``: sha256 of the URL, not the engine's hash."""
+    return hashlib.sha256(url.encode()).hexdigest()
+
+
+def vllm_epd_reference(url: str, ec: dict) -> dict:
+    """The item as vLLM 0.33's EPD proxy rewrites it (``rewrite_for_decode``): a metadata-only
+    reference under its own uuid, the encoder's grid flattened."""
+    return {"type": "image_embeds", "image_embeds": flat(ec[sha256_uuid(url)]["metadata"]), "uuid": sha256_uuid(url)}
+
+
+async def test_reference_under_vllm_epd_proxy_uuid_answers_as_the_raw_image(http):
+    """E+P+D as vLLM 0.33's EPD proxy runs it: E gets the raw image with uuid sha256(url); P and
+    D get a metadata reference under that uuid plus the encoder's entries and ``ec_items``. The
+    answer is the raw image's (the uuid only keys the cache; the model sees the image)."""
+    async with SimCluster(encode=1, prefill=1, decode=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A, sha256_uuid(URL_A))])
+        assert list(ec) == [sha256_uuid(URL_A)]
+        client = client_body(image(URL_A, None), max_tokens=6, stream=True, stream_options={"include_usage": True})
+        params = {**ec, "ec_items": [{"mm_hash": sha256_uuid(URL_A), "transfer_id": "0" * 32}]}
+        rewritten = client_body(vllm_epd_reference(URL_A, ec), max_tokens=6, stream=True,
+                                stream_options={"include_usage": True}, ec_transfer_params=params)
+        p = c.instances("prefill")[0]
+        pr = await http.chat(p.url, prefill_body(rewritten), rid="epd-1")
+        assert pr.status == 200, pr.data
+        assert (p.stats.ec_hits, p.stats.local_encodes) == (1, 0)
+        dr = await http.chat(c.urls("decode")[0], dict(rewritten, kv_transfer_params=pr.json["kv_transfer_params"]),
+                             rid="epd-1")
+        assert dr.status == 200 and c.instances("decode")[0].stats.kv_pulls == 1
+        assert stream_text(dr.events) == expected_text(client)
+        assert dr.events[-2]["usage"]["prompt_tokens"] == prompt_tokens(client)
+
+
+async def test_raw_image_and_reference_answer_alike_whatever_the_uuid(http):
+    """E+PD: a raw image under any uuid, and a reference to its encoding under the uuid it was
+    encoded with, answer as the image without uuid; the same image's processed form differs."""
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A, sha256_uuid(URL_A))])
+        pd = c.instances("pd")[0]
+        client = client_body(image(URL_A, None), max_tokens=5)
+        want = expected_text(client)
+        for part in (image(URL_A, "my-own-key"), image(URL_A), vllm_epd_reference(URL_A, ec)):
+            r = await http.chat(pd.url, client_body(part, max_tokens=5))
+            assert r.status == 200, r.data
+            assert r.json["choices"][0]["message"]["content"] == want, part["type"]
+            assert r.json["usage"]["prompt_tokens"] == prompt_tokens(client)
+        processed = await encode(http, c, [image(URL_A, sha256_uuid(URL_A))], mm_processor_kwargs={"max_pixels": 4})
+        ref = {"type": "image_embeds", "image_embeds": flat(processed[sha256_uuid(URL_A) + "-processed"]["metadata"]),
+               "uuid": sha256_uuid(URL_A)}
+        r = await http.chat(pd.url, client_body(ref, max_tokens=5, mm_processor_kwargs={"max_pixels": 4}))
+        raw = client_body(image(URL_A, None), max_tokens=5, mm_processor_kwargs={"max_pixels": 4})
+        assert r.status == 200 and r.json["choices"][0]["message"]["content"] == expected_text(raw) != want
+
+
+async def test_reference_to_an_entry_the_encoder_did_not_produce_fails(http):
+    """The image was encoded under one uuid; a reference under another names no entry: the
+    consumer fails the request (vLLM's EC load failure), whatever the content."""
+    async with SimCluster(encode=1, pd=1, config=fast_config()) as c:
+        ec = await encode(http, c, [image(URL_A)])
+        ref = {"type": "image_embeds", "image_embeds": flat(ec[digest(URL_A)]["metadata"]), "uuid": sha256_uuid(URL_A)}
+        pd = c.instances("pd")[0]
+        r = await http.chat(pd.url, client_body(ref, max_tokens=3))
+        assert r.status == 500 and "no embedding" in failure(r, pd) and pd.stats.ec_failures == 1
 
 
 async def test_example_connector_reports_empty_metadata(http):

@@ -1,7 +1,14 @@
 """The EC hand-off store and both sides of the EC hand-off, without sockets."""
 
-from epd_proxy.sim.ec_store import EcEntry, EcStore, empty_embeds_refusal, encode_groups, load_for_consumer
-from epd_proxy.sim.tokens import MediaRef
+from epd_proxy.sim.ec_store import (
+    EcEntry,
+    EcStore,
+    empty_embeds_refusal,
+    encode_groups,
+    load_for_consumer,
+    store_outputs,
+)
+from epd_proxy.sim.tokens import MediaRef, analyze
 
 
 def _media(index, mm_hash, *, raw=True, metadata=None, family="image"):
@@ -35,3 +42,30 @@ def test_embeds_without_data_are_refused_as_vllm_refuses_them():
     assert empty_embeds_refusal([_media(0, "h1")]) is None
     msg = empty_embeds_refusal([_media(0, "h1", raw=False, metadata={})])
     assert msg.endswith("but got 1 vs 0.")
+
+
+def test_an_entry_remembers_the_content_it_was_encoded_from():
+    """A reference resolves through the store to the content its entry was encoded from."""
+    store = EcStore()
+    media = [MediaRef(0, "image_url", "image", {}, "uuid-1", {"image_grid_thw": [[1, 4, 4]]}, True, "content-1")]
+    store_outputs(store, encode_groups(media), example=False, hidden_size=8, producer="encode-0",
+                  host="127.0.0.1", port=1)
+    assert store.content_of("uuid-1") == "content-1" and store.content_of("uuid-2") is None
+
+
+def test_fingerprint_follows_the_content_not_the_uuid():
+    """A uuid keys caches only: the raw image answers alike under any uuid; a reference takes
+    the content its entry stands for, and without an entry its own key."""
+    url = "https://example.com/a.jpg"
+    raw = {"type": "image_url", "image_url": {"url": url}}
+    grid = {"image_grid_thw": [1, 6, 8]}
+
+    def body(part):
+        return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "what?"}]}]}
+
+    plain = analyze(body(raw), True)
+    assert analyze(body({**raw, "uuid": "k1"}), True).fingerprint == plain.fingerprint
+    ref = body({"type": "image_embeds", "image_embeds": grid, "uuid": "k1"})
+    content = plain.media[0].content
+    assert analyze(ref, True, {"k1": content}.get).fingerprint == plain.fingerprint
+    assert analyze(ref, True, {}.get).fingerprint == analyze(ref, True).fingerprint != plain.fingerprint

@@ -20,6 +20,7 @@ class EcEntry:
     producer: str
     peer_host: str
     peer_port: int
+    content: str | None = None  # the content key of the item encoded (tokens.content_key)
 
 
 class EcStore:
@@ -39,6 +40,12 @@ class EcStore:
 
     def get(self, key: str | None) -> EcEntry | None:
         return self._d.get(key) if key is not None else None
+
+    def content_of(self, key: str) -> str | None:
+        """The content the entry under ``key`` was encoded from (None without one): what an
+        ``*_embeds`` reference to it stands for (tokens.analyze)."""
+        entry = self._d.get(key)
+        return None if entry is None else entry.content
 
     def __contains__(self, key: object) -> bool:
         return key in self._d
@@ -62,7 +69,8 @@ def encode_groups(media: list) -> dict[str, dict]:
             continue
         g = groups.get(m.mm_hash)
         if g is None:
-            groups[m.mm_hash] = {"metadata": m.metadata, "item_indices": [m.index], "family": m.family}
+            groups[m.mm_hash] = {"metadata": m.metadata, "item_indices": [m.index], "family": m.family,
+                                 "content": m.content}
         else:
             g["item_indices"].append(m.index)
     return groups
@@ -77,7 +85,7 @@ def store_outputs(store: EcStore, groups: dict[str, dict], *, example: bool, hid
     items = 0
     for mm_hash, g in groups.items():
         size = media_tokens(g["family"], g["metadata"]) * hidden_size * 2
-        store.put(mm_hash, EcEntry(g["metadata"], size, producer, host, port))
+        store.put(mm_hash, EcEntry(g["metadata"], size, producer, host, port, g.get("content")))
         items += len(g["item_indices"])
         if example:
             out[mm_hash] = {"item_indices": g["item_indices"], "metadata": {}}

@@ -232,7 +232,7 @@ class GenerationHandler(AnswerWriter):
             raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(cfg.served_names)}.",
                            "NotFoundError", "model")
         try:
-            prompt = analyze(body, chat)
+            prompt = analyze(body, chat, self.inst.ec_store.content_of)
         except PromptError as exc:
             raise ApiError(400, str(exc), "BadRequestError") from None
         mixed = mixing_refusal(prompt.media)

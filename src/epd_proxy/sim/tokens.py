@@ -6,7 +6,7 @@ it, and compare a response relayed by the proxy byte for byte.
 
 Prompt analysis
     A prompt is reduced to a *fingerprint* (sha256 over the roles, the text and,
-    for each media item, its modality and engine hash) and a *token count*:
+    for each media item, its modality and content key) and a *token count*:
 
     * chat: per message 1 token + the whitespace-separated words of its text
       parts, plus per media item ``t*h*w // 4`` for an image/video grid and
@@ -15,10 +15,16 @@ Prompt analysis
     * completions: the whitespace-separated words of ``prompt`` (a list of token
       ids counts its length); at least 1.
 
-    A raw media item and the ``*_embeds`` reference the proxy rewrites it to
-    have the same engine hash and the same grid, so the fingerprint, the token
+    A media item's content key is its content hash (BLAKE3 of the URL, or of the
+    part's JSON), whatever ``uuid`` the item carries: a ``uuid`` only names the
+    item in vLLM's caches, the model sees the media. An ``*_embeds`` metadata
+    reference stands for the item its EC cache entry was encoded from, so an
+    instance resolves it through the encoder cache (``analyze``'s
+    ``content_of``). A raw item and the reference a proxy rewrites it to (under
+    any ``uuid``: the proxy's own content key, or vLLM's EPD proxy's sha256)
+    have the same content key and the same grid, so the fingerprint, the token
     count and therefore the output are the same whether a request reaches an
-    instance directly or through the proxy (rewritten or not).
+    instance directly or through a proxy (rewritten or not).
 
 Output
     ``n`` tokens drawn from :data:`VOCAB` by a PRNG seeded with the prompt
@@ -35,6 +41,7 @@ import hashlib
 import random
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +153,17 @@ def engine_hash(part: dict, processed: bool) -> str | None:
     return base + "-processed" if processed else base
 
 
+def content_key(part: dict, processed: bool, mm_hash: str) -> str:
+    """What a raw item's answer depends on: its content, whatever ``uuid`` names it (a
+    ``uuid`` only keys vLLM's caches; the model sees the pixels). ``mm_hash`` is already
+    that key when the part has no ``uuid``; else the content is hashed."""
+    uuid = part.get("uuid")
+    if not (isinstance(uuid, str) and uuid):
+        return mm_hash
+    base = content_hash(part)
+    return base + "-processed" if processed else base
+
+
 def media_metadata(part: dict) -> dict:
     """The metadata an encoder reports for a raw media item, derived from its bytes.
 
@@ -229,6 +247,9 @@ class MediaRef:
     mm_hash: str | None
     metadata: Any  # raw: derived from the bytes; embeds: what the part carries
     raw: bool
+    # The content the answer depends on (the fingerprint's key): a raw item's content hash; a
+    # reference's, the content its EC entry was encoded from (else its mm_hash)
+    content: str | None = None
 
 
 @dataclass(slots=True)
@@ -243,8 +264,10 @@ class Prompt:
         return self.fingerprint.hex()
 
 
-def analyze(body: dict, chat: bool) -> Prompt:
-    """Fingerprint, token count and media items of a request body."""
+def analyze(body: dict, chat: bool, content_of: Callable[[str], str | None] | None = None) -> Prompt:
+    """Fingerprint, token count and media items of a request body. ``content_of``: an
+    instance's view of the encoder cache (mm_hash -> the content its entry was encoded
+    from), which resolves an ``*_embeds`` metadata reference to the item it stands for."""
     h = hashlib.sha256()
     media: list[MediaRef] = []
     if not chat:
@@ -298,8 +321,10 @@ def analyze(body: dict, chat: bool) -> Prompt:
                 family = MEDIA_FAMILY[kind]
                 raw = kind in RAW_MEDIA_TYPES
                 mm_hash = engine_hash(part, processed)
+                key: str | None
                 if raw:
                     metadata: Any = media_metadata(part)
+                    key = content_key(part, processed, mm_hash)  # type: ignore[arg-type]  # raw: a hash
                 else:
                     metadata = part.get(kind)
                     if isinstance(metadata, dict) and mm_hash is None:
@@ -309,9 +334,10 @@ def analyze(body: dict, chat: bool) -> Prompt:
                         # Inline embeddings (a base64 tensor): identified by their bytes.
                         mm_hash = mm_hash or hashlib.sha256(
                             msgspec.json.encode(metadata)).hexdigest()
+                    key = (content_of and content_of(mm_hash)) or mm_hash  # type: ignore[arg-type]
                 tokens += media_tokens(family, metadata)
-                h.update(b"M\x00" + family.encode() + b"\x00" + (mm_hash or "").encode() + b"\x00")
-                media.append(MediaRef(len(media), kind, family, part, mm_hash, metadata, raw))
+                h.update(b"M\x00" + family.encode() + b"\x00" + (key or "").encode() + b"\x00")
+                media.append(MediaRef(len(media), kind, family, part, mm_hash, metadata, raw, key))
             else:
                 h.update(b"O\x00" + msgspec.json.encode(part, order="sorted") + b"\x00")
                 tokens += 1
