@@ -481,8 +481,8 @@ class HttpServerProtocol(asyncio.Protocol):
     def _start(self, request: Request) -> None:
         self._timer.due = None  # disarmed
         self._active_size = len(request.body)
-        writer = ResponseWriter(self, self.transport, request.keep_alive, request.method == "HEAD",
-                                request.http_version != "1.0")
+        writer = ResponseWriter(self, request.keep_alive, head_only=request.method == "HEAD",
+                                chunked=request.http_version != "1.0")
         self._writer = writer
         self._task = self._loop.create_task(self._run(request, writer))
 

@@ -106,28 +106,33 @@ class ResponseChannel(Protocol):
     async def drain(self) -> None: ...
 
 
-class ResponseWriter(msgspec.Struct, eq=False):
+class ResponseWriter:
     """Writes one response to the client connection.
 
     ``send`` writes a complete response. ``start`` / ``write`` / ``end`` write a
     chunked one, each call a single ``transport.write`` with no ``await``. (To an
     HTTP/1.0 client, which cannot parse chunked framing, the streamed body is sent
-    as is and ends when the connection closes.) A ``msgspec.Struct``: built in C, without the
-    ``__init__`` frame a class pays on every request; made with its connection, the connection's
-    transport and whether the connection is kept alive (then ``_head_only``, ``_chunked``).
+    as is and ends when the connection closes.) A class with slots, not a ``msgspec.Struct``
+    as the other per-request records: a stream writes its attributes on every event, and a
+    slot's store is specialised by the interpreter where a Struct's is not.
     """
 
-    _conn: ResponseChannel
-    _transport: asyncio.Transport  # the connection's
-    keep_alive: bool
-    _head_only: bool = False
-    _chunked: bool = True
-    started: bool = False
-    finished: bool = False
-    status: int = 0
-    bytes_sent: int = 0
-    flow: FlowListener | None = None
-    _held: bytes = b""  # a head written with the next write (start(hold=True))
+    __slots__ = ("_conn", "_transport", "started", "finished", "status", "bytes_sent",
+                 "keep_alive", "flow", "_head_only", "_chunked", "_held")
+
+    def __init__(self, conn: ResponseChannel, keep_alive: bool, head_only: bool = False,
+                 chunked: bool = True) -> None:
+        self._conn = conn
+        self._transport = conn.transport
+        self.started = False
+        self.finished = False
+        self.status = 0
+        self.bytes_sent = 0
+        self.keep_alive = keep_alive
+        self.flow: FlowListener | None = None
+        self._head_only = head_only
+        self._chunked = chunked
+        self._held = b""  # a head written with the next write (start(hold=True))
 
     @property
     def disconnected(self) -> bool:
