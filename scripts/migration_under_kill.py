@@ -1,7 +1,10 @@
 """A decode SIGKILLed under 64 concurrent long streams, on the simulator (docs/benchmarks.md,
-"Stream migration: a decode killed under 64 streams").
+"Stream migration: a decode killed under 64 streams"); or a decode, or a prefill, SIGSTOPped
+(wedged: connections open and silent) for 15 s.
 
     PYTHONPATH=src python scripts/migration_under_kill.py [--streams 64] [--tokens 256]
+    PYTHONPATH=src python scripts/migration_under_kill.py --stop decode [--stop-seconds 15]
+    PYTHONPATH=src python scripts/migration_under_kill.py --stop prefill [--stop-seconds 15]
 
 A prefill and two decodes, each an ``epd-proxy sim`` process of its own (``--itl-ms 15``), and
 the proxy in this process (round-robin: half the streams on each decode). When every stream is
@@ -11,6 +14,17 @@ token count, more than one id), the moves, and time to first token and inter-tok
 p99, max) before the kill, across it (the gap holding the kill on a moved stream), after it, and
 the second wave's time to first token. Bounded: about 15 s, and at most 120 s. Figures on a
 shared machine move with its load: compare within one run.
+
+``--stop decode``: the decode serving the first stream is SIGSTOPped for ``--stop-seconds``
+(then SIGCONT), and a new stream starts every 100 ms for 3 s after the stop. Reported: each
+stream's longest silence (the issue's bound: a stream on the wedged decode resumes within 2 s
+of its last event, none stalls past 3 s), the moves, when the last new request was placed on
+the wedged decode, and TTFT and ITL before, around (the stop's first 3 s) and after.
+``--stop prefill``: two prefills; after a warm-up of ``--warmup`` (40) short requests (the
+hedge delay's samples; the hedge budget is a share of the requests), one prefill is
+SIGSTOPped, and a new stream starts every 50 ms for 3 s. Reported: the TTFT of the warm-up and
+of the streams sent into the stop (the bound: at most the hedge delay added), the hedges, and
+the longest silence per stream.
 """
 
 from __future__ import annotations
@@ -182,12 +196,143 @@ async def run(streams: int, tokens: int) -> int:
     return 1 if bad else 0
 
 
+def longest_gap(sent: float, times: list[float]) -> float:
+    """A stream's longest silence: from its request to its first event, or between two events."""
+    return max((b - a for a, b in zip([sent] + times, times)), default=float("nan"))
+
+
+async def placements_on(inst, since: float, out: list[float]) -> None:
+    """Appends the time (from ``since``) of each new request placed on ``inst`` (its counter
+    sampled every 10 ms), until cancelled."""
+    seen = inst.requests
+    while True:
+        await asyncio.sleep(0.01)
+        if inst.requests != seen:
+            seen = inst.requests
+            out.append(time.monotonic() - since)
+
+
+async def stagger(url: str, first: int, n: int, every: float, tokens: int) -> list:
+    """``n`` streams, one every ``every`` seconds."""
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.ensure_future(stream(url, first + i, tokens)))
+        await asyncio.sleep(every)
+    return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+
+def report_streams(name: str, results: list, stopped: float, tokens: int) -> list:
+    """The failures, each stream's longest silence, TTFT and ITL before, around (the stop's
+    first 3 s) and after; returns the failures."""
+    bad = [(i, why) for i, (_, events, _) in enumerate(results) if (why := failed(events, tokens))]
+    longest = [longest_gap(sent, times) for sent, _, times in results if times]
+    print(f"{name}: failed streams {len(bad)} of {len(results)} {bad[:5]}; "
+          f"longest silence > 2 s: {sum(g > 2 for g in longest)}, > 3 s: {sum(g > 3 for g in longest)}")
+    print(line("  longest silence per stream", longest))
+    print(line("  TTFT", [times[0] - sent for sent, _, times in results if times]))
+    before, around, after = [], [], []
+    for _, _, times in results:
+        for a, b in zip(times, times[1:]):
+            (before if b < stopped else around if a < stopped + 3 else after).append(b - a)
+    print(line("  ITL before the stop", before))
+    print(line("  ITL around it (its first 3 s)", around))
+    print(line("  ITL after", after))
+    return bad
+
+
+async def run_stop_decode(streams: int, tokens: int, seconds: float) -> int:
+    async with sim_process("prefill") as (_, p_url), sim_process("decode") as (d0, d0_url), \
+            sim_process("decode") as (d1, d1_url):
+        decodes = {d0_url: d0, d1_url: d1}
+        config = ProxyConfig(prefill=[InstanceSpec(p_url, "prefill")],
+                             decode=[InstanceSpec(d0_url, "decode"), InstanceSpec(d1_url, "decode")],
+                             probe_interval=1, scrape_interval=0, routing="round-robin")
+        async with await start_proxy(config) as proxy:
+            first = [asyncio.ensure_future(stream(proxy.url, i, tokens)) for i in range(streams)]
+            end = time.monotonic() + 30
+            pool = proxy.app.pools["decode"].instances
+            while sum(i.inflight for i in pool) < streams:
+                if time.monotonic() > end:
+                    raise SystemExit("the streams did not start")
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(tokens * ITL_MS / 1000 / 3)
+            victim = max(pool, key=lambda i: i.inflight)
+            on_victim = victim.inflight
+            pid = decodes[victim.url].pid
+            stopped = time.monotonic()
+            os.killpg(pid, signal.SIGSTOP)
+            placed: list[float] = []
+            watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
+            try:
+                second = await stagger(proxy.url, streams, 30, 0.1, tokens)
+                results = await asyncio.wait_for(asyncio.gather(*first), 120)
+                await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
+            finally:
+                os.killpg(pid, signal.SIGCONT)
+                watch.cancel()
+            moves = dict(proxy.app.metrics.migrations)
+            health = victim.health.state
+    print(f"{streams} streams of {tokens} tokens (itl {ITL_MS} ms) on 2 decodes; decode {victim.url} SIGSTOPped "
+          f"for {seconds:g} s with {on_victim} streams on it; a new stream every 100 ms for 3 s after the stop")
+    print(f"moves: {moves}; the wedged decode's state at the end of the stop: {health}")
+    print(f"new requests placed on the wedged decode after the stop: {len(placed)}, the last "
+          f"{placed[-1] if placed else float('nan'):.2f} s after it (at {[round(t, 2) for t in placed]})")
+    bad = report_streams("first wave (under way at the stop)", results, stopped, tokens)
+    moved = sorted(longest_gap(sent, times) for sent, _, times in results if times)[-on_victim:]
+    print(line("  of which the streams that were on the wedged decode", moved))
+    bad += report_streams("second wave (sent into the stop)", second, stopped, tokens)
+    return 1 if bad else 0
+
+
+async def run_stop_prefill(tokens: int, seconds: float, warmup: int) -> int:
+    async with sim_process("prefill") as (p0, p0_url), sim_process("prefill") as (p1, p1_url), \
+            sim_process("decode") as (_, d0_url), sim_process("decode") as (_, d1_url):
+        prefills = {p0_url: p0, p1_url: p1}
+        config = ProxyConfig(prefill=[InstanceSpec(p0_url, "prefill"), InstanceSpec(p1_url, "prefill")],
+                             decode=[InstanceSpec(d0_url, "decode"), InstanceSpec(d1_url, "decode")],
+                             probe_interval=1, scrape_interval=0, routing="round-robin")
+        async with await start_proxy(config) as proxy:
+            warm = await stagger(proxy.url, 100, warmup, 0.02, 16)
+            victim = proxy.app.pools["prefill"].instances[0]
+            pid = prefills[victim.url].pid
+            stopped = time.monotonic()
+            os.killpg(pid, signal.SIGSTOP)
+            placed: list[float] = []
+            watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
+            try:
+                during = await stagger(proxy.url, 0, 60, 0.05, tokens)
+                await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
+            finally:
+                os.killpg(pid, signal.SIGCONT)
+                watch.cancel()
+            hedges = dict(proxy.app.metrics.hedges)
+            health = victim.health.state
+    print(f"2 prefills, 2 decodes (itl {ITL_MS} ms); {warmup} warm-up requests of 16 tokens, then prefill {victim.url} "
+          f"SIGSTOPped for {seconds:g} s and a stream of {tokens} tokens sent every 50 ms for 3 s")
+    print(f"hedges: {hedges}; the wedged prefill's state at the end of the stop: {health}")
+    print(f"new requests placed on the wedged prefill after the stop: {len(placed)}, the last "
+          f"{placed[-1] if placed else float('nan'):.2f} s after it")
+    bad = [(i, why) for i, (_, events, _) in enumerate(warm) if (why := failed(events, 16))]
+    print(line("warm-up TTFT (before the stop)", [times[0] - sent for sent, _, times in warm if times]))
+    bad += report_streams("streams sent into the stop", during, stopped, tokens)
+    return 1 if bad else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--stop", choices=("decode", "prefill"), default=None,
+                        help="SIGSTOP this role's instance instead of SIGKILLing a decode")
+    parser.add_argument("--stop-seconds", type=float, default=15.0)
+    parser.add_argument("--warmup", type=int, default=40,
+                        help="--stop prefill: requests before the stop (the hedge budget is a share of them)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the kill's warnings (a refused connection, the ejection) are expected
+    if args.stop == "decode":
+        return asyncio.run(run_stop_decode(args.streams, args.tokens, args.stop_seconds))
+    if args.stop == "prefill":
+        return asyncio.run(run_stop_prefill(args.tokens, args.stop_seconds, args.warmup))
     return asyncio.run(run(args.streams, args.tokens))
 
 

@@ -247,3 +247,37 @@ def test_a_completions_event_with_empty_text_counts_its_token():
     got = received(COMPLETIONS, _sse(*events))
     assert got.tokens == 3 and "".join(got.text) == "ab"
     assert continuation_body(COMPLETIONS, {"prompt": "x", "max_tokens": 10}, got)["max_tokens"] == 7
+
+
+def test_a_responses_answer_so_far_is_counted_by_what_its_text_renders_to():
+    """vLLM merges outputs a slow stream has not sent into one delta (its Responses stream more
+    often than chat's: 829-900 deltas for 1,000 tokens on the e2e's model): the count is the
+    tokens the continued prompt holds after the original one, never fewer than the deltas."""
+    deltas = [{"type": "response.output_text.delta", "sequence_number": i, "item_id": "msg_1", "delta": t}
+              for i, t in enumerate(("Hel", "lo wor"))]
+    added = {"type": "response.output_item.added", "sequence_number": 0,
+             "item": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}
+    data = b"".join(_named(e["type"].encode(), e) for e in (added, *deltas))
+    body = {"model": "m", "instructions": "Be brief.", "chat_template_kwargs": {"x": 1}, "max_output_tokens": 10,
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "A"}]},
+                      {"role": "user", "content": "more"}]}
+    got = received("/v1/responses", data)
+    prompt, continued = got.recount(body)
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                    {"role": "assistant", "content": "A"}, {"role": "user", "content": "more"}]
+    assert prompt == {"model": "m", "chat_template_kwargs": {"x": 1}, "messages": conversation,
+                      "add_generation_prompt": True}
+    assert continued == {"model": "m", "chat_template_kwargs": {"x": 1},
+                         "messages": conversation + [{"role": "assistant", "content": "Hello wor"}],
+                         "add_generation_prompt": False, "continue_final_message": True}
+    assert got.recount({"model": "m", "input": "hi"})[0]["messages"] == [{"role": "user", "content": "hi"}]
+    assert got.tokens == 2
+    got.counted([1, 2, 3], [1, 2, 4, 5])  # the original prompt is no prefix: left as counted
+    got.counted(None, [1, 2, 3, 4, 5, 6])
+    got.counted([1, 2, 3], [1, 2, 3, 4])  # fewer than the deltas: the deltas
+    assert got.tokens == 2
+    got.counted([1, 2, 3], [1, 2, 3, 7, 8, 9])
+    assert got.tokens == 3
+    assert got.body("/v1/responses", body)["max_output_tokens"] == 7

@@ -3,6 +3,7 @@
 tokens and usage), the broken decode's request is aborted, and what cannot or may not be
 continued ends as before: an in-band error and the terminator."""
 
+import asyncio
 import io
 import time
 
@@ -10,6 +11,7 @@ import msgspec
 import pytest
 from helpers import chat_body, stack, wait_for
 
+from epd_proxy.instances.health import EJECTED, HEALTHY
 from epd_proxy.observe.access_log import AccessLog
 from epd_proxy.request.migration import STALL_CEILING, STALL_FLOOR, stall_after
 from epd_proxy.sim import SimConfig
@@ -99,6 +101,30 @@ async def test_a_stalled_decode_is_left_within_the_stall_rule():
         # The stalled decode's request was aborted (its connection closed).
         stalled = cluster.records("decode")[0]
         await wait_for(lambda: stalled.aborted, timeout=5)
+        # A stall is an instance signal (``stalled``); one alone does not take the decode out.
+        decode = proxy.app.pools["decode"].instances[0]
+        assert decode.health.errors.get("stalled") == 1 and decode.health.state is HEALTHY
+
+
+async def test_streams_stalling_together_take_their_decode_out_of_rotation():
+    """A wedged decode (SIGSTOPped, hung: connections open, no bytes) stalls every stream on it
+    at once: their stalls, instance signals, eject it without waiting for the probes, and new
+    requests go to the other decode."""
+    async with stack(decode=2, sim=SIM, routing="round-robin") as (cluster, proxy, client):
+        wedged = cluster.instances("decode")[0]
+        wedged.inject("stall-after=5:20", times=3)
+        replies = await asyncio.gather(*(client.chat(chat_body(f"stream {i}", stream=True, max_tokens=30))
+                                         for i in range(6)))
+        for reply in replies:
+            _check_one_stream(reply, 30)
+        assert proxy.app.metrics.migrations == {("stall", "ok"): 3}
+        decode = proxy.app.pools["decode"].instances[0]
+        assert decode.url == wedged.url and decode.health.state is EJECTED
+        assert decode.health.errors.get("stalled") == 3
+        before = len(wedged.records)
+        for _ in range(4):
+            _check_one_stream(await client.chat(chat_body(stream=True, max_tokens=4)), 4)
+        assert len(wedged.records) == before  # every new request on the other decode
 
 
 async def test_past_the_migration_limit_the_stream_ends_in_band():

@@ -219,7 +219,15 @@ async def test_a_responses_stream_is_continued_as_one_response(fault, reason):
         assert done["output"][0]["id"] == item and done["output"][0]["content"][0]["text"] == text
         assert done["usage"]["output_tokens"] == 20
         assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + 20
-        cont = msgspec.json.decode(cluster.records("decode")[1].body)
+        other = [r for r in cluster.records("decode")[1:] if r.path != RESPONSES]
+        # The answer so far counted in tokens by the other decode's /tokenize: the conversation
+        # with the generation prompt, then with the text so far as the message to continue.
+        assert [r.path for r in other] == ["/tokenize", "/tokenize"]
+        asked = [msgspec.json.decode(r.body) for r in other]
+        conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say something"}]
+        assert asked[0] == {"model": "sim-model", "messages": conversation, "add_generation_prompt": True}
+        assert asked[1]["messages"][:2] == conversation and asked[1]["continue_final_message"] is True
+        cont = msgspec.json.decode(next(r for r in cluster.records("decode")[1:] if r.path == RESPONSES).body)
         last = cont["input"][-1]
         assert last["role"] == "assistant" and last["status"] == "incomplete" and last["id"] == item
         assert last["content"][0]["text"] == text[:len(last["content"][0]["text"])] and last["content"][0]["text"]

@@ -28,12 +28,15 @@ import msgspec
 
 from epd_proxy.http.client import Response
 from epd_proxy.http.response import ResponseWriter
-from epd_proxy.instances.health import EJECTED
+from epd_proxy.http.transport import TransportTimeouts
+from epd_proxy.instances.health import EJECTED, STALLED
 from epd_proxy.instances.instance import Instance
+from epd_proxy.instances.pool import InstancePool
 from epd_proxy.request.continuation import received, unsound
-from epd_proxy.request.legs.stages import DecodeLeg
+from epd_proxy.request.legs.stages import DecodeLeg, DecodeStage
 from epd_proxy.request.relay import NOWHERE, StreamRelay
-from epd_proxy.request.turns.answers import strip_token_ids
+from epd_proxy.request.turns.answers import strip_token_ids, tokens_of
+from epd_proxy.request.turns.reuse import tokenize_leg
 from epd_proxy.request.turns.streams import MARK, strip_stream_params
 from epd_proxy.request.usage.rewrite import rewrite_final_usage_events
 from epd_proxy.wire.errors import ProxyError
@@ -47,8 +50,12 @@ log = logging.getLogger("epd_proxy.migration")
 STALL_PACES = 10.0
 STALL_FLOOR = 1.5
 STALL_CEILING = 30.0
-_TICK = 0.5  # how often the watched streams are looked at (never per event)
-_IDLE_TICKS = 20  # the ticker ends after this many ticks with no stream to watch
+# How often the watched streams are looked at (never per event): a stream is found silent at
+# most two looks past the rule (the look that saw its last read, the one that sees the rule
+# passed), so with the 1.5 s floor a wedged decode's streams move within 1.7 s of their last
+# event.
+_TICK = 0.1
+_IDLE_TICKS = 100  # the ticker ends after this many ticks (10 s) with no stream to watch
 # A stream relayed in more reads than this is not kept for a continuation (memory: the reads
 # are held by reference until the stream ends).
 MAX_READS = 1 << 16
@@ -60,6 +67,8 @@ LIMIT = "limit"  # the request's migration limit was reached: ended in-band
 UNSOUND = "unsound"  # the answer cannot be continued exactly (a tool call, reasoning): ended in-band
 
 OpenLeg = Callable[["RequestContext", dict], Awaitable[DecodeLeg]]
+# A /tokenize call while a client's stream waits: bounded well under the stall rule's floor.
+_TOKENIZE_TIMEOUTS = TransportTimeouts(connect=1.0, headers=2.0, idle=2.0)
 
 
 def stall_after(events: int, since_first: float) -> float:
@@ -72,9 +81,12 @@ def stall_after(events: int, since_first: float) -> float:
 class Migrations:
     """The proxy's stream migration: on (``limit`` > 0) unless ``--no-stream-migration``."""
 
-    def __init__(self, enabled: bool, limit: int, counts: dict[tuple[str, str], int]) -> None:
+    def __init__(self, enabled: bool, limit: int, counts: dict[tuple[str, str], int],
+                 decodes: InstancePool | None = None, stage: DecodeStage | None = None) -> None:
         self.limit = limit if enabled else 0
         self.counts = counts  # (reason, result) -> streams (the metrics' dict)
+        self.decodes = decodes  # told of a stall (an instance signal); :meth:`_recount` asks one
+        self.stage = stage  # decode's stage, for :meth:`_recount`'s /tokenize
         # The streams watched now: relay -> [its decode, its reads when last looked, since when].
         # One task looks at them all every _TICK while there are some (a stream adds an entry,
         # not a task or a timer).
@@ -156,6 +168,13 @@ class Migrations:
             reason = relay.broken or "reset"
             t0 = perf_counter()
             broken = leg.inst
+            if reason == "stall" and self.decodes is not None:
+                # No read for the stall rule's time, its connection open: the instance stopped
+                # answering (SIGSTOPped, hung), the signal a hedge's win gives. Streams stall
+                # together on a wedged decode: a few of them take it out of rotation at once
+                # (its pending requests failed over), not after the probes' timeouts.
+                self.decodes.outliers.record_failure(
+                    broken, "a stream silent past the stall rule, its connection open", STALLED, ctx)
             ctx.failed(broken)  # placed again without it
             ctx.release(broken)  # its connection is closed: vLLM aborted the request, its KV freed
             if leg.companion is not None:
@@ -168,6 +187,8 @@ class Migrations:
             if len(moves) >= self.limit:
                 return self._end(relay, leg, reason, LIMIT, f"the migration limit ({self.limit}) was reached",
                                  moves, broken, t0, start)
+            if self.stage is not None and hasattr(got, "recount"):
+                await self._recount(ctx, got, body)
             log.info("request %s: decode %s broke off (%s) after %d tokens; continuing elsewhere",
                      ctx.request_id, broken.url, reason, got.tokens)
             path, api = ctx.path, ctx.api
@@ -190,6 +211,30 @@ class Migrations:
             relay, leg = follow, new
             moves[-1] = moves[-1][:1] + ("moved",) + moves[-1][2:]
             self.count(reason, "moved")
+
+    async def _recount(self, ctx: RequestContext, got, body: dict) -> None:
+        """The answer so far counted in tokens by a decode that has not failed the request
+        (``got.recount``'s two ``/tokenize`` calls; Responses: a delta may hold several tokens),
+        so the continuation's budget and the whole answer's usage are right. Any failure leaves
+        the count as it was: the continuation goes on all the same."""
+        pool, stage = self.decodes, self.stage
+        assert pool is not None and stage is not None
+        models = ctx.models
+        spare = [i for i in pool.candidates(ctx.excluded, None if models is None else models.get("decode"))
+                 if i not in ctx.excluded]
+        if not spare:
+            return
+        found: list[list[int] | None] = []
+        for asked in got.recount(body):
+            called, t0 = len(ctx.legs), perf_counter()
+            try:
+                found.append(tokens_of(await stage.exchange(ctx, spare[0], "/tokenize", msgspec.json.encode(asked),
+                                                             ctx.upstream_headers(), _TOKENIZE_TIMEOUTS)))
+            except ProxyError:
+                return
+            finally:
+                tokenize_leg(ctx, called, perf_counter() - t0)
+        got.counted(*found)
 
     def _end(self, relay: StreamRelay, leg: DecodeLeg, reason: str, result: str, why: str, moves: list,
              broken: Instance, t0: float, start: float) -> tuple[StreamRelay, DecodeLeg]:

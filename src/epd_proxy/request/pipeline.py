@@ -107,7 +107,8 @@ class Pipeline:
         self.decode_only = decode_only  # no prefill instances (E+PD, PD)
         self.retries = config.decode_retries
         # A committed stream whose decode breaks off goes on elsewhere (migration.py).
-        self.migrations = Migrations(config.stream_migration, config.migration_limit, metrics.migrations)
+        self.migrations = Migrations(config.stream_migration, config.migration_limit, metrics.migrations,
+                                     known.decode, decode_only.decode)
         # The request's routing keys are computed only when a policy reads them.
         self._keyed = any(p.policy.uses_view for p in pools.values())
         self._background: set[asyncio.Task] = set()  # strong references to legs outliving a response

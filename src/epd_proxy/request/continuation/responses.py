@@ -5,7 +5,10 @@ is an assistant output message whose ``status`` is ``in_progress`` or ``incomple
 (``responses/utils.py``, ``should_continue_final_message``) it renders the conversation with
 ``continue_final_message`` and without a generation prompt, as chat does. So the continuation
 is the client's request with that item appended, holding the text so far, and the rest of
-``max_output_tokens``; exact as the chat continuation is (``text.py``). Its events are the
+``max_output_tokens``; exact as the chat continuation is (``text.py``). The tokens so far are
+not the deltas: vLLM merges the outputs a stream has not sent yet into one delta when the
+stream falls behind, which its Responses stream does often (more work per event than chat's),
+so the shell counts them by ``/tokenize`` (:meth:`ResponsesReceived.recount`). Its events are the
 stream's own: its leading events (``response.created`` … ``content_part.added``) dropped, every
 other one carrying the stream's item id and the next ``sequence_number``, the ``done`` events
 and ``response.completed`` holding the whole text, the first response's id and creation time,
@@ -86,7 +89,7 @@ class ResponsesReceived:
     head: bytes = b""  # response.created's event, for an in-band error's response.failed
     item: object = None  # the output message's id
     text: list[str] = field(default_factory=list)
-    tokens: int = 0  # text deltas, one token each as vLLM streams them
+    tokens: int = 0  # the answer so far in tokens: its text deltas, until :meth:`counted`
     seq: int = -1  # the last sequence number sent
     finished: bool = False
     unsound: str | None = None
@@ -120,6 +123,42 @@ class ResponsesReceived:
             self.finished = True
         elif kind is not None and kind not in _LEADING and kind != "response.content_part.done":
             self.unsound = str(kind)  # reasoning, tool calls, refusals: not a plain text answer
+
+    def recount(self, body: dict) -> tuple[dict, dict]:
+        """The two ``/tokenize`` requests whose difference is the answer so far in tokens: the
+        conversation vLLM renders for ``body`` (its Responses to chat conversion: the
+        instructions as a system message, each input message as is, an assistant one by its
+        text), with the generation prompt, and with the text so far as the final message to
+        continue, as the continuation renders it."""
+        messages: list[dict] = []
+        instructions = body.get("instructions")
+        if instructions:
+            messages.append({"role": "system", "content": instructions})
+        inp = body["input"]
+        for item in [{"role": "user", "content": inp}] if isinstance(inp, str) else inp:
+            content = item.get("content")
+            if item.get("role") == "assistant" and isinstance(content, list) and content:
+                content = content[0].get("text")
+            messages.append({"role": item.get("role"), "content": content})
+        common = {"model": body.get("model")}
+        if isinstance(body.get("chat_template_kwargs"), dict):
+            common["chat_template_kwargs"] = body["chat_template_kwargs"]
+        return (dict(common, messages=messages, add_generation_prompt=True),
+                dict(common, messages=messages + [{"role": "assistant", "content": "".join(self.text)}],
+                     add_generation_prompt=False, continue_final_message=True))
+
+    def counted(self, prompt: list[int] | None, continued: list[int] | None) -> None:
+        """The answer so far in tokens from :meth:`recount`'s two answers: what the continued
+        prompt holds after the original one. vLLM merges the outputs a slow stream has not
+        sent yet into one delta (its Responses stream does more work per event than chat's, so
+        it merges more), so counting deltas undercounts; the tokens the text renders to are
+        the answer's own wherever the continuation can be exact at all (the text re-tokenizes
+        to the ids that made it), and never fewer than the deltas. Left as counted when either
+        is missing or the original prompt is no prefix of the continued one."""
+        if prompt is None or continued is None or len(continued) < len(prompt) \
+                or continued[:len(prompt)] != prompt:
+            return
+        self.tokens = max(self.tokens, len(continued) - len(prompt))
 
     def body(self, path: str, body: dict) -> dict:
         """The client's request with the text so far as a partial assistant message to continue."""

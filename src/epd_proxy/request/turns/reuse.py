@@ -383,7 +383,7 @@ class TurnReuse:
                     if not err.unsent:
                         break
                 finally:
-                    _tokenize_leg(ctx, called, time.perf_counter() - t)
+                    tokenize_leg(ctx, called, time.perf_counter() - t)
             if tokens is None:
                 ctx.kv_outcome = TOKENIZE_FAILED
                 self.release(entry)
@@ -628,7 +628,7 @@ class TurnReuse:
             await asyncio.gather(*self.releases, *self.writes, return_exceptions=True)
 
 
-def _tokenize_leg(ctx: RequestContext, called: int, seconds: float) -> None:
+def tokenize_leg(ctx: RequestContext, called: int, seconds: float) -> None:
     """A ``/tokenize`` call made for the token check: its instance named apart from the
     stages' (the access log's ``tok=``: it is no prefill, nor a retry), its time a stage's."""
     ctx.tokenized = (ctx.tokenized or []) + ctx.legs[called:]
