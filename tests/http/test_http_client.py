@@ -1132,3 +1132,25 @@ async def test_bursts_reuse_the_connections_the_last_burst_opened(http_server, p
             await one()
             await asyncio.sleep(0.01)
     assert len(peers) == burst
+
+
+async def test_a_body_all_here_is_taken_without_waiting_and_a_partial_one_is_not(raw_server, pools):
+    """``Response.body()``: the whole body when it came with the head (the connection is then
+    back in the pool), None while some of it is still on its way (then ``read()`` waits)."""
+    async def handler(conn):
+        await conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello")
+        await conn.request()
+        conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhello")
+        await asyncio.sleep(0.05)
+        conn.send(b"world")
+        conn.eof = await read_to_eof(conn.reader)
+
+    srv = await raw_server(handler)
+    pool = pools(srv.url)
+    whole = await pool.request("GET", "/", timeouts=FAST)
+    assert whole.body() == b"hello" and whole.body() == b""  # taken once
+    assert pool.idle_connections == 1
+    partial = await pool.request("GET", "/", timeouts=FAST)
+    assert partial.body() is None
+    assert await partial.read() == b"helloworld"

@@ -19,7 +19,7 @@ from epd_proxy.placement.choose import choose
 from epd_proxy.routing import make_policy
 from epd_proxy.routing.cache_aware import OPEN_SLACK_MIN, OPEN_SLACK_REL, OPEN_WINDOW, CacheAware
 from epd_proxy.routing.policies import LeastLoaded, LoadAware, PowerOfTwo, RoundRobin
-from epd_proxy.routing.view import EMPTY_VIEW, MEDIA_CHARS, RequestView, key_of
+from epd_proxy.routing.view import EMPTY_VIEW, MEDIA_CHARS, RequestView, anchored_view, key_of
 from epd_proxy.wire.blobs import Blob, decode_chat_body
 from epd_proxy.wire.errors import ProxyError
 
@@ -43,7 +43,7 @@ def insts(n):
 
 def Keyed(anchor):
     """A request known only by its anchor (all history: the full slack)."""
-    return RequestView(anchor=anchor)
+    return anchored_view(anchor)
 
 
 class Item:

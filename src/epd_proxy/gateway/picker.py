@@ -24,7 +24,7 @@ from epd_proxy.config import ProxyConfig
 from epd_proxy.encode.media_policy import MediaPolicy
 from epd_proxy.encode.multimodal import own_media
 from epd_proxy.gateway.pick import Known, Pick, PickView, endpoint, pick
-from epd_proxy.http.response import Request
+from epd_proxy.http.response import Request, parsed_request
 from epd_proxy.instances.adapters import Adapters
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.pool import InstancePool
@@ -155,7 +155,7 @@ class EndpointPicker:
     # -- the request ---------------------------------------------------------------------------
     async def decide(self, ask: Ask) -> Decision:
         """The endpoints for ``ask``, or the refusal the gateway answers with."""
-        req = Request(ask.method, ask.target, ask.headers, ask.body, True, None)
+        req = parsed_request(ask.method, ask.target, ask.headers, ask.body, True, None)
         path = req.path
         anthropic = speaks_anthropic(path)
         start = time.perf_counter()

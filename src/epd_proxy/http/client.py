@@ -31,31 +31,27 @@ from collections import deque
 from urllib.parse import urlsplit
 
 import httptools
+import msgspec
 
 from epd_proxy.http import Headers
 from epd_proxy.http.timers import ConnectionTimer
 from epd_proxy.http.transport import BodySink, TransportTimeouts, UpstreamError, UpstreamTimeout
 
 
-class Response:
-    """One upstream response: status and headers first, then the body."""
+class Response(msgspec.Struct, eq=False):
+    """One upstream response: status and headers first, then the body (a Struct: no ``__init__`` frame)."""
 
-    __slots__ = ("status", "headers", "content_type", "_conn", "_chunks", "_waiter", "_done", "_error", "_sink",
-                 "complete", "_released")
-
-    def __init__(self, conn: "_Connection", status: int, headers: dict[bytes, bytes]) -> None:
-        self.status = status
-        self.headers = headers
-        # An attribute, not a property over the headers: read on every answer.
-        self.content_type: bytes | None = headers.get(b"content-type")
-        self._conn = conn
-        self._chunks: list[bytes] = []
-        self._waiter: asyncio.Future | None = None
-        self._done: asyncio.Future | None = None
-        self._error: Exception | None = None
-        self._sink: BodySink | None = None
-        self.complete = False
-        self._released = False
+    _conn: _Connection
+    status: int
+    headers: dict[bytes, bytes]
+    content_type: bytes | None  # an attribute, not a property over the headers: read on every answer
+    _chunks: list[bytes] = []
+    _waiter: asyncio.Future | None = None
+    _done: asyncio.Future | None = None
+    _error: Exception | None = None
+    _sink: BodySink | None = None
+    complete: bool = False
+    _released: bool = False
 
     # -- fed by the connection (its ``on_body`` appends to ``_chunks`` or feeds the sink) ---
     def _finish(self, exc: Exception | None) -> None:
@@ -93,8 +89,14 @@ class Response:
             self._conn.resume_reading()
             await self._waiter
             self._waiter = None
-        chunk = self._chunks.pop(0) if len(self._chunks) > 1 else self._chunks.pop()
-        return chunk
+        return self._chunks.pop(0) if len(self._chunks) > 1 else self._chunks.pop()
+
+    def body(self) -> bytes | None:
+        """The whole body if all of it is here, else None (then ``await read()``): no coroutine."""
+        if not self.complete:
+            return None
+        chunks, self._chunks = self._chunks, []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -105,11 +107,7 @@ class Response:
             self._conn.resume_reading()
             await self._waiter
             self._waiter = None
-        if self._error is not None:
-            raise self._error
-        data = b"".join(self._chunks) if len(self._chunks) != 1 else self._chunks[0]
-        self._chunks = []
-        return data
+        return self.body()  # type: ignore[return-value]  # complete: the body
 
     def relay(self, sink: BodySink) -> None:
         """Send the rest of the body to ``sink`` as it arrives (anything buffered first)."""
@@ -211,9 +209,8 @@ class _Connection(asyncio.Protocol):
             # A close-delimited body ends at a clean EOF (a reset is a truncation).
             resp._finish(None)
         else:
-            self._fail(UpstreamError(
-                "upstream closed the connection" + (f": {exc}" if exc else ""),
-                response_started=self._got_bytes))
+            self._fail(UpstreamError("upstream closed the connection" + (f": {exc}" if exc else ""),
+                                     response_started=self._got_bytes))
         # The parser holds this connection's callbacks and the response refers back to it:
         # let go of both, so a closed connection is freed without the cyclic collector.
         self._response = None
@@ -247,7 +244,7 @@ class _Connection(asyncio.Protocol):
         headers = self._headers
         self._body_has_length = b"content-length" in headers or status in (204, 304) \
             or b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        resp = Response(self, status, headers)
+        resp = Response(self, status, headers, headers.get(b"content-type"))
         self._response = resp
         fut = self._head_future
         self._head_future = None
@@ -258,8 +255,10 @@ class _Connection(asyncio.Protocol):
         delay = self._timeouts.idle
         if delay is None:
             self._timer.due = None
-        else:
-            self._timer.arm_at(self._last_activity + delay)
+        elif self._timer.fires > (due := self._last_activity + delay):
+            self._timer.arm_at(due)
+        else:  # arm_at's common case, inline: the loop timer fires in time
+            self._timer.due = due
         if fut is not None and not fut.done():
             fut.set_result(resp)
         if self._head_request:
@@ -292,11 +291,12 @@ class _Connection(asyncio.Protocol):
             resp._finish(None)
 
     # -- request lifecycle ----------------------------------------------------------------
-    def send(self, head: bytes, body: bytes, timeouts: TransportTimeouts) -> asyncio.Future:
+    def send(self, head: bytes, body: bytes, timeouts: TransportTimeouts, is_head: bool = False) -> asyncio.Future:
+        """Send one request (``is_head``: its method is HEAD: no body will follow its answer)."""
         self.requests += 1
         self._got_bytes = False
         self._response = None
-        self._head_request = head.startswith(b"HEAD ")
+        self._head_request = is_head
         self._timeouts = timeouts
         self._head_future = fut = self.loop.create_future()
         self._last_activity = self._sent_at = now = self.loop.time()
@@ -310,8 +310,10 @@ class _Connection(asyncio.Protocol):
         delay = timeouts.headers
         if delay is None:
             self._timer.due = None
-        else:
-            self._timer.arm_at(now + delay)
+        elif self._timer.fires > (due := now + delay):
+            self._timer.arm_at(due)
+        else:  # arm_at's common case, inline: the loop timer fires in time
+            self._timer.due = due
         return fut
 
     # One timer, moved lazily (``timers``): armed for the header wait in ``send``, for the
@@ -468,9 +470,8 @@ class ConnectionPool:
         # cancelled request running.
         try:
             async with asyncio.timeout(timeout):
-                await self.loop.create_connection(
-                    lambda: conn, self.host, self.port, ssl=self._ssl,
-                    server_hostname=self.host if self._ssl else None)
+                await self.loop.create_connection(lambda: conn, self.host, self.port, ssl=self._ssl,
+                                                  server_hostname=self.host if self._ssl else None)
         except TimeoutError:
             self._free_slot()
             raise UpstreamError(f"connect to {self.url} timed out after {timeout:g} s", kind="connect") from None
@@ -630,7 +631,7 @@ class ConnectionPool:
         if conn is None:
             conn, reused = await self._fresh(timeouts, queue)
         while True:  # the exchange, in this coroutine (none of its own: every upstream request)
-            fut = conn.send(head, body, timeouts)
+            fut = conn.send(head, body, timeouts, method == "HEAD")
             try:
                 return await fut
             except asyncio.CancelledError:

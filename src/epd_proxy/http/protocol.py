@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Protocol
 
 import httptools
 
-from epd_proxy.http.response import Request, ResponseWriter, date_cache, status_line
+from epd_proxy.http.response import Request, ResponseWriter, date_cache, parsed_request, status_line
 from epd_proxy.http.server_limits import BodyBudget, ServerLimits
 from epd_proxy.http.timers import ConnectionTimer
 
@@ -442,7 +442,7 @@ class HttpServerProtocol(asyncio.Protocol):
         if self._ignoring_upgrade:
             return  # parsed again by _without_upgrade
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        request = Request(
+        request = parsed_request(
             self._method.decode("latin-1"),
             self._url,
             self._headers,

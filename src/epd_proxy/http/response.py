@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from email.utils import formatdate
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from epd_proxy.http import Headers
 
@@ -55,27 +57,30 @@ class DateCache:
 date_cache = DateCache()
 
 
-class Request:
-    """One parsed request; the body is fully buffered before the handler runs."""
+class Request(msgspec.Struct, eq=False):
+    """One parsed request; the body is fully buffered before the handler runs. Made by
+    :func:`parsed_request` (a ``msgspec.Struct``: no ``__init__`` frame on every request)."""
 
-    __slots__ = ("method", "target", "path", "query", "headers", "body", "keep_alive", "peer",
-                 "http_version")
-
-    def __init__(self, method: str, target: bytes, headers: dict[bytes, bytes], body: bytes,
-                 keep_alive: bool, peer, http_version: str = "1.1") -> None:
-        self.method = method
-        self.target = target
-        path, _, query = target.partition(b"?")
-        self.path = path.decode("latin-1")
-        self.query = query.decode("latin-1")
-        self.headers = headers  # lower-case names
-        self.body = body
-        self.keep_alive = keep_alive
-        self.peer = peer
-        self.http_version = http_version  # "1.1" or "1.0"
+    method: str
+    target: bytes
+    path: str
+    query: str
+    headers: dict[bytes, bytes]  # lower-case names
+    body: bytes
+    keep_alive: bool
+    peer: Any
+    http_version: str = "1.1"  # or "1.0"
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         return self.headers.get(name, default)
+
+
+def parsed_request(method: str, target: bytes, headers: dict[bytes, bytes], body: bytes, keep_alive: bool, peer,
+                   http_version: str = "1.1") -> Request:
+    """The request for ``target`` (its path and query split apart, as text)."""
+    path, _, query = target.partition(b"?")
+    return Request(method, target, path.decode("latin-1"), query.decode("latin-1"), headers, body, keep_alive, peer,
+                   http_version)
 
 
 class FlowListener:
@@ -107,7 +112,9 @@ class ResponseWriter:
     ``send`` writes a complete response. ``start`` / ``write`` / ``end`` write a
     chunked one, each call a single ``transport.write`` with no ``await``. (To an
     HTTP/1.0 client, which cannot parse chunked framing, the streamed body is sent
-    as is and ends when the connection closes.)
+    as is and ends when the connection closes.) A class with slots, not a ``msgspec.Struct``
+    as the other per-request records: a stream writes its attributes on every event, and a
+    slot's store is specialised by the interpreter where a Struct's is not.
     """
 
     __slots__ = ("_conn", "_transport", "started", "finished", "status", "bytes_sent",

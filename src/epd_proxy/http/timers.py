@@ -22,13 +22,15 @@ class ConnectionTimer:
     arm again). ``close()`` when the connection is gone: it lets go of the callback, which
     refers back to the connection."""
 
-    __slots__ = ("_loop", "_on_expiry", "_handle", "_when", "due")
+    __slots__ = ("_loop", "_on_expiry", "_handle", "fires", "due")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
         self._loop = loop
         self._on_expiry: Callable[[], None] | None = on_expiry
         self._handle: asyncio.TimerHandle | None = None
-        self._when = _NEVER  # when the loop timer fires (its ``when()``, kept: no call to ask it)
+        # When the loop timer fires (its ``when()``, kept: no call to ask it). A deadline at or
+        # after it needs no new loop timer: the connections' hot paths then only set ``due``.
+        self.fires = _NEVER
         # The armed deadline (loop time); None = disarmed. Disarming is setting it to None,
         # which the connections' hot paths do inline rather than calling ``disarm``.
         self.due: float | None = None
@@ -36,25 +38,25 @@ class ConnectionTimer:
     def arm_at(self, due: float) -> None:
         """Expire at ``due`` (loop time), replacing any earlier deadline."""
         self.due = due
-        if self._when <= due:
+        if self.fires <= due:
             return  # the loop timer fires in time; it re-aims then
         handle = self._handle
         if handle is not None:
             handle.cancel()
         self._handle = self._loop.call_at(due, self._fire)
-        self._when = due
+        self.fires = due
 
     def arm(self, delay: float) -> None:
         """Expire ``delay`` seconds from now; a delay of 0 (or less) disarms."""
         if delay > 0:
             due = self.due = self._loop.time() + delay  # arm_at's, inline: a keep-alive request arms twice
-            if self._when <= due:
+            if self.fires <= due:
                 return
             handle = self._handle
             if handle is not None:
                 handle.cancel()
             self._handle = self._loop.call_at(due, self._fire)
-            self._when = due
+            self.fires = due
         else:
             self.due = None
 
@@ -68,17 +70,17 @@ class ConnectionTimer:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        self._when = _NEVER
+        self.fires = _NEVER
 
     def _fire(self) -> None:
         self._handle = None
-        self._when = _NEVER
+        self.fires = _NEVER
         due = self.due
         if due is None or self._on_expiry is None:
             return
         if self._loop.time() < due:
             self._handle = self._loop.call_at(due, self._fire)
-            self._when = due
+            self.fires = due
             return
         self.due = None
         self._on_expiry()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 
-class RequestRecord:
+
+class RequestRecord(msgspec.Struct, eq=False):
     """One generation request: its id, what it asked (``path``, ``stream``), how it ended
     (``outcome``: ok, in_band_error, client_gone, shutdown, error) and ``answer``, the bytes
     holding the usage object (a whole answer or a stream's last reads). Who asked: ``peer``
@@ -18,32 +20,31 @@ class RequestRecord:
     series). ``hide_usage``: the proxy asked decode for a usage event the client did not.
     ``first_byte``: seconds from arrival to the commit (None: never committed); ``gap``: a
     stream's mean gap between events; ``items``: its media items (the console's, recent.py);
-    ``ticket``: its key's tenancy (tenants/limiter.py: the class the access log shows), if any."""
+    ``ticket``: its key's tenancy (tenants/limiter.py: the class the access log shows), if any;
+    ``tokens``: the answer's tokens, when read before the end. A ``msgspec.Struct``: built in C,
+    without the ``__init__`` frame a class pays on every request."""
 
-    __slots__ = ("start", "request_id", "method", "path", "stream", "outcome", "answer", "ctx", "peer",
-                 "headers", "key", "model", "series", "hide_usage", "first_byte", "gap", "items",
-                 "ticket", "moves")
-
-    def __init__(self, request_id: str, method: str, path: str, start: float, peer=None, headers=None,
-                 key: str | None = None, series: Any = None) -> None:
-        self.start = start  # perf_counter at arrival
-        self.request_id = request_id
-        self.method = method
-        self.path = path
-        self.stream = False
-        self.outcome = "error"
-        self.answer: bytes | None = None
-        self.ctx: Any = None  # the RequestContext, once the body is parsed (legs, timings, trace)
-        self.peer = peer
-        self.headers = headers
-        self.key = key
-        self.model: str | None = None
-        self.series = series
-        self.hide_usage = False
-        self.first_byte: float | None = None
-        self.gap: float | None = None
-        self.items = 0
-        self.ticket: Any = None
-        # A stream continued on another decode: (reason, result, from, to, seconds) per move
-        # (request/migration.py); None: never moved.
-        self.moves: list | None = None
+    request_id: str
+    method: str
+    path: str
+    start: float  # perf_counter at arrival
+    peer: Any = None
+    headers: Any = None
+    key: str | None = None
+    series: Any = None
+    stream: bool = False
+    outcome: str = "error"
+    answer: bytes | None = None
+    ctx: Any = None  # the RequestContext, once the body is parsed (legs, timings, trace)
+    model: str | None = None
+    hide_usage: bool = False
+    first_byte: float | None = None
+    gap: float | None = None
+    items: int = 0
+    ticket: Any = None
+    # A stream continued on another decode: (reason, result, from, to, seconds) per move
+    # (request/migration.py); None: never moved.
+    moves: list | None = None
+    # The answer's tokens (observe/tokens.py), when the client's usage rewrite read them on the
+    # way (request/answer.py); None: read from ``answer`` at the end.
+    tokens: tuple | None = None

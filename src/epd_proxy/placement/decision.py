@@ -50,6 +50,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+import msgspec
+
 from epd_proxy.encode.multimodal import MediaItem
 from epd_proxy.instances.instance import Instance
 from epd_proxy.instances.models import ModelKey, paired_key
@@ -123,11 +125,12 @@ class Known:
         return self.connector == "nixl"
 
 
-@dataclass(slots=True, eq=False)
-class Placement:
+class Placement(msgspec.Struct, eq=False):
     """Where one attempt's legs go, and why. ``prefill`` None: the decode computes the prompt
     (``connector`` is then "none"); ``kv_from``: the decode whose KV of the previous turn the
-    prefill reads; ``rank``: the decode's data-parallel rank for an EC consumer (None: any)."""
+    prefill reads; ``rank``: the decode's data-parallel rank for an EC consumer (None: any).
+    A ``msgspec.Struct``: built in C, without the ``__init__`` frame of a dataclass, on every
+    attempt."""
 
     decode: Instance
     decode_why: str
@@ -202,7 +205,7 @@ def _place(ask: Asking, known: Known, media: bool, turn: PreviousTurn | None, wh
     p: Choice | None = None
     if known.prefill.instances or known.prefill_needed:
         p = pick(known.prefill, ask.excluded, ask.view, None if models is None else models["prefill"], ask.timed_out)
-    # Positional arguments: a class called with keywords builds a dict (one Placement per attempt).
+    # Positional arguments (one Placement per attempt).
     if p is not None:
         placed = Placement(d[0], d[1], p[0], p[1], known.connector, None, None, None, False, d[2], p[2])
     else:

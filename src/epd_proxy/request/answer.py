@@ -40,7 +40,7 @@ from epd_proxy.request.turns.answers import NO_PARAMS, NO_PARAMS_TAIL, carries_p
 from epd_proxy.request.turns.reuse import TurnReuse
 from epd_proxy.request.turns.streams import MARK
 from epd_proxy.request.usage.hidden import HiddenUsage
-from epd_proxy.request.usage.rewrite import rewrite_usage
+from epd_proxy.request.usage.rewrite import rewrite_answer_usage
 
 if TYPE_CHECKING:
     from epd_proxy.request.context import RequestContext
@@ -60,8 +60,10 @@ class Answers:
         them is sent, so that a next turn on another replica finds them."""
         await self.reuse.written()
 
-    def whole(self, ctx: RequestContext, body: dict, leg: DecodeLeg, api: GenerationApi | None) -> bytes:
-        """A whole answer as the client gets it (then :meth:`written`, while ``writes`` has some)."""
+    def whole(self, ctx: RequestContext, body: dict, leg: DecodeLeg, api: GenerationApi | None
+              ) -> tuple[bytes, tuple | None]:
+        """A whole answer as the client gets it (then :meth:`written`, while ``writes`` has some),
+        and its tokens when the usage rewrite read them (None: not read; ``usage_of`` reads them)."""
         answer = leg.body
         assert answer is not None
         # An answer without decode's parameters is told by its last bytes (inline: every
@@ -73,10 +75,10 @@ class Answers:
             self.reuse.answered_plain(ctx, leg.inst)  # a decode that keeps no blocks: not asked again
         report = ctx.prefill_report  # P/D: the client's usage is the request's (usage/rewrite.py)
         if report is None:
-            return answer
+            return answer, None
         if api is None:
-            return rewrite_usage(answer, report)
-        return api.client_answer(answer, report) if api.rewrite_usage else answer
+            return rewrite_answer_usage(answer, report)
+        return (api.client_answer(answer, report) if api.rewrite_usage else answer), None
 
     async def stream(self, writer: ResponseWriter, ctx: RequestContext, body: dict, leg: DecodeLeg,
                      headers: Headers, hide: bool, api: GenerationApi | None,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from epd_proxy.http import Headers
 from epd_proxy.instances.instance import Instance
@@ -21,60 +24,60 @@ _JSON_HEADER = (b"content-type", b"application/json")
 _NONE: frozenset = frozenset()
 
 
-class RequestContext:
+class RequestContext(msgspec.Struct, eq=False):
     """What every stage of one client request shares.
 
     ``excluded`` collects the instances that failed this request, so a retry
     prefers others; ``hold``/``release`` keep each instance's in-flight count
     (the least-loaded policy's signal) exact even when a request is cancelled.
+
+    A ``msgspec.Struct``: built in C with its defaults (the empty collections copied), without
+    the ``__init__`` frame a class pays on every request. Made with the request's id, its path
+    and the headers every upstream call carries (``--upstream-api-key``'s, the forwarded ones).
     """
 
-    __slots__ = ("request_id", "path", "excluded", "timings", "upstream", "legs", "trace", "view",
-                 "_base_headers", "held", "prefill_report", "timed_out", "api", "whole", "models",
-                 "conversation", "turn_tried", "kv_reuse", "ids_asked", "kv_outcome", "tokenized",
-                 "_backlog", "scope", "placement", "steered", "_first_headers")
-
-    def __init__(self, request_id: str, path: str, base_headers: Headers) -> None:
-        self.request_id = request_id
-        self.path = path
-        self.excluded: set[Instance] = set()
-        self.timings: dict[str, float] = {}
-        self.upstream = 0.0  # wall time in the stage phases (the proxy's overhead is the rest)
-        self.view: RequestView = EMPTY_VIEW  # the routing keys, when a policy reads them
-        self._base_headers = base_headers
-        self._first_headers: tuple | None = None  # upstream_headers' first two, for this request's id
-        # The instances whose legs are open (``hold``; the stages append inline on every leg).
-        self.held: list[Instance] = []
-        # Prompt tokens counted in instances' backlog for this request (``queue``), with KV events.
-        self._backlog: list[tuple[Instance, int]] | None = None
-        self.legs: list[Instance] = []  # every instance called, in order (the access log's record)
-        self.trace: RequestTrace | None = None  # when tracing is on
-        # The prefill's answer about the prompt (usage/rewrite.py), for the client's usage; set by
-        # the prefill stage, cleared at each attempt's start.
-        self.prefill_report: PrefillReport | None = None
-        # The instances that timed out on this request: no attempt goes back to them.
-        self.timed_out: frozenset[Instance] = _NONE
-        # A generation API besides chat and completions (apis.py), and then ``whole``: why
-        # it is served by one instance (None: disaggregated). Only set with ``api``.
-        self.api: GenerationApi | None = None
-        self.whole: str | None
-        # Per role, the model its instances must serve (instances/models.py); None: any
-        # instance serves it (one set of models in the cluster, the common case).
-        self.models: dict[str, ModelKey] | None = None
-        # Multi-turn KV reuse (multiturn.py): the client's conversation_id hint, whether this
-        # request looked for its previous turn's parameters (once: never on a retry), and
-        # the parameters the prefill gets instead of the plain ones.
-        self.conversation: str | None = None
-        self.turn_tried = False
-        self.kv_reuse: KVReuse | None = None
-        self.ids_asked = False  # decode was asked for token ids the client did not ask for
-        self.kv_outcome: str | None = None  # the turn's outcome (turns/outcomes.py), once looked up
-        self.tokenized: list[Instance] | None = None  # instances that tokenized the prompt for the token check
-        # The scope of the client key the request presented (tenants/key_scope.py): what it
-        # stores or reads back (responses, turns, media uuids) is its key's. None without keys.
-        self.scope: bytes | None = None
-        self.placement: Placement | None = None  # the last attempt's (placement/decision.py)
-        self.steered: Steered | None = None  # what the gateway named (placement/steered.py; the sidecar)
+    request_id: str
+    path: str
+    _base_headers: Headers
+    excluded: set[Instance] = set()
+    timings: dict[str, float] = {}
+    upstream: float = 0.0  # wall time in the stage phases (the proxy's overhead is the rest)
+    # The routing keys, when a policy reads them (the one EMPTY_VIEW else, from a C callable:
+    # a Struct default must be immutable or made by a factory).
+    view: RequestView = msgspec.field(default_factory=repeat(EMPTY_VIEW).__next__)
+    _first_headers: tuple | None = None  # upstream_headers' first two, for this request's id
+    # The instances whose legs are open (``hold``; the stages append inline on every leg).
+    held: list[Instance] = []
+    # Prompt tokens counted in instances' backlog for this request (``queue``), with KV events.
+    _backlog: list[tuple[Instance, int]] | None = None
+    legs: list[Instance] = []  # every instance called, in order (the access log's record)
+    trace: RequestTrace | None = None  # when tracing is on
+    # The prefill's answer about the prompt (usage/rewrite.py), for the client's usage; set by
+    # the prefill stage, cleared at each attempt's start.
+    prefill_report: PrefillReport | None = None
+    # The instances that timed out on this request: no attempt goes back to them.
+    timed_out: frozenset[Instance] = _NONE
+    # A generation API besides chat and completions (apis.py), and then ``whole``: why
+    # it is served by one instance (None: disaggregated). Only set with ``api``.
+    api: GenerationApi | None = None
+    whole: str | None = None
+    # Per role, the model its instances must serve (instances/models.py); None: any
+    # instance serves it (one set of models in the cluster, the common case).
+    models: dict[str, ModelKey] | None = None
+    # Multi-turn KV reuse (multiturn.py): the client's conversation_id hint, whether this
+    # request looked for its previous turn's parameters (once: never on a retry), and
+    # the parameters the prefill gets instead of the plain ones.
+    conversation: str | None = None
+    turn_tried: bool = False
+    kv_reuse: KVReuse | None = None
+    ids_asked: bool = False  # decode was asked for token ids the client did not ask for
+    kv_outcome: str | None = None  # the turn's outcome (turns/outcomes.py), once looked up
+    tokenized: list[Instance] | None = None  # instances that tokenized the prompt for the token check
+    # The scope of the client key the request presented (tenants/key_scope.py): what it
+    # stores or reads back (responses, turns, media uuids) is its key's. None without keys.
+    scope: bytes | None = None
+    placement: Placement | None = None  # the last attempt's (placement/decision.py)
+    steered: Steered | None = None  # what the gateway named (placement/steered.py; the sidecar)
 
     def upstream_headers(self, request_id: str | None = None, extra: Headers | None = None) -> Headers:
         if not request_id:

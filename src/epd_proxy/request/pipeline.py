@@ -56,7 +56,7 @@ from epd_proxy.request.context import RequestContext
 from epd_proxy.request.deadline import Deadlines
 from epd_proxy.request.entry_gate import EntryGate
 from epd_proxy.request.ingress import CHAT, COMPLETIONS, parse_body, request_id
-from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, LegPlan
+from epd_proxy.request.legs.connectors import DecodeOnly, KVConnector, leg_plan
 from epd_proxy.request.legs.fanout import EncoderFanout
 from epd_proxy.request.legs.stage_bodies import stream_options_with_usage
 from epd_proxy.request.legs.stages import DecodeLeg
@@ -349,7 +349,7 @@ class Pipeline:
                 self._remember(leg, ctx.scope)
             if leg.body is not None:
                 answers = self.answers
-                rec.answer = answers.whole(ctx, body, leg, api)
+                rec.answer, rec.tokens = answers.whole(ctx, body, leg, api)
                 if answers.writes:  # a kept turn: in the shared store before the client can send the next
                     await answers.written()
                 writer.send(leg.resp.status, rec.answer, leg.resp.content_type, headers)
@@ -399,7 +399,7 @@ class Pipeline:
         # 499: the client went away before a status was sent (nginx's convention).
         status = writer.status or 499
         access = self.gate.access_log  # the attribute, not the property: every request reads it
-        tokens = usage_of(rec.answer)
+        tokens = rec.tokens or usage_of(rec.answer)  # read once: the usage rewrite's, if it read them
         if tokens[1] is not None:
             self.metrics.observe_tokens(rec.series, tokens)
         ctx = rec.ctx
@@ -496,7 +496,7 @@ class Pipeline:
             await _take_slot("prefill", cap)
         t = time.perf_counter()
         try:
-            return await connector.open(ctx, LegPlan(body, placed, self._again))
+            return await connector.open(ctx, leg_plan(body, placed, self._again))
         finally:
             ctx.upstream += time.perf_counter() - t
             if cap is not None:
@@ -534,7 +534,7 @@ class Pipeline:
         placed = ctx.placement = place(ctx, self.known, whole=True, owner=owner)
         t = time.perf_counter()
         try:
-            return await self.decode_only.open(ctx, LegPlan(body, placed))
+            return await self.decode_only.open(ctx, leg_plan(body, placed))
         finally:
             ctx.upstream += time.perf_counter() - t
 

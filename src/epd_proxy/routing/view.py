@@ -13,6 +13,8 @@ import zlib
 from array import array
 from typing import TYPE_CHECKING, Sequence
 
+import msgspec
+
 from epd_proxy.encode.multimodal import EMBEDS_TYPES
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -56,7 +58,7 @@ def instance_seed(url: str) -> int:
     return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "big")
 
 
-class RequestView:
+class RequestView(msgspec.Struct, eq=False):
     """What a policy may know of a request: its routing keys, nothing else. Built by the
     pipeline over the parsed body (chat: after ``collect_media`` validated it).
 
@@ -73,27 +75,26 @@ class RequestView:
     ``tokens`` the prompt's length in tokens. None without (approximate routing).
     ``recalled``: with a shared state store, the instances another replica sent the turn
     before this one to (``placement/shared_homes.py``).
+
+    Made as ``RequestView(body, media, chat)`` (or :func:`anchored_view`); a ``msgspec.Struct``:
+    built in C, without the ``__init__`` frame a class pays on every request.
     """
 
-    __slots__ = ("_body", "_media", "_chat", "_anchor", "_items", "_reuse", "_mark", "_previous", "held", "live",
-                 "tokens", "kv_keys", "recalled")
-
-    def __init__(self, body: dict | None = None, media: Sequence[MediaItem] = (), chat: bool = True, *,
-                 anchor: int | None = None) -> None:
-        self._body = body
-        self._media = media
-        self._chat = chat
-        self._anchor = anchor if anchor is not None or body is not None else 0
-        self._items: list[str] | None = None
-        self._reuse: float | None = None if body is not None else 1.0
-        self._mark = self._previous = 0
-        self.held: dict[str, int] | None = None
-        self.live: frozenset[str] = frozenset()
-        self.tokens = 0
-        self.kv_keys: list[int] = []  # the prompt's block keys (the speculative entries of the choice)
-        # Where another replica sent the turn before this one, read from the shared state store
-        # (placement/shared_homes.py): None until looked up.
-        self.recalled: tuple[str, ...] | None = None
+    _body: dict | None = None
+    _media: Sequence[MediaItem] = ()
+    chat: bool = True  # a chat's messages (else a completions prompt)
+    _anchor: int | None = None  # computed on first use (0 without a body: see anchored_view)
+    _items: list[str] | None = None
+    _reuse: float | None = None
+    _mark: int = 0
+    _previous: int = 0
+    held: dict[str, int] | None = None
+    live: frozenset[str] = frozenset()
+    tokens: int = 0
+    kv_keys: list[int] = []  # the prompt's block keys (the speculative entries of the choice)
+    # Where another replica sent the turn before this one, read from the shared state store
+    # (placement/shared_homes.py): None until looked up.
+    recalled: tuple[str, ...] | None = None
 
     def exact(self, urls) -> bool:
         """Whether the block index speaks for every one of ``urls`` (then ``held`` is exact)."""
@@ -104,9 +105,10 @@ class RequestView:
         anchor = self._anchor
         if anchor is None:
             body = self._body
-            assert body is not None  # no anchor given: there is a body to compute it from
+            if body is None:  # no request to compute it from (EMPTY_VIEW): none
+                return 0
             try:
-                anchor = (_chat_anchor(body.get("messages"), self.items) if self._chat
+                anchor = (_chat_anchor(body.get("messages"), self.items) if self.chat
                           else _prompt_anchor(body.get("prompt")))
             except Exception:  # a body shape nobody foresaw routes by load; it never fails the request
                 anchor = 0
@@ -131,7 +133,7 @@ class RequestView:
         reuse = self._reuse
         if reuse is None:
             try:
-                if self._chat and self._body:
+                if self.chat and self._body:
                     reuse, self._mark, self._previous = _chat_turns(self._body.get("messages"))
                 else:
                     reuse = 1.0
@@ -160,6 +162,11 @@ class RequestView:
 
 
 EMPTY_VIEW = RequestView()
+
+
+def anchored_view(anchor: int) -> RequestView:
+    """A request known only by its anchor (no body: all history, the full slack)."""
+    return RequestView(_anchor=anchor)
 
 
 def _chat_anchor(messages, uuids: list[str]) -> int:

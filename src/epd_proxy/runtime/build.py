@@ -263,7 +263,8 @@ async def start_proxy(config: ProxyConfig, host: str = "127.0.0.1", port: int = 
     if adapt is not None:
         adapt(app)
     await app.start()
-    handler = log_requests(app) if config.log_requests else app
+    # The bound method, not the app: called through vectorcall, not the type's __call__ slot (every request).
+    handler = log_requests(app) if config.log_requests else app.__call__
     if surface is not None:
         handler = surface(handler)
     try:

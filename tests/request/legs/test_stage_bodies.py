@@ -1,11 +1,17 @@
 import copy
 
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from epd_proxy.request.legs.stage_bodies import (
     NIXL_PREFILL_PARAMS,
     decode_body,
     nixl_prefill_request_params,
     prefill_body,
+    prompt_once,
 )
+from epd_proxy.wire.blobs import decode_chat_body, encode_json
 
 P_PARAMS = {
     "do_remote_decode": True,
@@ -114,3 +120,34 @@ def test_retry_does_not_inherit_previous_params():
     p2 = prefill_body(body, nixl_prefill_request_params())
     assert p2["kv_transfer_params"] == P_PARAMS
     assert body == before
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+                     max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=_json, key=st.sampled_from(["messages", "prompt"]), extra=st.dictionaries(st.text(), _json, max_size=3))
+def test_the_prompt_encoded_once_gives_both_legs_the_same_bytes(prompt, key, extra):
+    body = {**extra, "model": "m", key: prompt, "max_tokens": 8}
+    kv = msgspec.Raw(b'{"remote_engine_id":"p0"}')
+    once = prompt_once(body)
+    for made in (lambda b: prefill_body(b, nixl_prefill_request_params()), lambda b: decode_body(b, kv=kv)):
+        assert encode_json(made(once)) == encode_json(made(body))
+    assert body[key] is prompt  # the client body untouched (a retry starts from it)
+
+
+def test_a_media_literal_in_the_prompt_is_written_back_verbatim():
+    data = "data:image/png;base64," + "A" * 5000
+    raw = msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data}}]}]})
+    body = decode_chat_body(raw)  # the literal left as a Blob
+    once = prompt_once(body)
+    assert isinstance(once["messages"], msgspec.Raw)
+    assert encode_json(decode_body(once, kv=None)) == encode_json(decode_body(body, kv=None)) == raw
+
+
+def test_a_body_without_a_prompt_is_left_as_it_is():
+    body = {"model": "m"}
+    assert prompt_once(body) is body

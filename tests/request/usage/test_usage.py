@@ -9,7 +9,14 @@ from helpers import chat_body, stack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.request.usage.rewrite import PrefillReport, merged_usage, rewrite_final_usage_events, rewrite_usage
+from epd_proxy.observe.tokens import usage_of
+from epd_proxy.request.usage.rewrite import (
+    PrefillReport,
+    merged_usage,
+    rewrite_answer_usage,
+    rewrite_final_usage_events,
+    rewrite_usage,
+)
 from epd_proxy.sim import SimConfig, expected_text, prompt_tokens
 
 
@@ -125,6 +132,41 @@ def test_the_rewrite_keeps_every_other_byte_and_a_consistent_usage(decode, prefi
     spaced = body.replace(b'"usage":', b'"usage": ')
     slow = rewrite_usage(spaced, report(prefill, {"remote_prefill_cached_tokens": remote}))
     assert msgspec.json.decode(slow)["usage"] == usage
+
+
+_extra = st.dictionaries(st.sampled_from(["input_tokens", "output_tokens", "cache_read_input_tokens",
+                                          "input_tokens_details", "completion_tokens_details"]),
+                         st.one_of(_counts, st.just("x"), st.none()), max_size=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(decode=_usage, extra=_extra, prefill=st.one_of(st.none(), _usage), agree=st.booleans(),
+       drop_details=st.booleans())
+def test_a_whole_answers_usage_is_read_once_for_the_client_and_the_metrics(decode, extra, prefill, agree,
+                                                                          drop_details):
+    """What the metrics and the access log read from the client's answer (usage_of) is what the
+    rewrite read on the way, when it says so; the answer's bytes are rewrite_usage's."""
+    if agree:  # the common case: both counted the same prompt, the total adds up
+        decode["total_tokens"] = decode["prompt_tokens"] + decode["completion_tokens"]
+        if prefill is not None:
+            prefill["prompt_tokens"] = decode["prompt_tokens"]
+    if drop_details:
+        del decode["prompt_tokens_details"]
+    decode.update(extra)
+    body = b'{"id":"x","choices":[],"usage":' + msgspec.json.encode(decode) + b',"kv_transfer_params":null}'
+    r = report(prefill)
+    out, tokens = rewrite_answer_usage(body, r)
+    assert out == rewrite_usage(body, r)
+    if tokens is not None:
+        assert out is body and tokens == usage_of(out)
+
+
+def test_the_common_answer_s_tokens_come_with_it():
+    body = (b'{"id":"x","choices":[],"usage":{"prompt_tokens":40,"total_tokens":48,"completion_tokens":8,'
+            b'"prompt_tokens_details":null,"completion_tokens_details":null},"kv_transfer_params":null}')
+    out, tokens = rewrite_answer_usage(body, report({"prompt_tokens": 40, "total_tokens": 41,
+                                                     "completion_tokens": 1, "prompt_tokens_details": None}))
+    assert out is body and tokens == (40, 8, None) == usage_of(body)
 
 
 def test_a_usage_key_inside_the_text_is_not_the_usage():

@@ -23,7 +23,7 @@ from epd_proxy.instances.instance import Instance
 from epd_proxy.placement.decision import Placement
 from epd_proxy.request.context import RequestContext
 from epd_proxy.request.legs.hedged import PrefillHedging
-from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body
+from epd_proxy.request.legs.stage_bodies import decode_body, nixl_prefill_request_params, prefill_body, prompt_once
 from epd_proxy.request.legs.stages import DecodeLeg, DecodeStage, PrefillStage
 from epd_proxy.wire.errors import ProxyError
 from epd_proxy.wire.ids import hex_id, uuid4_str
@@ -31,24 +31,27 @@ from epd_proxy.wire.ids import hex_id, uuid4_str
 log = logging.getLogger("epd_proxy.connectors")
 
 
-class LegPlan:
+class LegPlan(msgspec.Struct, eq=False):
     """What one attempt sends where: the body, and the placement it carries out
     (placement/decision.py): its prefill, its decode and the decode's headers (X-data-parallel-rank
     for an EC consumer replica); ``again`` makes its decode anew without the ones that failed
-    (the KV hand-over), when the caller allows it."""
+    (the KV hand-over), when the caller allows it. Made by :func:`leg_plan` (a ``msgspec.Struct``:
+    no ``__init__`` frame on every attempt)."""
 
-    __slots__ = ("body", "placement", "again", "prefill", "decode", "decode_headers")
+    body: dict  # the consumer body: the client's, with media rewritten to embeddings
+    placement: Placement
+    again: Callable[[RequestContext, Placement], Instance | None] | None
+    prefill: Instance | None
+    decode: Instance
+    decode_headers: Headers | None
 
-    def __init__(self, body: dict, placement: Placement,
-                 again: Callable[[RequestContext, Placement], Instance | None] | None = None) -> None:
-        self.body = body  # the consumer body: the client's, with media rewritten to embeddings
-        self.placement = placement
-        self.again = again
-        self.prefill = placement.prefill
-        self.decode = placement.decode
-        rank = placement.rank
-        self.decode_headers: Headers | None = None if rank is None else [
-            (b"x-data-parallel-rank", str(rank).encode())]
+
+def leg_plan(body: dict, placement: Placement,
+             again: Callable[[RequestContext, Placement], Instance | None] | None = None) -> LegPlan:
+    """The plan carrying out ``placement`` with ``body``."""
+    rank = placement.rank
+    return LegPlan(body, placement, again, placement.prefill, placement.decode,
+                   None if rank is None else [(b"x-data-parallel-rank", str(rank).encode())])
 
 
 class KVConnector:
@@ -101,8 +104,11 @@ class NixlPull(KVConnector):
 
     async def open(self, ctx: RequestContext, plan: LegPlan) -> DecodeLeg:
         assert plan.prefill is not None
+        body = plan.body
         if ctx.kv_reuse is None:  # the common case, without a coroutine of its own
-            p_body = prefill_body(plan.body, nixl_prefill_request_params(), ctx.api)
+            if ctx.api is None:  # chat, completions: the prompt encoded once for both legs
+                body = prompt_once(body)
+            p_body = prefill_body(body, nixl_prefill_request_params(), ctx.api)
             hedging = self.hedging
             if hedging is None or len(plan.placement.prefill_among) < 2:  # no other prefill to hedge on
                 kv = await self.prefill.run(ctx, plan.prefill, p_body)
@@ -122,7 +128,7 @@ class NixlPull(KVConnector):
                         plan.prefill.url)
             raise ProxyError(502, "prefill instance returned no kv_transfer_params; is it running with a "
                                   "NIXL kv-transfer-config?", retryable=True)
-        body = decode_body(plan.body, kv=kv)
+        body = decode_body(body, kv=kv)
         decode = plan.decode
         try:
             while True:
@@ -225,8 +231,9 @@ class NixlPush(KVConnector):
         transfer_id = f"xfer-{uuid4_str()}"
         assert plan.prefill is not None
         p_kv, d_kv, p_headers = await self.legs(ctx, plan, leg_id, transfer_id)
-        p_body = prefill_body(plan.body, p_kv, ctx.api)
-        d_body = decode_body(plan.body, kv=d_kv)
+        body = prompt_once(plan.body) if ctx.api is None else plan.body  # chat, completions: encoded once
+        p_body = prefill_body(body, p_kv, ctx.api)
+        d_body = decode_body(body, kv=d_kv)
         loop = asyncio.get_running_loop()
         prefill = loop.create_task(self.prefill.run(ctx, plan.prefill, p_body, p_headers, request_id=leg_id))
         decode = loop.create_task(self.decode.open(ctx, plan.decode, d_body, plan.decode_headers,

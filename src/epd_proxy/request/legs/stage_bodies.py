@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from epd_proxy.wire.blobs import encode_json
+
 if TYPE_CHECKING:
     from epd_proxy.request.apis import GenerationApi
 
@@ -38,6 +40,20 @@ def nixl_prefill_request_params(transfer_id: str | None = None) -> dict:
     out: dict[str, object] = dict(NIXL_PREFILL_PARAMS)
     if transfer_id is not None:
         out["transfer_id"] = transfer_id
+    return out
+
+
+def prompt_once(body: dict) -> dict:
+    """``body`` (chat's or completions') with its prompt, the ``messages`` or the ``prompt``,
+    encoded to JSON once, as a ``msgspec.Raw`` that :func:`~epd_proxy.wire.blobs.encode_json`
+    writes back verbatim: the prefill's and the decode's bodies made from it carry the same
+    bytes as before, and their largest value is encoded once between them, not once each."""
+    key = "messages" if "messages" in body else "prompt"
+    prompt = body.get(key)
+    if prompt is None:
+        return body
+    out = dict(body)
+    out[key] = msgspec.Raw(encode_json(prompt))
     return out
 
 

@@ -32,6 +32,9 @@ class _PrefillReply(msgspec.Struct):
     usage: msgspec.Raw = msgspec.Raw(b"null")  # kept for the client's usage (usage/rewrite.py)
 
 
+_prefill_reply = msgspec.json.Decoder(_PrefillReply).decode  # a decoder made once: every prefill's answer
+
+
 class PrefillStage(UpstreamStage):
     """One prefill call: the whole (1-token, non-streamed) answer, and its
     ``kv_transfer_params`` kept as raw bytes so decode gets them verbatim."""
@@ -42,34 +45,69 @@ class PrefillStage(UpstreamStage):
     async def run(self, ctx: RequestContext, inst: Instance, body: dict, extra_headers: Headers | None = None,
                   request_id: str | None = None) -> msgspec.Raw | None:
         t0 = time.perf_counter()
-        data = await self.exchange(ctx, inst, ctx.path, encode_json(body),
-                                   ctx.upstream_headers(request_id, extra_headers))
+        # exchange's, inline: one coroutine less under every wait of every prefill.
+        headers = ctx.upstream_headers(request_id, extra_headers)
+        payload = encode_json(body)
+        inst.requests += 1
+        inst.inflight += 1  # ctx.hold's, inline
+        ctx.held.append(inst)
+        ctx.legs.append(inst)
+        trace = ctx.trace
+        if trace is not None:
+            headers = trace.leg(inst, self.role, headers)
+        try:
+            resp = await inst.connections.request("POST", ctx.path, body=payload, headers=headers,
+                                                  timeouts=self.timeouts)
+            if trace is not None:
+                trace.status(inst, resp.status)
+        except UpstreamError as exc:
+            if trace is not None:
+                trace.failed(inst, str(exc))
+            ctx.release(inst)
+            raise self.transport_error(ctx, inst, exc, "sending the request") from None
+        except BaseException:
+            ctx.release(inst)
+            raise
+        try:
+            data = resp.body()  # all here with its head (a small answer's common case): no coroutine
+            if data is None:
+                try:
+                    data = await resp.read()
+                except UpstreamError as exc:
+                    raise self.transport_error(ctx, inst, exc, "reading its answer") from None
+        finally:
+            resp.close()
+            ctx.release(inst)
+        if resp.status != 200:
+            raise self.status_error(ctx, inst, resp.status, data, resp.content_type)
+        self.outliers.record_success(inst)
         timings = ctx.timings  # ctx.timing's, inline (so below): every request
         timings["prefill"] = timings.get("prefill", 0.0) + (time.perf_counter() - t0)
         try:
-            reply = msgspec.json.decode(data, type=_PrefillReply)
+            reply = _prefill_reply(data)
             raw = reply.kv_transfer_params
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("request %s: prefill instance %s returned an unreadable answer", ctx.request_id,
                         inst.url)
             raise ProxyError(502, "prefill instance returned an unreadable answer", retryable=True) from None
-        ctx.prefill_report = PrefillReport(bytes(reply.usage), bytes(raw))
-        return None if bytes(raw) == b"null" else raw
+        kv = bytes(raw)
+        ctx.prefill_report = PrefillReport(bytes(reply.usage), kv)
+        return None if kv == b"null" else raw
 
 
-class DecodeLeg:
+class DecodeLeg(msgspec.Struct, eq=False):
     """An opened decode response: headers received, and for a stream the first
-    SSE event already read (``first``), so nothing has been committed yet."""
+    SSE event already read (``first``), so nothing has been committed yet.
 
-    __slots__ = ("inst", "resp", "first", "body", "companion")
+    A ``msgspec.Struct`` (so the other per-request records): built in C, without the
+    ``__init__`` frame a class pays on every request."""
 
-    def __init__(self, inst: Instance, resp: Response, first: bytes = b"", body: bytes | None = None) -> None:
-        self.inst = inst
-        self.resp = resp
-        self.first = first
-        self.body = body  # the whole answer, non-stream
-        # A leg still running beside decode (push mode's prefill), watched by the relay.
-        self.companion: asyncio.Task | None = None
+    inst: Instance
+    resp: Response
+    first: bytes = b""
+    body: bytes | None = None  # the whole answer, non-stream
+    # A leg still running beside decode (push mode's prefill), watched by the relay.
+    companion: asyncio.Task | None = None
 
 
 class DecodeStage(UpstreamStage):
@@ -110,14 +148,16 @@ class DecodeStage(UpstreamStage):
                 raise self.status_error(ctx, inst, resp.status, data, resp.content_type)
             ctype = resp.content_type or b""
             if not ctype.startswith(b"text/event-stream"):
-                try:  # read_body's, inline: every non-stream answer passes here
-                    data = await resp.read()
-                except UpstreamError as exc:
-                    raise self.transport_error(ctx, inst, exc, "reading its answer") from None
+                whole = resp.body()  # all here with its head: no coroutine
+                if whole is None:
+                    try:  # read_body's, inline: every non-stream answer passes here
+                        whole = await resp.read()
+                    except UpstreamError as exc:
+                        raise self.transport_error(ctx, inst, exc, "reading its answer") from None
                 self.outliers.record_success(inst)
                 timings = ctx.timings
                 timings["decode"] = timings.get("decode", 0.0) + (time.perf_counter() - t0)
-                return DecodeLeg(inst, resp, body=data)
+                return DecodeLeg(inst, resp, body=whole)
             first = await self._first_event(ctx, inst, resp)
         except BaseException:
             resp.close()
@@ -168,7 +208,7 @@ class DecodeStage(UpstreamStage):
                     raise self._in_band(ctx, inst, upstream_message(event[data + 6:] if data >= 0 else event))
                 continue
             try:
-                parsed = msgspec.json.decode(event[6:], type=_StreamEvent)
+                parsed = _stream_event(event[6:])
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return buf
             if parsed.error is not None:
@@ -206,3 +246,6 @@ class _StreamEvent(msgspec.Struct):
             if c.finish_reason is not None or d is None or d.get("content") or set(d) - {"role", "content"}:
                 return False
         return True
+
+
+_stream_event = msgspec.json.Decoder(_StreamEvent).decode  # a decoder made once: every stream's first event

@@ -36,14 +36,12 @@ class _Kv(msgspec.Struct):
     remote_prefill_cached_tokens: object = None
 
 
-class PrefillReport:
-    """What the prefill's answer says about the prompt (kept raw until a rewrite needs it)."""
+class PrefillReport(msgspec.Struct, eq=False):
+    """What the prefill's answer says about the prompt (kept raw until a rewrite needs it).
+    A ``msgspec.Struct``: built on every P/D request, without an ``__init__`` frame."""
 
-    __slots__ = ("usage", "kv")
-
-    def __init__(self, usage: bytes, kv: bytes) -> None:
-        self.usage = usage  # the prefill answer's usage object, raw
-        self.kv = kv  # its kv_transfer_params, raw
+    usage: bytes  # the prefill answer's usage object, raw
+    kv: bytes  # its kv_transfer_params, raw
 
     def prompt_usage(self) -> dict | None:
         """The prefill's usage object (None if absent or unreadable)."""
@@ -130,6 +128,27 @@ def rewrite_usage(doc: bytes, report: PrefillReport) -> bytes:
     return doc[:at] + msgspec.json.encode(new) + doc[at + raw_len:]
 
 
+def rewrite_answer_usage(doc: bytes, report: PrefillReport) -> tuple[bytes, tuple | None]:
+    """:func:`rewrite_usage` for a whole answer, with the tokens it reports (``Tokens``,
+    observe/tokens.py) when the usage object read on the way says them: vLLM's chat usage,
+    already right (the common case). None: the caller reads them (``usage_of``), so an
+    answer's usage is found and decoded once on the common path, not once for the client
+    and again for the metrics."""
+    span = _usage_span(doc)
+    if span is not None:
+        decode = span[2]
+        # Counts that add up, the details null and none of the other APIs' usage keys: what
+        # usage_of reads from this object.
+        if _already_right(decode, report.usage) and _OTHER_APIS_KEYS.isdisjoint(decode):
+            return doc, (decode["prompt_tokens"], decode["completion_tokens"], None)
+    return rewrite_usage(doc, report), None
+
+
+# The usage keys of Messages and Responses that observe/tokens.py reads too.
+_OTHER_APIS_KEYS = frozenset(("input_tokens", "output_tokens", "cache_read_input_tokens",
+                              "cache_creation_input_tokens", "input_tokens_details"))
+
+
 def _already_right(decode: dict, prefill: bytes) -> bool:
     """What :func:`merged_usage` decides in the common case, read from the prefill's raw usage
     without decoding it: neither instance reports details, both counted the same prompt and
@@ -138,7 +157,8 @@ def _already_right(decode: dict, prefill: bytes) -> bool:
     completion = decode.get("completion_tokens")
     return (type(prompt) is int and type(completion) is int and decode.get("total_tokens") == prompt + completion
             and decode.get("prompt_tokens_details") is None
-            and (b'"prompt_tokens_details"' not in prefill or b'"prompt_tokens_details":null' in prefill)
+            # vLLM's null details first: one search in the common case, not two.
+            and (b'"prompt_tokens_details":null' in prefill or b'"prompt_tokens_details"' not in prefill)
             and prefill.startswith(b'{"prompt_tokens":%d,' % prompt))
 
 
