@@ -149,31 +149,44 @@ def line(name: str, values: list[float]) -> str:
             f"max {max(values) * 1000 if values else float('nan'):7.1f} ms")
 
 
-async def run(streams: int, tokens: int) -> int:
+@contextlib.asynccontextmanager
+async def one_prefill_two_decodes():
+    """The proxy (round-robin) in front of a prefill and two decodes, each a process of its own;
+    yields the proxy and each decode's process by its URL."""
     async with sim_process("prefill") as (_, p_url), sim_process("decode") as (d0, d0_url), \
             sim_process("decode") as (d1, d1_url):
-        decodes = {d0_url: d0, d1_url: d1}
         config = ProxyConfig(prefill=[InstanceSpec(p_url, "prefill")],
                              decode=[InstanceSpec(d0_url, "decode"), InstanceSpec(d1_url, "decode")],
                              probe_interval=1, scrape_interval=0, routing="round-robin")
         async with await start_proxy(config) as proxy:
-            first = [asyncio.ensure_future(stream(proxy.url, i, tokens)) for i in range(streams)]
-            end = time.monotonic() + 30
-            pool = proxy.app.pools["decode"].instances
-            while sum(i.inflight for i in pool) < streams:
-                if time.monotonic() > end:
-                    raise SystemExit("the streams did not start")
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(tokens * ITL_MS / 1000 / 3)  # a third of the way
-            victim = max(pool, key=lambda i: i.inflight)
-            on_victim = victim.inflight
-            killed = time.monotonic()
-            os.killpg(decodes[victim.url].pid, signal.SIGKILL)
-            await asyncio.sleep(0.05)
-            second = [asyncio.ensure_future(stream(proxy.url, streams + i, tokens)) for i in range(streams // 4)]
-            results = await asyncio.wait_for(asyncio.gather(*first), 120)
-            later = await asyncio.wait_for(asyncio.gather(*second), 120)
-            moves = dict(proxy.app.metrics.migrations)
+            yield proxy, {d0_url: d0, d1_url: d1}
+
+
+async def under_way(proxy, streams: int, tokens: int):
+    """``streams`` streams started and a third of the way through; returns their tasks, the
+    decode serving the most of them and how many that is."""
+    first = [asyncio.ensure_future(stream(proxy.url, i, tokens)) for i in range(streams)]
+    end = time.monotonic() + 30
+    pool = proxy.app.pools["decode"].instances
+    while sum(i.inflight for i in pool) < streams:
+        if time.monotonic() > end:
+            raise SystemExit("the streams did not start")
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(tokens * ITL_MS / 1000 / 3)  # a third of the way
+    victim = max(pool, key=lambda i: i.inflight)
+    return first, victim, victim.inflight
+
+
+async def run(streams: int, tokens: int) -> int:
+    async with one_prefill_two_decodes() as (proxy, decodes):
+        first, victim, on_victim = await under_way(proxy, streams, tokens)
+        killed = time.monotonic()
+        os.killpg(decodes[victim.url].pid, signal.SIGKILL)
+        await asyncio.sleep(0.05)
+        second = [asyncio.ensure_future(stream(proxy.url, streams + i, tokens)) for i in range(streams // 4)]
+        results = await asyncio.wait_for(asyncio.gather(*first), 120)
+        later = await asyncio.wait_for(asyncio.gather(*second), 120)
+        moves = dict(proxy.app.metrics.migrations)
     bad = [(i, why) for i, (_, events, _) in enumerate(results + later) if (why := failed(events, tokens))]
     ttft = [times[0] - sent for sent, _, times in results if times]
     ttft_after = [times[0] - sent for sent, _, times in later if times]
@@ -241,37 +254,22 @@ def report_streams(name: str, results: list, stopped: float, tokens: int) -> lis
 
 
 async def run_stop_decode(streams: int, tokens: int, seconds: float) -> int:
-    async with sim_process("prefill") as (_, p_url), sim_process("decode") as (d0, d0_url), \
-            sim_process("decode") as (d1, d1_url):
-        decodes = {d0_url: d0, d1_url: d1}
-        config = ProxyConfig(prefill=[InstanceSpec(p_url, "prefill")],
-                             decode=[InstanceSpec(d0_url, "decode"), InstanceSpec(d1_url, "decode")],
-                             probe_interval=1, scrape_interval=0, routing="round-robin")
-        async with await start_proxy(config) as proxy:
-            first = [asyncio.ensure_future(stream(proxy.url, i, tokens)) for i in range(streams)]
-            end = time.monotonic() + 30
-            pool = proxy.app.pools["decode"].instances
-            while sum(i.inflight for i in pool) < streams:
-                if time.monotonic() > end:
-                    raise SystemExit("the streams did not start")
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(tokens * ITL_MS / 1000 / 3)
-            victim = max(pool, key=lambda i: i.inflight)
-            on_victim = victim.inflight
-            pid = decodes[victim.url].pid
-            stopped = time.monotonic()
-            os.killpg(pid, signal.SIGSTOP)
-            placed: list[float] = []
-            watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
-            try:
-                second = await stagger(proxy.url, streams, 30, 0.1, tokens)
-                results = await asyncio.wait_for(asyncio.gather(*first), 120)
-                await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
-            finally:
-                os.killpg(pid, signal.SIGCONT)
-                watch.cancel()
-            moves = dict(proxy.app.metrics.migrations)
-            health = victim.health.state
+    async with one_prefill_two_decodes() as (proxy, decodes):
+        first, victim, on_victim = await under_way(proxy, streams, tokens)
+        pid = decodes[victim.url].pid
+        stopped = time.monotonic()
+        os.killpg(pid, signal.SIGSTOP)
+        placed: list[float] = []
+        watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
+        try:
+            second = await stagger(proxy.url, streams, 30, 0.1, tokens)
+            results = await asyncio.wait_for(asyncio.gather(*first), 120)
+            await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+            watch.cancel()
+        moves = dict(proxy.app.metrics.migrations)
+        health = victim.health.state
     print(f"{streams} streams of {tokens} tokens (itl {ITL_MS} ms) on 2 decodes; decode {victim.url} SIGSTOPped "
           f"for {seconds:g} s with {on_victim} streams on it; a new stream every 100 ms for 3 s after the stop")
     print(f"moves: {moves}; the wedged decode's state at the end of the stop: {health}")
