@@ -14,6 +14,7 @@ from epd_proxy.instances.load_signals import (
     parse_block_size,
     parse_kv_blocks,
     parse_load,
+    parse_waiting_for_capacity,
     wedged,
 )
 from epd_proxy.sim import SimConfig
@@ -222,3 +223,27 @@ async def test_the_scrape_slows_while_only_this_proxys_load_shows_and_returns_at
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await direct.close()
+
+
+def test_requests_deferred_for_their_kv_transfer_do_not_make_a_queue_that_stands_still():
+    """vLLM's ``vllm:num_requests_waiting_by_reason``: a decode whose one waiting request waits
+    for its pull from a prefill (``deferred``: a dead side channel's handshake, say) is not out of
+    room; one whose requests wait for room (``capacity``: a KV cache full of pinned blocks) is."""
+    text = (b'vllm:num_requests_running{engine="0"} 0.0\n'
+            b'vllm:num_requests_waiting{engine="0"} 1.0\n'
+            b'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 0.0\n'
+            b'vllm:num_requests_waiting_by_reason{engine="0",reason="deferred"} 1.0\n')
+    assert parse_waiting_for_capacity(text) == 0.0
+    s = LoadSignals()
+    for now in (10.0, 11.0, 13.0):
+        s.update(*parse_load(text), own_inflight=1, now=now, for_capacity=parse_waiting_for_capacity(text))
+    assert wedged(s, 13.0) is None and s.stalled_since is None
+    full = text.replace(b'reason="capacity"} 0.0', b'reason="capacity"} 3.0')
+    assert parse_waiting_for_capacity(full) == 3.0
+    for now in (20.0, 21.0, 23.0):
+        s.update(*parse_load(full), own_inflight=1, now=now, for_capacity=parse_waiting_for_capacity(full))
+    assert "3 requests waiting, none running" in (wedged(s, 23.0) or "")
+    # Without the gauge (an older vLLM, the simulator) every waiting request counts.
+    assert parse_waiting_for_capacity(b'vllm:num_requests_waiting{engine="0"} 1.0\n') is None
+    assert parse_waiting_for_capacity(VLLM_TEXT) == 99.0
+    assert parse_waiting_for_capacity(b'# vllm:num_requests_waiting_by_reason{reason="capacity"} 5\n') is None

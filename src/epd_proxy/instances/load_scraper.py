@@ -15,6 +15,7 @@ from epd_proxy.instances.load_signals import (
     parse_block_size,
     parse_kv_blocks,
     parse_load,
+    parse_waiting_for_capacity,
     wedged,
 )
 
@@ -91,7 +92,8 @@ class LoadScraper:
             self._failed(inst, f"HTTP {status}" if status != 200 else "no vLLM queue gauges")
             return
         self.scrapes += 1
-        inst.signals.update(*load, own_inflight=max(own_before, inst.inflight), now=loop.time())
+        inst.signals.update(*load, own_inflight=max(own_before, inst.inflight), now=loop.time(),
+                            for_capacity=parse_waiting_for_capacity(data))
         inst.signals.adapters = parse_adapters(data)
         inst.signals.kv_blocks = parse_kv_blocks(data)
         inst.signals.block_size = parse_block_size(data)

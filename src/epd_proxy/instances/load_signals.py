@@ -20,6 +20,8 @@ from __future__ import annotations
 
 _RUNNING = b"vllm:num_requests_running"
 _WAITING = b"vllm:num_requests_waiting"
+_WAITING_BY_REASON = b"vllm:num_requests_waiting_by_reason{"
+_FOR_CAPACITY = b'reason="capacity"'
 _KV_USAGE = b"vllm:kv_cache_usage_perc"
 _LORA_INFO = b"vllm:lora_requests_info{"
 _CACHE_INFO = b"vllm:cache_config_info{"
@@ -37,13 +39,15 @@ class LoadSignals:
     ``kv_blocks``: its KV cache's size in blocks (``vllm:cache_config_info``'s ``num_gpu_blocks``,
     over its engines; None: not exported), so a small usage reads as blocks, not as 0 %.
     ``block_size``: tokens per block (the same gauge's ``block_size``; None: not exported).
-    ``running``: ``vllm:num_requests_running``; ``stalled_since``: since when its scrapes show
-    requests waiting and none running (None: it runs, or nothing waits), see :func:`wedged`;
+    ``running``: ``vllm:num_requests_running``; ``waiting_for_room``: the waiting requests that
+    wait for room, not for a KV transfer (``update``); ``stalled_since``: since when its scrapes
+    show requests waiting for room and none running (None: it runs, or nothing waits), see
+    :func:`wedged`;
     ``wedged_kv``: its KV usage when it was taken out for that (:func:`running_again`).
     """
 
     __slots__ = ("others", "kv_usage", "waiting", "load", "scraped_at", "adapters", "kv_blocks", "block_size",
-                 "running", "stalled_since", "wedged_kv")
+                 "running", "waiting_for_room", "stalled_since", "wedged_kv")
 
     def __init__(self) -> None:
         self.others = 0.0
@@ -55,14 +59,22 @@ class LoadSignals:
         self.kv_blocks: int | None = None
         self.block_size: int | None = None
         self.running = 0.0
+        self.waiting_for_room = 0.0  # the waiting ones that wait for room (``update``)
         self.stalled_since: float | None = None
         self.wedged_kv: float | None = None  # its KV usage when it was taken out for standing still
 
-    def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float) -> None:
+    def update(self, running: float, waiting: float, kv_usage: float, own_inflight: int, now: float,
+               for_capacity: float | None = None) -> None:
+        """``for_capacity``: the waiting requests that wait for room (vLLM's
+        ``vllm:num_requests_waiting_by_reason{reason="capacity"}``; None where it is not exported:
+        then every waiting one counts). Only they make a queue that stands still: a request
+        deferred for its KV transfer (a pull from a prefill) waits on that transfer, which fails
+        or finishes on its own, not on the decode's room."""
         self.others = max(0.0, running + waiting - own_inflight)
         self.waiting = waiting
         self.running = running
-        if waiting > 0 and running <= 0:
+        self.waiting_for_room = room = waiting if for_capacity is None else for_capacity
+        if room > 0 and running <= 0:
             if self.stalled_since is None:
                 self.stalled_since = now
         else:
@@ -80,6 +92,7 @@ class LoadSignals:
         self.scraped_at = None
         self.adapters = frozenset()
         self.running = 0.0
+        self.waiting_for_room = 0.0
         self.stalled_since = None
 
 
@@ -109,7 +122,7 @@ def wedged(signals: LoadSignals, now: float, hold: float = WEDGED_HOLD) -> str |
         return None
     what = (f"KV cache {signals.kv_usage:.1%} full" if signals.kv_usage >= KV_FULL
             else "none admitted")
-    return f"{signals.waiting:g} requests waiting, none running for {now - since:.1f} s ({what})"
+    return f"{signals.waiting_for_room:g} requests waiting, none running for {now - since:.1f} s ({what})"
 
 
 # The share of its KV cache a decode taken out for standing still must have freed since (its
@@ -126,7 +139,7 @@ def running_again(signals: LoadSignals) -> bool:
     (``wedged_kv``), or its cache at most ``KV_LOW`` full."""
     if signals.running > 0:
         return True
-    if signals.waiting > 0:
+    if signals.waiting_for_room > 0:
         return False
     at = signals.wedged_kv
     return at is None or signals.kv_usage <= max(at - KV_FREED, KV_LOW)
@@ -172,6 +185,30 @@ def parse_load(text: bytes) -> tuple[float, float, float] | None:
         return None
     kv = gauge_samples(text, _KV_USAGE)
     return sum(running), sum(waiting), (sum(kv) / len(kv)) if kv else 0.0
+
+
+def parse_waiting_for_capacity(text: bytes) -> float | None:
+    """The requests waiting for room (``vllm:num_requests_waiting_by_reason`` with
+    ``reason="capacity"``, summed over engines), as against those deferred (a KV transfer under
+    way, a LoRA budget); None where the gauge is not exported (vLLM before it)."""
+    total: float | None = None
+    pos = 0
+    while True:
+        pos = text.find(_WAITING_BY_REASON, pos)
+        if pos < 0:
+            return total
+        end = text.find(b"}", pos)
+        if end < 0:
+            return total
+        if (not pos or text[pos - 1] == 10) and text.find(_FOR_CAPACITY, pos, end) >= 0:
+            eol = text.find(b"\n", end)
+            try:
+                value = float(text[end + 1:eol if eol >= 0 else len(text)].split()[0])
+            except (ValueError, IndexError):
+                value = float("nan")
+            if value == value:
+                total = (total or 0.0) + value
+        pos = end
 
 
 def parse_adapters(text: bytes) -> frozenset[str]:
