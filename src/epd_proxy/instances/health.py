@@ -182,11 +182,12 @@ class OutlierRules:
         one is the instance's own gauges (as a failed probe is its own answer), and a decode
         that admits nothing answers no one, in rotation or in panic. When every decode stands
         still the placement answers elsewhere (``placement/decision.py``). A half-open one whose
-        scrape says it still stands still goes out again. ``stalled``: none of its requests
+        scrape says it stands still goes out again, whatever took it out before (a probe lost under
+        load, say). ``stalled``: none of its requests
         runs, and those waiting are admitted only when pinned blocks expire (minutes): the ones
         not yet answered are failed over to be placed again, as for an instance that stopped
         answering; a stream already relayed moves by the stall rule (``request/migration.py``)."""
-        if h.state is HEALTHY or (h.state is HALF_OPEN and h.cause is BY_WEDGED):
+        if h.state is HEALTHY or h.state is HALF_OPEN:  # half-open for whatever cause: a trial waits there
             return self._eject(h, now, BY_WEDGED, True)
         return None
 
