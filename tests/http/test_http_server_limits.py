@@ -455,7 +455,9 @@ async def test_slowloris_clients_are_cut_while_normal_requests_flow(http_server)
 
     slow = [asyncio.create_task(trickle(srv.port, b"GET / HTTP/1.1\r\nHost: t\r\n", b"X-a: y\r\n",
                                         interval=0.03, limit=limit)) for _ in range(n_slow)]
-    await wait_until(lambda: len(srv.connections) >= n_slow, 5)
+    # Most of them open at once (the header timeout cuts the first after 0.3 s, so on a slow
+    # machine all 200 may never be open together), then the normal requests go.
+    await wait_until(lambda: len(srv.connections) >= n_slow // 2, 5)
     statuses = []
     for i in range(20):
         statuses.append(await normal(i))
