@@ -10,7 +10,7 @@ import socket
 import pytest
 from httpkit import Recorder, all_requests, chunked, connect, read_to_eof, send_fin_now, set_rst_on_close
 
-from epd_proxy.http.client import ConnectionPool
+from epd_proxy.http.client import ConnectionPool, _Connection
 from epd_proxy.http.transport import TransportTimeouts, UpstreamError, UpstreamTimeout
 
 FAST = TransportTimeouts(connect=1.0, headers=1.0, idle=1.0)
@@ -816,51 +816,37 @@ async def test_header_timeout_not_lost_when_connection_reused_immediately(raw_se
     side_writer.close()
 
 
-async def test_cancel_after_head_arrived_does_not_kill_a_reused_connection(raw_server, pools):
-    """Request A's whole response arrives and its connection goes back to the pool; in
-    the same round task B cancels A (its client went away) and reuses the connection.
-    A's cancellation must not abort the connection B is now using."""
-    side = {}
-    side_ready = asyncio.Event()
-    b_waiting = asyncio.Event()
+async def test_cancel_after_head_arrived_does_not_kill_a_reused_connection(raw_server, pools, monkeypatch):
+    """Request A's whole response arrives and its connection goes back to the pool; in the
+    same round, before A's task runs again, A is cancelled (its client went away) and B asks
+    for a connection. A's cancellation must not abort the connection it handed back: B gets it.
 
+    The cancel and B are made in the very call that hands the connection back, so the order
+    does not depend on which of two sockets the event loop happens to read first."""
     async def handler(conn):
-        if conn.index == 1:
-            side["w"] = conn.writer
-            side_ready.set()
-            await conn.reader.read()
-            return
-        if conn.index > 1:
-            return await serve_ok(conn)
-        await conn.request()  # A
-        await side_ready.wait()
-        await b_waiting.wait()
-        side["w"].write(b"!")
-        conn.send(ok(b"A"))
         while (req := await conn.request()) is not None:
             await asyncio.sleep(0.02)
             conn.send(ok(req.target.encode()))
 
     srv = await raw_server(handler)
     pool = pools(srv.url, idle_timeout=10)
-    task_a = asyncio.create_task(pool.request("GET", "/a", timeouts=FAST))
-    await srv.wait_conns(1)
-    side_reader, side_writer = await connect(srv.port)
-    await asyncio.wait_for(side_ready.wait(), 1)
+    tasks: dict[str, asyncio.Task] = {}
+    hand_back = _Connection.response_done
 
-    async def b():
-        b_waiting.set()
-        await side_reader.readexactly(1)
-        task_a.cancel()
-        return await pool.request("GET", "/b", timeouts=FAST)
+    def response_done(conn, resp):
+        hand_back(conn, resp)
+        if "b" not in tasks:
+            assert not tasks["a"].done()  # A's task has not run since its head arrived
+            tasks["a"].cancel()
+            tasks["b"] = asyncio.ensure_future(pool.request("GET", "/b", timeouts=FAST))
 
-    task_b = asyncio.create_task(b())
+    monkeypatch.setattr(_Connection, "response_done", response_done)
+    tasks["a"] = asyncio.create_task(pool.request("GET", "/a", timeouts=FAST))
     with pytest.raises(asyncio.CancelledError):
-        await task_a
-    resp_b = await asyncio.wait_for(task_b, 1.5)
+        await tasks["a"]
+    resp_b = await asyncio.wait_for(tasks["b"], 1.5)
     assert await resp_b.read() == b"/b"
-    assert all_requests(srv) == [(0, "/a"), (0, "/b")]  # B was never cut and retried
-    side_writer.close()
+    assert all_requests(srv) == [(0, "/a"), (0, "/b")]  # the connection A handed back, never cut
 
 
 async def test_idle_body_timeout(raw_server, pools):
