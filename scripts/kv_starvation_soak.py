@@ -12,7 +12,8 @@ towards plain requests). ``--concurrency`` clients for ``--seconds``, each runni
 chat conversations (half of them streamed, a quarter opening with an image), and every fifth
 request a Messages one, every fifth a Responses one. A client gives up after 60 s.
 
-Reported (one JSON object on stdout, a line per sample on stderr): requests, errors (by kind),
+Reported (one JSON object on stdout, a line per sample on stderr): requests, errors (by kind; the
+first five wrong answers whole, with their request id and ``Server-Timing``),
 the longest wait and the share over 5 s, the requests a prefill answered alone and those refused
 (``epd_proxy_wedged_routing_total``), and from a sample every 2 s of each decode's own gauges
 (requests waiting and running, KV usage) and of its state in the proxy, when each decode stood
@@ -90,6 +91,8 @@ class Soak:
         self.concurrency = concurrency
         self.waits: list[float] = []
         self.errors: dict[str, int] = {}
+        self.wrong: list[dict] = []  # the first few wrong answers, with what the proxy said of them
+        self.last_head: dict[str, str] = {}
         self.counter = 0
 
     def error(self, what: str) -> None:
@@ -116,6 +119,8 @@ class Soak:
             self.error(f"transport: {type(exc).__name__}")
             return None
         self.waits.append(time.monotonic() - t0)
+        self.last_head = {k.decode(): v.decode("latin-1") for k, v in resp.headers.items()
+                          if k in (b"x-request-id", b"server-timing", b"x-epd-migrated")}
         if resp.status != 200:
             self.error(f"{path} {resp.status}")
             return None
@@ -143,8 +148,12 @@ class Soak:
             text = await self.timed(pool, key, "/v1/chat/completions", body)
             if text is None:
                 return
-            if text != expected_text(body):
+            expected = expected_text(body)
+            if text != expected:
                 self.error("wrong answer")
+                if len(self.wrong) < 5:  # enough to tell a cause: the stream, the texts, the moves
+                    self.wrong.append({"stream": bool(body.get("stream")), "turn": turn, "got": text,
+                                       "expected": expected, **self.last_head})
             body = dict(body, messages=body["messages"] + [{"role": "assistant", "content": text},
                                                            {"role": "user", "content": user(conv, turn + 1, False)}])
             await asyncio.sleep(0.05)
@@ -278,6 +287,7 @@ async def main_async(args) -> dict:
             last = timeline[-1] if timeline else {"alone": 0, "refused": 0}
             return {"seconds": args.seconds, "concurrency": args.concurrency, "ttl": args.ttl,
                     "requests": len(waits), "errors": soak.errors, "errors_total": sum(soak.errors.values()),
+                    "wrong_answers": soak.wrong,
                     "longest_wait_s": round(waits[-1], 2) if waits else None,
                     "p99_wait_s": round(waits[int(0.99 * (len(waits) - 1))], 3) if waits else None,
                     "over_5s": sum(1 for w in waits if w >= 5.0),
