@@ -36,7 +36,7 @@ from epd_proxy.http import Headers
 from epd_proxy.http.timers import ConnectionTimer
 from epd_proxy.http.transport import BodySink, TransportTimeouts, UpstreamError, UpstreamTimeout
 
-_Future = asyncio.Future  # ``Future()`` binds the running loop; uvloop's create_future() costs ~860 more
+_Future: type[asyncio.Future] = asyncio.Future  # the running loop's; loop.create_future() costs ~860 more
 
 
 class Response(msgspec.Struct, eq=False):
