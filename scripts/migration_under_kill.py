@@ -214,6 +214,22 @@ def longest_gap(sent: float, times: list[float]) -> float:
     return max((b - a for a, b in zip([sent] + times, times)), default=float("nan"))
 
 
+@contextlib.asynccontextmanager
+async def stopped_for(victim, pid: int, seconds: float):
+    """``victim``'s process SIGSTOPped for ``seconds`` from entry, the new requests placed on it
+    meanwhile recorded: yields (when it stopped, their times after it); SIGCONT on the way out."""
+    stopped = time.monotonic()
+    os.killpg(pid, signal.SIGSTOP)
+    placed: list[float] = []
+    watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
+    try:
+        yield stopped, placed
+        await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+        watch.cancel()
+
+
 async def placements_on(inst, since: float, out: list[float]) -> None:
     """Appends the time (from ``since``) of each new request placed on ``inst`` (its counter
     sampled every 10 ms), until cancelled."""
@@ -256,18 +272,9 @@ def report_streams(name: str, results: list, stopped: float, tokens: int) -> lis
 async def run_stop_decode(streams: int, tokens: int, seconds: float) -> int:
     async with one_prefill_two_decodes() as (proxy, decodes):
         first, victim, on_victim = await under_way(proxy, streams, tokens)
-        pid = decodes[victim.url].pid
-        stopped = time.monotonic()
-        os.killpg(pid, signal.SIGSTOP)
-        placed: list[float] = []
-        watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
-        try:
+        async with stopped_for(victim, decodes[victim.url].pid, seconds) as (stopped, placed):
             second = await stagger(proxy.url, streams, 30, 0.1, tokens)
             results = await asyncio.wait_for(asyncio.gather(*first), 120)
-            await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
-        finally:
-            os.killpg(pid, signal.SIGCONT)
-            watch.cancel()
         moves = dict(proxy.app.metrics.migrations)
         health = victim.health.state
     print(f"{streams} streams of {tokens} tokens (itl {ITL_MS} ms) on 2 decodes; decode {victim.url} SIGSTOPped "
@@ -292,17 +299,8 @@ async def run_stop_prefill(tokens: int, seconds: float, warmup: int) -> int:
         async with await start_proxy(config) as proxy:
             warm = await stagger(proxy.url, 100, warmup, 0.02, 16)
             victim = proxy.app.pools["prefill"].instances[0]
-            pid = prefills[victim.url].pid
-            stopped = time.monotonic()
-            os.killpg(pid, signal.SIGSTOP)
-            placed: list[float] = []
-            watch = asyncio.ensure_future(placements_on(victim, stopped, placed))
-            try:
+            async with stopped_for(victim, prefills[victim.url].pid, seconds) as (stopped, placed):
                 during = await stagger(proxy.url, 0, 60, 0.05, tokens)
-                await asyncio.sleep(max(0.0, stopped + seconds - time.monotonic()))
-            finally:
-                os.killpg(pid, signal.SIGCONT)
-                watch.cancel()
             hedges = dict(proxy.app.metrics.hedges)
             health = victim.health.state
     print(f"2 prefills, 2 decodes (itl {ITL_MS} ms); {warmup} warm-up requests of 16 tokens, then prefill {victim.url} "
